@@ -1,0 +1,42 @@
+# dlrl — make targets. `make test` on a fresh machine installs everything it needs.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
+ARGS ?=
+
+.PHONY: install test lint bench serve train sft clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[server,train,dev]'
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q -x tests $(ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check dllm server trainer weight_sync rollout_client tests benchmarks
+
+bench: install
+	$(PY) benchmarks/decode.py
+	$(PY) benchmarks/serve.py
+	$(PY) benchmarks/sync.py
+	$(PY) benchmarks/step.py
+
+sft: install
+	$(VENV)/bin/dlrl sft --config configs/tiny.yaml $(ARGS)
+
+serve: install
+	$(VENV)/bin/dlrl serve --config configs/tiny.yaml $(ARGS)
+
+train: install
+	$(VENV)/bin/dlrl train --config configs/tiny.yaml $(ARGS)
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,42 @@
+"""The decoding Trace: how each generated token was committed (DESIGN.md contract).
+
+For completion token j: `steps[j]` is the 1-based index, within its block, of the
+denoising forward that committed it, and `logprobs[j]` the log-probability of that
+token under the distribution it was sampled from (after temperature/top-k/top-p).
+Blocks are aligned to absolute position 0 of prompt + completion.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Trace:
+    prompt_len: int
+    block_size: int
+    steps: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    version: int = 0
+    finish_reason: str | None = None
+    tail_ids: list[int] = field(default_factory=list)  # last block's tokens after the truncation point
+    tail_steps: list[int] = field(default_factory=list)
+
+    def block_of(self, j: int) -> int:
+        """Absolute block index of completion token j."""
+        return (self.prompt_len + j) // self.block_size
+
+    def step_groups(self) -> dict[tuple[int, int], list[int]]:
+        """(block, step) -> completion token indices committed by that forward."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        for j, s in enumerate(self.steps):
+            groups.setdefault((self.block_of(j), s), []).append(j)
+        return groups
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Trace:
+        return cls(**{k: d[k] for k in ("prompt_len", "block_size", "steps", "logprobs", "version",
+                                        "finish_reason", "tail_ids", "tail_steps") if k in d})
