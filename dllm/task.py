@@ -1,0 +1,66 @@
+"""The embedded synthetic task: multi-digit addition with an exact answer.
+
+    task = ArithmeticTask(max_digits=3)
+    task.split("train", 5)    # [{"prompt": "37+485=", "answer": "522"}, ...]
+    task.split("heldout", 200)
+
+Problems are split deterministically by a hash of (a, b), so the held-out problems
+never appear in training. Prompts are plain text; the model completes the answer
+followed by the end-of-text token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+
+SPLITS = ("train", "heldout")
+
+
+@dataclass
+class ArithmeticTask:
+    min_digits: int = 1
+    max_digits: int = 3
+    heldout_fraction: float = 0.1
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not 1 <= self.min_digits <= self.max_digits <= 9:
+            raise ValueError("max_digits: need 1 <= min_digits <= max_digits <= 9")
+        if not 0 < self.heldout_fraction < 1:
+            raise ValueError("heldout_fraction: must be in (0, 1)")
+
+    def _split_of(self, a: int, b: int) -> str:
+        h = int.from_bytes(hashlib.blake2b(f"{a}+{b}".encode(), digest_size=4).digest(), "little")
+        return "heldout" if (h % 10_000) < self.heldout_fraction * 10_000 else "train"
+
+    @staticmethod
+    def format(a: int, b: int) -> dict:
+        return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
+
+    def _draw(self, rng: random.Random) -> tuple[int, int]:
+        def num():
+            d = rng.randint(self.min_digits, self.max_digits)
+            return rng.randint(0 if d == 1 else 10 ** (d - 1), 10 ** d - 1)
+        return num(), num()
+
+    def split(self, name: str, n: int, seed: int | None = None) -> list[dict]:
+        """n examples of split `name`; the same (name, n, seed) always gives the same list."""
+        if name not in SPLITS:
+            raise ValueError(f"split: unknown {name!r} (known: {', '.join(SPLITS)})")
+        rng = random.Random(f"{self.seed if seed is None else seed}-{name}")
+        out = []
+        while len(out) < n:
+            a, b = self._draw(rng)
+            if self._split_of(a, b) == name:
+                out.append(self.format(a, b))
+        return out
+
+    def stream(self, seed: int):
+        """Endless training examples."""
+        rng = random.Random(f"stream-{seed}")
+        while True:
+            a, b = self._draw(rng)
+            if self._split_of(a, b) == "train":
+                yield self.format(a, b)

@@ -1,0 +1,136 @@
+"""Tests for trainer.advantages: GRPO group z-scores, DAPO filtering, TraceRL step-wise GAE."""
+
+import pytest
+import torch
+
+from trainer.advantages import (
+    filter_zero_variance_groups,
+    group_advantages,
+    sequence_to_token_rewards,
+    stepwise_gae,
+    stepwise_gae_batch,
+    zero_variance_groups,
+)
+
+
+def test_group_advantages_zscore():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
+    adv = group_advantages(r, group_size=4, eps=0.0)
+    # group 1: mean 0.5, unbiased std sqrt(1/3)
+    s = (1 / 3) ** 0.5
+    assert torch.allclose(adv[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]) / s)
+    assert torch.equal(adv[4:], torch.zeros(4))  # zero-variance group -> 0 (eps avoids 0/0)
+    assert torch.equal(group_advantages(r, 4, eps=1e-6)[4:], torch.zeros(4))
+    assert torch.allclose(group_advantages(r, 4, scale="none"), torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]))
+    assert torch.equal(group_advantages(r, 1), torch.zeros(8))
+
+
+def test_group_advantages_errors():
+    with pytest.raises(ValueError, match="group_size"):
+        group_advantages(torch.zeros(6), group_size=4)
+    with pytest.raises(ValueError, match="scale"):
+        group_advantages(torch.zeros(4), group_size=2, scale="mad")
+
+
+def test_zero_variance_filter():
+    r = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.5, 0.5])
+    assert zero_variance_groups(r, 2).tolist() == [True, False, True, True]
+    keep, frac = filter_zero_variance_groups(r, 2)
+    assert keep.tolist() == [False, False, True, True, False, False, False, False]
+    assert frac == pytest.approx(0.75)
+    keep, frac = filter_zero_variance_groups(torch.tensor([0.0, 1e-9]), 2, atol=1e-6)
+    assert keep.tolist() == [False, False] and frac == 1.0
+
+
+def test_stepwise_gae_hand_computed():
+    # Tokens in arbitrary order. gamma = 0.9, lam = 0.5 (gamma * lam = 0.45).
+    steps = torch.tensor([2, 0, 1, 0, 2])
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.5])
+    v = torch.tensor([0.6, 0.2, 0.4, 0.3, 0.8])
+    # step aggregates: r* = [0, 0, 0.75], V* = [0.25, 0.4, 0.7]
+    # R*_2 = 0.75, R*_1 = 0.675, R*_0 = 0.6075
+    # d*_2 = 0.05, d*_1 = -0.4 + 0.63 = 0.23, d*_0 = -0.25 + 0.36 = 0.11
+    # A*_2 = 0.05, A*_1 = 0.23 + 0.45 * 0.05 = 0.2525, A*_0 = 0.11 + 0.45 * 0.2525 = 0.223625
+    # token j: R_j = r_j + 0.9 R*_{t+1};  A_j = r_j - V_j + 0.9 V*_{t+1} + 0.45 A*_{t+1}
+    returns, adv = stepwise_gae(r, v, steps, gamma=0.9, lam=0.5)
+    assert torch.allclose(returns, torch.tensor([1.0, 0.6075, 0.675, 0.6075, 0.5]), atol=1e-6)
+    assert torch.allclose(adv, torch.tensor([0.4, 0.273625, 0.2525, 0.173625, -0.3]), atol=1e-6)
+
+
+def _reference(r, v, steps, gamma, lam):
+    """Direct loop implementation of the definitions (python floats)."""
+    order = sorted(set(steps))
+    rs = [sum(r[j] for j in range(len(r)) if steps[j] == t) / steps.count(t) for t in order]
+    vs = [sum(v[j] for j in range(len(r)) if steps[j] == t) / steps.count(t) for t in order]
+    T = len(order)
+    R, A, V = [0.0] * (T + 1), [0.0] * (T + 1), vs + [0.0]
+    for t in reversed(range(T)):
+        R[t] = rs[t] + gamma * R[t + 1]
+        A[t] = rs[t] - V[t] + gamma * V[t + 1] + gamma * lam * A[t + 1]
+    rank = {s: i for i, s in enumerate(order)}
+    ret = [r[j] + gamma * R[rank[steps[j]] + 1] for j in range(len(r))]
+    adv = [r[j] - v[j] + gamma * V[rank[steps[j]] + 1] + gamma * lam * A[rank[steps[j]] + 1] for j in range(len(r))]
+    return torch.tensor(ret), torch.tensor(adv)
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (1.0, 0.0), (0.95, 0.9), (0.5, 0.0)])
+def test_stepwise_gae_matches_reference(gamma, lam):
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        L = 12
+        steps = torch.randint(0, 6, (L,), generator=g)
+        r, v = torch.randn(L, generator=g), torch.randn(L, generator=g)
+        ret, adv = stepwise_gae(r, v, steps, gamma, lam)
+        ref_ret, ref_adv = _reference(r.tolist(), v.tolist(), steps.tolist(), gamma, lam)
+        assert torch.allclose(ret, ref_ret, atol=1e-5) and torch.allclose(adv, ref_adv, atol=1e-5)
+
+
+def test_stepwise_gae_special_cases():
+    g = torch.Generator().manual_seed(1)
+    steps = torch.tensor([3, 0, 1, 1, 2, 0, 3, 2])
+    r, v = torch.randn(8, generator=g), torch.randn(8, generator=g)
+    r_step = torch.stack([r[steps == t].mean() for t in range(4)])
+    v_step = torch.cat([torch.stack([v[steps == t].mean() for t in range(4)]), torch.zeros(1)])
+    # gamma = 1: R_j = r_j + sum_{s > t(j)} r*_s; with lam = 1 as well, A_j = R_j - V_j (telescoping).
+    later = torch.stack([r_step[t + 1:].sum() for t in steps.tolist()])
+    ret, adv = stepwise_gae(r, v, steps, gamma=1.0, lam=1.0)
+    assert torch.allclose(ret, r + later, atol=1e-6)
+    assert torch.allclose(adv, ret - v, atol=1e-6)
+    # gamma = 1, lam = 0: A_j = r_j - V_j + V*_{t(j)+1} (one-step TD error).
+    _, adv0 = stepwise_gae(r, v, steps, gamma=1.0, lam=0.0)
+    assert torch.allclose(adv0, r - v + v_step[steps + 1], atol=1e-6)
+
+
+def test_stepwise_gae_skips_empty_steps():
+    r, v = torch.tensor([0.0, 0.0, 1.0, 1.0]), torch.tensor([0.1, 0.2, 0.3, 0.4])
+    a = stepwise_gae(r, v, torch.tensor([0, 5, 5, 9]), 0.9, 0.7)
+    b = stepwise_gae(r, v, torch.tensor([0, 1, 1, 2]), 0.9, 0.7)
+    assert torch.allclose(a[0], b[0]) and torch.allclose(a[1], b[1])
+
+
+def test_stepwise_gae_batch_matches_rows_and_zeroes_padding():
+    g = torch.Generator().manual_seed(2)
+    B, L = 3, 7
+    steps = torch.randint(0, 5, (B, L), generator=g)
+    r, v = torch.randn(B, L, generator=g), torch.randn(B, L, generator=g)
+    valid = torch.tensor([[1] * 7, [1] * 4 + [0] * 3, [0] * 7]).bool()
+    r_pad = torch.where(valid, r, torch.full_like(r, 1e9))  # padding values must not leak
+    ret, adv = stepwise_gae_batch(r_pad, v, steps, valid, gamma=0.9, lam=0.8)
+    for b in range(2):
+        n = int(valid[b].sum())
+        ret_b, adv_b = stepwise_gae(r[b, :n], v[b, :n], steps[b, :n], 0.9, 0.8)
+        assert torch.allclose(ret[b, :n], ret_b, atol=1e-6) and torch.allclose(adv[b, :n], adv_b, atol=1e-6)
+    assert torch.equal(ret[~valid], torch.zeros(int((~valid).sum())))
+    assert torch.equal(adv[~valid], torch.zeros(int((~valid).sum())))
+    with pytest.raises(ValueError, match="shapes"):
+        stepwise_gae_batch(r, v, steps[:, :3], valid)
+
+
+def test_sequence_reward_on_last_step():
+    steps = torch.tensor([[0, 1, 2, 2, 0], [1, 0, 1, 0, 0]])
+    valid = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]).bool()
+    tok_r = sequence_to_token_rewards(torch.tensor([2.0, -1.0]), steps, valid)
+    assert tok_r.tolist() == [[0, 0, 2, 2, 0], [-1, 0, -1, 0, 0]]
+    # gamma = 1: every valid token's return is the sequence reward
+    ret, _ = stepwise_gae_batch(tok_r, torch.zeros(2, 5), steps, valid, gamma=1.0, lam=1.0)
+    assert ret.tolist() == [[2, 2, 2, 2, 0], [-1, -1, -1, -1, -1]]

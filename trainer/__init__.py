@@ -1,0 +1,1 @@
+"""dlrl trainer: online RL loop (TraceRL / DiPO), objectives, advantages, rewards, data."""

@@ -1,0 +1,204 @@
+"""RL losses on per-token log-probability tensors (no model here). Each returns (loss, metrics).
+
+- `tracerl_loss`: PPO-clipped ratio per trace token (old = behaviour logprobs recorded in the
+  trace), optional k3 KL to a reference, log-ratio clamping, "token" or "sequence" normalisation.
+- `dipo_loss`: DiPO / GRPO: asymmetric clip [1 - eps_low, 1 + eps_high], k3 KL to a frozen
+  reference, token-level normalisation.
+- `random_masking_loss` / `coupled_loss`: baselines. Log-probs are scored under a random mask
+  with ratio t (coupled: also under its complement, ratio 1 - t); each masked token's term is
+  weighted by 1/t (1/(1-t)), the masked-diffusion ELBO weighting of diffu-GRPO / coupled-GRPO,
+  then normalised by the sequence's number of response tokens. `random_mask` and
+  `complementary_masks` draw the masks.
+- `value_loss`: PPO-style clipped value loss.
+
+Shapes: B sequences, L response positions. `mask` / `valid` [B,L] bool mark real tokens.
+Advantages are [B,L] or [B] (broadcast over tokens). Metrics are python floats.
+
+    loss, metrics = get_objective("tracerl")(new_lp, old_lp, adv, mask, eps_clip=0.2)
+"""
+
+from __future__ import annotations
+
+import torch
+
+Metrics = dict[str, float]
+
+
+def k3_kl(new_logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(new || ref): exp(ref - new) - (ref - new) - 1 >= 0."""
+    d = ref_logprobs - new_logprobs
+    return torch.exp(d) - d - 1
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor, norm: str = "token",
+                 denom_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """x, mask: [B,L] -> scalar: sum of x over mask, divided by the size of denom_mask
+    (default mask). token: one global sum / count; sequence: per-row sum / row count, then
+    mean over rows with a non-zero count."""
+    xs = torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    d = (mask if denom_mask is None else denom_mask).to(x.dtype)
+    if norm == "token":
+        return xs.sum() / d.sum().clamp(min=1)
+    if norm == "sequence":
+        n = d.sum(dim=1)  # [B]
+        per_seq = xs.sum(dim=1) / n.clamp(min=1)
+        return (per_seq * (n > 0)).sum() / (n > 0).sum().clamp(min=1)
+    raise ValueError(f"norm: expected 'token' or 'sequence', got {norm!r}")
+
+
+def _clipped_pg(new_logprobs, old_logprobs, advantages, mask, eps_low, eps_high, log_ratio_clip,
+                ref_logprobs=None, kl_coef=0.0, entropy=None, weights=None, norm="token", denom_mask=None):
+    """Shared PPO surrogate over the tokens of `mask` [B,L]. Per token:
+    max(-A r, -A clip(r, 1-eps_low, 1+eps_high)) * w + kl_coef * k3, normalised by
+    `_masked_mean(..., norm, denom_mask)`. Values outside mask never reach loss or grads."""
+    mask = mask.bool()
+    zero = torch.zeros((), dtype=new_logprobs.dtype, device=new_logprobs.device)
+    new_logprobs = torch.where(mask, new_logprobs, zero)  # padding may hold -inf / garbage
+    old_logprobs = new_logprobs.detach() if old_logprobs is None else torch.where(mask, old_logprobs, zero)
+    if advantages.dim() == 1:
+        advantages = advantages[:, None].expand_as(new_logprobs)  # [B] -> [B,L]
+    advantages = torch.where(mask, advantages, zero)
+    log_ratio = torch.clamp(new_logprobs - old_logprobs, -log_ratio_clip, log_ratio_clip)
+    ratio = torch.exp(log_ratio)  # [B,L]
+    pg1 = -advantages * ratio
+    pg2 = -advantages * torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+    per_token = torch.maximum(pg1, pg2)
+    if weights is not None:
+        per_token = per_token * weights
+    metrics: Metrics = {}
+    if ref_logprobs is not None and kl_coef != 0.0:
+        kl = k3_kl(new_logprobs, torch.where(mask, ref_logprobs, zero))
+        per_token = per_token + kl_coef * kl
+        metrics["kl_ref"] = float(_masked_mean(kl.detach(), mask))
+    loss = _masked_mean(per_token, mask, norm, denom_mask)
+    with torch.no_grad():
+        r, a = ratio.detach(), advantages.detach()
+        clipped = ((r > 1 + eps_high) & (a > 0)) | ((r < 1 - eps_low) & (a < 0))
+        num = mask.sum()
+        metrics["clip_frac"] = float(_masked_mean(clipped.float(), mask))
+        metrics["approx_kl"] = float(_masked_mean((old_logprobs - new_logprobs).detach(), mask))
+        metrics["ratio_mean"] = float(_masked_mean(r, mask))
+        metrics["ratio_max"] = float(r[mask].max()) if num > 0 else 1.0
+        metrics["pg_loss"] = float(loss.detach())
+        if entropy is not None:
+            metrics["entropy"] = float(_masked_mean(entropy.detach().float(), mask))
+    return loss, metrics
+
+
+def tracerl_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
+                 mask: torch.Tensor, eps_clip: float = 0.2, ref_logprobs: torch.Tensor | None = None,
+                 kl_coef: float = 0.0, log_ratio_clip: float = 20.0, norm: str = "token",
+                 entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, Metrics]:
+    """TraceRL policy loss. new/old/ref logprobs, mask: [B,L]; advantages [B,L] or [B];
+    old = behaviour logprobs of the trace (None: on-policy, ratio 1)."""
+    return _clipped_pg(new_logprobs, old_logprobs, advantages, mask, eps_clip, eps_clip, log_ratio_clip,
+                       ref_logprobs, kl_coef, entropy, norm=norm)
+
+
+def dipo_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
+              mask: torch.Tensor, eps_low: float = 0.2, eps_high: float = 0.28,
+              ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0,
+              log_ratio_clip: float = 20.0, entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, Metrics]:
+    """DiPO (GRPO for trace replay): asymmetric clip, k3 KL to reference, token normalisation."""
+    return _clipped_pg(new_logprobs, old_logprobs, advantages, mask, eps_low, eps_high, log_ratio_clip,
+                       ref_logprobs, kl_coef, entropy, norm="token")
+
+
+# ---------------------------------------------------------------- masked-diffusion baselines
+def _mask_with_ratio(valid: torch.Tensor, ratio: torch.Tensor, generator, lo_k: int, hi_off: int):
+    """valid [B,L], ratio [B] -> (mask [B,L], t [B]): exactly k = clamp(round(ratio n), lo_k,
+    n - hi_off) valid tokens per row, uniformly chosen; t = k / n (1.0 for empty rows)."""
+    valid = valid.bool()
+    n = valid.sum(dim=1)  # [B]
+    k = torch.minimum(torch.clamp(torch.round(ratio * n).long(), min=lo_k), (n - hi_off).clamp(min=0))
+    k = torch.minimum(k, n)
+    scores = torch.rand(valid.shape, generator=generator, device=valid.device)
+    scores = torch.where(valid, scores, torch.full_like(scores, 2.0))  # invalid sort last
+    ranks = scores.argsort(dim=1).argsort(dim=1)  # [B,L] rank of each position
+    mask = valid & (ranks < k[:, None])
+    t = torch.where(n > 0, k.float() / n.clamp(min=1), torch.ones_like(ratio))
+    return mask, t
+
+
+def random_mask(valid: torch.Tensor, generator: torch.Generator | None = None, t_min: float = 0.1,
+                t_max: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """valid [B,L] -> (mask [B,L] bool, t [B]): t ~ U(t_min, t_max) per row, then exactly
+    round(t n) (>= 1) valid tokens masked; the returned t is the realised ratio k / n."""
+    ratio = t_min + (t_max - t_min) * torch.rand(valid.shape[0], generator=generator, device=valid.device)
+    return _mask_with_ratio(valid, ratio, generator, lo_k=1, hi_off=0)
+
+
+def complementary_masks(valid: torch.Tensor, generator: torch.Generator | None = None, t_min: float = 0.2,
+                        t_max: float = 0.8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """valid [B,L] -> (mask, complement [B,L] bool, t [B]): mask | complement == valid, disjoint;
+    both non-empty when a row has >= 2 tokens. t = realised masked ratio of `mask`."""
+    ratio = t_min + (t_max - t_min) * torch.rand(valid.shape[0], generator=generator, device=valid.device)
+    mask, t = _mask_with_ratio(valid, ratio, generator, lo_k=1, hi_off=1)
+    return mask, valid.bool() & ~mask, t
+
+
+def random_masking_loss(logprobs: torch.Tensor, mask: torch.Tensor, t: torch.Tensor, advantages: torch.Tensor,
+                        valid: torch.Tensor, old_logprobs: torch.Tensor | None = None, eps_clip: float = 0.2,
+                        log_ratio_clip: float = 20.0) -> tuple[torch.Tensor, Metrics]:
+    """logprobs [B,L] scored with `mask` [B,L] applied (used at masked positions); t [B];
+    advantages [B]; valid [B,L]. Per sequence: sum over masked tokens of (1/t) * clipped
+    surrogate, divided by the number of valid tokens; mean over sequences."""
+    valid = valid.bool()
+    mask = mask.bool() & valid
+    weights = (1.0 / t.clamp(min=1e-6))[:, None].to(logprobs.dtype)  # [B,1]
+    return _clipped_pg(logprobs, old_logprobs, advantages, mask, eps_clip, eps_clip, log_ratio_clip,
+                       weights=weights, norm="sequence", denom_mask=valid)
+
+
+def coupled_loss(logprobs: torch.Tensor, logprobs_complement: torch.Tensor, mask: torch.Tensor,
+                 t: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor,
+                 old_logprobs: torch.Tensor | None = None, old_logprobs_complement: torch.Tensor | None = None,
+                 eps_clip: float = 0.2, log_ratio_clip: float = 20.0) -> tuple[torch.Tensor, Metrics]:
+    """Coupled RL: `logprobs` [B,L] scored under `mask` (ratio t [B]), `logprobs_complement`
+    under valid & ~mask (ratio 1 - t). Each token counts once, from the pass that masked it,
+    weighted 1/t or 1/(1-t); the two ELBO estimates are averaged (factor 1/2)."""
+    valid = valid.bool()
+    mask = mask.bool() & valid
+    merged = torch.where(mask, logprobs, logprobs_complement)  # [B,L]
+    old = None
+    if old_logprobs is not None or old_logprobs_complement is not None:
+        if old_logprobs is None or old_logprobs_complement is None:
+            raise ValueError("old_logprobs: give both old_logprobs and old_logprobs_complement, or neither")
+        old = torch.where(mask, old_logprobs, old_logprobs_complement)
+    tt = t.clamp(1e-6, 1 - 1e-6)[:, None]  # [B,1]
+    weights = 0.5 * torch.where(mask, 1.0 / tt, 1.0 / (1.0 - tt))
+    return _clipped_pg(merged, old, advantages, valid, eps_clip, eps_clip, log_ratio_clip,
+                       weights=weights.to(logprobs.dtype), norm="sequence")
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip: float | None = 0.2) -> tuple[torch.Tensor, Metrics]:
+    """values, old_values, returns, mask: [B,L]. 0.5 * max((v - R)^2, (v_clip - R)^2), with
+    v_clip = old + clamp(v - old, -clip, clip) (clip None: unclipped); token-normalised."""
+    err = (values - returns) ** 2
+    if clip is None:
+        per_token, is_clipped = err, torch.zeros_like(mask, dtype=torch.bool)
+    else:
+        v_clip = old_values + torch.clamp(values - old_values, -clip, clip)
+        err_clip = (v_clip - returns) ** 2
+        per_token, is_clipped = torch.maximum(err, err_clip), err_clip.detach() > err.detach()
+    loss = 0.5 * _masked_mean(per_token, mask.bool())
+    with torch.no_grad():
+        m = mask.bool()
+        resid = (returns - values)[m]
+        var = returns[m].var(unbiased=False) if m.sum() > 1 else torch.zeros(())
+        metrics = {"value_loss": float(loss.detach()),
+                   "value_clip_frac": float(_masked_mean(is_clipped.float(), m)),
+                   "value_mean": float(_masked_mean(values.detach(), m)),
+                   "explained_var": float(1 - resid.var(unbiased=False) / var) if var > 0 else 0.0}
+    return loss, metrics
+
+
+OBJECTIVES = {"tracerl": tracerl_loss, "dipo": dipo_loss, "random_masking": random_masking_loss,
+              "coupled": coupled_loss}
+
+
+def get_objective(name: str):
+    if name not in OBJECTIVES:
+        raise ValueError(f"objective: unknown {name!r}; known: {', '.join(OBJECTIVES)}")
+    return OBJECTIVES[name]
