@@ -187,11 +187,15 @@ class SDARForCausalLM(nn.Module):
         valid2 = torch.cat([valid, valid], dim=1)
         return MaskSpec(pos2, pos2, self.config.block_size, q_noisy=noisy, k_noisy=noisy, k_valid=valid2)
 
+    def hidden_train(self, noisy_ids, clean_ids, position_ids, valid) -> torch.Tensor:
+        """Noisy copy + clean copy layout -> hidden states of the noisy copy [B, L, hidden]."""
+        L = noisy_ids.shape[1]
+        spec = self.train_spec(position_ids, valid)
+        return self.hidden_states(torch.cat([noisy_ids, clean_ids], dim=1), spec)[:, :L]
+
     def forward_train(self, noisy_ids, clean_ids, position_ids, valid, return_hidden: bool = False):
         """Noisy copy + clean copy layout. All inputs [B, L]; returns logits of the noisy copy
         [B, L, V] (and its hidden states [B, L, hidden] with return_hidden)."""
-        L = noisy_ids.shape[1]
-        spec = self.train_spec(position_ids, valid)
-        hidden = self.hidden_states(torch.cat([noisy_ids, clean_ids], dim=1), spec)[:, :L]
+        hidden = self.hidden_train(noisy_ids, clean_ids, position_ids, valid)
         logits = self.lm_head(hidden)
         return (logits, hidden) if return_hidden else logits

@@ -1,0 +1,1 @@
+"""dlrl: online RL for block-diffusion language models. See README.md."""

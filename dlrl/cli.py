@@ -1,0 +1,38 @@
+"""The `dlrl` command: dispatches to each package's CLI, importing it lazily.
+
+    dlrl sft      --config configs/tiny.yaml [key=value ...]   train the embedded default
+    dlrl generate --model DIR --prompt TEXT [--trace]          print completions
+    dlrl serve    --config configs/tiny.yaml [--host H --port P key=value ...]
+    dlrl train    --config configs/tiny.yaml [key=value ...]
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+COMMANDS = {
+    "sft": ("dllm.cli", "sft_main"),
+    "generate": ("dllm.cli", "generate_main"),
+    "serve": ("server.cli", "main"),
+    "train": ("trainer.cli", "main"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print(__doc__.strip())
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"\ndlrl: error: unknown command {argv[0]!r}", file=sys.stderr)
+            return 2
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    module, func = COMMANDS[argv[0]]
+    import importlib
+
+    return importlib.import_module(module).__dict__[func](argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Replay invariant (DESIGN.md): replayed logprobs == the trace's behaviour logprobs."""
+
+import pytest
+import torch
+
+from dllm.decoding import generate
+from dllm.model import SDARForCausalLM
+from dllm.sampling import SamplingParams
+from tests.test_dllm_model import tiny_config
+from trainer.replay import ReplaySample, build_rows, completion_rows, token_logprobs
+
+PROMPTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16], [30]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return SDARForCausalLM(tiny_config(eos_token_id=0)).eval()
+
+
+def as_samples(outs):
+    return [ReplaySample(o.prompt_ids, o.completion_ids, o.trace.steps, o.trace.tail_ids, o.trace.tail_steps)
+            for o in outs]
+
+
+@pytest.mark.parametrize("strategy,steps", [("static", 2), ("static", 4), ("dynamic", None), ("sequential", 4)])
+def test_replay_reproduces_behaviour_logprobs(model, strategy, steps):
+    eos = 7
+    outs = generate(model, PROMPTS * 2, SamplingParams(max_tokens=11, strategy=strategy, steps=steps,
+                                                       threshold=0.05, seed=3), eos_ids=[eos])
+    rows = build_rows(as_samples(outs), 4, model.config.mask_token_id, pad_id=0)
+    # a sequence costs at most max-steps-per-block rows
+    assert rows.noisy.shape[0] <= sum(max(o.trace.steps) for o in outs)
+    assert int(rows.target.sum()) == sum(len(o.completion_ids) for o in outs)
+    with torch.no_grad():
+        logits = model.forward_train(rows.noisy, rows.clean, rows.pos, rows.valid)
+    lp = token_logprobs(logits, rows.clean, model.config.mask_token_id)
+    old = rows.gather([o.trace.logprobs for o in outs])
+    assert (lp - old)[rows.target].abs().max().item() < 1e-4
+
+
+def test_shrinkage_merges_steps(model):
+    outs = generate(model, PROMPTS, SamplingParams(max_tokens=12, strategy="sequential", steps=4, seed=1))
+    exact = build_rows(as_samples(outs), 4, model.config.mask_token_id, pad_id=0, shrink=1)
+    merged = build_rows(as_samples(outs), 4, model.config.mask_token_id, pad_id=0, shrink=2)
+    assert merged.noisy.shape[0] * 2 == exact.noisy.shape[0]
+    assert int(merged.target.sum()) == int(exact.target.sum())
+    with pytest.raises(ValueError, match="shrink"):
+        build_rows(as_samples(outs), 4, 63, 0, shrink=0)
+
+
+def test_completion_rows_cover_completion_tokens(model):
+    outs = generate(model, PROMPTS, SamplingParams(max_tokens=6, seed=2))
+    rows = completion_rows(as_samples(outs), 4, pad_id=0)
+    assert rows.noisy.shape[0] == len(outs)
+    assert rows.target.sum(1).tolist() == [len(o.completion_ids) for o in outs]

@@ -1,0 +1,156 @@
+"""Trace replay: rebuild every denoising state of a rollout as training rows.
+
+For block models the state of step k of a block is: clean prefix (earlier blocks),
+the block's tokens committed at steps < k visible, the rest masked. Blocks only see
+clean earlier blocks, so the k-th states of all blocks of a sequence pack into ONE row
+of the noisy-copy + clean-copy layout: a sequence costs at most max-steps-per-block rows.
+Shrinkage `s` merges s neighbouring steps (row r holds steps r*s+1..(r+1)*s, scored
+under the state before step r*s+1); s=1 is exact.
+
+Replay invariant (DESIGN.md): under the same weights, `token_logprobs` of row targets
+equals the trace's behaviour logprobs (fp32, temperature 1, no top-k/top-p).
+
+    rows = build_rows(samples, block_size, mask_id, pad_id, shrink=1)
+    logits = model.forward_train(rows.noisy, rows.clean, rows.pos, rows.valid)
+    lp = token_logprobs(logits, rows.clean, mask_id)        # [R, L]
+    old = rows.gather(behaviour_logprobs_per_sample)        # [R, L], zeros off-target
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ReplaySample:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    steps: list[int]  # trace step of each completion token
+    tail_ids: list[int]  # last block's tokens after the truncation point (visible by step, never scored)
+    tail_steps: list[int]
+
+
+@dataclass
+class Rows:
+    noisy: torch.Tensor  # [R, L] long
+    clean: torch.Tensor  # [R, L] long
+    pos: torch.Tensor  # [R, L] long
+    valid: torch.Tensor  # [R, L] bool
+    target: torch.Tensor  # [R, L] bool: tokens scored in this row
+    sample_idx: torch.Tensor  # [R, L] long: which sample a target belongs to (-1 elsewhere)
+    token_idx: torch.Tensor  # [R, L] long: completion index j of a target (-1 elsewhere)
+    row_sample: torch.Tensor  # [R] long
+
+    def gather(self, per_sample: list[list[float]] | list[torch.Tensor]) -> torch.Tensor:
+        """Per-sample per-token values (e.g. behaviour logprobs, advantages) -> [R, L] at targets."""
+        out = torch.zeros(self.target.shape, dtype=torch.float32)
+        r, c = self.target.nonzero(as_tuple=True)
+        vals = [torch.as_tensor(per_sample[int(s)], dtype=torch.float32)[int(j)]
+                for s, j in zip(self.sample_idx[r, c], self.token_idx[r, c])]
+        if vals:
+            out[r, c] = torch.stack(vals)
+        return out
+
+    def split(self, max_rows: int) -> list[Rows]:
+        n = self.noisy.shape[0]
+        return [Rows(*(getattr(self, f)[i:i + max_rows] for f in self.__dataclass_fields__))
+                for i in range(0, n, max_rows)]
+
+
+def _sample_rows(s: ReplaySample, block_size: int, mask_id: int, shrink: int):
+    """-> list of (noisy ids, target flags, token idx) for one sample, plus its clean ids."""
+    P = len(s.prompt_ids)
+    gen_ids = s.completion_ids + s.tail_ids
+    gen_steps = s.steps + s.tail_steps
+    clean = s.prompt_ids + gen_ids
+    L = math.ceil(len(clean) / block_size) * block_size
+    clean = clean + [mask_id] * (L - len(clean))  # never happens for complete blocks
+    max_step = max(s.steps, default=0)
+    rows = []
+    for r in range(math.ceil(max_step / shrink)):
+        lo, hi = r * shrink + 1, (r + 1) * shrink  # steps scored in this row
+        noisy = list(clean)
+        target = [False] * L
+        tok = [-1] * L
+        for j, st in enumerate(gen_steps):
+            if st >= lo:
+                noisy[P + j] = mask_id
+            if j < len(s.completion_ids) and lo <= st <= hi:
+                target[P + j] = True
+                tok[P + j] = j
+        if any(target):
+            rows.append((noisy, target, tok))
+    return clean, len(s.prompt_ids) + len(gen_ids), rows
+
+
+def build_rows(samples: list[ReplaySample], block_size: int, mask_id: int, pad_id: int,
+               shrink: int = 1) -> Rows:
+    if shrink < 1:
+        raise ValueError("shrink: must be >= 1")
+    per = [_sample_rows(s, block_size, mask_id, shrink) for s in samples]
+    R = sum(len(rows) for _, _, rows in per)
+    L = max((len(clean) for clean, _, _ in per), default=block_size)
+    noisy = torch.full((R, L), pad_id, dtype=torch.long)
+    clean_t = torch.full((R, L), pad_id, dtype=torch.long)
+    valid = torch.zeros(R, L, dtype=torch.bool)
+    target = torch.zeros(R, L, dtype=torch.bool)
+    sample_idx = torch.full((R, L), -1, dtype=torch.long)
+    token_idx = torch.full((R, L), -1, dtype=torch.long)
+    row_sample = torch.zeros(R, dtype=torch.long)
+    r = 0
+    for i, (clean, n, rows) in enumerate(per):
+        for nz, tg, tk in rows:
+            ln = len(clean)
+            noisy[r, :ln] = torch.tensor(nz)
+            clean_t[r, :ln] = torch.tensor(clean)
+            valid[r, :n] = True
+            target[r, :ln] = torch.tensor(tg)
+            token_idx[r, :ln] = torch.tensor(tk)
+            sample_idx[r, :ln] = torch.where(target[r, :ln], i, -1)
+            row_sample[r] = i
+            r += 1
+    pos = torch.arange(L).expand(R, L).contiguous()
+    return Rows(noisy, clean_t, pos, valid, target, sample_idx, token_idx, row_sample)
+
+
+def completion_rows(samples: list[ReplaySample], block_size: int, pad_id: int) -> Rows:
+    """One clean row per sample whose targets are all its completion tokens (for the
+    random-masking / coupled baselines, which draw their own masks)."""
+    n = len(samples)
+    seqs = [s.prompt_ids + s.completion_ids + s.tail_ids for s in samples]
+    L = math.ceil(max(map(len, seqs)) / block_size) * block_size
+    clean = torch.full((n, L), pad_id, dtype=torch.long)
+    valid = torch.zeros(n, L, dtype=torch.bool)
+    target = torch.zeros(n, L, dtype=torch.bool)
+    sample_idx = torch.full((n, L), -1, dtype=torch.long)
+    token_idx = torch.full((n, L), -1, dtype=torch.long)
+    for i, (s, seq) in enumerate(zip(samples, seqs)):
+        P, C = len(s.prompt_ids), len(s.completion_ids)
+        clean[i, :len(seq)] = torch.tensor(seq)
+        valid[i, :len(seq)] = True
+        target[i, P:P + C] = True
+        sample_idx[i, P:P + C] = i
+        token_idx[i, P:P + C] = torch.arange(C)
+    pos = torch.arange(L).expand(n, L).contiguous()
+    return Rows(clean.clone(), clean, pos, valid, target, sample_idx, token_idx, torch.arange(n))
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, mask_id: int,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """logits [R, L, V], ids [R, L] -> log p(ids) [R, L] under the sampling distribution
+    (mask token excluded, divided by temperature), fp32."""
+    logits = logits.float()
+    logits = logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) == mask_id, float("-inf"))
+    if temperature not in (0, 1.0):
+        logits = logits / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, ids[..., None]).squeeze(-1)
+
+
+def token_entropy(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
+    logits = logits.float().masked_fill(
+        torch.arange(logits.shape[-1], device=logits.device) == mask_id, float("-inf"))
+    logp = torch.log_softmax(logits, -1)
+    return -(logp.exp() * torch.where(torch.isinf(logp), 0.0, logp)).sum(-1)
