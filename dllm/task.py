@@ -1,10 +1,11 @@
 """The embedded synthetic task: multi-digit addition with an exact answer.
 
     task = ArithmeticTask(max_digits=3)
-    task.split("train", 5)    # [{"prompt": "37+485=", "answer": "522"}, ...]
+    task.split("train", 5)    # [{"prompt": "037+485=", "answer": "0522"}, ...]
     task.split("heldout", 200)
 
-Problems are split deterministically by a hash of (a, b), so the held-out problems
+With `fixed_width` (default) operands are zero-padded to max_digits and the answer to
+max_digits + 1, so every digit has a fixed position. Problems are split deterministically by a hash of (a, b), so the held-out problems
 never appear in training. Prompts are plain text; the model completes the answer
 followed by the end-of-text token.
 """
@@ -23,6 +24,7 @@ class ArithmeticTask:
     min_digits: int = 1
     max_digits: int = 3
     heldout_fraction: float = 0.1
+    fixed_width: bool = True  # zero-pad operands to max_digits and the answer to max_digits + 1
     seed: int = 0
 
     def validate(self) -> None:
@@ -35,8 +37,10 @@ class ArithmeticTask:
         h = int.from_bytes(hashlib.blake2b(f"{a}+{b}".encode(), digest_size=4).digest(), "little")
         return "heldout" if (h % 10_000) < self.heldout_fraction * 10_000 else "train"
 
-    @staticmethod
-    def format(a: int, b: int) -> dict:
+    def format(self, a: int, b: int) -> dict:
+        if self.fixed_width:
+            w = self.max_digits
+            return {"prompt": f"{a:0{w}d}+{b:0{w}d}=", "answer": f"{a + b:0{w + 1}d}"}
         return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
 
     def _draw(self, rng: random.Random) -> tuple[int, int]:

@@ -47,11 +47,11 @@ def main(argv: list[str]) -> int:
                  ctx.version, cfg.objective, cfg.mode)
         if cfg.eval_every and ctx.start_step == 0:
             acc = ctx.evaluate()
-            ctx.logger.log({"step": 0, "version": ctx.version, "eval_accuracy": acc})
+            ctx.logger.log(0, {"version": ctx.version, "eval_accuracy": acc})
             log.info("step 0: held-out greedy accuracy %.1f%%", 100 * acc)
         last = train_loop(ctx)
         final = ctx.export()
-        png = ctx.logger.finish()
+        png = ctx.finish()
         summary = {"final_model": str(final), "curves": str(png), "version": ctx.version,
                    "eval_accuracy": last.get("eval_accuracy")}
         print(json.dumps(summary, indent=2))

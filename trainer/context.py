@@ -19,7 +19,7 @@ from dllm.configlib import read_yaml
 from dllm.task import ArithmeticTask
 from dllm.tokenizer import encode, load_tokenizer
 from dllm.weights import load_pretrained
-from trainer.data import PromptSampler, format_prompt, load_prompts
+from trainer.data import PromptSampler, load_prompts
 from trainer.learner import Learner
 from trainer.rewards import build_reward
 from trainer.rollouts import RolloutSource, fetch, sampling_kwargs
@@ -97,10 +97,15 @@ class RunContext:
         self.sampler = PromptSampler(train_ex, cfg.prompts_per_step, seed=cfg.seed)
         self.version = max(self._server_versions())
         self.start_step = 0
+        self._seed_counter = cfg.seed
         if cfg.resume:
             self._resume()
         self.rollouts = RolloutSource(cfg, self.sampler, self.prompt_ids)
+        self.rollouts.seed = self._seed_counter
         from trainer.metrics_log import MetricsLogger
+        if not cfg.resume:  # a fresh run starts fresh logs
+            (self.out / "metrics.jsonl").unlink(missing_ok=True)
+            shutil.rmtree(self.out / "tb", ignore_errors=True)
         self.logger = MetricsLogger(self.out, total_steps=cfg.num_steps, tensorboard=cfg.tensorboard)
         return self
 
@@ -151,16 +156,22 @@ class RunContext:
         from trainer.ds_engine import save_checkpoint
         state = {"step": step, "version": self.version, "sampler": self.sampler.state_dict(),
                  "seed_counter": self.rollouts.seed}
-        save_checkpoint(self.engine, self.out / "checkpoint", state)
+        save_checkpoint(self.engine, self.out / "checkpoint", state, keep_last=2)
+        if self.learner.value is not None:
+            self.learner.value.save(self.out / "checkpoint" / "value.pt")
         log.info("checkpoint at step %d -> %s", step, self.out / "checkpoint")
 
     def _resume(self) -> None:
         from trainer.ds_engine import load_checkpoint
         ckpt = self.out / "checkpoint"
-        if not ckpt.exists():
+        from trainer.ds_engine import has_checkpoint
+        if not has_checkpoint(ckpt):
             raise RuntimeError(f"resume: no checkpoint in {ckpt}")
         state = load_checkpoint(self.engine, ckpt)
+        if self.learner.value is not None:
+            self.learner.value.load(ckpt / "value.pt")
         self.start_step = int(state["step"])
+        self._seed_counter = int(state.get("seed_counter", self.cfg.seed))
         self.sampler.load_state_dict(state["sampler"])
         self.version = max(self.version, int(state["version"]))
         self.push()  # servers now hold the resumed weights
@@ -175,6 +186,12 @@ class RunContext:
                 shutil.copy(self.model_dir / f, final / f)
         (final / "dlrl_version.json").write_text(json.dumps({"version": self.version}) + "\n")
         return final
+
+    def finish(self) -> Path:
+        """Close the logs and draw the reward/accuracy curves."""
+        from trainer.metrics_log import plot_curves
+        self.logger.close()
+        return plot_curves(self.logger.path, self.out / "curves.png")
 
     def close(self) -> None:
         if self.rollouts is not None:

@@ -10,10 +10,9 @@
     state = load_checkpoint(engine, "runs/x/ckpt")   # into a freshly built engine on resume
     export_hf(engine, model.config, "runs/x/hf")      # Hugging Face SDAR folder
 
-CPU: accelerator `cpu` (DS_ACCELERATOR, set here before DeepSpeed is imported), backend gloo,
-ZeRO 0-3, fp32 or bf16. CUDA: nccl. The optimizer is a plain `torch.optim.AdamW` handed to
-`deepspeed.initialize` (DeepSpeed's fused/CPU Adams compile extensions first). One process
-group per process: a second `build_engine` (e.g. the value model) reuses it.
+CPU: accelerator `cpu` (DS_ACCELERATOR, set before DeepSpeed is imported), gloo, ZeRO 0-3,
+fp32/bf16. CUDA: nccl. The optimizer is a torch AdamW handed to `deepspeed.initialize` (no
+extension to compile). A second `build_engine` (value model) reuses the process group.
 """
 
 from __future__ import annotations
@@ -103,8 +102,7 @@ def _free_port() -> int:
 def setup_dist_env(world_size: int = 1, rank: int = 0) -> str:
     """Fill RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (and DS_ACCELERATOR=cpu without
     CUDA) where absent, so a single process needs no launcher. Returns the backend name."""
-    has_cuda = torch.cuda.is_available()
-    if not has_cuda:
+    if not (has_cuda := torch.cuda.is_available()):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("RANK", str(rank))
     os.environ.setdefault("LOCAL_RANK", str(rank))
@@ -149,22 +147,28 @@ def build_engine(model: nn.Module, cfg: DSConfig, world_size: int = 1, rank: int
     return engine
 
 
-def _is_zero3(engine) -> bool:
-    return engine.zero_optimization_stage() == 3
+def _unwrap(engine_or_module) -> nn.Module:
+    is_engine = hasattr(engine_or_module, "zero_optimization_stage")
+    return engine_or_module.module if is_engine else engine_or_module
 
 
-def named_full_params(engine, dtype: torch.dtype | None = None,
+def _is_zero3(engine_or_module) -> bool:
+    return any(hasattr(p, "ds_id") for p in _unwrap(engine_or_module).parameters())  # partitioned
+
+
+def named_full_params(engine_or_module, dtype: torch.dtype | None = None,
                       bucket_numel: int = 1 << 26) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, full tensor) for every parameter of `engine.module` (tied weights once), as
-    CPU-detached copies (optionally cast). Under ZeRO-3 parameters are gathered a bucket at a
-    time with `deepspeed.zero.GatheredParameters`: every rank must consume the iterator."""
-    named = list(engine.module.named_parameters())
+    """Yield (name, full tensor) for every parameter of the engine's module (or of a module,
+    e.g. `engine.module`), tied weights once, as CPU-detached copies (optionally cast). Under
+    ZeRO-3 parameters are gathered a bucket at a time with `deepspeed.zero.GatheredParameters`:
+    every rank must consume the iterator."""
+    named = list(_unwrap(engine_or_module).named_parameters())
 
     def emit(name, p):
         t = p.data.detach()
         return name, (t.to(dtype) if dtype else t).to("cpu", copy=True)
 
-    if not _is_zero3(engine):
+    if not _is_zero3(engine_or_module):
         for name, p in named:
             yield emit(name, p)
         return

@@ -32,7 +32,8 @@ def _policy_loss(cfg, new_lp, old_lp, adv, mask, ref_lp, entropy):
                                  entropy=entropy)
 
 
-def baseline_rows(rows_like: Rows, objective: str, generator: torch.Generator) -> tuple[Rows, torch.Tensor]:
+def baseline_rows(rows_like: Rows, objective: str, mask_id: int,
+                  generator: torch.Generator) -> tuple[Rows, torch.Tensor]:
     """For random-masking / coupled RL: one row (two for coupled) per sample with a random mask
     over its completion tokens (instead of trace states). Returns rows and 1/t weights [R, L]."""
     is_comp = rows_like.target
@@ -44,7 +45,7 @@ def baseline_rows(rows_like: Rows, objective: str, generator: torch.Generator) -
         masks, ts = [mask, comp], [t, 1 - t]
     out, weights = [], []
     for m, tt in zip(masks, ts):
-        noisy = torch.where(m, torch.full_like(rows_like.clean, -1), rows_like.clean)
+        noisy = torch.where(m, torch.full_like(rows_like.clean, mask_id), rows_like.clean)
         out.append(Rows(noisy, rows_like.clean, rows_like.pos, rows_like.valid, m, rows_like.sample_idx,
                         rows_like.token_idx, rows_like.row_sample))
         weights.append(m.float() / tt.clamp(1e-6)[:, None] / (len(masks) * is_comp.sum(1).clamp(min=1)[:, None]))
@@ -63,8 +64,7 @@ class Learner:
 
     def _forward_lp(self, model, rows: Rows, temperature: float):
         dev = self.device
-        noisy = torch.where(rows.noisy < 0, self.mask_id, rows.noisy).to(dev)
-        logits = model.forward_train(noisy, rows.clean.to(dev), rows.pos.to(dev), rows.valid.to(dev))
+        logits = model.forward_train(rows.noisy.to(dev), rows.clean.to(dev), rows.pos.to(dev), rows.valid.to(dev))
         lp = token_logprobs(logits, rows.clean.to(dev), self.mask_id, temperature)
         return lp, logits
 
@@ -118,7 +118,7 @@ class Learner:
         """Value-model estimates at every row position [R, L] (no grad)."""
         dev = self.value.device
         with torch.no_grad():
-            return self.value(rows.noisy.clamp(min=0).to(dev), rows.clean.to(dev), rows.pos.to(dev),
+            return self.value(rows.noisy.to(dev), rows.clean.to(dev), rows.pos.to(dev),
                               rows.valid.to(dev)).float().cpu()
 
     def update_value(self, rows: Rows, old_values: torch.Tensor, returns: torch.Tensor) -> dict:
@@ -127,7 +127,7 @@ class Learner:
         step = max(1, math.ceil(rows.noisy.shape[0] / self.cfg.grad_accum))
         for i in range(0, rows.noisy.shape[0], step):
             sl = slice(i, i + step)
-            v = self.value(rows.noisy[sl].clamp(min=0).to(dev), rows.clean[sl].to(dev), rows.pos[sl].to(dev),
+            v = self.value(rows.noisy[sl].to(dev), rows.clean[sl].to(dev), rows.pos[sl].to(dev),
                            rows.valid[sl].to(dev))
             loss, metrics = value_loss(v, old_values[sl].to(dev), returns[sl].to(dev),
                                        rows.target[sl].to(dev), clip=self.cfg.value_clip)

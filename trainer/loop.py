@@ -16,8 +16,12 @@ from contextlib import contextmanager
 
 import torch
 
-from trainer.advantages import (filter_zero_variance_groups, group_advantages, sequence_to_token_rewards,
-                                stepwise_gae_batch)
+from trainer.advantages import (
+    filter_zero_variance_groups,
+    group_advantages,
+    sequence_to_token_rewards,
+    stepwise_gae_batch,
+)
 from trainer.learner import baseline_rows
 from trainer.replay import build_rows, completion_rows
 from trainer.rewards import score_batch
@@ -91,7 +95,7 @@ def rl_step(ctx, step: int) -> dict:
             weights = None
             if cfg.objective in BASELINES:  # random masks instead of trace states
                 rows, weights = baseline_rows(completion_rows(samples, ctx.block_size, ctx.pad_id),
-                                              cfg.objective, ctx.generator)
+                                              cfg.objective, ctx.mask_id, ctx.generator)
             else:
                 rows = build_rows(samples, ctx.block_size, ctx.mask_id, ctx.pad_id, cfg.shrink)
             old_lp = rows.gather([batch.rollouts[int(i)].logprobs for i in kept_idx])
@@ -134,7 +138,7 @@ def train_loop(ctx) -> dict:
             metrics["eval_accuracy"] = ctx.evaluate()
             metrics["time_eval"] = time.perf_counter() - t0
         metrics["time_step"] = sum(v for k, v in metrics.items() if k.startswith("time_") and k != "time_step")
-        ctx.logger.log(metrics)
+        ctx.logger.log(step + 1, metrics)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             ctx.checkpoint(step + 1)
     return metrics

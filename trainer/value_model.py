@@ -1,26 +1,28 @@
 """TraceRL's diffusion value model: a copy of the policy backbone with a scalar value head.
 
-    value = ValueModel(policy)                             # copies the policy's weights
+    value = ValueModel(policy, lr=1e-5)                    # copies the policy's weights
     values = value(noisy, clean, pos, valid)               # [B, L] fp32, one value per noisy token
     loss, metrics = value_loss(values, old_values, returns, mask)
+    value.optimizer.zero_grad(); loss.backward(); value.optimizer.step()
 
 The backbone is an `SDARForCausalLM` built from the policy's config (its `lm_head` dropped:
 values come from the last hidden states of the noisy copy, `hidden_train`), followed by
 `v_head = nn.Linear(hidden, 1)`, zero-initialised by default so the first values are 0 and
 the first update only moves the head. It shares no tensor with the policy, so value-loss
-gradients never reach the policy.
+gradients never reach the policy. Parameters are fp32 unless `dtype` says otherwise.
 
-Optimizer: the value model has its own. The trainer wraps it in a second DeepSpeed engine,
-`trainer.ds_engine.build_engine(value, DSConfig(...))` (same process group, its own AdamW
-and ZeRO sharding, checkpointed with `save_checkpoint` into its own folder); a plain
-`torch.optim.AdamW(value.parameters())` works as well (the tests use one). Under ZeRO-3
-the policy's parameters are partitioned: build from the config and copy gathered weights,
-`ValueModel(policy.config)` then `value.load_backbone(named_full_params(policy_engine))`.
+Optimizer: the value model has its own. With `lr` it owns a plain `torch.optim.AdamW`
+(`value.optimizer`; `value.save(path)` / `value.load(path)` checkpoint both), which is what the
+tiny default uses. For large models wrap it in a second DeepSpeed engine instead:
+`trainer.ds_engine.build_engine(ValueModel(policy), DSConfig(...))` (same process group, its
+own AdamW and ZeRO sharding, checkpointed with `ds_engine.save_checkpoint`). The policy may be
+a ZeRO-3 partitioned module: its parameters are gathered while they are copied.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -31,16 +33,16 @@ from dllm.weights import copy_into_model
 
 
 class ValueModel(nn.Module):
-    def __init__(self, policy: SDARForCausalLM | SDARConfig, head_init_std: float = 0.0,
-                 device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(self, policy: SDARForCausalLM | SDARConfig, lr: float | None = None,
+                 weight_decay: float = 0.0, head_init_std: float = 0.0,
+                 device: str | torch.device | None = None, dtype: torch.dtype = torch.float32):
         """policy: a policy model (its weights are copied) or a config (random backbone).
+        lr: create `self.optimizer` (torch AdamW); None leaves it to the caller (DeepSpeed).
         head_init_std: 0 zero-initialises `v_head`; > 0 draws its weight from N(0, std)."""
         super().__init__()
         is_model = isinstance(policy, nn.Module)
         cfg = policy.config if is_model else policy
-        ref = next(policy.parameters()) if is_model else None
-        device = device or (ref.device if ref is not None else "cpu")
-        dtype = dtype or (ref.dtype if ref is not None else torch.float32)
+        device = device or (next(policy.parameters()).device if is_model else "cpu")
         with torch.device("meta"):
             backbone = SDARForCausalLM(cfg)
         backbone.lm_head = None  # values are read from hidden states: no vocab projection
@@ -48,16 +50,25 @@ class ValueModel(nn.Module):
         self.v_head = nn.Linear(cfg.hidden_size, 1, device=device, dtype=dtype)
         self.reset_head(head_init_std)
         if is_model:
-            self.load_backbone(policy.named_parameters())
+            from trainer.ds_engine import named_full_params  # gathers ZeRO-3 params; no-op otherwise
+
+            self.load_backbone(named_full_params(policy))
         else:
             self.backbone.init_weights()
             for m in self.backbone.modules():  # to_empty leaves norm weights uninitialised
                 if isinstance(m, RMSNorm):
                     nn.init.ones_(m.weight)
+        self.optimizer = None
+        if lr is not None:
+            self.optimizer = torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=weight_decay)
 
     @property
     def config(self) -> SDARConfig:
         return self.backbone.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.v_head.weight.device
 
     @property
     def gradient_checkpointing(self) -> bool:
@@ -88,3 +99,16 @@ class ValueModel(nn.Module):
         hidden = self.backbone.hidden_train(noisy_ids, clean_ids, position_ids, valid)  # [B, L, D]
         values = self.v_head(hidden.to(self.v_head.weight.dtype)).squeeze(-1)  # [B, L]
         return values.float()
+
+    def save(self, path: str | Path) -> None:
+        """Weights (+ optimizer state when it owns one) to one torch file, for resume."""
+        state = {"model": self.state_dict(),
+                 "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, path)
+
+    def load(self, path: str | Path) -> None:
+        state = torch.load(path, map_location=self.device, weights_only=True)
+        self.load_state_dict(state["model"])
+        if self.optimizer is not None and state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
