@@ -1,0 +1,182 @@
+"""Serving benchmark: N concurrent HTTP clients against a real dlrl server (continuous batching).
+
+    .venv/bin/python benchmarks/serve.py            # tiny default + ~100M random SDAR, 1/8/32/64 clients
+    .venv/bin/python benchmarks/serve.py --quick    # shorter run (fewer tokens/requests)
+    .venv/bin/python benchmarks/serve.py --models tiny --levels 1 8 --max-tokens 32
+
+For each model: start uvicorn on loopback with an engine of `max_batch` = the largest
+level, then for each level N run N closed-loop clients (each sends `--requests`
+/generate requests of `--max-tokens` tokens, ignore_eos so lengths are fixed). Reports
+throughput (completion tokens/s), p50/p99 request latency, mean batch size per forward,
+and the speedup over a one-request-at-a-time baseline (same server code, max_batch=1).
+The tiny model is the trained embedded default if runs/tiny-sft exists, else random
+weights with its architecture; the ~100M model is random (throughput does not depend
+on the weights' values, only on shapes and token counts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dllm.model import SDARForCausalLM  # noqa: E402
+from dllm.sft import TinyModelConfig, make_model_config  # noqa: E402
+from dllm.tokenizer import build_char_tokenizer  # noqa: E402
+from dllm.weights import save_pretrained  # noqa: E402
+
+ARCH_100M = TinyModelConfig(hidden_size=768, intermediate_size=2048, num_hidden_layers=16, num_attention_heads=12,
+                            num_key_value_heads=4, head_dim=64, block_size=4, max_position_embeddings=4096)
+
+
+def model_dir(kind: str, tmp: Path) -> tuple[str, str]:
+    """(folder, description) of the benchmarked model."""
+    if kind == "tiny":
+        from dllm.tiny import load_tiny_sections
+
+        arch, _, sft = load_tiny_sections("configs/tiny.yaml") if Path("configs/tiny.yaml").is_file() else (
+            TinyModelConfig(), None, None)
+        if sft is not None and (Path(sft.output_dir) / "config.json").is_file():
+            return sft.output_dir, "tiny default (trained)"
+        kind_desc = "tiny default arch (random)"
+    else:
+        arch, kind_desc = ARCH_100M, "SDAR ~100M (random)"
+    out = tmp / kind
+    tok = build_char_tokenizer(out)
+    torch.manual_seed(0)
+    model = SDARForCausalLM(make_model_config(arch, tok))
+    save_pretrained(model, out)
+    num = sum(p.numel() for p in model.parameters()) / 1e6
+    return str(out), f"{kind_desc}, {num:.0f}M params"
+
+
+class Server:
+    """uvicorn + engine in a background thread, on a free loopback port."""
+
+    def __init__(self, path: str, max_batch: int, max_model_len: int):
+        import uvicorn
+
+        from server.app import create_app
+        from server.backends.native import NativeBackend
+        from server.config import ServerConfig
+        from server.engine import Engine
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        config = ServerConfig(port=port, max_batch=max_batch, max_queue=4096, max_model_len=max_model_len)
+        backend = NativeBackend.from_pretrained(path, device="auto", dtype="auto", max_batch=max_batch,
+                                                max_model_len=max_model_len)
+        self.engine = Engine(backend, max_queue=config.max_queue, model_name="bench")
+        self.batch_sizes: list[int] = []
+        self.engine.add_step_listener(lambda st: self.batch_sizes.append(st.batch_size))
+        self.uv = uvicorn.Server(uvicorn.Config(create_app(self.engine, config), host="127.0.0.1", port=port,
+                                                log_level="warning"))
+        self.thread = threading.Thread(target=self.uv.run, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{port}"
+        while not self.uv.started:
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.uv.should_exit = True
+        self.thread.join(timeout=30)
+
+
+async def drive(url: str, num_clients: int, num_requests: int, body: dict) -> tuple[list[float], int, float]:
+    """Closed loop: each client sends its requests one after another. -> latencies, tokens, seconds."""
+    latencies: list[float] = []
+    tokens = 0
+
+    async def client(c: httpx.AsyncClient, i: int) -> None:
+        nonlocal tokens
+        for j in range(num_requests):
+            t0 = time.perf_counter()
+            r = await c.post(url + "/generate", json={**body, "seed": i * 1000 + j})
+            r.raise_for_status()
+            latencies.append(time.perf_counter() - t0)
+            tokens += sum(len(s["completion_ids"]) for s in r.json()["samples"])
+
+    limits = httpx.Limits(max_connections=num_clients + 4)
+    async with httpx.AsyncClient(timeout=3600, limits=limits) as c:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(c, i) for i in range(num_clients)))
+        return latencies, tokens, time.perf_counter() - t0
+
+
+def measure(srv: Server, num_clients: int, num_requests: int, body: dict) -> dict:
+    srv.batch_sizes.clear()
+    lat, tokens, seconds = asyncio.run(drive(srv.url, num_clients, num_requests, body))
+    lat.sort()
+    return {"clients": num_clients, "requests": len(lat), "tokens": tokens, "seconds": seconds,
+            "tok_s": tokens / seconds, "p50": statistics.median(lat), "p99": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+            "mean_batch": statistics.fmean(srv.batch_sizes) if srv.batch_sizes else 0.0}
+
+
+def bench_model(kind: str, args, tmp: Path) -> list[dict]:
+    path, desc = model_dir(kind, tmp)
+    body = {"prompt": "12+34=", "max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 1.0,
+            "strategy": args.strategy}
+    max_len = 16 + args.max_tokens + 8
+    print(f"\n== {desc}: {path}", flush=True)
+    base_srv = Server(path, max_batch=1, max_model_len=max_len)
+    measure(base_srv, 1, 1, body)  # warm-up
+    base = measure(base_srv, min(4, max(args.levels)), args.baseline_requests, body)
+    base_srv.stop()
+    print(f"baseline max_batch=1: {base['tok_s']:.1f} tok/s ({base['requests']} requests)", flush=True)
+    srv = Server(path, max_batch=max(args.levels), max_model_len=max_len)
+    measure(srv, 1, 1, body)  # warm-up
+    rows = []
+    for n in args.levels:
+        row = measure(srv, n, args.requests, body)
+        row.update(model=desc.split(",")[0], speedup=row["tok_s"] / base["tok_s"])
+        rows.append(row)
+        print(fmt(row), flush=True)
+    srv.stop()
+    return rows
+
+
+HEADER = (f"{'model':<28} {'clients':>7} {'reqs':>5} {'tokens':>7} {'secs':>7} {'tok/s':>8} {'p50 s':>7} "
+          f"{'p99 s':>7} {'batch':>6} {'x vs b=1':>8}")
+
+
+def fmt(r: dict) -> str:
+    return (f"{r['model']:<28} {r['clients']:>7} {r['requests']:>5} {r['tokens']:>7} {r['seconds']:>7.2f} "
+            f"{r['tok_s']:>8.1f} {r['p50']:>7.3f} {r['p99']:>7.3f} {r['mean_batch']:>6.1f} {r['speedup']:>8.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="short run: fewer tokens and requests")
+    ap.add_argument("--models", nargs="+", default=["tiny", "100m"], choices=["tiny", "100m"])
+    ap.add_argument("--levels", nargs="+", type=int, default=[1, 8, 32, 64], help="concurrent clients")
+    ap.add_argument("--max-tokens", type=int, default=None, help="completion tokens per request")
+    ap.add_argument("--requests", type=int, default=None, help="requests per client")
+    ap.add_argument("--strategy", default="dynamic", choices=["static", "dynamic", "sequential"])
+    args = ap.parse_args(argv)
+    args.max_tokens = args.max_tokens or (16 if args.quick else 32)
+    args.requests = args.requests or (1 if args.quick else 2)
+    args.baseline_requests = 2 if args.quick else 4
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cuda={torch.cuda.is_available()}; "
+          f"{args.max_tokens} tokens/request, {args.requests} request(s)/client, strategy {args.strategy}")
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = [r for kind in args.models for r in bench_model(kind, args, Path(tmp))]
+    print("\n" + HEADER)
+    for r in rows:
+        print(fmt(r))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,178 @@
+"""RolloutClient: async client of the native `/generate` API of one or more dlrl servers.
+
+    import asyncio
+    from rollout_client import RolloutClient
+
+    async def main():
+        async with RolloutClient(["http://127.0.0.1:8000"], timeout=120) as client:
+            await client.wait_ready(timeout=60)
+            rollouts = await client.generate(["12+7=", "3*4="], n=4, max_tokens=16,
+                                             temperature=1.0, strategy="dynamic", seed=0)
+            for r in rollouts:   # ordered by (prompt_index, sample_index)
+                print(r.prompt_index, r.version, r.finish_reason, r.text, r.trace.steps, r.logprobs)
+
+    asyncio.run(main())
+
+Prompts are split into contiguous chunks (all `n` samples of a prompt stay on one server),
+one request per chunk, sent concurrently; `policy` picks a server per chunk: "round_robin"
+or "least_loaded" (fewest prompts in flight from this client). Connection errors,
+timeouts, 429 and 503 are retried (on the next server) up to `max_retries` times with
+exponential backoff; other errors raise `RolloutError` with the server's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from collections.abc import Sequence
+
+import httpx
+
+from rollout_client.protocol import GenerateRequest, GenerateResponse, HealthResponse, Rollout
+
+POLICIES = ("round_robin", "least_loaded")
+_RETRY_STATUS = (429, 502, 503, 504)
+Prompt = str | list[int]
+
+
+class RolloutError(RuntimeError):
+    """A generation request failed (after retries); `status` is the last HTTP status, if any."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+def _error_message(resp: httpx.Response) -> str:
+    try:
+        err = resp.json().get("error", {})
+        return f"{resp.status_code} {err.get('message', resp.text)} (param={err.get('param')})"
+    except ValueError:
+        return f"{resp.status_code} {resp.text[:200]}"
+
+
+class RolloutClient:
+    def __init__(self, servers: Sequence[str], timeout: float = 600.0, max_retries: int = 3,
+                 policy: str = "round_robin", retry_backoff: float = 0.25, chunk_size: int | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None):
+        if not servers:
+            raise ValueError("servers: at least one server URL is required")
+        if policy not in POLICIES:
+            raise ValueError(f"policy: {policy!r} is not one of {POLICIES}")
+        self.servers = [s.rstrip("/") for s in servers]
+        self.policy, self.max_retries, self.retry_backoff = policy, max_retries, retry_backoff
+        self.chunk_size = chunk_size
+        self.inflight = dict.fromkeys(self.servers, 0)
+        self._rr = itertools.cycle(range(len(self.servers)))
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=min(10.0, timeout)),
+                                       transport=transport)
+
+    async def __aenter__(self) -> RolloutClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    def _pick(self, exclude: str | None = None) -> str:
+        candidates = [s for s in self.servers if s != exclude] or self.servers
+        if self.policy == "least_loaded":
+            return min(candidates, key=lambda s: self.inflight[s])
+        while True:
+            server = self.servers[next(self._rr)]
+            if server in candidates:
+                return server
+
+    def _chunks(self, prompts: list[Prompt]) -> list[tuple[int, list[Prompt]]]:
+        """Contiguous (start index, prompts) chunks, each homogeneous (all text or all ids)."""
+        size = self.chunk_size or max(1, math.ceil(len(prompts) / len(self.servers)))
+        chunks: list[tuple[int, list[Prompt]]] = []
+        for i, p in enumerate(prompts):
+            last = chunks[-1] if chunks else None
+            if last and len(last[1]) < size and isinstance(last[1][0], str) == isinstance(p, str):
+                last[1].append(p)
+            else:
+                chunks.append((i, [p]))
+        return chunks
+
+    async def generate(self, prompts: Prompt | Sequence[Prompt], n: int = 1, **sampling) -> list[Rollout]:
+        """Sample `n` completions per prompt (text or token ids); sampling kwargs as in GenerateRequest."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = [p if isinstance(p, str) else list(p) for p in prompts]  # type: ignore[union-attr]
+        if not prompts:
+            return []
+        sampling.setdefault("return_trace", True)
+        chunks = self._chunks(prompts)
+        requests = []
+        for _, chunk in chunks:  # validate client-side with the shared schema before sending anything
+            key = "prompt" if isinstance(chunk[0], str) else "prompt_ids"
+            requests.append(GenerateRequest.model_validate({key: chunk, "n": n, **sampling}))
+        results = await asyncio.gather(*(self._send(req) for req in requests))
+        rollouts: list[Rollout] = []
+        for (start, _), (server, resp) in zip(chunks, results):
+            for s in resp.samples:
+                rollouts.append(Rollout(
+                    prompt_index=start + s.prompt_index, sample_index=s.index % n, prompt_ids=s.prompt_ids,
+                    completion_ids=s.completion_ids, text=s.text, finish_reason=s.finish_reason,
+                    version=s.version, logprobs=list(s.trace.logprobs) if s.trace else [], trace=s.trace,
+                    server=server))
+        rollouts.sort(key=lambda r: (r.prompt_index, r.sample_index))
+        return rollouts
+
+    async def _send(self, req: GenerateRequest) -> tuple[str, GenerateResponse]:
+        body = req.model_dump(exclude_unset=True)
+        num_prompts = len(req.prompt_list())
+        last_error, server = "", None
+        for attempt in range(self.max_retries + 1):
+            server = self._pick(exclude=server if attempt else None)
+            self.inflight[server] += num_prompts
+            try:
+                resp = await self._http.post(f"{server}/generate", json=body)
+            except (httpx.TransportError, httpx.TimeoutException) as e:
+                last_error, status = f"{server}: {type(e).__name__}: {e}", None
+            else:
+                if resp.status_code == 200:
+                    return server, GenerateResponse.model_validate_json(resp.content)
+                last_error, status = f"{server}: {_error_message(resp)}", resp.status_code
+                if resp.status_code not in _RETRY_STATUS:
+                    raise RolloutError(last_error, status)
+            finally:
+                self.inflight[server] -= num_prompts
+            if attempt < self.max_retries:
+                await asyncio.sleep(self.retry_backoff * 2 ** attempt)
+        raise RolloutError(f"generation failed after {self.max_retries + 1} attempt(s): {last_error}", status)
+
+    async def health(self) -> dict[str, HealthResponse | None]:
+        """GET /health of every server: its HealthResponse, or None when unreachable."""
+        async def one(server: str) -> HealthResponse | None:
+            try:
+                resp = await self._http.get(f"{server}/health", timeout=10.0)
+                return HealthResponse.model_validate_json(resp.content) if resp.status_code == 200 else None
+            except (httpx.HTTPError, ValueError):
+                return None
+        results = await asyncio.gather(*(one(s) for s in self.servers))
+        return dict(zip(self.servers, results))
+
+    async def wait_ready(self, timeout: float = 60.0, interval: float = 0.2) -> None:
+        """Wait until every server answers GET /ready with 200; TimeoutError otherwise."""
+        deadline = time.monotonic() + timeout
+        pending = list(self.servers)
+        while pending:
+            still = []
+            for server in pending:
+                try:
+                    resp = await self._http.get(f"{server}/ready", timeout=5.0)
+                    if resp.status_code != 200:
+                        still.append(server)
+                except httpx.HTTPError:
+                    still.append(server)
+            pending = still
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"servers not ready after {timeout:.0f}s: {', '.join(pending)}")
+            if pending:
+                await asyncio.sleep(interval)

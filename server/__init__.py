@@ -1,0 +1,10 @@
+"""server: the dlrl generation server (FastAPI + a continuous-batching block-diffusion engine).
+
+    dlrl serve --config configs/tiny.yaml [--host H] [--port P] [server.max_batch=32 ...]
+
+Files: config.py (ServerConfig), engine.py + scheduler.py (continuous batching in a
+background thread), backends/ (native dllm decoder; LMDeploy placeholder), app.py
+(create_app), routes_generate.py / routes_service.py (thin routes), generation.py and
+openai_api.py (request handling), errors.py, metrics.py, auth.py (admin bearer token),
+cli.py (`dlrl serve`). Schemas live in rollout_client.protocol.
+"""

@@ -1,0 +1,65 @@
+"""create_app(engine, config): the FastAPI application of a dlrl server.
+
+    engine = Engine(NativeBackend.from_pretrained(path), max_queue=256, model_name="tiny")
+    app = create_app(engine, ServerConfig())
+    uvicorn.run(app, host="127.0.0.1", port=8000)    # see server/cli.py
+
+The app starts the engine thread on startup and stops it on shutdown. State reachable
+from handlers: `request.app.state.engine`, `.config`, `.metrics`, `.admin_token`.
+Routers: generation (`/generate`, `/v1/*`), service (`/health`, `/ready`, `/metrics`,
+`/admin/*`) and, when present, `server.routes_weights` (`/weights/*`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from server import routes_generate, routes_service
+from server.auth import resolve_admin_token
+from server.config import ServerConfig
+from server.engine import Engine
+from server.errors import install_error_handlers
+from server.metrics import ServerMetrics
+
+log = logging.getLogger("dlrl.server")
+
+
+def _weights_router():
+    try:
+        routes_weights = importlib.import_module("server.routes_weights")
+    except ModuleNotFoundError as e:
+        if e.name != "server.routes_weights":
+            raise
+        log.warning("server.routes_weights not available: /weights/* endpoints disabled")
+        return None
+    return routes_weights.router
+
+
+def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
+    config = config or ServerConfig()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="dlrl server", version="0.1.0", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.config = config
+    app.state.admin_token = resolve_admin_token(config.admin_token)
+    app.state.metrics = ServerMetrics(engine)
+    install_error_handlers(app)
+    app.include_router(routes_generate.router)
+    app.include_router(routes_service.router)
+    app.include_router(routes_service.admin)
+    weights = _weights_router()
+    if weights is not None:
+        app.include_router(weights)
+    if not app.state.admin_token:
+        log.info("no admin token configured: admin endpoints are disabled")
+    return app

@@ -1,0 +1,57 @@
+"""Admin authentication: a FastAPI dependency checking a bearer token.
+
+    from fastapi import APIRouter, Depends
+    from server.auth import require_admin
+
+    router = APIRouter(dependencies=[Depends(require_admin)])
+
+The token comes from `ServerConfig.admin_token`, else the `DLRL_ADMIN_TOKEN`
+environment variable (resolved once by `server.app.create_app` into
+`app.state.admin_token`). With no token configured the admin endpoints are
+disabled (403 "admin disabled"), never open. A missing/malformed header is 401,
+a wrong token 403. Tokens are compared in constant time.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+
+from fastapi import HTTPException, Request
+
+ENV_VAR = "DLRL_ADMIN_TOKEN"
+
+
+def resolve_admin_token(configured: str | None) -> str:
+    """The effective admin token: the configured one, else the env var, else "" (disabled)."""
+    return (configured or os.environ.get(ENV_VAR, "") or "").strip()
+
+
+def _app_token(request: Request) -> str:
+    state = request.app.state
+    token = getattr(state, "admin_token", None)
+    if token is None:  # app built without create_app (e.g. a bare router in a test)
+        config = getattr(state, "config", None)
+        token = resolve_admin_token(getattr(config, "admin_token", None))
+    return token
+
+
+def check_bearer(expected: str, authorization: str | None) -> None:
+    """Raise HTTPException unless `authorization` is `Bearer <expected>`."""
+    if not expected:
+        raise HTTPException(status_code=403, detail="admin disabled: no admin token configured "
+                            f"(set server.admin_token or {ENV_VAR})")
+    if not authorization:
+        raise HTTPException(status_code=401, detail="missing bearer token",
+                            headers={"WWW-Authenticate": "Bearer"})
+    scheme, _, given = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        raise HTTPException(status_code=401, detail="malformed Authorization header (expected 'Bearer <token>')",
+                            headers={"WWW-Authenticate": "Bearer"})
+    if not hmac.compare_digest(given.strip().encode(), expected.encode()):
+        raise HTTPException(status_code=403, detail="invalid admin token")
+
+
+async def require_admin(request: Request) -> None:
+    """FastAPI dependency: 403 when admin is disabled, 401 missing token, 403 wrong token."""
+    check_bearer(_app_token(request), request.headers.get("authorization"))

@@ -1,0 +1,79 @@
+"""The native backend: dllm's `BlockDecoder` (PyTorch; CPU SDPA, CUDA FlexAttention in bf16).
+
+    backend = NativeBackend.from_pretrained("runs/tiny/model", device="auto", dtype="auto",
+                                            max_batch=16, max_model_len=0)
+
+The decoder gets its own tokenizer instance (it decodes text and applies stop strings in
+the engine thread) while `backend.tokenizer` is used by HTTP handlers on the event loop,
+so no tokenizer object is shared between threads.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dllm.decoding import BlockDecoder, Sequence
+from dllm.weights import load_pretrained, parse_dtype
+from server.backends.base import Backend
+
+log = logging.getLogger("dlrl.server")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device in ("", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype in ("", "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return parse_dtype(dtype)
+
+
+class NativeBackend(Backend):
+    name = "native"
+
+    def __init__(self, model: Any, tokenizer: Any, *, max_batch: int, max_model_len: int = 0):
+        cfg = model.config
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.block_size, self.vocab_size, self.mask_token_id = cfg.block_size, cfg.vocab_size, cfg.mask_token_id
+        self.max_len = max_model_len or cfg.max_position_embeddings
+        self.max_batch = max_batch
+        decode_tok = copy.deepcopy(tokenizer) if tokenizer is not None else None
+        self.decoder = BlockDecoder(model, max_batch=max_batch, max_len=self.max_len, tokenizer=decode_tok)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, device: str = "auto", dtype: str = "auto",
+                        max_batch: int = 16, max_model_len: int = 0) -> NativeBackend:
+        from dllm.tokenizer import load_tokenizer
+
+        dev = resolve_device(device)
+        model = load_pretrained(path, device=dev, dtype=resolve_dtype(dtype, dev))
+        log.info("loaded %s on %s (%s, %.1fM params)", path, dev, model.dtype,
+                 sum(p.numel() for p in model.parameters()) / 1e6)
+        return cls(model, load_tokenizer(path), max_batch=max_batch, max_model_len=max_model_len)
+
+    def new_sequence(self, prompt_ids: list[int], params: Any) -> Sequence:
+        return self.decoder.new_sequence(prompt_ids, params)
+
+    def add(self, seqs: list[Sequence]) -> None:
+        self.decoder.add(seqs)
+
+    def step(self, seqs: list[Sequence]) -> list[Sequence]:
+        return self.decoder.step(seqs)
+
+    def release(self, seq: Sequence) -> None:
+        self.decoder.release(seq)
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.decoder.num_free_slots
+
+    def close(self) -> None:
+        self.decoder.cache = None

@@ -1,0 +1,87 @@
+"""`dlrl serve`: load a model and serve the generation API with uvicorn.
+
+    dlrl serve --config configs/tiny.yaml [--host 127.0.0.1] [--port 8000] [--model DIR] \
+        [server.max_batch=32 server.admin_token=... ...]
+
+`server.model` empty (the default) serves the embedded tiny default, trained on first use
+by `dllm.tiny.ensure_default_model`. Binds 127.0.0.1 unless told otherwise. The admin
+token comes from `server.admin_token` or the DLRL_ADMIN_TOKEN environment variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from pathlib import Path
+
+from dllm.configlib import ConfigError
+from server.config import ServerConfig, load_server_config
+
+log = logging.getLogger("dlrl.server")
+DEFAULT_CONFIG = "configs/tiny.yaml"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dlrl serve", description="Serve a block-diffusion LM over HTTP.")
+    p.add_argument("--config", default=None, help=f"YAML config with a `server` section (default {DEFAULT_CONFIG} "
+                                                   "when it exists)")
+    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="TCP port (default 8000)")
+    p.add_argument("--model", default=None, help="model folder (HF layout); default: the embedded tiny model")
+    p.add_argument("overrides", nargs="*", help="config overrides, e.g. server.max_batch=32")
+    return p
+
+
+def resolve_model(config: ServerConfig, config_path: str | None) -> str:
+    """The model folder to serve: `config.model`, or the embedded default (trained if missing)."""
+    if config.model:
+        if not Path(config.model).is_dir():
+            raise SystemExit(f"server.model: {config.model!r} is not a directory")
+        return config.model
+    from dllm.tiny import ensure_default_model
+
+    log.info("no server.model given: using the embedded tiny default (trains it first if missing)")
+    return str(ensure_default_model(config_path or DEFAULT_CONFIG))
+
+
+def build_engine(config: ServerConfig, model_path: str):
+    from server.backends import create_backend
+    from server.engine import Engine
+
+    backend = create_backend(config.backend, model_path, device=config.device, dtype=config.dtype,
+                             max_batch=config.max_batch, max_model_len=config.max_model_len)
+    return Engine(backend, max_queue=config.max_queue, model_name=config.model_name(model_path))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    config_path = args.config or (DEFAULT_CONFIG if Path(DEFAULT_CONFIG).is_file() else None)
+    try:
+        config = load_server_config(config_path, args.overrides)
+        changes = {k: v for k, v in (("host", args.host), ("port", args.port), ("model", args.model)) if v is not None}
+        config = dataclasses.replace(config, **changes)
+        config.validate()
+    except ConfigError as e:
+        parser.error(str(e))
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import uvicorn
+
+    from server.app import create_app
+
+    model_path = resolve_model(config, config_path)
+    engine = build_engine(config, model_path)
+    app = create_app(engine, config)
+    log.info("serving model %s (%s) from %s with backend %s, max_batch=%d, max_model_len=%d",
+             engine.model_name, getattr(engine.model, "dtype", "?"), model_path, config.backend,
+             config.max_batch, engine.max_model_len)
+    log.info("listening on http://%s:%d (admin endpoints %s)", config.host, config.port,
+             "enabled" if app.state.admin_token else "disabled: no admin token")
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level.lower())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

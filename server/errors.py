@@ -1,0 +1,111 @@
+"""Error responses: every failure is a JSON `{"error": {message, type, param, code}}` body.
+
+`APIError(status, message, param)` is raised by handlers and the engine for bad requests
+(400), prompts over the length limit (413), a full queue (429), a paused or missing
+model (503). `install_error_handlers(app)` maps pydantic validation errors (malformed
+JSON, wrong types, out-of-range values) to 400 with `param` naming the field, HTTP
+errors (404, 405, auth) to the same body shape, and anything unexpected to a logged 500.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("dlrl.server")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+          429: "rate_limit_error", 503: "service_unavailable"}
+_FIELD_PREFIX = re.compile(r"^(?:Value error, )?([A-Za-z_][\w.]*): (.*)$", re.S)
+
+
+class APIError(Exception):
+    """A client-visible error; `param` names the offending request field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+    @classmethod
+    def from_value_error(cls, e: ValueError, status: int = 400) -> APIError:
+        """Convert a dllm `ValueError("<field>: <message>")` into a 400 naming the field."""
+        match = _FIELD_PREFIX.match(str(e))
+        return cls(status, str(e), match.group(1) if match else None)
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "error"), "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None):
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+def _is_type_tag(part) -> bool:
+    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _param_of(err: dict) -> str | None:
+    loc = [p for p in err.get("loc", ()) if not _is_type_tag(p)]
+    if loc and loc[0] in ("body", "query", "path", "header"):
+        loc = loc[1:]
+    if not loc or err.get("type") == "json_invalid":
+        match = _FIELD_PREFIX.match(err.get("msg", ""))
+        return match.group(1) if match else ("body" if err.get("type") == "json_invalid" else None)
+    return ".".join(str(p) for p in loc)
+
+
+def validation_error_response(exc: RequestValidationError) -> JSONResponse:
+    errors = list(exc.errors())
+    if not errors:
+        return error_response(400, "invalid request")
+    first = errors[0]
+    param = _param_of(first)
+    if first.get("type") == "json_invalid":
+        message = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}"
+    elif first.get("type") == "missing" and param:
+        message = f"{param}: field required"
+    else:
+        msg = _FIELD_PREFIX.sub(r"\2", first.get("msg", "invalid value"))
+        message = f"{param}: {msg}" if param else msg
+    if len(errors) > 1 and len({_param_of(e) for e in errors}) > 1:
+        message += f" (and {len(errors) - 1} more error(s))"
+    return error_response(400, message, param)
+
+
+COUNTED = ("/generate", "/v1/completions", "/v1/chat/completions")
+
+
+def _count(request: Request, status: int) -> None:
+    metrics = getattr(request.app.state, "metrics", None)
+    if metrics is not None and request.url.path in COUNTED:
+        metrics.observe_request(request.url.path, status)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        _count(request, exc.status)
+        return error_response(exc.status, exc.message, exc.param, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        _count(request, 400)
+        return validation_error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        return error_response(exc.status_code, message, None, getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        _count(request, 500)
+        return error_response(500, f"internal error: {type(exc).__name__}")

@@ -1,0 +1,52 @@
+"""Routes of the generation API: native `POST /generate` and the OpenAI-compatible `/v1/*`.
+
+    curl -s localhost:8000/generate -d '{"prompt": "12+7=", "n": 2, "max_tokens": 8, "seed": 0}'
+    curl -s localhost:8000/v1/completions -d '{"prompt": "12+7=", "max_tokens": 8, "stream": true}'
+
+Handlers stay thin: validation, batching and response building live in
+`server.generation` and `server.openai_api`; schemas in `rollout_client.protocol`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+
+from rollout_client import protocol as P
+from server import openai_api
+from server.generation import prepare, run_to_completion, to_sample
+
+router = APIRouter()
+
+
+@router.post("/generate", response_model=P.GenerateResponse)
+async def generate(body: P.GenerateRequest, request: Request) -> P.GenerateResponse:
+    st, t0 = request.app.state, time.perf_counter()
+    openai_api.check_model(body.model, st.engine.model_name)
+    field = "prompt" if body.prompt is not None else "prompt_ids"
+    max_tokens = body.max_tokens if "max_tokens" in body.model_fields_set else None
+    seqs = prepare(st.engine, st.config, body.prompt_list(), body, max_tokens, body.n, field)
+    seqs = await run_to_completion(st.engine, request, seqs)
+    samples = [to_sample(s, i, body.n, body.return_trace) for i, s in enumerate(seqs)]
+    usage = openai_api._usage(seqs, body.n)
+    st.metrics.observe_request("/generate", 200, time.perf_counter() - t0, usage.prompt_tokens)
+    return P.GenerateResponse(id=P.new_id("gen"), model=st.engine.model_name,
+                              version=max(s.version for s in samples), samples=samples, usage=usage)
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(body: P.CompletionRequest, request: Request):
+    return await openai_api.completions(body, request)
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(body: P.ChatCompletionRequest, request: Request):
+    return await openai_api.chat(body, request)
+
+
+@router.get("/v1/models", response_model=P.ModelList)
+async def models(request: Request) -> P.ModelList:
+    engine = request.app.state.engine
+    return P.ModelList(data=[P.ModelCard(id=engine.model_name, max_model_len=engine.max_model_len,
+                                         version=engine.version)])

@@ -1,0 +1,72 @@
+"""Service routes: health, readiness, Prometheus metrics, and admin pause/resume.
+
+    GET  /health          always 200 while the process serves (model, version, paused, queue)
+    GET  /ready           200 when the engine runs and admits requests, else 503
+    GET  /metrics         Prometheus text format (per-app registry)
+    POST /admin/pause     {"abort_inflight": false}  (bearer token)  -> EngineStatus
+    POST /admin/resume                                (bearer token)  -> EngineStatus
+    GET  /admin/status                                (bearer token)  -> EngineStatus
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request, Response
+
+from rollout_client import protocol as P
+from server.auth import require_admin
+from server.errors import error_response
+from server.metrics import CONTENT_TYPE
+
+router = APIRouter()
+admin = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
+
+
+def _health(engine) -> P.HealthResponse:
+    status = "ok" if engine.is_running else "stopped"
+    return P.HealthResponse(status=status, model=engine.model_name, version=engine.version,
+                            is_paused=engine.is_paused, num_running=engine.num_running,
+                            num_waiting=engine.num_waiting)
+
+
+def _status(engine) -> P.EngineStatus:
+    return P.EngineStatus(is_paused=engine.is_paused, version=engine.version,
+                          num_running=engine.num_running, num_waiting=engine.num_waiting)
+
+
+@router.get("/health", response_model=P.HealthResponse)
+async def health(request: Request) -> P.HealthResponse:
+    return _health(request.app.state.engine)
+
+
+@router.get("/ready", response_model=P.HealthResponse)
+async def ready(request: Request):
+    engine = request.app.state.engine
+    if not engine.is_running or engine.model is None:
+        return error_response(503, "not ready: model not loaded or engine stopped")
+    if engine.is_paused:
+        return error_response(503, "not ready: engine paused (weight update in progress?)")
+    return _health(engine)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@admin.post("/pause", response_model=P.EngineStatus)
+async def pause(request: Request, body: P.PauseRequest | None = None) -> P.EngineStatus:
+    engine = request.app.state.engine
+    await engine.pause(abort_inflight=bool(body and body.abort_inflight))
+    return _status(engine)
+
+
+@admin.post("/resume", response_model=P.EngineStatus)
+async def resume(request: Request) -> P.EngineStatus:
+    engine = request.app.state.engine
+    await engine.resume()
+    return _status(engine)
+
+
+@admin.get("/status", response_model=P.EngineStatus)
+async def status(request: Request) -> P.EngineStatus:
+    return _status(request.app.state.engine)

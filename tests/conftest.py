@@ -1,0 +1,117 @@
+"""Shared fixtures: a tiny random SDAR model + char tokenizer, and real uvicorn servers on loopback.
+
+    def test_x(server):            # the main server: max_batch=8, admin token "secret"
+        httpx.post(server.url + "/generate", json={"prompt": "1+2=", "max_tokens": 8})
+        server.engine.max_batch_seen
+
+`make_server(**config)` starts more servers with other limits (session-scoped, each in
+its own thread, on a free port); all stop at the end of the session.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from dllm.model import SDARForCausalLM
+from dllm.sft import TinyModelConfig, make_model_config
+from dllm.tokenizer import build_char_tokenizer
+from dllm.weights import save_pretrained
+
+ADMIN_TOKEN = "secret"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A randomly initialised tiny SDAR model (block_size 4, char tokenizer) in HF layout."""
+    path = tmp_path_factory.mktemp("tiny-random")
+    tok = build_char_tokenizer(path)
+    torch.manual_seed(0)
+    arch = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    save_pretrained(SDARForCausalLM(make_model_config(arch, tok)), path)
+    return str(path)
+
+
+@dataclass
+class RunningServer:
+    url: str
+    engine: Any
+    app: Any
+    config: Any
+    server: Any
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir: str, **overrides) -> RunningServer:
+    import uvicorn
+
+    from server.app import create_app
+    from server.backends.native import NativeBackend
+    from server.config import ServerConfig
+    from server.engine import Engine
+
+    config = ServerConfig(model=model_dir, port=_free_port(), device="cpu", dtype="float32", **overrides)
+    backend = NativeBackend.from_pretrained(model_dir, device="cpu", dtype="float32", max_batch=config.max_batch,
+                                            max_model_len=config.max_model_len)
+    engine = Engine(backend, max_queue=config.max_queue, model_name=config.model_name())
+    app = create_app(engine, config)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=config.port, log_level="warning",
+                                           lifespan="on", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, daemon=True, name=f"uvicorn-{config.port}")
+    thread.start()
+    url = f"http://127.0.0.1:{config.port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return RunningServer(url, engine, app, config, server, thread)
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    raise RuntimeError(f"server on {url} did not start")
+
+
+@pytest.fixture(scope="session")
+def make_server(tiny_model_dir):
+    started: list[RunningServer] = []
+    saved = os.environ.pop("DLRL_ADMIN_TOKEN", None)  # tests decide the token explicitly
+
+    def make(**overrides) -> RunningServer:
+        srv = start_server(tiny_model_dir, **overrides)
+        started.append(srv)
+        return srv
+
+    yield make
+    for srv in started:
+        srv.stop()
+    if saved is not None:
+        os.environ["DLRL_ADMIN_TOKEN"] = saved
+
+
+@pytest.fixture(scope="session")
+def server(make_server) -> RunningServer:
+    """The main test server: 8 slots, queue 64, max_model_len 256, admin token 'secret'."""
+    return make_server(max_batch=8, max_queue=64, max_model_len=256, admin_token=ADMIN_TOKEN)
+
+
+@pytest.fixture
+def admin_headers() -> dict:
+    return {"Authorization": f"Bearer {ADMIN_TOKEN}"}

@@ -1,0 +1,128 @@
+"""Engine + Scheduler with a fake backend: continuous batching order, failures, versions, backends."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dllm.decoding import Sequence
+from dllm.sampling import SamplingParams
+from server.backends import BackendUnavailable, create_backend
+from server.backends.base import Backend
+from server.engine import Engine, QueueFull
+
+
+class FakeBackend(Backend):
+    """Commits one token per step; a sequence finishes at max_tokens."""
+
+    block_size, max_len, mask_token_id, vocab_size = 4, 64, 1, 10
+
+    def __init__(self, max_batch: int = 2):
+        self.max_batch, self.free, self.batches, self.fail = max_batch, max_batch, [], False
+
+    def new_sequence(self, prompt_ids, params):
+        return Sequence(prompt_ids, params, self.block_size, self.mask_token_id)
+
+    def add(self, seqs):
+        for s in seqs:
+            s.slot, self.free = self.free, self.free - 1
+
+    def step(self, seqs):
+        if self.fail:
+            raise RuntimeError("boom")
+        self.batches.append(sorted(s.prompt_ids[0] for s in seqs))
+        done = []
+        for s in seqs:
+            s.completion_ids.append(5)
+            if len(s.completion_ids) >= s.params.max_tokens:
+                s.finish_reason = "length"
+                self.release(s)
+                done.append(s)
+        return done
+
+    def release(self, seq):
+        if seq.slot is not None:
+            self.free, seq.slot = self.free + 1, None
+        seq.finish_reason = seq.finish_reason or "abort"
+
+    @property
+    def num_free_slots(self):
+        return self.free
+
+
+def run_engine(fn, max_batch=2, max_queue=8):
+    engine = Engine(FakeBackend(max_batch), max_queue=max_queue).start()
+    try:
+        return asyncio.run(fn(engine))
+    finally:
+        engine.shutdown()
+
+
+def seqs(engine, first_id, max_tokens):
+    return engine.make_sequences([[first_id]], SamplingParams(max_tokens=max_tokens))
+
+
+def test_sequences_join_and_leave_the_running_batch():
+    async def main(engine):
+        await engine.pause()  # queue all three first, so the schedule is deterministic
+        reqs = [engine.submit(seqs(engine, i, n)) for i, n in ((2, 2), (3, 5), (4, 3))]
+        await engine.resume()
+        await asyncio.gather(*(engine.wait(r) for r in reqs))
+        return engine.backend.batches
+
+    batches = run_engine(main)
+    # 2 and 3 start together; 4 takes 2's slot as soon as it finishes, while 3 keeps running
+    assert batches[:2] == [[2, 3], [2, 3]] and batches[2:5] == [[3, 4]] * 3
+
+
+def test_version_stamped_at_admission_and_n_seeds():
+    async def main(engine):
+        engine.version = 7
+        s = engine.make_sequences([[2]], SamplingParams(max_tokens=1, seed=10), n=3)
+        assert [x.params.seed for x in s] == [10, 11, 12]
+        return await engine.wait(engine.submit(s))
+
+    assert {s.trace.version for s in run_engine(main, max_batch=4)} == {7}
+
+
+def test_step_failure_fails_requests_and_engine_survives():
+    async def main(engine):
+        engine.backend.fail = True
+        with pytest.raises(RuntimeError, match="boom"):
+            await engine.wait(engine.submit(seqs(engine, 2, 3)))
+        engine.backend.fail = False
+        done = await engine.wait(engine.submit(seqs(engine, 3, 2)))
+        return done, engine.backend.free
+
+    done, free = run_engine(main)
+    assert done[0].finish_reason == "length" and free == 2
+
+
+def test_queue_full_and_abort_waiting():
+    async def main(engine):
+        await engine.pause()  # nothing is admitted while paused
+        a = engine.submit(seqs(engine, 2, 3) + seqs(engine, 3, 3))
+        with pytest.raises(QueueFull):
+            engine.submit(seqs(engine, 4, 3))
+        engine.abort(a)
+        assert [s.finish_reason for s in await engine.wait(a)] == ["abort", "abort"]
+        assert engine.num_waiting == 0
+        await engine.resume()
+
+    run_engine(main, max_queue=2)
+
+
+def test_listener_errors_do_not_stop_decoding():
+    async def main(engine):
+        engine.add_step_listener(lambda stats: 1 / 0)
+        return await engine.wait(engine.submit(seqs(engine, 2, 2)))
+
+    assert run_engine(main)[0].finish_reason == "length"
+
+
+def test_backend_factory_errors(tiny_model_dir):
+    with pytest.raises(BackendUnavailable, match="lmdeploy"):
+        create_backend("lmdeploy", tiny_model_dir)  # CPU box / no lmdeploy: clear refusal
+    with pytest.raises(BackendUnavailable, match="unknown"):
+        create_backend("vllm", tiny_model_dir)
