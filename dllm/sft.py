@@ -26,7 +26,7 @@ from dllm.decoding import generate
 from dllm.model import SDARForCausalLM
 from dllm.sampling import SamplingParams
 from dllm.task import ArithmeticTask
-from dllm.tokenizer import build_char_tokenizer, encode
+from dllm.tokenizer import IM_END, build_char_tokenizer, encode
 from dllm.weights import save_pretrained
 
 log = logging.getLogger("dlrl.sft")
@@ -69,8 +69,9 @@ class SFTConfig:
 
 
 def make_model_config(arch: TinyModelConfig, tokenizer) -> SDARConfig:
+    im_end = tokenizer.convert_tokens_to_ids(IM_END)  # chat turns end with <|im_end|>
     return SDARConfig(vocab_size=len(tokenizer), mask_token_id=tokenizer.mask_token_id,
-                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
+                      eos_token_id=[tokenizer.eos_token_id, im_end], pad_token_id=tokenizer.eos_token_id,
                       torch_dtype="float32", **asdict(arch))
 
 

@@ -51,11 +51,17 @@ def build_char_tokenizer(out_dir: str | Path, chars: str = CHARS):
 def load_tokenizer(path: str | Path):
     """Load a tokenizer folder with AutoTokenizer (no network)."""
     from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     p = Path(path)
     if not (p / "tokenizer.json").is_file() and not (p / "tokenizer_config.json").is_file():
         raise FileNotFoundError(f"no tokenizer.json / tokenizer_config.json in {p}")
-    return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # AutoTokenizer warns about the unknown "sdar" config type
+    try:
+        return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def encode(tokenizer, text: str) -> list[int]:

@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     module, func = COMMANDS[argv[0]]
     import importlib
 

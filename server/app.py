@@ -51,7 +51,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     app = FastAPI(title="dlrl server", version="0.1.0", lifespan=lifespan)
     app.state.engine = engine
     app.state.config = config
-    app.state.admin_token = resolve_admin_token(config.admin_token)
+    app.state.admin_token = resolve_admin_token(config.admin_token, config.admin_token_file)
     app.state.metrics = ServerMetrics(engine)
     install_error_handlers(app)
     app.include_router(routes_generate.router)

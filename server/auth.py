@@ -6,8 +6,9 @@
     router = APIRouter(dependencies=[Depends(require_admin)])
 
 The token comes from `ServerConfig.admin_token`, else the `DLRL_ADMIN_TOKEN`
-environment variable (resolved once by `server.app.create_app` into
-`app.state.admin_token`). With no token configured the admin endpoints are
+environment variable, else `ServerConfig.admin_token_file` (a file holding the token;
+created with a random token, mode 0600, when missing, so a trainer on the same host can
+read it), resolved once by `server.app.create_app` into `app.state.admin_token`. With no token configured the admin endpoints are
 disabled (403 "admin disabled"), never open. A missing/malformed header is 401,
 a wrong token 403. Tokens are compared in constant time.
 """
@@ -16,15 +17,27 @@ from __future__ import annotations
 
 import hmac
 import os
+import secrets
+from pathlib import Path
 
 from fastapi import HTTPException, Request
 
 ENV_VAR = "DLRL_ADMIN_TOKEN"
 
 
-def resolve_admin_token(configured: str | None) -> str:
-    """The effective admin token: the configured one, else the env var, else "" (disabled)."""
-    return (configured or os.environ.get(ENV_VAR, "") or "").strip()
+def resolve_admin_token(configured: str | None, token_file: str | None = None) -> str:
+    """The effective admin token: the configured one, else the env var, else the token
+    file (created with a random token if missing), else "" (disabled)."""
+    token = (configured or os.environ.get(ENV_VAR, "") or "").strip()
+    if token or not token_file:
+        return token
+    path = Path(token_file)
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(24) + "\n")
+    return path.read_text().strip()
 
 
 def _app_token(request: Request) -> str:
@@ -32,7 +45,7 @@ def _app_token(request: Request) -> str:
     token = getattr(state, "admin_token", None)
     if token is None:  # app built without create_app (e.g. a bare router in a test)
         config = getattr(state, "config", None)
-        token = resolve_admin_token(getattr(config, "admin_token", None))
+        token = resolve_admin_token(getattr(config, "admin_token", None), getattr(config, "admin_token_file", None))
     return token
 
 

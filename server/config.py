@@ -31,6 +31,7 @@ class ServerConfig:
     max_queue: int = 256             # max waiting sequences before 429
     max_model_len: int = 0           # prompt + completion limit; 0 = model max_position_embeddings
     admin_token: str = ""
+    admin_token_file: str = ""       # read (or create) the token here when none is set otherwise
     log_level: str = "info"
     # defaults for requests that leave these unset
     default_max_tokens: int = 64

@@ -106,7 +106,8 @@ class RunContext:
         if not cfg.resume:  # a fresh run starts fresh logs
             (self.out / "metrics.jsonl").unlink(missing_ok=True)
             shutil.rmtree(self.out / "tb", ignore_errors=True)
-        self.logger = MetricsLogger(self.out, total_steps=cfg.num_steps, tensorboard=cfg.tensorboard)
+        self.logger = MetricsLogger(self.out, total_steps=cfg.num_steps + (1 if cfg.eval_every else 0),
+                                    tensorboard=cfg.tensorboard)
         return self
 
     def _model_dir(self) -> Path:

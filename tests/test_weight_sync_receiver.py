@@ -1,0 +1,245 @@
+"""Unit tests of WeightReceiver: validation, state machine, checksums, timeout; weights untouched on failure.
+
+    .venv/bin/python -m pytest -q tests/test_weight_sync_receiver.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from weight_sync import UpdateConflict, UpdateFailed, WeightReceiver, weights_digest
+from weight_sync.bucket import pack_stream, plan_buckets, specs_of
+from weight_sync.errors import ManifestError
+from weight_sync.manifest import Manifest, crc32
+from weight_sync.transports.shm import ShmRegion
+
+
+def tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(40, 8, generator=g), "b": torch.randn(8, generator=g).bfloat16(),
+            "n": torch.randn(8, generator=g)}
+
+
+class Served:
+    """A served 'model' (dict of tensors) plus a receiver applying into it."""
+
+    def __init__(self, timeout_s: float = 30.0):
+        self.params = tensors(0)
+        self.applied = 0
+        self.fail_apply = False
+        self.rx = WeightReceiver(lambda: self.params, self.apply, timeout_s=timeout_s)
+
+    def apply(self, named):
+        if self.fail_apply:
+            raise ValueError("boom")
+        for name, t in named:
+            self.params[name].copy_(t)
+        self.applied += 1
+
+    def digest(self) -> str:
+        return weights_digest(self.params)
+
+
+def packed(named: dict[str, torch.Tensor], version: int, bucket_bytes: int = 512) -> tuple[Manifest, list]:
+    m = plan_buckets(specs_of(named.items()), bucket_bytes, version)
+    bufs = [b.clone() for _, b in pack_stream(m, iter(named.items()), lambda i, n: torch.empty(n, dtype=torch.uint8))]
+    return m, bufs
+
+
+def send_http(rx: WeightReceiver, version: int, bufs: list, with_header: bool = True) -> list[int]:
+    crcs = [crc32(b) for b in bufs]
+    for i, b in enumerate(bufs):
+        rx.bucket_buffer(i, version).copy_(b)
+        rx.bucket_written(i, b.numel(), crcs[i] if with_header else None, version)
+    return crcs
+
+
+@pytest.fixture
+def served():
+    s = Served()
+    yield s
+    s.rx.close()
+
+
+def test_http_flow_applies_and_bumps_version(served):
+    new = tensors(1)
+    m, bufs = packed(new, 1)
+    info = served.rx.begin(1, "http", m.to_json())
+    assert info["num_buckets"] == len(bufs) > 1
+    crcs = send_http(served.rx, 1, bufs, with_header=False)
+    served.rx.commit(1, crcs)
+    assert served.rx.version == 1 and served.digest() == weights_digest(new) == served.rx.digest()
+    assert served.rx.status()["update"] is None
+
+
+def test_shm_flow_in_process(served):
+    new, region = tensors(2), ShmRegion()
+    try:
+        m = plan_buckets(specs_of(new.items()), 512, 4)
+        opts = region.prepare(m)
+        bufs = [b for _, b in pack_stream(m, iter(new.items()), region.bucket)]
+        served.rx.begin(4, "shm", m.to_dict(), opts)
+        served.rx.commit(4, [crc32(b) for b in bufs])
+        assert served.rx.version == 4 and served.digest() == weights_digest(new)
+    finally:
+        served.rx.close()
+        region.close()
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda t: t.update(extra=torch.zeros(2)), "unknown to the served model"),
+        (lambda t: t.pop("n"), "missing 1 tensor"),
+        (lambda t: t.update(w=torch.zeros(8, 40)), r"\(w\).shape"),
+        (lambda t: t.update(b=torch.zeros(8)), r"\(b\).dtype: 'float32' but served is 'bfloat16'"),
+    ],
+)
+def test_begin_rejects_mismatched_manifest(served, change, match):
+    before = served.digest()
+    bad = tensors(1)
+    change(bad)
+    m, _ = packed(bad, 1)
+    with pytest.raises(ManifestError, match=match):
+        served.rx.begin(1, "http", m.to_dict())
+    assert served.rx.status()["update"] is None and served.digest() == before and served.rx.version == 0
+
+
+def test_begin_conflicts(served):
+    m, _ = packed(tensors(1), 0)
+    with pytest.raises(UpdateConflict, match="not greater than the current version 0"):
+        served.rx.begin(0, "http", m)
+    m, _ = packed(tensors(1), 2)
+    with pytest.raises(ManifestError, match="manifest.version: 2 != request version 3"):
+        served.rx.begin(3, "http", m)
+    with pytest.raises(ManifestError, match="transport"):
+        served.rx.begin(2, "carrier-pigeon", m)
+    served.rx.begin(2, "http", m)
+    m3, _ = packed(tensors(1), 3)
+    with pytest.raises(UpdateConflict, match="already receiving"):
+        served.rx.begin(3, "http", m3)
+
+
+def test_commit_without_begin_and_wrong_version(served):
+    with pytest.raises(UpdateConflict, match="no weight update in progress"):
+        served.rx.commit(1)
+    m, bufs = packed(tensors(1), 1)
+    served.rx.begin(1, "http", m)
+    with pytest.raises(UpdateConflict, match="request says 2"):
+        served.rx.commit(2)
+
+
+def test_truncated_and_corrupt_buckets_leave_weights_unchanged(served):
+    before = served.digest()
+    m, bufs = packed(tensors(1), 1)
+    served.rx.begin(1, "http", m)
+    rx = served.rx
+    rx.bucket_buffer(0, 1)[:10].copy_(bufs[0][:10])
+    with pytest.raises(UpdateFailed, match="truncated, got 10 of"):
+        rx.bucket_written(0, 10, crc32(bufs[0]), 1)
+    rx.bucket_buffer(0, 1).copy_(bufs[0])
+    with pytest.raises(UpdateFailed, match="checksum mismatch"):
+        rx.bucket_written(0, bufs[0].numel(), crc32(bufs[0]) ^ 1, 1)
+    with pytest.raises(UpdateFailed, match="incomplete"):
+        rx.commit(1)
+    assert rx.status()["update"] is None and served.digest() == before and rx.version == 0 and not served.applied
+
+
+def test_bad_commit_checksum_aborts(served):
+    before = served.digest()
+    m, bufs = packed(tensors(1), 1)
+    served.rx.begin(1, "http", m)
+    crcs = send_http(served.rx, 1, bufs, with_header=False)
+    crcs[-1] ^= 0xFF
+    with pytest.raises(UpdateFailed, match=f"checksum mismatch in bucket\\(s\\) \\[{len(bufs) - 1}\\]"):
+        served.rx.commit(1, crcs)
+    assert served.rx.status()["update"] is None and served.digest() == before
+    assert "checksum mismatch" in served.rx.status()["last_failure"]
+
+
+def test_missing_checksum_is_an_error(served):
+    m, bufs = packed(tensors(1), 1)
+    served.rx.begin(1, "http", m)
+    send_http(served.rx, 1, bufs, with_header=False)
+    with pytest.raises(UpdateFailed, match="no checksum"):
+        served.rx.commit(1)
+
+
+def test_apply_failure_keeps_version(served):
+    m, bufs = packed(tensors(1), 1)
+    served.rx.begin(1, "http", m)
+    send_http(served.rx, 1, bufs)
+    served.fail_apply = True
+    with pytest.raises(UpdateFailed, match="apply failed: boom"):
+        served.rx.commit(1)
+    assert served.rx.version == 0 and served.rx.status()["update"] is None
+
+
+def test_abort_and_verified_state(served):
+    assert served.rx.abort() is False
+    m, bufs = packed(tensors(1), 1)
+    served.rx.begin(1, "http", m)
+    assert served.rx.abort(version=2) is False  # another version: nothing to abort
+    assert served.rx.abort(version=1, reason="test") is True
+    assert "aborted: test" in served.rx.status()["last_failure"]
+    served.rx.begin(1, "http", m)  # same version may begin again after an abort
+    send_http(served.rx, 1, bufs)
+    served.rx.verify(1)
+    with pytest.raises(UpdateConflict, match="verified"):
+        served.rx.abort()
+    served.rx.apply(1)
+    assert served.rx.version == 1 and served.digest() == weights_digest(tensors(1))
+
+
+def test_stale_begin_times_out():
+    s = Served(timeout_s=0.3)
+    before = s.digest()
+    m, bufs = packed(tensors(1), 1)
+    s.rx.begin(1, "http", m)
+    s.rx.bucket_buffer(0, 1).copy_(bufs[0])
+    s.rx.bucket_written(0, bufs[0].numel(), crc32(bufs[0]), 1)
+    deadline = time.monotonic() + 5
+    while s.rx.status()["update"] is not None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert "timed out" in s.rx.status()["last_failure"]
+    with pytest.raises(UpdateConflict, match="no weight update in progress.*timed out"):
+        s.rx.commit(1)
+    assert s.digest() == before and s.rx.version == 0
+    s.rx.begin(1, "http", m)  # a new update can start
+    send_http(s.rx, 1, bufs)
+    s.rx.commit(1)
+    assert s.rx.version == 1
+    s.rx.close()
+
+
+def test_shm_begin_with_unknown_region(served):
+    m, _ = packed(tensors(1), 1)
+    with pytest.raises(ManifestError, match="does not exist"):
+        served.rx.begin(1, "shm", m, {"name": "dlrl_ws_no_such_region", "offsets": [0] * len(m.buckets)})
+    with pytest.raises(ManifestError, match="shm transport needs"):
+        served.rx.begin(1, "shm", m, {})
+
+
+def test_staging_reused_across_updates_but_not_after_an_interrupted_write(served):
+    rx = served.rx
+    m1, bufs = packed(tensors(1), 1)
+    rx.begin(1, "http", m1)
+    first = rx.bucket_buffer(0, 1)
+    rx.abort(reason="bucket 0 still streaming")  # an http body may still be writing into `first`
+    rx.begin(1, "http", m1)
+    second = rx.bucket_buffer(0, 1)
+    assert second.data_ptr() != first.data_ptr()
+    rx.bucket_written(0, None, None, 1)
+    send_http(rx, 1, bufs)
+    rx.commit(1)
+    m2, bufs2 = packed(tensors(2), 2)
+    rx.begin(2, "http", m2)
+    assert rx.bucket_buffer(0, 2).data_ptr() == second.data_ptr()  # same layout: no new allocation
+    rx.bucket_written(0, None, None, 2)
+    send_http(rx, 2, bufs2)
+    rx.commit(2)
+    assert served.digest() == weights_digest(tensors(2))

@@ -1,0 +1,148 @@
+"""The /weights/* admin routes (server.routes_weights) in-process: status codes, messages, engine window.
+
+    .venv/bin/python -m pytest -q tests/test_weight_sync_routes.py
+
+Uses FastAPI's TestClient on a minimal app with a fake engine, and once a real
+`dllm.model.SDARForCausalLM` (tied embeddings) with `dllm.weights.copy_into_model`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from server import routes_weights
+from weight_sync import weights_digest
+from weight_sync.bucket import pack_stream, plan_buckets, specs_of
+from weight_sync.manifest import crc32
+
+TOKEN = "tok"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module):
+        self.model, self.version, self.is_paused, self.calls = model, 0, False, []
+
+    async def pause(self, abort_inflight: bool = False) -> None:
+        self.is_paused = True
+        self.calls.append(("pause", abort_inflight))
+
+    async def resume(self) -> None:
+        self.is_paused = False
+        self.calls.append(("resume",))
+
+
+def tiny_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4).bfloat16())
+
+
+def make_client(model: torch.nn.Module) -> tuple[TestClient, Engine]:
+    app = FastAPI()
+    app.state.engine, app.state.admin_token = Engine(model), TOKEN
+    app.include_router(routes_weights.router)
+    return TestClient(app), app.state.engine
+
+
+def packed(model: torch.nn.Module, version: int) -> tuple[dict, list[torch.Tensor]]:
+    named = list(model.named_parameters())
+    m = plan_buckets(specs_of(named), 256, version)
+    bufs = [b.clone() for _, b in pack_stream(m, iter(named), lambda i, n: torch.empty(n, dtype=torch.uint8))]
+    return m.to_dict(), bufs
+
+
+def put(client: TestClient, i: int, data: bytes, version: int = 1, crc: int | str | None = None):
+    headers = {**AUTH, "X-Weights-Version": str(version)}
+    if crc is not None:
+        headers["X-Bucket-Checksum"] = str(crc)
+    return client.put(f"/weights/bucket/{i}", content=data, headers=headers)
+
+
+def http_update(client: TestClient, src: torch.nn.Module, version: int, **commit) -> dict:
+    manifest, bufs = packed(src, version)
+    r = client.post("/weights/begin", json={"version": version, "transport": "http", "manifest": manifest},
+                    headers=AUTH)
+    assert r.status_code == 200, r.text
+    for i, b in enumerate(bufs):
+        assert put(client, i, b.numpy().tobytes(), version, crc32(b)).status_code == 200
+    r = client.post("/weights/commit", json={"version": version, **commit}, headers=AUTH)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_auth_required():
+    client, _ = make_client(tiny_model(0))
+    assert client.get("/weights/version").status_code == 401
+    assert client.get("/weights/version", headers={"Authorization": "Bearer nope"}).status_code == 403
+
+
+def test_http_update_pauses_applies_resumes():
+    client, engine = make_client(tiny_model(0))
+    src = tiny_model(1)
+    assert http_update(client, src, 1) == {"version": 1}
+    assert engine.version == 1 and engine.calls == [("pause", False), ("resume",)]
+    digest = client.get("/weights/checksum", headers=AUTH).json()
+    assert digest == {"version": 1, "digest": weights_digest(src.named_parameters())}
+    status = client.get("/weights/version", headers=AUTH).json()
+    assert status["version"] == 1 and status["update"] is None and status["is_paused"] is False
+
+
+def test_admin_paused_engine_stays_paused_and_abort_inflight_passes_through():
+    client, engine = make_client(tiny_model(0))
+    engine.is_paused = True
+    http_update(client, tiny_model(1), 1, abort_inflight=True)
+    assert engine.is_paused and engine.calls == [("pause", True)]
+
+
+def test_error_statuses_and_messages():
+    client, engine = make_client(tiny_model(0))
+    manifest, bufs = packed(tiny_model(1), 1)
+    begin = {"version": 1, "transport": "http", "manifest": manifest}
+    r = client.post("/weights/commit", json={"version": 1}, headers=AUTH)
+    assert r.status_code == 409 and "no weight update in progress" in r.json()["detail"]
+    assert client.post("/weights/begin", json={**begin, "transport": "smoke"}, headers=AUTH).status_code == 422
+    assert client.post("/weights/begin", json={"version": 1}, headers=AUTH).status_code == 422
+    bad = {**manifest, "entries": manifest["entries"][1:]}
+    r = client.post("/weights/begin", json={**begin, "manifest": bad}, headers=AUTH)
+    assert r.status_code == 400 and "begin: manifest: missing 1 tensor" in r.json()["detail"]
+    assert client.post("/weights/begin", json=begin, headers=AUTH).status_code == 200
+    r = client.post("/weights/begin", json={**begin, "version": 2,
+                                            "manifest": {**manifest, "version": 2}}, headers=AUTH)
+    assert r.status_code == 409 and "already receiving" in r.json()["detail"]
+    raw = bufs[0].numpy().tobytes()
+    r = put(client, 0, raw[:-3], crc=crc32(bufs[0]))
+    assert r.status_code == 400 and "truncated" in r.json()["detail"]
+    r = put(client, 0, raw + b"xx")
+    assert r.status_code == 400 and "longer than" in r.json()["detail"]
+    r = put(client, 0, raw, crc=crc32(bufs[0]) ^ 1)
+    assert r.status_code == 400 and "checksum mismatch" in r.json()["detail"]
+    assert put(client, 0, raw, crc="abc").status_code == 400
+    assert put(client, 99, raw).status_code == 400
+    assert put(client, 0, raw, version=7).status_code == 409
+    r = client.post("/weights/commit", json={"version": 1}, headers=AUTH)
+    assert r.status_code == 400 and "incomplete" in r.json()["detail"]
+    assert engine.version == 0 and engine.calls == []  # never paused: nothing was applied
+    assert client.post("/weights/begin", json=begin, headers=AUTH).status_code == 200
+    assert client.post("/weights/abort", json={"reason": "test"}, headers=AUTH).json()["aborted"] is True
+    assert client.post("/weights/abort", headers=AUTH).json() == {"aborted": False, "version": 0}
+    engine.version = 5  # the engine's version is the source of truth
+    r = client.post("/weights/begin", json=begin, headers=AUTH)
+    assert r.status_code == 409 and "not greater than the current version 5" in r.json()["detail"]
+
+
+def test_real_sdar_model_with_tied_embeddings():
+    dllm_config = pytest.importorskip("dllm.config")
+    dllm_model = pytest.importorskip("dllm.model")
+    cfg = dllm_config.SDARConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                 tie_word_embeddings=True, mask_token_id=63, eos_token_id=62)
+    torch.manual_seed(0)
+    served, trained = dllm_model.SDARForCausalLM(cfg), dllm_model.SDARForCausalLM(cfg)
+    client, engine = make_client(served)
+    http_update(client, trained, 1)
+    digest = client.get("/weights/checksum", headers=AUTH).json()["digest"]
+    assert digest == weights_digest(trained.named_parameters())
+    assert torch.equal(served.lm_head.weight, trained.model.embed_tokens.weight)

@@ -1,0 +1,38 @@
+"""Errors of the weight-sync channel, each carrying the HTTP status the server maps it to.
+
+    try:
+        receiver.begin(version, "shm", manifest)
+    except UpdateConflict as e:   # e.http_status == 409
+        ...
+
+`ManifestError` (400, also a ValueError) : the manifest or a bucket does not match the model.
+`UpdateConflict` (409)                    : stale version, an update already running, no update.
+`UpdateFailed` (400)                      : bad data: truncated bucket, checksum mismatch, ...
+`WeightSyncError`                         : base class; the sender raises it for any failed push.
+"""
+
+from __future__ import annotations
+
+
+class WeightSyncError(RuntimeError):
+    """A weight update failed; the message names the server, the step and the problem."""
+
+    http_status = 400
+
+
+class ManifestError(WeightSyncError, ValueError):
+    """The manifest is malformed or does not match the served model (HTTP 400)."""
+
+    http_status = 400
+
+
+class UpdateConflict(WeightSyncError):
+    """The request conflicts with the receiver's state: version, concurrency (HTTP 409)."""
+
+    http_status = 409
+
+
+class UpdateFailed(WeightSyncError):
+    """The data of an update is incomplete or corrupt; the update was aborted (HTTP 400)."""
+
+    http_status = 400

@@ -1,0 +1,7 @@
+"""Data planes of the weight-sync channel: `shm` (same host), `dist` (torch.distributed), `http`.
+
+Each module has a sender half (used by weight_sync.sender) and a receiver half (used by
+weight_sync.receiver). The control plane (begin/commit/abort) is always admin HTTP.
+"""
+
+TRANSPORTS = ("shm", "dist", "http")

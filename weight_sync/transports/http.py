@@ -1,0 +1,76 @@
+"""HTTP data plane (slow fallback, any network): one `PUT /weights/bucket/{index}` per bucket.
+
+Sender:   put_bucket(client, "http://host:8000", index=2, buf=bucket, checksum=crc, version=7)
+Receiver: n = await read_body_into(request.stream(), staging_bucket)   # route handler
+
+The body is the bucket's raw bytes (`application/octet-stream`, Content-Length set);
+headers carry the update version and the bucket's crc32 so the server can reject a bad
+bucket at once (it verifies again at commit). The body is streamed straight into the
+receiver's staging tensor: no pickle, no intermediate `bytes` of the whole bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import torch
+
+from weight_sync.errors import UpdateFailed
+
+CHUNK_BYTES = 4 << 20
+VERSION_HEADER = "X-Weights-Version"
+CHECKSUM_HEADER = "X-Bucket-Checksum"
+
+
+def _chunks(buf: torch.Tensor, chunk: int = CHUNK_BYTES) -> Iterator[memoryview]:
+    mv = memoryview(buf.numpy())  # buf: [nbytes] uint8, contiguous CPU
+    for start in range(0, len(mv), chunk):
+        yield mv[start : start + chunk]
+
+
+def put_bucket(
+    client: Any, base_url: str, index: int, buf: torch.Tensor, checksum: int, version: int,
+    headers: dict[str, str] | None = None,
+) -> Any:
+    """PUT one bucket with an httpx.Client; returns the response (caller checks status)."""
+    h = {
+        **(headers or {}),
+        "Content-Type": "application/octet-stream",
+        "Content-Length": str(buf.numel()),
+        VERSION_HEADER: str(version),
+        CHECKSUM_HEADER: str(checksum),
+    }
+    return client.put(f"{base_url.rstrip('/')}/weights/bucket/{index}", content=_chunks(buf), headers=h)
+
+
+def parse_int_header(headers: Any, name: str) -> int | None:
+    """An optional non-negative integer header; UpdateFailed if present but malformed."""
+    value = headers.get(name)
+    if value is None:
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise UpdateFailed(f"header {name}: expected an integer, got {value!r}") from None
+    if n < 0:
+        raise UpdateFailed(f"header {name}: expected a non-negative integer, got {n}")
+    return n
+
+
+async def read_body_into(stream: AsyncIterator[bytes], dest: torch.Tensor) -> int:
+    """Copy a streamed body into `dest` ([nbytes] uint8); returns bytes read.
+
+    Raises UpdateFailed if the body is longer than `dest` (the caller checks for short).
+    """
+    cap, pos = dest.numel(), 0
+    view = memoryview(dest.numpy())  # writes go straight into the staging tensor
+    async for chunk in stream:
+        n = len(chunk)
+        if not n:
+            continue
+        if pos + n > cap:
+            raise UpdateFailed(f"body is longer than the bucket's {cap} bytes")
+        view[pos : pos + n] = chunk
+        pos += n
+    return pos
