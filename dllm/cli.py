@@ -22,7 +22,7 @@ def sft_main(argv: list[str]) -> int:
     ap.add_argument("overrides", nargs="*", help="key=value (e.g. sft.steps=200)")
     args = ap.parse_args(argv)
     try:
-        arch, task, sft = load_tiny_sections(args.config, args.overrides)
+        arch, task, sft = load_tiny_sections(args.config, args.overrides, primary="sft")
     except (ConfigError, ValueError) as e:
         ap.error(str(e))
     metrics = run_sft(arch, task, sft)

@@ -3,8 +3,8 @@
     cfg = load_section(TrainConfig, "configs/tiny.yaml", "train", ["train.num_steps=5"])
 
 A YAML file holds one mapping per section (`model`, `task`, `sft`, `server`, `train`).
-Overrides are `section.key=value` (or `key=value`, applied to every section that has
-the key); values are parsed as YAML scalars. Unknown keys and wrong types raise
+Overrides are `section.key=value`, or `key=value` for the command's own section;
+values are parsed as YAML scalars. Unknown keys and wrong types raise
 `ConfigError` naming the key.
 """
 
@@ -94,6 +94,11 @@ def _coerce(name: str, typ: Any, value: Any) -> Any:
             raise ConfigError(f"config key {name!r} must be an integer, got {value!r}")
         return int(value)
     if typ is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"config key {name!r} must be a number, got {value!r}")
         return float(value)
@@ -121,8 +126,11 @@ def build(cls: type[T], values: dict[str, Any], section: str = "") -> T:
 
 
 def load_section(cls: type[T], path: str | Path | None, section: str,
-                 overrides: list[str] | None = None) -> T:
-    """Read `section` of the YAML at `path` into `cls`, then apply overrides."""
+                 overrides: list[str] | None = None, bare_keys: bool = True) -> T:
+    """Read `section` of the YAML at `path` into `cls`, then apply overrides.
+
+    `section.key=value` overrides always apply; bare `key=value` ones only when
+    `bare_keys` (the section is the command's own: `train` for `dlrl train`, ...)."""
     data = dict(read_yaml(path).get(section) or {}) if path else {}
     names = {f.name for f in dataclasses.fields(cls)}
     for key, value in parse_overrides(overrides):
@@ -132,20 +140,18 @@ def load_section(cls: type[T], path: str | Path | None, section: str,
                 if sub not in names:
                     raise ConfigError(f"unknown config key {key!r}")
                 data[sub] = value
-        elif key in names:
+        elif bare_keys and key in names:
             data[key] = value
     return build(cls, data, section)
 
 
-def check_overrides(overrides: list[str] | None, sections: dict[str, type]) -> None:
-    """Raise if an override names no field of any known section."""
+def check_overrides(overrides: list[str] | None, sections: dict[str, type], primary: str) -> None:
+    """Raise unless every override names a field: `section.key` of a known section, or a
+    bare `key` of the `primary` section."""
     for key, _ in parse_overrides(overrides):
-        if "." in key:
-            sec, sub = key.split(".", 1)
-            cls = sections.get(sec)
-            if cls is None:
-                raise ConfigError(f"override {key!r}: unknown section {sec!r} (known: {', '.join(sections)})")
-            if sub not in {f.name for f in dataclasses.fields(cls)}:
-                raise ConfigError(f"unknown config key {key!r}")
-        elif not any(key in {f.name for f in dataclasses.fields(c)} for c in sections.values()):
-            raise ConfigError(f"unknown config key {key!r}")
+        sec, sub = key.split(".", 1) if "." in key else (primary, key)
+        cls = sections.get(sec)
+        if cls is None:
+            raise ConfigError(f"override {key!r}: unknown section {sec!r} (known: {', '.join(sections)})")
+        if sub not in {f.name for f in dataclasses.fields(cls)}:
+            raise ConfigError(f"unknown config key {sec}.{sub!r}")

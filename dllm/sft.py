@@ -49,7 +49,7 @@ class TinyModelConfig:
 @dataclass
 class SFTConfig:
     output_dir: str = "runs/tiny-sft"
-    steps: int = 400
+    steps: int = 600
     batch_size: int = 64
     lr: float = 3e-3
     warmup_steps: int = 20
@@ -153,7 +153,9 @@ def run_sft(arch: TinyModelConfig, task: ArithmeticTask, cfg: SFTConfig) -> dict
                "final_loss": loss.item(), "num_params": sum(p.numel() for p in model.parameters())}
     save_pretrained(model, tmp)
     (tmp / "sft_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    if out.exists():
+    if out.exists():  # replace an old model folder, never anything else
+        if any(out.iterdir()) and not (out / "config.json").is_file():
+            raise FileExistsError(f"sft.output_dir: {out} exists and is not a model folder; not replacing it")
         import shutil
         shutil.rmtree(out)
     tmp.rename(out)  # the folder appears only when complete

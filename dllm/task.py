@@ -25,6 +25,7 @@ class ArithmeticTask:
     max_digits: int = 3
     heldout_fraction: float = 0.1
     fixed_width: bool = True  # zero-pad operands to max_digits and the answer to max_digits + 1
+    teacher_carry_error: float = 0.0  # SFT demos drop the carries with this probability
     seed: int = 0
 
     def validate(self) -> None:
@@ -32,16 +33,28 @@ class ArithmeticTask:
             raise ValueError("max_digits: need 1 <= min_digits <= max_digits <= 9")
         if not 0 < self.heldout_fraction < 1:
             raise ValueError("heldout_fraction: must be in (0, 1)")
+        if not 0 <= self.teacher_carry_error <= 1:
+            raise ValueError("teacher_carry_error: must be in [0, 1]")
 
     def _split_of(self, a: int, b: int) -> str:
         h = int.from_bytes(hashlib.blake2b(f"{a}+{b}".encode(), digest_size=4).digest(), "little")
         return "heldout" if (h % 10_000) < self.heldout_fraction * 10_000 else "train"
 
-    def format(self, a: int, b: int) -> dict:
+    def format(self, a: int, b: int, total: int | None = None) -> dict:
+        total = a + b if total is None else total
         if self.fixed_width:
             w = self.max_digits
-            return {"prompt": f"{a:0{w}d}+{b:0{w}d}=", "answer": f"{a + b:0{w + 1}d}"}
-        return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
+            return {"prompt": f"{a:0{w}d}+{b:0{w}d}=", "answer": f"{total:0{w + 1}d}"}
+        return {"prompt": f"{a}+{b}=", "answer": str(total)}
+
+    @staticmethod
+    def carry_free_sum(a: int, b: int) -> int:
+        """Digit-wise sum mod 10: the answer of a teacher that forgets every carry."""
+        out, place = 0, 1
+        while a or b:
+            out += ((a % 10 + b % 10) % 10) * place
+            a, b, place = a // 10, b // 10, place * 10
+        return out
 
     def _draw(self, rng: random.Random) -> tuple[int, int]:
         def num():
@@ -62,9 +75,16 @@ class ArithmeticTask:
         return out
 
     def stream(self, seed: int):
-        """Endless training examples."""
+        """Endless SFT demonstrations from the train split. With `teacher_carry_error` p, a
+        demo of a problem that needs a carry shows the carry-free (wrong) answer with
+        probability p: an imperfect teacher, whose mistakes RL with the exact-match reward
+        can correct. The answer of `split()` examples is always the true sum."""
         rng = random.Random(f"stream-{seed}")
         while True:
             a, b = self._draw(rng)
-            if self._split_of(a, b) == "train":
+            if self._split_of(a, b) != "train":
+                continue
+            if self.teacher_carry_error and rng.random() < self.teacher_carry_error:
+                yield self.format(a, b, self.carry_free_sum(a, b))
+            else:
                 yield self.format(a, b)

@@ -21,10 +21,12 @@ log = logging.getLogger("dlrl.tiny")
 DEFAULT_CONFIG = "configs/tiny.yaml"
 
 
-def load_tiny_sections(config_path: str | Path | None = DEFAULT_CONFIG, overrides: list[str] | None = None):
-    arch = load_section(TinyModelConfig, config_path, "model", overrides)
-    task = load_section(ArithmeticTask, config_path, "task", overrides)
-    sft = load_section(SFTConfig, config_path, "sft", overrides)
+def load_tiny_sections(config_path: str | Path | None = DEFAULT_CONFIG, overrides: list[str] | None = None,
+                       primary: str | None = None):
+    """(model, task, sft) sections; bare `key=value` overrides apply to `primary` only."""
+    arch = load_section(TinyModelConfig, config_path, "model", overrides, bare_keys=primary == "model")
+    task = load_section(ArithmeticTask, config_path, "task", overrides, bare_keys=primary == "task")
+    sft = load_section(SFTConfig, config_path, "sft", overrides, bare_keys=primary == "sft")
     return arch, task, sft
 
 

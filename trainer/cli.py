@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 
 from dllm.configlib import ConfigError, check_overrides, load_section
 
@@ -33,28 +34,39 @@ def main(argv: list[str]) -> int:
     overrides = list(args.overrides) + (["train.resume=true"] if args.resume else [])
     try:
         sections = {"train": TrainConfig, "model": TinyModelConfig, "task": ArithmeticTask, "sft": SFTConfig}
-        check_overrides([o for o in overrides if not o.startswith("server.")], sections)
+        check_overrides([o for o in overrides if not o.startswith("server.")], sections, primary="train")
         cfg = load_section(TrainConfig, args.config, "train", overrides)
     except (ConfigError, ValueError) as e:
         ap.error(str(e))
+    from rollout_client.client import RolloutError
     from trainer.context import RunContext
-    from trainer.loop import train_loop
+    from weight_sync import WeightSyncError
 
     ctx = RunContext(cfg, args.config, overrides)
     try:
-        ctx.setup()
-        log.info("training %s on %s from version %d (%s, %s)", ctx.model_dir, ", ".join(cfg.servers),
-                 ctx.version, cfg.objective, cfg.mode)
-        if cfg.eval_every and ctx.start_step == 0:
-            acc = ctx.evaluate()
-            ctx.logger.log(0, {"version": ctx.version, "eval_accuracy": acc})
-            log.info("step 0: held-out greedy accuracy %.1f%%", 100 * acc)
-        last = train_loop(ctx)
-        final = ctx.export()
-        png = ctx.finish()
-        summary = {"final_model": str(final), "curves": str(png), "version": ctx.version,
-                   "eval_accuracy": last.get("eval_accuracy")}
-        print(json.dumps(summary, indent=2))
+        return _run(ctx, cfg)
+    except (RuntimeError, ValueError, FileNotFoundError, WeightSyncError, RolloutError) as e:
+        log.error("training stopped: %s", e)
+        print(f"dlrl train: error: {e}", file=sys.stderr)
+        return 1
     finally:
         ctx.close()
+
+
+def _run(ctx, cfg) -> int:
+    from trainer.loop import train_loop
+
+    ctx.setup()
+    log.info("training %s on %s from version %d (%s, %s)", ctx.model_dir, ", ".join(cfg.servers),
+             ctx.version, cfg.objective, cfg.mode)
+    if cfg.eval_every and ctx.start_step == 0:
+        acc = ctx.evaluate()
+        ctx.logger.log(0, {"version": ctx.version, "eval_accuracy": acc})
+        log.info("step 0: held-out greedy accuracy %.1f%%", 100 * acc)
+    last = train_loop(ctx)
+    final = ctx.export()
+    png = ctx.finish()
+    summary = {"final_model": str(final), "curves": str(png), "version": ctx.version,
+               "eval_accuracy": last.get("eval_accuracy")}
+    print(json.dumps(summary, indent=2))
     return 0

@@ -1,0 +1,138 @@
+"""End-to-end RL against a real `dlrl serve` process: weights change, versions, checksums,
+resume, and bad configs that stop with an error naming the cause."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from dllm.weights import load_pretrained
+from tests.conftest import _free_port
+from trainer.servers import wait_ready
+from weight_sync import weights_digest
+
+TOKEN = "e2e-token"
+
+
+def parity_reward(text: str, example: dict) -> float:
+    """A reward with variance on a random model: parity of a hash of the completion."""
+    return float(zlib.crc32(text.encode()) % 2)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir, tmp_path_factory):
+    """A real server subprocess on a free port."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path_factory.mktemp("srv") / "server.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "dlrl.cli", "serve", "--model", tiny_model_dir, "--port",
+                             str(port), "server.max_batch=64", "server.device=cpu", "server.dtype=float32"],
+                            env=dict(os.environ, DLRL_ADMIN_TOKEN=TOKEN), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(url, 120, proc)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def admin(url: str, path: str) -> dict:
+    return httpx.get(url + path, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30).json()
+
+
+def write_config(tmp: Path, url: str, model: str, **train) -> Path:
+    cfg = {"train": {"servers": [url], "model": model, "output_dir": str(tmp / "run"), "num_steps": 2,
+                     "prompts_per_step": 4, "group_size": 4, "max_tokens": 6, "eval_every": 0,
+                     "reward": "tests.test_trainer_e2e:parity_reward", "admin_token": TOKEN, "lr": 1e-3,
+                     "start_server": False, "tensorboard": False, **train}}
+    path = tmp / "cfg.yaml"
+    path.write_text(json.dumps(cfg))  # JSON is YAML
+    return path
+
+
+def run_train(config: Path, *overrides: str) -> int:
+    from trainer.cli import main
+    return main(["--config", str(config), *overrides])
+
+
+def test_two_steps_change_every_param_and_sync_the_server(served, tiny_model_dir, tmp_path):
+    v0 = admin(served, "/weights/version")["version"]
+    before = dict(load_pretrained(tiny_model_dir).named_parameters())
+    assert run_train(write_config(tmp_path, served, tiny_model_dir)) == 0
+    final = load_pretrained(tmp_path / "run" / "final")
+    changed = {n: not torch.equal(p, before[n]) for n, p in final.named_parameters()}
+    assert all(changed.values()), [n for n, c in changed.items() if not c]
+    assert admin(served, "/weights/version")["version"] == v0 + 2
+    assert admin(served, "/weights/checksum")["digest"] == weights_digest(final.named_parameters())
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in ("reward_mean", "time_rollout", "time_train", "time_sync", "tokens_per_forward", "staleness"):
+        assert key in rows[-1]
+    assert (tmp_path / "run" / "curves.png").stat().st_size > 1000
+
+
+def test_resume_after_a_crash(served, tiny_model_dir, tmp_path):
+    cfg = write_config(tmp_path, served, tiny_model_dir, checkpoint_every=1, num_steps=1)
+    assert run_train(cfg) == 0
+    v1 = admin(served, "/weights/version")["version"]
+    assert run_train(cfg, "num_steps=3", "--resume") == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    versions = [r["version"] for r in rows]
+    assert versions == sorted(versions) and len(set(versions)) == 3
+    assert admin(served, "/weights/version")["version"] > v1
+
+
+def test_overlap_mode_bounds_staleness(served, tiny_model_dir, tmp_path):
+    assert run_train(write_config(tmp_path, served, tiny_model_dir, mode="overlap", num_steps=3)) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["staleness"] for r in rows][1:] and max(r["staleness"] for r in rows) <= 1
+
+
+@pytest.mark.parametrize("override,message", [
+    ("objective=ppo2", "objective"),
+    ("reward=nowhere.module:fn", "nowhere.module"),
+    ("mode=async", "mode"),
+    ("no_such_key=1", "no_such_key"),
+])
+def test_bad_config_names_the_cause(served, tiny_model_dir, tmp_path, capsys, override, message):
+    cfg = write_config(tmp_path, served, tiny_model_dir)
+    try:
+        rc = run_train(cfg, override)
+    except SystemExit as e:  # argparse: config errors found before anything starts
+        rc = e.code
+    assert rc in (1, 2)
+    assert message in capsys.readouterr().err
+
+
+def test_unreachable_server_is_an_error(tiny_model_dir, tmp_path, capsys):
+    url = f"http://127.0.0.1:{_free_port()}"
+    assert run_train(write_config(tmp_path, url, tiny_model_dir)) == 1
+    assert url in capsys.readouterr().err
+
+
+def test_version_conflict_is_refused(served, tiny_model_dir, tmp_path):
+    from trainer.config import TrainConfig
+    from trainer.context import RunContext
+    from weight_sync import WeightSyncError, push
+
+    cfg = TrainConfig(servers=[served], model=tiny_model_dir, output_dir=str(tmp_path / "run"), admin_token=TOKEN,
+                      start_server=False, tensorboard=False, eval_every=0)
+    ctx = RunContext(cfg, None, []).setup()
+    try:
+        params = dict(ctx.engine.module.named_parameters())
+        push([served], params.items(), ctx.version + 5, transport="http", token=TOKEN)  # someone else moved on
+        with pytest.raises(WeightSyncError, match="version"):
+            ctx.push()
+        assert admin(served, "/weights/version")["version"] == ctx.version + 5
+    finally:
+        ctx.close()
