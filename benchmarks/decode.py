@@ -64,7 +64,7 @@ def cache_table(names, batches, prompt_len, max_tokens):
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, strategy="static", ignore_eos=True)
     for name in names:
         model = build(name)
-        run(model, 1, 8, 8, True, params)  # warm-up
+        run(model, 1, 8, max_tokens, True, params)  # warm-up
         for b in batches:
             n1, s1, _ = run(model, b, prompt_len, max_tokens, True, params)
             n2, s2, _ = run(model, b, prompt_len, max_tokens, False, params)

@@ -31,7 +31,10 @@ class MaskSpec:
     k_valid: torch.Tensor | None = None  # [B, Lk] bool
 
     def dense(self) -> torch.Tensor:
-        """Boolean mask [B, 1, Lq, Lk], True = may attend."""
+        """Boolean mask [B, 1, Lq, Lk], True = may attend (built once, shared by all layers)."""
+        cached = self.__dict__.get("_dense")
+        if cached is not None:
+            return cached
         qb = (self.q_pos // self.block_size)[:, :, None]
         kb = (self.k_pos // self.block_size)[:, None, :]
         if self.q_noisy is None:
@@ -44,7 +47,8 @@ class MaskSpec:
             allowed = allowed & self.k_valid[:, None, :]
         # a fully masked row (padding query) would give NaN: let it see itself-position 0 harmlessly
         allowed = allowed | ~allowed.any(-1, keepdim=True)
-        return allowed[:, None]
+        self.__dict__["_dense"] = allowed[:, None]
+        return self.__dict__["_dense"]
 
 
 def _backend(device: torch.device) -> str:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dllm.attention import MaskSpec
 from dllm.model import KVCache, SDARForCausalLM
 from dllm.sampling import SamplingParams, sample_tokens, sampling_logprobs
 from dllm.trace import Trace
@@ -184,9 +185,11 @@ class BlockDecoder:
             full = (s.prompt_ids + s.completion_ids + s.trace.tail_ids)[:s.block_start] + s.block_ids
             ids[r, :len(full)] = torch.tensor(full)
             valid[r, :len(full)] = True
-        logits = self.model(ids.to(dev), k_valid=valid.to(dev))
+        pos = torch.arange(L, device=dev).expand(len(seqs), L)
+        spec = MaskSpec(pos, pos, B, k_valid=valid.to(dev))
+        hidden = self.model.hidden_states(ids.to(dev), spec)  # [N, L, D]: the whole prefix again
         idx = torch.stack([torch.arange(s.block_start, s.end_pos) for s in seqs]).to(dev)
-        return logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))[:, :B]
+        return self.model.lm_head(hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1])))
 
     @torch.no_grad()
     def step(self, seqs: list[Sequence]) -> list[Sequence]:
