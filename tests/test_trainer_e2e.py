@@ -80,6 +80,28 @@ def test_two_steps_change_every_param_and_sync_the_server(served, tiny_model_dir
     assert (tmp_path / "run" / "curves.png").stat().st_size > 1000
 
 
+@pytest.mark.parametrize("overrides", [
+    ["objective=dipo", "kl_coef=0.1", "sync_transport=http"],
+    ["objective=random_masking"],
+    ["objective=coupled", "sync_transport=dist"],
+    ["use_value_model=true", "gamma=1.0", "lam=0.95", "norm=sequence"],
+    ["zero_stage=2", "shrink=2", "updates_per_step=2", "grad_accum=2"],
+])
+def test_objectives_and_options_run_end_to_end(served, tiny_model_dir, tmp_path, overrides):
+    v0 = admin(served, "/weights/version")["version"]
+    assert run_train(write_config(tmp_path, served, tiny_model_dir, num_steps=1), *overrides) == 0
+    final = load_pretrained(tmp_path / "run" / "final")
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    # +1 for the step, +1 more when the run first synced the server to its starting weights
+    assert admin(served, "/weights/version")["version"] == row["version"] in (v0 + 1, v0 + 2)
+    assert admin(served, "/weights/checksum")["digest"] == weights_digest(final.named_parameters())
+    assert row["num_rows"] > 0 and "pg_loss" in row
+    if "use_value_model=true" in overrides:
+        assert "value_loss" in row
+    if "kl_coef=0.1" in overrides:
+        assert "kl_ref" in row
+
+
 def test_resume_after_a_crash(served, tiny_model_dir, tmp_path):
     cfg = write_config(tmp_path, served, tiny_model_dir, checkpoint_every=1, num_steps=1)
     assert run_train(cfg) == 0
@@ -136,3 +158,15 @@ def test_version_conflict_is_refused(served, tiny_model_dir, tmp_path):
         assert admin(served, "/weights/version")["version"] == ctx.version + 5
     finally:
         ctx.close()
+
+
+def test_jsonl_prompts_with_math_reward(served, tiny_model_dir, tmp_path):
+    data = tmp_path / "math.jsonl"
+    data.write_text("\n".join(json.dumps({"question": f"What is {i}+{i}?", "ground_truth_answer": str(2 * i)})
+                              for i in range(12)) + "\n")
+    cfg = write_config(tmp_path, served, tiny_model_dir, num_steps=1, data=str(data), reward="math",
+                       chat_template=True, eval_every=1, eval_size=4)
+    assert run_train(cfg) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["step"] == 0 and "eval_accuracy" in rows[0]
+    assert rows[-1]["reward_mean"] == 0.0 and rows[-1]["frac_filtered_groups"] == 1.0

@@ -4,8 +4,8 @@
 
 A fresh server (real Engine, NativeBackend, tiny random SDAR model) receives pushes over
 http, shm and dist from this process; after each push `/weights/checksum` equals the
-trainer-side `weights_digest`, `/health` reports the new version, and generations
-carry it. A rejected push (stale version) leaves everything unchanged.
+trainer-side `weights_digest`, greedy generations equal the trainer-side model's,
+`/health` reports the new version, and generations carry it. A rejected push (stale version) leaves everything unchanged.
 """
 
 from __future__ import annotations
@@ -27,6 +27,27 @@ def perturb(model: torch.nn.Module, seed: int) -> None:
             p.add_(torch.randn(p.shape, generator=g) * 0.01)
 
 
+PROMPTS = ["1+2=", "34+5=", "hello"]
+
+
+def served_greedy(url: str) -> list[list[int]]:
+    body = {"prompt": PROMPTS, "max_tokens": 12, "temperature": 0, "strategy": "static", "ignore_eos": True}
+    r = httpx.post(url + "/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return [s["completion_ids"] for s in sorted(r.json()["samples"], key=lambda s: s["prompt_index"])]
+
+
+def local_greedy(model, model_dir: str) -> list[list[int]]:
+    from dllm.decoding import generate
+    from dllm.sampling import SamplingParams
+    from dllm.tokenizer import encode, load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    outs = generate(model, [encode(tok, p) for p in PROMPTS],
+                    SamplingParams(max_tokens=12, temperature=0, strategy="static", ignore_eos=True))
+    return [o.completion_ids for o in outs]
+
+
 def test_push_into_real_server(make_server, tiny_model_dir):
     from dllm.weights import load_pretrained
 
@@ -39,6 +60,7 @@ def test_push_into_real_server(make_server, tiny_model_dir):
         assert timings["num_buckets"] > 1
         served = httpx.get(srv.url + "/weights/checksum", headers=AUTH, timeout=30).json()
         assert served == {"version": version, "digest": weights_digest(trained.named_parameters())}, transport
+        assert served_greedy(srv.url) == local_greedy(trained, tiny_model_dir), transport
     assert httpx.get(srv.url + "/health", timeout=10).json()["version"] == 3
     r = httpx.post(srv.url + "/generate", json={"prompt": "1+2=", "max_tokens": 8, "n": 2}, timeout=60)
     assert r.status_code == 200, r.text

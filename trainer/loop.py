@@ -54,7 +54,7 @@ def token_advantages(ctx, rows, samples, rewards, seq_adv) -> tuple[torch.Tensor
     cfg = ctx.cfg
     if not cfg.use_value_model:
         per_sample = [torch.full((len(s.completion_ids),), float(seq_adv[i])) for i, s in enumerate(samples)]
-        return rows.gather(per_sample), {}
+        return rows.gather(per_sample) * _sequence_weights(cfg, rows, samples), {}
     values = ctx.learner.values(rows)  # [R, L]: V_j at the state that committed token j
     L = max(len(s.completion_ids) for s in samples)
     N = len(samples)
@@ -69,10 +69,21 @@ def token_advantages(ctx, rows, samples, rewards, seq_adv) -> tuple[torch.Tensor
         valid[i, :len(s.steps)] = True
     tok_r = sequence_to_token_rewards(rewards, step_ids, valid)
     returns, adv = stepwise_gae_batch(tok_r, tok_v, step_ids, valid, cfg.gamma, cfg.lam)
-    row_adv = rows.gather([adv[i].float() for i in range(N)])
+    row_adv = rows.gather([adv[i].float() for i in range(N)]) * _sequence_weights(cfg, rows, samples)
     row_ret = rows.gather([returns[i].float() for i in range(N)])
     vstats = ctx.learner.update_value(rows, values, row_ret)
     return row_adv, vstats
+
+
+def _sequence_weights(cfg, rows, samples) -> torch.Tensor | float:
+    """norm=sequence: weight each sample's tokens by mean_len / len, so every sequence counts
+    equally under the token-normalised loss (the PPO surrogate is positively homogeneous in
+    the advantage, so scaling advantages scales each token's term exactly)."""
+    if cfg.norm != "sequence":
+        return 1.0
+    lens = torch.tensor([max(1, len(s.completion_ids)) for s in samples], dtype=torch.float32)
+    scale = lens.mean() / lens  # [N]
+    return torch.where(rows.target, scale[rows.sample_idx.clamp(min=0)], torch.zeros(()))
 
 
 def rl_step(ctx, step: int) -> dict:
