@@ -53,6 +53,9 @@ class SDARConfig:
                      "num_attention_heads", "num_key_value_heads", "head_dim", "block_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ConfigValueError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
+        if self.max_position_embeddings % self.block_size:
+            raise ConfigValueError(f"block_size: {self.block_size} must divide max_position_embeddings "
+                                   f"({self.max_position_embeddings})")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigValueError("num_key_value_heads: must divide num_attention_heads "
                                    f"({self.num_attention_heads} % {self.num_key_value_heads} != 0)")

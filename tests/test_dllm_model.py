@@ -99,5 +99,7 @@ def test_bad_config_names_the_field():
         SDARConfig.from_dict({"model_type": "llama", "hidden_size": 8, "num_attention_heads": 2})
     with pytest.raises(ConfigValueError, match="num_key_value_heads"):
         SDARForCausalLM(tiny_config(num_key_value_heads=3))
+    with pytest.raises(ConfigValueError, match="block_size"):
+        tiny_config(block_size=3, max_position_embeddings=512).validate()
     with pytest.raises(ConfigValueError, match="mask_token_id"):
         tiny_config(mask_token_id=64).validate()

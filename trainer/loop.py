@@ -40,8 +40,7 @@ class Timer(dict):
 
 def sequence_advantages(cfg, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
     """-> (advantage per sample [N], keep mask [N], fraction of groups filtered)."""
-    adv = group_advantages(rewards, cfg.group_size, scale="std" if cfg.objective != "tracerl" or
-                           not cfg.use_value_model else "none")
+    adv = group_advantages(rewards, cfg.group_size)
     keep = torch.ones_like(rewards, dtype=torch.bool)
     frac = 0.0
     if cfg.filter_zero_variance:
@@ -114,7 +113,8 @@ def rl_step(ctx, step: int) -> dict:
             adv, vstats = token_advantages(ctx, rows, samples, rewards[kept_idx], seq_adv[kept_idx])
             train_metrics = ctx.learner.update(rows, old_lp, adv, weights) | vstats
     with t("sync"):
-        ctx.push()
+        if samples:  # weights changed: push them as version+1
+            ctx.push()
     versions = [r.version for r in batch.rollouts]
     return {
         "step": step + 1, "version": ctx.version, **train_metrics, **t,
@@ -125,7 +125,7 @@ def rl_step(ctx, step: int) -> dict:
         "adv_abs_mean": float(seq_adv[keep].abs().mean()) if keep.any() else 0.0,
         "response_length": sum(len(r.completion_ids) for r in batch.rollouts) / len(batch.rollouts),
         "tokens_per_forward": _tokens_per_forward(batch.rollouts),
-        "staleness": ctx.version - 1 - min(versions), "rollout_version_min": min(versions),
+        "staleness": ctx.version - (1 if samples else 0) - min(versions), "rollout_version_min": min(versions),
     }
 
 
