@@ -4,7 +4,7 @@
 
 `model=""` serves the embedded tiny default (`dllm.tiny.ensure_default_model`, trained on
 first use). `admin_token=""` falls back to the `DLRL_ADMIN_TOKEN` env var; with neither,
-admin endpoints are disabled. `max_model_len=0` means the model's max_position_embeddings.
+admin endpoints are disabled. `max_model_len=0` means min(max_position_embeddings, 8192).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class ServerConfig:
     dtype: str = "auto"              # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
     max_batch: int = 16              # max concurrently decoded sequences (KV-cache slots)
     max_queue: int = 256             # max waiting sequences before 429
-    max_model_len: int = 0           # prompt + completion limit; 0 = model max_position_embeddings
+    max_model_len: int = 0           # prompt + completion limit; 0 = min(max_position_embeddings, 8192)
     admin_token: str = ""
     admin_token_file: str = ""       # read (or create) the token here when none is set otherwise
     log_level: str = "info"

@@ -207,9 +207,13 @@ class RunContext:
         """Close the logs and draw the reward/accuracy curves."""
         from trainer.metrics_log import plot_curves
         self.logger.close()
-        return plot_curves(self.logger.path, self.out / "curves.png")
+        self.logger = None
+        return plot_curves(self.out / "metrics.jsonl", self.out / "curves.png")
 
     def close(self) -> None:
+        if getattr(self, "logger", None) is not None:
+            self.logger.close()
+            self.logger = None
         if self.rollouts is not None:
             self.rollouts.close()
         for s in self.servers_started:

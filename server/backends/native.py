@@ -22,6 +22,7 @@ from dllm.weights import load_pretrained, parse_dtype
 from server.backends.base import Backend
 
 log = logging.getLogger("dlrl.server")
+DEFAULT_MAX_LEN = 8192
 
 
 def resolve_device(device: str) -> torch.device:
@@ -43,7 +44,9 @@ class NativeBackend(Backend):
         cfg = model.config
         self.model, self.tokenizer = model.eval(), tokenizer
         self.block_size, self.vocab_size, self.mask_token_id = cfg.block_size, cfg.vocab_size, cfg.mask_token_id
-        self.max_len = max_model_len or cfg.max_position_embeddings
+        # 0 = the model's limit, capped so the preallocated KV cache of a real SDAR model
+        # (max_batch x max_len per layer) stays reasonable; set server.max_model_len to go higher
+        self.max_len = max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_LEN)
         self.max_batch = max_batch
         decode_tok = copy.deepcopy(tokenizer) if tokenizer is not None else None
         self.decoder = BlockDecoder(model, max_batch=max_batch, max_len=self.max_len, tokenizer=decode_tok)
