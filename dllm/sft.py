@@ -36,7 +36,7 @@ log = logging.getLogger("dlrl.sft")
 class TinyModelConfig:
     hidden_size: int = 128
     intermediate_size: int = 384
-    num_hidden_layers: int = 4
+    num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     head_dim: int = 32
@@ -49,9 +49,9 @@ class TinyModelConfig:
 @dataclass
 class SFTConfig:
     output_dir: str = "runs/tiny-sft"
-    steps: int = 600
+    steps: int = 900
     batch_size: int = 64
-    lr: float = 3e-3
+    lr: float = 1e-3  # 3e-3 often stalls for hundreds of steps on the loss plateau (~0.93)
     warmup_steps: int = 20
     weight_decay: float = 0.0
     t_min: float = 0.1

@@ -1,13 +1,22 @@
-"""The embedded synthetic task: multi-digit addition with an exact answer.
+"""The embedded synthetic task: fixed-width addition with an exact answer, and an imperfect teacher.
 
-    task = ArithmeticTask(max_digits=3)
-    task.split("train", 5)    # [{"prompt": "037+485=", "answer": "0522"}, ...]
+    task = ArithmeticTask(min_digits=2, max_digits=2, teacher_carry_error=0.6)
+    task.split("train", 5)    # [{"prompt": "37+85=", "answer": "122"}, ...]  (always the true sum)
     task.split("heldout", 200)
+    next(task.stream(seed=0)) # an SFT demonstration, from the imperfect teacher
 
 With `fixed_width` (default) operands are zero-padded to max_digits and the answer to
-max_digits + 1, so every digit has a fixed position. Problems are split deterministically by a hash of (a, b), so the held-out problems
-never appear in training. Prompts are plain text; the model completes the answer
-followed by the end-of-text token.
+max_digits + 1, so every digit has a fixed position. Problems are split deterministically
+by a hash of (a, b), so the held-out problems never appear in training. Prompts are plain
+text; the model completes the answer followed by the end-of-text token.
+
+The imperfect teacher (`teacher_carry_error` p): on a problem that needs a carry, an SFT
+demo shows the carry-free digit-wise sum (37+85 -> "012") with probability p, the true
+sum otherwise. With p > 0.5 a well-fit SFT model has learned both answers, but its greedy
+decode follows the majority (the carry-free mistake): held-out greedy accuracy is about
+the share of carry-free problems (~30% for 2-digit operands), while sampling still finds
+the right answer on ~25% of carry samples: enough for RL with the exact-match reward to
+flip the mode (configs/tiny.yaml: ~30% after SFT -> 80-90% after 60 RL steps).
 """
 
 from __future__ import annotations
@@ -21,11 +30,11 @@ SPLITS = ("train", "heldout")
 
 @dataclass
 class ArithmeticTask:
-    min_digits: int = 1
-    max_digits: int = 3
+    min_digits: int = 2
+    max_digits: int = 2
     heldout_fraction: float = 0.1
     fixed_width: bool = True  # zero-pad operands to max_digits and the answer to max_digits + 1
-    teacher_carry_error: float = 0.0  # SFT demos drop the carries with this probability
+    teacher_carry_error: float = 0.6  # SFT demos drop the carries with this probability
     seed: int = 0
 
     def validate(self) -> None:

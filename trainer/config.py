@@ -32,7 +32,7 @@ class TrainConfig:
     reward: str = "exact_match"  # exact_match | math | code | module:function
     overlong_buffer: int = 0
     # rollouts
-    num_steps: int = 40
+    num_steps: int = 60
     prompts_per_step: int = 32
     group_size: int = 8
     max_tokens: int = 8
