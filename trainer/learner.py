@@ -22,6 +22,11 @@ from trainer.replay import Rows, token_entropy, token_logprobs
 
 
 def _policy_loss(cfg, new_lp, old_lp, adv, mask, ref_lp, entropy):
+    """TraceRL's symmetric clip, or DiPO's asymmetric one. The random-masking / coupled
+    baselines also come here: on-policy (ratio 1) with their 1/t ELBO weights and
+    per-sequence normalisation folded into the advantages by `baseline_rows`, which gives
+    the same gradient as `objectives.random_masking_loss` / `coupled_loss` but lets them
+    share the mini-batch token normalisation of `update`."""
     name = cfg.objective
     fn = get_objective(name)
     if name == "tracerl":
