@@ -53,7 +53,8 @@ def baseline_rows(rows_like: Rows, objective: str, mask_id: int,
         noisy = torch.where(m, torch.full_like(rows_like.clean, mask_id), rows_like.clean)
         out.append(Rows(noisy, rows_like.clean, rows_like.pos, rows_like.valid, m, rows_like.sample_idx,
                         rows_like.token_idx, rows_like.row_sample))
-        weights.append(m.float() / tt.clamp(1e-6)[:, None] / (len(masks) * is_comp.sum(1).clamp(min=1)[:, None]))
+        per_seq = len(masks) * is_comp.sum(1).clamp(min=1)[:, None] * is_comp.shape[0]  # mean over sequences
+        weights.append(m.float() / tt.clamp(1e-6)[:, None] / per_seq)
     cat = Rows(*(torch.cat([getattr(r, f) for r in out]) for f in Rows.__dataclass_fields__))
     return cat, torch.cat(weights)
 
