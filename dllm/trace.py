@@ -22,17 +22,6 @@ class Trace:
     tail_ids: list[int] = field(default_factory=list)  # last block's tokens after the truncation point
     tail_steps: list[int] = field(default_factory=list)
 
-    def block_of(self, j: int) -> int:
-        """Absolute block index of completion token j."""
-        return (self.prompt_len + j) // self.block_size
-
-    def step_groups(self) -> dict[tuple[int, int], list[int]]:
-        """(block, step) -> completion token indices committed by that forward."""
-        groups: dict[tuple[int, int], list[int]] = {}
-        for j, s in enumerate(self.steps):
-            groups.setdefault((self.block_of(j), s), []).append(j)
-        return groups
-
     def to_dict(self) -> dict:
         return asdict(self)
 

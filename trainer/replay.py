@@ -54,11 +54,6 @@ class Rows:
             out[r, c] = torch.stack(vals)
         return out
 
-    def split(self, max_rows: int) -> list[Rows]:
-        n = self.noisy.shape[0]
-        return [Rows(*(getattr(self, f)[i:i + max_rows] for f in self.__dataclass_fields__))
-                for i in range(0, n, max_rows)]
-
 
 def _sample_rows(s: ReplaySample, block_size: int, mask_id: int, shrink: int):
     """-> list of (noisy ids, target flags, token idx) for one sample, plus its clean ids."""
