@@ -7,7 +7,7 @@ from dllm.decoding import generate
 from dllm.model import SDARForCausalLM
 from dllm.sampling import SamplingParams
 from tests.test_dllm_model import tiny_config
-from trainer.replay import ReplaySample, build_rows, completion_rows, token_logprobs
+from trainer.replay import build_rows, completion_rows, token_logprobs
 
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16], [30]]
 
@@ -19,8 +19,7 @@ def model():
 
 
 def as_samples(outs):
-    return [ReplaySample(o.prompt_ids, o.completion_ids, o.trace.steps, o.trace.tail_ids, o.trace.tail_steps)
-            for o in outs]
+    return outs  # GenerationOutput has what replay reads: prompt_ids, completion_ids, trace
 
 
 @pytest.mark.parametrize("strategy,steps", [("static", 2), ("static", 4), ("dynamic", None), ("sequential", 4)])

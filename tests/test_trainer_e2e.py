@@ -4,9 +4,6 @@ resume, and bad configs that stop with an error naming the cause."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import zlib
 from pathlib import Path
 
@@ -15,8 +12,7 @@ import pytest
 import torch
 
 from dllm.weights import load_pretrained
-from tests.conftest import _free_port
-from trainer.servers import wait_ready
+from tests.helpers import free_port, served_process
 from weight_sync import weights_digest
 
 TOKEN = "e2e-token"
@@ -30,19 +26,8 @@ def parity_reward(text: str, example: dict) -> float:
 @pytest.fixture(scope="module")
 def served(tiny_model_dir, tmp_path_factory):
     """A real server subprocess on a free port."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path_factory.mktemp("srv") / "server.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "dlrl.cli", "serve", "--model", tiny_model_dir, "--port",
-                             str(port), "server.max_batch=64", "server.device=cpu", "server.dtype=float32"],
-                            env=dict(os.environ, DLRL_ADMIN_TOKEN=TOKEN), stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_ready(url, 120, proc)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
+    with served_process(tiny_model_dir, TOKEN, tmp_path_factory.mktemp("srv")) as srv:
+        yield srv.url
 
 
 def admin(url: str, path: str) -> dict:
@@ -137,27 +122,28 @@ def test_bad_config_names_the_cause(served, tiny_model_dir, tmp_path, capsys, ov
 
 
 def test_unreachable_server_is_an_error(tiny_model_dir, tmp_path, capsys):
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     assert run_train(write_config(tmp_path, url, tiny_model_dir)) == 1
     assert url in capsys.readouterr().err
 
 
 def test_version_conflict_is_refused(served, tiny_model_dir, tmp_path):
     from trainer.config import TrainConfig
-    from trainer.context import RunContext
-    from weight_sync import WeightSyncError, push
+    from trainer.fleet import FleetError
+    from trainer.run import build_run
+    from weight_sync import push
 
     cfg = TrainConfig(servers=[served], model=tiny_model_dir, output_dir=str(tmp_path / "run"), admin_token=TOKEN,
                       start_server=False, tensorboard=False, eval_every=0)
-    ctx = RunContext(cfg, None, []).setup()
+    run = build_run(cfg, None, [])
     try:
-        params = dict(ctx.engine.module.named_parameters())
-        push([served], params.items(), ctx.version + 5, transport="http", token=TOKEN)  # someone else moved on
-        with pytest.raises(WeightSyncError, match="version"):
-            ctx.push()
-        assert admin(served, "/weights/version")["version"] == ctx.version + 5
+        params = dict(run.learner.engine.module.named_parameters())
+        push([served], params.items(), run.version + 5, transport="http", token=TOKEN)  # someone else moved on
+        with pytest.raises(FleetError, match="version"):
+            run.publisher.push()
+        assert admin(served, "/weights/version")["version"] == run.version + 5
     finally:
-        ctx.close()
+        run.close()
 
 
 def test_jsonl_prompts_with_math_reward(served, tiny_model_dir, tmp_path):

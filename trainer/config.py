@@ -21,6 +21,7 @@ class TrainConfig:
     servers: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8000"])
     start_server: bool = True  # start a local server (subprocess) when none is reachable
     server_start_timeout: float = 600.0
+    server_wait_s: float = 120.0  # a server down before a step is waited for this long, then an error
     admin_token: str = ""  # empty: env DLRL_ADMIN_TOKEN, then server.admin_token_file of the config
     model: str = ""  # policy to train; empty = the embedded default (trained by SFT if missing)
     output_dir: str = "runs/tiny-rl"
@@ -70,6 +71,10 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     # sync, eval, logging
     sync_transport: str = "shm"
+    sync_timeout: float = 300.0  # seconds a push may take before the servers drop it
+    sync_addr: str = "127.0.0.1"  # dist transport: the address servers reach rank 0 at
+    # ranks
+    nproc: int = 1  # local ranks started by `dlrl train` itself (ignored under torchrun / deepspeed)
     eval_every: int = 5
     eval_size: int = 200
     checkpoint_every: int = 0
@@ -95,7 +100,7 @@ class TrainConfig:
         if not self.servers:
             raise ValueError("train.servers: need at least one server URL")
         for name in ("num_steps", "prompts_per_step", "group_size", "max_tokens", "grad_accum",
-                     "updates_per_step", "shrink", "max_staleness"):
+                     "updates_per_step", "shrink", "max_staleness", "nproc"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name}: must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0:

@@ -1,23 +1,33 @@
-"""Learner: turns replayed rows into DeepSpeed updates of the policy (and the value model).
+"""Learner: turns replayed rows into DeepSpeed updates of the policy (and the value model),
+data-parallel over the job's ranks.
 
-One `update` per RL step: rows are split into `updates_per_step` mini-batches; each is
-one optimizer step made of exactly `grad_accum` micro-batches (DeepSpeed's fixed
-gradient accumulation), with the
-loss normalised over the whole mini-batch (token-level), so the result does not depend
-on how rows are split.
+    learner = Learner(cfg, ranks, policy_engine, mask_id, ref=ref_module, value=value_engine)
+    metrics = learner.update(rows, old_lp, adv, row_minibatch)     # one RL step's update
+    values = learner.values(rows); vmetrics = learner.update_value(rows, values, returns, row_minibatch)
 
-Policy objectives (TraceRL, DiPO) score replayed trace steps against the behaviour
-logprobs recorded by the server; the baselines (random-masking, coupled) score the
-completion under fresh random masks (see `baseline_rows`).
+Each rank holds the rows of its own samples. Row r belongs to mini-batch `row_minibatch[r]`
+(chosen from the GLOBAL sample index, so the split does not depend on the number of ranks);
+each mini-batch is one optimizer step made of exactly `grad_accum` micro-batches per rank
+(DeepSpeed's fixed gradient accumulation). The loss is token-normalised over the whole
+mini-batch across ALL ranks (the token count is all-reduced) and scaled so that DeepSpeed's
+gradient average over ranks gives the sum over every rank's tokens: an N-rank step makes the
+same update as one rank with the same global batch. Every rank runs every micro-batch
+forward, with a dummy row when it has none (ZeRO-3 gathers parameters collectively).
+Metrics are token-weighted means over all ranks (`*_max`: the maximum).
+
+Policy objectives (TraceRL, DiPO) score replayed trace steps against the behaviour logprobs
+recorded by the server; the baselines (random-masking, coupled) score the completion under
+fresh random masks (see `baseline_rows`).
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 
 import torch
 
-from trainer.objectives import complementary_masks, get_objective, random_mask, value_loss
+from trainer.dist import Ranks
+from trainer.objectives import complementary_masks, dipo_loss, random_mask, tracerl_loss, value_loss
 from trainer.replay import Rows, token_entropy, token_logprobs
 
 
@@ -27,20 +37,19 @@ def _policy_loss(cfg, new_lp, old_lp, adv, mask, ref_lp, entropy):
     per-sequence normalisation folded into the advantages by `baseline_rows`, which gives
     the same gradient as `objectives.random_masking_loss` / `coupled_loss` but lets them
     share the mini-batch token normalisation of `update`."""
-    name = cfg.objective
-    fn = get_objective(name)
-    if name == "tracerl":
-        return fn(new_lp, old_lp, adv, mask, eps_clip=cfg.eps_clip, ref_logprobs=ref_lp, kl_coef=cfg.kl_coef,
-                  log_ratio_clip=cfg.log_ratio_clip, norm="token", entropy=entropy)
-    return get_objective("dipo")(new_lp, old_lp, adv, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-                                 ref_logprobs=ref_lp, kl_coef=cfg.kl_coef, log_ratio_clip=cfg.log_ratio_clip,
-                                 entropy=entropy)
+    if cfg.objective == "dipo":
+        return dipo_loss(new_lp, old_lp, adv, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+                         ref_logprobs=ref_lp, kl_coef=cfg.kl_coef, log_ratio_clip=cfg.log_ratio_clip,
+                         entropy=entropy)
+    return tracerl_loss(new_lp, old_lp, adv, mask, eps_clip=cfg.eps_clip, ref_logprobs=ref_lp,
+                        kl_coef=cfg.kl_coef, log_ratio_clip=cfg.log_ratio_clip, norm="token", entropy=entropy)
 
 
-def baseline_rows(rows_like: Rows, objective: str, mask_id: int,
-                  generator: torch.Generator) -> tuple[Rows, torch.Tensor]:
+def baseline_rows(rows_like: Rows, objective: str, mask_id: int, generator: torch.Generator,
+                  num_sequences: int | None = None) -> tuple[Rows, torch.Tensor]:
     """For random-masking / coupled RL: one row (two for coupled) per sample with a random mask
-    over its completion tokens (instead of trace states). Returns rows and 1/t weights [R, L]."""
+    over its completion tokens (instead of trace states). Returns rows and 1/t weights [R, L],
+    which average over `num_sequences` (default: this batch's; give the global count)."""
     is_comp = rows_like.target
     if objective == "random_masking":
         mask, t = random_mask(is_comp, generator)
@@ -48,24 +57,67 @@ def baseline_rows(rows_like: Rows, objective: str, mask_id: int,
     else:
         mask, comp, t = complementary_masks(is_comp, generator)
         masks, ts = [mask, comp], [t, 1 - t]
+    num_seq = is_comp.shape[0] if num_sequences is None else num_sequences
     out, weights = [], []
     for m, tt in zip(masks, ts):
         noisy = torch.where(m, torch.full_like(rows_like.clean, mask_id), rows_like.clean)
         out.append(Rows(noisy, rows_like.clean, rows_like.pos, rows_like.valid, m, rows_like.sample_idx,
                         rows_like.token_idx, rows_like.row_sample))
-        per_seq = len(masks) * is_comp.sum(1).clamp(min=1)[:, None] * is_comp.shape[0]  # mean over sequences
+        per_seq = len(masks) * is_comp.sum(1).clamp(min=1)[:, None] * num_seq  # mean over sequences
         weights.append(m.float() / tt.clamp(1e-6)[:, None] / per_seq)
     cat = Rows(*(torch.cat([getattr(r, f) for r in out]) for f in Rows.__dataclass_fields__))
     return cat, torch.cat(weights)
 
 
+def _select(rows: Rows, idx: torch.Tensor) -> Rows:
+    return Rows(*(getattr(rows, f)[idx] for f in Rows.__dataclass_fields__))
+
+
+def _dummy_rows(like: Rows) -> Rows:
+    """One padding row with no target: a forward that contributes nothing (ZeRO-3 needs it)."""
+    L = like.noisy.shape[1]
+    zeros = torch.zeros(1, L, dtype=torch.long)
+    valid = torch.zeros(1, L, dtype=torch.bool)
+    valid[0, 0] = True
+    return Rows(zeros, zeros, torch.arange(L)[None], valid, torch.zeros(1, L, dtype=torch.bool),
+                zeros - 1, zeros - 1, torch.zeros(1, dtype=torch.long))
+
+
+class MetricSums:
+    """Token-weighted metric sums of one rank; `reduce` combines all ranks."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[dict[str, float], float]] = []
+
+    def add(self, metrics: dict[str, float], weight: float) -> None:
+        if metrics and weight > 0:
+            self.parts.append((metrics, float(weight)))
+
+    def reduce(self, ranks: Ranks) -> dict[str, float]:
+        sums: dict[str, float] = {}
+        weights: dict[str, float] = {}
+        maxes: dict[str, float] = {}
+        for parts in ranks.all_gather(self.parts):
+            for metrics, w in parts:
+                for k, v in metrics.items():
+                    if k.endswith("_max"):
+                        maxes[k] = max(maxes.get(k, v), v)
+                    else:
+                        sums[k] = sums.get(k, 0.0) + v * w
+                        weights[k] = weights.get(k, 0.0) + w
+        return {**{k: sums[k] / weights[k] for k in sums}, **maxes}
+
+
+MicroFn = Callable[[Rows, torch.Tensor, float], tuple[torch.Tensor, dict[str, float]]]
+
+
 class Learner:
-    def __init__(self, cfg, engine, mask_id: int, ref_model=None, value=None):
-        self.cfg, self.engine, self.mask_id = cfg, engine, mask_id
-        self.ref_model, self.value = ref_model, value
+    def __init__(self, cfg, ranks: Ranks, engine, mask_id: int, ref=None, value=None):
+        self.cfg, self.ranks, self.engine, self.mask_id = cfg, ranks, engine, mask_id
+        self.ref_model, self.value = ref, value
 
     @property
-    def device(self):
+    def device(self) -> torch.device:
         return next(self.engine.module.parameters()).device
 
     def _forward_lp(self, model, rows: Rows, temperature: float):
@@ -74,72 +126,71 @@ class Learner:
         lp = token_logprobs(logits, rows.clean.to(dev), self.mask_id, temperature)
         return lp, logits
 
-    def update(self, rows: Rows, old_lp: torch.Tensor, adv: torch.Tensor,
-               weights: torch.Tensor | None = None) -> dict:
-        """rows [R, L]; old_lp/adv/weights [R, L] at rows.target. Returns averaged metrics."""
-        cfg = self.cfg
-        R = rows.noisy.shape[0]
-        order = torch.randperm(R)
-        minibatches = [order[i::cfg.updates_per_step] for i in range(cfg.updates_per_step)]
-        totals: dict[str, float] = {}
-        count = 0
-        for mb in minibatches:
-            if len(mb) == 0:
+    # ------------------------------------------------------------------ the shared loop
+    def _minibatches(self, engine, rows: Rows, row_mb: torch.Tensor, micro: MicroFn) -> dict[str, float]:
+        """One optimizer step of `engine` per mini-batch, `grad_accum` micro-batches each, every
+        micro loss normalised by the mini-batch's global token count."""
+        sums = MetricSums()
+        gas, world = engine.gradient_accumulation_steps(), self.ranks.world_size
+        for k in range(self.cfg.updates_per_step):
+            idx = (row_mb == k).nonzero().squeeze(1)
+            (n_tok,) = self.ranks.sum([float(rows.target[idx].sum())])
+            if n_tok == 0:  # the same decision on every rank
                 continue
-            n_tok = rows.target[mb].sum().clamp(min=1)
-            gas = self.engine.gradient_accumulation_steps()
-            for idx in torch.tensor_split(mb, gas):  # DeepSpeed steps after exactly `gas` backwards
-                sub = Rows(*(getattr(rows, f)[idx] for f in Rows.__dataclass_fields__))
-                loss, metrics = self._micro_loss(sub, old_lp[idx], adv[idx],
-                                                 None if weights is None else weights[idx], n_tok)
-                self.engine.backward(loss * gas)
-                self.engine.step()
-                for key, val in metrics.items():
-                    totals[key] = totals.get(key, 0.0) + val
-                count += bool(metrics)
-        return {k: v / max(1, count) for k, v in totals.items()}
+            for part in torch.tensor_split(idx, gas):
+                sub = _select(rows, part) if len(part) else _dummy_rows(rows)
+                loss, metrics = micro(sub, part, n_tok)
+                engine.backward(loss * gas * world)  # DeepSpeed divides by gas and averages over ranks
+                engine.step()
+                sums.add(metrics, float(sub.target.sum()))
+        return sums.reduce(self.ranks)
 
-    def _micro_loss(self, rows: Rows, old_lp, adv, weights, n_tok):
-        cfg = self.cfg
-        dev = self.device
+    # ------------------------------------------------------------------ policy
+    def update(self, rows: Rows, old_lp: torch.Tensor, adv: torch.Tensor, row_mb: torch.Tensor,
+               weights: torch.Tensor | None = None) -> dict[str, float]:
+        """rows [R, L] of this rank; old_lp/adv/weights [R, L] at rows.target; row_mb [R]."""
+        def micro(sub: Rows, part: torch.Tensor, n_tok: float):
+            w = None if weights is None else weights[part]
+            return self._micro_loss(sub, old_lp[part], adv[part], w, n_tok)
+        return self._minibatches(self.engine, rows, row_mb, micro)
+
+    def _micro_loss(self, rows: Rows, old_lp, adv, weights, n_tok: float):
+        cfg, dev = self.cfg, self.device
         mask = rows.target.to(dev)
-        if mask.numel() == 0 or not mask.any():
-            p = next(self.engine.module.parameters())
-            return p.sum() * 0.0, {}
         lp, logits = self._forward_lp(self.engine.module, rows, cfg.temperature)
         with torch.no_grad():
             ent = token_entropy(logits.detach(), self.mask_id)
             ref_lp = None
             if self.ref_model is not None and cfg.kl_coef > 0:
                 ref_lp, _ = self._forward_lp(self.ref_model, rows, cfg.temperature)
+        if len(old_lp) == 0:  # dummy row
+            old_lp, adv = torch.zeros_like(lp), torch.zeros_like(lp)
         adv, old_lp = adv.to(dev), old_lp.to(dev)
-        if weights is not None:  # baselines: 1/t ELBO weights, on-policy ratio
+        if weights is not None and len(weights):  # baselines: 1/t ELBO weights, on-policy ratio
             old_lp = lp.detach()
             adv = adv * weights.to(dev) * n_tok
         loss, metrics = _policy_loss(cfg, lp, old_lp, adv, mask, ref_lp, ent)
-        scale = mask.sum() / n_tok  # token-normalise over the whole mini-batch
-        return loss * scale, metrics
+        return loss * (mask.sum() / n_tok), metrics  # token-normalise over the global mini-batch
 
+    # ------------------------------------------------------------------ value model
     def values(self, rows: Rows) -> torch.Tensor:
         """Value-model estimates at every row position [R, L] (no grad)."""
         dev = self.value.device
+        sub = rows if rows.noisy.shape[0] else _dummy_rows(rows)
         with torch.no_grad():
-            return self.value(rows.noisy.to(dev), rows.clean.to(dev), rows.pos.to(dev),
-                              rows.valid.to(dev)).float().cpu()
+            v = self.value(sub.noisy.to(dev), sub.clean.to(dev), sub.pos.to(dev), sub.valid.to(dev)).float().cpu()
+        return v[:rows.noisy.shape[0]]
 
-    def update_value(self, rows: Rows, old_values: torch.Tensor, returns: torch.Tensor) -> dict:
+    def update_value(self, rows: Rows, old_values: torch.Tensor, returns: torch.Tensor,
+                     row_mb: torch.Tensor) -> dict[str, float]:
         dev = self.value.device
-        metrics = {}
-        step = max(1, math.ceil(rows.noisy.shape[0] / self.cfg.grad_accum))
-        for i in range(0, rows.noisy.shape[0], step):
-            sl = slice(i, i + step)
-            v = self.value(rows.noisy[sl].to(dev), rows.clean[sl].to(dev), rows.pos[sl].to(dev),
-                           rows.valid[sl].to(dev))
-            loss, metrics = value_loss(v, old_values[sl].to(dev), returns[sl].to(dev),
-                                       rows.target[sl].to(dev), clip=self.cfg.value_clip)
-            self.value.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.value.parameters(), self.cfg.grad_clip)
-            self.value.optimizer.step()
-        return metrics
 
+        def micro(sub: Rows, part: torch.Tensor, n_tok: float):
+            v = self.value(sub.noisy.to(dev), sub.clean.to(dev), sub.pos.to(dev), sub.valid.to(dev))
+            old = old_values[part].to(dev) if len(part) else torch.zeros_like(v)
+            ret = returns[part].to(dev) if len(part) else torch.zeros_like(v)
+            mask = sub.target.to(dev)
+            loss, metrics = value_loss(v, old, ret, mask, clip=self.cfg.value_clip)
+            return loss * (mask.sum() / n_tok), metrics
+
+        return self._minibatches(self.value, rows, row_mb, micro)
