@@ -159,15 +159,19 @@ class SDARForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def forward(self, input_ids, position_ids=None, cache: KVCache | None = None, slots=None,
-                k_valid=None) -> torch.Tensor:
+                k_valid=None, clean_ids=None, valid=None) -> torch.Tensor:
         """Block-causal forward. input_ids/position_ids: [B, L] -> logits [B, L, V].
 
         With `cache` and `slots` ([B] cache rows), the tokens' K/V are written into the
         cache at their positions and attention runs over cache positions [0, max pos].
+        With `clean_ids` and `valid` ([B, L]) it is `forward_train(input_ids, clean_ids, ...)`
+        (so a DeepSpeed engine wrapping the model can run the training layout).
         """
         B, L = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(L, device=input_ids.device).expand(B, L)
+        if clean_ids is not None:
+            return self.forward_train(input_ids, clean_ids, position_ids, valid)
         bs = self.config.block_size
         if cache is None:
             spec = MaskSpec(position_ids, position_ids, bs, k_valid=k_valid)

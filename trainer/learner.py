@@ -121,8 +121,11 @@ class Learner:
         return next(self.engine.module.parameters()).device
 
     def _forward_lp(self, model, rows: Rows, temperature: float):
+        """model: the policy's DeepSpeed engine (its forward keeps ZeRO-3 gradient accumulation
+        right) or the frozen reference."""
         dev = self.device
-        logits = model.forward_train(rows.noisy.to(dev), rows.clean.to(dev), rows.pos.to(dev), rows.valid.to(dev))
+        logits = model(rows.noisy.to(dev), position_ids=rows.pos.to(dev), clean_ids=rows.clean.to(dev),
+                       valid=rows.valid.to(dev))
         lp = token_logprobs(logits, rows.clean.to(dev), self.mask_id, temperature)
         return lp, logits
 
@@ -157,7 +160,7 @@ class Learner:
     def _micro_loss(self, rows: Rows, old_lp, adv, weights, n_tok: float):
         cfg, dev = self.cfg, self.device
         mask = rows.target.to(dev)
-        lp, logits = self._forward_lp(self.engine.module, rows, cfg.temperature)
+        lp, logits = self._forward_lp(self.engine, rows, cfg.temperature)
         with torch.no_grad():
             ent = token_entropy(logits.detach(), self.mask_id)
             ref_lp = None
@@ -184,6 +187,7 @@ class Learner:
     def update_value(self, rows: Rows, old_values: torch.Tensor, returns: torch.Tensor,
                      row_mb: torch.Tensor) -> dict[str, float]:
         dev = self.value.device
+        moments = torch.zeros(5, dtype=torch.float64)  # n, sum R, sum R^2, sum e, sum e^2 (e = R - V)
 
         def micro(sub: Rows, part: torch.Tensor, n_tok: float):
             v = self.value(sub.noisy.to(dev), sub.clean.to(dev), sub.pos.to(dev), sub.valid.to(dev))
@@ -191,6 +195,13 @@ class Learner:
             ret = returns[part].to(dev) if len(part) else torch.zeros_like(v)
             mask = sub.target.to(dev)
             loss, metrics = value_loss(v, old, ret, mask, clip=self.cfg.value_clip)
+            r, e = ret[mask].double().cpu(), (ret - v.detach())[mask].double().cpu()
+            moments.add_(torch.stack([torch.tensor(float(r.numel()), dtype=torch.float64), r.sum(),
+                                      (r * r).sum(), e.sum(), (e * e).sum()]))
+            metrics.pop("explained_var", None)  # a global statistic, computed below
             return loss * (mask.sum() / n_tok), metrics
 
-        return self._minibatches(self.value, rows, row_mb, micro)
+        metrics = self._minibatches(self.value, rows, row_mb, micro)
+        n, r1, r2, e1, e2 = self.ranks.sum(moments.tolist())
+        var_r, var_e = (r2 / n - (r1 / n) ** 2, e2 / n - (e1 / n) ** 2) if n else (0.0, 0.0)
+        return {**metrics, "explained_var": 1 - var_e / var_r if var_r > 0 else 0.0}

@@ -119,11 +119,24 @@ def replay(run, samples, num_samples: int):
 
 def rl_step(run, step: int) -> dict:
     """One RL step on every rank; returns its metrics (global)."""
-    cfg, t = run.cfg, Timer()
+    t = Timer()
     with t("rollout"):
-        if cfg.mode == "sync":
-            run.publisher.check_fleet()
+        if run.cfg.mode == "sync":
+            run.publisher.check_fleet()  # every server at the trainer's version before rollouts
         batch = run.rollouts.get(run.version)
+    metrics = learn(run, batch, step, t)
+    with t("sync"):
+        if metrics["num_kept"]:  # weights changed: push them as version+1
+            run.publisher.push()
+    oldest = metrics.pop("rollout_version_min")
+    return {"step": step + 1, "version": run.version, **metrics, **t, "rollout_version_min": oldest,
+            "staleness": run.version - (1 if metrics["num_kept"] else 0) - oldest}
+
+
+def learn(run, batch, step: int, t: Timer | None = None) -> dict:
+    """Rewards -> advantages -> replay -> update on this rank's batch (collective); returns
+    the step's training and batch metrics, reduced over all ranks."""
+    cfg, t = run.cfg, t if t is not None else Timer()
     with t("reward"):
         rewards = score(run, batch)
     seq_adv, keep, num_filtered = sequence_advantages(cfg, rewards)
@@ -141,14 +154,11 @@ def rl_step(run, step: int) -> dict:
         with t("train"):
             adv, vstats = token_advantages(run, rows, samples, rewards[kept], seq_adv[kept], row_mb)
             train_metrics = run.learner.update(rows, old_lp, adv, row_mb, weights) | vstats
-    with t("sync"):
-        if num_kept:  # weights changed: push them as version+1
-            run.publisher.push()
-    return {"step": step + 1, "version": run.version, **train_metrics, **t,
-            **batch_metrics(run, batch, rewards, seq_adv, keep, num_filtered, num_rows, bool(num_kept))}
+    return {**train_metrics, **batch_metrics(run, batch, rewards, seq_adv, keep, num_filtered, num_rows),
+            "num_kept": int(num_kept)}
 
 
-def batch_metrics(run, batch, rewards, seq_adv, keep, num_filtered, num_rows, trained) -> dict:
+def batch_metrics(run, batch, rewards, seq_adv, keep, num_filtered, num_rows) -> dict:
     """Rollout / reward metrics over ALL ranks (sums and maxima all-reduced)."""
     rolls = batch.rollouts
     versions = [r.version for r in rolls]
@@ -165,8 +175,7 @@ def batch_metrics(run, batch, rewards, seq_adv, keep, num_filtered, num_rows, tr
             "frac_filtered_groups": n_filt / max(n_groups, 1), "num_rows": int(n_rows),
             "adv_mean": a_sum / n_kept if n_kept else 0.0, "adv_abs_mean": a_abs / n_kept if n_kept else 0.0,
             "response_length": n_tok / max(n, 1), "tokens_per_forward": n_gen / max(n_fwd, 1),
-            "staleness": run.version - (1 if trained else 0) - int(oldest), "rollout_version_min": int(oldest),
-            "num_samples": int(n)}
+            "rollout_version_min": int(oldest), "num_samples": int(n)}
 
 
 def train_loop(run, should_stop=lambda: False) -> dict:
