@@ -73,6 +73,7 @@ class TrainConfig:
     sync_transport: str = "shm"
     sync_timeout: float = 300.0  # seconds a push may take before the servers drop it
     sync_addr: str = "127.0.0.1"  # dist transport: the address servers reach rank 0 at
+    record_digests: bool = False  # append {version, digest} of every push to output_dir/versions.jsonl
     # ranks
     nproc: int = 1  # local ranks started by `dlrl train` itself (ignored under torchrun / deepspeed)
     eval_every: int = 5

@@ -6,6 +6,10 @@
     pub.check_fleet()      # before rollouts: every server at `pub.version`, restarted ones re-synced
     pub.push()             # version + 1 into every server, in place
 
+With `record` (train.record_digests) the digest of every pushed version is appended to
+`versions.jsonl` before the push, so any server's `/weights/checksum` can be matched to the
+exact trainer weights it holds (an audit trail; costs one hash of the weights per push).
+
 Rank 0 alone uses the control plane (begin / commit / abort / version / checksum); every
 rank learns the outcome (the new version, or rank 0's error) through `Ranks.on_main`. Under
 ZeRO-3 the parameters feeding a push are gathered collectively: rank 0 announces each pass
@@ -15,9 +19,11 @@ so no rank is left waiting in a gather.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from trainer.dist import Ranks
@@ -47,9 +53,11 @@ class _Announced:
 
 
 class Publisher:
-    def __init__(self, ranks: Ranks, fleet: ServerFleet, engine: Any, *, server_wait_s: float = 120.0):
+    def __init__(self, ranks: Ranks, fleet: ServerFleet, engine: Any, *, server_wait_s: float = 120.0,
+                 record: Path | None = None):
         self.ranks, self.fleet, self.engine = ranks, fleet, engine
         self.server_wait_s = server_wait_s
+        self.record = record  # versions.jsonl: {version, digest} of every push, written before it
         self.version = 0
         self.pushing = False  # rank 0 is inside a push (a stop signal aborts it)
 
@@ -84,6 +92,11 @@ class Publisher:
     def push(self, urls: list[str] | None = None, version: int | None = None) -> dict[str, Any]:
         """Push the policy as `version` (default: version + 1) into `urls` (default: all)."""
         new = self.version + 1 if version is None else version
+        if self.record is not None:
+            digest = self.local_digest()
+            if self.ranks.is_main:
+                with self.record.open("a") as f:
+                    f.write(json.dumps({"version": new, "digest": digest, "time": round(time.time(), 3)}) + "\n")
 
         def send(src):
             self.pushing = True
@@ -113,8 +126,9 @@ class Publisher:
         stale = self.ranks.on_main(lambda: [u for u, d in self.fleet.digests().items() if d != local])
         if not stale:
             return False
-        log.info("servers %s hold other weights than the trainer's policy: pushing version %d",
-                 ", ".join(stale), self.version + 1)
+        if self.ranks.is_main:
+            log.info("servers %s hold other weights than the trainer's policy: pushing version %d",
+                     ", ".join(stale), self.version + 1)
         self.push()
         return True
 
@@ -123,9 +137,10 @@ class Publisher:
         version went back) gets the policy again; one that is down is waited for up to
         `server_wait_s`, then the run stops with an error naming it."""
         behind = self.ranks.on_main(self._behind)
-        if behind:
+        if behind and self.ranks.is_main:
             log.warning("servers %s restarted (version behind %d): re-syncing them", ", ".join(behind),
                         self.version)
+        if behind:
             self.push(urls=behind, version=self.version)
 
     def _behind(self) -> list[str]:

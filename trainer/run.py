@@ -231,7 +231,8 @@ def build_run(cfg, config_path: str | None, overrides: list[str]) -> Run:
         reward_fn = build_reward(cfg.reward, overlong_buffer=cfg.overlong_buffer, max_tokens=cfg.max_tokens)
         train_ex, eval_ex = load_examples(cfg, config_path, overrides, tokenizer)
         sampler = PromptSampler(train_ex, cfg.prompts_per_step, seed=cfg.seed)
-        publisher = Publisher(ranks, fleet, learner.engine, server_wait_s=cfg.server_wait_s)
+        publisher = Publisher(ranks, fleet, learner.engine, server_wait_s=cfg.server_wait_s,
+                              record=out / "versions.jsonl" if cfg.record_digests else None)
         publisher.start()
         checkpointer = Checkpointer(out / "checkpoint", ranks, learner.engine, learner.value,
                                     zero_stage=cfg.zero_stage)
@@ -264,4 +265,5 @@ def _resume_or_sync(run: Run) -> None:
     run.resumed_metrics = dict(state.get("metrics") or {})
     run.publisher.version = max(run.publisher.version, int(state["version"]))
     run.publisher.push()  # servers now hold the resumed weights, under a new version
-    log.info("resumed from step %d (version %d)", run.start_step, run.version)
+    if run.ranks.is_main:
+        log.info("resumed from step %d (version %d)", run.start_step, run.version)
