@@ -9,6 +9,7 @@ import time
 import pytest
 
 from trainer import rewards as R
+from trainer.rewards.math_reward import _sympy_equal
 
 
 def test_exact_match():
@@ -47,17 +48,17 @@ def test_math_no_box_is_zero():
 
 
 def test_sympy_fallback():
-    assert R._sympy_equal(r"\frac{2}{4}", "1/2")
-    assert R._sympy_equal(r"2\sqrt{2}", r"\sqrt{8}")
-    assert not R._sympy_equal("x+1", "x+2")
-    assert not R._sympy_equal("((((", "1")  # unparsable -> False, no exception
+    assert _sympy_equal(r"\frac{2}{4}", "1/2")
+    assert _sympy_equal(r"2\sqrt{2}", r"\sqrt{8}")
+    assert not _sympy_equal("x+1", "x+2")
+    assert not _sympy_equal("((((", "1")  # unparsable -> False, no exception
 
 
 def test_math_never_evals_model_output(tmp_path):
     marker = tmp_path / "pwned"
     for attack in [f"__import__('os').system('touch {marker}')", f"exec(chr(49))+open('{marker}','w')",
                    f"eval(str(open('{marker}','w')))"]:
-        assert not R._sympy_equal(attack, "0")
+        assert not _sympy_equal(attack, "0")
         assert R.math(rf"\boxed{{{attack}}}", {"answer": "0"}) == 0.0
     assert not marker.exists()
 
