@@ -45,7 +45,7 @@ class Codec:
     def encode(self, x, depth: int = 0):
         if depth > _MAX_DEPTH:
             raise ValueError("value nested too deeply")
-        t, enc = type(x), (lambda v: self.encode(v, depth + 1))
+        t, d = type(x), depth + 1
         if t in _PLAIN_SCALARS and not (t is int and abs(x) >= 1 << 4096):
             return x
         if t is float:
@@ -55,21 +55,21 @@ class Codec:
         if t is bytes:
             return {"b": x.hex()}
         if t is list:
-            return [enc(v) for v in x]
+            return [self.encode(v, d) for v in x]
         if t in (tuple, set, frozenset):
-            return {{tuple: "t", set: "s", frozenset: "fs"}[t]: [enc(v) for v in x]}
+            return {{tuple: "t", set: "s", frozenset: "fs"}[t]: [self.encode(v, d) for v in x]}
         if t is dict:
-            return {"d": [[enc(k), enc(v)] for k, v in x.items()]}
+            return {"d": [[self.encode(k, d), self.encode(v, d)] for k, v in x.items()]}
         return {"h": self.to_handle(x)}
 
     def decode(self, x, depth: int = 0):
         if depth > _MAX_DEPTH:
             raise RemoteError("value nested too deeply")
-        dec = (lambda v: self.decode(v, depth + 1))
+        d = depth + 1
         if type(x) in _PLAIN_SCALARS:
             return x
         if type(x) is list:
-            return [dec(v) for v in x]
+            return [self.decode(v, d) for v in x]
         if type(x) is not dict or len(x) != 1:
             raise RemoteError(f"malformed value {str(x)[:80]!r}")
         (tag, v), = x.items()
@@ -81,9 +81,9 @@ class Codec:
         if tag == "b":
             return bytes.fromhex(v)
         if tag in kinds:
-            return kinds[tag](dec(i) for i in v)
+            return kinds[tag](self.decode(i, d) for i in v)
         if tag == "d":
-            return {dec(k): dec(i) for k, i in v}
+            return {self.decode(k, d): self.decode(i, d) for k, i in v}
         if tag == "h" and type(v) is int:
             return self.from_handle(v)
         raise RemoteError(f"malformed value {str(x)[:80]!r}")

@@ -190,7 +190,7 @@ class _Watchdog:
     """One thread for every running sandbox: each `interval` s it sums resident memory and CPU time
     over each watched process tree and kills a tree over its limits."""
 
-    def __init__(self, interval: float = 0.05):
+    def __init__(self, interval: float = 0.1):
         self.interval = interval
         self._trees: dict[int, tuple[SandboxLimits, dict]] = {}  # root pid -> (limits, verdict)
         self._lock = threading.Lock()
