@@ -7,7 +7,8 @@
 Modules: `registry` (built-ins, `pkg.mod:fn` loading, declared ranges and clamping, the DAPO
 overlong penalty, batch scoring), `math_reward` (`\\boxed{}` answers checked by math-verify in a
 pebble process pool with timeouts), `code_reward` (tests run against generated programs),
-`sandbox` (bubblewrap sandboxes and their limits) and `harness` (the script run inside them).
+`sandbox` (bubblewrap sandboxes and their limits), `watchdog` (memory and CPU limits of whole
+process trees) and `harness` (the script run inside the sandboxes).
 """
 
 from trainer.rewards.code_reward import code, code_strict, extract_code, run_code_tests, split_tests

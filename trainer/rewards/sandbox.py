@@ -37,6 +37,8 @@ from dataclasses import asdict, dataclass
 
 import psutil
 
+from trainer.rewards.watchdog import WATCHDOG, kill_pids
+
 MODES = ("bwrap", "unsafe_local")
 UNSAFE_HINT = ("set train.reward_sandbox=unsafe_local to run generated programs WITHOUT isolation "
                "(only for code you trust, on a machine you can lose)")
@@ -186,80 +188,6 @@ def _bwrap_argv(setup: _BwrapSetup, limits: SandboxLimits, job_fd: int | None, h
     return argv + ["--remount-ro", "/", "--chdir", "/tmp"]
 
 
-class _Watchdog:
-    """One thread for every running sandbox: each `interval` s it sums resident memory and CPU time
-    over each watched process tree and kills a tree over its limits."""
-
-    def __init__(self, interval: float = 0.1):
-        self.interval = interval
-        self._trees: dict[int, tuple[SandboxLimits, dict]] = {}  # root pid -> (limits, verdict)
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def watch(self, pid: int, limits: SandboxLimits) -> dict:
-        verdict: dict = {}
-        with self._lock:
-            self._trees[pid] = (limits, verdict)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name="sandbox-watchdog", daemon=True)
-                self._thread.start()
-        self._wake.set()
-        return verdict
-
-    def unwatch(self, pid: int) -> None:
-        with self._lock:
-            self._trees.pop(pid, None)
-
-    def _loop(self) -> None:
-        while True:
-            with self._lock:
-                trees = dict(self._trees)
-            if not trees:
-                self._wake.wait()
-                self._wake.clear()
-                continue
-            children: dict[int, list[int]] = {}
-            for p in psutil.process_iter(["ppid"]):
-                children.setdefault(p.info["ppid"], []).append(p.pid)
-            for root, (limits, verdict) in trees.items():
-                pids = _descendants(root, children)
-                mem, cpu = _usage(pids)
-                if mem > limits.memory_mb << 20 or cpu > limits.cpu_s:
-                    verdict["killed"] = "memory" if mem > limits.memory_mb << 20 else "cpu"
-                    _kill_pids(pids)
-            time.sleep(self.interval)
-
-
-def _descendants(root: int, children: dict[int, list[int]]) -> list[int]:
-    pids, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        pids.append(pid)
-        todo.extend(children.get(pid, ()))
-    return pids
-
-
-def _usage(pids: list[int]) -> tuple[int, float]:
-    """(resident bytes, CPU seconds incl. reaped children) summed over pids."""
-    mem, cpu = 0, 0.0
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            p = psutil.Process(pid)
-            with p.oneshot():
-                mem += p.memory_info().rss
-                t = p.cpu_times()
-                cpu += t.user + t.system + t.children_user + t.children_system
-    return mem, cpu
-
-
-def _kill_pids(pids: list[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-
-
-_WATCHDOG = _Watchdog()
 
 
 class Sandbox:
@@ -293,7 +221,7 @@ class SandboxRun:
     def __exit__(self, *exc) -> None:
         for proc, _, tmp in self._procs:
             self._kill_tree(proc)
-            _WATCHDOG.unwatch(proc.pid)
+            WATCHDOG.unwatch(proc.pid)
             if tmp:
                 shutil.rmtree(tmp, ignore_errors=True)
 
@@ -322,7 +250,7 @@ class SandboxRun:
                 f.write(harness)
             proc = subprocess.Popen([sys.executable, "-I", "-S", "harness.py", "job.json"], cwd=tmp,
                                     env={}, **common)
-        self._procs.append((proc, _WATCHDOG.watch(proc.pid, self.limits), tmp))
+        self._procs.append((proc, WATCHDOG.watch(proc.pid, self.limits), tmp))
         return proc
 
     def wait(self, proc: subprocess.Popen) -> str:
@@ -339,7 +267,7 @@ class SandboxRun:
     @staticmethod
     def _kill_tree(proc: subprocess.Popen) -> None:
         with contextlib.suppress(psutil.Error):
-            _kill_pids([p.pid for p in psutil.Process(proc.pid).children(recursive=True)])
+            kill_pids([p.pid for p in psutil.Process(proc.pid).children(recursive=True)])
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.kill()
