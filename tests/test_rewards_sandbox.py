@@ -2,7 +2,6 @@
 refused or contained, and the reward call never raises. Where it is safe, the same program is
 also run in the explicitly unsafe local mode as a control, to show the attack is real."""
 
-import http.server
 import os
 import textwrap
 import threading
@@ -129,43 +128,21 @@ def test_writes_outside_tmp_are_refused(tmp_path):
     assert not marker.exists()
 
 
-@pytest.fixture
-def loopback_server():
-    hits = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):
-            hits.append(self.path)
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(b"paused")
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server.server_address[1], hits
-    server.shutdown()
-    server.server_close()
-
-
-def test_no_network_to_the_trainer_or_servers(loopback_server):
-    port, hits = loopback_server
+def test_no_network_to_the_trainer_or_servers(server):
+    """The real dlrl server of the test session, on loopback; the program even knows the token."""
     caller = f"""
-        import socket, urllib.request
-        def admin_call():
-            req = urllib.request.Request("http://127.0.0.1:{port}/admin/pause", data=b"", method="POST")
-            return urllib.request.urlopen(req, timeout=3).read().decode()
+        import socket, urllib.parse, urllib.request
+        def admin_status():
+            req = urllib.request.Request("{server.url}/admin/status", headers={{"Authorization": "Bearer secret"}})
+            return urllib.request.urlopen(req, timeout=5).status
         def raw_connect():
-            with socket.create_connection(("127.0.0.1", {port}), timeout=3):
+            url = urllib.parse.urlsplit("{server.url}")
+            with socket.create_connection((url.hostname, url.port), timeout=5):
                 return True
     """
-    tests = ["assert admin_call() == 'paused'", "assert raw_connect()"]
-    assert score(caller, tests, UNSAFE) == 1.0 and hits == ["/admin/pause"]  # control
+    tests = ["assert admin_status() == 200", "assert raw_connect()"]
+    assert score(caller, tests, UNSAFE) == 1.0  # control: unsandboxed, it reaches the admin API
     assert score(caller, tests) == 0.0
-    assert hits == ["/admin/pause"]
 
 
 def test_setsid_daemons_die_with_the_run():
