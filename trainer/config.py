@@ -32,6 +32,7 @@ class TrainConfig:
     chat_template: bool = False
     reward: str = "exact_match"  # exact_match | math | code | module:function
     overlong_buffer: int = 0
+    reward_sandbox: str = "bwrap"  # code rewards: bwrap (sandboxed) | unsafe_local (plain subprocess, trusted code only)
     # rollouts
     num_steps: int = 60
     prompts_per_step: int = 32

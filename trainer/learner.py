@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from trainer import faults
 from trainer.dist import Ranks
 from trainer.objectives import complementary_masks, dipo_loss, random_mask, tracerl_loss, value_loss
 from trainer.replay import Rows, token_entropy, token_logprobs
@@ -144,6 +145,7 @@ class Learner:
                 sub = _select(rows, part) if len(part) else _dummy_rows(rows)
                 loss, metrics = micro(sub, part, n_tok)
                 engine.backward(loss * gas * world)  # DeepSpeed divides by gas and averages over ranks
+                faults.crash_at("optimizer")
                 engine.step()
                 sums.add(metrics, float(sub.target.sum()))
         return sums.reduce(self.ranks)

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
+from trainer import faults
 from trainer.advantages import (
     filter_zero_variance_groups,
     group_advantages,
@@ -120,7 +121,9 @@ def replay(run, samples, num_samples: int):
 def rl_step(run, step: int) -> dict:
     """One RL step on every rank; returns its metrics (global)."""
     t = Timer()
+    faults.set_step(step + 1)
     with t("rollout"):
+        faults.crash_at("rollout", delay_s=0.05)  # lands while the requests are in flight
         if run.cfg.mode == "sync":
             run.publisher.check_fleet()  # every server at the trainer's version before rollouts
         batch = run.rollouts.get(run.version)

@@ -52,6 +52,19 @@ class _Announced:
                 pass
 
 
+def _crash_mid_push(source: Any) -> Any:
+    """The source, wrapped so that DLRL_FAULT=push:N kills the pusher after its first tensor."""
+    from trainer import faults
+
+    def make():
+        for i, item in enumerate(source()):
+            if i == 1:
+                faults.crash_at("push")
+            yield item
+    make.specs, make.device = source.specs, source.device  # type: ignore[attr-defined]
+    return make
+
+
 class Publisher:
     def __init__(self, ranks: Ranks, fleet: ServerFleet, engine: Any, *, server_wait_s: float = 120.0,
                  record: Path | None = None):
@@ -99,6 +112,7 @@ class Publisher:
                     f.write(json.dumps({"version": new, "digest": digest, "time": round(time.time(), 3)}) + "\n")
 
         def send(src):
+            src = _crash_mid_push(src)
             self.pushing = True
             try:
                 return self.fleet.push(src, new, urls)

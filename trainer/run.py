@@ -228,7 +228,8 @@ def build_run(cfg, config_path: str | None, overrides: list[str]) -> Run:
     fleet = _start_fleet(cfg, ranks, config_path, overrides, out)
     try:
         learner = _build_learner(cfg, ranks, policy)
-        reward_fn = build_reward(cfg.reward, overlong_buffer=cfg.overlong_buffer, max_tokens=cfg.max_tokens)
+        reward_fn = build_reward(cfg.reward, overlong_buffer=cfg.overlong_buffer, max_tokens=cfg.max_tokens,
+                                 sandbox=cfg.reward_sandbox)
         train_ex, eval_ex = load_examples(cfg, config_path, overrides, tokenizer)
         sampler = PromptSampler(train_ex, cfg.prompts_per_step, seed=cfg.seed)
         publisher = Publisher(ranks, fleet, learner.engine, server_wait_s=cfg.server_wait_s,
