@@ -164,7 +164,7 @@ def ranks_shard(rank: int, world: int) -> slice:
 
 def torchrun(nproc: int, *args: str) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__, *args]
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // nproc)))
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # one thread per rank: 1 vs 2 ranks compare like for like
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     if out.returncode:
         raise RuntimeError(out.stderr[-3000:])

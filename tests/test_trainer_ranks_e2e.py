@@ -80,10 +80,15 @@ def test_two_ranks_two_servers_then_resume(two_servers, tiny_model_dir, tmp_path
         assert admin_get(url, "/weights/checksum", TOKEN)["digest"] == final
 
 
-def test_resume_with_another_number_of_ranks_is_refused(two_servers, tiny_model_dir, tmp_path):
+def test_deepspeed_launcher_then_resume_with_another_number_of_ranks_is_refused(two_servers, tiny_model_dir,
+                                                                                tmp_path):
     cfg = write_config(tmp_path, [two_servers[0].url], tiny_model_dir, checkpoint_every=1, num_steps=1,
                        zero_stage=2)
-    assert run_train(cfg, "nproc=2").returncode == 0
+    deepspeed = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--module"]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent), DS_ACCELERATOR="cpu")
+    done = subprocess.run(deepspeed + train_cmd(cfg)[2:], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert '"num_ranks": 2' in done.stdout
     done = run_train(cfg, "num_steps=2", "--resume")
     assert done.returncode == 1 and "nproc=2" in done.stderr and "ZeRO-2" in done.stderr
 
