@@ -38,6 +38,8 @@ class TrainConfig:
     prompts_per_step: int = 32
     group_size: int = 8
     max_tokens: int = 8
+    stop: list[str] = field(default_factory=list)  # rollout stop strings (besides the model's eos ids)
+    stop_token_ids: list[int] = field(default_factory=list)  # rollout stop token ids (besides eos)
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -57,6 +59,11 @@ class TrainConfig:
     norm: str = "token"  # token | sequence
     shrink: int = 1
     use_value_model: bool = False
+    # train-serve mismatch (trainer.correction): none | tis | mis, token | sequence, cap on rho
+    is_correction: str = "none"
+    is_level: str = "token"
+    is_cap: float = 2.0
+    logprob_chunk: int = 1024  # scored tokens per full-vocabulary logits chunk (0: all at once)
     gamma: float = 1.0
     lam: float = 1.0
     value_lr: float = 1e-4
@@ -105,5 +112,16 @@ class TrainConfig:
                      "updates_per_step", "shrink", "max_staleness", "nproc"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name}: must be >= 1, got {getattr(self, name)}")
+        from trainer import correction
+
+        if self.is_correction not in correction.MODES:
+            raise ValueError(f"train.is_correction: unknown {self.is_correction!r} "
+                             f"(known: {', '.join(correction.MODES)})")
+        if self.is_level not in correction.LEVELS:
+            raise ValueError(f"train.is_level: unknown {self.is_level!r} (known: {', '.join(correction.LEVELS)})")
+        if self.is_cap < 1:
+            raise ValueError(f"train.is_cap: must be >= 1, got {self.is_cap}")
+        if self.logprob_chunk < 0:
+            raise ValueError(f"train.logprob_chunk: must be >= 0, got {self.logprob_chunk}")
         if self.lr <= 0:
             raise ValueError(f"train.lr: must be > 0, got {self.lr}")

@@ -27,23 +27,25 @@ from collections.abc import Callable
 import torch
 
 from trainer import faults
+from trainer.correction import is_weights, mismatch_stats
 from trainer.dist import Ranks
 from trainer.objectives import complementary_masks, dipo_loss, random_mask, tracerl_loss, value_loss
-from trainer.replay import Rows, token_entropy, token_logprobs
+from trainer.replay import Rows, chunked_token_logprobs
 
 
-def _policy_loss(cfg, new_lp, old_lp, adv, mask, ref_lp, entropy):
+def _policy_loss(cfg, new_lp, old_lp, adv, mask, ref_lp, entropy, weights=None):
     """TraceRL's symmetric clip, or DiPO's asymmetric one. The random-masking / coupled
     baselines also come here: on-policy (ratio 1) with their 1/t ELBO weights and
     per-sequence normalisation folded into the advantages by `baseline_rows`, which gives
-    the same gradient as `objectives.random_masking_loss` / `coupled_loss` but lets them
-    share the mini-batch token normalisation of `update`."""
+    the same gradient as the masked-diffusion baseline losses but lets them share the
+    mini-batch token normalisation of `update`. `weights`: importance corrections."""
     if cfg.objective == "dipo":
         return dipo_loss(new_lp, old_lp, adv, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
                          ref_logprobs=ref_lp, kl_coef=cfg.kl_coef, log_ratio_clip=cfg.log_ratio_clip,
-                         entropy=entropy)
+                         entropy=entropy, weights=weights)
     return tracerl_loss(new_lp, old_lp, adv, mask, eps_clip=cfg.eps_clip, ref_logprobs=ref_lp,
-                        kl_coef=cfg.kl_coef, log_ratio_clip=cfg.log_ratio_clip, norm="token", entropy=entropy)
+                        kl_coef=cfg.kl_coef, log_ratio_clip=cfg.log_ratio_clip, norm="token", entropy=entropy,
+                        weights=weights)
 
 
 def baseline_rows(rows_like: Rows, objective: str, mask_id: int, generator: torch.Generator,
@@ -109,7 +111,7 @@ class MetricSums:
         return {**{k: sums[k] / weights[k] for k in sums}, **maxes}
 
 
-MicroFn = Callable[[Rows, torch.Tensor, float], tuple[torch.Tensor, dict[str, float]]]
+MicroFn = Callable[[Rows, torch.Tensor, float, int], tuple[torch.Tensor, dict[str, float]]]
 
 
 class Learner:
@@ -121,61 +123,105 @@ class Learner:
     def device(self) -> torch.device:
         return next(self.engine.module.parameters()).device
 
-    def _forward_lp(self, model, rows: Rows, temperature: float):
-        """model: the policy's DeepSpeed engine (its forward keeps ZeRO-3 gradient accumulation
-        right) or the frozen reference."""
-        dev = self.device
-        logits = model(rows.noisy.to(dev), position_ids=rows.pos.to(dev), clean_ids=rows.clean.to(dev),
-                       valid=rows.valid.to(dev))
-        lp = token_logprobs(logits, rows.clean.to(dev), self.mask_id, temperature)
-        return lp, logits
+    def _logprobs(self, model, rows: Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (log-probs [R, L], entropy [R, L], anchor) of rows.target under `model` (the policy's
+        DeepSpeed engine, whose forward keeps ZeRO-3 gradient accumulation right, or the frozen
+        reference). Full-vocabulary logits only for `logprob_chunk` scored tokens at a time."""
+        dev, cfg = self.device, self.cfg
+        module = getattr(model, "module", model)
+        hidden = model(rows.noisy.to(dev), position_ids=rows.pos.to(dev), clean_ids=rows.clean.to(dev),
+                       valid=rows.valid.to(dev), output="hidden")  # [R, L, D]
+        target = rows.target.to(dev)
+        n = int(target.sum())
+        step = cfg.logprob_chunk if cfg.logprob_chunk > 0 else max(n, 1)
+        (num_chunks,) = self.ranks.max([-(-n // step)])  # every rank calls lm_head equally often (ZeRO-3)
+        lp_t, ent_t, anchor = chunked_token_logprobs(
+            module.lm_head, hidden[target], rows.clean.to(dev)[target], self.mask_id, cfg.temperature,
+            chunk=step, num_chunks=int(num_chunks), filler=hidden.reshape(-1, hidden.shape[-1])[:1])
+        zeros = torch.zeros(target.shape, dtype=torch.float32, device=dev)
+        return zeros.masked_scatter(target, lp_t), zeros.masked_scatter(target, ent_t), anchor
 
     # ------------------------------------------------------------------ the shared loop
-    def _minibatches(self, engine, rows: Rows, row_mb: torch.Tensor, micro: MicroFn) -> dict[str, float]:
-        """One optimizer step of `engine` per mini-batch, `grad_accum` micro-batches each, every
-        micro loss normalised by the mini-batch's global token count."""
-        sums = MetricSums()
-        gas, world = engine.gradient_accumulation_steps(), self.ranks.world_size
+    def _partitions(self, rows: Rows, row_mb: torch.Tensor):
+        """(mini-batch k, global token count, micro-batch row indices) in the order every rank
+        runs them; empty micro-batches are kept (they run a dummy row)."""
+        gas = self.engine.gradient_accumulation_steps()
         for k in range(self.cfg.updates_per_step):
             idx = (row_mb == k).nonzero().squeeze(1)
             (n_tok,) = self.ranks.sum([float(rows.target[idx].sum())])
             if n_tok == 0:  # the same decision on every rank
                 continue
             for part in torch.tensor_split(idx, gas):
-                sub = _select(rows, part) if len(part) else _dummy_rows(rows)
-                loss, metrics = micro(sub, part, n_tok)
-                engine.backward(loss * gas * world)  # DeepSpeed divides by gas and averages over ranks
-                faults.crash_at("optimizer")
-                engine.step()
-                sums.add(metrics, float(sub.target.sum()))
+                yield k, n_tok, part
+
+    def _minibatches(self, engine, rows: Rows, row_mb: torch.Tensor, micro: MicroFn) -> dict[str, float]:
+        """One optimizer step of `engine` per mini-batch, `grad_accum` micro-batches each, every
+        micro loss normalised by the mini-batch's global token count."""
+        sums = MetricSums()
+        gas, world = engine.gradient_accumulation_steps(), self.ranks.world_size
+        for k, n_tok, part in self._partitions(rows, row_mb):
+            sub = _select(rows, part) if len(part) else _dummy_rows(rows)
+            loss, metrics = micro(sub, part, n_tok, k)
+            engine.backward(loss * gas * world)  # DeepSpeed divides by gas and averages over ranks
+            faults.crash_at("optimizer")
+            engine.step()
+            sums.add(metrics, float(sub.target.sum()))
         return sums.reduce(self.ranks)
 
     # ------------------------------------------------------------------ policy
-    def update(self, rows: Rows, old_lp: torch.Tensor, adv: torch.Tensor, row_mb: torch.Tensor,
-               weights: torch.Tensor | None = None) -> dict[str, float]:
-        """rows [R, L] of this rank; old_lp/adv/weights [R, L] at rows.target; row_mb [R]."""
-        def micro(sub: Rows, part: torch.Tensor, n_tok: float):
-            w = None if weights is None else weights[part]
-            return self._micro_loss(sub, old_lp[part], adv[part], w, n_tok)
-        return self._minibatches(self.engine, rows, row_mb, micro)
+    @torch.no_grad()
+    def recompute(self, rows: Rows, row_mb: torch.Tensor) -> torch.Tensor:
+        """The policy's log-probs of every target [R, L] with the weights before the update,
+        computed in the update's own micro-batches (so ZeRO-3 ranks stay in step)."""
+        out = torch.zeros(rows.target.shape, dtype=torch.float32)
+        for _, _, part in self._partitions(rows, row_mb):
+            sub = _select(rows, part) if len(part) else _dummy_rows(rows)
+            lp, _, _ = self._logprobs(self.engine, sub)
+            if len(part):
+                out[part] = lp.float().cpu()
+        return out
 
-    def _micro_loss(self, rows: Rows, old_lp, adv, weights, n_tok: float):
+    def update(self, rows: Rows, behaviour_lp: torch.Tensor, adv: torch.Tensor, row_mb: torch.Tensor,
+               weights: torch.Tensor | None = None) -> dict[str, float]:
+        """rows [R, L] of this rank; behaviour_lp/adv/weights [R, L] at rows.target; row_mb [R]."""
+        cfg = self.cfg
+        old_lp, is_w, extra = behaviour_lp, None, MetricSums()
+        if cfg.is_correction != "none" and weights is None:
+            old_lp = self.recompute(rows, row_mb)  # PPO ratio against the trainer's own old log-probs
+            is_w, stats = is_weights(old_lp - behaviour_lp, rows.target, rows.sample_idx, cfg.is_correction,
+                                     cfg.is_level, cfg.is_cap)
+            extra.add({**stats, **mismatch_stats(old_lp, behaviour_lp, rows.target)}, float(rows.target.sum()))
+
+        def micro(sub: Rows, part: torch.Tensor, n_tok: float, k: int):
+            before_update = k == 0 and is_w is None and weights is None  # mini-batch 0: still the old weights
+            return self._micro_loss(sub, old_lp[part], adv[part], None if weights is None else weights[part],
+                                    None if is_w is None else is_w[part], n_tok,
+                                    behaviour=behaviour_lp[part] if before_update else None)
+
+        metrics = self._minibatches(self.engine, rows, row_mb, micro)
+        return metrics | extra.reduce(self.ranks)
+
+    def _micro_loss(self, rows: Rows, old_lp, adv, weights, is_w, n_tok: float, behaviour=None):
+        """behaviour: the server's log-probs, given while the weights are still those that served
+        them (then the train-serve mismatch is reported)."""
         cfg, dev = self.cfg, self.device
         mask = rows.target.to(dev)
-        lp, logits = self._forward_lp(self.engine, rows, cfg.temperature)
-        with torch.no_grad():
-            ent = token_entropy(logits.detach(), self.mask_id)
-            ref_lp = None
-            if self.ref_model is not None and cfg.kl_coef > 0:
-                ref_lp, _ = self._forward_lp(self.ref_model, rows, cfg.temperature)
+        lp, ent, anchor = self._logprobs(self.engine, rows)
+        ref_lp = None
+        if self.ref_model is not None and cfg.kl_coef > 0:
+            with torch.no_grad():
+                ref_lp, _, _ = self._logprobs(self.ref_model, rows)
         if len(old_lp) == 0:  # dummy row
             old_lp, adv = torch.zeros_like(lp), torch.zeros_like(lp)
         adv, old_lp = adv.to(dev), old_lp.to(dev)
         if weights is not None and len(weights):  # baselines: 1/t ELBO weights, on-policy ratio
             old_lp = lp.detach()
             adv = adv * weights.to(dev) * n_tok
-        loss, metrics = _policy_loss(cfg, lp, old_lp, adv, mask, ref_lp, ent)
-        return loss * (mask.sum() / n_tok), metrics  # token-normalise over the global mini-batch
+        iw = is_w.to(dev) if is_w is not None and len(is_w) else None
+        loss, metrics = _policy_loss(cfg, lp, old_lp, adv, mask, ref_lp, ent, iw)
+        if behaviour is not None and len(behaviour):
+            metrics |= mismatch_stats(lp, behaviour.to(dev), mask)
+        return loss * (mask.sum() / n_tok) + anchor, metrics  # token-normalise over the global mini-batch
 
     # ------------------------------------------------------------------ value model
     def values(self, rows: Rows) -> torch.Tensor:
@@ -191,7 +237,7 @@ class Learner:
         dev = self.value.device
         moments = torch.zeros(5, dtype=torch.float64)  # n, sum R, sum R^2, sum e, sum e^2 (e = R - V)
 
-        def micro(sub: Rows, part: torch.Tensor, n_tok: float):
+        def micro(sub: Rows, part: torch.Tensor, n_tok: float, k: int):
             v = self.value(sub.noisy.to(dev), sub.clean.to(dev), sub.pos.to(dev), sub.valid.to(dev))
             old = old_values[part].to(dev) if len(part) else torch.zeros_like(v)
             ret = returns[part].to(dev) if len(part) else torch.zeros_like(v)

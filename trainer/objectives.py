@@ -88,20 +88,23 @@ def _clipped_pg(new_logprobs, old_logprobs, advantages, mask, eps_low, eps_high,
 def tracerl_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
                  mask: torch.Tensor, eps_clip: float = 0.2, ref_logprobs: torch.Tensor | None = None,
                  kl_coef: float = 0.0, log_ratio_clip: float = 20.0, norm: str = "token",
-                 entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, Metrics]:
+                 entropy: torch.Tensor | None = None,
+                 weights: torch.Tensor | None = None) -> tuple[torch.Tensor, Metrics]:
     """TraceRL policy loss. new/old/ref logprobs, mask: [B,L]; advantages [B,L] or [B];
-    old = behaviour logprobs of the trace (None: on-policy, ratio 1)."""
+    old = behaviour logprobs of the trace (None: on-policy, ratio 1); weights [B,L]: per-token
+    factors of the surrogate (importance corrections)."""
     return _clipped_pg(new_logprobs, old_logprobs, advantages, mask, eps_clip, eps_clip, log_ratio_clip,
-                       ref_logprobs, kl_coef, entropy, norm=norm)
+                       ref_logprobs, kl_coef, entropy, weights=weights, norm=norm)
 
 
 def dipo_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
               mask: torch.Tensor, eps_low: float = 0.2, eps_high: float = 0.28,
               ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0,
-              log_ratio_clip: float = 20.0, entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, Metrics]:
+              log_ratio_clip: float = 20.0, entropy: torch.Tensor | None = None,
+              weights: torch.Tensor | None = None) -> tuple[torch.Tensor, Metrics]:
     """DiPO (GRPO for trace replay): asymmetric clip, k3 KL to reference, token normalisation."""
     return _clipped_pg(new_logprobs, old_logprobs, advantages, mask, eps_low, eps_high, log_ratio_clip,
-                       ref_logprobs, kl_coef, entropy, norm="token")
+                       ref_logprobs, kl_coef, entropy, weights=weights, norm="token")
 
 
 # ---------------------------------------------------------------- masked-diffusion baselines

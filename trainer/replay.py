@@ -142,6 +142,56 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, mask_id: int,
     return torch.log_softmax(logits, dim=-1).gather(-1, ids[..., None]).squeeze(-1)
 
 
+def _chunk_logprobs(lm_head, hidden: torch.Tensor, ids: torch.Tensor, mask_id: int, temperature: float):
+    """hidden [C, D], ids [C] -> (log p(ids) [C] fp32, entropy [C] detached)."""
+    logits = lm_head(hidden).float()  # [C, V]: the only place full-vocabulary logits exist
+    lp = token_logprobs(logits, ids, mask_id, temperature)
+    return lp, token_entropy(logits.detach(), mask_id)
+
+
+def chunked_token_logprobs(lm_head, hidden: torch.Tensor, ids: torch.Tensor, mask_id: int,
+                           temperature: float = 1.0, chunk: int = 1024, num_chunks: int | None = None,
+                           filler: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Like `token_logprobs(lm_head(hidden), ids)` for scored tokens only: hidden [N, D], ids [N]
+    -> (log-probs [N], entropy [N] without grad, anchor). Full-vocabulary logits exist for `chunk`
+    tokens at a time, in forward and (recomputed, activation-checkpointing style) in backward,
+    so peak memory is bounded by the chunk instead of N x vocab (chunk 0: one chunk).
+
+    `num_chunks` (>= the chunks N needs) makes exactly that many `lm_head` calls, padding with
+    one-token chunks of `filler` [1, D]: under ZeRO-3 every rank must call `lm_head` equally
+    often. `anchor` is a zero that depends on those calls: add it to the loss so the backward
+    reaches them (and so a rank with N = 0 still has a loss with a graph)."""
+    n = hidden.shape[0]
+    step = chunk if chunk > 0 else max(n, 1)
+    need = -(-n // step)
+    total = need if num_chunks is None else num_chunks
+    if total < need:
+        raise ValueError(f"num_chunks: {total} chunks of {step} cannot hold {n} tokens")
+    checkpointed = torch.is_grad_enabled() and hidden.requires_grad
+
+    def run(h, t):
+        if checkpointed:
+            return torch.utils.checkpoint.checkpoint(_chunk_logprobs, lm_head, h, t, mask_id, temperature,
+                                                     use_reentrant=False)
+        return _chunk_logprobs(lm_head, h, t, mask_id, temperature)
+
+    lps, ents = [], []
+    anchor = hidden.new_zeros((), dtype=torch.float32)
+    for i in range(total):
+        if i < need:
+            lp, ent = run(hidden[i * step:(i + 1) * step], ids[i * step:(i + 1) * step])
+            lps.append(lp)
+            ents.append(ent)
+        else:  # padding call: same collectives as a real chunk, contributes exactly 0
+            src = filler if filler is not None else hidden[:1]
+            lp, _ = run(src * 0, torch.zeros(src.shape[0], dtype=torch.long, device=src.device))
+            anchor = anchor + lp.sum() * 0
+    if n and lps:
+        anchor = anchor + lps[0].sum() * 0
+    empty = hidden.new_zeros(0, dtype=torch.float32)
+    return (torch.cat(lps) if lps else empty), (torch.cat(ents) if ents else empty), anchor
+
+
 def token_entropy(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
     logits = logits.float().masked_fill(
         torch.arange(logits.shape[-1], device=logits.device) == mask_id, float("-inf"))

@@ -46,6 +46,10 @@ def sampling_kwargs(cfg, greedy: bool = False) -> dict:
           "temperature": 0.0 if greedy else cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p}
     if cfg.denoise_steps:
         kw["steps"] = cfg.denoise_steps
+    if cfg.stop:
+        kw["stop"] = list(cfg.stop)
+    if cfg.stop_token_ids:
+        kw["stop_token_ids"] = list(cfg.stop_token_ids)
     return kw
 
 
