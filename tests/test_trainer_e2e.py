@@ -71,6 +71,8 @@ def test_two_steps_change_every_param_and_sync_the_server(served, tiny_model_dir
     ["objective=coupled", "sync_transport=dist"],
     ["use_value_model=true", "gamma=1.0", "lam=0.95", "norm=sequence"],
     ["zero_stage=2", "shrink=2", "updates_per_step=2", "grad_accum=2"],
+    ["is_correction=tis", "is_level=sequence", "logprob_chunk=3"],
+    ["zero_stage=3", "objective=dipo", "kl_coef=0.1", "is_correction=mis", "use_value_model=true"],
 ])
 def test_objectives_and_options_run_end_to_end(served, tiny_model_dir, tmp_path, overrides):
     v0 = admin(served, "/weights/version")["version"]
@@ -85,6 +87,10 @@ def test_objectives_and_options_run_end_to_end(served, tiny_model_dir, tmp_path,
         assert "value_loss" in row
     if "kl_coef=0.1" in overrides:
         assert "kl_ref" in row
+    if not any(o in overrides for o in ("objective=random_masking", "objective=coupled")):
+        assert "mismatch_abs_mean" in row and "mismatch_abs_max" in row  # train-serve mismatch, every step
+    if any(o.startswith("is_correction") for o in overrides):
+        assert "is_weight_mean" in row and row["mismatch_abs_max"] < 1e-3  # fp32 server == fp32 trainer
 
 
 def test_resume_after_a_crash(served, tiny_model_dir, tmp_path):

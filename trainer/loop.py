@@ -18,12 +18,7 @@ from contextlib import contextmanager
 import torch
 
 from trainer import faults
-from trainer.advantages import (
-    filter_zero_variance_groups,
-    group_advantages,
-    sequence_to_token_rewards,
-    stepwise_gae_batch,
-)
+from trainer.advantages import filter_zero_variance_groups, group_advantages, trace_gae
 from trainer.dist import RankError
 from trainer.learner import baseline_rows
 from trainer.replay import Rows, build_rows, completion_rows
@@ -76,16 +71,9 @@ def token_advantages(run, rows, samples, rewards, seq_adv, row_mb) -> tuple[torc
     values = run.learner.values(rows)  # [R, L]: V_j at the state that committed token j
     N, L = len(samples), max((len(s.completion_ids) for s in samples), default=0)
     tok_v = torch.zeros(N, L)
-    step_ids = torch.zeros(N, L, dtype=torch.long)
-    valid = torch.zeros(N, L, dtype=torch.bool)
     r, c = rows.target.nonzero(as_tuple=True)
     tok_v[rows.sample_idx[r, c], rows.token_idx[r, c]] = values[r, c]
-    for i, s in enumerate(samples):
-        ids = s.trace.global_steps(cfg.shrink)
-        step_ids[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-        valid[i, :len(ids)] = True
-    tok_r = sequence_to_token_rewards(rewards, step_ids, valid)
-    returns, adv = stepwise_gae_batch(tok_r, tok_v, step_ids, valid, cfg.gamma, cfg.lam)
+    returns, adv = trace_gae([s.trace for s in samples], tok_v, rewards, cfg.shrink, cfg.gamma, cfg.lam)
     row_adv = rows.gather([adv[i].float() for i in range(N)]) * weights
     row_ret = rows.gather([returns[i].float() for i in range(N)])
     return row_adv, run.learner.update_value(rows, values, row_ret, row_mb)
