@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
+from rollout_client.client import RolloutError
 from trainer import faults
 from trainer.advantages import filter_zero_variance_groups, group_advantages, trace_gae
 from trainer.dist import RankError
@@ -112,9 +113,7 @@ def rl_step(run, step: int) -> dict:
     faults.set_step(step + 1)
     with t("rollout"):
         faults.crash_at("rollout", delay_s=0.05)  # lands while the requests are in flight
-        if run.cfg.mode == "sync":
-            run.publisher.check_fleet()  # every server at the trainer's version before rollouts
-        batch = run.rollouts.get(run.version)
+        batch = collect(run)
     metrics = learn(run, batch, step, t)
     with t("sync"):
         if metrics["num_kept"]:  # weights changed: push them as version+1
@@ -122,6 +121,30 @@ def rl_step(run, step: int) -> dict:
     oldest = metrics.pop("rollout_version_min")
     return {"step": step + 1, "version": run.version, **metrics, **t, "rollout_version_min": oldest,
             "staleness": run.version - (1 if metrics["num_kept"] else 0) - oldest}
+
+
+def collect(run, attempts: int = 3):
+    """This rank's rollouts, with every server at the trainer's version first (sync mode). A
+    server lost mid-request (down, restarting) is waited for and re-synced, then every rank
+    draws the step's prompts again (one decision for all ranks keeps their samplers in step)."""
+    error: Exception | None = None
+    for _ in range(attempts):
+        if run.cfg.mode == "sync" or error is not None:
+            run.publisher.check_fleet()
+        batch, error = None, None
+        try:
+            batch = run.rollouts.get(run.version)
+        except RolloutError as e:
+            if e.status not in (None, 502, 503, 504):
+                raise
+            error = e
+        (failed,) = run.ranks.max([float(error is not None)])
+        if not failed:
+            return batch
+        if run.ranks.is_main:
+            log.warning("rollouts failed (%s): checking the servers, then drawing the prompts again",
+                        error or "on another rank")
+    raise RuntimeError(f"rollouts failed {attempts} times; last error: {error}")
 
 
 def learn(run, batch, step: int, t: Timer | None = None) -> dict:

@@ -115,7 +115,7 @@ class Publisher:
             src = _crash_mid_push(src)
             self.pushing = True
             try:
-                return self.fleet.push(src, new, urls)
+                return self._push_through_restarts(src, new, list(urls or self.fleet.urls))
             finally:
                 self.pushing = False
 
@@ -157,19 +157,47 @@ class Publisher:
         if behind:
             self.push(urls=behind, version=self.version)
 
-    def _behind(self) -> list[str]:
+    def _push_through_restarts(self, src: Any, version: int, urls: list[str]) -> dict[str, Any]:
+        """Push; if a server went down meanwhile, wait for it (bounded) and push the same version
+        again to the servers that do not hold it. Each server applies it whole or not at all."""
+        try:
+            return self.fleet.push(src, version, urls)
+        except FleetError as e:
+            if not self.fleet.unreachable():
+                raise
+            log.warning("%s: waiting up to %.0fs for the servers to come back", e, self.server_wait_s)
+        versions = self._wait_for_servers(urls)
+        missing = [u for u in urls if versions[u] < version]
+        if not missing:
+            return {}
+        log.warning("servers %s are back at version %s (restarted): pushing version %d to them", ", ".join(missing),
+                    ", ".join(str(versions[u]) for u in missing), version)
+        return self.fleet.push(src, version, missing)
+
+    def _wait_for_servers(self, urls: list[str] | None = None) -> dict[str, int]:
+        """Every server's version, once all answer; a server still down after `server_wait_s`
+        stops the run with an error naming it."""
         deadline = time.monotonic() + self.server_wait_s
+        warned = False
         while True:
-            down = self.fleet.unreachable()
-            if not down:
-                break
-            if time.monotonic() > deadline:
-                raise FleetError(f"servers {', '.join(down)} unreachable for {self.server_wait_s:.0f}s "
-                                 "(train.server_wait_s): stopping")
-            log.warning("servers %s unreachable: waiting up to %.0fs for them", ", ".join(down), self.server_wait_s)
-            time.sleep(min(2.0, self.server_wait_s))
-        self.fleet.wait_ready(max(1.0, deadline - time.monotonic()))
-        versions = self.fleet.versions()
+            try:
+                self.fleet.wait_ready(max(1.0, deadline - time.monotonic()), urls)
+                return self.fleet.versions(urls)
+            except FleetError:
+                down = self.fleet.unreachable()
+                if not down:
+                    raise  # it answers, with an error: not a restart
+                if time.monotonic() > deadline:
+                    raise FleetError(f"servers {', '.join(down)} unreachable for {self.server_wait_s:.0f}s "
+                                     "(train.server_wait_s): stopping") from None
+                if not warned:
+                    log.warning("servers %s unreachable: waiting up to %.0fs for them", ", ".join(down),
+                                self.server_wait_s)
+                    warned = True
+                time.sleep(1.0)
+
+    def _behind(self) -> list[str]:
+        versions = self._wait_for_servers()
         ahead = {u: v for u, v in versions.items() if v > self.version}
         if ahead:
             raise FleetError(f"servers {ahead} hold a newer version than the trainer's {self.version}: "
