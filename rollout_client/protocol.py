@@ -23,7 +23,15 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 Strategy = Literal["static", "dynamic", "sequential"]
 FinishReason = Literal["stop", "length", "abort"]
@@ -48,9 +56,19 @@ def _valid_unicode(text: str) -> str:
     return text
 
 
+def _integral(value: Any) -> Any:
+    """JSON Schema counts 3.0 as an integer; so does this API (strict mode would refuse it)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def int_range(**limits: int) -> Any:
+    """An integer field with bounds (ge/le/lt) that also takes integral numbers such as 3.0."""
+    return Annotated[int, Field(**limits), BeforeValidator(_integral)]
+
+
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode)]
-TokenId = Annotated[int, Field(ge=0)]
+TokenId = int_range(ge=0)
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
@@ -78,15 +96,15 @@ class DecodingOptions(_Request):
     """Block-diffusion sampling options shared by every generation endpoint."""
 
     temperature: float | None = Field(1.0, ge=0.0, le=100.0, description="0 = greedy")
-    top_k: int | None = Field(0, ge=0, description="0 = off")
+    top_k: int_range(ge=0, lt=1 << 31) | None = Field(0, description="0 = off")
     top_p: float | None = Field(1.0, gt=0.0, le=1.0)
     strategy: Strategy | None = "dynamic"
-    steps: int | None = Field(None, ge=1, description="denoising steps per block (static/sequential); "
+    steps: int_range(ge=1) | None = Field(None, description="denoising steps per block (static/sequential); "
                                                       "at most the model's block size")
     threshold: float | None = Field(0.9, ge=0.0, le=1.0, description="confidence threshold (dynamic)")
-    seed: int | None = Field(None, ge=0, lt=1 << 63)
+    seed: int_range(ge=0, lt=1 << 53) | None = Field(None, description="below 2**53: exact in every JSON parser")
     stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOP)] | None = None
-    stop_token_ids: Annotated[list[int], Field(max_length=1024)] | None = None
+    stop_token_ids: Annotated[list[int_range(ge=0, lt=1 << 31)], Field(max_length=1024)] | None = None
     ignore_eos: bool | None = False
     return_trace: bool | None = True
 
@@ -114,8 +132,8 @@ class GenerateRequest(DecodingOptions):
     model_config = ConfigDict(json_schema_extra=_exactly_one_prompt)
     prompt: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
     prompt_ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1)] | None = None
-    n: int | None = Field(1, ge=1, le=MAX_N)
-    max_tokens: int | None = Field(64, ge=1, le=MAX_TOKENS_CAP, description="default: the server's "
+    n: int_range(ge=1, le=MAX_N) | None = 1
+    max_tokens: int_range(ge=1, le=MAX_TOKENS_CAP) | None = Field(64, description="default: the server's "
                                    "server.default_max_tokens (capped by the room left after the prompt)")
     model: Text | None = None
 
@@ -185,8 +203,8 @@ class _OpenAIBase(DecodingOptions):
 
     model_config = ConfigDict(extra="ignore")
     model: Text | None = None
-    n: int | None = Field(1, ge=1, le=MAX_N)
-    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_CAP)
+    n: int_range(ge=1, le=MAX_N) | None = 1
+    max_tokens: int_range(ge=1, le=MAX_TOKENS_CAP) | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     return_trace: bool | None = False
@@ -195,7 +213,7 @@ class _OpenAIBase(DecodingOptions):
     @field_validator("max_tokens", "max_completion_tokens", mode="before", check_fields=False)
     @classmethod
     def _no_scoring_only(cls, v: Any) -> Any:
-        if v == 0 and type(v) is int:
+        if v == 0 and not isinstance(v, bool):
             raise ValueError("0 asks for prompt log-likelihoods only, which a block-diffusion model does not "
                              "compute (it scores no prompt tokens); ask for at least 1 token")
         return v
@@ -215,8 +233,8 @@ class CompletionRequest(_OpenAIBase):
     prompt: (NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)] | TokenIds
              | Annotated[list[TokenIds], Field(min_length=1)])
     echo: bool | None = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS,
-                                 description="return the sampled tokens' logprobs and the k most likely")
+    logprobs: int_range(ge=0, le=MAX_COMPLETION_LOGPROBS) | None = Field(
+        None, description="return the sampled tokens' logprobs and the k most likely")
 
     @model_validator(mode="after")
     def _echo_needs_no_prompt_logprobs(self) -> CompletionRequest:
@@ -292,10 +310,10 @@ ChatMessage = Annotated[Union[SystemMessage, UserMessage, AssistantMessage, Tool
 
 class ChatCompletionRequest(_OpenAIBase):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_CAP)
+    max_completion_tokens: int_range(ge=1, le=MAX_TOKENS_CAP) | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
-                                     description="k most likely tokens per position (used when logprobs is true)")
+    top_logprobs: int_range(ge=0, le=MAX_TOP_LOGPROBS) | None = Field(
+        None, description="k most likely tokens per position (used when logprobs is true)")
     add_generation_prompt: bool | None = True
 
 

@@ -145,6 +145,10 @@ async def completions(body: P.CompletionRequest, request: Request):
 async def chat(body: P.ChatCompletionRequest, request: Request):
     st, t0 = request.app.state, time.perf_counter()
     check_model(body.model, st.engine.model_name)
+    for name in ("max_tokens", "max_completion_tokens"):  # the one not used must be in range too
+        if (getattr(body, name) or 0) >= st.engine.max_model_len:
+            raise APIError(413, f"{name}: {getattr(body, name)} is not below max_model_len={st.engine.max_model_len}",
+                           name)
     ids = await st.prompts.encode_chat([m.for_template() for m in body.messages], body.add_generation_prompt)
     seqs = await prepare(st, [ids], body, body.max_completion_tokens or body.max_tokens, body.n, field="messages")
     k = (body.top_logprobs or 0) if body.logprobs else None

@@ -26,6 +26,7 @@ from rollout_client import protocol as P
 
 ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+ADMIN_PREFIXES = ("/admin/", "/weights/")  # behind server.auth.require_admin
 DESCRIPTIONS = {
     400: "Bad request: the field named in `error.param` is invalid",
     401: "Missing or malformed bearer token",
@@ -52,15 +53,15 @@ def _add_errors(op: dict[str, Any], codes: list[int]) -> None:
                                          "content": {"application/json": {"schema": ERROR_REF}}})
 
 
-def _document_errors(schema: dict[str, Any], admin_paths: set[str]) -> None:
+def _document_errors(schema: dict[str, Any]) -> None:
     for path, ops in schema.get("paths", {}).items():
-        for method, op in ops.items():
+        for op in ops.values():
             codes = []
             if op.get("requestBody") or op.get("parameters"):
                 codes.append(400)
             if op.get("requestBody"):
                 codes.append(413)
-            if path in admin_paths:
+            if path.startswith(ADMIN_PREFIXES):
                 codes += [401, 403]
                 op["security"] = [{"bearerAuth": []}]
                 if path.startswith("/weights/"):
@@ -116,9 +117,7 @@ def install_openapi(app: FastAPI) -> None:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description,
                                  routes=app.routes)
-            admin_paths = {r.path for r in app.routes if getattr(r, "dependant", None) is not None
-                           and any(d.call.__name__ == "require_admin" for d in r.dependant.dependencies)}
-            _document_errors(schema, admin_paths)
+            _document_errors(schema)
             _limit_requests(schema, app)
             app.openapi_schema = schema
         return app.openapi_schema

@@ -20,13 +20,15 @@ from server.openapi import error_responses
 
 router = APIRouter(tags=["generation"])
 ERRORS = error_responses(400, 404, 413, 429, 503)
+SSE_EVENT = {"type": "object", "required": ["data"], "description": "one server-sent event: `data` is a JSON "
+             "chunk, or `[DONE]` last", "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
 
 
 def _json_or_sse(model: type) -> dict:
     """200 of an OpenAI route: the JSON body, or an SSE stream of chunks with `stream: true`."""
     return {200: {"model": model, "description": "JSON, or with `stream: true` a text/event-stream of "
                   "`data: {chunk}` events ending with `data: [DONE]`",
-                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+                  "content": {"text/event-stream": {"schema": SSE_EVENT}}}}
 
 
 @router.post("/generate", response_model=P.GenerateResponse, responses=ERRORS)
