@@ -9,8 +9,8 @@ from handlers: `request.app.state.engine`, `.config`, `.metrics`, `.admin_token`
 `.prompts` (the tokenizer worker, server.generation.PromptEncoder), `.is_draining` and
 `.num_inflight` (server.lifecycle). Routers: generation (`/generate`, `/v1/*`), service
 (`/health`, `/ready`, `/metrics`, `/admin/*`) and, when present, `server.routes_weights`
-(`/weights/*`). Request bodies over `server.max_body_bytes` are a 413 before they are
-read (the weights data plane, behind the admin token, streams buckets of any size).
+(`/weights/*`). `server.middleware.RequestGuard` answers bodies over
+`server.max_body_bytes` 413 before they are read, and new requests 503 while draining.
 `GET /openapi.json` documents every route's statuses and the served model's limits
 (server.openapi).
 """
@@ -29,12 +29,11 @@ from server.config import ServerConfig
 from server.engine import Engine
 from server.errors import install_error_handlers
 from server.generation import PromptEncoder
-from server.lifecycle import DrainGuard
 from server.metrics import ServerMetrics
+from server.middleware import RequestGuard
 from server.openapi import install_openapi
 
 log = logging.getLogger("dlrl.server")
-UNLIMITED_BODY = 1 << 40  # the weights data plane: buckets are as large as the largest tensor
 
 
 def _weights_router():
@@ -58,7 +57,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         engine.shutdown()
         app.state.prompts.close()
 
-    app = FastAPI(title="dlrl server", version="0.1.0", lifespan=lifespan, max_body_size=config.max_body_bytes,
+    app = FastAPI(title="dlrl server", version="0.1.0", lifespan=lifespan,
                   description="Block-diffusion LM generation (native and OpenAI-compatible) and admin API.")
     app.state.engine = engine
     app.state.config = config
@@ -67,13 +66,13 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     app.state.prompts = PromptEncoder(engine.tokenizer, engine.max_model_len)
     app.state.is_draining, app.state.num_inflight = False, 0
     install_error_handlers(app)
-    app.add_middleware(DrainGuard)
+    app.add_middleware(RequestGuard, max_body_bytes=config.max_body_bytes)
     app.include_router(routes_generate.router)
     app.include_router(routes_service.router)
     app.include_router(routes_service.admin)
     weights = _weights_router()
     if weights is not None:
-        app.include_router(weights, max_body_size=UNLIMITED_BODY)
+        app.include_router(weights)
     install_openapi(app)
     if not app.state.admin_token:
         log.info("no admin token configured: admin endpoints are disabled")

@@ -70,7 +70,7 @@ def _param_of(err: dict) -> str | None:
         loc.append(str(err.get("ctx", {}).get("discriminator", "")).strip("'\""))
     if not loc or err.get("type") == "json_invalid":
         match = _FIELD_PREFIX.match(err.get("msg", ""))
-        return match.group(1) if match else ("body" if err.get("type") == "json_invalid" else None)
+        return match.group(1) if match else ("body" if err.get("type") in ("json_invalid", "string_unicode") else None)
     return ".".join(str(p) for p in loc)
 
 
@@ -132,7 +132,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
-        return error_response(exc.status_code, message, None, getattr(exc, "headers", None))
+        match = _FIELD_PREFIX.match(message) if exc.status_code == 413 else None  # RequestGuard's body limit
+        if match:
+            _count(request, 413)
+        return error_response(exc.status_code, message, match.group(1) if match else None,
+                              getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

@@ -1,11 +1,11 @@
 """Graceful shutdown: SIGTERM drains in-flight requests, answers new ones 503, then exits 0.
 
-    app.add_middleware(DrainGuard)                     # server.app.create_app does it
     GracefulServer(uvicorn.Config(app, ...), app, shutdown_timeout=20).run()   # server.cli
 
 On the first SIGTERM or SIGINT the server starts draining: `/ready` answers 503 (so a
 load balancer stops sending), new generation requests are answered 503 with
-`Retry-After` and `Connection: close`, and requests already in flight run to the end.
+`Retry-After` and `Connection: close` (server.middleware.RequestGuard), and requests
+already in flight run to the end.
 When none is left -- or `server.shutdown_timeout` seconds have passed, after which the
 remaining sequences are aborted (their responses end with finish_reason "abort") -- uvicorn
 closes the listeners and the process exits with status 0, as Kubernetes expects. A
@@ -15,7 +15,6 @@ second signal stops at once.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
 import time
@@ -23,40 +22,8 @@ from typing import Any
 
 import uvicorn
 
-from server.errors import error_body
-
 log = logging.getLogger("dlrl.server")
-GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 ABORT_GRACE_S = 5.0  # after aborting, how long responses may take to finish sending
-
-
-class DrainGuard:
-    """ASGI middleware: counts in-flight generation requests (`app.state.num_inflight`); while
-    `app.state.is_draining`, answers new ones 503."""
-
-    def __init__(self, app: Any):
-        self.app = app
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
-            return await self.app(scope, receive, send)
-        state = scope["app"].state
-        if getattr(state, "is_draining", False):
-            return await _send_json(send, 503, error_body(503, "server is shutting down; retry on another replica"),
-                                    [(b"retry-after", b"1"), (b"connection", b"close")])
-        state.num_inflight = getattr(state, "num_inflight", 0) + 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            state.num_inflight -= 1
-
-
-async def _send_json(send: Any, status: int, body: dict, headers: list[tuple[bytes, bytes]]) -> None:
-    data = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
-                            *headers]})
-    await send({"type": "http.response.body", "body": data})
 
 
 async def _wait_idle(state: Any, deadline: float) -> bool:
@@ -71,12 +38,12 @@ async def drain(app: Any, timeout: float) -> None:
     """Stop admitting, let in-flight requests finish (at most `timeout` s), then abort the rest."""
     state = app.state
     state.is_draining = True
-    log.info("draining: %d request(s) in flight, waiting up to %.0fs", getattr(state, "num_inflight", 0), timeout)
+    log.info("draining: %d request(s) in flight, waiting up to %gs", getattr(state, "num_inflight", 0), timeout)
     if await _wait_idle(state, time.monotonic() + timeout):
         log.info("drained: no request in flight")
         return
     num = state.engine.abort_all()
-    log.warning("shutdown deadline (%.0fs) passed: aborted %d request(s) still running", timeout, num)
+    log.warning("shutdown deadline (%gs) passed: aborted %d request(s) still running", timeout, num)
     if not await _wait_idle(state, time.monotonic() + ABORT_GRACE_S):
         log.warning("%d response(s) still sending after the abort; closing anyway", state.num_inflight)
 
