@@ -436,6 +436,7 @@ class HealthResponse(BaseModel):
     is_draining: bool = False
     num_running: int = 0
     num_waiting: int = 0
+    num_free_slots: int | None = None
 
 
 class PauseRequest(_Request):

@@ -1,6 +1,7 @@
 """Service routes: health, readiness, Prometheus metrics, and admin pause/resume.
 
-    GET  /health          always 200 while the process serves (model, version, paused, queue)
+    GET  /health          always 200 while the process serves (model, version, paused, draining,
+                          running / waiting sequences, free KV-cache slots)
     GET  /ready           200 when the engine runs and admits requests, else 503
     GET  /metrics         Prometheus text format (per-app registry)
     POST /admin/pause     {"abort_inflight": false}  (bearer token)  -> EngineStatus
@@ -26,7 +27,7 @@ def _health(engine, is_draining: bool = False) -> P.HealthResponse:
     status = "ok" if engine.is_running else "stopped"
     return P.HealthResponse(status=status, model=engine.model_name, version=engine.version,
                             is_paused=engine.is_paused, is_draining=is_draining, num_running=engine.num_running,
-                            num_waiting=engine.num_waiting)
+                            num_waiting=engine.num_waiting, num_free_slots=engine.backend.num_free_slots)
 
 
 def _status(engine) -> P.EngineStatus:
