@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from dllm.weights import load_pretrained  # noqa: E402
 from weight_sync import push  # noqa: E402
+from weight_sync.sender import close_all  # noqa: E402
 
 TOKEN = "soak-token"
 KINDS = ["completions", "completions_stream", "chat", "chat_stream", "generate"]
@@ -257,6 +258,7 @@ def main() -> None:
         try:
             asyncio.run(_traffic(base, args, stop_at, stats))
             pusher.join(timeout=180)
+            close_all()  # the pusher's cached senders (shm region, http clients)
             deadline = time.monotonic() + 60
             health = httpx.get(base + "/health", timeout=10).json()
             while health["num_running"] or health["num_waiting"]:  # disconnected sequences are released

@@ -309,6 +309,7 @@ class Engine:
             self.scheduler.to_release = [s for s in self.scheduler.to_release if s not in batch]
             for seq in batch:
                 self.backend.release(seq)
+                self._top_k.pop(seq.seq_id, None)
                 req = self.scheduler.finish(seq)
                 if req is not None:
                     req.emit(("error", req.index_of[seq.seq_id], message))

@@ -119,7 +119,7 @@ def admin_headers() -> dict:
 
 @dataclass
 class ServeProcess:
-    """A real `dlrl serve` subprocess (python -m server.cli) on a free loopback port."""
+    """A real `dlrl serve` subprocess on a free loopback port."""
 
     proc: Any
     url: str
@@ -142,7 +142,8 @@ def serve_process(tiny_model_dir, tmp_path):
     def start(*overrides: str, env: dict | None = None, timeout: float = 90.0) -> ServeProcess:
         port = _free_port()
         log_path = tmp_path / f"serve-{port}.log"
-        cmd = [sys.executable, "-m", "server.cli", "--model", tiny_model_dir, "--port", str(port), *overrides]
+        dlrl = os.path.join(os.path.dirname(sys.executable), "dlrl")  # the installed console script
+        cmd = [dlrl, "serve", "--model", tiny_model_dir, "--port", str(port), *overrides]
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         with open(log_path, "w") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env,

@@ -113,3 +113,37 @@ def test_8mib_prompt_is_413_without_tokenising_and_health_stays_fast(roomy_serve
                                                               {"messages": [{"role": "user", "content": "1"}]})},
                     timeout=60)
     assert ok.status_code == 200, ok.text
+
+
+class _SlowTokenizer:
+    """Wraps the handlers' tokenizer: every encode / chat template takes `delay` seconds."""
+
+    def __init__(self, inner, delay: float):
+        self.inner, self.delay = inner, delay
+
+    def encode(self, *args, **kwargs):
+        time.sleep(self.delay)
+        return self.inner.encode(*args, **kwargs)
+
+    def apply_chat_template(self, *args, **kwargs):
+        time.sleep(self.delay)
+        return self.inner.apply_chat_template(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "1+2=", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "1+2"}], "max_tokens": 2}),
+])
+def test_tokenising_never_blocks_the_event_loop(roomy_server, path, body):
+    prompts = roomy_server.app.state.prompts
+    inner = prompts.tokenizer
+    prompts.tokenizer = _SlowTokenizer(inner, delay=1.5)
+    try:
+        r, latencies = _send_while_polling_health(roomy_server.url, path, json=body)
+    finally:
+        prompts.tokenizer = inner
+    assert r.status_code == 200, r.text
+    assert len(latencies) >= 5 and max(latencies) < 1.0, latencies
