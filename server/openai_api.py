@@ -81,9 +81,10 @@ def _token_texts(tok: Any, ids: list[int]) -> tuple[list[str], list[int]]:
     return texts, added
 
 
-def completion_logprobs(tok: Any, seq: Any, k: int, offset: int) -> P.CompletionLogprobs:
+def completion_logprobs(tok: Any, seq: Any, k: int) -> P.CompletionLogprobs:
+    """`text_offset` counts from the start of the completion (echo is never combined with logprobs)."""
     texts, added = _token_texts(tok, seq.completion_ids)
-    offsets = []
+    offsets, offset = [], 0
     for n in added:
         offsets.append(offset)
         offset += n
@@ -122,7 +123,7 @@ async def completions(body: P.CompletionRequest, request: Request):
     k = body.logprobs
 
     def logprobs(seq: Any) -> P.CompletionLogprobs | None:
-        return None if k is None else completion_logprobs(st.prompts.tokenizer, seq, k, 0)
+        return None if k is None else completion_logprobs(st.prompts.tokenizer, seq, k)
 
     if body.stream:
         return _stream(request, "/v1/completions", body, seqs, lambda rid, i, text, reason, lp=None: P.CompletionResponse(
