@@ -18,6 +18,8 @@ import httpx
 import pytest
 import torch
 
+from server.metrics import CONTENT_TYPE
+
 CONFIG = """
 [generation]
 max-examples = 12
@@ -73,8 +75,8 @@ def test_document_states_statuses_limits_and_types(fuzz_server):
         assert responses["401"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
     assert "409" in paths["/weights/begin"]["post"]["responses"]
     assert "503" in paths["/ready"]["get"]["responses"]
-    assert list(paths["/metrics"]["get"]["responses"]["200"]["content"]) == [
-        "text/plain; version=1.0.0; charset=utf-8"] or "text/plain" in str(paths["/metrics"]["get"]["responses"])
+    assert list(paths["/metrics"]["get"]["responses"]["200"]["content"]) == [CONTENT_TYPE]
+    assert httpx.get(fuzz_server.url + "/metrics").headers["content-type"] == CONTENT_TYPE
     assert "text/event-stream" in paths["/v1/completions"]["post"]["responses"]["200"]["content"]
     models = doc["components"]["schemas"]
     gen = models["GenerateRequest"]
