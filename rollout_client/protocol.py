@@ -82,8 +82,8 @@ class _NullIsDefault(BaseModel):
     def _null_is_default(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        required = {name for name, f in cls.model_fields.items() if f.is_required()}
-        return {k: v for k, v in data.items() if v is not None or k in required}
+        optional = {name for name, f in cls.model_fields.items() if not f.is_required()}
+        return {k: v for k, v in data.items() if v is not None or k not in optional}
 
 
 class _Request(_NullIsDefault):
