@@ -6,8 +6,8 @@
 
 The app starts the engine thread on startup and stops it on shutdown. State reachable
 from handlers: `request.app.state.engine`, `.config`, `.metrics`, `.admin_token`,
-`.prompts` (the tokenizer worker, server.generation.PromptEncoder), `.is_draining` and
-`.num_inflight` (server.lifecycle). Routers: generation (`/generate`, `/v1/*`), service
+`.prompts` (the tokenizer worker, server.generation.PromptEncoder), `.is_draining`
+(server.lifecycle) and `.num_inflight` (server.middleware). Routers: generation (`/generate`, `/v1/*`), service
 (`/health`, `/ready`, `/metrics`, `/admin/*`) and, when present, `server.routes_weights`
 (`/weights/*`). `server.middleware.RequestGuard` answers bodies over
 `server.max_body_bytes` 413 before they are read, and new requests 503 while draining.
