@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
 ARGS ?=
 
-.PHONY: install test lint bench serve train sft clean
+.PHONY: install test lint bench soak serve train sft clean
 
 install: $(STAMP)
 
@@ -28,6 +28,9 @@ bench: install
 	$(PY) benchmarks/serve.py
 	$(PY) benchmarks/sync.py
 	$(PY) benchmarks/step.py
+
+soak: install
+	$(PY) benchmarks/soak.py $(ARGS)
 
 sft: install
 	$(VENV)/bin/dlrl sft --config configs/tiny.yaml $(ARGS)

@@ -6,6 +6,8 @@
 `server.model` empty (the default) serves the embedded tiny default, trained on first use
 by `dllm.tiny.ensure_default_model`. Binds 127.0.0.1 unless told otherwise. The admin
 token comes from `server.admin_token` or the DLRL_ADMIN_TOKEN environment variable.
+SIGTERM / SIGINT shut down gracefully (server.lifecycle): new requests get 503, requests
+in flight get up to `server.shutdown_timeout` seconds, then the process exits 0.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from server.app import create_app
+    from server.lifecycle import GracefulServer
 
     model_path = resolve_model(config, config_path)
     engine = build_engine(config, model_path)
@@ -79,7 +82,11 @@ def main(argv: list[str] | None = None) -> int:
              config.max_batch, engine.max_model_len)
     log.info("listening on http://%s:%d (admin endpoints %s)", config.host, config.port,
              "enabled" if app.state.admin_token else "disabled: no admin token")
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level.lower())
+    server = GracefulServer(uvicorn.Config(app, host=config.host, port=config.port,
+                                           log_level=config.log_level.lower(), timeout_graceful_shutdown=5),
+                            app, shutdown_timeout=config.shutdown_timeout)
+    server.run()
+    log.info("server stopped")
     return 0
 
 

@@ -33,6 +33,8 @@ class ServerConfig:
     admin_token: str = ""
     admin_token_file: str = ""       # read (or create) the token here when none is set otherwise
     log_level: str = "info"
+    max_body_bytes: int = 4 << 20    # request bodies over this are a 413 before being read (weights exempt)
+    shutdown_timeout: float = 20.0   # SIGTERM: seconds in-flight requests get before they are aborted
     # defaults for requests that leave these unset
     default_max_tokens: int = 64
     default_strategy: str = "dynamic"
@@ -49,6 +51,10 @@ class ServerConfig:
         for name in ("max_batch", "max_queue", "default_max_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"server.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_body_bytes < 1:
+            raise ConfigError(f"server.max_body_bytes: must be >= 1, got {self.max_body_bytes}")
+        if self.shutdown_timeout < 0:
+            raise ConfigError(f"server.shutdown_timeout: must be >= 0, got {self.shutdown_timeout}")
         if self.max_model_len < 0:
             raise ConfigError(f"server.max_model_len: must be >= 0, got {self.max_model_len}")
         if not 0.0 <= self.default_threshold <= 1.0:

@@ -115,3 +115,54 @@ def server(make_server) -> RunningServer:
 @pytest.fixture
 def admin_headers() -> dict:
     return {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+@dataclass
+class ServeProcess:
+    """A real `dlrl serve` subprocess on a free loopback port."""
+
+    proc: Any
+    url: str
+    log_path: Any
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+
+@pytest.fixture
+def serve_process(tiny_model_dir, tmp_path):
+    """Factory: `serve_process("server.shutdown_timeout=5", env={...})` starts `dlrl serve` on the tiny
+    model, waits (bounded) until /ready answers 200, and kills what is left at the end of the test.
+    One torch thread: a shared 2-core box makes two spinning OpenMP threads per forward very slow."""
+    import subprocess
+    import sys
+
+    started: list[ServeProcess] = []
+
+    def start(*overrides: str, env: dict | None = None, timeout: float = 90.0) -> ServeProcess:
+        port = _free_port()
+        log_path = tmp_path / f"serve-{port}.log"
+        dlrl = os.path.join(os.path.dirname(sys.executable), "dlrl")  # the installed console script
+        cmd = [dlrl, "serve", "--model", tiny_model_dir, "--port", str(port), *overrides]
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        with open(log_path, "w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env,
+                                    cwd=os.path.dirname(os.path.dirname(__file__)))
+        srv = ServeProcess(proc, f"http://127.0.0.1:{port}", log_path)
+        started.append(srv)
+        deadline = time.monotonic() + timeout
+        while True:
+            assert proc.poll() is None, srv.log()
+            try:
+                if httpx.get(srv.url + "/ready", timeout=1).status_code == 200:
+                    return srv
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"dlrl serve not ready after {timeout}s:\n{srv.log()}"
+            time.sleep(0.1)
+
+    yield start
+    for srv in started:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+            srv.proc.wait(timeout=10)
