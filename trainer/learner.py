@@ -44,8 +44,7 @@ def _policy_loss(cfg, new_lp, old_lp, adv, mask, ref_lp, entropy, weights=None):
                          ref_logprobs=ref_lp, kl_coef=cfg.kl_coef, log_ratio_clip=cfg.log_ratio_clip,
                          entropy=entropy, weights=weights)
     return tracerl_loss(new_lp, old_lp, adv, mask, eps_clip=cfg.eps_clip, ref_logprobs=ref_lp,
-                        kl_coef=cfg.kl_coef, log_ratio_clip=cfg.log_ratio_clip, norm="token", entropy=entropy,
-                        weights=weights)
+                        kl_coef=cfg.kl_coef, log_ratio_clip=cfg.log_ratio_clip, entropy=entropy, weights=weights)
 
 
 def baseline_rows(rows_like: Rows, objective: str, mask_id: int, generator: torch.Generator,
