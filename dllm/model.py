@@ -159,15 +159,23 @@ class SDARForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def forward(self, input_ids, position_ids=None, cache: KVCache | None = None, slots=None,
-                k_valid=None) -> torch.Tensor:
+                k_valid=None, clean_ids=None, valid=None, output: str = "logits") -> torch.Tensor:
         """Block-causal forward. input_ids/position_ids: [B, L] -> logits [B, L, V].
 
         With `cache` and `slots` ([B] cache rows), the tokens' K/V are written into the
         cache at their positions and attention runs over cache positions [0, max pos].
+        With `clean_ids` and `valid` ([B, L]) it is `forward_train(input_ids, clean_ids, ...)`
+        (so a DeepSpeed engine wrapping the model can run the training layout); with
+        output="hidden" it returns the noisy copy's hidden states [B, L, hidden] instead
+        (the trainer then applies `lm_head` to the scored tokens only, in chunks).
         """
         B, L = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(L, device=input_ids.device).expand(B, L)
+        if clean_ids is not None:
+            if output == "hidden":
+                return self.hidden_train(input_ids, clean_ids, position_ids, valid)
+            return self.forward_train(input_ids, clean_ids, position_ids, valid)
         bs = self.config.block_size
         if cache is None:
             spec = MaskSpec(position_ids, position_ids, bs, k_valid=k_valid)

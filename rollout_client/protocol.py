@@ -154,7 +154,8 @@ class GenerateRequest(DecodingOptions):
 
 
 class TraceModel(BaseModel):
-    """dllm.trace.Trace on the wire (see DESIGN.md: steps are 1-based within each block)."""
+    """dllm.trace.Trace on the wire (see DESIGN.md: steps are 1-based within each block), and
+    the one home of its block/step arithmetic (used by replay, advantages and metrics)."""
 
     prompt_len: int
     block_size: int
@@ -164,6 +165,25 @@ class TraceModel(BaseModel):
     finish_reason: str | None = None
     tail_ids: list[int] = Field(default_factory=list)
     tail_steps: list[int] = Field(default_factory=list)
+
+    def block_of(self, j: int) -> int:
+        """Block index of generated token j (blocks are aligned to position 0 of prompt + completion)."""
+        return (self.prompt_len + j) // self.block_size
+
+    def global_steps(self, shrink: int = 1) -> list[int]:
+        """Per completion token: an id of the denoising forward that committed it, increasing
+        in decoding order (block, then step within the block). With `shrink` s, steps
+        (k-1)s+1..ks of a block count as one step k (TraceRL's shrunk trajectory)."""
+        if shrink < 1:
+            raise ValueError(f"shrink: must be >= 1, got {shrink}")
+        span = self.block_size + 1  # steps within a block are 1..block_size
+        return [self.block_of(j) * span + -(-st // shrink) for j, st in enumerate(self.steps)]
+
+    @property
+    def num_forwards(self) -> int:
+        """Denoising forwards that committed the generated tokens (the tail included)."""
+        gen = self.steps + self.tail_steps
+        return len({(self.block_of(j), st) for j, st in enumerate(gen)})
 
 
 class Usage(BaseModel):
@@ -464,7 +484,9 @@ class ErrorResponse(BaseModel):
 # --------------------------------------------------------------------------- client-side result
 
 class Rollout(BaseModel):
-    """One generated sample as the trainer sees it (built by `RolloutClient` from a `Sample`)."""
+    """One generated sample as the trainer sees it (built by `RolloutClient` from a `Sample`).
+    It is also the replay input: prompt_ids, completion_ids and the trace (steps, behaviour
+    logprobs, tail) are all that trace replay needs."""
 
     prompt_index: int
     sample_index: int
@@ -473,6 +495,17 @@ class Rollout(BaseModel):
     text: str
     finish_reason: FinishReason
     version: int
-    logprobs: list[float] = Field(default_factory=list, description="behaviour logprob per completion token")
     trace: TraceModel | None = None
     server: str = ""
+
+    @property
+    def logprobs(self) -> list[float]:
+        """Behaviour logprob per completion token (the trace's)."""
+        return list(self.trace.logprobs) if self.trace is not None else []
+
+    @classmethod
+    def from_sample(cls, s: Sample, start: int, n: int, server: str) -> Rollout:
+        """The rollout of sample `s` of a request whose first prompt has global index `start`."""
+        return cls(prompt_index=start + s.prompt_index, sample_index=s.index % n, prompt_ids=s.prompt_ids,
+                   completion_ids=s.completion_ids, text=s.text, finish_reason=s.finish_reason,
+                   version=s.version, trace=s.trace, server=server)

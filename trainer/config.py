@@ -21,6 +21,7 @@ class TrainConfig:
     servers: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8000"])
     start_server: bool = True  # start a local server (subprocess) when none is reachable
     server_start_timeout: float = 600.0
+    server_wait_s: float = 120.0  # a server down before a step is waited for this long, then an error
     admin_token: str = ""  # empty: env DLRL_ADMIN_TOKEN, then server.admin_token_file of the config
     model: str = ""  # policy to train; empty = the embedded default (trained by SFT if missing)
     output_dir: str = "runs/tiny-rl"
@@ -31,11 +32,14 @@ class TrainConfig:
     chat_template: bool = False
     reward: str = "exact_match"  # exact_match | math | code | module:function
     overlong_buffer: int = 0
+    reward_sandbox: str = "bwrap"  # code rewards: bwrap (sandboxed) | unsafe_local (plain subprocess, trusted code only)
     # rollouts
     num_steps: int = 60
     prompts_per_step: int = 32
     group_size: int = 8
     max_tokens: int = 8
+    stop: list[str] = field(default_factory=list)  # rollout stop strings (besides the model's eos ids)
+    stop_token_ids: list[int] = field(default_factory=list)  # rollout stop token ids (besides eos)
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -55,6 +59,11 @@ class TrainConfig:
     norm: str = "token"  # token | sequence
     shrink: int = 1
     use_value_model: bool = False
+    # train-serve mismatch (trainer.correction): none | tis | mis, token | sequence, cap on rho
+    is_correction: str = "none"
+    is_level: str = "token"
+    is_cap: float = 2.0
+    logprob_chunk: int = 1024  # scored tokens per full-vocabulary logits chunk (0: all at once)
     gamma: float = 1.0
     lam: float = 1.0
     value_lr: float = 1e-4
@@ -70,6 +79,11 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     # sync, eval, logging
     sync_transport: str = "shm"
+    sync_timeout: float = 300.0  # seconds a push may take before the servers drop it
+    sync_addr: str = "127.0.0.1"  # dist transport: the address servers reach rank 0 at
+    record_digests: bool = False  # append {version, digest} of every push to output_dir/versions.jsonl
+    # ranks
+    nproc: int = 1  # local ranks started by `dlrl train` itself (ignored under torchrun / deepspeed)
     eval_every: int = 5
     eval_size: int = 200
     checkpoint_every: int = 0
@@ -95,8 +109,19 @@ class TrainConfig:
         if not self.servers:
             raise ValueError("train.servers: need at least one server URL")
         for name in ("num_steps", "prompts_per_step", "group_size", "max_tokens", "grad_accum",
-                     "updates_per_step", "shrink", "max_staleness"):
+                     "updates_per_step", "shrink", "max_staleness", "nproc"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name}: must be >= 1, got {getattr(self, name)}")
+        from trainer import correction
+
+        if self.is_correction not in correction.MODES:
+            raise ValueError(f"train.is_correction: unknown {self.is_correction!r} "
+                             f"(known: {', '.join(correction.MODES)})")
+        if self.is_level not in correction.LEVELS:
+            raise ValueError(f"train.is_level: unknown {self.is_level!r} (known: {', '.join(correction.LEVELS)})")
+        if self.is_cap < 1:
+            raise ValueError(f"train.is_cap: must be >= 1, got {self.is_cap}")
+        if self.logprob_chunk < 0:
+            raise ValueError(f"train.logprob_chunk: must be >= 0, got {self.logprob_chunk}")
         if self.lr <= 0:
             raise ValueError(f"train.lr: must be > 0, got {self.lr}")

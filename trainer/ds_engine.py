@@ -21,10 +21,8 @@ import base64
 import dataclasses
 import json
 import logging
-import os
 import random
 import shutil
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+
+from trainer.dist import init_process_group, setup_dist_env
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CLIENT_STATE = "client_state.json"
@@ -93,25 +93,6 @@ def _deep_merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def setup_dist_env(world_size: int = 1, rank: int = 0) -> str:
-    """Fill RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (and DS_ACCELERATOR=cpu without
-    CUDA) where absent, so a single process needs no launcher. Returns the backend name."""
-    if not (has_cuda := torch.cuda.is_available()):
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.setdefault("RANK", str(rank))
-    os.environ.setdefault("LOCAL_RANK", str(rank))
-    os.environ.setdefault("WORLD_SIZE", str(world_size))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    return "nccl" if has_cuda else "gloo"
-
-
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """AdamW groups: decay on matrices, none on 1-D params (norm weights, biases)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -128,12 +109,11 @@ def build_engine(model: nn.Module, cfg: DSConfig, world_size: int = 1, rank: int
     Train with `engine.module.forward_train(...)` (or `engine(...)` for `forward`), then
     `engine.backward(loss)` and `engine.step()` per micro-batch."""
     cfg.validate()
-    backend = setup_dist_env(world_size, rank)
+    setup_dist_env(world_size, rank)
+    init_process_group()
     import deepspeed  # after the env: DS_ACCELERATOR is read on first use
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
-    if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
     if hasattr(model, "gradient_checkpointing"):
         model.gradient_checkpointing = cfg.gradient_checkpointing
     optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
@@ -145,6 +125,24 @@ def build_engine(model: nn.Module, cfg: DSConfig, world_size: int = 1, rank: int
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                       config=cfg.to_ds_config(torch.distributed.get_world_size()))
     return engine
+
+
+def build_frozen(model: nn.Module, cfg: DSConfig):
+    """A frozen copy for inference (the KL reference) that follows the policy's sharding: under
+    ZeRO-3 a DeepSpeed engine without optimizer partitions it over the ranks (its module
+    gathers each layer's parameters in forward); otherwise the plain module, full on each rank."""
+    model = model.eval().requires_grad_(False)
+    init_process_group()
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if cfg.zero_stage != 3:
+        return model.to(device=get_accelerator().current_device_name(), dtype=DTYPES[cfg.dtype])
+
+    conf = DSConfig(zero_stage=3, dtype=cfg.dtype, grad_accum=cfg.grad_accum).to_ds_config(
+        torch.distributed.get_world_size())
+    engine, *_ = deepspeed.initialize(model=model, config=conf)
+    return engine.module.eval()
 
 
 def _unwrap(engine_or_module) -> nn.Module:
@@ -250,6 +248,13 @@ def _prune(ckpt_dir: Path, keep_last: int, current: str) -> None:
     for old in tags[:-keep_last]:
         if old.name != current:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def read_client_state(ckpt_dir: str | Path, tag: str | None = None) -> dict[str, Any]:
+    """The JSON client state of checkpoint `tag` (default: `latest`) without loading anything else."""
+    ckpt_dir = Path(ckpt_dir)
+    tag = tag or (ckpt_dir / "latest").read_text().strip()
+    return json.loads((ckpt_dir / tag / CLIENT_STATE).read_text())
 
 
 def load_checkpoint(engine, ckpt_dir: str | Path, tag: str | None = None,

@@ -1,0 +1,87 @@
+"""Helpers shared by test modules (tests never import each other): free ports, real `dlrl serve`
+subprocesses on loopback, admin calls, waiting on a condition with a deadline.
+
+    with served_process(model_dir, token="t", log_dir=tmp) as srv:   # a real server process
+        admin_get(srv.url, "/weights/version", "t")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(cond: Callable[[], bool], timeout: float, what: str, interval: float = 0.1) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout:.0f}s")
+        time.sleep(interval)
+
+
+def is_ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@dataclass
+class ServerProcess:
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=30)
+
+
+def start_server_process(model_dir: str, token: str, log_dir: Path, *overrides: str,
+                         port: int | None = None) -> ServerProcess:
+    port = port or free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = Path(log_dir) / f"server-{port}.log"
+    cmd = [sys.executable, "-m", "dlrl.cli", "serve", "--model", model_dir, "--port", str(port), "server.max_batch=64",
+           "server.device=cpu", "server.dtype=float32", *overrides]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, env=dict(os.environ, DLRL_ADMIN_TOKEN=token), stdout=log, stderr=subprocess.STDOUT)
+    srv = ServerProcess(url, proc, log_path)
+    try:
+        wait_until(lambda: is_ready(url) or proc.poll() is not None, 120, f"server {url}")
+        if proc.poll() is not None:
+            raise RuntimeError(f"server {url} exited: {log_path.read_text()[-2000:]}")
+    except BaseException:
+        srv.kill()
+        raise
+    return srv
+
+
+@contextlib.contextmanager
+def served_process(model_dir: str, token: str, log_dir: Path, *overrides: str) -> Iterator[ServerProcess]:
+    srv = start_server_process(model_dir, token, log_dir, *overrides)
+    try:
+        yield srv
+    finally:
+        srv.kill(signal.SIGTERM)
+
+
+def admin_get(url: str, path: str, token: str) -> dict:
+    return httpx.get(url + path, headers={"Authorization": f"Bearer {token}"}, timeout=30).json()
