@@ -133,13 +133,30 @@ def _param_shapes(cfg) -> list[tuple[str, tuple[int, ...]]]:
     return [(n, tuple(p.shape)) for n, p in model.named_parameters()]  # tied weights once
 
 
+STREAM_LEN = 4_194_301  # prime
+
+
+def _window(stream: torch.Tensor, shape: torch.Size, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """A `shape` tensor of `dtype` filled from `stream`, starting at a random offset (one pass)."""
+    out = torch.empty(shape.numel(), dtype=dtype)
+    pos, n = int(torch.randint(0, len(stream), (1,), generator=gen)), shape.numel()
+    done = 0
+    while done < n:
+        take = min(n - done, len(stream) - pos)
+        out[done:done + take].copy_(stream[pos:pos + take])
+        done, pos = done + take, 0
+    return out.view(shape)
+
+
 def write_random_weights(out_dir: str | Path, cfg, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
                          max_shard_bytes: int = 1 << 30, im_end_id: int | None = None,
                          im_end_scale: float = 0.0) -> None:
-    """Random N(0, 0.02) weights (norm weights 1) for `cfg`, written shard by shard."""
+    """Random N(0, 0.02) weights (norm weights 1) for `cfg`, written shard by shard. Each tensor
+    is a window of one N(0, 1) stream of a prime length (fast on a CPU; no two rows equal)."""
     from safetensors.torch import save_file
 
     out, gen = Path(out_dir), torch.Generator().manual_seed(seed)
+    stream = torch.randn(STREAM_LEN, generator=gen).mul_(0.02)
     shards: list[list[str]] = [[]]
     shapes = _param_shapes(cfg)
     size = 0
@@ -156,13 +173,13 @@ def write_random_weights(out_dir: str | Path, cfg, dtype: torch.dtype = torch.bf
         tensors = {}
         for name in names:
             if name.endswith("norm.weight"):
-                t = torch.ones(shape_of[name])
+                t = torch.ones(shape_of[name], dtype=dtype)
             else:
-                t = torch.randn(shape_of[name], generator=gen).mul_(0.02)
+                t = _window(stream, torch.Size(shape_of[name]), gen, dtype)
             if name == "lm_head.weight" and im_end_id is not None and im_end_scale:
                 row = torch.randn(t.shape[1], generator=gen)
                 t[im_end_id] = row / row.norm() * im_end_scale
-            tensors[name] = t.to(dtype)
+            tensors[name] = t
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         weight_map.update({n: fname for n in names})
         del tensors

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import string
+import warnings
 from pathlib import Path
 
 EOS, MASK, IM_START, IM_END, UNK = "<|endoftext|>", "<|MASK|>", "<|im_start|>", "<|im_end|>", "<|unk|>"
@@ -71,7 +72,10 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # AutoTokenizer warns about the unknown "sdar" config type
     try:  # an explicit bool: transformers asks on stdin only when it is None
-        return AutoTokenizer.from_pretrained(str(p), local_files_only=True, trust_remote_code=bool(trust_remote_code))
+        with warnings.catch_warnings():  # it also reads config.json and warns about `rope_scaling: null`
+            warnings.simplefilter("ignore", FutureWarning)
+            return AutoTokenizer.from_pretrained(str(p), local_files_only=True,
+                                                 trust_remote_code=bool(trust_remote_code))
     except ValueError as e:
         if "trust_remote_code" in str(e) or "custom code" in str(e):
             raise TokenizerLoadError(f"trust_remote_code: the tokenizer in {p} needs the folder's own Python "
