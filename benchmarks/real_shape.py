@@ -52,7 +52,8 @@ def write_inputs(work: Path, model: Path, port: int, args) -> Path:
         "eval": {**common, "servers": [url], "start_server": False, "reward": "math", "max_tokens": args.max_tokens,
                  "static_steps": [1], "dynamic_thresholds": [0.9], "limit": 4, "output": str(work / "eval.json")},
         "train": {**common, "servers": [url], "start_server": False, "reward": "math", "objective": "dipo",
-                  "num_steps": args.steps, "prompts_per_step": 2, "group_size": 2, "max_tokens": args.max_tokens,
+                  "num_steps": args.steps, "prompts_per_step": 1, "group_size": 2,
+                  "dtype": args.train_dtype, "max_tokens": args.max_tokens,
                   "strategy": "static", "denoise_steps": 1, "filter_zero_variance": False, "eval_every": 0,
                   "grad_accum": 2, "sync_transport": "shm", "tensorboard": False,
                   "output_dir": str(work / "train")},
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--server-dtype", default="bfloat16")
+    ap.add_argument("--train-dtype", default="fp32", help="trainer dtype: fp32 | bf16 (bf16 keeps fp32 master weights)")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--json", default="", help="also write the summary here")
     ap.add_argument("--reuse", action="store_true", help="keep the model folder of an earlier run")
