@@ -191,18 +191,28 @@ def write_random_weights(out_dir: str | Path, cfg, dtype: torch.dtype = torch.bf
 
 def build_real_shape_folder(out_dir: str | Path, source_config: str | Path, num_hidden_layers: int = 1,
                             dtype: torch.dtype = torch.bfloat16, seed: int = 0, im_end_scale: float = 12.0,
-                            max_shard_bytes: int = 1 << 30) -> Path:
-    """A random-weight SDAR folder with the shapes of `source_config` (fewer layers), the
-    stand-in Qwen tokenizer and a generation_config.json; returns the folder."""
+                            max_shard_bytes: int = 1 << 30, overrides: dict | None = None,
+                            tokenizer_from: str | Path | None = None) -> Path:
+    """A random-weight SDAR folder with the shapes of `source_config` (fewer layers; `overrides`
+    replace more fields, e.g. a smaller hidden size for unit tests), the stand-in Qwen tokenizer
+    (built, or copied from `tokenizer_from`) and a generation_config.json; returns the folder."""
+    import shutil
+
     from dllm.config import SDARConfig
+    from dllm.tokenizer import load_tokenizer
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data = json.loads(Path(source_config).read_text())
-    data["num_hidden_layers"] = num_hidden_layers
+    data.update(overrides or {}, num_hidden_layers=num_hidden_layers)
     (out / "config.json").write_text(json.dumps(data, indent=2) + "\n")
     cfg = SDARConfig.from_dict(data)
-    tok = build_qwen_tokenizer(out)
+    if tokenizer_from is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy2(Path(tokenizer_from) / name, out / name)
+        tok = load_tokenizer(out)
+    else:
+        tok = build_qwen_tokenizer(out)
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     (out / "generation_config.json").write_text(json.dumps({
         "bos_token_id": data.get("bos_token_id"), "eos_token_id": [im_end, tok.convert_tokens_to_ids("<|endoftext|>")],

@@ -12,13 +12,14 @@ so an in-place update behaves exactly like loading a checkpoint.
 Loading streams: the model is allocated once (on the meta device first, then empty in
 the target dtype and device), every name and shape is checked against the safetensors
 headers before any data is read, then the shards are read one at a time, one tensor at a
-time, straight into the parameters. Peak memory is about the model plus one shard (the
-shard's pages are mapped while it is read). Saving converts and writes a shard at a time.
+time (large tensors a few rows at a time), straight into the parameters. Peak memory is
+about the model plus one shard (the shard's pages are mapped while it is read). Saving converts and writes a shard at a time.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -34,6 +35,7 @@ SINGLE_NAME = "model.safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; recomputed here
+CHUNK_BYTES = 16 << 20  # larger checkpoint tensors are read into their parameter in row chunks
 Spec = tuple[str, tuple[int, ...]]
 
 
@@ -91,7 +93,10 @@ def copy_into_model(model: torch.nn.Module, named_tensors: Iterable[tuple[str, t
         for name, t in named_tensors:
             if expected.get(name) != tuple(t.shape) or name in copied:
                 raise WeightLoadError(f"tensor {name!r} {tuple(t.shape)} does not match the announced specs")
-            params[name].data.copy_(t)
+            if isinstance(t, ChunkedTensor):
+                t.copy_to(params[name].data)
+            else:
+                params[name].data.copy_(t)
             copied.add(name)
     if copied != set(expected):
         missing = sorted(set(expected) - copied)
@@ -133,13 +138,33 @@ def checkpoint_specs(path: str | Path, skip: set[str] = frozenset()) -> list[Spe
     return specs
 
 
-def iter_checkpoint(path: str | Path, skip: set[str] = frozenset()) -> Iterable[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) one at a time, shard by shard (one shard mapped at a time)."""
+class ChunkedTensor:
+    """A checkpoint tensor that `copy_into_model` reads straight into its parameter, a few rows
+    at a time (no full-size temporary copy of a large tensor)."""
+
+    def __init__(self, handle, name: str):
+        self.slice = handle.get_slice(name)
+        self.shape = tuple(self.slice.get_shape())
+
+    def copy_to(self, dst: torch.Tensor) -> None:
+        row_bytes = max(1, dst[0].numel() * dst.element_size()) if dst.dim() else 1
+        step = max(1, CHUNK_BYTES // row_bytes)
+        for i in range(0, self.shape[0], step):
+            dst[i:i + step].copy_(self.slice[i:i + step])
+
+
+def iter_checkpoint(path: str | Path, skip: set[str] = frozenset(),
+                    chunked: bool = False) -> Iterable[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) one at a time, shard by shard (one shard mapped at a time). With
+    `chunked`, tensors over CHUNK_BYTES come as ChunkedTensor (for copy_into_model)."""
     for f in weight_files(Path(path)):
         with safe_open(str(f), framework="pt") as fh:
             for name in fh.keys():
-                if _keep(name, skip):
-                    yield name, fh.get_tensor(name)
+                if not _keep(name, skip):
+                    continue
+                big = chunked and fh.get_slice(name).get_shape() and \
+                    math.prod(fh.get_slice(name).get_shape()) * 4 > CHUNK_BYTES
+                yield name, ChunkedTensor(fh, name) if big else fh.get_tensor(name)
 
 
 def empty_model(cfg: SDARConfig, device: str | torch.device = "cpu",
@@ -164,7 +189,7 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu", dtype:
     model = empty_model(cfg, device, parse_dtype(dtype) or torch.float32)
     skip = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     specs = checkpoint_specs(path, skip)
-    copy_into_model(model, iter_checkpoint(path, skip), strict=True, specs=specs)
+    copy_into_model(model, iter_checkpoint(path, skip, chunked=True), strict=True, specs=specs)
     return model.eval()
 
 
