@@ -142,3 +142,18 @@ def small_sdar_dir(tmp_path_factory, qwen_tokenizer_dir) -> str:
     path = tmp_path_factory.mktemp("small-sdar")
     return str(build_real_shape_folder(path, FIXTURE_CONFIG, num_hidden_layers=2, overrides=SMALL_SHAPES,
                                        tokenizer_from=qwen_tokenizer_dir, max_shard_bytes=16 << 20))
+
+
+@pytest.fixture(scope="session")
+def make_server_for():
+    """Start a real server (uvicorn thread, loopback) on any model folder; all stop at the end."""
+    started: list[RunningServer] = []
+
+    def make(model_dir: str, **overrides) -> RunningServer:
+        srv = start_server(model_dir, **overrides)
+        started.append(srv)
+        return srv
+
+    yield make
+    for srv in started:
+        srv.stop()

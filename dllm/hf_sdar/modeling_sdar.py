@@ -112,6 +112,10 @@ class SDARPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = False
     _no_split_modules = ["SDARDecoderLayer"]
+    # SDAR configs name `attn_implementation: flex_attention`; this file always runs torch SDPA
+    # with the block-causal mask, whichever kernel the config names (same maths)
+    _supports_sdpa = True
+    _supports_flex_attn = True
 
     def _init_weights(self, module):
         std = self.config.initializer_range
