@@ -55,7 +55,7 @@ def write_inputs(work: Path, model: Path, port: int, args) -> Path:
                   "num_steps": args.steps, "prompts_per_step": 1, "group_size": 2,
                   "dtype": args.train_dtype, "max_tokens": args.max_tokens,
                   "strategy": "static", "denoise_steps": 1, "filter_zero_variance": False, "eval_every": 0,
-                  "grad_accum": 2, "sync_transport": "shm", "tensorboard": False,
+                  "grad_accum": 1, "sync_transport": "shm", "tensorboard": False,
                   "output_dir": str(work / "train")},
     }
     path = work / "run.yaml"

@@ -105,12 +105,20 @@ def test_eval_errors_name_the_key(server, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_eval_starts_its_own_server_per_block_size(tiny_model_dir, tmp_path, capsys):
+    """`dlrl eval` starts `dlrl serve` itself (restarted per block size) on a folder with custom
+    code (config.json auto_map + modeling files): the server never asks on stdin whether to run it."""
+    from dllm.export import export_pretrained
+    from dllm.weights import load_pretrained
+
+    model = load_pretrained(tiny_model_dir)
+    folder = export_pretrained(model.named_parameters(), model.config, tmp_path / "custom", source_dir=tiny_model_dir)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    res = _run(tmp_path, capsys, f"servers=[http://127.0.0.1:{port}]", "start_server=true", f"model={tiny_model_dir}",
+    res = _run(tmp_path, capsys, f"servers=[http://127.0.0.1:{port}]", "start_server=true", f"model={folder}",
                "block_sizes=[4,8]", "static_steps=[1]", "limit=3", "server.device=cpu")
     assert [(r["setting"]["name"], r["block_size"]) for r in res["results"]] == [
         ("static steps=1 block=4", 4), ("static steps=1 block=8", 8)]
     with pytest.raises(OSError):  # stopped at the end
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    assert "Do you wish to run the custom code" not in (tmp_path / "server0.log").read_text()

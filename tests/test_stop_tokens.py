@@ -1,15 +1,11 @@
 """Chat models stop at <|im_end|>: the server stops at the union of config.json's,
 generation_config.json's and the tokenizer's eos ids on every generation route, a request's
 stop_token_ids add to them, and the stop token is the last token of the completion and of the
-trace. trust_remote_code is an explicit option: loading a folder with custom code never asks."""
+trace. trust_remote_code is an explicit option: loading a folder with custom code never asks (a
+`dlrl serve` subprocess on such a folder: tests/test_eval.py::test_eval_starts_its_own_server...)."""
 
 import builtins
 import json
-import shutil
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -102,30 +98,3 @@ def test_custom_code_never_prompts(tiny_model_dir, tmp_path, monkeypatch):
     with pytest.raises(TokenizerLoadError, match="trust_remote_code"):
         load_tokenizer(folder)
     assert type(load_tokenizer(folder, trust_remote_code=True)).__name__ == "CustomTokenizer"
-
-
-@pytest.mark.slow
-def test_serve_on_a_custom_code_folder_does_not_wait_for_input(tiny_model_dir, tmp_path):
-    folder = _custom_code_folder(tmp_path, tiny_model_dir)
-    shutil.copy(Path(tiny_model_dir) / "tokenizer.json", folder / "tokenizer.json")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tmp_path / "serve.log"
-    with open(log, "wb") as out:  # stdin stays open and silent: a prompt would block on it
-        proc = subprocess.Popen([sys.executable, "-m", "dlrl.cli", "serve", "--model", str(folder), "--port", str(port),
-                                 "server.device=cpu", "server.trust_remote_code=false"], stdin=subprocess.PIPE,
-                                stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1])
-        try:
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and proc.poll() is None:
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.3)
-            assert httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 200, log.read_text()
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
-    assert "Do you wish to run the custom code" not in log.read_text()
