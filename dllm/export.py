@@ -111,6 +111,8 @@ def export_pretrained(named_tensors: Iterable[tuple[str, torch.Tensor]], config:
     source = Path(source_dir) if source_dir else None
     if source is not None and not source.is_dir():
         raise FileNotFoundError(f"export: source folder not found: {source}")
+    if source is not None and source.resolve() == out.resolve():
+        raise ValueError(f"export: the output folder must not be the source folder ({source})")
     dtype = parse_dtype(dtype)
     if dtype is None and source is not None:
         src = read_config_json(source) if (source / "config.json").is_file() else {}

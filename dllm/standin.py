@@ -86,7 +86,16 @@ def _byte_fillers(alphabet: list[str], taken: set[str]):
 
 def build_qwen_tokenizer(out_dir: str | Path, vocab_size: int = 2000):
     """Write the Qwen-style stand-in tokenizer into `out_dir` and return it (AutoTokenizer)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        trainers,
+    )
 
     pre = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN_PRETOKENIZE), behavior="isolated"),
                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -103,8 +112,6 @@ def build_qwen_tokenizer(out_dir: str | Path, vocab_size: int = 2000):
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
     tok.normalizer, tok.pre_tokenizer = normalizers.NFC(), pre
     tok.decoder = decoders.ByteLevel()
-    from tokenizers import AddedToken
-
     tok.add_special_tokens([AddedToken(c, special=s, normalized=False) for c, s in QWEN_SPECIALS])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -51,6 +51,7 @@ class EvalConfig:
     dynamic_thresholds: list[float] = field(default_factory=list)
     block_sizes: list[int] = field(default_factory=list)
     batch_size: int = 64  # prompts per request batch
+    request_timeout: float = 600.0  # seconds per generation request
     output: str = "runs/eval/results.json"
 
     def validate(self) -> None:
@@ -111,7 +112,7 @@ def run(cfg: EvalConfig, config_path: str | None, overrides: list[str]) -> list:
             results += evaluate(cfg.servers, examples, reward, settings, num_samples=cfg.num_samples,
                                 max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
                                 top_p=cfg.top_p, seed=cfg.seed, stop=cfg.stop, batch_size=cfg.batch_size,
-                                timeout=cfg.server_start_timeout)
+                                timeout=cfg.request_timeout)
     finally:
         for s in started:
             s.stop()

@@ -49,13 +49,14 @@ def rotate(x, cos, sin):
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
-def block_causal_mask(position_ids, block_size, padding=None):
-    """[B, L] positions (+ optional [B, L] padding mask) -> bool [B, 1, L, L], True = visible."""
+def block_causal_mask(position_ids, block_size, dtype, padding=None):
+    """[B, L] positions (+ optional [B, L] padding mask) -> additive [B, 1, L, L] mask (0 = visible)."""
     blocks = position_ids // block_size
     visible = blocks[:, None, :] <= blocks[:, :, None]  # key block <= query block
     if padding is not None:
         visible = visible & padding.bool()[:, None, :]
-    return visible[:, None]
+    mask = torch.zeros(visible.shape, dtype=dtype, device=position_ids.device)
+    return mask.masked_fill(~visible, torch.finfo(dtype).min)[:, None]  # a padded row stays finite
 
 
 class SDARAttention(nn.Module):
@@ -147,7 +148,7 @@ class SDARModel(SDARPreTrainedModel):
         if position_ids is None:
             position_ids = torch.arange(L, device=x.device).expand(B, L)
         if attention_mask is None or attention_mask.dim() == 2:
-            mask = block_causal_mask(position_ids, self.config.block_size, attention_mask)
+            mask = block_causal_mask(position_ids, self.config.block_size, x.dtype, attention_mask)
         else:
             mask = attention_mask.to(x.dtype) if attention_mask.is_floating_point() else attention_mask.bool()
         cos, sin = rotary(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
