@@ -63,7 +63,7 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
 
     A folder whose tokenizer needs its own Python code loads only with
     `trust_remote_code=True`; otherwise a TokenizerLoadError says which option to set."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PretrainedConfig
     from transformers.utils import logging as hf_logging
 
     p = Path(path)
@@ -72,9 +72,11 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # AutoTokenizer warns about the unknown "sdar" config type
     try:  # an explicit bool: transformers asks on stdin only when it is None
-        with warnings.catch_warnings():  # it also reads config.json and warns about `rope_scaling: null`
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            return AutoTokenizer.from_pretrained(str(p), local_files_only=True,
+            # an empty config: AutoTokenizer would otherwise parse config.json with transformers'
+            # rules (and run its auto_map code); the tokenizer files alone say what to load
+            return AutoTokenizer.from_pretrained(str(p), config=PretrainedConfig(), local_files_only=True,
                                                  trust_remote_code=bool(trust_remote_code))
     except ValueError as e:
         if "trust_remote_code" in str(e) or "custom code" in str(e):

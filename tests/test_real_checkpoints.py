@@ -190,3 +190,17 @@ def test_streaming_load_peak_rss_of_a_500mb_model(tmp_path):
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     with safe_open(str(tmp_path / index["weight_map"]["lm_head.weight"]), "pt") as f:
         assert r["probe"] == float(f.get_tensor("lm_head.weight")[7, 3])
+
+
+def test_dlrl_serve_names_the_field_of_a_bad_folder(small_sdar_dir, tmp_path, capsys):
+    from server.cli import main as serve_main
+
+    folder = _folder(tmp_path, small_sdar_dir, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(SystemExit) as e:
+        serve_main(["--model", str(folder), "server.device=cpu"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "rope_scaling: rope type 'yarn' is not implemented" in err
+    assert "Traceback" not in err
+    with pytest.raises(SystemExit):
+        serve_main(["--model", str(folder), "server.block_size=-1"])
+    assert "server.block_size" in capsys.readouterr().err

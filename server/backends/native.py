@@ -66,9 +66,9 @@ class NativeBackend(Backend):
         from dllm.tokenizer import eos_token_ids, load_tokenizer
 
         dev = resolve_device(device)
-        tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
         model = load_pretrained(path, device=dev, dtype=resolve_dtype(dtype, dev), block_size=block_size or None,
                                 mask_token_id=None if mask_token_id < 0 else mask_token_id)
+        tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
         log.info("loaded %s on %s (%s, %.1fM params)", path, dev, model.dtype,
                  sum(p.numel() for p in model.parameters()) / 1e6)
         eos_ids = eos_token_ids(path, tokenizer, model.config.eos_ids)
