@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -35,9 +36,16 @@ PROBLEMS = [("What is 2 + 3?", "5"), ("Compute 7 * 6.", "42"), ("What is 100 - 1
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below Linux's ephemeral range (32768+), so that the many outgoing
+    connections of a busy machine cannot take it between this check and its use."""
+    for port in random.Random().sample(range(20000, 32000), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
 
 
 def write_inputs(work: Path, model: Path, port: int, args) -> Path:
@@ -82,9 +90,10 @@ def wait_rusage(proc: subprocess.Popen, timeout: float) -> tuple[int | str, floa
 def run_cli(cmd: list[str], log: Path, timeout: float) -> dict:
     """Run `dlrl ...` to completion; wall time, exit code and peak RSS (MiB) of the process."""
     t0 = time.perf_counter()
+    env = dict(os.environ, MASTER_PORT=str(free_port()))  # the trainer's torch.distributed store
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "dlrl.cli", *cmd], stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, cwd=ROOT)
+                                stdin=subprocess.DEVNULL, cwd=ROOT, env=env)
         rc, peak = wait_rusage(proc, timeout)
     return {"rc": rc, "seconds": time.perf_counter() - t0, "peak_rss_mib": peak}
 
