@@ -4,6 +4,7 @@
     dlrl generate --model DIR --prompt TEXT [--trace]          print completions
     dlrl serve    --config configs/tiny.yaml [--host H --port P key=value ...]
     dlrl train    --config configs/tiny.yaml [nproc=N] [key=value ...]
+    dlrl eval     --config configs/tiny.yaml [data=math500.jsonl num_samples=4 ...]
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ COMMANDS = {
     "generate": ("dllm.cli", "generate_main"),
     "serve": ("server.cli", "main"),
     "train": ("trainer.cli", "main"),
+    "eval": ("trainer.eval_cli", "main"),
 }
 
 

@@ -52,7 +52,9 @@ def build_engine(config: ServerConfig, model_path: str):
     from server.engine import Engine
 
     backend = create_backend(config.backend, model_path, device=config.device, dtype=config.dtype,
-                             max_batch=config.max_batch, max_model_len=config.max_model_len)
+                             max_batch=config.max_batch, max_model_len=config.max_model_len,
+                             trust_remote_code=config.trust_remote_code, block_size=config.block_size,
+                             mask_token_id=config.mask_token_id)
     return Engine(backend, max_queue=config.max_queue, model_name=config.model_name(model_path))
 
 
@@ -75,7 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     from server.lifecycle import GracefulServer
 
     model_path = resolve_model(config, config_path)
-    engine = build_engine(config, model_path)
+    try:
+        engine = build_engine(config, model_path)
+    except (ValueError, FileNotFoundError) as e:  # bad folder / option: the message names it
+        parser.exit(2, f"dlrl serve: error: cannot load {model_path}: {e}\n")
     app = create_app(engine, config)
     log.info("serving model %s (%s) from %s with backend %s, max_batch=%d, max_model_len=%d",
              engine.model_name, getattr(engine.model, "dtype", "?"), model_path, config.backend,

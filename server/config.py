@@ -30,6 +30,9 @@ class ServerConfig:
     max_batch: int = 16              # max concurrently decoded sequences (KV-cache slots)
     max_queue: int = 256             # max waiting sequences before 429
     max_model_len: int = 0           # prompt + completion limit; 0 = min(max_position_embeddings, 8192)
+    trust_remote_code: bool = False  # run the model folder's own Python code (tokenizer/config); never asked
+    block_size: int = 0              # 0 = config.json's; set it for folders that lack it (or to decode with another)
+    mask_token_id: int = -1          # -1 = config.json's, else the tokenizer's <|MASK|>
     admin_token: str = ""
     admin_token_file: str = ""       # read (or create) the token here when none is set otherwise
     log_level: str = "info"
@@ -55,6 +58,10 @@ class ServerConfig:
             raise ConfigError(f"server.max_body_bytes: must be >= 1, got {self.max_body_bytes}")
         if self.shutdown_timeout < 0:
             raise ConfigError(f"server.shutdown_timeout: must be >= 0, got {self.shutdown_timeout}")
+        if self.block_size < 0:
+            raise ConfigError(f"server.block_size: must be >= 0 (0 = from config.json), got {self.block_size}")
+        if self.mask_token_id < -1:
+            raise ConfigError(f"server.mask_token_id: must be >= 0 (-1 = from the folder), got {self.mask_token_id}")
         if self.max_model_len < 0:
             raise ConfigError(f"server.max_model_len: must be >= 0, got {self.max_model_len}")
         if not 0.0 <= self.default_threshold <= 1.0:

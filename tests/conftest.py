@@ -166,3 +166,45 @@ def serve_process(tiny_model_dir, tmp_path):
         if srv.proc.poll() is None:
             srv.proc.kill()
             srv.proc.wait(timeout=10)
+
+
+FIXTURE_CONFIG = os.path.join(os.path.dirname(__file__), "fixtures", "sdar-1.7b-chat.config.json")
+SMALL_SHAPES = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "head_dim": 16, "max_position_embeddings": 4096}
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer_dir(tmp_path_factory) -> str:
+    """The Qwen2/Qwen3-style byte-level BPE stand-in tokenizer (dllm.standin), built once."""
+    from dllm.standin import build_qwen_tokenizer
+
+    path = tmp_path_factory.mktemp("qwen-tok")
+    build_qwen_tokenizer(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def small_sdar_dir(tmp_path_factory, qwen_tokenizer_dir) -> str:
+    """Every field of the SDAR-1.7B-Chat config.json, small shapes (vocab kept: 151936), 2 layers,
+    bf16 random weights whose <|im_end|> row makes turns end after a few tokens, the stand-in
+    tokenizer and a generation_config.json (eos [<|im_end|>, <|endoftext|>])."""
+    from dllm.standin import build_real_shape_folder
+
+    path = tmp_path_factory.mktemp("small-sdar")
+    return str(build_real_shape_folder(path, FIXTURE_CONFIG, num_hidden_layers=2, overrides=SMALL_SHAPES,
+                                       tokenizer_from=qwen_tokenizer_dir, max_shard_bytes=16 << 20))
+
+
+@pytest.fixture(scope="session")
+def make_server_for():
+    """Start a real server (uvicorn thread, loopback) on any model folder; all stop at the end."""
+    started: list[RunningServer] = []
+
+    def make(model_dir: str, **overrides) -> RunningServer:
+        srv = start_server(model_dir, **overrides)
+        started.append(srv)
+        return srv
+
+    yield make
+    for srv in started:
+        srv.stop()

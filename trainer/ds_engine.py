@@ -8,7 +8,7 @@
     push(named_full_params(engine))              # weight sync (every rank must iterate: ZeRO-3)
     save_checkpoint(engine, "runs/x/ckpt", {"step": 7, "version": 7, "sampler": {...}})
     state = load_checkpoint(engine, "runs/x/ckpt")   # into a freshly built engine on resume
-    export_hf(engine, model.config, "runs/x/hf")      # Hugging Face SDAR folder
+    export_hf(engine, model.config, "runs/x/hf", source_dir="/models/SDAR")  # loads in transformers
 
 CPU: accelerator `cpu` (DS_ACCELERATOR, set before DeepSpeed is imported), gloo, ZeRO 0-3,
 fp32/bf16. CUDA: nccl. The optimizer is a torch AdamW handed to `deepspeed.initialize` (no
@@ -18,7 +18,6 @@ extension to compile). A second `build_engine` (value model) reuses the process 
 from __future__ import annotations
 
 import base64
-import dataclasses
 import json
 import logging
 import random
@@ -276,30 +275,21 @@ def load_checkpoint(engine, ckpt_dir: str | Path, tag: str | None = None,
     return json.loads((ckpt_dir / tag / CLIENT_STATE).read_text())
 
 
-def export_hf(engine, model_config, out_dir: str | Path, dtype: str | torch.dtype | None = None) -> None:
-    """Write the Hugging Face SDAR folder (config.json + safetensors) of the engine's policy.
-    ZeRO-3 parameters are gathered into a fresh CPU model first. Collective; rank 0 writes."""
-    from dllm.model import SDARForCausalLM
-    from dllm.weights import copy_into_model, save_pretrained
+def export_hf(engine, model_config, out_dir: str | Path, dtype: str | torch.dtype | None = None,
+              source_dir: str | Path | None = None) -> None:
+    """Write a Hugging Face folder of the engine's policy that transformers loads like the source
+    (`dllm.export.export_pretrained`: source config.json kept, modeling/tokenizer files and
+    generation_config.json copied or shipped, dtype = the source's unless `dtype` is given).
+    Without `source_dir` the weights keep the engine's dtype. Parameters stream out one
+    ZeRO-3 bucket at a time. Collective: every rank iterates; rank 0 writes."""
+    from dllm.export import export_pretrained
 
     model_config = model_config or engine.module.config
-    if dtype is None:  # record the saved weights' dtype in config.json
+    if dtype is None and source_dir is None:  # record the saved weights' dtype in config.json
         dtype = next(engine.module.parameters()).dtype
-    if not _is_zero3(engine):
-        if engine.global_rank == 0:
-            cfg, old = engine.module.config, engine.module.config.torch_dtype
-            try:
-                save_pretrained(engine.module, out_dir, dtype=dtype)
-            finally:
-                cfg.torch_dtype = old  # save_pretrained records dtype on the live config
-        return
-    named = list(named_full_params(engine))  # collective: every rank gathers
+    named = named_full_params(engine)  # collective under ZeRO-3: every rank gathers
     if engine.global_rank != 0:
+        for _ in named:
+            pass
         return
-    with torch.device("meta"):
-        model = SDARForCausalLM(dataclasses.replace(model_config))
-    model = model.to_empty(device="cpu").to(named[0][1].dtype)
-    if model_config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    copy_into_model(model, named, strict=True)
-    save_pretrained(model, out_dir, dtype=dtype)
+    export_pretrained(named, model_config, out_dir, source_dir=source_dir, dtype=dtype)

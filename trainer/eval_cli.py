@@ -1,0 +1,149 @@
+"""`dlrl eval`: accuracy and decoding speed of a served model on a JSONL of problems.
+
+    dlrl eval --config configs/tiny.yaml                       # embedded default, held-out split
+    dlrl eval data=data/math500.jsonl model=/models/SDAR-1.7B-Chat chat_template=true \
+        max_tokens=1024 num_samples=4 temperature=1.0 static_steps=[4] dynamic_thresholds=[0.9,0.7]
+    dlrl eval data=gsm8k.jsonl servers=[http://h1:8000,http://h2:8000] start_server=false
+
+Talks to the servers at `eval.servers`; when none answers (and `eval.start_server`), starts
+`dlrl serve` with `eval.model` (and any `server.*` overrides) and stops it at the end.
+`eval.block_sizes` decodes with each block size in turn (a started server is restarted with
+`server.block_size=B`; running servers must already decode with it). Prints one table row per
+decoding setting and writes every metric and generation to `eval.output` (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dllm.configlib import ConfigError, check_overrides, load_section
+
+log = logging.getLogger("dlrl.eval")
+
+
+@dataclass
+class EvalConfig:
+    servers: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8000"])
+    start_server: bool = True  # start a local `dlrl serve` when no server answers
+    server_start_timeout: float = 600.0
+    model: str = ""  # folder of the model: tokenizer for chat_template, model of a started server
+    data: str = ""  # JSONL; empty = the embedded arithmetic task's held-out split
+    prompt_field: str = ""
+    answer_field: str = ""
+    prompt_template: str = "{prompt}"
+    system_prompt: str = ""
+    chat_template: bool = False
+    reward: str = ""  # empty: math for a data file, exact_match for the embedded task
+    limit: int = 0  # first N problems; 0 = all
+    num_samples: int = 1  # samples per problem (pass@k for k up to this)
+    max_tokens: int = 512
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: list[str] = field(default_factory=list)
+    static_steps: list[int] = field(default_factory=list)
+    dynamic_thresholds: list[float] = field(default_factory=list)
+    block_sizes: list[int] = field(default_factory=list)
+    batch_size: int = 64  # prompts per request batch
+    request_timeout: float = 600.0  # seconds per generation request
+    output: str = "runs/eval/results.json"
+
+    def validate(self) -> None:
+        if not self.servers:
+            raise ConfigError("eval.servers: need at least one server URL")
+        for name in ("num_samples", "max_tokens", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"eval.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.limit < 0:
+            raise ConfigError(f"eval.limit: must be >= 0, got {self.limit}")
+        if any(s < 1 for s in self.static_steps):
+            raise ConfigError(f"eval.static_steps: every value must be >= 1, got {self.static_steps}")
+        if any(not 0 <= t <= 1 for t in self.dynamic_thresholds):
+            raise ConfigError(f"eval.dynamic_thresholds: every value must be in [0, 1], got {self.dynamic_thresholds}")
+        if any(b < 1 for b in self.block_sizes):
+            raise ConfigError(f"eval.block_sizes: every value must be >= 1, got {self.block_sizes}")
+        if self.chat_template and not self.model:
+            raise ConfigError("eval.chat_template: needs eval.model (the folder whose tokenizer holds the template)")
+        if "{prompt}" not in self.prompt_template:
+            raise ConfigError("eval.prompt_template: must contain {prompt}")
+
+
+def load_examples(cfg: EvalConfig, config_path: str | None, overrides: list[str]) -> list[dict]:
+    if not cfg.data:
+        from dllm.task import ArithmeticTask
+
+        task = load_section(ArithmeticTask, config_path, "task", overrides, bare_keys=False)
+        return task.split("heldout", cfg.limit or 200)
+    from trainer.evaluate import load_eval_examples
+
+    tokenizer = None
+    if cfg.chat_template:
+        from dllm.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.model)
+    return load_eval_examples(cfg.data, cfg.prompt_field, cfg.answer_field, tokenizer, cfg.prompt_template,
+                              cfg.system_prompt, cfg.limit)
+
+
+def run(cfg: EvalConfig, config_path: str | None, overrides: list[str]) -> list:
+    from trainer.evaluate import evaluate, make_settings
+    from trainer.rewards import build_reward
+    from trainer.servers import ensure_servers, new_token
+
+    examples = load_examples(cfg, config_path, overrides)
+    reward = build_reward(cfg.reward or ("math" if cfg.data else "exact_match"))
+    server_overrides = [o for o in overrides if o.startswith("server.")]
+    out_dir = Path(cfg.output).parent
+    results, started = [], []
+    try:
+        for block_size in cfg.block_sizes or [None]:
+            if block_size is not None and started:  # our own servers: restart with this block size
+                for s in started:
+                    s.stop()
+            extra = [f"server.block_size={block_size}"] if block_size is not None else []
+            started = ensure_servers(cfg, config_path, server_overrides + extra, new_token(), out_dir) or started
+            settings = make_settings(cfg.static_steps, cfg.dynamic_thresholds, [block_size] if block_size else [])
+            results += evaluate(cfg.servers, examples, reward, settings, num_samples=cfg.num_samples,
+                                max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+                                top_p=cfg.top_p, seed=cfg.seed, stop=cfg.stop, batch_size=cfg.batch_size,
+                                timeout=cfg.request_timeout)
+    finally:
+        for s in started:
+            s.stop()
+    return results
+
+
+def main(argv: list[str]) -> int:
+    from dllm.task import ArithmeticTask
+
+    ap = argparse.ArgumentParser(prog="dlrl eval", description="evaluate a served block-diffusion LM")
+    ap.add_argument("--config", default=None, help="YAML config with an `eval` section (default "
+                                                   "configs/tiny.yaml when it exists)")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides (e.g. data=math500.jsonl num_samples=4)")
+    args = ap.parse_args(argv)
+    config_path = args.config or ("configs/tiny.yaml" if Path("configs/tiny.yaml").is_file() else None)
+    try:
+        check_overrides([o for o in args.overrides if not o.startswith("server.")],
+                        {"eval": EvalConfig, "task": ArithmeticTask}, primary="eval")
+        cfg = load_section(EvalConfig, config_path, "eval", args.overrides)
+    except (ConfigError, ValueError) as e:
+        ap.error(str(e))
+    from rollout_client.client import RolloutError
+    from trainer.evaluate import format_table, write_results
+
+    try:
+        results = run(cfg, config_path, args.overrides)
+    except (RuntimeError, ValueError, FileNotFoundError, RolloutError) as e:
+        print(f"dlrl eval: error: {e}", file=sys.stderr)
+        return 1
+    print(format_table(results))
+    path = write_results(cfg.output, results, config=dataclasses.asdict(cfg), servers=cfg.servers)
+    log.info("wrote %s", path)
+    print(f"results: {path}")
+    return 0
