@@ -79,7 +79,7 @@ class ControlClient:
 
     def begin(self, body: BeginRequest) -> BeginResponse:
         """Begin; while another run's update holds the server, wait for its lease (up to `timeout`)."""
-        deadline = time.monotonic() + self.timeout
+        deadline, idle_retry = time.monotonic() + self.timeout, True
         while True:
             try:
                 return BeginResponse.model_validate(self.post("/weights/begin", body))
@@ -87,10 +87,13 @@ class ControlClient:
                 if e.status != 409:
                     raise
                 busy = self.status().update
-                if busy is None:  # it ended meanwhile
+                if busy is None and idle_retry:  # the update that held the server may have just ended
+                    idle_retry = False
                     continue
-                if busy.run_id == body.run_id or busy.phase != "receiving" or time.monotonic() > deadline:
-                    raise
+                if busy is None or busy.run_id == body.run_id or busy.phase != "receiving" \
+                        or time.monotonic() > deadline:
+                    raise  # a stale version, or nothing to wait for
+                idle_retry = True
                 time.sleep(min(busy.lease_left_s + 0.1, 1.0))
 
     def abort(self, body: AbortRequest) -> None:
