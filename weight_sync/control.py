@@ -75,14 +75,17 @@ class ControlClient:
         return UpdateState.model_validate(self.get(f"/weights/updates/{version}"))
 
     def connect(self, body: ConnectRequest) -> ConnectResponse:
-        return ConnectResponse.model_validate(self.post("/weights/connect", body))
+        return ConnectResponse.model_validate(self._post_when_free("/weights/connect", body))
 
     def begin(self, body: BeginRequest) -> BeginResponse:
-        """Begin; while another run's update holds the server, wait for its lease (up to `timeout`)."""
+        return BeginResponse.model_validate(self._post_when_free("/weights/begin", body))
+
+    def _post_when_free(self, path: str, body: ConnectRequest | BeginRequest) -> dict[str, Any]:
+        """POST; while another run's update holds the server, wait for its lease (up to `timeout`)."""
         deadline, idle_retry = time.monotonic() + self.timeout, True
         while True:
             try:
-                return BeginResponse.model_validate(self.post("/weights/begin", body))
+                return self.post(path, body)
             except HTTPStatusError as e:
                 if e.status != 409:
                     raise

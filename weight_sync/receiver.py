@@ -177,8 +177,7 @@ class WeightReceiver:
         if transport not in TRANSPORTS:
             raise ManifestError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
         with self._lock:
-            if self._update is not None:
-                raise UpdateConflict(f"update {self._update.version} is {self._update.phase}; connect later")
+            self._take_over(run_id)  # another run's live update: 409 (the sender waits for its lease)
             device = check_against(m, self._params())
             if transport == "shm":
                 sweep()

@@ -146,7 +146,7 @@ class DistReceiver:
         self.group_id = ""
         self._store: Any = None
         self._joining: threading.Thread | None = None
-        self._join_error: BaseException | None = None
+        self._join_error = ""
         self._stop = threading.Event()  # stops a pending join
 
     @staticmethod
@@ -172,7 +172,7 @@ class DistReceiver:
         self.drop()
         stop = self._stop = threading.Event()
         self.group_id = options["group_id"]
-        self._join_error = None
+        self._join_error = ""
         self._joining = threading.Thread(target=self._join, args=(options, device, stop), daemon=True,
                                          name="weight-sync-dist-join")
         self._joining.start()
@@ -194,8 +194,8 @@ class DistReceiver:
                 pg.shutdown()
                 return
             self.pg, self._store = pg, store
-        except BaseException as e:  # noqa: BLE001 - reported to the next begin
-            self._join_error = e
+        except BaseException as e:  # noqa: BLE001 - reported to the next begin (as text: no cycles)
+            self._join_error = f"{type(e).__name__}: {e}"
 
     def check(self, options: dict[str, Any]) -> None:
         """Begin: the options must name the group this server joined (409 otherwise: reconnect)."""
@@ -226,7 +226,9 @@ class DistReceiver:
             except BaseException as e:  # noqa: BLE001 - reported to the receiver; the group is dropped
                 if self.pg is pg:
                     self.drop()
-                on_done(e)
+                # a message, not the exception: its traceback would keep this frame, and so the
+                # group and its gloo threads, alive in a reference cycle until a garbage collection
+                on_done(UpdateFailed(f"{type(e).__name__}: {e}"))
                 return
             on_done(None)
 

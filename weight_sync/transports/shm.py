@@ -99,7 +99,7 @@ def _release(shm: shared_memory.SharedMemory | None, unlink: bool) -> None:
         _CREATED_HERE.discard(shm.name)
 
 
-def sweep(grace_s: float = 10.0) -> list[str]:
+def sweep(grace_s: float = 2.0) -> list[str]:
     """Unlink `dlrl_ws_*` segments whose creator is gone (its flock is free); returns their names."""
     removed: list[str] = []
     if not SHM_DIR.is_dir():
