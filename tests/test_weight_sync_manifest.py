@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from weight_sync.bucket import pack_stream, plan_buckets, specs_of, unpack
-from weight_sync.errors import ManifestError
 from weight_sync.checksum import checksum, parallel_checksums
+from weight_sync.errors import ManifestError
 from weight_sync.manifest import ALIGN, Manifest, weights_digest
 
 

@@ -13,8 +13,8 @@ import torch
 
 from weight_sync import UpdateConflict, UpdateFailed, WeightReceiver, weights_digest
 from weight_sync.bucket import pack_stream, plan_buckets, specs_of
-from weight_sync.errors import ManifestError
 from weight_sync.checksum import checksum as crc32
+from weight_sync.errors import ManifestError
 from weight_sync.manifest import Manifest
 from weight_sync.transports.shm import ShmRegion
 

@@ -127,7 +127,7 @@ class WeightSender:
                 t3 = time.perf_counter()
                 body = CommitRequest(version=version, checksums=checksums, abort_inflight=self.abort_inflight,
                                      run_id=self.run_id)
-                self._parallel(lambda c, i: c.commit(body))
+                self._parallel(lambda c, i, body=body: c.commit(body))
                 break
             except BaseException as e:
                 self._abort(begun, version, f"sender failed: {e}")
