@@ -104,6 +104,10 @@ class WeightSender:
             self._parallel(lambda c, i: c.connect(body[i]))
         if self.dist is not None:
             self.dist.connect(device)  # blocks until every server joined
+        if self.shm is None:  # the two send buffers, their pages touched now rather than in the first push
+            biggest = max(b.nbytes for b in manifest.buckets)
+            for slot in range(2):
+                self._buffer(slot, biggest, device if self.dist is not None else torch.device("cpu")).fill_(0)
         self._layout = (tuple(b.nbytes for b in manifest.buckets), device)
 
     # ------------------------------------------------------------------ push
