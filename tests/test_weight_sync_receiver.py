@@ -268,3 +268,13 @@ def test_staging_reused_across_updates_but_not_after_an_interrupted_write(served
     send_http(rx, 2, bufs2)
     rx.commit(2)
     assert served.digest() == weights_digest(tensors(2))
+
+
+def test_begin_refuses_buckets_larger_than_their_tensors(served):
+    m, _ = packed(tensors(1), 1)
+    d = m.to_dict()
+    d["buckets"][-1]["nbytes"] += 1 << 40  # a terabyte of "padding" to stage
+    d["total_bytes"] += 1 << 40
+    with pytest.raises(ManifestError, match="beyond the tensors"):
+        served.rx.begin(1, "http", d)
+    assert served.rx.status()["update"] is None

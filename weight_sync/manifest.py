@@ -207,6 +207,10 @@ def check_against(m: Manifest, params: dict[str, torch.Tensor]) -> torch.device:
         raise ManifestError(f"manifest: missing {len(missing)} tensor(s) of the served model: {missing[:5]}")
     if extra:
         raise ManifestError(f"manifest: {len(extra)} tensor(s) unknown to the served model: {extra[:5]}")
+    slack = m.total_bytes - sum(e.nbytes for e in m.entries)
+    if slack > ALIGN * len(m.entries):  # buckets larger than their tensors: nothing to stage there
+        raise ManifestError(f"manifest.buckets: {slack} bytes beyond the tensors' own (at most "
+                            f"{ALIGN * len(m.entries)} of alignment padding)")
     for e in m.entries:
         p = params[e.name]
         if tuple(p.shape) != e.shape:
