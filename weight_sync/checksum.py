@@ -20,7 +20,7 @@ import torch
 import xxhash
 
 ALGO = "xxh3_64"
-CHUNK_BYTES = 1 << 20  # fits in L2: copy a chunk, then hash it from cache
+CHUNK_BYTES = 4 << 20  # copy a chunk, then hash (and NaN-check) it while it is still in cache
 
 
 class Hasher:
@@ -59,7 +59,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def copy_hashed(dst: torch.Tensor, src: torch.Tensor, hasher: Hasher, dst_bytes: torch.Tensor | None = None,
-                chunk_bytes: int = CHUNK_BYTES) -> None:
+                chunk_bytes: int | None = None) -> None:
     """dst.copy_(src) (converting dtype) in chunks, hashing each chunk of dst right after it lands.
 
     dst: flat typed CPU tensor (a view into a bucket); src: flat tensor of the same numel on
@@ -67,7 +67,7 @@ def copy_hashed(dst: torch.Tensor, src: torch.Tensor, hasher: Hasher, dst_bytes:
     """
     dst_bytes = dst.view(torch.uint8) if dst_bytes is None else dst_bytes
     itemsize = dst.element_size()
-    step = max(1, chunk_bytes // itemsize)
+    step = max(1, (chunk_bytes or CHUNK_BYTES) // itemsize)
     for start in range(0, dst.numel(), step):
         end = min(start + step, dst.numel())
         dst[start:end].copy_(src[start:end])
@@ -88,12 +88,13 @@ Piece = tuple[int, int, torch.dtype | None, str]  # (byte start, byte end, dtype
 
 
 def scan(buf: torch.Tensor, pieces: Iterable[Piece], hasher: Hasher, src: torch.Tensor | None = None,
-         check_finite: bool = True, chunk_bytes: int = CHUNK_BYTES) -> list[str]:
+         check_finite: bool = True, chunk_bytes: int | None = None) -> list[str]:
     """One pass over bucket `buf` ([nbytes] uint8): optionally copy it from `src` first (chunk by
     chunk), hash every byte in order and check floating pieces for NaN/inf while each chunk is
     in cache. `pieces` must tile [0, nbytes) in order. Returns the names of non-finite tensors.
     """
     bad: list[str] = []
+    chunk_bytes = chunk_bytes or CHUNK_BYTES
     for start, end, dtype, name in pieces:
         step = chunk_bytes if dtype is None else max(1, chunk_bytes // dtype.itemsize) * dtype.itemsize
         for a in range(start, end, step):
