@@ -25,7 +25,6 @@ verification hashes exactly those bytes, and NaN/inf are refused (`check_finite`
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -35,14 +34,13 @@ from typing import Any
 import torch
 
 from weight_sync.errors import ManifestError, UpdateConflict, UpdateFailed
-from weight_sync.manifest import ALIGN, Manifest, check_against, served_dtype, weights_digest
-from weight_sync.staging import StagedUpdate
+from weight_sync.manifest import Manifest, check_against, served_dtype, weights_digest
+from weight_sync.staging import Outcomes, StagedUpdate, StagingPool
 from weight_sync.transports import TRANSPORTS
 from weight_sync.transports.dist import DistReceiver
 from weight_sync.transports.shm import ShmReader, sweep
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
-HISTORY = 64
 
 
 def _parse(manifest: Manifest | dict | str | bytes) -> Manifest:
@@ -58,15 +56,15 @@ class WeightReceiver:
                  check_finite: bool = True):
         self._params_fn, self._apply_fn = named_params_fn, apply_fn
         self._version, self.lease_s, self.staging_device = version, lease_s, torch.device(staging_device)
-        self.keep_staging, self.check_finite = keep_staging, check_finite
+        self.check_finite = check_finite
         self._lock = threading.RLock()
         self._apply_lock = threading.Lock()  # held while weights change (and while digesting)
         self._update: StagedUpdate | None = None
-        self._history: collections.OrderedDict[int, dict[str, str]] = collections.OrderedDict()
+        self._outcomes = Outcomes()
         self.last_failure = ""
         self._shm, self._dist = ShmReader(), DistReceiver()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weight-sync-scan")
-        self._staging_cache: tuple[tuple, list[torch.Tensor]] | None = None
+        self._staging = StagingPool(keep=keep_staging)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -98,13 +96,13 @@ class WeightReceiver:
             if u is not None and u.version == version:
                 out = {"state": u.phase, "reason": "", "run_id": u.run_id}
             else:
-                out = dict(self._history.get(version, {"state": "unknown", "reason": "", "run_id": ""}))
+                out = self._outcomes.get(version)
             return {"version": version, **out, "served_version": self._version}
 
     def committed(self, version: int) -> bool:
         """True when `version` was applied here (a retried commit of it is a success)."""
         with self._lock:
-            return self._history.get(version, {}).get("state") == "applied"
+            return self._outcomes.get(version)["state"] == "applied"
 
     def digest(self) -> str:
         with self._apply_lock:
@@ -113,12 +111,6 @@ class WeightReceiver:
     def _params(self) -> dict[str, torch.Tensor]:
         p = self._params_fn()
         return dict(p.items() if isinstance(p, dict) else p)
-
-    def _record(self, u: StagedUpdate, state: str, reason: str = "") -> None:
-        self._history[u.version] = {"state": state, "reason": reason, "run_id": u.run_id}
-        self._history.move_to_end(u.version)
-        while len(self._history) > HISTORY:
-            self._history.popitem(last=False)
 
     def _current(self, version: int | None, *phases: str) -> StagedUpdate:
         u = self._update
@@ -138,37 +130,21 @@ class WeightReceiver:
         self._update = None
         if reason:
             self.last_failure = f"update to version {u.version} aborted: {reason}"
-            self._record(u, "failed", reason)
+            self._outcomes.record(u.version, "failed", reason, u.run_id)
         u.stop.set()
         if u.transport == "dist" and not u.done.is_set():
             self._dist.drop()  # the collective sequence is broken: the next push reconnects
-            self._staging_cache = None  # a late broadcast may still land in this staging
+            self._staging.invalidate()  # a late broadcast may still land in this staging
         if u.writing or u.phase == "verifying":
-            self._staging_cache = None  # an http body / an shm copy may still write into this staging
+            self._staging.invalidate()  # an http body / an shm copy may still write into this staging
         u.named = []
         u.done.set()
 
     # ------------------------------------------------------------------ setup
     def _stage(self, transport: str, m: Manifest, options: dict, device: torch.device) -> list[torch.Tensor]:
-        """Private per-bucket staging (cached per layout), its pages touched once."""
-        dev = device if transport == "dist" and options.get("backend") == "nccl" else self.staging_device
-        key = (dev, tuple(b.nbytes for b in m.buckets))
-        if self._staging_cache is not None and self._staging_cache[0] == key:
-            return self._staging_cache[1]
-        self._staging_cache = None
-        offsets, pos = [], 0
-        for b in m.buckets:
-            offsets.append(pos)
-            pos += (b.nbytes + ALIGN - 1) // ALIGN * ALIGN
-        try:
-            flat = torch.empty(max(pos, 1), dtype=torch.uint8, device=dev)
-            flat.fill_(0)  # fault the pages in now, not during the push
-        except RuntimeError as e:  # out of memory
-            raise UpdateFailed(f"cannot allocate {m.total_bytes} staging bytes on {dev}: {e}") from None
-        staging = [flat[o : o + b.nbytes] for o, b in zip(offsets, m.buckets)]
-        if self.keep_staging:
-            self._staging_cache = (key, staging)
-        return staging
+        """Private per-bucket staging (on the model's device for NCCL), reused across updates."""
+        nccl = transport == "dist" and options.get("backend") == "nccl"
+        return self._staging.get(device if nccl else self.staging_device, m)
 
     def connect(self, transport: str, manifest: Manifest | dict | str, options: dict[str, Any] | None = None,
                 run_id: str = "") -> dict[str, Any]:
@@ -357,7 +333,7 @@ class WeightReceiver:
             raise UpdateFailed(f"update {version}: apply failed: {e}") from e
         with self._lock:
             self._version = version
-            self._record(u, "applied")
+            self._outcomes.record(u.version, "applied", run_id=u.run_id)
             self._drop(u, None)
 
     def commit(self, version: int, checksums: list[int | None] | None = None) -> None:
@@ -388,5 +364,5 @@ class WeightReceiver:
                 self._drop(self._update, "receiver closed")
             self._shm.close()
             self._dist.close()
-            self._staging_cache = None
+            self._staging.invalidate()
         self._pool.shutdown(wait=False)

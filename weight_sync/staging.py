@@ -5,6 +5,8 @@
     u.expect(2, checksum_from_header) # expected checksums from manifest / header / commit
     u.verify(commit_checksums, True)  # complete? every checksum equal? every tensor finite?
     named = u.views()                 # [(name, typed view into private staging)] for apply_fn
+    pool = StagingPool(keep=True); pool.get(device, manifest)   # buffers reused across updates
+    outcomes = Outcomes(); outcomes.record(7, "applied", run_id="r"); outcomes.get(7)
 
 Every byte that gets applied is hashed where it will be applied from: the private staging
 (dist and http receive into it; shm copies the region into it while hashing, chunk by
@@ -14,6 +16,7 @@ weight_sync.receiver, which owns the locking and the state machine.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 import time
@@ -24,7 +27,7 @@ import torch
 from weight_sync.bucket import pieces, unpack
 from weight_sync.checksum import Hasher, scan
 from weight_sync.errors import NonFiniteWeights, UpdateFailed
-from weight_sync.manifest import Manifest
+from weight_sync.manifest import ALIGN, Manifest
 
 
 @dataclasses.dataclass(eq=False)
@@ -114,3 +117,51 @@ class StagedUpdate:
     def views(self) -> list[tuple[str, torch.Tensor]]:
         """Typed zero-copy views of every tensor in the private staging, in manifest order."""
         return [nt for i, buf in enumerate(self.staging) for nt in unpack(buf, self.manifest, i)]
+
+
+class StagingPool:
+    """Private per-bucket staging buffers, allocated (pages touched) once per layout and reused."""
+
+    def __init__(self, keep: bool = True):
+        self.keep = keep  # False: allocate per update (saves model-size memory between updates)
+        self._cached: tuple[tuple, list[torch.Tensor]] | None = None
+
+    def get(self, device: torch.device, m: Manifest) -> list[torch.Tensor]:
+        key = (device, tuple(b.nbytes for b in m.buckets))
+        if self._cached is not None and self._cached[0] == key:
+            return self._cached[1]
+        self._cached = None
+        offsets, pos = [], 0
+        for b in m.buckets:
+            offsets.append(pos)
+            pos += (b.nbytes + ALIGN - 1) // ALIGN * ALIGN
+        try:
+            flat = torch.empty(max(pos, 1), dtype=torch.uint8, device=device)
+            flat.fill_(0)  # fault the pages in now, not during the push
+        except RuntimeError as e:  # out of memory
+            raise UpdateFailed(f"cannot allocate {m.total_bytes} staging bytes on {device}: {e}") from None
+        staging = [flat[o : o + b.nbytes] for o, b in zip(offsets, m.buckets)]
+        if self.keep:
+            self._cached = (key, staging)
+        return staging
+
+    def invalidate(self) -> None:
+        """Never hand the cached buffers out again (a stray writer may still touch them)."""
+        self._cached = None
+
+
+class Outcomes:
+    """What became of the most recent versions: {"state": "applied" | "failed", "reason", "run_id"}."""
+
+    def __init__(self, size: int = 64):
+        self.size = size
+        self._items: collections.OrderedDict[int, dict[str, str]] = collections.OrderedDict()
+
+    def record(self, version: int, state: str, reason: str = "", run_id: str = "") -> None:
+        self._items[version] = {"state": state, "reason": reason, "run_id": run_id}
+        self._items.move_to_end(version)
+        while len(self._items) > self.size:
+            self._items.popitem(last=False)
+
+    def get(self, version: int) -> dict[str, str]:
+        return dict(self._items.get(version, {"state": "unknown", "reason": "", "run_id": ""}))
