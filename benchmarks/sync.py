@@ -74,9 +74,14 @@ def module_from(named: dict[str, torch.Tensor]) -> torch.nn.Module:
 
 # ---- receiver process -----------------------------------------------------------------------
 def serve(size: str, port: int, dtype: str) -> None:
+    import logging
+
     import uvicorn
     from fastapi import FastAPI
     from safetensors.torch import load_file
+
+    logging.basicConfig(level=logging.WARNING, format="  receiver: %(message)s")
+    logging.getLogger("dlrl.server").setLevel(logging.INFO if os.environ.get("SYNC_BENCH_VERBOSE") else logging.WARNING)
 
     from dllm.weights import copy_into_model
     from server import routes_weights

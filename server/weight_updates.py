@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -50,6 +51,7 @@ class WeightUpdates:
             version=int(engine.version), lease_s=lease_s, check_finite=check_finite,
         )
         self._commits: dict[int, asyncio.Task] = {}
+        self._verify_s = 0.0
 
     @property
     def version(self) -> int:
@@ -96,7 +98,9 @@ class WeightUpdates:
         if task is None:
             if self.receiver.committed(version):
                 return {"version": version, "state": "applied", "served_version": self.version}
+            t0 = time.perf_counter()
             await asyncio.to_thread(self.receiver.verify, version, checksums)
+            self._verify_s = time.perf_counter() - t0
             task = self._commits[version] = asyncio.create_task(self._drain_and_apply(version, abort))
             task.add_done_callback(lambda _t: self._commits.pop(version, None))
         bound = self.drain_timeout_s * (2 if abort else 1) + 2.0
@@ -111,10 +115,13 @@ class WeightUpdates:
         was_paused = bool(engine.is_paused)
         rx.set_draining(version)
         try:
+            t0 = time.perf_counter()
             await self._drain(version, abort)
+            t1 = time.perf_counter()
             await asyncio.to_thread(rx.apply, version)
             engine.version = rx.version
-            log.info("weights updated to version %d", rx.version)
+            log.info("weights updated to version %d (verify %.3fs, drain %.3fs, apply %.3fs)", rx.version,
+                     self._verify_s, t1 - t0, time.perf_counter() - t1)
         except BaseException as e:
             if rx.state(version)["state"] in ("draining", "verified"):
                 rx.abort(version, f"drain failed: {e!r}")

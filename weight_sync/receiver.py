@@ -20,7 +20,9 @@ the shm heartbeat); `lease_s` without progress while receiving aborts it. A begi
 the same `run_id` as the update in progress takes it over at once (a resumed trainer).
 Staging: every transport stages into private per-bucket buffers (on the model's device for
 NCCL), allocated at connect/first begin and kept for the next update of the same layout;
-verification hashes exactly those bytes, and NaN/inf are refused (`check_finite`).
+verification hashes exactly those bytes, and NaN/inf are refused (`check_finite`). shm
+copies a bucket into staging (hashing it) as soon as the sender marks it ready, while the
+sender packs the next one; dist hashes each bucket as it lands; http as its body ends.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class WeightReceiver:
         self._outcomes = Outcomes()
         self.last_failure = ""
         self._shm, self._dist = ShmReader(), DistReceiver()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weight-sync-scan")
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="weight-sync-scan")  # dist: as buckets land
         self._staging = StagingPool(keep=keep_staging)
 
     # ------------------------------------------------------------------ queries
@@ -135,7 +137,7 @@ class WeightReceiver:
         if u.transport == "dist" and not u.done.is_set():
             self._dist.drop()  # the collective sequence is broken: the next push reconnects
             self._staging.invalidate()  # a late broadcast may still land in this staging
-        if u.writing or u.phase == "verifying":
+        if u.writing or u.phase == "verifying" or (u.sources is not None and not u.staged.is_set()):
             self._staging.invalidate()  # an http body / an shm copy may still write into this staging
         u.named = []
         u.done.set()
@@ -189,6 +191,8 @@ class WeightReceiver:
             u.heartbeat = self._shm.heartbeat() if sources is not None else 0
             self._update = u
             self._arm(u)
+            if transport == "shm":
+                threading.Thread(target=self._stage_shm, args=(u,), daemon=True, name="weight-sync-shm").start()
             if transport == "dist":
                 self._dist.start(staging, lambda i: self._on_bucket(u, i), lambda e: self._on_done(u, e), u.stop)
             return {"version": version, "transport": transport, "num_buckets": len(staging),
@@ -226,6 +230,27 @@ class WeightReceiver:
                 return
             who = f" from run {u.run_id!r}" if u.run_id else ""
             self._drop(u, f"lease expired: no data{who} for {u.lease_s:g}s")
+
+    def _stage_shm(self, u: StagedUpdate) -> None:
+        """Copy each bucket the sender marked ready into private staging (hashing it) while the
+        sender packs the next; stops when the commit arrives, which then stages the rest."""
+        try:
+            index = 0
+            while index < len(u.staging) and not u.stop.is_set():
+                if self._shm.ready(index) != u.version:
+                    if u.phase != "receiving":
+                        break
+                    time.sleep(0.001)
+                    continue
+                digest, bad = u.scan(index, self.check_finite)
+                with self._lock:
+                    if self._update is not u:
+                        break
+                    u.record(index, digest, bad)
+                    u.renew()
+                index += 1
+        finally:
+            u.staged.set()
 
     def touch(self) -> None:
         """Data-plane progress outside the receiver (a streaming http body): renew the lease."""
@@ -296,9 +321,11 @@ class WeightReceiver:
         try:
             if u.transport == "dist":
                 self._wait_dist(u)
+            if u.transport == "shm":
+                u.staged.wait()  # the staging thread has stopped: nothing writes the staging but us
             if u.error is not None:
                 raise UpdateFailed(f"dist receive failed: {u.error}")
-            u.verify(checksums, self.check_finite)
+            u.verify(checksums, self.check_finite, self._pool)
         except UpdateFailed as e:
             with self._lock:
                 self._drop(u, str(e))

@@ -125,6 +125,8 @@ class WeightSender:
                     self._connect(manifest, source.device)
                     connect_s += time.perf_counter() - tc
                 t1 = time.perf_counter()
+                if self.shm is not None:
+                    self.shm.clear_ready()  # before begin: the server stages buckets once marked ready
                 self._begin_all(manifest, begun)
                 t2 = time.perf_counter()
                 checksums = self._send(manifest, source.make_iter(), source.device)
@@ -175,7 +177,11 @@ class WeightSender:
     def _send(self, manifest: Manifest, named: Any, device: torch.device) -> list[int]:
         """Run the data plane; returns the checksum of every bucket (computed while packing)."""
         if self.shm is not None:
-            return [crc for _, _, crc in pack_stream(manifest, named, self.shm.bucket, self.shm.beat)]
+            checksums = []
+            for index, _, crc in pack_stream(manifest, named, self.shm.bucket, self.shm.beat):
+                self.shm.mark_ready(index, manifest.version)  # the server copies it while we pack the next
+                checksums.append(crc)
+            return checksums
         if self.dist is not None:
             return self._pipelined(manifest, named, device, lambda i, buf, crc: self.dist.broadcast(buf))
         with ThreadPoolExecutor(1, thread_name_prefix="weight-sync-put") as pool:

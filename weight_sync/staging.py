@@ -20,7 +20,7 @@ import collections
 import dataclasses
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future
 
 import torch
 
@@ -50,6 +50,7 @@ class StagedUpdate:
     error: BaseException | None = None  # dist receive error
     heartbeat: int = 0  # last shm heartbeat seen
     done: threading.Event = dataclasses.field(default_factory=threading.Event)  # data plane finished
+    staged: threading.Event = dataclasses.field(default_factory=threading.Event)  # shm staging thread ended
     stop: threading.Event = dataclasses.field(default_factory=threading.Event)  # tells data threads to quit
     named: list[tuple[str, torch.Tensor]] = dataclasses.field(default_factory=list)
 
@@ -79,13 +80,22 @@ class StagedUpdate:
         bad = scan(self.staging[index], pieces(self.manifest, index), hasher, src=src, check_finite=check_finite)
         return hasher.value(), bad
 
+    def _scan_unless_stopped(self, index: int, check_finite: bool) -> tuple[int, list[str]]:
+        if self.stop.is_set():
+            raise UpdateFailed("aborted while verifying")
+        return self.scan(index, check_finite)
+
     def record(self, index: int, digest: int, bad: list[str]) -> None:
         self.digests[index] = digest
         if bad:
             self.nonfinite[index] = bad
 
-    def verify(self, checksums: list[int | None] | None, check_finite: bool) -> None:
-        """Every bucket received and scanned, equal to its expected checksum, every tensor finite."""
+    def verify(self, checksums: list[int | None] | None, check_finite: bool, pool: Executor | None = None) -> None:
+        """Every bucket received and scanned, equal to its expected checksum, every tensor finite.
+
+        Buckets not scanned yet (shm: all of them) are scanned in `pool` (threads: the copy of
+        one bucket overlaps the hashing of another) or here.
+        """
         missing = [i for i, ok in enumerate(self.received) if not ok]
         if missing:
             raise UpdateFailed(f"incomplete: bucket(s) {missing[:10]} of {len(self.received)} not received")
@@ -98,13 +108,14 @@ class StagedUpdate:
         unknown = [i for i in range(n) if self.expected[i] is None]
         if unknown:
             raise UpdateFailed(f"no checksum for bucket(s) {unknown[:10]} (manifest, header or commit)")
+        todo = [i for i in range(n) if self.digests[i] is None and i not in self.pending]
+        if pool is not None:
+            self.pending.update({i: pool.submit(self._scan_unless_stopped, i, check_finite) for i in todo})
+        else:
+            for i in todo:
+                self.record(i, *self._scan_unless_stopped(i, check_finite))
         for i, future in list(self.pending.items()):
             self.record(i, *future.result())
-        for i in range(n):
-            if self.digests[i] is None:
-                self.record(i, *self.scan(i, check_finite))
-            if self.stop.is_set():
-                raise UpdateFailed("aborted while verifying")
         bad = [i for i in range(n) if self.digests[i] != self.expected[i]]
         if bad:
             raise UpdateFailed(f"checksum mismatch in bucket(s) {bad[:10]}: the staged bytes differ from "

@@ -3,16 +3,19 @@
 Sender (trainer):                                 Receiver (server):
     region = ShmRegion(run_id="tiny-rl")              reader = ShmReader()
     opts = region.prepare(manifest)  # connect/begin  srcs = reader.buckets(opts, manifest)
-    buf = region.bucket(i, nbytes)   # pack here      # at commit: copy srcs -> private staging,
-    region.beat()                    # per tensor     #   hashing while copying (weight_sync.checksum)
+    region.clear_ready()             # before begin   # a thread copies each ready bucket into
+    buf = region.bucket(i, nbytes)   # pack here      #   private staging, hashing while copying,
+    region.beat()                    # per tensor     #   while the sender packs the next one
+    region.mark_ready(i, version)    # per bucket     reader.ready(i) == version
     region.close()                   # unlinks        reader.close(); sweep()  # dead pushers' regions
 
-Layout: a 4 KiB header (magic, heartbeat counter), then the buckets back to back (64-byte
-aligned). The region is sized to the whole update, created once (at connect) with its
-pages populated up front, reused across updates and re-created only when the model grows.
-The receiver never applies from the region: it copies each bucket into private staging and
-verifies the copy, so bytes changed in the region after verification are never applied.
-The heartbeat, bumped by the sender after every packed tensor, renews the update's lease.
+Layout: a header (magic, heartbeat counter, one ready stamp per bucket; 4 KiB or more),
+then the buckets back to back (64-byte aligned). The region is sized to the whole update,
+created once (at connect) with its pages populated up front, reused across updates and
+re-created only when the model grows. The receiver never applies from the region: it
+copies each bucket into private staging and verifies the copy, so bytes changed in the
+region after verification are never applied. The heartbeat, bumped by the sender after
+every packed tensor, renews the update's lease.
 
 Names and leaks: `dlrl_ws_<run>_<pid>_<random>`. The creator holds a shared flock on the
 segment for its whole life; the kernel drops it when the process dies, however it dies.
@@ -54,9 +57,14 @@ def region_name(run_id: str) -> str:
     return f"{PREFIX}_{tag}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
 
 
+def header_bytes(num_buckets: int) -> int:
+    """magic, heartbeat, 6 spare words, then one ready stamp per bucket; whole pages."""
+    return max(HEADER_BYTES, (64 + 8 * num_buckets + HEADER_BYTES - 1) // HEADER_BYTES * HEADER_BYTES)
+
+
 def bucket_offsets(manifest: Manifest) -> tuple[list[int], int]:
     """Byte offset of each bucket in the region (after the header), and the region size."""
-    offsets, pos = [], HEADER_BYTES
+    offsets, pos = [], header_bytes(len(manifest.buckets))
     for b in manifest.buckets:
         offsets.append(pos)
         pos += (b.nbytes + ALIGN - 1) // ALIGN * ALIGN
@@ -134,7 +142,7 @@ class ShmRegion:
         self.run_id = run_id
         self.shm: shared_memory.SharedMemory | None = None
         self.data: torch.Tensor | None = None  # [size] uint8 view of the whole region
-        self.header: torch.Tensor | None = None  # [2] int64: magic, heartbeat
+        self.header: torch.Tensor | None = None  # [header_bytes / 8] int64: magic, heartbeat, ..., stamps
         self.offsets: list[int] = []
 
     def prepare(self, manifest: Manifest) -> dict[str, Any]:
@@ -147,8 +155,9 @@ class ShmRegion:
             fcntl.flock(shm._fd, fcntl.LOCK_SH)  # type: ignore[attr-defined]  # "alive" marker for sweep()
             _populate(shm, _MADV_POPULATE_WRITE)
             self.shm, self.data = shm, torch.frombuffer(shm.buf, dtype=torch.uint8)
-            self.header = self.data[:16].view(torch.int64)
-            self.header[0] = MAGIC
+        assert self.data is not None
+        self.header = self.data[: self.offsets[0]].view(torch.int64)
+        self.header[0] = MAGIC
         return {"name": self.shm.name, "size": self.shm.size, "offsets": self.offsets}
 
     def bucket(self, index: int, nbytes: int) -> torch.Tensor:
@@ -162,6 +171,16 @@ class ShmRegion:
         if self.header is not None:
             self.header[1] += 1
 
+    def clear_ready(self) -> None:
+        """Before begin: no bucket of the coming update is ready (stamps may hold an aborted try's)."""
+        if self.header is not None:
+            self.header[8:].zero_()
+
+    def mark_ready(self, index: int, version: int) -> None:
+        """Bucket `index` of update `version` is packed (stored after its bytes: x86 keeps the order)."""
+        if self.header is not None:
+            self.header[8 + index] = version
+
     def close(self) -> None:
         self.data = self.header = None
         shm, self.shm = self.shm, None
@@ -174,6 +193,7 @@ class ShmReader:
     def __init__(self) -> None:
         self.shm: shared_memory.SharedMemory | None = None
         self.data: torch.Tensor | None = None
+        self.stamps: torch.Tensor | None = None
 
     def buckets(self, options: dict[str, Any], manifest: Manifest) -> list[torch.Tensor]:
         """Views of every bucket in the region (read only by convention): list of [nbytes_i] uint8."""
@@ -193,11 +213,15 @@ class ShmReader:
         assert self.data is not None
         if self.shm.size < HEADER_BYTES or int(self.data[:8].view(torch.int64)[0]) != MAGIC:
             raise ManifestError(f"options.name: region {name!r} has no weight-sync header")
+        if not offsets or not isinstance(offsets[0], int) or offsets[0] < header_bytes(len(offsets)) \
+                or offsets[0] % 8:
+            raise ManifestError(f"options.offsets[0]: leaves no room for the header of {len(offsets)} buckets")
+        self.stamps = self.data[64 : 64 + 8 * len(offsets)].view(torch.int64)  # [num_buckets]
         if isinstance(size, int) and self.shm.size < size:
             raise ManifestError(f"options.size: region {name!r} has {self.shm.size} bytes, sender says {size}")
         views = []
         for i, (off, b) in enumerate(zip(offsets, manifest.buckets)):
-            if not isinstance(off, int) or off < HEADER_BYTES or off + b.nbytes > self.shm.size:
+            if not isinstance(off, int) or off < offsets[0] or off + b.nbytes > self.shm.size:
                 raise ManifestError(f"options.offsets[{i}]: bucket does not fit in region {name!r}")
             views.append(self.data[off : off + b.nbytes])
         return views
@@ -205,7 +229,11 @@ class ShmReader:
     def heartbeat(self) -> int:
         return int(self.data[8:16].view(torch.int64)[0]) if self.data is not None else 0
 
+    def ready(self, index: int) -> int:
+        """The version whose bucket `index` the sender has packed (0: none)."""
+        return int(self.stamps[index]) if self.stamps is not None and index < self.stamps.numel() else 0
+
     def close(self) -> None:
-        self.data = None
+        self.data = self.stamps = None
         shm, self.shm = self.shm, None
         _release(shm, unlink=False)
