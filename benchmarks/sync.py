@@ -11,7 +11,8 @@ real server.routes_weights + WeightUpdates glue over uvicorn, with a no-op engin
 from this process times, per transport: `WeightSender.connect` (one-time: shm region,
 dist group, server staging), the first push after it and the median of the following
 pushes. Baselines measured in the same run: a same-process memcpy of the same bytes
-(`Tensor.copy_` into preallocated tensors), a raw gloo broadcast of the same buckets
+(`Tensor.copy_` into preallocated tensors, best of 3, taken just before each transport's
+pushes), a raw gloo broadcast of the same buckets
 between the same two processes (no packing, hashing or control plane), and the
 checkpoint path (save_file + fsync, then the receiver loads the file and copies it into
 its params; the reload hits the page cache). After timing, the receiver's digest is
@@ -264,13 +265,13 @@ def bench_size(size: str, transports: list[str], pushes: int, threads: int, dtyp
     named = sdar_like(size, seed=2)
     nbytes = sum(t.numel() * t.element_size() for t in named.values())
     num_params = sum(t.numel() for t in named.values())
-    memcpy_s = time_memcpy(named)
     proc, url = start_receiver(size, threads, dtype)
     rows = []
     try:
         ckpt_s = time_checkpoint(named, url)
         version = 0
         for transport in transports:
+            memcpy_s = time_memcpy(named)  # right before the pushes it is compared with (the box is shared)
             row, version = bench_transport(url, transport, named, pushes, version)
             row["raw_gloo_s"] = time_raw_gloo(url, row.pop("bucket_sizes")) if transport == "dist" else None
             row.update(size=size, params_m=num_params / 1e6, mb=nbytes / 1e6, memcpy_s=memcpy_s, ckpt_s=ckpt_s)

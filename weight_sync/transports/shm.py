@@ -19,7 +19,7 @@ every packed tensor, renews the update's lease.
 
 Names and leaks: `dlrl_ws_<run>_<pid>_<random>`. The creator holds a shared flock on the
 segment for its whole life; the kernel drops it when the process dies, however it dies.
-`sweep()` (server startup, begin, abort) unlinks every `dlrl_ws_*` segment whose flock is
+`sweep()` (server startup, connect, begin, abort; a sender creating a region) unlinks every `dlrl_ws_*` segment whose flock is
 free, so a pusher killed together with its resource tracker leaks nothing for long.
 Readers unregister their attachments from Python's resource_tracker (which would unlink
 the region when the *server* exits); only the creator (or the sweep) unlinks.
@@ -150,6 +150,7 @@ class ShmRegion:
         self.offsets, size = bucket_offsets(manifest)
         if self.shm is None or self.shm.size < size:
             self.close()
+            sweep()  # regions of earlier pushers on this host that died with their resource tracker
             shm = shared_memory.SharedMemory(name=region_name(self.run_id), create=True, size=size)
             _CREATED_HERE.add(shm.name)
             fcntl.flock(shm._fd, fcntl.LOCK_SH)  # type: ignore[attr-defined]  # "alive" marker for sweep()
