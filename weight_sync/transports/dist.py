@@ -2,10 +2,10 @@
 
 Sender (trainer):                                   Receiver (each server):
     group = DistSender(addr="10.0.0.5")                 recv = DistReceiver()
-    opts = group.prepare(num_servers=2, backend)        recv.connect(opts)   # POST /weights/connect:
+    opts, fresh = group.prepare(num_servers=2, backend) recv.connect(opts)   # POST /weights/connect:
     # POST /weights/connect(opts[i]) to server i        #   joins in a thread, once
     group.connect(device)     # once, at connect        recv.check(opts)     # begin: holds the group?
-    work = group.broadcast(bucket)                      recv.start(opts, staging, on_bucket, on_done, stop)
+    work = group.broadcast(bucket)                      recv.start(staging, on_bucket, on_done, stop)
 
 The group is its own ProcessGroupGloo / ProcessGroupNCCL built from a private TCPStore
 that the trainer hosts on the configured address (a socket bound to `addr` is handed to
