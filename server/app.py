@@ -52,10 +52,16 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        from weight_sync.transports.shm import sweep
+
+        sweep()  # shared-memory regions left by pushers that died
         engine.start()
         yield
         engine.shutdown()
         app.state.prompts.close()
+        updates = getattr(app.state, "weight_updates", None)
+        if updates is not None:
+            updates.close()
 
     app = FastAPI(title="dlrl server", version="0.1.0", lifespan=lifespan,
                   description="Block-diffusion LM generation (native and OpenAI-compatible) and admin API.")

@@ -43,6 +43,11 @@ class ServerConfig:
     default_strategy: str = "dynamic"
     default_threshold: float = 0.9
     default_temperature: float = 1.0
+    # weight sync (server side of weight_sync; see server/weight_updates.py)
+    weight_sync_lease_s: float = 30.0          # an update with no data-plane progress for this long is aborted
+    weight_sync_drain_timeout_s: float = 30.0  # commit waits this long for in-flight sequences, then...
+    weight_sync_abort_inflight: bool = False   # ... aborts them (true) or lets them finish on the old weights
+    weight_sync_check_finite: bool = True      # refuse updates holding NaN/inf (400), nothing applied
 
     def validate(self) -> None:
         if not 0 <= self.port < 65536:
@@ -66,6 +71,11 @@ class ServerConfig:
             raise ConfigError(f"server.max_model_len: must be >= 0, got {self.max_model_len}")
         if not 0.0 <= self.default_threshold <= 1.0:
             raise ConfigError(f"server.default_threshold: must be in [0, 1], got {self.default_threshold}")
+        if not 0 < self.weight_sync_lease_s <= 3600:
+            raise ConfigError(f"server.weight_sync_lease_s: must be in (0, 3600], got {self.weight_sync_lease_s}")
+        if not 0 <= self.weight_sync_drain_timeout_s <= 3600:
+            raise ConfigError("server.weight_sync_drain_timeout_s: must be in [0, 3600], "
+                              f"got {self.weight_sync_drain_timeout_s}")
         if self.default_temperature < 0:
             raise ConfigError(f"server.default_temperature: must be >= 0, got {self.default_temperature}")
 
