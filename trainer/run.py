@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -175,6 +176,15 @@ def load_examples(cfg, config_path, overrides, tokenizer) -> tuple[list[dict], l
     return task.split("train", 20_000, seed=task.seed + 1), held_out or task.split("heldout", cfg.eval_size)
 
 
+def run_id(out: Path) -> str:
+    """This run's id for the servers (weight-update leases): kept in output_dir/run_id, so a
+    resumed run is the same run and takes over an update it left behind at once."""
+    path = out / "run_id"
+    if not path.is_file():
+        path.write_text(f"{out.resolve().name[:40]}-{uuid.uuid4().hex[:8]}\n")
+    return path.read_text().strip()
+
+
 def _model_dir(cfg, ranks: Ranks, config_path, overrides) -> Path:
     if cfg.model:
         return Path(cfg.model)
@@ -189,7 +199,8 @@ def _start_fleet(cfg, ranks: Ranks, config_path, overrides, out: Path) -> Server
     token = resolve_token(cfg, config_path)
     if not token and cfg.start_server:
         token = ranks.broadcast(new_token())
-    sync = {"transport": cfg.sync_transport, "timeout": cfg.sync_timeout, "dist_addr": cfg.sync_addr}
+    sync = {"transport": cfg.sync_transport, "timeout": cfg.sync_timeout, "dist_addr": cfg.sync_addr,
+            "run_id": ranks.broadcast(run_id(out) if ranks.is_main else None)}
     fleet = ServerFleet(cfg.servers, token, sync_options=sync)
     try:
         model_keys = [f"server.trust_remote_code={str(cfg.trust_remote_code).lower()}"]  # the same folder, read alike
