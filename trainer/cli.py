@@ -111,10 +111,10 @@ def _train(run, cfg, stopper: Stopper) -> int:
         log.info("training %s on %s from version %d (%s, %s, %d rank(s), ZeRO-%d)", run.model_dir,
                  ", ".join(cfg.servers), run.version, cfg.objective, cfg.mode, run.ranks.world_size, cfg.zero_stage)
     if cfg.eval_every and run.start_step == 0:
-        acc = run.evaluate()
-        if acc is not None:
-            run.log(0, {"version": run.version, "eval_accuracy": acc})
-            log.info("step 0: held-out greedy accuracy %.1f%%", 100 * acc)
+        scores = run.evaluate()
+        if scores is not None:
+            run.log(0, {"version": run.version, **scores})
+            log.info("step 0: held-out greedy accuracy %.1f%%", 100 * scores["eval_accuracy"])
     last = train_loop(run, should_stop=lambda: stopper.requested)
     final = run.export()
     png = run.finish()

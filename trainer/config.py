@@ -24,6 +24,9 @@ class TrainConfig:
     server_wait_s: float = 120.0  # a server down before a step is waited for this long, then an error
     admin_token: str = ""  # empty: env DLRL_ADMIN_TOKEN, then server.admin_token_file of the config
     model: str = ""  # policy to train; empty = the embedded default (trained by SFT if missing)
+    trust_remote_code: bool = False  # run the model folder's own Python code (tokenizer); never asked on stdin
+    block_size: int = 0  # for folders whose config.json lacks it (0 = from the folder)
+    mask_token_id: int = -1  # for folders that lack it (-1 = from the folder / the tokenizer's <|MASK|>)
     output_dir: str = "runs/tiny-rl"
     # data
     data: str = ""  # JSONL of prompts; empty = the embedded arithmetic task
@@ -86,6 +89,7 @@ class TrainConfig:
     nproc: int = 1  # local ranks started by `dlrl train` itself (ignored under torchrun / deepspeed)
     eval_every: int = 5
     eval_size: int = 200
+    eval_data: str = ""  # held-out JSONL for the periodic evaluation (as `dlrl eval` reads it); empty = split
     checkpoint_every: int = 0
     resume: bool = False
     seed: int = 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,9 +38,17 @@ class RankError(RuntimeError):
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port outside the kernel's ephemeral range (which other processes' outgoing
+    connections take from, so a port picked there may be gone before the store binds it)."""
+    for _ in range(100):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000 for MASTER_PORT")
 
 
 def setup_dist_env(world_size: int = 1, rank: int = 0) -> str:

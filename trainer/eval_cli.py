@@ -92,30 +92,36 @@ def load_examples(cfg: EvalConfig, config_path: str | None, overrides: list[str]
 
 
 def run(cfg: EvalConfig, config_path: str | None, overrides: list[str]) -> list:
+    """Evaluate against `cfg.servers`, starting local ones where none answers (once per block
+    size: a started server is restarted with each)."""
     from trainer.evaluate import evaluate, make_settings
+    from trainer.fleet import ServerFleet
     from trainer.rewards import build_reward
-    from trainer.servers import ensure_servers, new_token
+    from trainer.servers import LocalServer, new_token
 
     examples = load_examples(cfg, config_path, overrides)
     reward = build_reward(cfg.reward or ("math" if cfg.data else "exact_match"))
     server_overrides = [o for o in overrides if o.startswith("server.")]
     out_dir = Path(cfg.output).parent
-    results, started = [], []
-    try:
-        for block_size in cfg.block_sizes or [None]:
-            if block_size is not None and started:  # our own servers: restart with this block size
-                for s in started:
-                    s.stop()
-            extra = [f"server.block_size={block_size}"] if block_size is not None else []
-            started = ensure_servers(cfg, config_path, server_overrides + extra, new_token(), out_dir) or started
+    results = []
+    for block_size in cfg.block_sizes or [None]:
+        extra = [f"server.block_size={block_size}"] if block_size is not None else []
+        token = new_token()
+
+        def launch(url: str, i: int, extra=extra, token=token):
+            return LocalServer(url, config_path, cfg.model, server_overrides + extra, token, out_dir / f"server{i}.log")
+
+        fleet = ServerFleet(cfg.servers, token, timeout=cfg.request_timeout)
+        try:
+            fleet.start_missing(cfg.start_server, launch)
+            fleet.wait_ready(cfg.server_start_timeout)
             settings = make_settings(cfg.static_steps, cfg.dynamic_thresholds, [block_size] if block_size else [])
             results += evaluate(cfg.servers, examples, reward, settings, num_samples=cfg.num_samples,
                                 max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
                                 top_p=cfg.top_p, seed=cfg.seed, stop=cfg.stop, batch_size=cfg.batch_size,
-                                timeout=cfg.request_timeout)
-    finally:
-        for s in started:
-            s.stop()
+                                generate_fn=fleet.generate)
+        finally:
+            fleet.close()  # stops the servers it started
     return results
 
 

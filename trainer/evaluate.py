@@ -19,14 +19,12 @@ the traces (one forward per distinct (block, step)).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rollout_client import RolloutClient
 from trainer.data import load_prompts
 from trainer.rewards import extract_boxed, score_batch
 
@@ -120,26 +118,19 @@ def load_eval_examples(path: str | Path, prompt_field: str = "", answer_field: s
     return examples
 
 
-def _forwards(rollout) -> int:
-    t = rollout.trace
-    return len({((t.prompt_len + j) // t.block_size, s) for j, s in enumerate(t.steps + t.tail_steps)})
-
-
-def generate(servers: list[str], prompts: list, n: int, batch_size: int, timeout: float, **kw) -> list:
-    """All rollouts for `prompts` (n each, prompt-major), `batch_size` prompts at a time."""
-    async def run():
-        out = []
-        async with RolloutClient(servers, timeout=timeout, max_retries=5, policy="least_loaded") as client:
-            for i in range(0, len(prompts), batch_size):
-                out += await client.generate(prompts[i:i + batch_size], n=n, return_trace=True, **kw)
-        return out
-    return asyncio.run(run())
+def generate(generate_fn, prompts: list, n: int, batch_size: int, **kw) -> list:
+    """All rollouts for `prompts` (n each, prompt-major), `batch_size` prompts at a time, through
+    `generate_fn(prompts, n, **sampling)` (a `trainer.fleet.ServerFleet.generate`)."""
+    out = []
+    for i in range(0, len(prompts), batch_size):
+        out += generate_fn(prompts[i:i + batch_size], n, **kw)
+    return out
 
 
 def run_setting(servers, examples, reward_fn, setting: DecodingSetting, prompts, *, num_samples: int,
-                sampling: dict, batch_size: int, timeout: float) -> SettingResult:
+                sampling: dict, batch_size: int, generate_fn) -> SettingResult:
     t0 = time.perf_counter()
-    rollouts = generate(servers, prompts, num_samples, batch_size, timeout, **sampling, **setting.request_kwargs())
+    rollouts = generate(generate_fn, prompts, num_samples, batch_size, **sampling, **setting.request_kwargs())
     wall = time.perf_counter() - t0
     sizes = {r.trace.block_size for r in rollouts}
     if setting.block_size is not None and sizes != {setting.block_size}:
@@ -163,17 +154,20 @@ def run_setting(servers, examples, reward_fn, setting: DecodingSetting, prompts,
         reasons[r.finish_reason] = reasons.get(r.finish_reason, 0) + 1
     return SettingResult(setting, len(examples), num_samples, pass_at, sum(rewards) / len(rewards),
                          sum(len(r.completion_ids) for r in rollouts) / len(rollouts),
-                         tokens / max(1, sum(_forwards(r) for r in rollouts)), wall, sizes.pop(), reasons, problems)
+                         tokens / max(1, sum(r.trace.num_forwards for r in rollouts)), wall, sizes.pop(), reasons,
+                         problems)
 
 
 def evaluate(servers: list[str], examples: list[dict], reward_fn, settings: list[DecodingSetting], *,
-             num_samples: int = 1, max_tokens: int = 512, temperature: float = 0.0, top_k: int = 0,
+             generate_fn, num_samples: int = 1, max_tokens: int = 512, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, stop: list[str] | None = None,
-             stop_token_ids: list[int] | None = None, prompts: list | None = None, batch_size: int = 64,
-             timeout: float = 600.0) -> list[SettingResult]:
+             stop_token_ids: list[int] | None = None, prompts: list | None = None,
+             batch_size: int = 64) -> list[SettingResult]:
     """Generate `num_samples` completions per example with each decoding setting and score them.
-    `prompts` (texts or token ids, one per example) default to `example["prompt"]`; settings with
-    a block size must match what the servers decode with (EvalError otherwise)."""
+    `generate_fn(prompts, n, **sampling) -> rollouts` generates on `servers` (the caller's
+    `ServerFleet.generate`: one client); `prompts` (texts or token ids, one per example) default
+    to `example["prompt"]`; settings with a block size must match what the servers decode with
+    (EvalError otherwise)."""
     if not examples:
         raise EvalError("data: no examples to evaluate")
     if num_samples < 1:
@@ -186,7 +180,7 @@ def evaluate(servers: list[str], examples: list[dict], reward_fn, settings: list
     if stop_token_ids:
         sampling["stop_token_ids"] = list(stop_token_ids)
     return [run_setting(servers, examples, reward_fn, s, prompts, num_samples=num_samples, sampling=sampling,
-                        batch_size=batch_size, timeout=timeout) for s in settings]
+                        batch_size=batch_size, generate_fn=generate_fn) for s in settings]
 
 
 def format_table(results: list[SettingResult]) -> str:

@@ -149,10 +149,10 @@ class ServerFleet:
         return [u for u, h in health.items() if h is None]
 
     # ------------------------------------------------------------------ weights (rank 0)
-    def push(self, source: Any, version: int, urls: list[str] | None = None) -> dict[str, Any]:
-        """Push `source` (weight_sync source) as `version` into `urls` (default: all servers).
-        Each server applies it whole or not at all; an error names the servers that failed."""
-        from weight_sync import WeightSender, WeightSyncError
+    def _sender(self, urls: list[str] | None):
+        """One weight_sync sender per set of servers, kept for the run (its shm region, dist group
+        and the servers' staging are set up once, at connect)."""
+        from weight_sync import WeightSender
 
         key = tuple(urls or self.urls)
         sender = self._senders.get(key)
@@ -160,7 +160,27 @@ class ServerFleet:
             opts = self.sync_options
             sender = self._senders[key] = WeightSender(
                 list(key), transport=opts.get("transport", "shm"), token=self.token, dtype="auto",
-                timeout=float(opts.get("timeout", 300.0)), dist_addr=opts.get("dist_addr", "127.0.0.1"))
+                timeout=float(opts.get("timeout", 300.0)), dist_addr=opts.get("dist_addr", "127.0.0.1"),
+                run_id=opts.get("run_id"))
+        return sender
+
+    def connect(self, source: Any) -> dict[str, Any]:
+        """Set the data plane up for tensors shaped like `source` (so the first push is as fast as
+        the rest): region / group created, server staging allocated."""
+        from weight_sync import WeightSyncError
+
+        try:
+            return self._sender(None).connect(source)
+        except (WeightSyncError, AdminError) as e:
+            raise FleetError(f"weight sync connect failed: {e}") from e
+
+    def push(self, source: Any, version: int, urls: list[str] | None = None) -> dict[str, Any]:
+        """Push `source` (weight_sync source) as `version` into `urls` (default: all servers).
+        Each server applies it whole or not at all; an error names the servers that failed."""
+        from weight_sync import WeightSyncError
+
+        key = tuple(urls or self.urls)
+        sender = self._sender(list(key))
         try:
             return sender.push(source, version)
         except (WeightSyncError, AdminError) as e:

@@ -207,7 +207,7 @@ def train_loop(run, should_stop=lambda: False) -> dict:
             raise StopRequested(f"stopped by a signal during step {step + 1}") from None
         if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.num_steps):
             t0 = time.perf_counter()
-            metrics["eval_accuracy"] = run.evaluate()
+            metrics |= run.evaluate() or {}
             metrics["time_eval"] = time.perf_counter() - t0
         metrics["time_step"] = sum(v for k, v in metrics.items() if k.startswith("time_") and k != "time_step")
         (stop,) = run.ranks.max([float(should_stop())])

@@ -100,6 +100,7 @@ class Publisher:
                 log.warning("servers hold different versions %s: the next push brings them together", versions)
             return max(versions.values())
         self.version = self.ranks.on_main(read)
+        self.ranks.on_main(lambda: self.fleet.connect(self._source()))  # the first push as fast as the rest
         return self.version
 
     def push(self, urls: list[str] | None = None, version: int | None = None) -> dict[str, Any]:

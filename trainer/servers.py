@@ -58,8 +58,8 @@ class LocalServer:
         self.log_path = log_path
         self.log_file = open(log_path, "ab")
         log.info("no server at %s: starting one (log: %s)", url, log_path)
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log_file, stderr=subprocess.STDOUT,
-                                     preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=self.log_file,
+                                     stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         self.url = url
 
     def exited(self) -> int | None:
