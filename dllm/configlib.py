@@ -155,3 +155,15 @@ def check_overrides(overrides: list[str] | None, sections: dict[str, type], prim
             raise ConfigError(f"override {key!r}: unknown section {sec!r} (known: {', '.join(sections)})")
         if sub not in {f.name for f in dataclasses.fields(cls)}:
             raise ConfigError(f"unknown config key {sec}.{sub!r}")
+
+
+def print_check(command: str, *sections: Any) -> int:
+    """`dlrl <command> --check`: the command line and config parsed and validated; print the
+    resolved sections as one JSON line and return exit code 0 (errors exit 2 before this)."""
+    import json
+
+    out = {"command": command, "ok": True}
+    for sec in sections:
+        out[type(sec).__name__] = dataclasses.asdict(sec) if dataclasses.is_dataclass(sec) else str(sec)
+    print(json.dumps(out, default=str))
+    return 0

@@ -17,7 +17,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from dllm.configlib import ConfigError
+from dllm.configlib import ConfigError, print_check
 from server.config import ServerConfig, load_server_config
 
 log = logging.getLogger("dlrl.server")
@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="TCP port (default 8000)")
     p.add_argument("--model", default=None, help="model folder (HF layout); default: the embedded tiny model")
+    p.add_argument("--check", action="store_true", help="only parse the command line and the config; exit 0 "
+                                                       "(or 2 with the error)")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. server.max_batch=32")
     return p
 
@@ -69,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         config.validate()
     except ConfigError as e:
         parser.error(str(e))
+    if args.check:
+        return print_check("serve", config)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     import uvicorn

@@ -58,3 +58,27 @@ def test_rollout_requests_carry_the_stop_settings():
     assert kw["stop"] == ["<|im_end|>", "\n\n"] and kw["stop_token_ids"] == [151645]
     GenerateRequest.model_validate({"prompt_ids": [1, 2], **kw})  # the server's schema accepts them
     assert "stop" not in sampling_kwargs(TrainConfig())
+
+
+@pytest.mark.parametrize("argv,code", [
+    (["train", "--check", "nproc=2", "objective=dipo"], 0),
+    (["serve", "--check", "server.max_batch=4"], 0),
+    (["eval", "--check", "num_samples=2"], 0),
+    (["sft", "--check", "steps=5"], 0),
+    (["train", "--check", "no_such_key=1"], 2),
+    (["serve", "--check", "server.port=99999"], 2),
+])
+def test_check_mode_parses_command_and_config_only(argv, code, capsys):
+    """`dlrl <cmd> --check`: what deploy manifests are validated with (exit 0, or 2 naming the error)."""
+    from dlrl.cli import main
+
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code
+    assert rc == code
+    out = capsys.readouterr()
+    if code == 0:
+        assert '"ok": true' in out.out
+    else:
+        assert "error" in out.err

@@ -22,7 +22,7 @@ import logging
 import signal
 import sys
 
-from dllm.configlib import ConfigError, check_overrides, load_section
+from dllm.configlib import ConfigError, check_overrides, load_section, print_check
 
 log = logging.getLogger("dlrl.train")
 
@@ -60,6 +60,8 @@ def parse(argv: list[str]):
     ap = argparse.ArgumentParser(prog="dlrl train", description="online RL for block-diffusion LMs")
     ap.add_argument("--config", default="configs/tiny.yaml")
     ap.add_argument("--resume", action="store_true", help="continue from output_dir/checkpoint")
+    ap.add_argument("--check", action="store_true", help="only parse the command line and the config; exit 0 "
+                                                        "(or 2 with the error)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides (e.g. num_steps=5 nproc=2)")
     args = ap.parse_args(argv)
     overrides = list(args.overrides) + (["train.resume=true"] if args.resume else [])
@@ -74,6 +76,8 @@ def parse(argv: list[str]):
 
 def main(argv: list[str]) -> int:
     args, cfg, overrides = parse(argv)
+    if args.check:
+        return print_check("train", cfg)
     from trainer.launch import launch_local, under_launcher
 
     if cfg.nproc > 1 and not under_launcher():

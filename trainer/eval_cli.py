@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dllm.configlib import ConfigError, check_overrides, load_section
+from dllm.configlib import ConfigError, check_overrides, load_section, print_check
 
 log = logging.getLogger("dlrl.eval")
 
@@ -131,6 +131,8 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="dlrl eval", description="evaluate a served block-diffusion LM")
     ap.add_argument("--config", default=None, help="YAML config with an `eval` section (default "
                                                    "configs/tiny.yaml when it exists)")
+    ap.add_argument("--check", action="store_true", help="only parse the command line and the config; exit 0 "
+                                                        "(or 2 with the error)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides (e.g. data=math500.jsonl num_samples=4)")
     args = ap.parse_args(argv)
     config_path = args.config or ("configs/tiny.yaml" if Path("configs/tiny.yaml").is_file() else None)
@@ -140,6 +142,8 @@ def main(argv: list[str]) -> int:
         cfg = load_section(EvalConfig, config_path, "eval", args.overrides)
     except (ConfigError, ValueError) as e:
         ap.error(str(e))
+    if args.check:
+        return print_check("eval", cfg)
     from rollout_client.client import RolloutError
     from trainer.evaluate import format_table, write_results
 
