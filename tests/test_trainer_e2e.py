@@ -134,14 +134,13 @@ def test_unreachable_server_is_an_error(tiny_model_dir, tmp_path, capsys):
 
 
 def test_version_conflict_is_refused(served, tiny_model_dir, tmp_path):
-    from trainer.config import TrainConfig
+    from trainer.cli import parse
     from trainer.fleet import FleetError
     from trainer.run import build_run
     from weight_sync import push
 
-    cfg = TrainConfig(servers=[served], model=tiny_model_dir, output_dir=str(tmp_path / "run"), admin_token=TOKEN,
-                      start_server=False, tensorboard=False, eval_every=0)
-    run = build_run(cfg, None, [])
+    _, root, overrides = parse(["--config", str(write_config(tmp_path, served, tiny_model_dir))])
+    run = build_run(root, None, overrides)
     try:
         params = dict(run.learner.engine.module.named_parameters())
         push([served], params.items(), run.version + 5, transport="http", token=TOKEN)  # someone else moved on
