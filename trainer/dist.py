@@ -65,7 +65,9 @@ def setup_dist_env(world_size: int = 1, rank: int = 0) -> str:
 
 
 def init_process_group() -> None:
-    """The job's default process group (through DeepSpeed, which the engines need anyway)."""
+    """The job's default process group (through DeepSpeed, which the engines need anyway). A
+    process no launcher started is a group of one over an in-memory store: no port to race for."""
+    launched = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
     backend = setup_dist_env()
     if torch.distributed.is_initialized():
         return
@@ -73,6 +75,8 @@ def init_process_group() -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     import deepspeed  # after the env: DS_ACCELERATOR is read on first use
 
+    if not launched:
+        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
 
 
