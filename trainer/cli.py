@@ -36,9 +36,13 @@ class Stopper:
         self.publisher = None
 
     def install(self) -> Stopper:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
         return self
+
+    def uninstall(self) -> None:
+        """Give the process its previous handlers back (main() may run inside another program)."""
+        for sig, handler in getattr(self, "_previous", {}).items():
+            signal.signal(sig, handler)
 
     def _handle(self, signum, _frame) -> None:
         from trainer.loop import StopRequested
@@ -106,6 +110,7 @@ def main(argv: list[str]) -> int:
     finally:
         if run is not None:
             run.close()
+        stopper.uninstall()
 
 
 def _train(run, cfg, stopper: Stopper) -> int:
