@@ -8,7 +8,7 @@ The app starts the engine thread on startup and stops it on shutdown. State reac
 from handlers: `request.app.state.engine`, `.config`, `.metrics`, `.admin_token`,
 `.prompts` (the tokenizer worker, server.generation.PromptEncoder), `.is_draining`
 (server.lifecycle) and `.num_inflight` (server.middleware). Routers: generation (`/generate`, `/v1/*`), service
-(`/health`, `/ready`, `/metrics`, `/admin/*`) and, when present, `server.routes_weights`
+(`/health`, `/ready`, `/metrics`, `/admin/*`) and `server.routes_weights`
 (`/weights/*`). `server.middleware.RequestGuard` answers bodies over
 `server.max_body_bytes` 413 before they are read, and new requests 503 while draining.
 `GET /openapi.json` documents every route's statuses and the served model's limits
@@ -17,13 +17,12 @@ from handlers: `request.app.state.engine`, `.config`, `.metrics`, `.admin_token`
 
 from __future__ import annotations
 
-import importlib
 import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from server import routes_generate, routes_service
+from server import routes_generate, routes_service, routes_weights
 from server.auth import resolve_admin_token
 from server.config import ServerConfig
 from server.engine import Engine
@@ -34,17 +33,6 @@ from server.middleware import RequestGuard
 from server.openapi import install_openapi
 
 log = logging.getLogger("dlrl.server")
-
-
-def _weights_router():
-    try:
-        routes_weights = importlib.import_module("server.routes_weights")
-    except ModuleNotFoundError as e:
-        if e.name != "server.routes_weights":
-            raise
-        log.warning("server.routes_weights not available: /weights/* endpoints disabled")
-        return None
-    return routes_weights.router
 
 
 def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
@@ -76,9 +64,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     app.include_router(routes_generate.router)
     app.include_router(routes_service.router)
     app.include_router(routes_service.admin)
-    weights = _weights_router()
-    if weights is not None:
-        app.include_router(weights)
+    app.include_router(routes_weights.router)
     install_openapi(app)
     if not app.state.admin_token:
         log.info("no admin token configured: admin endpoints are disabled")

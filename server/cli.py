@@ -13,7 +13,6 @@ in flight get up to `server.shutdown_timeout` seconds, then the process exits 0.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 from pathlib import Path
 
@@ -37,16 +36,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_model(config: ServerConfig, config_path: str | None) -> str:
+def resolve_model(config: ServerConfig, config_path: str | None, overrides: list[str] | None = None) -> str:
     """The model folder to serve: `config.model`, or the embedded default (trained if missing)."""
     if config.model:
         if not Path(config.model).is_dir():
             raise SystemExit(f"server.model: {config.model!r} is not a directory")
         return config.model
-    from dllm.tiny import ensure_default_model
+    from dllm.tiny import ensure_default_model, load_tiny_sections
 
     log.info("no server.model given: using the embedded tiny default (trains it first if missing)")
-    return str(ensure_default_model(config_path or DEFAULT_CONFIG))
+    return str(ensure_default_model(*load_tiny_sections(config_path or DEFAULT_CONFIG, overrides)))
 
 
 def build_engine(config: ServerConfig, model_path: str):
@@ -67,8 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_server_config(config_path, args.overrides)
         changes = {k: v for k, v in (("host", args.host), ("port", args.port), ("model", args.model)) if v is not None}
-        config = dataclasses.replace(config, **changes)
-        config.validate()
+        config = config.replace(**changes)
     except ConfigError as e:
         parser.error(str(e))
     if args.check:
@@ -80,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from server.app import create_app
     from server.lifecycle import GracefulServer
 
-    model_path = resolve_model(config, config_path)
+    model_path = resolve_model(config, config_path, args.overrides)
     try:
         engine = build_engine(config, model_path)
     except (ValueError, FileNotFoundError) as e:  # bad folder / option: the message names it

@@ -9,75 +9,48 @@ admin endpoints are disabled. `max_model_len=0` means min(max_position_embedding
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-from dllm.configlib import ConfigError, load_section
+from pydantic import Field
 
-BACKENDS = ("native", "lmdeploy")
-STRATEGIES = ("static", "dynamic", "sequential")
+from dllm.configlib import Config, load_section
+from rollout_client.protocol import Strategy
+
+Backend = Literal["native"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
 
 
-@dataclass
-class ServerConfig:
+class ServerConfig(Config):
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = Field(8000, ge=0, lt=65536)
     model: str = ""                  # HF-style folder; "" = embedded tiny default
     served_model_name: str = ""      # name in /v1/models; "" = the folder name
-    backend: str = "native"
+    backend: Backend = "native"
     device: str = "auto"             # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"              # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
-    max_batch: int = 16              # max concurrently decoded sequences (KV-cache slots)
-    max_queue: int = 256             # max waiting sequences before 429
-    max_model_len: int = 0           # prompt + completion limit; 0 = min(max_position_embeddings, 8192)
+    dtype: Dtype = "auto"            # auto = bf16 on CUDA, fp32 on CPU
+    max_batch: int = Field(16, ge=1)   # max concurrently decoded sequences (KV-cache slots)
+    max_queue: int = Field(256, ge=1)  # max waiting sequences before 429
+    max_model_len: int = Field(0, ge=0)  # prompt + completion limit; 0 = min(max_position_embeddings, 8192)
     trust_remote_code: bool = False  # run the model folder's own Python code (tokenizer/config); never asked
-    block_size: int = 0              # 0 = config.json's; set it for folders that lack it (or to decode with another)
-    mask_token_id: int = -1          # -1 = config.json's, else the tokenizer's <|MASK|>
+    block_size: int = Field(0, ge=0)  # 0 = config.json's; set it for folders that lack it (or to decode with another)
+    mask_token_id: int = Field(-1, ge=-1)  # -1 = config.json's, else the tokenizer's <|MASK|>
     admin_token: str = ""
     admin_token_file: str = ""       # read (or create) the token here when none is set otherwise
-    log_level: str = "info"
-    max_body_bytes: int = 4 << 20    # request bodies over this are a 413 before being read (weights exempt)
-    shutdown_timeout: float = 20.0   # SIGTERM: seconds in-flight requests get before they are aborted
+    log_level: LogLevel = "info"
+    max_body_bytes: int = Field(4 << 20, ge=1)  # request bodies over this are a 413 before being read (weights exempt)
+    shutdown_timeout: float = Field(20.0, ge=0)  # SIGTERM: seconds in-flight requests get before they are aborted
     # defaults for requests that leave these unset
-    default_max_tokens: int = 64
-    default_strategy: str = "dynamic"
-    default_threshold: float = 0.9
-    default_temperature: float = 1.0
+    default_max_tokens: int = Field(64, ge=1)
+    default_strategy: Strategy = "dynamic"
+    default_threshold: float = Field(0.9, ge=0, le=1)
+    default_temperature: float = Field(1.0, ge=0)
     # weight sync (server side of weight_sync; see server/weight_updates.py)
-    weight_sync_lease_s: float = 30.0          # an update with no data-plane progress for this long is aborted
-    weight_sync_drain_timeout_s: float = 30.0  # commit waits this long for in-flight sequences, then...
-    weight_sync_abort_inflight: bool = False   # ... aborts them (true) or lets them finish on the old weights
+    weight_sync_lease_s: float = Field(30.0, gt=0, le=3600)  # an update with no data-plane progress is aborted
+    weight_sync_drain_timeout_s: float = Field(30.0, ge=0, le=3600)  # commit waits this long for in-flight...
+    weight_sync_abort_inflight: bool = False   # ... then aborts them (true) or lets them finish on the old weights
     weight_sync_check_finite: bool = True      # refuse updates holding NaN/inf (400), nothing applied
-
-    def validate(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ConfigError(f"server.port: {self.port} is not a TCP port")
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"server.backend: {self.backend!r} is not one of {BACKENDS}")
-        if self.default_strategy not in STRATEGIES:
-            raise ConfigError(f"server.default_strategy: {self.default_strategy!r} is not one of {STRATEGIES}")
-        for name in ("max_batch", "max_queue", "default_max_tokens"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"server.{name}: must be >= 1, got {getattr(self, name)}")
-        if self.max_body_bytes < 1:
-            raise ConfigError(f"server.max_body_bytes: must be >= 1, got {self.max_body_bytes}")
-        if self.shutdown_timeout < 0:
-            raise ConfigError(f"server.shutdown_timeout: must be >= 0, got {self.shutdown_timeout}")
-        if self.block_size < 0:
-            raise ConfigError(f"server.block_size: must be >= 0 (0 = from config.json), got {self.block_size}")
-        if self.mask_token_id < -1:
-            raise ConfigError(f"server.mask_token_id: must be >= 0 (-1 = from the folder), got {self.mask_token_id}")
-        if self.max_model_len < 0:
-            raise ConfigError(f"server.max_model_len: must be >= 0, got {self.max_model_len}")
-        if not 0.0 <= self.default_threshold <= 1.0:
-            raise ConfigError(f"server.default_threshold: must be in [0, 1], got {self.default_threshold}")
-        if not 0 < self.weight_sync_lease_s <= 3600:
-            raise ConfigError(f"server.weight_sync_lease_s: must be in (0, 3600], got {self.weight_sync_lease_s}")
-        if not 0 <= self.weight_sync_drain_timeout_s <= 3600:
-            raise ConfigError("server.weight_sync_drain_timeout_s: must be in [0, 3600], "
-                              f"got {self.weight_sync_drain_timeout_s}")
-        if self.default_temperature < 0:
-            raise ConfigError(f"server.default_temperature: must be >= 0, got {self.default_temperature}")
 
     def model_name(self, model_path: str | Path | None = None) -> str:
         if self.served_model_name:

@@ -25,8 +25,7 @@ from dllm.model import SDARForCausalLM
 from dllm.sft import TinyModelConfig, make_model_config
 from dllm.tokenizer import build_char_tokenizer
 from dllm.weights import save_pretrained
-
-ADMIN_TOKEN = "secret"
+from tests.helpers import ADMIN_TOKEN, FIXTURE_CONFIG  # noqa: F401  (shared with test modules)
 
 
 @pytest.fixture(scope="session")
@@ -168,7 +167,6 @@ def serve_process(tiny_model_dir, tmp_path):
             srv.proc.wait(timeout=10)
 
 
-FIXTURE_CONFIG = os.path.join(os.path.dirname(__file__), "fixtures", "sdar-1.7b-chat.config.json")
 SMALL_SHAPES = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
                 "head_dim": 16, "max_position_embeddings": 4096}
 

@@ -20,6 +20,16 @@ from pathlib import Path
 
 import httpx
 
+ADMIN_TOKEN = "secret"  # the session test server's admin token (what the `admin_headers` fixture sends)
+FIXTURE_CONFIG = str(Path(__file__).parent / "fixtures" / "sdar-1.7b-chat.config.json")
+
+
+def parity_reward(text: str, example: dict, num_tokens: int | None = None) -> float:
+    """A reward with variance on a random model: parity of a hash of the completion."""
+    import zlib
+
+    return float(zlib.crc32(text.encode()) % 2)
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -12,18 +12,15 @@ model) weights and the step's metrics per case to OUT_DIR/<case>.pt.
 from __future__ import annotations
 
 import sys
-import zlib
 from pathlib import Path
 from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run by torchrun as a script
 
 import torch
 
 CASES = [(obj, stage) for obj in ("tracerl", "dipo_kl", "value") for stage in (0, 2, 3)]
 NUM_PROMPTS, GROUP = 6, 4
-
-
-def parity_reward(text: str, example: dict, num_tokens: int | None = None) -> float:
-    return float(zlib.crc32(text.encode()) % 2)
 
 
 def make_policy():
@@ -70,6 +67,8 @@ def run_case(ranks, objective: str, stage: int, rollouts: list) -> dict:
     examples = [{"prompt": str(p), "answer": ""} for p in range(NUM_PROMPTS)]
     batch = Batch(examples[shard], rollouts[shard.start * GROUP: shard.stop * GROUP], shard.start * GROUP,
                   NUM_PROMPTS * GROUP, 0.0)
+    from tests.helpers import parity_reward
+
     run = SimpleNamespace(cfg=cfg, ranks=ranks, learner=learner, reward_fn=parity_reward, version=0,
                           block_size=4, mask_id=63, pad_id=0, generator=torch.Generator().manual_seed(0))
     metrics = learn(run, batch, step=0)

@@ -16,7 +16,7 @@ import torch
 
 from dllm.config import IGNORED_FIELDS, ConfigValueError, SDARConfig, load_model_config
 from dllm.weights import WeightLoadError, copy_into_model, empty_model, load_pretrained
-from tests.conftest import FIXTURE_CONFIG
+from tests.helpers import FIXTURE_CONFIG
 
 FIXTURE = json.loads(Path(FIXTURE_CONFIG).read_text())
 

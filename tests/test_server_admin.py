@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-ADMIN_TOKEN = "secret"  # what the `admin_headers` fixture sends
+from tests.helpers import ADMIN_TOKEN  # what the `admin_headers` fixture sends
 
 
 @pytest.mark.parametrize("headers,status", [

@@ -4,7 +4,6 @@ resume, and bad configs that stop with an error naming the cause."""
 from __future__ import annotations
 
 import json
-import zlib
 from pathlib import Path
 
 import httpx
@@ -16,11 +15,6 @@ from tests.helpers import free_port, served_process
 from weight_sync import weights_digest
 
 TOKEN = "e2e-token"
-
-
-def parity_reward(text: str, example: dict) -> float:
-    """A reward with variance on a random model: parity of a hash of the completion."""
-    return float(zlib.crc32(text.encode()) % 2)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +31,7 @@ def admin(url: str, path: str) -> dict:
 def write_config(tmp: Path, url: str, model: str, **train) -> Path:
     cfg = {"train": {"servers": [url], "model": model, "output_dir": str(tmp / "run"), "num_steps": 2,
                      "prompts_per_step": 4, "group_size": 4, "max_tokens": 6, "eval_every": 0,
-                     "reward": "tests.test_trainer_e2e:parity_reward", "admin_token": TOKEN, "lr": 1e-3,
+                     "reward": "tests.helpers:parity_reward", "admin_token": TOKEN, "lr": 1e-3,
                      "start_server": False, "tensorboard": False, **train}}
     path = tmp / "cfg.yaml"
     path.write_text(json.dumps(cfg))  # JSON is YAML
@@ -134,14 +128,13 @@ def test_unreachable_server_is_an_error(tiny_model_dir, tmp_path, capsys):
 
 
 def test_version_conflict_is_refused(served, tiny_model_dir, tmp_path):
-    from trainer.config import TrainConfig
+    from trainer.cli import parse
     from trainer.fleet import FleetError
     from trainer.run import build_run
     from weight_sync import push
 
-    cfg = TrainConfig(servers=[served], model=tiny_model_dir, output_dir=str(tmp_path / "run"), admin_token=TOKEN,
-                      start_server=False, tensorboard=False, eval_every=0)
-    run = build_run(cfg, None, [])
+    _, root, overrides = parse(["--config", str(write_config(tmp_path, served, tiny_model_dir))])
+    run = build_run(root, None, overrides)
     try:
         params = dict(run.learner.engine.module.named_parameters())
         push([served], params.items(), run.version + 5, transport="http", token=TOKEN)  # someone else moved on

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 def write_config(tmp: Path, servers: list[str], model: str, **train) -> Path:
     cfg = {"train": {"servers": servers, "model": model, "output_dir": str(tmp / "run"), "num_steps": 2,
                      "prompts_per_step": 4, "group_size": 4, "max_tokens": 6, "eval_every": 0,
-                     "reward": "tests.ranks_worker:parity_reward", "admin_token": TOKEN, "lr": 1e-3,
+                     "reward": "tests.helpers:parity_reward", "admin_token": TOKEN, "lr": 1e-3,
                      "start_server": False, "tensorboard": False, "record_digests": True, **train}}
     path = tmp / "cfg.yaml"
     path.write_text(json.dumps(cfg))

@@ -22,7 +22,7 @@ import logging
 import signal
 import sys
 
-from dllm.configlib import ConfigError, check_overrides, load_section, print_check
+from dllm.configlib import ConfigError, load_sections, print_check
 
 log = logging.getLogger("dlrl.train")
 
@@ -36,9 +36,13 @@ class Stopper:
         self.publisher = None
 
     def install(self) -> Stopper:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
         return self
+
+    def uninstall(self) -> None:
+        """Give the process its previous handlers back (main() may run inside another program)."""
+        for sig, handler in getattr(self, "_previous", {}).items():
+            signal.signal(sig, handler)
 
     def _handle(self, signum, _frame) -> None:
         from trainer.loop import StopRequested
@@ -53,9 +57,9 @@ class Stopper:
 
 
 def parse(argv: list[str]):
-    from dllm.sft import SFTConfig, TinyModelConfig
-    from dllm.task import ArithmeticTask
-    from trainer.config import TrainConfig
+    """-> (args, root sections, overrides): the config file read once, every section typed."""
+    from dllm.tiny import TINY_SECTIONS
+    from trainer.config import ServerKeys, TrainConfig
 
     ap = argparse.ArgumentParser(prog="dlrl train", description="online RL for block-diffusion LMs")
     ap.add_argument("--config", default="configs/tiny.yaml")
@@ -66,16 +70,16 @@ def parse(argv: list[str]):
     args = ap.parse_args(argv)
     overrides = list(args.overrides) + (["train.resume=true"] if args.resume else [])
     try:
-        sections = {"train": TrainConfig, "model": TinyModelConfig, "task": ArithmeticTask, "sft": SFTConfig}
-        check_overrides([o for o in overrides if not o.startswith("server.")], sections, primary="train")
-        cfg = load_section(TrainConfig, args.config, "train", overrides)
+        root = load_sections(args.config, overrides, {"train": TrainConfig, **TINY_SECTIONS, "server": ServerKeys},
+                             primary="train")
     except (ConfigError, ValueError) as e:
         ap.error(str(e))
-    return args, cfg, overrides
+    return args, root, overrides
 
 
 def main(argv: list[str]) -> int:
-    args, cfg, overrides = parse(argv)
+    args, root, overrides = parse(argv)
+    cfg = root["train"]
     if args.check:
         return print_check("train", cfg)
     from trainer.launch import launch_local, under_launcher
@@ -92,7 +96,7 @@ def main(argv: list[str]) -> int:
     stopper = Stopper().install()
     run = None
     try:
-        run = build_run(cfg, args.config, overrides)
+        run = build_run(root, args.config, overrides)
         stopper.publisher = run.publisher
         return _train(run, cfg, stopper)
     except StopRequested as e:
@@ -106,6 +110,7 @@ def main(argv: list[str]) -> int:
     finally:
         if run is not None:
             run.close()
+        stopper.uninstall()
 
 
 def _train(run, cfg, stopper: Stopper) -> int:

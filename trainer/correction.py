@@ -19,10 +19,14 @@ at `token` level (rho per token) or `sequence` level (rho = exp(sum over the sam
 
 from __future__ import annotations
 
+import typing
+from typing import Literal
+
 import torch
 
-MODES = ("none", "tis", "mis")
-LEVELS = ("token", "sequence")
+Mode = Literal["none", "tis", "mis"]  # train.is_correction
+Level = Literal["token", "sequence"]  # train.is_level
+MODES, LEVELS = typing.get_args(Mode), typing.get_args(Level)
 
 
 def mismatch_stats(trainer_lp: torch.Tensor, behaviour_lp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -37,42 +35,25 @@ class RankError(RuntimeError):
         self.kind = kind
 
 
-def _free_port() -> int:
-    """A free port outside the kernel's ephemeral range (which other processes' outgoing
-    connections take from, so a port picked there may be gone before the store binds it)."""
-    for _ in range(100):
-        port = random.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-32000 for MASTER_PORT")
-
-
-def setup_dist_env(world_size: int = 1, rank: int = 0) -> str:
-    """Fill RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (and DS_ACCELERATOR=cpu without
-    CUDA) where no launcher set them, so one process needs no launcher. Returns the backend."""
-    if not (has_cuda := torch.cuda.is_available()):
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.setdefault("RANK", str(rank))
-    os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", str(rank)))
-    os.environ.setdefault("WORLD_SIZE", str(world_size))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    return "nccl" if has_cuda else "gloo"
-
-
 def init_process_group() -> None:
-    """The job's default process group (through DeepSpeed, which the engines need anyway)."""
-    backend = setup_dist_env()
+    """The job's default process group (through DeepSpeed, which the engines need anyway).
+    Under a launcher (RANK / WORLD_SIZE set) it rendezvouses through env://; a process no
+    launcher started is a group of one over an in-memory store: no port to race for, and no
+    RANK / WORLD_SIZE left in its environment for the processes it starts."""
     if torch.distributed.is_initialized():
         return
+    has_cuda = torch.cuda.is_available()
+    if not has_cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    backend = "nccl" if has_cuda else "gloo"
+    launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     import deepspeed  # after the env: DS_ACCELERATOR is read on first use
 
+    if not launched:
+        os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed's engine reads it
+        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
 
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from trainer.dist import init_process_group, setup_dist_env
+from trainer.dist import init_process_group
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CLIENT_STATE = "client_state.json"
@@ -101,14 +101,13 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
                         {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
 
 
-def build_engine(model: nn.Module, cfg: DSConfig, world_size: int = 1, rank: int = 0):
+def build_engine(model: nn.Module, cfg: DSConfig):
     """Wrap `model` in a DeepSpeed engine with a torch AdamW (and warmup LambdaLR). Build it
-    once per run: the optimizer state (Adam moments, step) persists across RL steps.
-    world_size/rank only fill env variables a launcher (torchrun, deepspeed) did not set.
+    once per run: the optimizer state (Adam moments, step) persists across RL steps. The
+    process group is the job's (`trainer.dist.init_process_group`: a launcher's ranks, or one).
     Train with `engine.module.forward_train(...)` (or `engine(...)` for `forward`), then
     `engine.backward(loss)` and `engine.step()` per micro-batch."""
     cfg.validate()
-    setup_dist_env(world_size, rank)
     init_process_group()
     import deepspeed  # after the env: DS_ACCELERATOR is read on first use
 

@@ -15,22 +15,22 @@ decoding setting and writes every metric and generation to `eval.output` (JSON).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
-from dllm.configlib import ConfigError, check_overrides, load_section, print_check
+from pydantic import Field
+
+from dllm.configlib import Config, ConfigError, load_sections, print_check
 
 log = logging.getLogger("dlrl.eval")
 
 
-@dataclass
-class EvalConfig:
-    servers: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8000"])
+class EvalConfig(Config):
+    servers: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"], min_length=1)
     start_server: bool = True  # start a local `dlrl serve` when no server answers
-    server_start_timeout: float = 600.0
+    server_start_timeout: float = Field(600.0, gt=0)
     model: str = ""  # folder of the model: tokenizer for chat_template, model of a started server
     data: str = ""  # JSONL; empty = the embedded arithmetic task's held-out split
     prompt_field: str = ""
@@ -39,46 +39,30 @@ class EvalConfig:
     system_prompt: str = ""
     chat_template: bool = False
     reward: str = ""  # empty: math for a data file, exact_match for the embedded task
-    limit: int = 0  # first N problems; 0 = all
-    num_samples: int = 1  # samples per problem (pass@k for k up to this)
-    max_tokens: int = 512
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
+    limit: int = Field(0, ge=0)  # first N problems; 0 = all
+    num_samples: int = Field(1, ge=1)  # samples per problem (pass@k for k up to this)
+    max_tokens: int = Field(512, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    top_k: int = Field(0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
     seed: int = 0
-    stop: list[str] = field(default_factory=list)
-    static_steps: list[int] = field(default_factory=list)
-    dynamic_thresholds: list[float] = field(default_factory=list)
-    block_sizes: list[int] = field(default_factory=list)
-    batch_size: int = 64  # prompts per request batch
-    request_timeout: float = 600.0  # seconds per generation request
+    stop: list[str] = Field(default_factory=list)
+    static_steps: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)
+    dynamic_thresholds: list[Annotated[float, Field(ge=0, le=1)]] = Field(default_factory=list)
+    block_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)
+    batch_size: int = Field(64, ge=1)  # prompts per request batch
+    request_timeout: float = Field(600.0, gt=0)  # seconds per generation request
     output: str = "runs/eval/results.json"
 
-    def validate(self) -> None:
-        if not self.servers:
-            raise ConfigError("eval.servers: need at least one server URL")
-        for name in ("num_samples", "max_tokens", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"eval.{name}: must be >= 1, got {getattr(self, name)}")
-        if self.limit < 0:
-            raise ConfigError(f"eval.limit: must be >= 0, got {self.limit}")
-        if any(s < 1 for s in self.static_steps):
-            raise ConfigError(f"eval.static_steps: every value must be >= 1, got {self.static_steps}")
-        if any(not 0 <= t <= 1 for t in self.dynamic_thresholds):
-            raise ConfigError(f"eval.dynamic_thresholds: every value must be in [0, 1], got {self.dynamic_thresholds}")
-        if any(b < 1 for b in self.block_sizes):
-            raise ConfigError(f"eval.block_sizes: every value must be >= 1, got {self.block_sizes}")
+    def check(self) -> None:
         if self.chat_template and not self.model:
-            raise ConfigError("eval.chat_template: needs eval.model (the folder whose tokenizer holds the template)")
+            raise ValueError("eval.chat_template: needs eval.model (the folder whose tokenizer holds the template)")
         if "{prompt}" not in self.prompt_template:
-            raise ConfigError("eval.prompt_template: must contain {prompt}")
+            raise ValueError("eval.prompt_template: must contain {prompt}")
 
 
-def load_examples(cfg: EvalConfig, config_path: str | None, overrides: list[str]) -> list[dict]:
+def load_examples(cfg: EvalConfig, task) -> list[dict]:
     if not cfg.data:
-        from dllm.task import ArithmeticTask
-
-        task = load_section(ArithmeticTask, config_path, "task", overrides, bare_keys=False)
         return task.split("heldout", cfg.limit or 200)
     from trainer.evaluate import load_eval_examples
 
@@ -91,7 +75,7 @@ def load_examples(cfg: EvalConfig, config_path: str | None, overrides: list[str]
                               cfg.system_prompt, cfg.limit)
 
 
-def run(cfg: EvalConfig, config_path: str | None, overrides: list[str]) -> list:
+def run(cfg: EvalConfig, task, config_path: str | None, overrides: list[str]) -> list:
     """Evaluate against `cfg.servers`, starting local ones where none answers (once per block
     size: a started server is restarted with each)."""
     from trainer.evaluate import evaluate, make_settings
@@ -99,7 +83,7 @@ def run(cfg: EvalConfig, config_path: str | None, overrides: list[str]) -> list:
     from trainer.rewards import build_reward
     from trainer.servers import LocalServer, new_token
 
-    examples = load_examples(cfg, config_path, overrides)
+    examples = load_examples(cfg, task)
     reward = build_reward(cfg.reward or ("math" if cfg.data else "exact_match"))
     server_overrides = [o for o in overrides if o.startswith("server.")]
     out_dir = Path(cfg.output).parent
@@ -127,6 +111,7 @@ def run(cfg: EvalConfig, config_path: str | None, overrides: list[str]) -> list:
 
 def main(argv: list[str]) -> int:
     from dllm.task import ArithmeticTask
+    from trainer.config import ServerKeys
 
     ap = argparse.ArgumentParser(prog="dlrl eval", description="evaluate a served block-diffusion LM")
     ap.add_argument("--config", default=None, help="YAML config with an `eval` section (default "
@@ -137,9 +122,9 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     config_path = args.config or ("configs/tiny.yaml" if Path("configs/tiny.yaml").is_file() else None)
     try:
-        check_overrides([o for o in args.overrides if not o.startswith("server.")],
-                        {"eval": EvalConfig, "task": ArithmeticTask}, primary="eval")
-        cfg = load_section(EvalConfig, config_path, "eval", args.overrides)
+        root = load_sections(config_path, args.overrides, {"eval": EvalConfig, "task": ArithmeticTask,
+                                                           "server": ServerKeys}, primary="eval")
+        cfg = root["eval"]
     except (ConfigError, ValueError) as e:
         ap.error(str(e))
     if args.check:
@@ -148,12 +133,12 @@ def main(argv: list[str]) -> int:
     from trainer.evaluate import format_table, write_results
 
     try:
-        results = run(cfg, config_path, args.overrides)
+        results = run(cfg, root["task"], config_path, args.overrides)
     except (RuntimeError, ValueError, FileNotFoundError, RolloutError) as e:
         print(f"dlrl eval: error: {e}", file=sys.stderr)
         return 1
     print(format_table(results))
-    path = write_results(cfg.output, results, config=dataclasses.asdict(cfg), servers=cfg.servers)
+    path = write_results(cfg.output, results, config=cfg.model_dump(), servers=cfg.servers)
     log.info("wrote %s", path)
     print(f"results: {path}")
     return 0

@@ -28,8 +28,6 @@ from pathlib import Path
 from trainer.data import load_prompts
 from trainer.rewards import extract_boxed, score_batch
 
-STRATEGIES = ("static", "dynamic", "sequential")
-
 
 class EvalError(ValueError):
     """Bad evaluation input; the message names the key or the file and line."""

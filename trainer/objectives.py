@@ -19,6 +19,9 @@ marks scored tokens; advantages [B,L] or [B]. Metrics are python floats.
 
 from __future__ import annotations
 
+import typing
+from typing import Literal
+
 import torch
 
 Metrics = dict[str, float]
@@ -152,4 +155,5 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return loss, metrics
 
 
-OBJECTIVES = ("tracerl", "dipo", "random_masking", "coupled")
+Objective = Literal["tracerl", "dipo", "random_masking", "coupled"]  # train.objective
+OBJECTIVES = typing.get_args(Objective)

@@ -1,6 +1,6 @@
 """Run: the typed parts one training run is made of, built once by `build_run`.
 
-    run = build_run(cfg, config_path, overrides)   # every rank; collective where it must be
+    run = build_run(root, config_path, overrides)  # every rank; root: the config's sections (trainer.cli.parse)
     run.ranks        who this process is (trainer.dist.Ranks)
     run.fleet        the servers, through one client (generation, readiness, admin)
     run.publisher    the one voice to the servers' weights (version, push, re-sync)
@@ -136,27 +136,23 @@ class Run:
 
 
 # ---------------------------------------------------------------------------------- building
-def resolve_token(cfg, config_path) -> str:
-    from dllm.configlib import read_yaml
+def resolve_token(cfg, server) -> str:
+    """The admin token the trainer pushes with: train.admin_token, env DLRL_ADMIN_TOKEN, then
+    the config's server.admin_token / server.admin_token_file (`server`: the ServerKeys view)."""
     from trainer.servers import read_token_file
 
     if cfg.admin_token:
         return cfg.admin_token
     if os.environ.get("DLRL_ADMIN_TOKEN"):
         return os.environ["DLRL_ADMIN_TOKEN"]
-    server_cfg = (read_yaml(config_path).get("server") or {}) if config_path else {}
-    if server_cfg.get("admin_token"):
-        return str(server_cfg["admin_token"])
-    if server_cfg.get("admin_token_file"):
-        return read_token_file(server_cfg["admin_token_file"])
-    return ""
+    if server.admin_token:
+        return server.admin_token
+    return read_token_file(server.admin_token_file) if server.admin_token_file else ""
 
 
-def load_examples(cfg, config_path, overrides, tokenizer) -> tuple[list[dict], list[dict]]:
+def load_examples(cfg, task, tokenizer) -> tuple[list[dict], list[dict]]:
     """-> (train examples, held-out examples); each has `prompt` and `answer`. Held out:
     `train.eval_data` when given, else the first tenth of `train.data` (at most eval_size)."""
-    from dllm.configlib import load_section
-    from dllm.task import ArithmeticTask
     from trainer.data import load_prompts
     from trainer.evaluate import load_eval_examples
 
@@ -172,7 +168,6 @@ def load_examples(cfg, config_path, overrides, tokenizer) -> tuple[list[dict], l
             return ex, held_out
         n_eval = min(cfg.eval_size, max(1, len(ex) // 10))
         return ex[n_eval:] or ex, ex[:n_eval]
-    task = load_section(ArithmeticTask, config_path, "task", overrides, bare_keys=False)
     return task.split("train", 20_000, seed=task.seed + 1), held_out or task.split("heldout", cfg.eval_size)
 
 
@@ -185,18 +180,18 @@ def run_id(out: Path) -> str:
     return path.read_text().strip()
 
 
-def _model_dir(cfg, ranks: Ranks, config_path, overrides) -> Path:
+def _model_dir(cfg, ranks: Ranks, root: dict) -> Path:
     if cfg.model:
         return Path(cfg.model)
     from dllm.tiny import ensure_default_model
 
-    return Path(ranks.on_main(lambda: str(ensure_default_model(config_path, overrides))))
+    return Path(ranks.on_main(lambda: str(ensure_default_model(root["model"], root["task"], root["sft"]))))
 
 
-def _start_fleet(cfg, ranks: Ranks, config_path, overrides, out: Path) -> ServerFleet:
+def _start_fleet(cfg, server, ranks: Ranks, config_path, overrides, out: Path) -> ServerFleet:
     from trainer.servers import LocalServer, new_token
 
-    token = resolve_token(cfg, config_path)
+    token = resolve_token(cfg, server)
     if not token and cfg.start_server:
         token = ranks.broadcast(new_token())
     sync = {"transport": cfg.sync_transport, "timeout": cfg.sync_timeout, "dist_addr": cfg.sync_addr,
@@ -238,30 +233,33 @@ def _build_learner(cfg, ranks: Ranks, policy) -> Learner:
     return Learner(cfg, ranks, engine, policy.config.mask_token_id, ref, value)
 
 
-def build_run(cfg, config_path: str | None, overrides: list[str]) -> Run:
+def build_run(root: dict, config_path: str | None, overrides: list[str]) -> Run:
+    """root: the config's sections, read once (`train`, `model`, `task`, `sft`, `server` view);
+    config_path / overrides are handed on to servers the run starts."""
     from dllm.tokenizer import encode, load_tokenizer
     from dllm.weights import load_pretrained
     from trainer.data import PromptSampler
     from trainer.metrics_log import MetricsLogger
     from trainer.rewards import build_reward
 
+    cfg = root["train"]
     ranks = Ranks.init()
     torch.manual_seed(cfg.seed)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model_dir = _model_dir(cfg, ranks, config_path, overrides)
+    model_dir = _model_dir(cfg, ranks, root)
     tokenizer = load_tokenizer(model_dir, trust_remote_code=cfg.trust_remote_code)
     policy = load_pretrained(model_dir, dtype=torch.float32, block_size=cfg.block_size or None,
                              mask_token_id=None if cfg.mask_token_id < 0 else cfg.mask_token_id)
     policy.gradient_checkpointing = cfg.gradient_checkpointing
-    fleet = _start_fleet(cfg, ranks, config_path, overrides, out)
+    fleet = _start_fleet(cfg, root["server"], ranks, config_path, overrides, out)
     try:
         learner = _build_learner(cfg, ranks, policy)
         reward_fn = build_reward(cfg.reward, overlong_buffer=cfg.overlong_buffer, max_tokens=cfg.max_tokens,
                                  sandbox=cfg.reward_sandbox)
-        train_ex, eval_ex = load_examples(cfg, config_path, overrides, tokenizer)
+        train_ex, eval_ex = load_examples(cfg, root["task"], tokenizer)
         sampler = PromptSampler(train_ex, cfg.prompts_per_step, seed=cfg.seed)
         publisher = Publisher(ranks, fleet, learner.engine, server_wait_s=cfg.server_wait_s,
                               record=out / "versions.jsonl" if cfg.record_digests else None)

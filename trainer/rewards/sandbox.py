@@ -34,13 +34,16 @@ import sys
 import tempfile
 import threading
 import time
+import typing
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 import psutil
 
 from trainer.rewards.watchdog import WATCHDOG, kill_pids
 
-MODES = ("bwrap", "unsafe_local")
+SandboxMode = Literal["bwrap", "unsafe_local"]  # train.reward_sandbox
+MODES = typing.get_args(SandboxMode)
 UNSAFE_HINT = ("set train.reward_sandbox=unsafe_local to run generated programs WITHOUT isolation "
                "(only for code you trust, on a machine you can lose)")
 _NOBODY = 65534
