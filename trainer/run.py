@@ -238,7 +238,10 @@ def _build_learner(cfg, ranks: Ranks, policy) -> Learner:
     return Learner(cfg, ranks, engine, policy.config.mask_token_id, ref, value)
 
 
-def build_run(cfg, config_path: str | None, overrides: list[str]) -> Run:
+def build_run(cfg, config_path: str | None, overrides: list[str], sampler_factory=None) -> Run:
+    """`sampler_factory(train_examples, tokenizer)`: the prompt sampler (next_batch, state_dict,
+    load_state_dict) instead of `PromptSampler` over the training examples (dlrl align's growing
+    sources)."""
     from dllm.tokenizer import encode, load_tokenizer
     from dllm.weights import load_pretrained
     from trainer.data import PromptSampler
@@ -262,7 +265,8 @@ def build_run(cfg, config_path: str | None, overrides: list[str]) -> Run:
         reward_fn = build_reward(cfg.reward, overlong_buffer=cfg.overlong_buffer, max_tokens=cfg.max_tokens,
                                  sandbox=cfg.reward_sandbox)
         train_ex, eval_ex = load_examples(cfg, config_path, overrides, tokenizer)
-        sampler = PromptSampler(train_ex, cfg.prompts_per_step, seed=cfg.seed)
+        sampler = (sampler_factory(train_ex, tokenizer) if sampler_factory is not None
+                   else PromptSampler(train_ex, cfg.prompts_per_step, seed=cfg.seed))
         publisher = Publisher(ranks, fleet, learner.engine, server_wait_s=cfg.server_wait_s,
                               record=out / "versions.jsonl" if cfg.record_digests else None)
         publisher.start()
