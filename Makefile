@@ -21,7 +21,7 @@ test: install
 	$(PY) -m pytest -q -x tests $(ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check dlrl dllm server trainer weight_sync rollout_client tests benchmarks
+	$(VENV)/bin/ruff check dlrl dllm server trainer weight_sync rollout_client store tests benchmarks
 
 bench: install
 	$(PY) benchmarks/decode.py
