@@ -157,6 +157,8 @@ class PromptPool:
     def next_batch(self) -> list[dict]:
         from trainer.loop import StopRequested
 
+        if self.batch_size <= 0:
+            return []
         deadline = time.monotonic() + self.wait_s
         self.refill()
         while not self.pool:

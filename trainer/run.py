@@ -55,6 +55,7 @@ class Run:
     logger: Any = None
     start_step: int = 0
     resumed_metrics: dict[str, Any] = field(default_factory=dict)
+    resumed_extra: dict[str, Any] = field(default_factory=dict)  # the caller's own state (checkpoint(extra=...))
     generator: torch.Generator = field(default_factory=torch.Generator)
 
     @property
@@ -101,9 +102,9 @@ class Run:
             self.logger.log(step, metrics)
 
     # ------------------------------------------------------------------ collective actions
-    def checkpoint(self, step: int, metrics: dict[str, Any] | None = None) -> None:
+    def checkpoint(self, step: int, metrics: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> None:
         state = {"version": self.version, "sampler": self.sampler.state_dict(), "seed": self.rollouts.seed,
-                 "metrics": metrics or {}}
+                 "metrics": metrics or {}, "extra": extra or {}}
         self.checkpointer.save(step, state)
 
     def export(self) -> Path:
@@ -299,6 +300,7 @@ def _resume_or_sync(run: Run) -> None:
     run.rollouts.seed = int(state.get("seed", run.cfg.seed))
     run.sampler.load_state_dict(state["sampler"])
     run.resumed_metrics = dict(state.get("metrics") or {})
+    run.resumed_extra = dict(state.get("extra") or {})
     run.publisher.version = max(run.publisher.version, int(state["version"]))
     run.publisher.push()  # servers now hold the resumed weights, under a new version
     if run.ranks.is_main:
