@@ -56,7 +56,7 @@ def _add_errors(op: dict[str, Any], codes: list[int]) -> None:
                                          "content": {"application/json": {"schema": ERROR_REF}}})
 
 
-def _document_errors(schema: dict[str, Any]) -> None:
+def _document_errors(schema: dict[str, Any], is_feedback_on: bool = True) -> None:
     for path, ops in schema.get("paths", {}).items():
         for op in ops.values():
             codes = []
@@ -72,8 +72,10 @@ def _document_errors(schema: dict[str, Any]) -> None:
             if path in GENERATION_PATHS:
                 codes.append(503)
             if path in FEEDBACK_PATHS:
-                codes += [401, 403]
-                op["security"] = [{"feedbackAuth": []}]
+                codes.append(403)
+                if is_feedback_on:  # else disabled: 403 whatever the request carries
+                    codes.append(401)
+                    op["security"] = [{"feedbackAuth": []}]
             _add_errors(op, sorted(set(codes)))
     comps = schema.setdefault("components", {})
     schemes = comps.setdefault("securitySchemes", {})
@@ -135,7 +137,7 @@ def install_openapi(app: FastAPI) -> None:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description,
                                  routes=app.routes)
-            _document_errors(schema)
+            _document_errors(schema, bool(getattr(app.state, "feedback_token", "")))
             _limit_requests(schema, app)
             _limit_feedback(schema, app)
             app.openapi_schema = schema

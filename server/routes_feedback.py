@@ -41,8 +41,8 @@ router = APIRouter(tags=["feedback"], dependencies=[Depends(require_feedback)])
 
 RESPONSES = {**error_responses(400, 413, 503),
              **{code: {"model": ErrorResponse, "description": text} for code, text in (
-                 (401, "Missing or malformed bearer token (the feedback token)"),
-                 (403, "Wrong feedback token (the admin token is not one), or feedback disabled"),
+                 (403, "Wrong feedback token (the admin token is not one), or feedback disabled on this server "
+                       "(no feedback token configured)"),
                  (404, "No recorded sample with this id (never recorded, or pruned)"),
                  (409, "This record already has a different reward"))}}
 

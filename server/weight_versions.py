@@ -31,7 +31,7 @@ from weight_sync.checksum import is_finite
 log = logging.getLogger("dlrl.server")
 
 
-class NotKept(WeightSyncError, KeyError):
+class NotKept(WeightSyncError):
     """A rollback to a version this server does not hold (HTTP 404)."""
 
     http_status = 404

@@ -119,6 +119,11 @@ def test_feedback_token_boundary(rec_server, server):
     assert httpx.post(url + "/admin/pause", headers=FB, timeout=10).status_code == 403
     assert httpx.get(url + "/weights/kept", headers=FB, timeout=10).status_code == 403
     assert httpx.post(url + "/weights/rollback", json={"version": 0}, headers=FB, timeout=10).status_code == 403
+    op = httpx.get(url + "/openapi.json").json()["paths"]["/v1/feedback"]["post"]
+    assert op["security"] == [{"feedbackAuth": []}]
+    assert {"200", "400", "401", "403", "404", "409", "413", "503"} <= set(op["responses"])
+    schema = httpx.get(url + "/openapi.json").json()["components"]["schemas"]["FeedbackRequest"]
+    assert [s for s in schema["properties"]["label"]["anyOf"] if "enum" in s][0]["enum"] == ["accept", "meh", "reject"]
     # a server without a feedback token: the route is disabled, never open
     disabled = _feedback(server.url, body)
     assert disabled.status_code == 403 and "disabled" in disabled.json()["error"]["message"]
