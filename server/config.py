@@ -9,12 +9,16 @@ admin endpoints are disabled. `max_model_len=0` means min(max_position_embedding
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dllm.configlib import ConfigError, load_section
 
 BACKENDS = ("native", "lmdeploy")
+RECORD_MODES = ("none", "sample", "all")
+FEEDBACK_ENV_VAR = "DLRL_FEEDBACK_TOKEN"
 STRATEGIES = ("static", "dynamic", "sequential")
 
 
@@ -48,6 +52,15 @@ class ServerConfig:
     weight_sync_drain_timeout_s: float = 30.0  # commit waits this long for in-flight sequences, then...
     weight_sync_abort_inflight: bool = False   # ... aborts them (true) or lets them finish on the old weights
     weight_sync_check_finite: bool = True      # refuse updates holding NaN/inf (400), nothing applied
+    keep_versions: int = 2           # weight versions kept in host memory for POST /weights/rollback (0 = none)
+    # continuous alignment (issue 19): recording, feedback (server/recording.py, server/routes_feedback.py)
+    record: str = "none"             # none | sample | all: which served samples go to the store
+    record_fraction: float = 0.1     # record=sample: the share of samples recorded
+    store: str = "runs/feedback.db"  # SQLite feedback store (store.open_store), shared by the servers of a host
+    store_max_records: int = 100_000  # bound of the store: oldest records go first
+    store_max_age_s: float = 7 * 86400.0  # records older than this are pruned
+    feedback_token: str = ""         # bearer token of POST /v1/feedback; "" = env DLRL_FEEDBACK_TOKEN, else disabled
+    feedback_labels: dict[str, float] = field(default_factory=lambda: {"accept": 1.0, "reject": 0.0})
 
     def validate(self) -> None:
         if not 0 <= self.port < 65536:
@@ -78,6 +91,34 @@ class ServerConfig:
                               f"got {self.weight_sync_drain_timeout_s}")
         if self.default_temperature < 0:
             raise ConfigError(f"server.default_temperature: must be >= 0, got {self.default_temperature}")
+        self._validate_alignment()
+
+    def _validate_alignment(self) -> None:
+        if self.record not in RECORD_MODES:
+            raise ConfigError(f"server.record: {self.record!r} is not one of {RECORD_MODES}")
+        if not 0.0 <= self.record_fraction <= 1.0:
+            raise ConfigError(f"server.record_fraction: must be in [0, 1], got {self.record_fraction}")
+        if not 0 <= self.keep_versions <= 64:
+            raise ConfigError(f"server.keep_versions: must be in [0, 64], got {self.keep_versions}")
+        if self.store_max_records < 1:
+            raise ConfigError(f"server.store_max_records: must be >= 1, got {self.store_max_records}")
+        if not self.store_max_age_s > 0:
+            raise ConfigError(f"server.store_max_age_s: must be > 0, got {self.store_max_age_s}")
+        if (self.record != "none" or self.resolved_feedback_token()) and not self.store:
+            raise ConfigError("server.store: a path is needed when recording or feedback is on")
+        for label, reward in self.feedback_labels.items():
+            if not isinstance(label, str) or not label or len(label) > 64:
+                raise ConfigError(f"server.feedback_labels: label {label!r} must be a string of 1-64 characters")
+            if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+                raise ConfigError(f"server.feedback_labels.{label}: reward must be a finite number, got {reward!r}")
+        token = self.resolved_feedback_token()
+        if token and token == (self.admin_token or os.environ.get("DLRL_ADMIN_TOKEN", "")).strip():
+            raise ConfigError("server.feedback_token: must differ from the admin token (a feedback client "
+                              "must not be able to administer the server)")
+
+    def resolved_feedback_token(self) -> str:
+        """The feedback token: `feedback_token`, else env DLRL_FEEDBACK_TOKEN, else "" (feedback disabled)."""
+        return (self.feedback_token or os.environ.get(FEEDBACK_ENV_VAR, "")).strip()
 
     def model_name(self, model_path: str | Path | None = None) -> str:
         if self.served_model_name:
