@@ -72,16 +72,17 @@ def test_kl_by_trace_replay_is_zero_for_the_same_weights_and_grows_with_distance
 
 def _promoter(tally: FeedbackTally, serving: int = 3) -> Promoter:
     cfg = AlignConfig(rollback_on_error_rate=0.01, rollback_on_latency_ratio=2.0, rollback_on_reward_drop=0.1,
-                      rollback_min_feedback=5)
+                      rollback_min_feedback=5, rollback_z=1.645)
     return Promoter(cfg, None, SimpleNamespace(urls=["a", "b"]), None, AlignMetrics(), tally,
                     serving_version=serving)
 
 
 def test_canary_judgement_error_rate_latency_and_feedback_reward():
     tally = FeedbackTally()
-    for i in range(10):
+    for i in range(40):
         tally.add(100.0 + i, 3, 1.0 if i % 2 else 0.0)  # serving version: reward 0.5
-        tally.add(100.0 + i, 9, 0.5)  # candidate: the same
+    for i in range(10):
+        tally.add(100.0 + i, 9, 1.0 if i % 3 else 0.0)  # candidate: 0.6
     p = _promoter(tally)
     canary = Canary(Candidate(9, 9, {}, None), "a", 0.0, 0.0, 100.0)
     good = {"a": LiveStats(40, 0, 4.0, 40), "b": LiveStats(40, 0, 4.0, 40)}
@@ -90,10 +91,13 @@ def test_canary_judgement_error_rate_latency_and_feedback_reward():
     assert p.judge(canary, slow)[0][0].startswith("mean latency")
     errors = {"a": LiveStats(40, 2, 4.0, 40), "b": LiveStats(40, 0, 4.0, 40)}
     assert p.judge(canary, errors)[0][0].startswith("error rate")
-    for i in range(10):
-        tally.add(120.0 + i, 9, 0.0)  # users dislike the candidate's answers
+    for i in range(4):
+        tally.add(120.0 + i, 9, 0.0)  # 6/14 liked (0.43): not below 0.5 - 0.1
+    assert p.judge(canary, good)[0] == []
+    for i in range(26):
+        tally.add(130.0 + i, 9, 0.0)  # users dislike the candidate's answers: 6/40
     reasons, detail = p.judge(canary, good)
-    assert reasons[0].startswith("feedback reward") and detail["canary_feedback"] == 20
+    assert reasons[0].startswith("feedback reward") and detail["canary_feedback"] == 40
 
 
 def test_live_stats_from_server_metrics():

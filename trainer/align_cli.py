@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import sys
+import time
 
 from dllm.configlib import ConfigError, check_overrides, load_section, print_check
 
@@ -97,14 +98,19 @@ def main(argv: list[str]) -> int:
     store = open_store(cfg.store, **NO_PRUNE)
     run = pool = al = None
     try:
+        t0 = time.perf_counter()
         factory = make_sampler_factory(cfg, train, store, lambda: stopper.requested)
         run = build_run(train, args.config, overrides, sampler_factory=factory)
+        log.info("trainer built in %.1fs (policy, DeepSpeed engine, rollout servers at version %d)",
+                 time.perf_counter() - t0, run.version)
         if run.ranks.world_size > 1:
             raise RuntimeError("train.nproc: dlrl align runs one trainer rank")
         stopper.publisher = run.publisher
         pool = ServingPool(cfg.serving_replicas, resolve_token(train, args.config), run.fleet.sync_options)
         al = Aligner(run, cfg, store, pool, should_stop=lambda: stopper.requested)
+        t0 = time.perf_counter()
         al.prepare()
+        log.info("controller ready in %.1fs", time.perf_counter() - t0)
         last = align_loop(al)
         print(json.dumps({"version": run.version, "serving_version": last.get("serving_version"),
                           "serving_accuracy": last.get("serving_accuracy"), **al.counts,

@@ -52,7 +52,8 @@ class AlignConfig:
     rollback_on_error_rate: float = 0.01  # canary error rate above the others' + this
     rollback_on_latency_ratio: float = 2.0  # canary mean latency above the others' x this
     rollback_on_reward_drop: float = 0.1  # canary feedback reward below the others' - this
-    rollback_min_feedback: int = 10  # feedback records per side before the reward is compared
+    rollback_min_feedback: int = 30  # feedback records per side before the reward is compared
+    rollback_z: float = 1.645  # ... and the drop must be significant (one-sided z-test, 95%)
     keep_versions: int = 3  # promoted versions' weights kept in host memory (older ones on disk)
     reconcile_every_s: float = 5.0  # replicas checked against the serving version this often
     admin_token: str = ""  # empty: train.admin_token, env DLRL_ADMIN_TOKEN, server.admin_token_file
@@ -82,7 +83,7 @@ class AlignConfig:
                 raise ValueError(f"align.{name}: must be >= 0, got {getattr(self, name)}")
         for name in ("max_seconds", "tolerance", "kl_budget", "canary_window_s", "canary_max_s",
                      "rollback_on_error_rate", "rollback_on_reward_drop", "prompt_wait_s", "reconcile_every_s",
-                     "max_stop_rate_drop"):
+                     "max_stop_rate_drop", "rollback_z"):
             if getattr(self, name) < 0:
                 raise ValueError(f"align.{name}: must be >= 0, got {getattr(self, name)}")
         for name in ("max_empty_frac", "max_degenerate_frac"):

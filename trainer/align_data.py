@@ -272,9 +272,10 @@ class FeedbackBuffer:
         return dropped
 
     def take(self, n: int, policy_version: int, max_staleness: int) -> list[FeedbackSample]:
-        """Up to n records, oldest first, none staler than `max_staleness` versions."""
+        """Up to n records, newest first (the freshest data, the shortest way to serving), none
+        staler than `max_staleness` versions; older ones wait until they are stale or pushed out."""
         self.drop_stale(policy_version, max_staleness)
-        out = [self.queue.popleft() for _ in range(min(n, len(self.queue)))]
+        out = [self.queue.pop() for _ in range(min(n, len(self.queue)))]
         self.counts["used"] += len(out)
         return out
 
@@ -282,9 +283,9 @@ class FeedbackBuffer:
         return len(self.queue)
 
     def state_dict(self) -> dict:
-        """The cursor before the oldest record still waiting: a resumed run reads those again."""
-        seq = self.queue[0].seq - 1 if self.queue else self.seq
-        return {"seq": seq, "counts": dict(self.counts)}
+        """The feedback cursor: a resumed run reads what arrived after it (the records waiting at
+        the stop are older than what is arriving and are not read again)."""
+        return {"seq": self.seq, "counts": dict(self.counts)}
 
     def load_state_dict(self, state: dict) -> None:
         self.seq = int(state["seq"])

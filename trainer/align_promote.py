@@ -27,6 +27,7 @@ rollback, promotion_aborted, replica_synced, replica_missed. A manual rollback
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -78,6 +79,17 @@ class FeedbackTally:
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
+
+
+def _significantly_lower(c: list[float], o: list[float], drop: float, z: float) -> bool:
+    """mean(c) < mean(o) - drop, and the difference is significant (one-sided Welch z-test):
+    a canary is not rolled back on the noise of a few binary rewards."""
+    mc, mo = _mean(c), _mean(o)
+    if not mc < mo - drop:
+        return False
+    var = lambda xs, m: sum((x - m) ** 2 for x in xs) / max(len(xs) - 1, 1)  # noqa: E731
+    se = math.sqrt(var(c, mc) / len(c) + var(o, mo) / len(o))
+    return se == 0 or (mo - mc) / se > z
 
 
 class Promoter:
@@ -203,9 +215,9 @@ class Promoter:
             reasons.append(f"mean latency {canary.mean_latency:.3f}s > serving {others.mean_latency:.3f}s x "
                            f"{cfg.rollback_on_latency_ratio}")
         if len(fb_c) >= cfg.rollback_min_feedback and len(fb_o) >= cfg.rollback_min_feedback and \
-                _mean(fb_c) < _mean(fb_o) - cfg.rollback_on_reward_drop:
+                _significantly_lower(fb_c, fb_o, cfg.rollback_on_reward_drop, cfg.rollback_z):
             reasons.append(f"feedback reward {_mean(fb_c):.3f} < serving {_mean(fb_o):.3f} - "
-                           f"{cfg.rollback_on_reward_drop}")
+                           f"{cfg.rollback_on_reward_drop} ({len(fb_c)} vs {len(fb_o)} records, z > {cfg.rollback_z})")
         return reasons, detail
 
     def _roll_out(self, c: Canary, detail: dict) -> None:

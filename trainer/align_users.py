@@ -122,9 +122,10 @@ async def _user(i: int, cfg: UsersConfig, prompts: list[dict], token: str, stats
                 if r.status_code != 200:
                     stats.error(f"{url}: HTTP {r.status_code}: {r.text[:200]}")
                 else:
-                    choice = r.json()["choices"][0]
+                    body = r.json()
+                    choice = body["choices"][0]
                     reward = exact_match(choice["text"], ex)
-                    stats.answer(int(choice.get("version") or 0), reward >= 1.0)
+                    stats.answer(int(choice.get("version") or body.get("version") or 0), reward >= 1.0)
                     if token and choice.get("record_id") and rng.random() < cfg.feedback_prob:
                         task = asyncio.create_task(_feedback(http, url, token, choice["record_id"], reward,
                                                              rng.uniform(0, cfg.feedback_delay_s), stats))
