@@ -153,8 +153,8 @@ def test_a_recorded_sample_replays_to_its_behaviour_logprobs(tiny_model_dir):
 
 
 def test_mixed_batch_scores_feedback_by_its_users_and_forms_pseudo_groups():
-    from trainer.align_data import FeedbackSample
     from rollout_client.protocol import Rollout, TraceModel
+    from trainer.align_data import FeedbackSample
 
     def roll(text, version):
         trace = TraceModel(prompt_len=1, block_size=4, steps=[1], logprobs=[-0.1], version=version)

@@ -16,7 +16,7 @@ from trainer.align_config import AlignConfig
 from trainer.align_gate import Gate, is_degenerate
 from trainer.align_metrics import AlignMetrics
 from trainer.align_pool import LiveStats, parse_live
-from trainer.align_promote import Candidate, Canary, FeedbackTally, Promoter
+from trainer.align_promote import Canary, Candidate, FeedbackTally, Promoter
 from trainer.config import TrainConfig
 from weight_sync import weights_digest
 

@@ -16,11 +16,11 @@ from store import open_store
 from tests.conftest import start_server
 from tests.helpers import admin_get
 from trainer.align_bank import WeightBank
+from trainer.align_cli import versions_main
 from trainer.align_config import AlignConfig
 from trainer.align_metrics import AlignMetrics
 from trainer.align_pool import ServingPool
 from trainer.align_promote import Candidate, FeedbackTally, Promoter
-from trainer.align_cli import versions_main
 
 TOKEN = "align-replicas-token"
 

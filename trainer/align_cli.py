@@ -169,8 +169,9 @@ def versions_main(argv: list[str]) -> int:
 
 
 def manual_rollback(cfg, config_path, st, version: int) -> int:
-    """Every serving replica back to `version` (one at a time, from the versions it keeps); the
-    registry then names it the serving version (a running `dlrl align` adopts it)."""
+    """The registry names `version` the serving version (a running `dlrl align` adopts it and brings
+    any replica that fails here to it from its saved weights); then every serving replica goes
+    back to it, one at a time, from the versions it keeps in host memory."""
     from trainer.align_pool import ServingPool
     from trainer.config import TrainConfig
     from trainer.fleet import FleetError
@@ -184,10 +185,13 @@ def manual_rollback(cfg, config_path, st, version: int) -> int:
         return 2
     token = resolve_token(TrainConfig(admin_token=cfg.admin_token), config_path)
     current = st.serving_version()
+    if current is not None and current != version:  # the registry first: a running controller adopts it
+        st.update_version(current, status="rolled_back")  # and never "repairs" a rolled-back replica
+        st.update_version(version, status="serving")
     pool = ServingPool(cfg.serving_replicas, token)
     results: dict[str, str] = {}
     try:
-        for url in pool.urls:
+        for url in pool.urls:  # one at a time: capacity drops by one replica at most
             try:
                 pool.rollback(url, version)
                 results[url] = pool.checksum(url)
@@ -196,9 +200,6 @@ def manual_rollback(cfg, config_path, st, version: int) -> int:
     finally:
         pool.close()
     ok = [u for u, r in results.items() if not r.startswith("error")]
-    if ok and current is not None and current != version:
-        st.update_version(current, status="rolled_back")
-        st.update_version(version, status="serving")
     st.log_event("rollback", current if current is not None else version,
                  detail={"kind": "manual", "to": version, "replicas": results})
     print(json.dumps({"version": version, "previous": current, "replicas": results}, indent=1))
