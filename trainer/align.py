@@ -168,8 +168,10 @@ class Aligner:
     def maybe_promote(self, step: int) -> dict:
         """After step `step` (1-based): gate the policy if it is due; returns gate metrics."""
         run, cfg = self.run, self.cfg
-        if step % cfg.promote_every or self.promoter.busy or run.version in (self.last_candidate,
-                                                                            self.promoter.serving_version):
+        if step % cfg.promote_every or self.promoter.busy:
+            return {}
+        self.promoter.reconcile()  # the serving version to compare with (a manual rollback wins)
+        if run.version in (self.last_candidate, self.promoter.serving_version):
             return {}
         v = self.last_candidate = run.version
         t0 = time.perf_counter()
@@ -208,6 +210,9 @@ class Aligner:
 
     def _adopted(self, version: int) -> None:
         """The registry's serving version changed outside this process (a manual rollback)."""
+        if not self.bank.has(version):
+            raise RuntimeError(f"the registry's serving version is now {version}, whose weights are not saved in "
+                               f"{self.bank.root}; roll back to a version this run promoted")
         self.bank.set_reference(version)
         self.serving_scores = self._scores_of(version)
         self.metrics.serving_accuracy.set(self.serving_scores["accuracy"])

@@ -163,6 +163,8 @@ class Promoter:
         self._reject(c.cand, [reason], "rolled_back")
 
     def _watch(self) -> None:
+        if self._adopt_registry():  # a manual rollback meanwhile ends the promotion
+            return
         c = self.canary
         assert c is not None
         self.poll()
@@ -270,17 +272,31 @@ class Promoter:
         self.on_rejected(cand, reasons)
 
     # ------------------------------------------------------------------ reconcile
+    def _adopt_registry(self) -> bool:
+        """The registry's serving version changed outside this controller (`dlrl versions --rollback`):
+        it wins. A promotion in flight is aborted (its canary goes to the new serving version).
+        Returns True when it changed."""
+        registered = self.store.serving_version()
+        if registered is None or registered == self.serving_version:
+            return False
+        log.warning("the registry's serving version is %d (was %d here): adopting it", registered,
+                    self.serving_version)
+        self.serving_version = registered
+        self.metrics.serving_version.set(registered)
+        c, self.canary = self.canary, None
+        if c is not None:
+            reason = f"the registry's serving version became {registered} (a manual rollback)"
+            self.store.log_event("promotion_aborted", c.cand.version, replica=c.url, detail={"reason": reason})
+            self._restore(c.url, registered)
+            self._reject(c.cand, [reason], "rolled_back")
+        self.on_adopted(registered)
+        return True
+
     def reconcile(self) -> None:
         """Adopt a serving version changed in the registry (a manual rollback); bring every replica
         that is up to the version it should serve."""
         self.last_reconcile = time.monotonic()
-        registered = self.store.serving_version()
-        if registered is not None and registered != self.serving_version and self.canary is None:
-            log.warning("the registry's serving version is %d (was %d here): adopting it", registered,
-                        self.serving_version)
-            self.serving_version = registered
-            self.metrics.serving_version.set(registered)
-            self.on_adopted(registered)
+        self._adopt_registry()
         for url in self.pool.urls:
             target = self.canary.cand.version if self.canary and url == self.canary.url else self.serving_version
             self.metrics.replica_target.labels(replica=url).set(target)
