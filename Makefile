@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
 ARGS ?=
 
-.PHONY: install test lint bench soak serve train sft clean
+.PHONY: install test lint bench soak serve train sft align clean
 
 install: $(STAMP)
 
@@ -40,6 +40,9 @@ serve: install
 
 train: install
 	$(VENV)/bin/dlrl train --config configs/tiny.yaml $(ARGS)
+
+align: install
+	$(PY) -m trainer.align_local --config configs/align.yaml $(ARGS)
 
 clean:
 	rm -rf runs .pytest_cache
