@@ -28,6 +28,7 @@ bench: install
 	$(PY) benchmarks/serve.py
 	$(PY) benchmarks/sync.py
 	$(PY) benchmarks/step.py
+	$(PY) benchmarks/rollback.py
 
 soak: install
 	$(PY) benchmarks/soak.py $(ARGS)
