@@ -105,6 +105,8 @@ def main(argv: list[str]) -> int:
                  time.perf_counter() - t0, run.version)
         if run.ranks.world_size > 1:
             raise RuntimeError("train.nproc: dlrl align runs one trainer rank")
+        if run.logger is not None:
+            run.logger.set_total(cfg.max_steps or None)
         stopper.publisher = run.publisher
         pool = ServingPool(cfg.serving_replicas, resolve_token(train, args.config), run.fleet.sync_options)
         al = Aligner(run, cfg, store, pool, should_stop=lambda: stopper.requested)
