@@ -39,7 +39,7 @@ class AlignConfig:
     eval_size: int = 200
     tolerance: float = 0.02  # candidate accuracy >= serving accuracy - tolerance
     kl_budget: float = 0.5  # mean per-token KL(candidate || serving) on held-out rollouts (nats)
-    kl_prompts: int = 64  # held-out prompts sampled (group_size each... one each) for the KL estimate
+    kl_prompts: int = 64  # held-out prompts sampled once each (temperature train.temperature) for the KL
     max_length_ratio: float = 2.0  # candidate mean length within [serving / r, serving * r]
     max_stop_rate_drop: float = 0.1  # share of samples ending by stop may fall at most this much
     max_empty_frac: float = 0.05  # empty answers
