@@ -126,10 +126,7 @@ class Aligner:
     # ------------------------------------------------------------------ one step
     def poll_feedback(self) -> None:
         before = dict(self.feedback.counts)
-        n_queue = len(self.feedback)
-        self.feedback.poll()
-        for s in list(self.feedback.queue)[n_queue:]:
-            self.tally.add(s.feedback_time, s.rollout.version, s.reward)
+        self.feedback.poll(lambda s: self.tally.add(s.feedback_time, s.rollout.version, s.reward))
         self.metrics.count_feedback({k: self.feedback.counts[k] - before.get(k, 0) for k in self.feedback.counts})
 
     def step(self, step: int) -> dict:

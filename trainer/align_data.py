@@ -238,11 +238,12 @@ class FeedbackBuffer:
         self.seq = 0  # feedback cursor (Labeled.seq)
         self.counts = {"received": 0, "used": 0, "stale": 0, "invalid": 0, "overflow": 0}
 
-    def poll(self, min_version: int = 0) -> int:
-        """Read the feedback that arrived since the last poll; returns the number of new records."""
+    def poll(self, on_new: Callable[[FeedbackSample], None] | None = None) -> int:
+        """Read the feedback that arrived since the last poll (each checked record also goes to
+        `on_new`); returns the number of new labeled records."""
         new = 0
         while True:
-            rows = self.store.labeled(after_seq=self.seq, min_version=min_version, limit=self.page)
+            rows = self.store.labeled(after_seq=self.seq, limit=self.page)  # stale ones counted in take
             for lab in rows:
                 self.seq = max(self.seq, lab.seq)
                 new += 1
@@ -254,8 +255,10 @@ class FeedbackBuffer:
                 if not math.isfinite(lab.reward):
                     self.counts["invalid"] += 1
                     continue
-                self.queue.append(FeedbackSample(roll, float(lab.reward), float(lab.feedback_time), lab.record.id,
-                                                 int(lab.seq)))
+                sample = FeedbackSample(roll, float(lab.reward), float(lab.feedback_time), lab.record.id, int(lab.seq))
+                self.queue.append(sample)
+                if on_new is not None:
+                    on_new(sample)
             if len(rows) < self.page:
                 break
         while len(self.queue) > self.capacity:
