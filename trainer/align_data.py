@@ -4,8 +4,8 @@
     examples = pool.next_batch()                 # waits (bounded) until the source holds prompts
     fb = FeedbackBuffer(store, block_size=4, max_len=512, capacity=4096)
     fb.poll()                                    # new labeled records -> checked Rollouts
-    taken = fb.take(64, policy_version=17, max_staleness=12)   # FeedbackSample list, stale ones dropped
-    batch = mixed_batch(on_policy_batch, taken, group_size=8)
+    taken = fb.take(64, policy_version=17, max_staleness=12)   # newest first, stale ones dropped
+    batch = MixedBatch(on_policy_batch, taken, group_size=8)
 
 Prompt sources (`align.prompt_source`): `TailedJSONL` re-reads a JSONL that another process
 appends to (complete lines only, bad lines skipped with a warning naming file:line);
@@ -24,7 +24,7 @@ token by pi_current / mu_behaviour, so staleness is corrected exactly (and bound
 policy: their behaviour log-probs are set to 0 (mu = 1).
 
 Advantages of feedback records. A record has no group (a user asked a prompt once), so the
-GRPO group z-score has no same-prompt siblings. `mixed_batch` sorts the step's records by
+GRPO group z-score has no same-prompt siblings. `MixedBatch` sorts the step's records by
 version and cuts them into pseudo-groups of `group_size` records; the learner's group
 z-score then gives A_i = (r_i - mean) / std over the pseudo-group: a batch baseline that
 estimates the expected reward of the version that served them (REINFORCE with a baseline,
