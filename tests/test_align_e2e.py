@@ -1,6 +1,6 @@
 """Continuous alignment end to end (issue 19 acceptance), all real processes on loopback: one rollout
 server, two serving replicas recording into the store, simulated users sending requests and
-exact-match feedback, and `dlrl align` (a candidate every 3 steps) whose steps 1-3 train on flipped
+exact-match feedback, and `dlrl align` (a candidate every 3 steps) whose steps 4-6 train on flipped
 rewards (a deliberately bad candidate).
 
 Checked: >= 2 promotions; feedback records trained on; the bad candidate stopped by the gate and never
@@ -62,7 +62,7 @@ def test_align_end_to_end(sft_model, tmp_path, monkeypatch, capsys):
     urls = [f"http://127.0.0.1:{free_port()}" for _ in range(3)]
     overrides = [f"rollout_servers=[{urls[0]}]", f"serving_replicas=[{urls[1]},{urls[2]}]", f"store={db}",
                  f"output_dir={tmp_path / 'align'}", f"train.model={sft_model}", "max_steps=15", "promote_every=3",
-                 "flip_reward_steps=[1,2,3]", "canary_window_s=3", "canary_min_requests=3",
+                 "flip_reward_steps=[4,5,6]", "canary_window_s=3", "canary_min_requests=3",
                  "rollback_on_latency_ratio=5", f"metrics_port={metrics_port}", "reconcile_every_s=2"]
     stack = LocalAlign(str(_config(tmp_path)), overrides)
     monkeypatch.setenv("DLRL_ADMIN_TOKEN", stack.admin_token)  # what `dlrl versions --rollback` uses

@@ -134,6 +134,8 @@ class Aligner:
         run, cfg, G = self.run, self.cfg, self.run.cfg.group_size
         t = Timer()
         self.step_no, self.learned = step, False
+        if step + 1 in cfg.flip_reward_steps and step not in cfg.flip_reward_steps:
+            self.reset_optimizer()  # test option: the flipped reward acts at once, not after Adam's momentum
         self.poll_feedback()
         before = dict(self.feedback.counts)
         self.feedback.drop_stale(run.version, cfg.max_staleness)
@@ -232,13 +234,17 @@ class Aligner:
 
         run, serving = self.run, self.promoter.serving_version
         copy_into_model(run.learner.engine.module, list(self.bank.get(serving).items()))
-        opt = run.learner.engine.optimizer
-        getattr(opt, "optimizer", opt).state.clear()
+        self.reset_optimizer()
         run.publisher.push()
         self.store.register_version(run.version, serving, self.step_no + 1, self.run_id, {"reverted_to": serving})
         self.counts["reverts"] += 1
         log.warning("policy reverted to the serving version %d (now version %d on the rollout servers)", serving,
                     run.version)
+
+    def reset_optimizer(self) -> None:
+        """Forget Adam's moments (the torch optimizer inside the DeepSpeed engine starts afresh)."""
+        opt = self.run.learner.engine.optimizer
+        getattr(opt, "optimizer", opt).state.clear()
 
     # ------------------------------------------------------------------ state
     def status(self) -> dict:

@@ -60,7 +60,8 @@ class AlignConfig:
     metrics_port: int = 0  # Prometheus metrics of the controller on this port (0: off)
     metrics_host: str = "127.0.0.1"
     # testing
-    flip_reward_steps: list[int] = field(default_factory=list)  # steps (1-based) trained on 1 - reward
+    # steps (1-based) trained on 1 - reward, Adam's moments reset at the first of a run of them: a bad candidate
+    flip_reward_steps: list[int] = field(default_factory=list)
 
     def validate(self) -> None:
         if not self.rollout_servers:

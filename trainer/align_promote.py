@@ -55,9 +55,9 @@ class Canary:
     cand: Candidate
     url: str
     pushed_at: float
-    opened_at: float | None = None  # window start (monotonic) once settled
-    opened_wall: float = 0.0
-    base: dict[str, LiveStats] = field(default_factory=dict)
+    opened_at: float  # the window's start (monotonic), SETTLE_S after the push
+    opened_wall: float  # the same, unix time (feedback times are unix times)
+    base: dict[str, LiveStats] = field(default_factory=dict)  # each replica's counters at the start
 
 
 class FeedbackTally:
@@ -123,9 +123,12 @@ class Promoter:
             except FleetError as e:  # went down meanwhile: the next replica is the canary
                 log.warning("version %d: canary push to %s failed: %s", cand.version, url, e)
                 continue
-            self.canary = Canary(cand, url, time.monotonic())
+            push_s = time.perf_counter() - t0
+            time.sleep(SETTLE_S)  # requests that waited for the push finish before the window opens
+            self.canary = c = Canary(cand, url, time.monotonic(), time.monotonic(), time.time())
+            c.base = {u: st for u in self.pool.urls if (st := self.pool.live(u)) is not None}
             self.store.update_version(cand.version, status="canary")
-            self.store.log_event("canary", cand.version, replica=url, detail={"push_s": time.perf_counter() - t0})
+            self.store.log_event("canary", cand.version, replica=url, detail={"push_s": push_s})
             self.metrics.candidate_version.set(cand.version)
             self.metrics.replica_target.labels(replica=url).set(cand.version)
             log.info("version %d: canary on %s for %.0fs", cand.version, url, self.cfg.canary_window_s)
@@ -173,15 +176,8 @@ class Promoter:
             what = "went down" if version is None else f"serves version {version} now (a manual rollback?)"
             self.abort(f"the canary {c.url} {what} during the window")
             return
-        now = time.monotonic()
-        if c.opened_at is None:
-            if now - c.pushed_at < SETTLE_S:
-                return
-            c.opened_at, c.opened_wall = now, time.time()
-            c.base = {u: s for u in self.pool.urls if (s := self.pool.live(u)) is not None}
-            return
         stats = {u: (s - c.base[u]) for u in c.base if (s := self.pool.live(u)) is not None}
-        elapsed = now - c.opened_at
+        elapsed = time.monotonic() - c.opened_at
         canary = stats.get(c.url, LiveStats())
         if elapsed < self.cfg.canary_window_s:
             return
