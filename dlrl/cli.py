@@ -5,6 +5,8 @@
     dlrl serve    --config configs/tiny.yaml [--host H --port P key=value ...]
     dlrl train    --config configs/tiny.yaml [nproc=N] [key=value ...]
     dlrl eval     --config configs/tiny.yaml [data=math500.jsonl num_samples=4 ...]
+    dlrl align    --config configs/align.yaml [key=value ...]        continuous alignment (make align)
+    dlrl versions --store runs/feedback.db [--events] [--rollback V]  the version registry
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ COMMANDS = {
     "serve": ("server.cli", "main"),
     "train": ("trainer.cli", "main"),
     "eval": ("trainer.eval_cli", "main"),
+    "align": ("trainer.align_cli", "main"),
+    "versions": ("trainer.align_cli", "versions_main"),
 }
 
 

@@ -205,6 +205,16 @@ class RolloutClient:
             if pending:
                 await asyncio.sleep(interval)
 
+    async def metrics(self, server: str, timeout: float = 10.0) -> str:
+        """GET /metrics of `server`: the Prometheus text exposition (RolloutError naming it on failure)."""
+        try:
+            resp = await self._http.get(f"{server.rstrip('/')}/metrics", timeout=timeout)
+        except httpx.HTTPError as e:
+            raise RolloutError(f"server {server} did not answer GET /metrics: {type(e).__name__}: {e}") from None
+        if resp.status_code != 200:
+            raise RolloutError(f"server {server}: GET /metrics answered {_error_message(resp)}", resp.status_code)
+        return resp.text
+
     async def admin(self, server: str, method: str, path: str, body: dict[str, Any] | None = None,
                     timeout: float | None = 60.0) -> dict[str, Any]:
         """One admin call (bearer token) to `server`; AdminError naming the server on failure."""

@@ -42,6 +42,11 @@ MAX_COMPLETION_LOGPROBS = 5   # OpenAI's limit for /v1/completions `logprobs`
 MAX_TOP_LOGPROBS = 20         # OpenAI's limit for chat `top_logprobs`
 
 
+RECORD_ID_DOC = ("id of this sample in the server's feedback store (POST /v1/feedback); null when the "
+                 "server did not record it (server.record)")
+RECORD_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
@@ -202,6 +207,7 @@ class Sample(BaseModel):
     version: int
     num_forwards: int = 0
     trace: TraceModel | None = None
+    record_id: str | None = Field(None, description=RECORD_ID_DOC)
 
 
 class GenerateResponse(BaseModel):
@@ -357,6 +363,7 @@ class CompletionChoice(BaseModel):
     version: int | None = None
     trace: TraceModel | None = None
     completion_ids: list[int] | None = None
+    record_id: str | None = Field(None, description=RECORD_ID_DOC)
 
 
 class CompletionResponse(BaseModel):
@@ -396,6 +403,7 @@ class ChatChoice(BaseModel):
     version: int | None = None
     trace: TraceModel | None = None
     completion_ids: list[int] | None = None
+    record_id: str | None = Field(None, description=RECORD_ID_DOC)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -421,6 +429,7 @@ class ChatChunkChoice(BaseModel):
     version: int | None = None
     trace: TraceModel | None = None
     completion_ids: list[int] | None = None
+    record_id: str | None = Field(None, description=RECORD_ID_DOC)
 
 
 class ChatCompletionChunk(BaseModel):
@@ -470,6 +479,36 @@ class EngineStatus(BaseModel):
     num_waiting: int
 
 
+def _reward_xor_label(schema: dict[str, Any]) -> None:
+    """JSON schema of FeedbackRequest: exactly one of reward / label is given (not null)."""
+    schema["oneOf"] = [
+        {"required": ["reward"], "properties": {"reward": {"type": "number"}, "label": {"type": "null"}}},
+        {"required": ["label"], "properties": {"label": {"type": "string"}, "reward": {"type": "null"}}},
+    ]
+
+
+class FeedbackRequest(_Request):
+    """POST /v1/feedback: a reward for a recorded sample, given as a number or as a label that
+    the server maps to one (`server.feedback_labels`, e.g. accept -> 1.0); exactly one of them."""
+
+    model_config = ConfigDict(json_schema_extra=_reward_xor_label)
+    id: str = Field(pattern=RECORD_ID_PATTERN, description="the sample's `record_id`")
+    reward: Annotated[float, Field(allow_inf_nan=False, ge=-1e6, le=1e6)] | None = None
+    label: Annotated[str, Field(min_length=1, max_length=64), AfterValidator(_valid_unicode)] | None = None
+
+    @model_validator(mode="after")
+    def _reward_or_label(self) -> FeedbackRequest:
+        if (self.reward is None) == (self.label is None):
+            raise ValueError("reward: exactly one of 'reward' or 'label' is required")
+        return self
+
+
+class FeedbackResponse(BaseModel):
+    id: str
+    reward: float
+    duplicate: bool = Field(description="true when this record already had this reward (nothing changed)")
+
+
 class ErrorBody(BaseModel):
     message: str
     type: str = "invalid_request_error"
@@ -497,6 +536,7 @@ class Rollout(BaseModel):
     version: int
     trace: TraceModel | None = None
     server: str = ""
+    record_id: str | None = None
 
     @property
     def logprobs(self) -> list[float]:
@@ -508,4 +548,4 @@ class Rollout(BaseModel):
         """The rollout of sample `s` of a request whose first prompt has global index `start`."""
         return cls(prompt_index=start + s.prompt_index, sample_index=s.index % n, prompt_ids=s.prompt_ids,
                    completion_ids=s.completion_ids, text=s.text, finish_reason=s.finish_reason,
-                   version=s.version, trace=s.trace, server=server)
+                   version=s.version, trace=s.trace, server=server, record_id=s.record_id)

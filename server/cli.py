@@ -83,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         engine = build_engine(config, model_path)
     except (ValueError, FileNotFoundError) as e:  # bad folder / option: the message names it
         parser.exit(2, f"dlrl serve: error: cannot load {model_path}: {e}\n")
-    app = create_app(engine, config)
+    try:
+        app = create_app(engine, config)
+    except ConfigError as e:  # e.g. server.store cannot be opened, feedback token = admin token
+        parser.exit(2, f"dlrl serve: error: {e}\n")
     log.info("serving model %s (%s) from %s with backend %s, max_batch=%d, max_model_len=%d",
              engine.model_name, getattr(engine.model, "dtype", "?"), model_path, config.backend,
              config.max_batch, engine.max_model_len)

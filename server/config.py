@@ -9,6 +9,8 @@ admin endpoints are disabled. `max_model_len=0` means min(max_position_embedding
 
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -20,6 +22,8 @@ from rollout_client.protocol import Strategy
 Backend = Literal["native"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
+RecordMode = Literal["none", "sample", "all"]
+FEEDBACK_ENV_VAR = "DLRL_FEEDBACK_TOKEN"
 
 
 class ServerConfig(Config):
@@ -51,6 +55,32 @@ class ServerConfig(Config):
     weight_sync_drain_timeout_s: float = Field(30.0, ge=0, le=3600)  # commit waits this long for in-flight...
     weight_sync_abort_inflight: bool = False   # ... then aborts them (true) or lets them finish on the old weights
     weight_sync_check_finite: bool = True      # refuse updates holding NaN/inf (400), nothing applied
+    keep_versions: int = Field(2, ge=0, le=64)  # weight versions kept in host memory for POST /weights/rollback
+    # continuous alignment (issue 19): recording, feedback (server/recording.py, server/routes_feedback.py)
+    record: RecordMode = "none"      # none | sample | all: which served samples go to the store
+    record_fraction: float = Field(0.1, ge=0, le=1)  # record=sample: the share of samples recorded
+    store: str = "runs/feedback.db"  # SQLite feedback store (store.open_store), shared by the servers of a host
+    store_max_records: int = Field(100_000, ge=1)  # bound of the store: oldest records go first
+    store_max_age_s: float = Field(7 * 86400.0, gt=0)  # records older than this are pruned
+    feedback_token: str = ""         # bearer token of POST /v1/feedback; "" = env DLRL_FEEDBACK_TOKEN, else disabled
+    feedback_labels: dict[str, float] = Field(default_factory=lambda: {"accept": 1.0, "reject": 0.0})
+
+    def check(self) -> None:
+        if (self.record != "none" or self.resolved_feedback_token()) and not self.store:
+            raise ValueError("server.store: a path is needed when recording or feedback is on")
+        for label, reward in self.feedback_labels.items():
+            if not label or len(label) > 64:
+                raise ValueError(f"server.feedback_labels: label {label!r} must be a string of 1-64 characters")
+            if not math.isfinite(reward):
+                raise ValueError(f"server.feedback_labels.{label}: reward must be a finite number, got {reward!r}")
+        token = self.resolved_feedback_token()
+        if token and token == (self.admin_token or os.environ.get("DLRL_ADMIN_TOKEN", "")).strip():
+            raise ValueError("server.feedback_token: must differ from the admin token (a feedback client "
+                             "must not be able to administer the server)")
+
+    def resolved_feedback_token(self) -> str:
+        """The feedback token: `feedback_token`, else env DLRL_FEEDBACK_TOKEN, else "" (feedback disabled)."""
+        return (self.feedback_token or os.environ.get(FEEDBACK_ENV_VAR, "")).strip()
 
     def model_name(self, model_path: str | Path | None = None) -> str:
         if self.served_model_name:

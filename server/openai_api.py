@@ -28,6 +28,7 @@ from fastapi.responses import StreamingResponse
 from rollout_client import protocol as P
 from server.errors import APIError, error_body
 from server.generation import prepare, run_to_completion, stream_events, submit, trace_model
+from server.recording import record_ids, record_one
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _WINDOW = 8  # tokens of left context when measuring the text each token adds
@@ -129,14 +130,14 @@ async def completions(body: P.CompletionRequest, request: Request):
         return _stream(request, "/v1/completions", body, seqs, lambda rid, i, text, reason, lp=None: P.CompletionResponse(
             id=rid, model=st.engine.model_name,
             choices=[P.CompletionChoice(index=i, text=text, finish_reason=reason, logprobs=lp)]),
-            prefixes, logprobs, k or 0)
+            prefixes, logprobs, k or 0, prompts)
     seqs = await run_to_completion(st.engine, request, seqs, num_top_logprobs=k or 0)
     all_logprobs = await st.prompts.run(lambda: [logprobs(s) for s in seqs])
     choices = []
-    for i, s in enumerate(seqs):
+    for i, (s, record_id) in enumerate(zip(seqs, record_ids(st, seqs, prompts, body.n))):
         prefix = prefixes[i // body.n] if prefixes else ""
         choices.append(P.CompletionChoice(index=i, text=prefix + s.text, finish_reason=s.finish_reason,
-                                          logprobs=all_logprobs[i], **_extras(s, body)))
+                                          logprobs=all_logprobs[i], record_id=record_id, **_extras(s, body)))
     usage = _usage(seqs, body.n)
     st.metrics.observe_request("/v1/completions", 200, time.perf_counter() - t0, usage.prompt_tokens)
     return P.CompletionResponse(id=P.new_id("cmpl"), model=st.engine.model_name, choices=choices,
@@ -165,7 +166,8 @@ async def chat(body: P.ChatCompletionRequest, request: Request):
     seqs = await run_to_completion(st.engine, request, seqs, num_top_logprobs=k or 0)
     all_logprobs = await st.prompts.run(lambda: [logprobs(s) for s in seqs])
     choices = [P.ChatChoice(index=i, message=P.ChatResponseMessage(content=s.text), finish_reason=s.finish_reason,
-                            logprobs=all_logprobs[i], **_extras(s, body)) for i, s in enumerate(seqs)]
+                            logprobs=all_logprobs[i], record_id=record_id, **_extras(s, body))
+               for i, (s, record_id) in enumerate(zip(seqs, record_ids(st, seqs, n=body.n)))]
     usage = _usage(seqs, body.n)
     st.metrics.observe_request("/v1/chat/completions", 200, time.perf_counter() - t0, usage.prompt_tokens)
     return P.ChatCompletionResponse(id=P.new_id("chatcmpl"), model=st.engine.model_name, choices=choices,
@@ -173,8 +175,9 @@ async def chat(body: P.ChatCompletionRequest, request: Request):
 
 
 def _stream(request: Request, endpoint: str, body: P._OpenAIBase, seqs: list[Any], chunk: Callable[..., Any],
-            prefixes: list[str] | None, logprobs: Callable[[Any], Any], num_top: int):
-    """SSE response: per-block text deltas, a finish chunk per choice, usage, [DONE]."""
+            prefixes: list[str] | None, logprobs: Callable[[Any], Any], num_top: int,
+            prompts: list[Any] | None = None):
+    """SSE response: per-block text deltas, a finish chunk per choice (with its record_id), usage, [DONE]."""
     st = request.app.state
     is_chat = endpoint.endswith("chat/completions")
     rid = P.new_id("chatcmpl" if is_chat else "cmpl")
@@ -199,6 +202,8 @@ def _stream(request: Request, endpoint: str, body: P._OpenAIBase, seqs: list[Any
                     out = chunk(rid, i, delta, seqs[i].finish_reason if done else None, lp)
                     if done and body.return_trace:
                         out.choices[0] = out.choices[0].model_copy(update=_extras(seqs[i], body))
+                    if done:
+                        out.choices[0].record_id = record_one(st, seqs[i], prompts[i // body.n] if prompts else None)
                     yield _sse(out)
         except RuntimeError as e:
             yield _sse(error_body(500, str(e)))

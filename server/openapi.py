@@ -6,13 +6,15 @@ On top of FastAPI's generated document it:
 - replaces FastAPI's 422 (this server answers validation errors with 400) and adds the
   `ErrorResponse` body to every error status a route can answer: 400 for a malformed body
   or parameter, 413 for a body over `server.max_body_bytes`, 401/403 and a bearer security
-  scheme on admin routes, 503 on generation routes while the server drains;
+  scheme on admin routes (the feedback token's on `/v1/feedback`), 503 on generation routes
+  while the server drains;
 - writes the served model's limits into the request schemas, so that a schema-valid request
   is accepted: token ids in [0, vocab) and not the mask id, `steps` up to the block size,
   `max_tokens` and prompt lengths below `max_model_len`, text prompts up to the cheap
   character bound (`server.generation.PromptEncoder.max_chars`), `n` and prompt lists up to
   `max_queue`. What a schema cannot say -- the token count of a text, prompt + max_tokens,
-  prompts x n -- is a documented 413 ("does not fit this server").
+  prompts x n -- is a documented 413 ("does not fit this server"); feedback labels are the
+  server's `feedback_labels`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from rollout_client import protocol as P
 ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 ADMIN_PREFIXES = ("/admin/", "/weights/")  # behind server.auth.require_admin
+FEEDBACK_PATHS = ("/v1/feedback",)          # behind the feedback token (server.routes_feedback)
 DESCRIPTIONS = {
     400: "Bad request: the field named in `error.param` is invalid",
     401: "Missing or malformed bearer token",
@@ -53,7 +56,7 @@ def _add_errors(op: dict[str, Any], codes: list[int]) -> None:
                                          "content": {"application/json": {"schema": ERROR_REF}}})
 
 
-def _document_errors(schema: dict[str, Any]) -> None:
+def _document_errors(schema: dict[str, Any], is_feedback_on: bool = True) -> None:
     for path, ops in schema.get("paths", {}).items():
         for op in ops.values():
             codes = []
@@ -68,9 +71,17 @@ def _document_errors(schema: dict[str, Any]) -> None:
                     codes += [400, 404, 409, 413, 503]
             if path in GENERATION_PATHS:
                 codes.append(503)
+            if path in FEEDBACK_PATHS:
+                codes.append(403)
+                if is_feedback_on:  # else disabled: 403 whatever the request carries
+                    codes.append(401)
+                    op["security"] = [{"feedbackAuth": []}]
             _add_errors(op, sorted(set(codes)))
     comps = schema.setdefault("components", {})
-    comps.setdefault("securitySchemes", {})["bearerAuth"] = {"type": "http", "scheme": "bearer"}
+    schemes = comps.setdefault("securitySchemes", {})
+    schemes["bearerAuth"] = {"type": "http", "scheme": "bearer", "description": "the admin token"}
+    schemes["feedbackAuth"] = {"type": "http", "scheme": "bearer", "description": "the feedback token "
+                               "(server.feedback_token), not the admin token"}
     for name in ("HTTPValidationError", "ValidationError"):
         comps.get("schemas", {}).pop(name, None)
 
@@ -110,6 +121,15 @@ def _limit_requests(schema: dict[str, Any], app: FastAPI) -> None:
                     sub["maximum"] = min(sub.get("maximum", top), top)
 
 
+def _limit_feedback(schema: dict[str, Any], app: FastAPI) -> None:
+    """The labels a feedback may carry are the server's `feedback_labels`."""
+    props = schema.get("components", {}).get("schemas", {}).get("FeedbackRequest", {}).get("properties", {})
+    labels = sorted(getattr(app.state.config, "feedback_labels", {}) or {})
+    for sub in props.get("label", {}).get("anyOf", []):
+        if sub.get("type") == "string":
+            sub["enum"] = labels
+
+
 def install_openapi(app: FastAPI) -> None:
     """Serve the corrected document at GET /openapi.json (built once, on first request)."""
 
@@ -117,8 +137,9 @@ def install_openapi(app: FastAPI) -> None:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description,
                                  routes=app.routes)
-            _document_errors(schema)
+            _document_errors(schema, bool(getattr(app.state, "feedback_token", "")))
             _limit_requests(schema, app)
+            _limit_feedback(schema, app)
             app.openapi_schema = schema
         return app.openapi_schema
 

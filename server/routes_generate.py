@@ -17,6 +17,7 @@ from rollout_client import protocol as P
 from server import openai_api
 from server.generation import prepare, run_to_completion, to_sample
 from server.openapi import error_responses
+from server.recording import record_ids
 
 router = APIRouter(tags=["generation"])
 ERRORS = error_responses(400, 404, 413, 429, 503)
@@ -40,6 +41,8 @@ async def generate(body: P.GenerateRequest, request: Request) -> P.GenerateRespo
     seqs = await prepare(st, body.prompt_list(), body, max_tokens, body.n, field)
     seqs = await run_to_completion(st.engine, request, seqs)
     samples = [to_sample(s, i, body.n, body.return_trace) for i, s in enumerate(seqs)]
+    for sample, record_id in zip(samples, record_ids(st, seqs, body.prompt_list(), body.n)):
+        sample.record_id = record_id
     usage = openai_api._usage(seqs, body.n)
     st.metrics.observe_request("/generate", 200, time.perf_counter() - t0, usage.prompt_tokens)
     return P.GenerateResponse(id=P.new_id("gen"), model=st.engine.model_name,

@@ -9,6 +9,8 @@
     GET  /weights/version      -> VersionResponse
     GET  /weights/updates/{v}  -> UpdateState  (applied / failed / in progress / unknown)
     GET  /weights/checksum     -> ChecksumResponse (= weight_sync.weights_digest of the model)
+    POST /weights/rollback     RollbackRequest -> RollbackResponse (404 not kept, 409 update in progress)
+    GET  /weights/kept         -> KeptResponse (versions kept in host memory, server.keep_versions)
 
 Bodies are the pydantic models of weight_sync.protocol, which the sender uses too. Errors
 are 4xx JSON naming the problem: 409 stale version / update already running / no update,
@@ -26,6 +28,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import JSONResponse
 
+from rollout_client.protocol import ErrorResponse
 from server.auth import require_admin
 from server.weight_updates import WeightUpdates, make_updates
 from weight_sync.errors import WeightSyncError
@@ -39,6 +42,9 @@ from weight_sync.protocol import (
     CommitResponse,
     ConnectRequest,
     ConnectResponse,
+    KeptResponse,
+    RollbackRequest,
+    RollbackResponse,
     UpdateState,
     VersionResponse,
 )
@@ -122,3 +128,20 @@ async def update_state(version: int, request: Request) -> dict[str, Any]:
 @router.get("/checksum", response_model=ChecksumResponse)
 async def checksum(request: Request) -> dict[str, Any]:
     return await _call("checksum", get_updates(request).checksum())
+
+
+@router.post("/rollback", response_model=RollbackResponse, responses={
+    404: {"model": ErrorResponse, "description": "This version is not kept here (GET /weights/kept)"},
+    409: {"model": ErrorResponse, "description": "A weight update is in progress, or in-flight sequences did "
+          "not finish within weight_sync_drain_timeout_s (retry, or pass abort_inflight)"}})
+async def rollback(body: RollbackRequest, request: Request) -> dict[str, Any]:
+    result = await _call("rollback", get_updates(request).rollback(body.version, body.abort_inflight))
+    metrics = getattr(request.app.state, "metrics", None)
+    if metrics is not None:
+        metrics.rollbacks.inc()
+    return result
+
+
+@router.get("/kept", response_model=KeptResponse)
+async def kept(request: Request) -> dict[str, Any]:
+    return get_updates(request).kept_status()

@@ -14,19 +14,26 @@ update is applied in the background as soon as they are done (the sender polls
 and the engine resumes -- also on failure. An engine an admin had paused stays paused. A
 failed update leaves weights and version unchanged; a retried commit of an applied
 version answers "applied".
+
+Rollback (issue 19): after each applied update (and at start) the served weights are
+copied to host memory in a worker thread (server.weight_versions, the last
+`server.keep_versions`); `rollback(v)` pauses between sequences like a commit, re-checks
+the kept copy's digest, copies it back with `copy_into_model` and sets the version to v.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import torch
 
-from weight_sync import UpdateFailed, WeightReceiver
+from server.weight_versions import Kept, KeptVersions, NotKept
+from weight_sync import UpdateConflict, UpdateFailed, WeightReceiver
 from weight_sync.protocol import BeginRequest, ConnectRequest
 from weight_sync.transports.http import read_body_into
 
@@ -43,8 +50,13 @@ class WeightUpdates:
     def __init__(
         self, engine: Any, *, lease_s: float = 30.0, drain_timeout_s: float = 30.0, abort_inflight: bool = False,
         check_finite: bool = True, apply_fn: Callable[[list[tuple[str, torch.Tensor]]], Any] | None = None,
+        keep_versions: int = 0,
     ):
         self.engine = engine
+        self.kept = KeptVersions(keep_versions)
+        self._capture_task: asyncio.Future | None = None
+        self._write_lock = asyncio.Lock()        # one weight change at a time (commit apply or rollback)
+        self._weights_lock = threading.Lock()    # held while a rollback copies or a digest reads
         self.abort_inflight, self.drain_timeout_s = abort_inflight, drain_timeout_s
         self.receiver = WeightReceiver(
             lambda: dict(engine.model.named_parameters()), apply_fn or _default_apply(engine),
@@ -96,7 +108,7 @@ class WeightUpdates:
         abort = self.abort_inflight if abort_inflight is None else abort_inflight
         task = self._commits.get(version)
         if task is None:
-            if self.receiver.committed(version):
+            if self.receiver.committed(version) and version <= self.version:  # above: applied, then rolled back
                 return {"version": version, "state": "applied", "served_version": self.version}
             t0 = time.perf_counter()
             await asyncio.to_thread(self.receiver.verify, version, checksums)
@@ -111,6 +123,12 @@ class WeightUpdates:
         return {"version": version, "state": "applied", "served_version": self.version}
 
     async def _drain_and_apply(self, version: int, abort: bool) -> None:
+        await self.wait_capture()
+        async with self._write_lock:
+            await self._drain_and_apply_locked(version, abort)
+        self.start_capture()  # keep the new version for rollback (reads the weights while serving)
+
+    async def _drain_and_apply_locked(self, version: int, abort: bool) -> None:
         engine, rx = self.engine, self.receiver
         was_paused = bool(engine.is_paused)
         rx.set_draining(version)
@@ -158,8 +176,80 @@ class WeightUpdates:
         return {"aborted": aborted, "version": self.version}
 
     async def checksum(self) -> dict[str, Any]:
-        digest = await asyncio.to_thread(self.receiver.digest)
-        return {"version": self.version, "digest": digest}
+        def digest() -> str:
+            with self._weights_lock:
+                return self.receiver.digest()
+
+        return {"version": self.version, "digest": await asyncio.to_thread(digest)}
+
+    # ------------------------------------------------------------------ kept versions, rollback
+    def start_capture(self) -> None:
+        """Copy the served weights to host memory as the current version, in a worker thread."""
+        if self.kept.keep == 0:
+            return
+        version, model = self.version, self.engine.model
+
+        def capture() -> None:
+            with self._weights_lock:
+                self.kept.capture(version, model.named_parameters())
+
+        self._capture_task = asyncio.ensure_future(asyncio.to_thread(capture))
+
+    async def wait_capture(self) -> None:
+        """Wait for a capture in progress (the weights must not change under it)."""
+        task = self._capture_task
+        if task is not None:
+            try:
+                await asyncio.shield(task)
+            except Exception as e:  # a failed capture only means that version cannot be rolled back to
+                log.error("keeping version for rollback failed: %r", e)
+            self._capture_task = None
+
+    def kept_status(self) -> dict[str, Any]:
+        return {"versions": self.kept.versions(), "served_version": self.version, "keep": self.kept.keep,
+                "num_bytes": self.kept.num_bytes}
+
+    async def rollback(self, version: int, abort_inflight: bool | None = None) -> dict[str, Any]:
+        """Restore kept `version` (NotKept: 404; UpdateConflict: an update is in progress or
+        in-flight sequences did not drain): pause between sequences, copy_into_model, resume."""
+        await self.wait_capture()
+        if self.kept.get(version) is None:  # before anything is paused
+            raise NotKept(f"version: {version} is not kept here (kept: {self.kept.versions()})")
+        if self._write_lock.locked() or self.receiver.status()["update"] is not None:
+            raise UpdateConflict("a weight update is in progress; roll back after it (or abort it)")
+        abort = self.abort_inflight if abort_inflight is None else abort_inflight
+        async with self._write_lock:
+            t0, previous, engine = time.perf_counter(), self.version, self.engine
+            was_paused = bool(engine.is_paused)
+            try:
+                await self._pause_for_rollback(abort)
+                kept = await asyncio.to_thread(self._restore, version)
+                engine.version = version
+            finally:
+                if not was_paused:
+                    await engine.resume()
+            self.kept.touch(version)
+            self._sync_version()
+        seconds = time.perf_counter() - t0
+        log.info("rolled back from version %d to %d in %.3fs", previous, version, seconds)
+        return {"version": version, "previous_version": previous, "digest": kept.digest, "seconds": seconds}
+
+    async def _pause_for_rollback(self, abort: bool) -> None:
+        try:
+            await self.engine.pause(abort_inflight=False, timeout=self.drain_timeout_s)
+        except TimeoutError:
+            if not abort:
+                raise UpdateConflict(f"in-flight sequences did not finish within {self.drain_timeout_s}s; "
+                                     "retry, or pass abort_inflight") from None
+            await self.engine.pause(abort_inflight=True, timeout=self.drain_timeout_s)
+
+    def _restore(self, version: int) -> Kept:
+        from dllm.weights import copy_into_model  # the one function that writes parameters
+
+        with self._weights_lock:
+            kept = self.kept.verified(version)
+            copy_into_model(self.engine.model, list(kept.tensors.items()), strict=True)
+        return kept
 
     def close(self) -> None:
         self.receiver.close()
@@ -173,6 +263,7 @@ def make_updates(engine: Any, config: Any = None) -> WeightUpdates:
         drain_timeout_s=float(getattr(config, "weight_sync_drain_timeout_s", 30.0)),
         abort_inflight=bool(getattr(config, "weight_sync_abort_inflight", False)),
         check_finite=bool(getattr(config, "weight_sync_check_finite", True)),
+        keep_versions=int(getattr(config, "keep_versions", 0)),
     )
 
 

@@ -60,7 +60,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir: str, **overrides) -> RunningServer:
+def start_server(model_dir: str, port: int | None = None, **overrides) -> RunningServer:
     import uvicorn
 
     from server.app import create_app
@@ -68,7 +68,7 @@ def start_server(model_dir: str, **overrides) -> RunningServer:
     from server.config import ServerConfig
     from server.engine import Engine
 
-    config = ServerConfig(model=model_dir, port=_free_port(), device="cpu", dtype="float32", **overrides)
+    config = ServerConfig(model=model_dir, port=port or _free_port(), device="cpu", dtype="float32", **overrides)
     backend = NativeBackend.from_pretrained(model_dir, device="cpu", dtype="float32", max_batch=config.max_batch,
                                             max_model_len=config.max_model_len)
     engine = Engine(backend, max_queue=config.max_queue, model_name=config.model_name())

@@ -120,6 +120,10 @@ class ServerFleet:
     def generate(self, prompts: list[list[int]], n: int, **sampling: Any) -> list[Rollout]:
         return self._loop.run(self.client.generate(prompts, n=n, return_trace=True, **sampling))
 
+    def metrics(self, url: str) -> str:
+        """One server's Prometheus metrics (text exposition)."""
+        return self._loop.run(self.client.metrics(url))
+
     # ------------------------------------------------------------------ admin (rank 0)
     def admin(self, url: str, method: str, path: str, body: dict | None = None) -> dict[str, Any]:
         return self._loop.run(self.client.admin(url, method, path, body))

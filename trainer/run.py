@@ -55,6 +55,7 @@ class Run:
     logger: Any = None
     start_step: int = 0
     resumed_metrics: dict[str, Any] = field(default_factory=dict)
+    resumed_extra: dict[str, Any] = field(default_factory=dict)  # the caller's own state (checkpoint(extra=...))
     generator: torch.Generator = field(default_factory=torch.Generator)
 
     @property
@@ -101,9 +102,9 @@ class Run:
             self.logger.log(step, metrics)
 
     # ------------------------------------------------------------------ collective actions
-    def checkpoint(self, step: int, metrics: dict[str, Any] | None = None) -> None:
+    def checkpoint(self, step: int, metrics: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> None:
         state = {"version": self.version, "sampler": self.sampler.state_dict(), "seed": self.rollouts.seed,
-                 "metrics": metrics or {}}
+                 "metrics": metrics or {}, "extra": extra or {}}
         self.checkpointer.save(step, state)
 
     def export(self) -> Path:
@@ -233,9 +234,11 @@ def _build_learner(cfg, ranks: Ranks, policy) -> Learner:
     return Learner(cfg, ranks, engine, policy.config.mask_token_id, ref, value)
 
 
-def build_run(root: dict, config_path: str | None, overrides: list[str]) -> Run:
+def build_run(root: dict, config_path: str | None, overrides: list[str], sampler_factory=None) -> Run:
     """root: the config's sections, read once (`train`, `model`, `task`, `sft`, `server` view);
-    config_path / overrides are handed on to servers the run starts."""
+    config_path / overrides are handed on to servers the run starts. `sampler_factory(train_examples,
+    tokenizer)`: the prompt sampler (next_batch, state_dict, load_state_dict) instead of `PromptSampler`
+    over the training examples (dlrl align's growing sources)."""
     from dllm.tokenizer import encode, load_tokenizer
     from dllm.weights import load_pretrained
     from trainer.data import PromptSampler
@@ -260,7 +263,8 @@ def build_run(root: dict, config_path: str | None, overrides: list[str]) -> Run:
         reward_fn = build_reward(cfg.reward, overlong_buffer=cfg.overlong_buffer, max_tokens=cfg.max_tokens,
                                  sandbox=cfg.reward_sandbox)
         train_ex, eval_ex = load_examples(cfg, root["task"], tokenizer)
-        sampler = PromptSampler(train_ex, cfg.prompts_per_step, seed=cfg.seed)
+        sampler = (sampler_factory(train_ex, tokenizer) if sampler_factory is not None
+                   else PromptSampler(train_ex, cfg.prompts_per_step, seed=cfg.seed))
         publisher = Publisher(ranks, fleet, learner.engine, server_wait_s=cfg.server_wait_s,
                               record=out / "versions.jsonl" if cfg.record_digests else None)
         publisher.start()
@@ -293,6 +297,7 @@ def _resume_or_sync(run: Run) -> None:
     run.rollouts.seed = int(state.get("seed", run.cfg.seed))
     run.sampler.load_state_dict(state["sampler"])
     run.resumed_metrics = dict(state.get("metrics") or {})
+    run.resumed_extra = dict(state.get("extra") or {})
     run.publisher.version = max(run.publisher.version, int(state["version"]))
     run.publisher.push()  # servers now hold the resumed weights, under a new version
     if run.ranks.is_main:

@@ -13,6 +13,8 @@ Endpoints (admin bearer token):
     GET  /weights/version        -> VersionResponse
     GET  /weights/updates/{v}    -> UpdateState   (what became of version v: commit is queryable)
     GET  /weights/checksum       -> ChecksumResponse
+    POST /weights/rollback       RollbackRequest -> RollbackResponse (restore a kept version; 404 not kept)
+    GET  /weights/kept           -> KeptResponse  (versions held in host memory for rollback)
 The manifest itself is validated by weight_sync.manifest.Manifest (field-naming errors).
 """
 
@@ -121,3 +123,24 @@ class UpdateState(BaseModel):
 class ChecksumResponse(BaseModel):
     version: int
     digest: str
+
+
+class RollbackRequest(_Request):
+    """Restore a version the server kept in host memory (server.keep_versions); no trainer involved."""
+
+    version: int = Field(ge=0, lt=1 << 53)
+    abort_inflight: bool | None = None  # None: the server's weight_sync_abort_inflight
+
+
+class RollbackResponse(BaseModel):
+    version: int           # the served version now
+    previous_version: int  # the version served before
+    digest: str            # weights_digest of the restored weights (= GET /weights/checksum)
+    seconds: float         # pause + restore
+
+
+class KeptResponse(BaseModel):
+    versions: list[int]    # kept versions, least recently served first
+    served_version: int
+    keep: int              # server.keep_versions
+    num_bytes: int         # host memory they hold
