@@ -56,7 +56,8 @@ def write_inputs(work: Path, model: Path, port: int, args) -> Path:
     common = {"model": str(model), "data": str(data), "chat_template": True}
     config = {
         "server": {"model": str(model), "port": port, "device": "cpu", "dtype": args.server_dtype, "max_batch": 8,
-                   "max_model_len": 256, "admin_token_file": str(work / "admin_token"), "log_level": "warning"},
+                   "max_model_len": 256, "admin_token_file": str(work / "admin_token"), "log_level": "warning",
+                   "keep_versions": 0},  # no rollback copies: the peaks below are serve + train alone
         "eval": {**common, "servers": [url], "start_server": False, "reward": "math", "max_tokens": args.max_tokens,
                  "static_steps": [1], "dynamic_thresholds": [0.9], "limit": 4, "output": str(work / "eval.json")},
         "train": {**common, "servers": [url], "start_server": False, "reward": "math", "objective": "dipo",
