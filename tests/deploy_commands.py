@@ -23,9 +23,11 @@ from dataclasses import dataclass, field
 SHELLS = ("sh", "bash", "/bin/sh", "/bin/bash", "/usr/bin/env bash")
 _VAR = re.compile(r"\$\{(\w+)(?::?[-=]([^}]*))?\}|\$(\w+|@)")
 _ARRAY = re.compile(r'"?\$(?:@|\{(\w+)\[@\]\})"?')
-_REDIRECT = re.compile(r"""\s\d*(?:>>|>&|&>|>|<)\s*(?:"[^"]*"|'[^']*'|[^\s;&|]+)""")
+_REDIRECT = re.compile(r"""\s\d*(?:>>|>&|&>|>|<)\s*(?:"[^"]*"|'[^']*'|[^\s;&|'"]+)""")
 _K8S_VAR = re.compile(r"\$\((\w+)\)")
 _OPERATORS = {";", "&", "&&", "|", "||", ";;", "(", ")"}
+_PREFIX = {"exec", "env", "nohup", "time", "command", "then", "do", "else"}
+_ASSIGN = re.compile(r"^\w+=")
 
 
 @dataclass
@@ -39,9 +41,10 @@ class DlrlCommand:
 
 
 def find_dlrl(words: list[str]) -> tuple[list[str], list[str]] | None:
-    """(launcher, argv) of a command that runs dlrl, else None."""
+    """(launcher, argv) of a command that runs dlrl, else None. `dlrl` counts in command position
+    (after assignments / `exec`-like words), `-m dlrl.cli` anywhere (a launcher's module)."""
     for i, w in enumerate(words):
-        if w == "dlrl" or w.endswith("/bin/dlrl"):
+        if (w == "dlrl" or w.endswith("/bin/dlrl")) and all(p in _PREFIX or _ASSIGN.match(p) for p in words[:i]):
             return words[:i + 1], words[i + 1:]
         if w in ("-m", "--module") and words[i + 1:i + 2] == ["dlrl.cli"]:
             return words[:i + 2], words[i + 2:]
@@ -105,6 +108,9 @@ def shell_commands(text: str, env: dict, source: str) -> list[DlrlCommand]:
     found = []
     for line in logical_lines(text):
         if not re.search(r"(^|[\s/\"'])dlrl([\s\"']|$)|dlrl\.cli", line):
+            continue
+        raw = simple_commands(line)  # expand only lines that run dlrl (or a shell that may)
+        if not any(find_dlrl(w) or any(s in w for s in SHELLS) for w in raw):
             continue
         for words in simple_commands(expand(line, env, source)):
             for i, w in enumerate(words[:-2]):  # bash -c '<script>': search the script too
