@@ -50,7 +50,8 @@ def build_engine(config: ServerConfig, model_path: str):
     from server.engine import Engine
 
     backend = create_backend(config.backend, model_path, device=config.device, dtype=config.dtype,
-                             max_batch=config.max_batch, max_model_len=config.max_model_len)
+                             max_batch=config.max_batch, max_model_len=config.max_model_len,
+                             kv_cache_memory=config.kv_cache_memory, kv_cache_fraction=config.kv_cache_fraction)
     return Engine(backend, max_queue=config.max_queue, model_name=config.model_name(model_path))
 
 
@@ -72,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     from server.app import create_app
 
     model_path = resolve_model(config, config_path)
-    engine = build_engine(config, model_path)
+    try:
+        engine = build_engine(config, model_path)
+    except ConfigError as e:  # e.g. the KV cache cannot hold one sequence of max_model_len
+        parser.exit(2, f"dlrl serve: error: {e}\n")
     app = create_app(engine, config)
     log.info("serving model %s (%s) from %s with backend %s, max_batch=%d, max_model_len=%d",
              engine.model_name, getattr(engine.model, "dtype", "?"), model_path, config.backend,

@@ -5,6 +5,9 @@
 `model=""` serves the embedded tiny default (`dllm.tiny.ensure_default_model`, trained on
 first use). `admin_token=""` falls back to the `DLRL_ADMIN_TOKEN` env var; with neither,
 admin endpoints are disabled. `max_model_len=0` means min(max_position_embeddings, 8192).
+KV-cache memory: `kv_cache_memory` ("4GiB", "512MB", bytes) if set, else `kv_cache_fraction`
+of the memory available after loading the weights (free CUDA memory / available RAM);
+see server.backends.native.plan_kv_cache.
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ class ServerConfig:
     backend: str = "native"
     device: str = "auto"             # auto | cpu | cuda | cuda:N
     dtype: str = "auto"              # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
-    max_batch: int = 16              # max concurrently decoded sequences (KV-cache slots)
+    max_batch: int = 16              # max concurrently decoded sequences (the KV-cache pages may allow fewer)
     max_queue: int = 256             # max waiting sequences before 429
     max_model_len: int = 0           # prompt + completion limit; 0 = min(max_position_embeddings, 8192)
+    kv_cache_memory: str = ""        # KV-cache budget, e.g. "4GiB"; "" = kv_cache_fraction of available memory
+    kv_cache_fraction: float = 0.8   # share of free device memory (CUDA) / available RAM (CPU) after the weights
     admin_token: str = ""
     admin_token_file: str = ""       # read (or create) the token here when none is set otherwise
     log_level: str = "info"
@@ -55,12 +60,31 @@ class ServerConfig:
             raise ConfigError(f"server.default_threshold: must be in [0, 1], got {self.default_threshold}")
         if self.default_temperature < 0:
             raise ConfigError(f"server.default_temperature: must be >= 0, got {self.default_temperature}")
+        if not 0.0 < self.kv_cache_fraction <= 1.0:
+            raise ConfigError(f"server.kv_cache_fraction: must be in (0, 1], got {self.kv_cache_fraction}")
+        parse_memory(self.kv_cache_memory)
 
     def model_name(self, model_path: str | Path | None = None) -> str:
         if self.served_model_name:
             return self.served_model_name
         path = model_path or self.model
         return Path(str(path)).name if path else "dlrl-tiny"
+
+
+def parse_memory(text: str) -> int:
+    """'4GiB', '512MB', '1.5 GiB' or a number of bytes -> bytes (0 for ''); ConfigError naming the key."""
+    if not str(text).strip():
+        return 0
+    from pydantic import ByteSize, TypeAdapter, ValidationError
+
+    try:
+        num = int(TypeAdapter(ByteSize).validate_python(str(text).strip()))
+    except ValidationError:
+        num = 0
+    if num <= 0:
+        raise ConfigError(f"server.kv_cache_memory: {text!r} is not a memory size (e.g. 4GiB, 512MB, "
+                          "or a number of bytes)")
+    return num
 
 
 def load_server_config(path: str | Path | None, overrides: list[str] | None = None) -> ServerConfig:

@@ -32,14 +32,22 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from server.backends.base import Backend
+from server.errors import APIError
 from server.scheduler import QueueFull, Request, Scheduler
 
 log = logging.getLogger("dlrl.server")
-__all__ = ["Engine", "EngineStopped", "QueueFull", "Request", "StepStats"]
+__all__ = ["Engine", "EngineStopped", "QueueFull", "Request", "RequestFailed", "StepStats"]
 
 
 class EngineStopped(RuntimeError):
     """The engine is shut down (or its thread died); no new requests."""
+
+
+class RequestFailed(APIError, RuntimeError):
+    """A sequence of the request failed in the engine (a 500 whose message says why)."""
+
+    def __init__(self, message: str):
+        super().__init__(500, message)
 
 
 @dataclass
@@ -148,9 +156,9 @@ class Engine:
 
     async def wait(self, req: Request) -> list[Any]:
         """Wait for every sequence of `req`; returns them in request order."""
-        async for kind, _, payload in self.events(req):
+        async for kind, index, payload in self.events(req):
             if kind == "error":
-                raise RuntimeError(payload)
+                raise RequestFailed(f"sample {index}: {payload}" if len(req.seqs) > 1 else payload)
         return req.seqs
 
     async def events(self, req: Request):
@@ -212,7 +220,8 @@ class Engine:
             for seq in self.scheduler.take_releases():
                 self.backend.release(seq)
                 self._finish(seq)
-            admitted = [] if self._is_paused else self.scheduler.admit(self.backend.num_free_slots)
+            admitted = [] if self._is_paused else self.scheduler.admit(
+                self.backend.num_admissible(self.scheduler.waiting))
             for seq in admitted:
                 seq.trace.version = self.version
             batch = list(self.scheduler.running)
@@ -272,8 +281,9 @@ class Engine:
             seq.trace.finish_reason = seq.finish_reason
         self.num_aborted += seq.finish_reason == "abort"
         req = self.scheduler.finish(seq)
-        if req is not None:
-            req.emit(("done", req.index_of[seq.seq_id], None))
+        if req is not None:  # a sequence the decoder failed alone (seq.error) fails its own request only
+            error = getattr(seq, "error", None)
+            req.emit(("error", req.index_of[seq.seq_id], error) if error else ("done", req.index_of[seq.seq_id], None))
 
     def _fail(self, batch: list[Any], message: str) -> None:
         with self._cond:

@@ -1,7 +1,15 @@
 """The native backend: dllm's `BlockDecoder` (PyTorch; CPU SDPA, CUDA FlexAttention in bf16).
 
-    backend = NativeBackend.from_pretrained("runs/tiny/model", device="auto", dtype="auto",
-                                            max_batch=16, max_model_len=0)
+    backend = NativeBackend.from_pretrained("runs/tiny/model", device="auto", dtype="auto", max_batch=16,
+                                            max_model_len=0, kv_cache_memory="", kv_cache_fraction=0.8)
+
+The KV cache is sized from memory (`plan_kv_cache`): `kv_cache_memory` (e.g. "4GiB") if
+set, else `kv_cache_fraction` of the memory available once the weights are loaded (free
+device memory on CUDA, available RAM on CPU), never more than `max_batch` sequences of
+`max_model_len` need. It is block-paged, so a sequence holds only the pages of its own
+prompt + max_tokens: how many run at once follows their real lengths (at most
+`max_batch`). The plan is logged at startup; when one sequence of `max_model_len` does not
+fit, startup stops with a ConfigError naming the options to change.
 
 The decoder gets its own tokenizer instance (it decodes text and applies stop strings in
 the engine thread) while `backend.tokenizer` is used by HTTP handlers on the event loop,
@@ -12,17 +20,22 @@ from __future__ import annotations
 
 import copy
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dllm.configlib import ConfigError
 from dllm.decoding import BlockDecoder, Sequence
+from dllm.kv_cache import KVCache
 from dllm.weights import load_pretrained, parse_dtype
 from server.backends.base import Backend
+from server.config import parse_memory
 
 log = logging.getLogger("dlrl.server")
 DEFAULT_MAX_LEN = 8192
+GIB = float(1 << 30)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -37,30 +50,95 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return parse_dtype(dtype)
 
 
+def available_memory(device: torch.device) -> int:
+    """Bytes the KV cache could take: free device memory on CUDA, available RAM otherwise."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+@dataclass
+class KVPlan:
+    num_pages: int
+    page_tokens: int
+    bytes_per_token: int
+    max_len: int
+    max_batch: int
+    budget: str  # where the budget came from
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_pages * self.page_tokens * self.bytes_per_token
+
+    @property
+    def num_full_sequences(self) -> int:
+        """Sequences of max_model_len that fit at once."""
+        return self.num_pages // -(-self.max_len // self.page_tokens)
+
+    def describe(self) -> str:
+        tokens = self.num_pages * self.page_tokens
+        return (f"KV cache {self.num_bytes / GIB:.3f} GiB ({self.budget}): {self.num_pages:,} pages of "
+                f"{self.page_tokens} tokens = {tokens:,} tokens at {self.bytes_per_token / 1024:.1f} KiB/token; "
+                f"{min(self.num_full_sequences, self.max_batch)} sequences of max_model_len={self.max_len} at "
+                f"once, up to max_batch={self.max_batch} when shorter")
+
+
+def plan_kv_cache(cfg, dtype: torch.dtype, *, max_batch: int, max_len: int, memory: int, fraction: float,
+                  available: int) -> KVPlan:
+    """Pages of the KV cache from a memory budget; ConfigError when one max_len sequence does not fit."""
+    per_token = KVCache.bytes_per_token(cfg, dtype)
+    page_bytes = per_token * cfg.block_size
+    pages_per_seq = -(-max_len // cfg.block_size)
+    if memory:
+        budget, source = memory, f"server.kv_cache_memory={memory / GIB:.3f} GiB"
+    else:
+        budget = int(fraction * available)
+        source = f"server.kv_cache_fraction={fraction} of {available / GIB:.2f} GiB available"
+    num_pages = min(budget // page_bytes, max_batch * pages_per_seq)
+    if num_pages < pages_per_seq:
+        need = pages_per_seq * page_bytes
+        raise ConfigError(
+            f"KV cache: one sequence of max_model_len={max_len} tokens needs {need / GIB:.3f} GiB, but the cache "
+            f"may use {budget / GIB:.3f} GiB ({source}); raise server.kv_cache_memory or "
+            f"server.kv_cache_fraction, or lower server.max_model_len")
+    if num_pages == max_batch * pages_per_seq:
+        source += f"; capped at max_batch={max_batch} x max_model_len={max_len}"
+    return KVPlan(num_pages, cfg.block_size, per_token, max_len, max_batch, source)
+
+
 class NativeBackend(Backend):
     name = "native"
 
-    def __init__(self, model: Any, tokenizer: Any, *, max_batch: int, max_model_len: int = 0):
+    def __init__(self, model: Any, tokenizer: Any, *, max_batch: int, max_model_len: int = 0,
+                 kv_cache_memory: str = "", kv_cache_fraction: float = 0.8):
         cfg = model.config
         self.model, self.tokenizer = model.eval(), tokenizer
         self.block_size, self.vocab_size, self.mask_token_id = cfg.block_size, cfg.vocab_size, cfg.mask_token_id
-        # 0 = the model's limit, capped so the preallocated KV cache of a real SDAR model
-        # (max_batch x max_len per layer) stays reasonable; set server.max_model_len to go higher
+        # 0 = the model's limit, capped at DEFAULT_MAX_LEN; set server.max_model_len to go higher
         self.max_len = max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_LEN)
         self.max_batch = max_batch
+        self.kv_plan = plan_kv_cache(cfg, model.dtype, max_batch=max_batch, max_len=self.max_len,
+                                     memory=parse_memory(kv_cache_memory), fraction=kv_cache_fraction,
+                                     available=available_memory(model.device))
+        log.info("%s", self.kv_plan.describe())
         decode_tok = copy.deepcopy(tokenizer) if tokenizer is not None else None
-        self.decoder = BlockDecoder(model, max_batch=max_batch, max_len=self.max_len, tokenizer=decode_tok)
+        self.decoder = BlockDecoder(model, max_batch=max_batch, max_len=self.max_len, tokenizer=decode_tok,
+                                    num_pages=self.kv_plan.num_pages)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str = "auto", dtype: str = "auto",
-                        max_batch: int = 16, max_model_len: int = 0) -> NativeBackend:
+                        max_batch: int = 16, max_model_len: int = 0, kv_cache_memory: str = "",
+                        kv_cache_fraction: float = 0.8) -> NativeBackend:
         from dllm.tokenizer import load_tokenizer
 
         dev = resolve_device(device)
         model = load_pretrained(path, device=dev, dtype=resolve_dtype(dtype, dev))
         log.info("loaded %s on %s (%s, %.1fM params)", path, dev, model.dtype,
                  sum(p.numel() for p in model.parameters()) / 1e6)
-        return cls(model, load_tokenizer(path), max_batch=max_batch, max_model_len=max_model_len)
+        return cls(model, load_tokenizer(path), max_batch=max_batch, max_model_len=max_model_len,
+                   kv_cache_memory=kv_cache_memory, kv_cache_fraction=kv_cache_fraction)
 
     def new_sequence(self, prompt_ids: list[int], params: Any) -> Sequence:
         return self.decoder.new_sequence(prompt_ids, params)
@@ -77,6 +155,9 @@ class NativeBackend(Backend):
     @property
     def num_free_slots(self) -> int:
         return self.decoder.num_free_slots
+
+    def num_admissible(self, waiting) -> int:
+        return self.decoder.num_admissible(waiting)
 
     def close(self) -> None:
         self.decoder.cache = None
