@@ -112,8 +112,5 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec) ->
     """q: [B, H, Lq, D], k/v: [B, Hkv, Lk, D] -> [B, H, Lq, D]."""
     if _backend(q.device) == "flex":
         return _flex(q, k, v, spec)
-    if k.shape[1] != q.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=spec.dense())
+    # grouped-query attention without materialising repeated K/V (same result, several times faster)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=spec.dense(), enable_gqa=k.shape[1] != q.shape[1])

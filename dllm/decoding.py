@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dllm.attention import MaskSpec
@@ -36,7 +37,7 @@ from dllm.commit import STRATEGY_CODES, commit_mask, transfer_schedule
 from dllm.detokenize import TextStream
 from dllm.kv_cache import CacheFull, KVCache
 from dllm.model import SDARForCausalLM
-from dllm.sampling import SamplingParams, counter_uniforms, sample_batch, seed_words
+from dllm.sampling import SamplingParams, counter_uniforms, sample_batch
 from dllm.trace import Trace
 
 __all__ = ["BlockDecoder", "CacheFull", "GenerationOutput", "Sequence", "generate", "transfer_schedule"]
@@ -61,6 +62,7 @@ class Sequence:
         self.slot: int | None = None
         self.text = ""
         self.text_stream: TextStream | None = None
+        self.pending: list[int] | None = None  # clean ids just before the block whose K/V are not cached yet
         # the key of this sequence's sampling noise: the request seed, else drawn from torch's generator
         self.seed = params.seed if params.seed is not None else int(torch.randint(1 << 62, ()))
         self.block_start = len(prompt_ids) // block_size * block_size
@@ -113,13 +115,13 @@ class BlockDecoder:
         self.eos_ids = list(cfg.eos_ids if eos_ids is None else eos_ids)
         self._eos_set = set(self.eos_ids)
         self.max_len = (max_len + self.block_size - 1) // self.block_size * self.block_size
+        self._col = {name: 5 * self.block_size + i for i, name in enumerate(_COL_NAMES)}  # packed row layout
         pages = max_batch * (self.max_len // self.block_size) if num_pages is None else num_pages
         self.cache = (KVCache(cfg, max_batch, self.max_len, model.device, model.dtype, num_pages=pages)
                       if use_cache else None)
         self.free_slots = list(range(max_batch))[::-1]
         self.num_forwards = 0  # denoising forwards
-        self.num_commit_forwards = 0
-        self.num_prefill_forwards = 0
+        self.num_fill_forwards = 0  # cache-filling forwards of their own (prompts; finished blocks not folded)
         self.num_tokens = 0
 
     @property
@@ -154,9 +156,8 @@ class BlockDecoder:
             num, pages = num + 1, pages - need
         return num
 
-    @torch.no_grad()
     def add(self, seqs: Sequence | list[Sequence]) -> None:
-        """Allocate slots and pages, prefill the complete prompt blocks of the new sequences."""
+        """Give the new sequences slots and pages; their complete prompt blocks are prefilled by the next step."""
         seqs = [seqs] if isinstance(seqs, Sequence) else list(seqs)
         if self.num_admissible(seqs) < len(seqs):
             raise CacheFull(f"cannot add {len(seqs)} sequences: {len(self.free_slots)} free slots, "
@@ -167,15 +168,8 @@ class BlockDecoder:
                 self.cache.allocate(s.slot, len(s.prompt_ids) + s.params.max_tokens)
             if self.tokenizer is not None:
                 s.text_stream = TextStream(self.tokenizer, s.params.stop)
-        todo = [s for s in seqs if s.block_start > 0]
-        if not todo or not self.use_cache:
-            return
-        L = max(s.block_start for s in todo)
-        ids = torch.full((len(todo), L), self.mask_id, dtype=torch.long)
-        for r, s in enumerate(todo):
-            ids[r, :s.block_start] = torch.tensor(s.prompt_ids[:s.block_start])
-        self._forward(ids, torch.zeros(len(todo), dtype=torch.long), torch.tensor([s.slot for s in todo]), L)
-        self.num_prefill_forwards += 1
+            if self.use_cache and s.block_start > 0:
+                s.pending = s.prompt_ids[:s.block_start]  # prefilled by the next step (folded or not)
 
     def release(self, seq: Sequence) -> None:
         if seq.slot is not None:
@@ -186,12 +180,23 @@ class BlockDecoder:
         if seq.finish_reason is None:
             seq.finish_reason = "abort"
 
-    def _forward(self, ids: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """Cached forward of ids [N, L] at positions starts[:, None] + arange(L) (slots [N]) -> logits [N, L, V]."""
-        dev = self.model.device
-        ids, starts, slots = (t.to(dev, non_blocking=True) for t in (ids, starts, slots))
-        pos = starts[:, None] + torch.arange(ids.shape[1], device=dev)
-        return self.model(ids, pos, cache=self.cache, slots=slots, kv_len=kv_len)
+    def _denoise_logits(self, rows: torch.Tensor, fold: bool, kv_len: int) -> torch.Tensor:
+        """The denoising forward from the packed rows -> logits of the current blocks [N, B, V].
+
+        With `fold`, rows whose previous block waits for its clean K/V (has_pending) put that
+        block in front of the current one (positions block_start - B ..): one forward writes
+        it and denoises; the other rows' front half is padding that writes nowhere read."""
+        B, dev = self.block_size, rows.device
+        ar = torch.arange(B, device=dev)
+        cur, start, slots = rows[:, :B].long(), rows[:, self._col["block_start"]].long(), rows[:, self._col["slot"]].long()
+        if not fold:
+            return self.model(cur, start[:, None] + ar, cache=self.cache, slots=slots, kv_len=kv_len)
+        has = rows[:, self._col["has_pending"]].bool()  # [N]
+        ids = torch.cat([rows[:, 3 * B:4 * B].long(), cur], 1)  # [N, 2B]
+        front = start - B * has.long()
+        pos = torch.cat([front[:, None] + ar, start[:, None] + ar], 1)
+        write = torch.cat([has[:, None].expand(-1, B), torch.ones_like(cur, dtype=torch.bool)], 1)
+        return self.model(ids, pos, cache=self.cache, slots=slots, kv_len=kv_len, write_mask=write, num_logits=B)
 
     def _logits_no_cache(self, seqs: list[Sequence]) -> torch.Tensor:
         """Baseline without a cache: recompute the whole prefix every forward -> logits [N, B, V]."""
@@ -215,11 +220,17 @@ class BlockDecoder:
         if not seqs:
             return []
         B = self.block_size
-        rows = torch.tensor([_row(s) for s in seqs], dtype=torch.float64)  # [N, 3B + 8]
-        rows = rows.to(self.model.device, non_blocking=True)  # the one host-to-device copy
+        # clean tokens owed to the cache ride along with this forward when they are one block long and
+        # at least half the rows have some; otherwise (prompts, or a few rows) they get their own forward
+        pending = [s for s in seqs if s.pending is not None]
+        own = [s for s in pending if len(s.pending) != B or 2 * len(pending) < len(seqs)]
+        if own:
+            self._write_pending(own)
+        fold = len(own) < len(pending)
+        rows = self._pack(seqs)  # [N, 5B + 7]
+        rows = torch.from_numpy(rows).to(self.model.device, non_blocking=True)  # the one host-to-device copy
         if self.use_cache:
-            logits = self._forward(rows[:, :B].long(), rows[:, 3 * B].long(), rows[:, 3 * B + 7].long(),
-                                   max(s.end_pos for s in seqs))  # [N, B, V]
+            logits = self._denoise_logits(rows, fold, max(s.end_pos for s in seqs))  # [N, B, V]
         else:
             logits = self._logits_no_cache(seqs)
         self.num_forwards += 1
@@ -230,6 +241,7 @@ class BlockDecoder:
         for r, s in enumerate(seqs):
             s.num_forwards += 1
             s.step_in_block += 1
+            s.pending = None
             if not is_ok[r]:
                 failed.append(s)
                 continue
@@ -240,19 +252,25 @@ class BlockDecoder:
             self._fail(s)
         return failed + self._complete_blocks(completed)
 
-    def _sample_and_commit(self, seqs: list[Sequence], logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Batched sampling + commit rules. rows: [N, 3B + 8] (see _row) -> [N, 3B + 1] float64:
-        the new block ids, steps, logprobs and whether the row's probabilities were finite."""
+    def _pack(self, seqs: list[Sequence]) -> np.ndarray:
+        """Every input of a step in one float64 array [N, 5B + 7] (one host-to-device copy):
+        _row's 4B columns, the sampling uniforms [B], then the _COL_NAMES values."""
         B = self.block_size
+        rows = np.array([_row(s) for s in seqs], dtype=np.float64)  # [N, 4B + 7]
+        noise = counter_uniforms([s.seed for s in seqs], rows[:, 4 * B, None] + np.arange(B), rows[:, 4 * B + 1])
+        return np.concatenate([rows[:, :4 * B], noise, rows[:, 4 * B:]], axis=1)
+
+    def _sample_and_commit(self, seqs: list[Sequence], logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Batched sampling + commit rules. rows: [N, 5B + 7] (see _pack) -> [N, 3B + 1] float64:
+        the new block ids, steps, logprobs and whether the row's probabilities were finite."""
+        B, col = self.block_size, self._col
         cur, cur_steps, cur_lp = rows[:, :B].long(), rows[:, B:2 * B].long(), rows[:, 2 * B:3 * B].float()
-        meta = rows[:, 3 * B:].long()  # [N, 8]: block_start, step, k, strategy, seed words, (threshold), slot
-        step, threshold = meta[:, 1], rows[:, 3 * B + 6].float()
-        pos = meta[:, :1] + torch.arange(B, device=rows.device)  # [N, B] absolute positions
-        uniforms = counter_uniforms(meta[:, 4:6], pos, step)
+        step, uniforms = rows[:, col["step"]].long(), rows[:, 4 * B:5 * B]
         tok, lp = sample_batch(logits, [s.params for s in seqs], uniforms, self.mask_id)  # [N, B] each
         masked = cur == self.mask_id
         is_ok = (torch.isfinite(lp) | ~masked).all(-1)  # [N]
-        commit = commit_mask(lp.exp(), masked, meta[:, 2], threshold, meta[:, 3]) & is_ok[:, None]
+        commit = commit_mask(lp.exp(), masked, rows[:, col["k"]].long(), rows[:, col["threshold"]].float(),
+                             rows[:, col["strategy"]].long()) & is_ok[:, None]
         new_ids = torch.where(commit, tok, cur)
         new_steps = torch.where(commit, step[:, None], cur_steps)
         new_lp = torch.where(commit, lp, cur_lp)
@@ -266,21 +284,38 @@ class BlockDecoder:
         self.release(s)
 
     def _complete_blocks(self, seqs: list[Sequence]) -> list[Sequence]:
-        finished, going = [], []
+        """Append finished blocks; the clean K/V of a going sequence's block is written by its next step."""
+        finished = []
         for s in seqs:
             self._append_block(s)
-            (finished if s.is_finished else going).append(s)
-        if going and self.use_cache:  # clean forward: write the committed blocks' K/V
-            ids = torch.tensor([s.block_ids for s in going])
-            starts = torch.tensor([s.block_start for s in going])
-            self._forward(ids, starts, torch.tensor([s.slot for s in going]), max(s.end_pos for s in going))
-            self.num_commit_forwards += 1
-        for s in going:
+            if s.is_finished:
+                finished.append(s)
+                self.release(s)
+                continue
+            if self.use_cache:
+                s.pending = s.block_ids
             s.block_start += self.block_size
             s._new_block()
-        for s in finished:
-            self.release(s)
         return finished
+
+    def _write_pending(self, seqs: list[Sequence]) -> None:
+        """One cache-filling forward (no logits) for the clean tokens the sequences still owe the cache:
+        prompt blocks of new sequences, finished blocks when folding them would mostly pad."""
+        L = max(len(s.pending) for s in seqs)
+        ids = torch.full((len(seqs), L), self.mask_id, dtype=torch.long)
+        valid = torch.zeros(len(seqs), L, dtype=torch.bool)  # padding writes into the scratch page
+        for r, s in enumerate(seqs):
+            ids[r, :len(s.pending)] = torch.tensor(s.pending)
+            valid[r, :len(s.pending)] = True
+        starts = torch.tensor([s.block_start - len(s.pending) for s in seqs])
+        dev = self.model.device
+        pos = (starts.to(dev)[:, None] + torch.arange(L, device=dev)).clamp_(max=self.max_len - 1)  # [N, L]
+        kv_len = min(self.max_len, max(s.block_start - len(s.pending) for s in seqs) + L)
+        self.model(ids.to(dev), pos, cache=self.cache, slots=torch.tensor([s.slot for s in seqs]).to(dev),
+                   kv_len=kv_len, write_mask=valid.to(dev), num_logits=0)
+        self.num_fill_forwards += 1
+        for s in seqs:
+            s.pending = None
 
     def _append_block(self, s: Sequence) -> None:
         """Move the finished block into the completion; apply stop ids, stop strings, max_tokens."""
@@ -312,13 +347,16 @@ class BlockDecoder:
             s.finish_reason = s.trace.finish_reason = reason
 
 
+_COL_NAMES = ("block_start", "step", "k", "strategy", "threshold", "slot", "has_pending")
+
+
 def _row(s: Sequence) -> list:
-    """One sequence's inputs of a step, packed for a single host-to-device copy:
-    block ids, steps, logprobs [3B], then block_start, step (1-based), k, strategy, seed words, threshold, slot."""
+    """One sequence's inputs of a step: block ids, steps, logprobs, pending clean ids [4B], then the
+    _COL_NAMES values (step is 1-based, k from the schedule); the noise is inserted by _pack."""
     k = s.schedule[min(s.step_in_block, len(s.schedule) - 1)]
-    lo, hi = seed_words(s.seed)
-    return [*s.block_ids, *s.block_steps, *s.block_logprobs, s.block_start, s.step_in_block + 1, k,
-            STRATEGY_CODES[s.params.strategy], lo, hi, float(s.params.threshold), s.slot]
+    pending = s.pending if s.pending is not None else s.block_ids
+    return [*s.block_ids, *s.block_steps, *s.block_logprobs, *pending, s.block_start, s.step_in_block + 1, k,
+            STRATEGY_CODES[s.params.strategy], float(s.params.threshold), s.slot, s.pending is not None]
 
 
 def generate(model: SDARForCausalLM, prompts_ids: list[list[int]], params: SamplingParams | list[SamplingParams],

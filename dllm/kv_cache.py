@@ -75,20 +75,25 @@ class KVCache:
         self.slot_pages[slot] = []
         self.page_table[slot] = 0
 
-    def view(self, slots: torch.Tensor, q_pos: torch.Tensor, kv_len: int) -> CacheView:
-        return CacheView(self, slots, q_pos, kv_len)
+    def view(self, slots: torch.Tensor, q_pos: torch.Tensor, kv_len: int, write_mask=None) -> CacheView:
+        return CacheView(self, slots, q_pos, kv_len, write_mask)
 
 
 class CacheView:
     """One forward's cache addressing, computed once and used by every layer.
 
-    slots: [N] cache rows, q_pos: [N, L] positions written, kv_len: positions [0, kv_len) read."""
+    slots: [N] cache rows, q_pos: [N, L] positions written (where write_mask [N, L], else into
+    the scratch page: padding), kv_len: positions [0, kv_len) read."""
 
-    def __init__(self, cache: KVCache, slots: torch.Tensor, q_pos: torch.Tensor, kv_len: int):
+    def __init__(self, cache: KVCache, slots: torch.Tensor, q_pos: torch.Tensor, kv_len: int,
+                 write_mask: torch.Tensor | None = None):
         ps = cache.page_size
         table = cache.page_table[slots]  # [N, max_pages]
         self.cache = cache
-        self.write_idx = (table.gather(1, q_pos // ps) * ps + q_pos % ps).flatten()  # [N * L]
+        write = table.gather(1, q_pos // ps) * ps + q_pos % ps  # [N, L]
+        if write_mask is not None:
+            write = torch.where(write_mask, write, q_pos % ps)  # page 0: scratch
+        self.write_idx = write.flatten()  # [N * L]
         k_pos = torch.arange(kv_len, device=q_pos.device)
         self.read_idx = table[:, k_pos // ps] * ps + k_pos % ps  # [N, kv_len]
 

@@ -144,12 +144,14 @@ class SDARForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def forward(self, input_ids, position_ids=None, cache: KVCache | None = None, slots=None,
-                k_valid=None, kv_len: int | None = None) -> torch.Tensor:
+                k_valid=None, kv_len: int | None = None, write_mask=None, num_logits: int | None = None):
         """Block-causal forward. input_ids/position_ids: [B, L] -> logits [B, L, V].
 
         With `cache` and `slots` ([B] cache rows), the tokens' K/V are written into the
-        cache at their positions and attention runs over cache positions [0, kv_len)
-        (kv_len: max position + 1; pass it to spare a device sync).
+        cache at their positions (tokens where write_mask [B, L] is False write nowhere
+        that is read) and attention runs over cache positions [0, kv_len) (kv_len: max
+        position + 1; pass it to spare a device sync). `num_logits`: logits of the last
+        n positions only ([B, n, V]; 0 for a forward that only fills the cache).
         """
         B, L = input_ids.shape
         if position_ids is None:
@@ -164,8 +166,8 @@ class SDARForCausalLM(nn.Module):
         # keys beyond each row's own last position are stale cache entries
         k_valid = k_pos <= position_ids.max(dim=1, keepdim=True).values
         spec = MaskSpec(position_ids, k_pos, bs, k_valid=k_valid)
-        view = cache.view(slots, position_ids, kv_len)
-        return self.lm_head(self.hidden_states(input_ids, spec, view))
+        hidden = self.hidden_states(input_ids, spec, cache.view(slots, position_ids, kv_len, write_mask))
+        return self.lm_head(hidden if num_logits is None else hidden[:, L - num_logits:])
 
     def train_spec(self, position_ids, valid) -> MaskSpec:
         B, L = position_ids.shape

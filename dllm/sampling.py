@@ -4,7 +4,7 @@
     logp = sampling_logprobs(logits, params, mask_id)      # [..., V]: the distribution (the definition)
     ids, lp = sample_tokens(logp, params, u)               # one sequence's positions, row by row
     ids, lp = sample_batch(logits, params_list, u, mask_id)  # [N, B, V]: every running sequence at once
-    u = counter_uniforms(seed_words, positions, steps)     # [N, B] noise: a pure function of its inputs
+    u = counter_uniforms(seeds, positions, steps)          # [N, B] noise (numpy): a pure function of its inputs
 
 The distribution: logits with the mask token removed, divided by the temperature, then
 top-k and top-p filtered; the Trace records log p(token) under exactly this distribution.
@@ -13,10 +13,11 @@ would overflow) takes the argmax and records its log-probability under the tempe
 distribution (still top-k / top-p filtered).
 
 Sampling is inverse-CDF: one uniform u in (0, 1] per position picks the first token whose
-cumulative probability reaches u x total. The uniforms come from a counter-based hash of
-(request seed, absolute position, denoising step), so a seeded request gives the same
-tokens whatever else shares its batch, on any device, with no generator state to carry
-(unseeded sequences draw their seed from torch's global generator). `sample_batch` applies
+cumulative probability reaches u x total. The uniforms come from a counter-based hash
+(splitmix64) of (request seed, absolute position, denoising step), computed on the host and
+shipped with the step's other inputs, so a seeded request gives the same tokens whatever
+else shares its batch, on any device, with no generator state to carry (unseeded sequences
+draw their seed from torch's global generator). `sample_batch` applies
 every row's own temperature / top-k / top-p with tensor ops (top-k and top-p only on the
 rows that ask for them) and gathers the sampled tokens' log-probabilities in one op; it is
 token-for-token the row-by-row definition (`sampling_logprobs` + `sample_tokens`).
@@ -26,11 +27,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 STRATEGIES = ("static", "dynamic", "sequential")
 GREEDY_BELOW = 1e-5  # temperatures under this floor decode greedily (logits / 1e-38 overflow to inf)
-_M32 = 0xFFFFFFFF
 
 
 @dataclass
@@ -119,12 +120,13 @@ def _inverse_cdf(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor
 
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor,
                  mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits: [N, B, V] (row r sampled with params[r]), uniforms: [N, B] ->
+    """logits: [N, B, V] (row r sampled with params[r]; fp32 logits are overwritten), uniforms: [N, B] ->
     (token ids [N, B], their logprobs [N, B] fp32; NaN/inf where a row's probabilities are not finite)."""
     N, _, V = logits.shape
     dev = logits.device
     greedy = [p.is_greedy for p in params]
-    x = logits.float().index_fill(-1, torch.tensor([mask_token_id], device=dev), float("-inf"))
+    x = logits.float()  # [N, B, V]: a copy unless already fp32 (then the caller's logits are consumed)
+    x[..., mask_token_id] = float("-inf")
     temps = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
     if len(set(temps)) == 1 and temps[0] != 1.0:
         x = x / temps[0]
@@ -161,32 +163,24 @@ def _rows(rows: list[int], device) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- counter-based noise
 
-def seed_words(seed: int) -> tuple[int, int]:
-    """Any non-negative int -> two 32-bit words (the key of the noise)."""
-    return seed & _M32, (seed >> 32) & _M32
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2**32 for int64 x in [0, 2**32), without int64 overflow."""
-    return (x * (c & 0xFFFF) + ((x * (c >> 16)) & 0xFFFF) * 65536) & _M32
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijective, well-avalanching 64-bit hash (uint64 arithmetic wraps)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 (C. Wellons): a bijective, well-avalanching 32-bit hash (int64 tensors in [0, 2**32))."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
+def counter_uniforms(seeds, positions, steps) -> np.ndarray:
+    """seeds: [N] non-negative ints, positions: [N, B], steps: [N] -> uniforms [N, B] float64 in (0, 1].
 
-
-def counter_uniforms(seeds: torch.Tensor, positions: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """seeds: [N, 2] int64 words (see seed_words), positions: [N, B], steps: [N] -> uniforms [N, B] in (0, 1].
-
-    A pure function of (seed, position, step): each (position, step) of a sequence gets its own
-    draw, so results do not depend on batch composition, order or device."""
-    h = _mix32((steps[:, None] & _M32) ^ 0x9E3779B9)
-    h = _mix32(h ^ (positions & _M32))
-    h = _mix32(h ^ seeds[:, 1:2])
-    h = _mix32(h ^ seeds[:, 0:1])  # [N, B]
-    return ((h >> 8) + 1).to(torch.float32) / float(1 << 24)
+    A pure function of (seed, position, step), computed on the host in a few vectorised
+    uint64 ops: each (position, step) of a sequence gets its own draw, whatever the batch,
+    its order or the device the model runs on."""
+    seeds = np.asarray([int(s) & 0xFFFFFFFFFFFFFFFF for s in seeds], dtype=np.uint64)[:, None]
+    pos = np.asarray(positions, dtype=np.int64).astype(np.uint64)
+    step = np.asarray(steps, dtype=np.int64).astype(np.uint64)[:, None]
+    h = _mix64(_mix64(_mix64(step * _GOLDEN ^ seeds) ^ pos) + _GOLDEN)  # [N, B]
+    return ((h >> np.uint64(11)) + np.uint64(1)).astype(np.float64) * 2.0 ** -53

@@ -15,7 +15,6 @@ from dllm.sampling import (
     sample_batch,
     sample_tokens,
     sampling_logprobs,
-    seed_words,
 )
 from tests.test_dllm_model import tiny_config
 
@@ -36,9 +35,8 @@ def model():
 
 
 def uniforms_for(seeds, N, B):
-    words = torch.tensor([seed_words(s) for s in seeds])
     pos = torch.arange(N * B).view(N, B) + 17
-    return counter_uniforms(words, pos, torch.arange(N) % 4 + 1)
+    return torch.from_numpy(counter_uniforms(seeds, pos.numpy(), (torch.arange(N) % 4 + 1).numpy()))
 
 
 def test_sample_batch_equals_row_by_row_definition():
@@ -61,14 +59,16 @@ def test_counter_noise_samples_the_distribution():
     """Inverse-CDF draws from the hashed uniforms follow the distribution (40k draws, 6 tokens)."""
     probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.07, 0.03])
     n = 40_000
-    seeds = torch.tensor([seed_words(s) for s in range(n // 8)])
-    u = counter_uniforms(seeds, torch.arange(8).expand(n // 8, 8) + 100, torch.full((n // 8,), 3)).flatten()
+    seeds, pos = list(range(n // 8)), [[100 + i for i in range(8)]] * (n // 8)
+    u = torch.from_numpy(counter_uniforms(seeds, pos, [3] * (n // 8))).flatten()
     assert 0.0 < float(u.min()) and float(u.max()) <= 1.0
     ids, _ = sample_tokens(probs.log().expand(n, 6), SamplingParams(temperature=1.0), u)
     freq = torch.bincount(ids, minlength=6).float() / n
     assert (freq - probs).abs().max() < 0.012, freq
-    other = counter_uniforms(seeds, torch.arange(8).expand(n // 8, 8) + 100, torch.full((n // 8,), 4)).flatten()
+    other = torch.from_numpy(counter_uniforms(seeds, pos, [4] * (n // 8))).flatten()
     assert abs(float(torch.corrcoef(torch.stack([u, other]))[0, 1])) < 0.03  # steps draw independently
+    again = torch.from_numpy(counter_uniforms(seeds[::-1], pos, [3] * (n // 8))).flatten()
+    assert torch.equal(again.view(-1, 8).flip(0).flatten(), u)  # a pure function of (seed, position, step)
 
 
 def test_commit_mask_equals_row_rule_for_mixed_strategies():
@@ -143,14 +143,12 @@ def test_non_finite_row_fails_alone(model):
 
 
 def test_sampling_is_device_generic():
-    """Noise, sampler and commit rule create every tensor on the logits' device (here "meta",
-    where any CPU tensor or CPU generator mixed in would raise): no per-request torch.Generator."""
+    """Sampler and commit rule create every tensor on the logits' device (here "meta", where any CPU
+    tensor or CPU generator mixed in would raise); the noise is host data shipped with the inputs."""
     dev = torch.device("meta")
     N, B, V = 3, 4, 10
     params = [SamplingParams(seed=1, top_k=3), SamplingParams(temperature=0), SamplingParams(top_p=0.5, seed=2)]
-    u = counter_uniforms(torch.zeros(N, 2, dtype=torch.long, device=dev), torch.zeros(N, B, dtype=torch.long,
-                                                                                      device=dev),
-                         torch.ones(N, dtype=torch.long, device=dev))
+    u = torch.from_numpy(counter_uniforms([1, 0, 2], [[0] * B] * N, [1] * N)).to(dev)
     ids, lp = sample_batch(torch.empty(N, B, V, device=dev), params, u, V - 1)
     masked = torch.ones(N, B, dtype=torch.bool, device=dev)
     commit = commit_mask(lp.exp(), masked, torch.ones(N, dtype=torch.long, device=dev),
