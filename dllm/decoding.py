@@ -7,17 +7,19 @@
     seq = dec.new_sequence(prompt_ids, params)                                        # runner
     dec.add([seq]) if dec.num_admissible([seq]) else ...; finished = dec.step(running)
 
-Blocks are aligned to absolute position 0. Per sequence: prefill its complete prompt
-blocks into the cache; then per block run denoising forwards, each committing some masked
-tokens (`dllm.commit`: static, dynamic or sequential) until no mask is left; then one
-clean forward writes the block's K/V. `step` runs ONE denoising forward for every running
-sequence, each at its own position with its own parameters: sampling
-(`dllm.sampling.sample_batch`) and the commit rules are batched tensor ops, the inputs go
-to the device in one copy and one small device-to-host copy per forward brings back each
-row's block (ids, steps, logprobs) and whether its probabilities were finite. A row whose
-probabilities are not finite ends its own sequence (finish_reason "error", `seq.error`
-says why); the others go on untouched. Finished blocks are detokenised incrementally
-(`dllm.detokenize`) and checked against stop ids, stop strings and max_tokens.
+Blocks are aligned to absolute position 0. Per sequence: its complete prompt blocks go
+into the cache; then per block, denoising forwards each commit some masked tokens
+(`dllm.commit`: static, dynamic or sequential) until no mask is left; the finished block's
+clean K/V are then written by the sequence's next forward (folded in front of its next
+block when at least half the batch has one to write, else in a forward of their own, as
+prompts are). `step` runs ONE denoising forward for every running sequence, each at its
+own position with its own parameters: sampling (`dllm.sampling.sample_batch`) and the
+commit rules are batched tensor ops; the inputs go to the device in one copy, and one
+small device-to-host copy per forward brings back each row's block (ids, steps,
+logprobs) and whether its probabilities were finite. A row whose probabilities are not
+finite ends its own sequence (finish_reason "error", `seq.error` says why); the others go
+on untouched. Finished blocks are detokenised incrementally (`dllm.detokenize`) and
+checked against stop ids, stop strings and max_tokens.
 
 KV memory is paged (`dllm.kv_cache`, pages of block_size tokens): a sequence takes, when
 added, the pages of its own prompt + max_tokens; `num_admissible` says how many waiting
@@ -26,82 +28,19 @@ sequences fit now (free slots and pages).
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from dllm.attention import MaskSpec
-from dllm.commit import STRATEGY_CODES, commit_mask, transfer_schedule
+from dllm.commit import commit_mask, transfer_schedule
 from dllm.detokenize import TextStream
 from dllm.kv_cache import CacheFull, KVCache
 from dllm.model import SDARForCausalLM
 from dllm.sampling import SamplingParams, counter_uniforms, sample_batch
-from dllm.trace import Trace
+from dllm.sequence import STEP_FIELDS, GenerationOutput, Sequence, step_inputs, to_output
 
-__all__ = ["BlockDecoder", "CacheFull", "GenerationOutput", "Sequence", "generate", "transfer_schedule"]
-_ids = itertools.count()
-
-
-class Sequence:
-    """Decoding state of one sample (plain data; the decoder mutates it)."""
-
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, block_size: int, mask_id: int,
-                 seq_id: int | None = None):
-        self.seq_id = next(_ids) if seq_id is None else seq_id
-        self.prompt_ids = list(prompt_ids)
-        self.params = params
-        self.block_size = block_size
-        self.mask_id = mask_id
-        self.completion_ids: list[int] = []
-        self.trace = Trace(prompt_len=len(prompt_ids), block_size=block_size)
-        self.finish_reason: str | None = None
-        self.error: str | None = None  # why the sequence failed (finish_reason "error")
-        self.num_forwards = 0
-        self.slot: int | None = None
-        self.text = ""
-        self.text_stream: TextStream | None = None
-        self.pending: list[int] | None = None  # clean ids just before the block whose K/V are not cached yet
-        # the key of this sequence's sampling noise: the request seed, else drawn from torch's generator
-        self.seed = params.seed if params.seed is not None else int(torch.randint(1 << 62, ()))
-        self.block_start = len(prompt_ids) // block_size * block_size
-        self._new_block()
-
-    def _new_block(self) -> None:
-        B, start = self.block_size, self.block_start
-        self.block_ids = [self.mask_id] * B
-        given = self.prompt_ids[start:start + B]  # prompt tail inside the first block
-        self.block_ids[:len(given)] = given
-        self.block_steps = [0] * B
-        self.block_logprobs = [0.0] * B
-        self.step_in_block = 0
-        self.schedule = transfer_schedule(B - len(given), self.params.steps or B)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def end_pos(self) -> int:
-        return self.block_start + self.block_size
-
-    def masked_positions(self) -> list[int]:
-        return [i for i, t in enumerate(self.block_ids) if t == self.mask_id and self._is_gen(i)]
-
-    def _is_gen(self, i: int) -> bool:
-        return self.block_start + i >= len(self.prompt_ids)
-
-
-@dataclass
-class GenerationOutput:
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    text: str
-    finish_reason: str
-    trace: Trace
-    num_forwards: int
-    error: str | None = None
+__all__ = ["BlockDecoder", "CacheFull", "GenerationOutput", "Sequence", "generate", "to_output",
+           "transfer_schedule"]
 
 
 class BlockDecoder:
@@ -115,7 +54,7 @@ class BlockDecoder:
         self.eos_ids = list(cfg.eos_ids if eos_ids is None else eos_ids)
         self._eos_set = set(self.eos_ids)
         self.max_len = (max_len + self.block_size - 1) // self.block_size * self.block_size
-        self._col = {name: 5 * self.block_size + i for i, name in enumerate(_COL_NAMES)}  # packed row layout
+        self._col = {name: 5 * self.block_size + i for i, name in enumerate(STEP_FIELDS)}  # packed row layout
         pages = max_batch * (self.max_len // self.block_size) if num_pages is None else num_pages
         self.cache = (KVCache(cfg, max_batch, self.max_len, model.device, model.dtype, num_pages=pages)
                       if use_cache else None)
@@ -188,10 +127,11 @@ class BlockDecoder:
         it and denoises; the other rows' front half is padding that writes nowhere read."""
         B, dev = self.block_size, rows.device
         ar = torch.arange(B, device=dev)
-        cur, start, slots = rows[:, :B].long(), rows[:, self._col["block_start"]].long(), rows[:, self._col["slot"]].long()
+        col = self._col
+        cur, start, slots = rows[:, :B].long(), rows[:, col["block_start"]].long(), rows[:, col["slot"]].long()
         if not fold:
             return self.model(cur, start[:, None] + ar, cache=self.cache, slots=slots, kv_len=kv_len)
-        has = rows[:, self._col["has_pending"]].bool()  # [N]
+        has = rows[:, col["has_pending"]].bool()  # [N]
         ids = torch.cat([rows[:, 3 * B:4 * B].long(), cur], 1)  # [N, 2B]
         front = start - B * has.long()
         pos = torch.cat([front[:, None] + ar, start[:, None] + ar], 1)
@@ -254,9 +194,9 @@ class BlockDecoder:
 
     def _pack(self, seqs: list[Sequence]) -> np.ndarray:
         """Every input of a step in one float64 array [N, 5B + 7] (one host-to-device copy):
-        _row's 4B columns, the sampling uniforms [B], then the _COL_NAMES values."""
+        step_inputs' 4B columns, the sampling uniforms [B], then the STEP_FIELDS values."""
         B = self.block_size
-        rows = np.array([_row(s) for s in seqs], dtype=np.float64)  # [N, 4B + 7]
+        rows = np.array([step_inputs(s) for s in seqs], dtype=np.float64)  # [N, 4B + 7]
         noise = counter_uniforms([s.seed for s in seqs], rows[:, 4 * B, None] + np.arange(B), rows[:, 4 * B + 1])
         return np.concatenate([rows[:, :4 * B], noise, rows[:, 4 * B:]], axis=1)
 
@@ -347,18 +287,6 @@ class BlockDecoder:
             s.finish_reason = s.trace.finish_reason = reason
 
 
-_COL_NAMES = ("block_start", "step", "k", "strategy", "threshold", "slot", "has_pending")
-
-
-def _row(s: Sequence) -> list:
-    """One sequence's inputs of a step: block ids, steps, logprobs, pending clean ids [4B], then the
-    _COL_NAMES values (step is 1-based, k from the schedule); the noise is inserted by _pack."""
-    k = s.schedule[min(s.step_in_block, len(s.schedule) - 1)]
-    pending = s.pending if s.pending is not None else s.block_ids
-    return [*s.block_ids, *s.block_steps, *s.block_logprobs, *pending, s.block_start, s.step_in_block + 1, k,
-            STRATEGY_CODES[s.params.strategy], float(s.params.threshold), s.slot, s.pending is not None]
-
-
 def generate(model: SDARForCausalLM, prompts_ids: list[list[int]], params: SamplingParams | list[SamplingParams],
              tokenizer=None, use_cache: bool = True, eos_ids=None) -> list[GenerationOutput]:
     """Decode all prompts together; returns one GenerationOutput per prompt, in order."""
@@ -377,6 +305,3 @@ def generate(model: SDARForCausalLM, prompts_ids: list[list[int]], params: Sampl
     return [to_output(s) for s in seqs]
 
 
-def to_output(s: Sequence, tokenizer=None) -> GenerationOutput:
-    return GenerationOutput(s.prompt_ids, s.completion_ids, s.text, s.finish_reason, s.trace, s.num_forwards,
-                            s.error)
