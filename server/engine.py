@@ -8,10 +8,13 @@
     await engine.pause(); engine.version += 1; await engine.resume()   # weight update window
 
 Each loop iteration (the Runner side is the backend): release aborted sequences, admit
-waiting ones into free slots (prefill), run ONE batched denoising forward over every
+the waiting ones that fit (`backend.num_admissible`: free slots and KV-cache pages), run
+ONE batched denoising forward over every
 running sequence -- whatever its prompt, position, block, strategy or sampling params --
 then hand finished sequences (and, for streams, newly committed blocks) back to their
-requests' event loops. So concurrent requests share every forward.
+requests' event loops. So concurrent requests share every forward. A sequence the backend
+failed alone (`seq.error`, e.g. non-finite probabilities) fails only its own request
+(`RequestFailed`, a 500 with the message); the others go on.
 
 `pause()` stops admission and waits until no sequence runs and no forward is in flight
 (with `abort_inflight=True` it aborts the running ones first); while paused and drained
