@@ -28,21 +28,29 @@ def transfer_schedule(num_masked: int, steps: int) -> list[int]:
 
 
 def commit_mask(conf: torch.Tensor, masked: torch.Tensor, k: torch.Tensor, threshold: torch.Tensor,
-                strategy: torch.Tensor) -> torch.Tensor:
+                strategy: torch.Tensor, used: set[str] | None = None) -> torch.Tensor:
     """conf: [N, B] probability of each sampled token, masked: [N, B] bool, k / threshold /
-    strategy (STRATEGY_CODES): [N] -> positions to commit [N, B] bool (always masked ones)."""
+    strategy (STRATEGY_CODES): [N] -> positions to commit [N, B] bool (always masked ones).
+    `used`: the strategies present, when the caller knows (the others are not computed)."""
     N, B = conf.shape
+    used = set(STRATEGY_CODES) if used is None else used
     k = torch.minimum(k, masked.sum(-1))[:, None]  # [N, 1]
-    conf = conf.masked_fill(~masked, -1.0)  # unmasked positions rank last
-    order = torch.sort(conf, dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(B, device=conf.device).expand(N, B))
-    top = masked & (rank < k)
-    leftmost = masked & (masked.cumsum(-1) <= k)
-    above = masked & (conf > threshold[:, None])
-    dynamic = torch.where(above.sum(-1, keepdim=True) >= k, above, top)
-    code = strategy[:, None]
-    return torch.where(code == STRATEGY_CODES["sequential"], leftmost,
-                       torch.where(code == STRATEGY_CODES["dynamic"], dynamic, top))
+    rules = {}
+    if "sequential" in used:
+        rules["sequential"] = masked & (masked.cumsum(-1) <= k)  # the k leftmost
+    if used & {"static", "dynamic"}:
+        conf = conf.masked_fill(~masked, -1.0)  # unmasked positions rank last
+        order = torch.sort(conf, dim=-1, descending=True, stable=True).indices
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(B, device=conf.device).expand(N, B))
+        rules["static"] = top = masked & (rank < k)  # the k most confident
+        if "dynamic" in used:
+            above = masked & (conf > threshold[:, None])
+            rules["dynamic"] = torch.where(above.sum(-1, keepdim=True) >= k, above, top)
+    names = [name for name in STRATEGY_CODES if name in used]
+    out = rules[names[0]]
+    for name in names[1:]:
+        out = torch.where(strategy[:, None] == STRATEGY_CODES[name], rules[name], out)
+    return out
 
 
 def commit_positions(conf: list[float], masked: list[int], k: int, threshold: float, strategy: str) -> list[int]:

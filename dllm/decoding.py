@@ -203,18 +203,17 @@ class BlockDecoder:
     def _sample_and_commit(self, seqs: list[Sequence], logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Batched sampling + commit rules. rows: [N, 5B + 7] (see _pack) -> [N, 3B + 1] float64:
         the new block ids, steps, logprobs and whether the row's probabilities were finite."""
-        B, col = self.block_size, self._col
-        cur, cur_steps, cur_lp = rows[:, :B].long(), rows[:, B:2 * B].long(), rows[:, 2 * B:3 * B].float()
-        step, uniforms = rows[:, col["step"]].long(), rows[:, 4 * B:5 * B]
-        tok, lp = sample_batch(logits, [s.params for s in seqs], uniforms, self.mask_id)  # [N, B] each
-        masked = cur == self.mask_id
+        N, B, col = rows.shape[0], self.block_size, self._col
+        params = [s.params for s in seqs]
+        tok, lp = sample_batch(logits, params, rows[:, 4 * B:5 * B], self.mask_id)  # [N, B] each
+        masked = rows[:, :B] == self.mask_id
         is_ok = (torch.isfinite(lp) | ~masked).all(-1)  # [N]
         commit = commit_mask(lp.exp(), masked, rows[:, col["k"]].long(), rows[:, col["threshold"]].float(),
-                             rows[:, col["strategy"]].long()) & is_ok[:, None]
-        new_ids = torch.where(commit, tok, cur)
-        new_steps = torch.where(commit, step[:, None], cur_steps)
-        new_lp = torch.where(commit, lp, cur_lp)
-        return torch.cat([new_ids.double(), new_steps.double(), new_lp.double(), is_ok[:, None].double()], 1)
+                             rows[:, col["strategy"]].long(), {p.strategy for p in params}) & is_ok[:, None]
+        step = rows[:, col["step"], None].expand(N, B)
+        new = torch.stack([tok.double(), step, lp.double()], 1)  # [N, 3, B]: ids, steps, logprobs
+        block = torch.where(commit[:, None], new, rows[:, :3 * B].view(N, 3, B))
+        return torch.cat([block.view(N, 3 * B), is_ok[:, None].double()], 1)
 
     def _fail(self, s: Sequence) -> None:
         p = s.params
