@@ -114,7 +114,7 @@ def test_mixed_batch_equals_each_sequence_alone(model):
     """One batch with every parameter mixed == each sequence decoded on its own (same seeds)."""
     strategies = [dict(strategy="static", steps=2), dict(strategy="dynamic", threshold=0.05),
                   dict(strategy="sequential"), dict(strategy="dynamic", threshold=0.3, steps=2)]
-    params = [SamplingParams(max_tokens=10, **MIXED[i], **strategies[i % 4]) for i in range(len(MIXED))]
+    params = [SamplingParams(max_tokens=7, **MIXED[i], **strategies[i % 4]) for i in range(len(MIXED))]
     prompts = [PROMPTS[i % 4] for i in range(len(MIXED))]
     together = generate(model, prompts, params, eos_ids=[5])
     for prompt, p, out in zip(prompts, params, together):
