@@ -91,7 +91,7 @@ class Server:
         self.batch_sizes: list[int] = []
         self.engine.add_step_listener(lambda st: self.batch_sizes.append(st.batch_size))
         self.uv = uvicorn.Server(uvicorn.Config(create_app(self.engine, config), host="127.0.0.1", port=port,
-                                                log_level="warning"))
+                                                log_level="warning", timeout_keep_alive=300))
         self.thread = threading.Thread(target=self.uv.run, daemon=True)
         self.thread.start()
         self.url = f"http://127.0.0.1:{port}"

@@ -10,9 +10,8 @@
 Blocks are aligned to absolute position 0. Per sequence: its complete prompt blocks go
 into the cache; then per block, denoising forwards each commit some masked tokens
 (`dllm.commit`: static, dynamic or sequential) until no mask is left; the finished block's
-clean K/V are then written by the sequence's next forward (folded in front of its next
-block when at least half the batch has one to write, else in a forward of their own, as
-prompts are). `step` runs ONE denoising forward for every running sequence, each at its
+clean K/V are written by the sequence's next forward, as one more row of it (so are
+one-block prompts; longer prompts get a cache-filling forward of their own). `step` runs ONE denoising forward for every running sequence, each at its
 own position with its own parameters: sampling (`dllm.sampling.sample_batch`) and the
 commit rules are batched tensor ops; the inputs go to the device in one copy, and one
 small device-to-host copy per forward brings back each row's block (ids, steps,
@@ -60,7 +59,7 @@ class BlockDecoder:
                       if use_cache else None)
         self.free_slots = list(range(max_batch))[::-1]
         self.num_forwards = 0  # denoising forwards
-        self.num_fill_forwards = 0  # cache-filling forwards of their own (prompts; finished blocks not folded)
+        self.num_fill_forwards = 0  # cache-filling forwards of their own (prompts longer than a block)
         self.num_tokens = 0
 
     @property
@@ -108,7 +107,7 @@ class BlockDecoder:
             if self.tokenizer is not None:
                 s.text_stream = TextStream(self.tokenizer, s.params.stop)
             if self.use_cache and s.block_start > 0:
-                s.pending = s.prompt_ids[:s.block_start]  # prefilled by the next step (folded or not)
+                s.pending = s.prompt_ids[:s.block_start]  # prefilled with (or just before) the next step
 
     def release(self, seq: Sequence) -> None:
         if seq.slot is not None:
@@ -119,24 +118,22 @@ class BlockDecoder:
         if seq.finish_reason is None:
             seq.finish_reason = "abort"
 
-    def _denoise_logits(self, rows: torch.Tensor, fold: bool, kv_len: int) -> torch.Tensor:
+    def _denoise_logits(self, rows: torch.Tensor, pending: list[int], kv_len: int) -> torch.Tensor:
         """The denoising forward from the packed rows -> logits of the current blocks [N, B, V].
 
-        With `fold`, rows whose previous block waits for its clean K/V (has_pending) put that
-        block in front of the current one (positions block_start - B ..): one forward writes
-        it and denoises; the other rows' front half is padding that writes nowhere read."""
-        B, dev = self.block_size, rows.device
+        Rows `pending` also owe the cache their previous block (clean, positions block_start - B ..):
+        it goes in as one more row of the same forward, before the current blocks, so its K/V are
+        written (every layer writes all rows before any reads) and seen by its own next block."""
+        B, dev, col = self.block_size, rows.device, self._col
         ar = torch.arange(B, device=dev)
-        col = self._col
-        cur, start, slots = rows[:, :B].long(), rows[:, col["block_start"]].long(), rows[:, col["slot"]].long()
-        if not fold:
-            return self.model(cur, start[:, None] + ar, cache=self.cache, slots=slots, kv_len=kv_len)
-        has = rows[:, col["has_pending"]].bool()  # [N]
-        ids = torch.cat([rows[:, 3 * B:4 * B].long(), cur], 1)  # [N, 2B]
-        front = start - B * has.long()
-        pos = torch.cat([front[:, None] + ar, start[:, None] + ar], 1)
-        write = torch.cat([has[:, None].expand(-1, B), torch.ones_like(cur, dtype=torch.bool)], 1)
-        return self.model(ids, pos, cache=self.cache, slots=slots, kv_len=kv_len, write_mask=write, num_logits=B)
+        ids, start, slots = rows[:, :B].long(), rows[:, col["block_start"]].long(), rows[:, col["slot"]].long()
+        pos = start[:, None] + ar  # [N, B]
+        if pending:
+            idx = torch.tensor(pending).to(dev, non_blocking=True)
+            ids = torch.cat([rows[idx, 3 * B:4 * B].long(), ids])  # [P + N, B]
+            pos = torch.cat([pos[idx] - B, pos])
+            slots = torch.cat([slots[idx], slots])
+        return self.model(ids, pos, cache=self.cache, slots=slots, kv_len=kv_len, num_logit_rows=rows.shape[0])
 
     def _logits_no_cache(self, seqs: list[Sequence]) -> torch.Tensor:
         """Baseline without a cache: recompute the whole prefix every forward -> logits [N, B, V]."""
@@ -160,17 +157,16 @@ class BlockDecoder:
         if not seqs:
             return []
         B = self.block_size
-        # clean tokens owed to the cache ride along with this forward when they are one block long and
-        # at least half the rows have some; otherwise (prompts, or a few rows) they get their own forward
-        pending = [s for s in seqs if s.pending is not None]
-        own = [s for s in pending if len(s.pending) != B or 2 * len(pending) < len(seqs)]
-        if own:
-            self._write_pending(own)
-        fold = len(own) < len(pending)
-        rows = self._pack(seqs)  # [N, 5B + 7]
+        # clean blocks owed to the cache (a just-finished block, a one-block prompt) ride along with this
+        # forward as extra rows; longer prompts get a cache-filling forward of their own first
+        long = [s for s in seqs if s.pending is not None and len(s.pending) > B]
+        if long:
+            self._write_pending(long)
+        pending = [r for r, s in enumerate(seqs) if s.pending is not None]
+        rows = self._pack(seqs)  # [N, 5B + 6]
         rows = torch.from_numpy(rows).to(self.model.device, non_blocking=True)  # the one host-to-device copy
         if self.use_cache:
-            logits = self._denoise_logits(rows, fold, max(s.end_pos for s in seqs))  # [N, B, V]
+            logits = self._denoise_logits(rows, pending, max(s.end_pos for s in seqs))  # [N, B, V]
         else:
             logits = self._logits_no_cache(seqs)
         self.num_forwards += 1
@@ -193,15 +189,15 @@ class BlockDecoder:
         return failed + self._complete_blocks(completed)
 
     def _pack(self, seqs: list[Sequence]) -> np.ndarray:
-        """Every input of a step in one float64 array [N, 5B + 7] (one host-to-device copy):
+        """Every input of a step in one float64 array [N, 5B + 6] (one host-to-device copy):
         step_inputs' 4B columns, the sampling uniforms [B], then the STEP_FIELDS values."""
         B = self.block_size
-        rows = np.array([step_inputs(s) for s in seqs], dtype=np.float64)  # [N, 4B + 7]
+        rows = np.array([step_inputs(s) for s in seqs], dtype=np.float64)  # [N, 4B + 6]
         noise = counter_uniforms([s.seed for s in seqs], rows[:, 4 * B, None] + np.arange(B), rows[:, 4 * B + 1])
         return np.concatenate([rows[:, :4 * B], noise, rows[:, 4 * B:]], axis=1)
 
     def _sample_and_commit(self, seqs: list[Sequence], logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Batched sampling + commit rules. rows: [N, 5B + 7] (see _pack) -> [N, 3B + 1] float64:
+        """Batched sampling + commit rules. rows: [N, 5B + 6] (see _pack) -> [N, 3B + 1] float64:
         the new block ids, steps, logprobs and whether the row's probabilities were finite."""
         N, B, col = rows.shape[0], self.block_size, self._col
         params = [s.params for s in seqs]
@@ -238,8 +234,7 @@ class BlockDecoder:
         return finished
 
     def _write_pending(self, seqs: list[Sequence]) -> None:
-        """One cache-filling forward (no logits) for the clean tokens the sequences still owe the cache:
-        prompt blocks of new sequences, finished blocks when folding them would mostly pad."""
+        """One cache-filling forward (no logits) for prompts of more than one block (one row each)."""
         L = max(len(s.pending) for s in seqs)
         ids = torch.full((len(seqs), L), self.mask_id, dtype=torch.long)
         valid = torch.zeros(len(seqs), L, dtype=torch.bool)  # padding writes into the scratch page

@@ -144,14 +144,15 @@ class SDARForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def forward(self, input_ids, position_ids=None, cache: KVCache | None = None, slots=None,
-                k_valid=None, kv_len: int | None = None, write_mask=None, num_logits: int | None = None):
+                k_valid=None, kv_len: int | None = None, write_mask=None, num_logits: int | None = None,
+                num_logit_rows: int | None = None):
         """Block-causal forward. input_ids/position_ids: [B, L] -> logits [B, L, V].
 
         With `cache` and `slots` ([B] cache rows), the tokens' K/V are written into the
         cache at their positions (tokens where write_mask [B, L] is False write nowhere
         that is read) and attention runs over cache positions [0, kv_len) (kv_len: max
-        position + 1; pass it to spare a device sync). `num_logits`: logits of the last
-        n positions only ([B, n, V]; 0 for a forward that only fills the cache).
+        position + 1; pass it to spare a device sync). `num_logits` / `num_logit_rows`: logits
+        of the last n positions / rows only (0 positions: a forward that only fills the cache).
         """
         B, L = input_ids.shape
         if position_ids is None:
@@ -167,7 +168,8 @@ class SDARForCausalLM(nn.Module):
         k_valid = k_pos <= position_ids.max(dim=1, keepdim=True).values
         spec = MaskSpec(position_ids, k_pos, bs, k_valid=k_valid)
         hidden = self.hidden_states(input_ids, spec, cache.view(slots, position_ids, kv_len, write_mask))
-        return self.lm_head(hidden if num_logits is None else hidden[:, L - num_logits:])
+        return self.lm_head(hidden[B - (num_logit_rows if num_logit_rows is not None else B):,
+                                   L - (num_logits if num_logits is not None else L):])
 
     def train_spec(self, position_ids, valid) -> MaskSpec:
         B, L = position_ids.shape

@@ -88,7 +88,7 @@ class GenerationOutput:
     error: str | None = None
 
 
-STEP_FIELDS = ("block_start", "step", "k", "strategy", "threshold", "slot", "has_pending")
+STEP_FIELDS = ("block_start", "step", "k", "strategy", "threshold", "slot")
 
 
 def step_inputs(s: Sequence) -> list:
@@ -97,7 +97,7 @@ def step_inputs(s: Sequence) -> list:
     k = s.schedule[min(s.step_in_block, len(s.schedule) - 1)]
     pending = s.pending if s.pending is not None else s.block_ids
     return [*s.block_ids, *s.block_steps, *s.block_logprobs, *pending, s.block_start, s.step_in_block + 1, k,
-            STRATEGY_CODES[s.params.strategy], float(s.params.threshold), s.slot, s.pending is not None]
+            STRATEGY_CODES[s.params.strategy], float(s.params.threshold), s.slot]
 
 
 def to_output(s: Sequence, tokenizer=None) -> GenerationOutput:
