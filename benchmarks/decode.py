@@ -78,40 +78,48 @@ def replay(model, calls) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
-def measure(engine, model, prompts, params, repeats: int) -> dict:
-    """Best of `repeats` (the box is shared: noise only ever adds time) for decode and replay separately."""
-    runs = []
+def measure(engines: dict, prompts, params, repeats: int) -> dict[str, dict]:
+    """engines: name -> (dllm.decoding module, model). Runs alternate between the engines (drift on a
+    shared box hits both alike); best of `repeats` for decode and replay separately, wall and CPU."""
+    runs: dict[str, list] = {name: [] for name in engines}
     for _ in range(repeats):
-        tokens, wall, cpu, calls = decode(engine, model, prompts, params)
-        runs.append((wall, cpu, *replay(model, calls)))
-    wall, cpu, fwd_wall, fwd_cpu = (min(r[i] for r in runs) for i in range(4))
-    return {"tok_s": tokens / wall, "ratio": wall / fwd_wall, "ratio_cpu": cpu / fwd_cpu, "forwards": len(calls)}
+        for name, (engine, model) in engines.items():
+            tokens, wall, cpu, calls = decode(engine, model, prompts, params)
+            runs[name].append((wall, cpu, *replay(model, calls), tokens, len(calls)))
+    out = {}
+    for name, rs in runs.items():
+        wall, cpu, fwd_wall, fwd_cpu = (min(r[i] for r in rs) for i in range(4))
+        tokens, num_calls = rs[0][4], rs[0][5]
+        out[name] = {"tok_s": tokens / wall, "tok_s_cpu": tokens / cpu, "ratio": wall / fwd_wall,
+                     "ratio_cpu": cpu / fwd_cpu, "forwards": num_calls}
+    return out
 
 
 def engine_table(names, batches, prompt_len, max_tokens, repeats, old_ref):
     old = load_package("dllm", old_ref)
     print(f"\n## Engine overhead: old ({old_ref}) vs new, prompt {prompt_len}, {max_tokens} new tokens, "
           "temperature 1 (seeded), block 4")
-    print("ratio = decode time / time of the same forwards replayed alone (1.0 = all time in the model), "
-          "from wall clock and from process CPU time (robust to other tenants of a shared box)\n")
-    print("| model | strategy | batch | old fwd | new fwd | old tok/s | new tok/s | speed-up | old ratio (cpu) | "
-          "new ratio (cpu) |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("tok/s from wall clock (and from process CPU time, which other tenants of a shared box disturb "
+          "less); ratio = decode time / time of the same forwards replayed alone, wall (CPU); 1.0 = all "
+          "time in the model\n")
+    print("| model | strategy | batch | forwards old / new | old tok/s | new tok/s | speed-up | old ratio | "
+          "new ratio |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for name in names:
-        new_model, old_model = build(name), build(name, old)
+        engines = {"old": (old.decoding, build(name, old)), "new": (decoding, build(name))}
         g = torch.Generator().manual_seed(1)
         for strategy in ("static", "dynamic"):
             params = SamplingParams(max_tokens=max_tokens, temperature=1.0, strategy=strategy, seed=0, ignore_eos=True)
-            measure(decoding, new_model, [[1] * 8], params, 1)  # warm-up
-            measure(old.decoding, old_model, [[1] * 8], params, 1)
+            measure(engines, [[1] * 8], params, 1)  # warm-up
             for b in batches:
                 prompts = [torch.randint(1, MODELS[name]["vocab_size"] - 1, (prompt_len,), generator=g).tolist()
                            for _ in range(b)]
-                o = measure(old.decoding, old_model, prompts, params, repeats)
-                n = measure(decoding, new_model, prompts, params, repeats)
-                print(f"| {name} | {strategy} | {b} | {o['forwards']} | {n['forwards']} | {o['tok_s']:,.0f} | "
-                      f"{n['tok_s']:,.0f} | {n['tok_s'] / o['tok_s']:.2f}x | {o['ratio']:.2f} ({o['ratio_cpu']:.2f}) | "
-                      f"{n['ratio']:.2f} ({n['ratio_cpu']:.2f}) |", flush=True)
+                r = measure(engines, prompts, params, repeats)
+                o, n = r["old"], r["new"]
+                print(f"| {name} | {strategy} | {b} | {o['forwards']} / {n['forwards']} | {o['tok_s']:,.0f} "
+                      f"({o['tok_s_cpu']:,.0f}) | {n['tok_s']:,.0f} ({n['tok_s_cpu']:,.0f}) | "
+                      f"{n['tok_s'] / o['tok_s']:.2f}x ({n['tok_s_cpu'] / o['tok_s_cpu']:.2f}x) | "
+                      f"{o['ratio']:.2f} ({o['ratio_cpu']:.2f}) | {n['ratio']:.2f} ({n['ratio_cpu']:.2f}) |", flush=True)
 
 
 def tpf_table(max_tokens):
