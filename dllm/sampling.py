@@ -8,9 +8,10 @@
 
 The distribution: logits with the mask token removed, divided by the temperature, then
 top-k and top-p filtered; the Trace records log p(token) under exactly this distribution.
-Greedy decoding (`temperature` 0, or below `GREEDY_BELOW` = 1e-5, where dividing the logits
-would overflow) takes the argmax and records its log-probability under the temperature-1
-distribution (still top-k / top-p filtered).
+Greedy decoding (`temperature` 0, or any temperature below `GREEDY_BELOW` = 1e-5: dividing
+logits by e.g. 1e-38 overflows to inf and every probability becomes NaN) takes the argmax and
+records its log-probability under the temperature-1 distribution (still top-k / top-p
+filtered).
 
 Sampling is inverse-CDF: one uniform u in (0, 1] per position picks the first token whose
 cumulative probability reaches u x total. The uniforms come from a counter-based hash
