@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
 ARGS ?=
 
-.PHONY: install test lint bench serve train sft clean
+.PHONY: install test lint bench soak serve train sft align clean
 
 install: $(STAMP)
 
@@ -21,13 +21,17 @@ test: install
 	$(PY) -m pytest -q -x tests $(ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check dlrl dllm server trainer weight_sync rollout_client tests benchmarks
+	$(VENV)/bin/ruff check dlrl dllm server trainer weight_sync rollout_client store tests benchmarks
 
 bench: install
 	$(PY) benchmarks/decode.py
 	$(PY) benchmarks/serve.py
 	$(PY) benchmarks/sync.py
 	$(PY) benchmarks/step.py
+	$(PY) benchmarks/rollback.py
+
+soak: install
+	$(PY) benchmarks/soak.py $(ARGS)
 
 sft: install
 	$(VENV)/bin/dlrl sft --config configs/tiny.yaml $(ARGS)
@@ -37,6 +41,9 @@ serve: install
 
 train: install
 	$(VENV)/bin/dlrl train --config configs/tiny.yaml $(ARGS)
+
+align: install
+	$(PY) -m trainer.align_local --config configs/align.yaml $(ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

@@ -112,7 +112,7 @@ def use_old_engine(backend, path: str, max_batch: int, ref: str) -> None:
     model = old.weights.load_pretrained(path, device=backend.model.device, dtype=backend.model.dtype).eval()
     backend.model = model
     backend.decoder = old.decoding.BlockDecoder(model, max_batch=max_batch, max_len=backend.max_len,
-                                                tokenizer=copy.deepcopy(backend.tokenizer))
+                                                eos_ids=backend.eos_ids, tokenizer=copy.deepcopy(backend.tokenizer))
     backend.num_admissible = lambda waiting: min(len(waiting), backend.decoder.num_free_slots)
 
 

@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from dllm.configlib import ConfigError
+from dllm.configlib import ConfigError, print_check
 
 
 def sft_main(argv: list[str]) -> int:
@@ -19,12 +19,16 @@ def sft_main(argv: list[str]) -> int:
 
     ap = argparse.ArgumentParser(prog="dlrl sft", description="block-diffusion SFT of the embedded default")
     ap.add_argument("--config", default="configs/tiny.yaml")
+    ap.add_argument("--check", action="store_true", help="only parse the command line and the config; exit 0 "
+                                                        "(or 2 with the error)")
     ap.add_argument("overrides", nargs="*", help="key=value (e.g. sft.steps=200)")
     args = ap.parse_args(argv)
     try:
         arch, task, sft = load_tiny_sections(args.config, args.overrides, primary="sft")
     except (ConfigError, ValueError) as e:
         ap.error(str(e))
+    if args.check:
+        return print_check("sft", arch, task, sft)
     metrics = run_sft(arch, task, sft)
     print(json.dumps(metrics, indent=2))
     return 0

@@ -1,28 +1,54 @@
-"""Typed configs: dataclasses filled from a YAML file plus `key=value` overrides.
+"""Typed configs: pydantic models filled from one YAML file plus `key=value` overrides.
 
-    cfg = load_section(TrainConfig, "configs/tiny.yaml", "train", ["train.num_steps=5"])
+    class TrainConfig(Config):                       # one model per YAML section
+        objective: Literal["tracerl", "dipo"] = "tracerl"
+        num_steps: int = Field(60, ge=1)
+    root = load_sections("configs/tiny.yaml", ["num_steps=5", "server.port=8001"],
+                         {"train": TrainConfig, "task": ArithmeticTask}, primary="train")
+    root["train"].num_steps      # 5
 
-A YAML file holds one mapping per section (`model`, `task`, `sft`, `server`, `train`).
-Overrides are `section.key=value`, or `key=value` for the command's own section;
-values are parsed as YAML scalars. Unknown keys and wrong types raise
-`ConfigError` naming the key.
+A YAML file holds one mapping per section (`model`, `task`, `sft`, `server`, `train`, `eval`).
+It is read once per command (`load_sections`) and the typed sections are handed down.
+Overrides are `section.key=value`, or `key=value` for the command's own (`primary`) section;
+values are YAML scalars, and a comma-separated string fills a list field
+(`servers=http://h1:8000,http://h2:8000`). Unknown sections, unknown keys, wrong types and
+broken rules raise `ConfigError` naming the key (`train.num_steps: ...`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import types
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-T = TypeVar("T")
+T = TypeVar("T", bound="Config")
 
 
 class ConfigError(ValueError):
     """A config file or override is invalid; the message names the key."""
+
+
+class Config(BaseModel):
+    """Base of every config section: typed fields, unknown keys refused, `check()` for the
+    rules that tie several fields together (raise ValueError("<section>.<key>: ...")).
+    Sections whose `extra` is "ignore" are read-only views of another package's section."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @model_validator(mode="after")
+    def _run_check(self):
+        self.check()
+        return self
+
+    def check(self) -> None:
+        """Cross-field rules (override in subclasses)."""
+
+    def replace(self: T, **changes: Any) -> T:
+        """A validated copy with `changes` applied."""
+        return build(type(self), {**self.model_dump(), **changes})
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -55,103 +81,95 @@ def parse_overrides(overrides: list[str] | None) -> list[tuple[str, Any]]:
     return out
 
 
-def _coerce(name: str, typ: Any, value: Any) -> Any:
-    origin = typing.get_origin(typ)
-    args = typing.get_args(typ)
-    if typ is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(name, a, value)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(f"config key {name!r}: {value!r} does not fit {typ}")
-    if origin in (list, tuple):
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v]
-        if not isinstance(value, (list, tuple)):
-            value = [value]
-        inner = args[0] if args else Any
-        return [_coerce(name, inner, v) for v in value]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"config key {name!r} must be a mapping, got {value!r}")
-        return dict(value)
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise ConfigError(f"config key {name!r} must be a bool, got {value!r}")
-    if typ is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
-            raise ConfigError(f"config key {name!r} must be an integer, got {value!r}")
-        return int(value)
-    if typ is float:
-        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"config key {name!r} must be a number, got {value!r}")
-        return float(value)
-    if typ is str:
-        if isinstance(value, (dict, list)):
-            raise ConfigError(f"config key {name!r} must be a string, got {value!r}")
-        return str(value)
-    return value
+def _is_list(annotation: Any) -> bool:
+    if typing.get_origin(annotation) in (list, tuple):
+        return True
+    return any(_is_list(a) for a in typing.get_args(annotation) if a is not type(None))
+
+
+def _message(e: ValidationError, section: str) -> str:
+    prefix = f"{section}." if section else ""
+    parts = []
+    for err in e.errors():
+        key = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            parts.append(f"unknown config key '{prefix}{key}'")
+        elif key:
+            parts.append(f"config key {prefix}{key}: {msg} (got {err.get('input')!r})")
+        else:
+            parts.append(msg)
+    return "; ".join(parts)
 
 
 def build(cls: type[T], values: dict[str, Any], section: str = "") -> T:
-    """Instantiate dataclass `cls` from a mapping, checking names and types."""
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    prefix = f"{section}." if section else ""
-    unknown = sorted(set(values) - names)
-    if unknown:
-        raise ConfigError(f"unknown config key {prefix}{unknown[0]!r} (known: {', '.join(sorted(names))})")
-    kwargs = {k: _coerce(prefix + k, hints[k], v) for k, v in values.items()}
-    obj = cls(**kwargs)
-    check = getattr(obj, "validate", None)
-    if callable(check):
-        check()
-    return obj
+    """`cls` from a mapping; list fields also take a comma-separated string. ConfigError names the key."""
+    values = dict(values)
+    for name, field in cls.model_fields.items():
+        if isinstance(values.get(name), str) and _is_list(field.annotation):
+            values[name] = [v for v in values[name].split(",") if v]
+    try:
+        return cls.model_validate(values)
+    except ValidationError as e:
+        raise ConfigError(_message(e, section)) from None
 
 
 def load_section(cls: type[T], path: str | Path | None, section: str,
                  overrides: list[str] | None = None, bare_keys: bool = True) -> T:
-    """Read `section` of the YAML at `path` into `cls`, then apply overrides.
+    """One section of the YAML at `path` (None: defaults) with its overrides applied.
+    `section.key=value` overrides always apply; bare `key=value` ones only when `bare_keys`."""
+    data = read_yaml(path) if path else {}
+    return _section(cls, data, section, overrides, bare_keys)
 
-    `section.key=value` overrides always apply; bare `key=value` ones only when
-    `bare_keys` (the section is the command's own: `train` for `dlrl train`, ...)."""
-    data = dict(read_yaml(path).get(section) or {}) if path else {}
-    names = {f.name for f in dataclasses.fields(cls)}
+
+def _section(cls: type[T], data: dict[str, Any], section: str, overrides: list[str] | None,
+             bare_keys: bool) -> T:
+    raw = data.get(section) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config section {section!r} must be a mapping")
+    values = dict(raw)
     for key, value in parse_overrides(overrides):
         if "." in key:
             sec, sub = key.split(".", 1)
-            if sec == section:
-                if sub not in names:
-                    raise ConfigError(f"unknown config key {key!r}")
-                data[sub] = value
-        elif bare_keys and key in names:
-            data[key] = value
-    return build(cls, data, section)
+            if sec != section:
+                continue
+        elif bare_keys:
+            sub = key
+        else:
+            continue
+        values[sub] = value  # an unknown key is refused by the model (extra="forbid")
+    return build(cls, values, section)
+
+
+def load_sections(path: str | Path | None, overrides: list[str] | None, sections: dict[str, type[Config]],
+                  primary: str) -> dict[str, Config]:
+    """Read the YAML once and build every section a command needs. Bare `key=value` overrides
+    belong to `primary`; every override must name a field of a known section."""
+    check_overrides(overrides, sections, primary)
+    data = read_yaml(path) if path else {}
+    return {name: _section(cls, data, name, overrides, bare_keys=name == primary)
+            for name, cls in sections.items()}
 
 
 def check_overrides(overrides: list[str] | None, sections: dict[str, type], primary: str) -> None:
     """Raise unless every override names a field: `section.key` of a known section, or a
-    bare `key` of the `primary` section."""
+    bare `key` of the `primary` section (views with extra="ignore" take any key)."""
     for key, _ in parse_overrides(overrides):
         sec, sub = key.split(".", 1) if "." in key else (primary, key)
         cls = sections.get(sec)
         if cls is None:
             raise ConfigError(f"override {key!r}: unknown section {sec!r} (known: {', '.join(sections)})")
-        if sub not in {f.name for f in dataclasses.fields(cls)}:
+        if sub not in cls.model_fields and cls.model_config.get("extra") != "ignore":
             raise ConfigError(f"unknown config key {sec}.{sub!r}")
+
+
+def print_check(command: str, *sections: Any) -> int:
+    """`dlrl <command> --check`: the command line and config parsed and validated; print the
+    resolved sections as one JSON line and return exit code 0 (errors exit 2 before this)."""
+    import json
+
+    out: dict[str, Any] = {"command": command, "ok": True}
+    for sec in sections:
+        out[type(sec).__name__] = sec.model_dump() if isinstance(sec, BaseModel) else str(sec)
+    print(json.dumps(out, default=str))
+    return 0

@@ -145,7 +145,8 @@ class SDARForCausalLM(nn.Module):
 
     def forward(self, input_ids, position_ids=None, cache: KVCache | None = None, slots=None,
                 k_valid=None, kv_len: int | None = None, write_mask=None, num_logits: int | None = None,
-                num_logit_rows: int | None = None):
+                num_logit_rows: int | None = None, clean_ids=None, valid=None,
+                output: str = "logits") -> torch.Tensor:
         """Block-causal forward. input_ids/position_ids: [B, L] -> logits [B, L, V].
 
         With `cache` and `slots` ([B] cache rows), the tokens' K/V are written into the
@@ -153,10 +154,18 @@ class SDARForCausalLM(nn.Module):
         that is read) and attention runs over cache positions [0, kv_len) (kv_len: max
         position + 1; pass it to spare a device sync). `num_logits` / `num_logit_rows`: logits
         of the last n positions / rows only (0 positions: a forward that only fills the cache).
+        With `clean_ids` and `valid` ([B, L]) it is `forward_train(input_ids, clean_ids, ...)`
+        (so a DeepSpeed engine wrapping the model can run the training layout); with
+        output="hidden" it returns the noisy copy's hidden states [B, L, hidden] instead
+        (the trainer then applies `lm_head` to the scored tokens only, in chunks).
         """
         B, L = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(L, device=input_ids.device).expand(B, L)
+        if clean_ids is not None:
+            if output == "hidden":
+                return self.hidden_train(input_ids, clean_ids, position_ids, valid)
+            return self.forward_train(input_ids, clean_ids, position_ids, valid)
         bs = self.config.block_size
         if cache is None:
             spec = MaskSpec(position_ids, position_ids, bs, k_valid=k_valid)

@@ -15,13 +15,14 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 
 from dllm.config import SDARConfig
+from dllm.configlib import Config
 from dllm.decoding import generate
 from dllm.model import SDARForCausalLM
 from dllm.sampling import SamplingParams
@@ -32,47 +33,42 @@ from dllm.weights import save_pretrained
 log = logging.getLogger("dlrl.sft")
 
 
-@dataclass
-class TinyModelConfig:
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 32
-    block_size: int = 4
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 512
+class TinyModelConfig(Config):
+    """Section `model`: the architecture of the embedded default (vocab/mask/eos come from the tokenizer)."""
+
+    hidden_size: int = Field(128, ge=1)
+    intermediate_size: int = Field(384, ge=1)
+    num_hidden_layers: int = Field(2, ge=1)
+    num_attention_heads: int = Field(4, ge=1)
+    num_key_value_heads: int = Field(2, ge=1)
+    head_dim: int = Field(32, ge=1)
+    block_size: int = Field(4, ge=1)
+    rope_theta: float = Field(10000.0, gt=0)
+    max_position_embeddings: int = Field(512, ge=1)
     tie_word_embeddings: bool = False
 
 
-@dataclass
-class SFTConfig:
-    output_dir: str = "runs/tiny-sft"
-    steps: int = 900
-    batch_size: int = 64
-    lr: float = 1e-3  # 3e-3 often stalls for hundreds of steps on the loss plateau (~0.93)
-    warmup_steps: int = 20
-    weight_decay: float = 0.0
-    t_min: float = 0.1
-    seed: int = 0
-    eval_size: int = 200
-    max_new_tokens: int = 8
-    num_threads: int = 0
+class SFTConfig(Config):
+    """Section `sft`: block-diffusion SFT of the embedded default."""
 
-    def validate(self) -> None:
-        for name in ("steps", "batch_size", "eval_size", "max_new_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"sft.{name}: must be >= 1")
-        if self.lr <= 0:
-            raise ValueError("sft.lr: must be > 0")
+    output_dir: str = "runs/tiny-sft"
+    steps: int = Field(900, ge=1)
+    batch_size: int = Field(64, ge=1)
+    lr: float = Field(1e-3, gt=0)  # 3e-3 often stalls for hundreds of steps on the loss plateau (~0.93)
+    warmup_steps: int = Field(20, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    t_min: float = Field(0.1, gt=0, le=1)
+    seed: int = 0
+    eval_size: int = Field(200, ge=1)
+    max_new_tokens: int = Field(8, ge=1)
+    num_threads: int = Field(0, ge=0)
 
 
 def make_model_config(arch: TinyModelConfig, tokenizer) -> SDARConfig:
     im_end = tokenizer.convert_tokens_to_ids(IM_END)  # chat turns end with <|im_end|>
     return SDARConfig(vocab_size=len(tokenizer), mask_token_id=tokenizer.mask_token_id,
                       eos_token_id=[tokenizer.eos_token_id, im_end], pad_token_id=tokenizer.eos_token_id,
-                      torch_dtype="float32", **asdict(arch))
+                      torch_dtype="float32", **arch.model_dump())
 
 
 def sft_batch(examples: list[dict], tokenizer, block_size: int, t_min: float, gen: torch.Generator):

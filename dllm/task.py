@@ -23,27 +23,27 @@ from __future__ import annotations
 
 import hashlib
 import random
-from dataclasses import dataclass
+
+from pydantic import Field
+
+from dllm.configlib import Config
 
 SPLITS = ("train", "heldout")
 
 
-@dataclass
-class ArithmeticTask:
-    min_digits: int = 2
-    max_digits: int = 2
-    heldout_fraction: float = 0.1
+class ArithmeticTask(Config):
+    """Section `task`: the synthetic addition task."""
+
+    min_digits: int = Field(2, ge=1, le=9)
+    max_digits: int = Field(2, ge=1, le=9)
+    heldout_fraction: float = Field(0.1, gt=0, lt=1)
     fixed_width: bool = True  # zero-pad operands to max_digits and the answer to max_digits + 1
-    teacher_carry_error: float = 0.6  # SFT demos drop the carries with this probability
+    teacher_carry_error: float = Field(0.6, ge=0, le=1)  # SFT demos drop the carries with this probability
     seed: int = 0
 
-    def validate(self) -> None:
-        if not 1 <= self.min_digits <= self.max_digits <= 9:
-            raise ValueError("max_digits: need 1 <= min_digits <= max_digits <= 9")
-        if not 0 < self.heldout_fraction < 1:
-            raise ValueError("heldout_fraction: must be in (0, 1)")
-        if not 0 <= self.teacher_carry_error <= 1:
-            raise ValueError("teacher_carry_error: must be in [0, 1]")
+    def check(self) -> None:
+        if self.min_digits > self.max_digits:
+            raise ValueError("task.max_digits: need min_digits <= max_digits")
 
     def _split_of(self, a: int, b: int) -> str:
         h = int.from_bytes(hashlib.blake2b(f"{a}+{b}".encode(), digest_size=4).digest(), "little")

@@ -1,6 +1,7 @@
 """The embedded default: a tiny SDAR model trained by the project itself.
 
-    path = ensure_default_model("configs/tiny.yaml")   # trains it first if missing
+    arch, task, sft = load_tiny_sections("configs/tiny.yaml")
+    path = ensure_default_model(arch, task, sft)        # trains it first if missing
 
 Sections of configs/tiny.yaml used here: `model` (TinyModelConfig), `task`
 (ArithmeticTask) and `sft` (SFTConfig). A file lock makes concurrent callers (a server
@@ -13,7 +14,7 @@ import fcntl
 import logging
 from pathlib import Path
 
-from dllm.configlib import load_section
+from dllm.configlib import load_sections
 from dllm.sft import SFTConfig, TinyModelConfig, run_sft
 from dllm.task import ArithmeticTask
 
@@ -21,19 +22,24 @@ log = logging.getLogger("dlrl.tiny")
 DEFAULT_CONFIG = "configs/tiny.yaml"
 
 
+TINY_SECTIONS = {"model": TinyModelConfig, "task": ArithmeticTask, "sft": SFTConfig}
+
+
 def load_tiny_sections(config_path: str | Path | None = DEFAULT_CONFIG, overrides: list[str] | None = None,
                        primary: str | None = None):
-    """(model, task, sft) sections; bare `key=value` overrides apply to `primary` only."""
-    arch = load_section(TinyModelConfig, config_path, "model", overrides, bare_keys=primary == "model")
-    task = load_section(ArithmeticTask, config_path, "task", overrides, bare_keys=primary == "task")
-    sft = load_section(SFTConfig, config_path, "sft", overrides, bare_keys=primary == "sft")
-    return arch, task, sft
+    """(model, task, sft) sections, read from the file once. Overrides of other sections are
+    not theirs (skipped); bare `key=value` ones apply to `primary` only."""
+    mine = []
+    for item in overrides or []:
+        key = item.split("=", 1)[0]
+        if (key.split(".", 1)[0] if "." in key else primary) in TINY_SECTIONS:
+            mine.append(item)
+    secs = load_sections(config_path, mine, TINY_SECTIONS, primary=primary or "sft")
+    return secs["model"], secs["task"], secs["sft"]
 
 
-def ensure_default_model(config_path: str | Path | None = DEFAULT_CONFIG,
-                         overrides: list[str] | None = None) -> Path:
+def ensure_default_model(arch: TinyModelConfig, task: ArithmeticTask, sft: SFTConfig) -> Path:
     """Return the embedded default's model folder, running SFT first if it is missing."""
-    arch, task, sft = load_tiny_sections(config_path, overrides)
     out = Path(sft.output_dir)
     if (out / "config.json").is_file():
         return out

@@ -2,16 +2,21 @@
 
     tok = build_char_tokenizer("runs/tiny-sft")     # writes tokenizer.json + tokenizer_config.json
     tok = load_tokenizer("runs/tiny-sft")           # AutoTokenizer, works for SDAR folders too
+    tok = load_tokenizer(folder, trust_remote_code=True)   # only when asked: never a prompt
+    eos = eos_token_ids(folder, tok, cfg.eos_ids)   # config + generation_config.json + tokenizer
 
 The character tokenizer is made with the `tokenizers` library (one token per
 character, plus special tokens), loads with `transformers.AutoTokenizer`, and has a
-Qwen-style chat template.
+Qwen-style chat template. The Qwen byte-level BPE stand-in is in dllm/standin.py.
+`find_token_id` reads a special token's id from the tokenizer files without loading it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import string
+import warnings
 from pathlib import Path
 
 EOS, MASK, IM_START, IM_END, UNK = "<|endoftext|>", "<|MASK|>", "<|im_start|>", "<|im_end|>", "<|unk|>"
@@ -21,6 +26,11 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+log = logging.getLogger("dlrl.model")
+
+
+class TokenizerLoadError(ValueError):
+    """A tokenizer folder cannot be loaded; the message names the file or option."""
 
 
 def build_char_tokenizer(out_dir: str | Path, chars: str = CHARS):
@@ -48,9 +58,12 @@ def build_char_tokenizer(out_dir: str | Path, chars: str = CHARS):
     return load_tokenizer(out)
 
 
-def load_tokenizer(path: str | Path):
-    """Load a tokenizer folder with AutoTokenizer (no network)."""
-    from transformers import AutoTokenizer
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
+    """Load a tokenizer folder with AutoTokenizer (no network, never a prompt on stdin).
+
+    A folder whose tokenizer needs its own Python code loads only with
+    `trust_remote_code=True`; otherwise a TokenizerLoadError says which option to set."""
+    from transformers import AutoTokenizer, PretrainedConfig
     from transformers.utils import logging as hf_logging
 
     p = Path(path)
@@ -58,11 +71,70 @@ def load_tokenizer(path: str | Path):
         raise FileNotFoundError(f"no tokenizer.json / tokenizer_config.json in {p}")
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # AutoTokenizer warns about the unknown "sdar" config type
-    try:
-        return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    try:  # an explicit bool: transformers asks on stdin only when it is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            # an empty config: AutoTokenizer would otherwise parse config.json with transformers'
+            # rules (and run its auto_map code); the tokenizer files alone say what to load
+            return AutoTokenizer.from_pretrained(str(p), config=PretrainedConfig(), local_files_only=True,
+                                                 trust_remote_code=bool(trust_remote_code))
+    except ValueError as e:
+        if "trust_remote_code" in str(e) or "custom code" in str(e):
+            raise TokenizerLoadError(f"trust_remote_code: the tokenizer in {p} needs the folder's own Python "
+                                     "code; set trust_remote_code=true to run it (off by default)") from None
+        raise
     finally:
         hf_logging.set_verbosity(level)
 
 
 def encode(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def find_token_id(folder: str | Path, token: str) -> int | None:
+    """Id of `token` from the tokenizer files of `folder` (tokenizer.json added tokens and
+    vocab, tokenizer_config.json added_tokens_decoder, added_tokens.json), None if absent."""
+    folder = Path(folder)
+    tj = _read_json(folder / "tokenizer.json")
+    for added in tj.get("added_tokens") or []:
+        if isinstance(added, dict) and added.get("content") == token and isinstance(added.get("id"), int):
+            return added["id"]
+    decoder = _read_json(folder / "tokenizer_config.json").get("added_tokens_decoder") or {}
+    for idx, added in decoder.items():
+        if isinstance(added, dict) and added.get("content") == token and str(idx).isdigit():
+            return int(idx)
+    for vocab in (_read_json(folder / "added_tokens.json"), (tj.get("model") or {}).get("vocab")):
+        if isinstance(vocab, dict) and isinstance(vocab.get(token), int):
+            return vocab[token]
+    return None
+
+
+def generation_eos_ids(folder: str | Path) -> list[int]:
+    """`eos_token_id` of generation_config.json (an int or a list), [] when absent."""
+    eos = _read_json(Path(folder) / "generation_config.json").get("eos_token_id")
+    if isinstance(eos, int) and not isinstance(eos, bool):
+        return [eos]
+    if isinstance(eos, list):
+        return [e for e in eos if isinstance(e, int) and not isinstance(e, bool)]
+    return []
+
+
+def eos_token_ids(folder: str | Path | None, tokenizer, config_eos: list[int]) -> list[int]:
+    """The ids that end a generation: the union of config.json's `eos_token_id`,
+    generation_config.json's (chat checkpoints list `<|im_end|>` there) and the tokenizer's
+    eos token. Sorted, without duplicates."""
+    ids = set(config_eos)
+    if folder is not None:
+        ids.update(generation_eos_ids(folder))
+    tok_eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if isinstance(tok_eos, int):
+        ids.add(tok_eos)
+    return sorted(ids)

@@ -1,34 +1,46 @@
-"""Weights I/O in the Hugging Face SDAR layout (safetensors, optionally sharded).
+"""Weights I/O in the Hugging Face SDAR layout (safetensors, optionally sharded), streamed.
 
     model = load_pretrained("path/to/SDAR-1.7B-Chat", dtype=torch.bfloat16)
+    model = load_pretrained(folder_without_block_size, block_size=4)
     save_pretrained(model, "runs/out", max_shard_bytes=2**30)
+    save_weights(named_tensors, "runs/out", dtype=torch.bfloat16)   # any (name, tensor) stream
 
 `copy_into_model` is the single path that writes tensors into parameters
 (`param.data.copy_`): checkpoint loading and the weight-sync receiver both use it,
 so an in-place update behaves exactly like loading a checkpoint.
+
+Loading streams: the model is allocated once (on the meta device first, then empty in
+the target dtype and device), every name and shape is checked against the safetensors
+headers before any data is read, then the shards are read one at a time, one tensor at a
+time (large tensors a few rows at a time), straight into the parameters. Peak memory is
+about the model plus one shard (the shard's pages are mapped while it is read). Saving converts and writes a shard at a time.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dllm.config import SDARConfig
+from dllm.config import SDARConfig, load_model_config
 from dllm.model import SDARForCausalLM
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; recomputed here
+CHUNK_BYTES = 16 << 20  # larger checkpoint tensors are read into their parameter in row chunks
+Spec = tuple[str, tuple[int, ...]]
 
 
 class WeightLoadError(ValueError):
-    """Weights do not fit the model; the message names the tensor and the problem."""
+    """Weights do not fit the model; the message names the tensor (or file) and the problem."""
 
 
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
@@ -39,30 +51,18 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     return DTYPES[name]
 
 
-def _params_by_name(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    named = dict(model.named_parameters(remove_duplicate=False))
-    return named
-
-
-def copy_into_model(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                    strict: bool = True) -> set[str]:
-    """Validate every (name, tensor) against the model, then copy all of them in place.
-
-    Nothing is copied unless all names and shapes fit. With strict, every parameter
-    (tied weights count once) must be provided. Returns the set of names copied.
-    """
-    params = _params_by_name(model)
-    items = list(named_tensors)
-    seen: set[str] = set()
-    for name, t in items:
+def _check_specs(params: dict[str, torch.Tensor], specs: Iterable[Spec], strict: bool) -> dict[str, tuple]:
+    """Validate (name, shape) pairs against the model; returns {name: shape}."""
+    seen: dict[str, tuple] = {}
+    for name, shape in specs:
         if name not in params:
             raise WeightLoadError(f"unexpected tensor {name!r}: the model has no such parameter")
-        if tuple(t.shape) != tuple(params[name].shape):
-            raise WeightLoadError(f"shape mismatch for {name!r}: got {tuple(t.shape)}, "
+        if tuple(shape) != tuple(params[name].shape):
+            raise WeightLoadError(f"shape mismatch for {name!r}: got {tuple(shape)}, "
                                   f"model has {tuple(params[name].shape)}")
         if name in seen:
             raise WeightLoadError(f"tensor {name!r} given twice")
-        seen.add(name)
+        seen[name] = tuple(shape)
     if strict:
         by_id: dict[int, list[str]] = {}
         for n, p in params.items():
@@ -70,18 +70,46 @@ def copy_into_model(model: torch.nn.Module, named_tensors: Iterable[tuple[str, t
         missing = [names[0] for names in by_id.values() if not any(n in seen for n in names)]
         if missing:
             raise WeightLoadError(f"missing tensor {missing[0]!r} ({len(missing)} missing in all)")
-    with torch.no_grad():
-        for name, t in items:
-            params[name].data.copy_(t)
     return seen
 
 
-def _weight_files(path: Path) -> list[Path]:
+def copy_into_model(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                    strict: bool = True, specs: Sequence[Spec] | None = None) -> set[str]:
+    """Validate every (name, tensor) against the model, then copy them in place.
+
+    Without `specs`, the tensors are collected first (a list costs nothing more) and nothing
+    is copied unless all names and shapes fit. With `specs` ((name, shape) of everything
+    the stream will yield, e.g. from safetensors headers) the check runs on them first and
+    the stream is then consumed one tensor at a time (a tensor that contradicts its spec
+    still raises). With strict, every parameter (tied weights count once) must be provided.
+    Returns the set of names copied."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if specs is None:
+        named_tensors = named_tensors if isinstance(named_tensors, (list, tuple)) else list(named_tensors)
+        specs = [(n, tuple(t.shape)) for n, t in named_tensors]
+    expected = _check_specs(params, specs, strict)
+    copied: set[str] = set()
+    with torch.no_grad():
+        for name, t in named_tensors:
+            if expected.get(name) != tuple(t.shape) or name in copied:
+                raise WeightLoadError(f"tensor {name!r} {tuple(t.shape)} does not match the announced specs")
+            if isinstance(t, ChunkedTensor):
+                t.copy_to(params[name].data)
+            else:
+                params[name].data.copy_(t)
+            copied.add(name)
+    if copied != set(expected):
+        missing = sorted(set(expected) - copied)
+        raise WeightLoadError(f"stream ended before tensor {missing[0]!r} ({len(missing)} announced, not sent)")
+    return copied
+
+
+def weight_files(path: Path) -> list[Path]:
     index = path / INDEX_NAME
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise WeightLoadError(f"{index} is not a valid safetensors index: {e}") from e
         files = [path / f for f in sorted(set(weight_map.values()))]
     elif (path / SINGLE_NAME).is_file():
@@ -94,66 +122,124 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(path: str | Path) -> Iterable[tuple[str, torch.Tensor]]:
-    for f in _weight_files(Path(path)):
+def _keep(name: str, skip: set[str]) -> bool:
+    return name not in skip and not name.endswith(IGNORED_SUFFIXES)
+
+
+def checkpoint_specs(path: str | Path, skip: set[str] = frozenset()) -> list[Spec]:
+    """(name, shape) of every tensor in the folder's shards, from the headers only."""
+    specs = []
+    for f in weight_files(Path(path)):
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                specs += [(n, tuple(fh.get_slice(n).get_shape())) for n in fh.keys() if _keep(n, skip)]
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise WeightLoadError(f"{f}: not a readable safetensors file ({e})") from e
+    return specs
+
+
+class ChunkedTensor:
+    """A checkpoint tensor that `copy_into_model` reads straight into its parameter, a few rows
+    at a time (no full-size temporary copy of a large tensor)."""
+
+    def __init__(self, handle, name: str):
+        self.slice = handle.get_slice(name)
+        self.shape = tuple(self.slice.get_shape())
+
+    def copy_to(self, dst: torch.Tensor) -> None:
+        row_bytes = max(1, dst[0].numel() * dst.element_size()) if dst.dim() else 1
+        step = max(1, CHUNK_BYTES // row_bytes)
+        for i in range(0, self.shape[0], step):
+            dst[i:i + step].copy_(self.slice[i:i + step])
+
+
+def iter_checkpoint(path: str | Path, skip: set[str] = frozenset(),
+                    chunked: bool = False) -> Iterable[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) one at a time, shard by shard (one shard mapped at a time). With
+    `chunked`, tensors over CHUNK_BYTES come as ChunkedTensor (for copy_into_model)."""
+    for f in weight_files(Path(path)):
         with safe_open(str(f), framework="pt") as fh:
             for name in fh.keys():
-                yield name, fh.get_tensor(name)
+                if not _keep(name, skip):
+                    continue
+                big = chunked and fh.get_slice(name).get_shape() and \
+                    math.prod(fh.get_slice(name).get_shape()) * 4 > CHUNK_BYTES
+                yield name, ChunkedTensor(fh, name) if big else fh.get_tensor(name)
 
 
-def load_pretrained(path: str | Path, device: str | torch.device = "cpu",
-                    dtype: str | torch.dtype | None = None) -> SDARForCausalLM:
-    """Build the model from `path/config.json` and copy the safetensors weights into it."""
+def empty_model(cfg: SDARConfig, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32) -> SDARForCausalLM:
+    """An SDARForCausalLM with uninitialised parameters of `dtype` on `device` (allocated once)."""
+    with torch.device("meta"):
+        model = SDARForCausalLM(cfg)
+    model = model.to(dtype).to_empty(device=device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def load_pretrained(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
+                    block_size: int | None = None, mask_token_id: int | None = None) -> SDARForCausalLM:
+    """Build the model from `path/config.json` and stream the safetensors weights into it.
+    `block_size` / `mask_token_id` are for folders that lack them (see load_model_config)."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model folder not found: {path}")
-    cfg = SDARConfig.from_json_file(path / "config.json")
-    dtype = parse_dtype(dtype) or torch.float32
-    with torch.device("meta"):
-        model = SDARForCausalLM(cfg)
-    model = model.to_empty(device=device).to(dtype)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    tensors = dict(iter_checkpoint(path))
-    if cfg.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
-    copy_into_model(model, tensors.items(), strict=True)
+    cfg = load_model_config(path, block_size=block_size, mask_token_id=mask_token_id)
+    model = empty_model(cfg, device, parse_dtype(dtype) or torch.float32)
+    skip = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    specs = checkpoint_specs(path, skip)
+    copy_into_model(model, iter_checkpoint(path, skip, chunked=True), strict=True, specs=specs)
     return model.eval()
+
+
+def save_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], path: str | Path,
+                 dtype: str | torch.dtype | None = None, max_shard_bytes: int = 4 << 30) -> None:
+    """Write (name, tensor) pairs as safetensors shards (+ index when more than one), a shard
+    at a time: only one shard's converted copy is in memory. Replaces older weight files."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    dtype = parse_dtype(dtype)
+    for old in list(path.glob("model*.safetensors")) + [path / INDEX_NAME]:
+        old.unlink(missing_ok=True)
+    parts: list[tuple[Path, list[str]]] = []
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush():
+        tmp = path / f".shard-{len(parts):05d}.safetensors.tmp"
+        save_file(shard, str(tmp), metadata={"format": "pt"})
+        parts.append((tmp, list(shard)))
+
+    for name, t in named_tensors:
+        t = (t.detach().to(dtype) if dtype else t.detach()).contiguous().cpu()
+        nbytes = t.numel() * t.element_size()
+        if shard and size + nbytes > max_shard_bytes:
+            flush()
+            shard, size = {}, 0
+        shard[name] = t
+        size, total = size + nbytes, total + nbytes
+    if shard or not parts:
+        flush()
+    shard = {}
+    if len(parts) == 1:
+        parts[0][0].rename(path / SINGLE_NAME)
+        return
+    weight_map = {}
+    for i, (tmp, names) in enumerate(parts):
+        fname = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+        tmp.rename(path / fname)
+        weight_map.update({n: fname for n in names})
+    (path / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                              indent=2))
 
 
 def save_pretrained(model: SDARForCausalLM, path: str | Path, max_shard_bytes: int = 4 << 30,
                     dtype: str | torch.dtype | None = None) -> None:
-    """Write config.json and safetensors shards (+ index when more than one shard)."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    """Write config.json (torch_dtype = the saved dtype) and the safetensors shards."""
     dtype = parse_dtype(dtype)
-    state = {}
-    for name, p in model.named_parameters():  # tied weights appear once
-        t = p.detach()
-        state[name] = (t.to(dtype) if dtype else t).contiguous().cpu()
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in state.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
     cfg = model.config
     if dtype:
         cfg.torch_dtype = str(dtype).removeprefix("torch.")
     cfg.save(path)
-    for old in list(path.glob("model*.safetensors")) + [path / INDEX_NAME]:
-        old.unlink(missing_ok=True)
-    if len(shards) == 1:
-        save_file(shards[0], str(path / SINGLE_NAME), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path / fname), metadata={"format": "pt"})
-        weight_map.update({n: fname for n in shard})
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    (path / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                              indent=2))
+    save_weights(model.named_parameters(), path, dtype=dtype, max_shard_bytes=max_shard_bytes)

@@ -3,12 +3,16 @@
     dlrl sft      --config configs/tiny.yaml [key=value ...]   train the embedded default
     dlrl generate --model DIR --prompt TEXT [--trace]          print completions
     dlrl serve    --config configs/tiny.yaml [--host H --port P key=value ...]
-    dlrl train    --config configs/tiny.yaml [key=value ...]
+    dlrl train    --config configs/tiny.yaml [nproc=N] [key=value ...]
+    dlrl eval     --config configs/tiny.yaml [data=math500.jsonl num_samples=4 ...]
+    dlrl align    --config configs/align.yaml [key=value ...]        continuous alignment (make align)
+    dlrl versions --store runs/feedback.db [--events] [--rollback V]  the version registry
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 COMMANDS = {
@@ -16,11 +20,31 @@ COMMANDS = {
     "generate": ("dllm.cli", "generate_main"),
     "serve": ("server.cli", "main"),
     "train": ("trainer.cli", "main"),
+    "eval": ("trainer.eval_cli", "main"),
+    "align": ("trainer.align_cli", "main"),
+    "versions": ("trainer.align_cli", "versions_main"),
 }
 
 
+def _strip_local_rank(argv: list[str]) -> list[str]:
+    """The DeepSpeed launcher adds `--local_rank=N` (before the command): LOCAL_RANK carries it."""
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        name, _, value = a.partition("=")
+        if name in ("--local_rank", "--local-rank"):
+            if not value and i + 1 < len(argv):
+                value, skip = argv[i + 1], True
+            os.environ.setdefault("LOCAL_RANK", value)
+            continue
+        out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = _strip_local_rank(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print(__doc__.strip())
         if argv and argv[0] not in ("-h", "--help"):

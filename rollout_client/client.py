@@ -1,23 +1,26 @@
-"""RolloutClient: async client of the native `/generate` API of one or more dlrl servers.
+"""RolloutClient: THE client of one or more dlrl servers — generation, readiness and admin.
 
     import asyncio
     from rollout_client import RolloutClient
 
     async def main():
-        async with RolloutClient(["http://127.0.0.1:8000"], timeout=120) as client:
+        async with RolloutClient(["http://127.0.0.1:8000"], timeout=120, token="admin-token") as client:
             await client.wait_ready(timeout=60)
             rollouts = await client.generate(["12+7=", "3*4="], n=4, max_tokens=16,
                                              temperature=1.0, strategy="dynamic", seed=0)
             for r in rollouts:   # ordered by (prompt_index, sample_index)
                 print(r.prompt_index, r.version, r.finish_reason, r.text, r.trace.steps, r.logprobs)
+            print(await client.admin("http://127.0.0.1:8000", "GET", "/weights/version"))
 
     asyncio.run(main())
 
 Prompts are split into contiguous chunks (all `n` samples of a prompt stay on one server),
 one request per chunk, sent concurrently; `policy` picks a server per chunk: "round_robin"
 or "least_loaded" (fewest prompts in flight from this client). Connection errors,
-timeouts, 429 and 503 are retried (on the next server) up to `max_retries` times with
-exponential backoff; other errors raise `RolloutError` with the server's message.
+timeouts, 429 and 503 are retried (on another server) up to `max_retries` times with
+exponential backoff (stamina); other errors raise `RolloutError` with the server's message.
+`admin(server, method, path, body)` calls the bearer-token admin API of one server
+(`/weights/*`, `/admin/*`) and raises `AdminError` naming the server on any failure.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ import itertools
 import math
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import httpx
+import stamina
 
 from rollout_client.protocol import GenerateRequest, GenerateResponse, HealthResponse, Rollout
 
@@ -45,18 +50,36 @@ class RolloutError(RuntimeError):
         self.status = status
 
 
+class AdminError(RuntimeError):
+    """An admin call failed; the message names the server, `status` is the HTTP status (None:
+    the server did not answer)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+class _Retryable(Exception):
+    def __init__(self, message: str, status: int | None):
+        super().__init__(message)
+        self.status = status
+
+
 def _error_message(resp: httpx.Response) -> str:
     try:
-        err = resp.json().get("error", {})
+        data = resp.json()
+        err = data.get("error") or {}
+        if not err and "detail" in data:
+            return f"{resp.status_code} {data['detail']}"
         return f"{resp.status_code} {err.get('message', resp.text)} (param={err.get('param')})"
-    except ValueError:
+    except (ValueError, AttributeError):
         return f"{resp.status_code} {resp.text[:200]}"
 
 
 class RolloutClient:
     def __init__(self, servers: Sequence[str], timeout: float = 600.0, max_retries: int = 3,
                  policy: str = "round_robin", retry_backoff: float = 0.25, chunk_size: int | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None):
+                 transport: httpx.AsyncBaseTransport | None = None, token: str | None = None):
         if not servers:
             raise ValueError("servers: at least one server URL is required")
         if policy not in POLICIES:
@@ -66,6 +89,7 @@ class RolloutClient:
         self.chunk_size = chunk_size
         self.inflight = dict.fromkeys(self.servers, 0)
         self._rr = itertools.cycle(range(len(self.servers)))
+        self._token = token
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=min(10.0, timeout)),
                                        transport=transport)
 
@@ -99,6 +123,7 @@ class RolloutClient:
                 chunks.append((i, [p]))
         return chunks
 
+    # ------------------------------------------------------------------ generation
     async def generate(self, prompts: Prompt | Sequence[Prompt], n: int = 1, **sampling) -> list[Rollout]:
         """Sample `n` completions per prompt (text or token ids); sampling kwargs as in GenerateRequest."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -115,38 +140,41 @@ class RolloutClient:
         results = await asyncio.gather(*(self._send(req) for req in requests))
         rollouts: list[Rollout] = []
         for (start, _), (server, resp) in zip(chunks, results):
-            for s in resp.samples:
-                rollouts.append(Rollout(
-                    prompt_index=start + s.prompt_index, sample_index=s.index % n, prompt_ids=s.prompt_ids,
-                    completion_ids=s.completion_ids, text=s.text, finish_reason=s.finish_reason,
-                    version=s.version, logprobs=list(s.trace.logprobs) if s.trace else [], trace=s.trace,
-                    server=server))
+            rollouts += [Rollout.from_sample(s, start, n, server) for s in resp.samples]
         rollouts.sort(key=lambda r: (r.prompt_index, r.sample_index))
         return rollouts
 
     async def _send(self, req: GenerateRequest) -> tuple[str, GenerateResponse]:
         body = req.model_dump(exclude_unset=True)
         num_prompts = len(req.prompt_list())
-        last_error, server = "", None
-        for attempt in range(self.max_retries + 1):
-            server = self._pick(exclude=server if attempt else None)
-            self.inflight[server] += num_prompts
-            try:
-                resp = await self._http.post(f"{server}/generate", json=body)
-            except (httpx.TransportError, httpx.TimeoutException) as e:
-                last_error, status = f"{server}: {type(e).__name__}: {e}", None
-            else:
-                if resp.status_code == 200:
-                    return server, GenerateResponse.model_validate_json(resp.content)
-                last_error, status = f"{server}: {_error_message(resp)}", resp.status_code
-                if resp.status_code not in _RETRY_STATUS:
-                    raise RolloutError(last_error, status)
-            finally:
-                self.inflight[server] -= num_prompts
-            if attempt < self.max_retries:
-                await asyncio.sleep(self.retry_backoff * 2 ** attempt)
-        raise RolloutError(f"generation failed after {self.max_retries + 1} attempt(s): {last_error}", status)
+        server: str | None = None
+        try:
+            async for attempt in stamina.retry_context(
+                    on=_Retryable, attempts=self.max_retries + 1, timeout=None, wait_initial=self.retry_backoff,
+                    wait_max=max(self.retry_backoff, 10.0), wait_jitter=0.0):
+                with attempt:
+                    server = self._pick(exclude=server)
+                    return server, await self._post_generate(server, body, num_prompts)
+        except _Retryable as e:
+            raise RolloutError(f"generation failed after {self.max_retries + 1} attempt(s): {e}", e.status) from None
+        raise AssertionError("unreachable")  # pragma: no cover
 
+    async def _post_generate(self, server: str, body: dict, num_prompts: int) -> GenerateResponse:
+        self.inflight[server] += num_prompts
+        try:
+            resp = await self._http.post(f"{server}/generate", json=body)
+        except (httpx.TransportError, httpx.TimeoutException) as e:
+            raise _Retryable(f"{server}: {type(e).__name__}: {e}", None) from None
+        finally:
+            self.inflight[server] -= num_prompts
+        if resp.status_code == 200:
+            return GenerateResponse.model_validate_json(resp.content)
+        message = f"{server}: {_error_message(resp)}"
+        if resp.status_code in _RETRY_STATUS:
+            raise _Retryable(message, resp.status_code)
+        raise RolloutError(message, resp.status_code)
+
+    # ------------------------------------------------------------------ service / admin
     async def health(self) -> dict[str, HealthResponse | None]:
         """GET /health of every server: its HealthResponse, or None when unreachable."""
         async def one(server: str) -> HealthResponse | None:
@@ -158,21 +186,44 @@ class RolloutClient:
         results = await asyncio.gather(*(one(s) for s in self.servers))
         return dict(zip(self.servers, results))
 
-    async def wait_ready(self, timeout: float = 60.0, interval: float = 0.2) -> None:
-        """Wait until every server answers GET /ready with 200; TimeoutError otherwise."""
+    async def is_ready(self, server: str) -> bool:
+        try:
+            return (await self._http.get(f"{server}/ready", timeout=5.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def wait_ready(self, timeout: float = 60.0, interval: float = 0.2,
+                         servers: Sequence[str] | None = None) -> None:
+        """Wait until every server (default: all) answers GET /ready with 200; TimeoutError otherwise."""
         deadline = time.monotonic() + timeout
-        pending = list(self.servers)
+        pending = [s.rstrip("/") for s in (servers or self.servers)]
         while pending:
-            still = []
-            for server in pending:
-                try:
-                    resp = await self._http.get(f"{server}/ready", timeout=5.0)
-                    if resp.status_code != 200:
-                        still.append(server)
-                except httpx.HTTPError:
-                    still.append(server)
-            pending = still
+            ready = await asyncio.gather(*(self.is_ready(s) for s in pending))
+            pending = [s for s, ok in zip(pending, ready) if not ok]
             if pending and time.monotonic() > deadline:
                 raise TimeoutError(f"servers not ready after {timeout:.0f}s: {', '.join(pending)}")
             if pending:
                 await asyncio.sleep(interval)
+
+    async def metrics(self, server: str, timeout: float = 10.0) -> str:
+        """GET /metrics of `server`: the Prometheus text exposition (RolloutError naming it on failure)."""
+        try:
+            resp = await self._http.get(f"{server.rstrip('/')}/metrics", timeout=timeout)
+        except httpx.HTTPError as e:
+            raise RolloutError(f"server {server} did not answer GET /metrics: {type(e).__name__}: {e}") from None
+        if resp.status_code != 200:
+            raise RolloutError(f"server {server}: GET /metrics answered {_error_message(resp)}", resp.status_code)
+        return resp.text
+
+    async def admin(self, server: str, method: str, path: str, body: dict[str, Any] | None = None,
+                    timeout: float | None = 60.0) -> dict[str, Any]:
+        """One admin call (bearer token) to `server`; AdminError naming the server on failure."""
+        headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
+        url = f"{server.rstrip('/')}{path}"
+        try:
+            resp = await self._http.request(method, url, json=body, headers=headers, timeout=timeout)
+        except httpx.HTTPError as e:
+            raise AdminError(f"server {server} did not answer {method} {path}: {type(e).__name__}: {e}") from None
+        if resp.status_code >= 300:
+            raise AdminError(f"server {server}: {method} {path} answered {_error_message(resp)}", resp.status_code)
+        return resp.json() if resp.content else {}

@@ -5,38 +5,39 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)    # see server/cli.py
 
 The app starts the engine thread on startup and stops it on shutdown. State reachable
-from handlers: `request.app.state.engine`, `.config`, `.metrics`, `.admin_token`.
-Routers: generation (`/generate`, `/v1/*`), service (`/health`, `/ready`, `/metrics`,
-`/admin/*`) and, when present, `server.routes_weights` (`/weights/*`).
+from handlers: `request.app.state.engine`, `.config`, `.metrics`, `.admin_token`,
+`.prompts` (the tokenizer worker, server.generation.PromptEncoder), `.is_draining`
+(server.lifecycle), `.num_inflight` (server.middleware), `.recorder` (server.recording, None
+without a store) and `.feedback_token`. Routers: generation (`/generate`, `/v1/*`), feedback
+(`/v1/feedback`, server.routes_feedback), service
+(`/health`, `/ready`, `/metrics`, `/admin/*`) `server.routes_weights`
+(`/weights/*`). `server.middleware.RequestGuard` answers bodies over
+`server.max_body_bytes` 413 before they are read, and new requests 503 while draining.
+`GET /openapi.json` documents every route's statuses and the served model's limits
+(server.openapi).
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from server import routes_generate, routes_service
+from dllm.configlib import ConfigError
+from server import routes_feedback, routes_generate, routes_service, routes_weights
 from server.auth import resolve_admin_token
 from server.config import ServerConfig
 from server.engine import Engine
 from server.errors import install_error_handlers
+from server.generation import PromptEncoder
 from server.metrics import ServerMetrics
+from server.middleware import RequestGuard
+from server.openapi import install_openapi
+from server.recording import Recorder
+from server.weight_updates import make_updates
 
 log = logging.getLogger("dlrl.server")
-
-
-def _weights_router():
-    try:
-        routes_weights = importlib.import_module("server.routes_weights")
-    except ModuleNotFoundError as e:
-        if e.name != "server.routes_weights":
-            raise
-        log.warning("server.routes_weights not available: /weights/* endpoints disabled")
-        return None
-    return routes_weights.router
 
 
 def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
@@ -44,22 +45,44 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        from weight_sync.transports.shm import sweep
+
+        sweep()  # shared-memory regions left by pushers that died
         engine.start()
+        updates = getattr(app.state, "weight_updates", None)
+        if updates is not None:
+            updates.start_capture()  # keep the starting version for rollback
         yield
         engine.shutdown()
+        app.state.prompts.close()
+        if app.state.recorder is not None:
+            app.state.recorder.close()
+        updates = getattr(app.state, "weight_updates", None)
+        if updates is not None:
+            updates.close()
 
-    app = FastAPI(title="dlrl server", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="dlrl server", version="0.1.0", lifespan=lifespan,
+                  description="Block-diffusion LM generation (native and OpenAI-compatible) and admin API.")
     app.state.engine = engine
     app.state.config = config
     app.state.admin_token = resolve_admin_token(config.admin_token, config.admin_token_file)
     app.state.metrics = ServerMetrics(engine)
+    app.state.prompts = PromptEncoder(engine.tokenizer, engine.max_model_len)
+    app.state.is_draining, app.state.num_inflight = False, 0
+    app.state.feedback_token = config.resolved_feedback_token()
+    if app.state.feedback_token and app.state.feedback_token == app.state.admin_token:
+        raise ConfigError("server.feedback_token: must differ from the admin token")
+    app.state.recorder = Recorder.from_config(config, engine, app.state.metrics)
+    if config.keep_versions > 0:
+        app.state.weight_updates = make_updates(engine, config)
     install_error_handlers(app)
+    app.add_middleware(RequestGuard, max_body_bytes=config.max_body_bytes)
     app.include_router(routes_generate.router)
+    app.include_router(routes_feedback.router)
     app.include_router(routes_service.router)
     app.include_router(routes_service.admin)
-    weights = _weights_router()
-    if weights is not None:
-        app.include_router(weights)
+    app.include_router(routes_weights.router)
+    install_openapi(app)
     if not app.state.admin_token:
         log.info("no admin token configured: admin endpoints are disabled")
     return app

@@ -49,11 +49,11 @@ def _app_token(request: Request) -> str:
     return token
 
 
-def check_bearer(expected: str, authorization: str | None) -> None:
-    """Raise HTTPException unless `authorization` is `Bearer <expected>`."""
+def check_bearer(expected: str, authorization: str | None, what: str = "admin",
+                 disabled_hint: str = f"set server.admin_token or {ENV_VAR}") -> None:
+    """Raise HTTPException unless `authorization` is `Bearer <expected>` (`what`: whose token)."""
     if not expected:
-        raise HTTPException(status_code=403, detail="admin disabled: no admin token configured "
-                            f"(set server.admin_token or {ENV_VAR})")
+        raise HTTPException(status_code=403, detail=f"{what} disabled: no {what} token configured ({disabled_hint})")
     if not authorization:
         raise HTTPException(status_code=401, detail="missing bearer token",
                             headers={"WWW-Authenticate": "Bearer"})
@@ -62,7 +62,7 @@ def check_bearer(expected: str, authorization: str | None) -> None:
         raise HTTPException(status_code=401, detail="malformed Authorization header (expected 'Bearer <token>')",
                             headers={"WWW-Authenticate": "Bearer"})
     if not hmac.compare_digest(given.strip().encode(), expected.encode()):
-        raise HTTPException(status_code=403, detail="invalid admin token")
+        raise HTTPException(status_code=403, detail=f"invalid {what} token")
 
 
 async def require_admin(request: Request) -> None:

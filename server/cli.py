@@ -6,16 +6,17 @@
 `server.model` empty (the default) serves the embedded tiny default, trained on first use
 by `dllm.tiny.ensure_default_model`. Binds 127.0.0.1 unless told otherwise. The admin
 token comes from `server.admin_token` or the DLRL_ADMIN_TOKEN environment variable.
+SIGTERM / SIGINT shut down gracefully (server.lifecycle): new requests get 503, requests
+in flight get up to `server.shutdown_timeout` seconds, then the process exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 from pathlib import Path
 
-from dllm.configlib import ConfigError
+from dllm.configlib import ConfigError, print_check
 from server.config import ServerConfig, load_server_config
 
 log = logging.getLogger("dlrl.server")
@@ -29,20 +30,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="TCP port (default 8000)")
     p.add_argument("--model", default=None, help="model folder (HF layout); default: the embedded tiny model")
+    p.add_argument("--check", action="store_true", help="only parse the command line and the config; exit 0 "
+                                                       "(or 2 with the error)")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. server.max_batch=32")
     return p
 
 
-def resolve_model(config: ServerConfig, config_path: str | None) -> str:
+def resolve_model(config: ServerConfig, config_path: str | None, overrides: list[str] | None = None) -> str:
     """The model folder to serve: `config.model`, or the embedded default (trained if missing)."""
     if config.model:
         if not Path(config.model).is_dir():
             raise SystemExit(f"server.model: {config.model!r} is not a directory")
         return config.model
-    from dllm.tiny import ensure_default_model
+    from dllm.tiny import ensure_default_model, load_tiny_sections
 
     log.info("no server.model given: using the embedded tiny default (trains it first if missing)")
-    return str(ensure_default_model(config_path or DEFAULT_CONFIG))
+    return str(ensure_default_model(*load_tiny_sections(config_path or DEFAULT_CONFIG, overrides)))
 
 
 def build_engine(config: ServerConfig, model_path: str):
@@ -51,7 +54,9 @@ def build_engine(config: ServerConfig, model_path: str):
 
     backend = create_backend(config.backend, model_path, device=config.device, dtype=config.dtype,
                              max_batch=config.max_batch, max_model_len=config.max_model_len,
-                             kv_cache_memory=config.kv_cache_memory, kv_cache_fraction=config.kv_cache_fraction)
+                             trust_remote_code=config.trust_remote_code, block_size=config.block_size,
+                             mask_token_id=config.mask_token_id, kv_cache_memory=config.kv_cache_memory,
+                             kv_cache_fraction=config.kv_cache_fraction)
     return Engine(backend, max_queue=config.max_queue, model_name=config.model_name(model_path))
 
 
@@ -62,28 +67,39 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_server_config(config_path, args.overrides)
         changes = {k: v for k, v in (("host", args.host), ("port", args.port), ("model", args.model)) if v is not None}
-        config = dataclasses.replace(config, **changes)
-        config.validate()
+        config = config.replace(**changes)
     except ConfigError as e:
         parser.error(str(e))
+    if args.check:
+        return print_check("serve", config)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     import uvicorn
 
     from server.app import create_app
+    from server.lifecycle import GracefulServer
 
-    model_path = resolve_model(config, config_path)
+    model_path = resolve_model(config, config_path, args.overrides)
     try:
         engine = build_engine(config, model_path)
     except ConfigError as e:  # e.g. the KV cache cannot hold one sequence of max_model_len
         parser.exit(2, f"dlrl serve: error: {e}\n")
-    app = create_app(engine, config)
+    except (ValueError, FileNotFoundError) as e:  # bad folder / option: the message names it
+        parser.exit(2, f"dlrl serve: error: cannot load {model_path}: {e}\n")
+    try:
+        app = create_app(engine, config)
+    except ConfigError as e:  # e.g. server.store cannot be opened, feedback token = admin token
+        parser.exit(2, f"dlrl serve: error: {e}\n")
     log.info("serving model %s (%s) from %s with backend %s, max_batch=%d, max_model_len=%d",
              engine.model_name, getattr(engine.model, "dtype", "?"), model_path, config.backend,
              config.max_batch, engine.max_model_len)
     log.info("listening on http://%s:%d (admin endpoints %s)", config.host, config.port,
              "enabled" if app.state.admin_token else "disabled: no admin token")
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level.lower())
+    server = GracefulServer(uvicorn.Config(app, host=config.host, port=config.port,
+                                           log_level=config.log_level.lower(), timeout_graceful_shutdown=5),
+                            app, shutdown_timeout=config.shutdown_timeout)
+    server.run()
+    log.info("server stopped")
     return 0
 
 

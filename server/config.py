@@ -5,86 +5,93 @@
 `model=""` serves the embedded tiny default (`dllm.tiny.ensure_default_model`, trained on
 first use). `admin_token=""` falls back to the `DLRL_ADMIN_TOKEN` env var; with neither,
 admin endpoints are disabled. `max_model_len=0` means min(max_position_embeddings, 8192).
-KV-cache memory: `kv_cache_memory` ("4GiB", "512MB", bytes) if set, else `kv_cache_fraction`
+KV-cache memory: `kv_cache_memory` ("4GiB", "512MB", bytes) if not 0, else `kv_cache_fraction`
 of the memory available after loading the weights (free CUDA memory / available RAM);
 see server.backends.native.plan_kv_cache.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import os
 from pathlib import Path
+from typing import Literal
 
-from dllm.configlib import ConfigError, load_section
+from pydantic import ByteSize, Field
 
-BACKENDS = ("native", "lmdeploy")
-STRATEGIES = ("static", "dynamic", "sequential")
+from dllm.configlib import Config, load_section
+from rollout_client.protocol import Strategy
+
+Backend = Literal["native"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
+RecordMode = Literal["none", "sample", "all"]
+FEEDBACK_ENV_VAR = "DLRL_FEEDBACK_TOKEN"
 
 
-@dataclass
-class ServerConfig:
+class ServerConfig(Config):
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = Field(8000, ge=0, lt=65536)
     model: str = ""                  # HF-style folder; "" = embedded tiny default
     served_model_name: str = ""      # name in /v1/models; "" = the folder name
-    backend: str = "native"
+    backend: Backend = "native"
     device: str = "auto"             # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"              # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
-    max_batch: int = 16              # max concurrently decoded sequences (the KV-cache pages may allow fewer)
-    max_queue: int = 256             # max waiting sequences before 429
-    max_model_len: int = 0           # prompt + completion limit; 0 = min(max_position_embeddings, 8192)
-    kv_cache_memory: str = ""        # KV-cache budget, e.g. "4GiB"; "" = kv_cache_fraction of available memory
-    kv_cache_fraction: float = 0.8   # share of free device memory (CUDA) / available RAM (CPU) after the weights
+    dtype: Dtype = "auto"            # auto = bf16 on CUDA, fp32 on CPU
+    max_batch: int = Field(16, ge=1)   # max concurrently decoded sequences (the KV-cache pages may allow fewer)
+    max_queue: int = Field(256, ge=1)  # max waiting sequences before 429
+    max_model_len: int = Field(0, ge=0)  # prompt + completion limit; 0 = min(max_position_embeddings, 8192)
+    kv_cache_memory: ByteSize = Field(0, ge=0)  # KV-cache budget ("4GiB", "512MB", bytes); 0 = kv_cache_fraction
+    kv_cache_fraction: float = Field(0.8, gt=0, le=1)  # share of free CUDA memory / available RAM after the weights
+    trust_remote_code: bool = False  # run the model folder's own Python code (tokenizer/config); never asked
+    block_size: int = Field(0, ge=0)  # 0 = config.json's; set it for folders that lack it (or to decode with another)
+    mask_token_id: int = Field(-1, ge=-1)  # -1 = config.json's, else the tokenizer's <|MASK|>
     admin_token: str = ""
     admin_token_file: str = ""       # read (or create) the token here when none is set otherwise
-    log_level: str = "info"
+    log_level: LogLevel = "info"
+    max_body_bytes: int = Field(4 << 20, ge=1)  # request bodies over this are a 413 before being read (weights exempt)
+    shutdown_timeout: float = Field(20.0, ge=0)  # SIGTERM: seconds in-flight requests get before they are aborted
     # defaults for requests that leave these unset
-    default_max_tokens: int = 64
-    default_strategy: str = "dynamic"
-    default_threshold: float = 0.9
-    default_temperature: float = 1.0
+    default_max_tokens: int = Field(64, ge=1)
+    default_strategy: Strategy = "dynamic"
+    default_threshold: float = Field(0.9, ge=0, le=1)
+    default_temperature: float = Field(1.0, ge=0)
+    # weight sync (server side of weight_sync; see server/weight_updates.py)
+    weight_sync_lease_s: float = Field(30.0, gt=0, le=3600)  # an update with no data-plane progress is aborted
+    weight_sync_drain_timeout_s: float = Field(30.0, ge=0, le=3600)  # commit waits this long for in-flight...
+    weight_sync_abort_inflight: bool = False   # ... then aborts them (true) or lets them finish on the old weights
+    weight_sync_check_finite: bool = True      # refuse updates holding NaN/inf (400), nothing applied
+    keep_versions: int = Field(2, ge=0, le=64)  # weight versions kept in host memory for POST /weights/rollback
+    # continuous alignment (issue 19): recording, feedback (server/recording.py, server/routes_feedback.py)
+    record: RecordMode = "none"      # none | sample | all: which served samples go to the store
+    record_fraction: float = Field(0.1, ge=0, le=1)  # record=sample: the share of samples recorded
+    store: str = "runs/feedback.db"  # SQLite feedback store (store.open_store), shared by the servers of a host
+    store_max_records: int = Field(100_000, ge=1)  # bound of the store: oldest records go first
+    store_max_age_s: float = Field(7 * 86400.0, gt=0)  # records older than this are pruned
+    feedback_token: str = ""         # bearer token of POST /v1/feedback; "" = env DLRL_FEEDBACK_TOKEN, else disabled
+    feedback_labels: dict[str, float] = Field(default_factory=lambda: {"accept": 1.0, "reject": 0.0})
 
-    def validate(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ConfigError(f"server.port: {self.port} is not a TCP port")
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"server.backend: {self.backend!r} is not one of {BACKENDS}")
-        if self.default_strategy not in STRATEGIES:
-            raise ConfigError(f"server.default_strategy: {self.default_strategy!r} is not one of {STRATEGIES}")
-        for name in ("max_batch", "max_queue", "default_max_tokens"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"server.{name}: must be >= 1, got {getattr(self, name)}")
-        if self.max_model_len < 0:
-            raise ConfigError(f"server.max_model_len: must be >= 0, got {self.max_model_len}")
-        if not 0.0 <= self.default_threshold <= 1.0:
-            raise ConfigError(f"server.default_threshold: must be in [0, 1], got {self.default_threshold}")
-        if self.default_temperature < 0:
-            raise ConfigError(f"server.default_temperature: must be >= 0, got {self.default_temperature}")
-        if not 0.0 < self.kv_cache_fraction <= 1.0:
-            raise ConfigError(f"server.kv_cache_fraction: must be in (0, 1], got {self.kv_cache_fraction}")
-        parse_memory(self.kv_cache_memory)
+    def check(self) -> None:
+        if (self.record != "none" or self.resolved_feedback_token()) and not self.store:
+            raise ValueError("server.store: a path is needed when recording or feedback is on")
+        for label, reward in self.feedback_labels.items():
+            if not label or len(label) > 64:
+                raise ValueError(f"server.feedback_labels: label {label!r} must be a string of 1-64 characters")
+            if not math.isfinite(reward):
+                raise ValueError(f"server.feedback_labels.{label}: reward must be a finite number, got {reward!r}")
+        token = self.resolved_feedback_token()
+        if token and token == (self.admin_token or os.environ.get("DLRL_ADMIN_TOKEN", "")).strip():
+            raise ValueError("server.feedback_token: must differ from the admin token (a feedback client "
+                             "must not be able to administer the server)")
+
+    def resolved_feedback_token(self) -> str:
+        """The feedback token: `feedback_token`, else env DLRL_FEEDBACK_TOKEN, else "" (feedback disabled)."""
+        return (self.feedback_token or os.environ.get(FEEDBACK_ENV_VAR, "")).strip()
 
     def model_name(self, model_path: str | Path | None = None) -> str:
         if self.served_model_name:
             return self.served_model_name
         path = model_path or self.model
         return Path(str(path)).name if path else "dlrl-tiny"
-
-
-def parse_memory(text: str) -> int:
-    """'4GiB', '512MB', '1.5 GiB' or a number of bytes -> bytes (0 for ''); ConfigError naming the key."""
-    if not str(text).strip():
-        return 0
-    from pydantic import ByteSize, TypeAdapter, ValidationError
-
-    try:
-        num = int(TypeAdapter(ByteSize).validate_python(str(text).strip()))
-    except ValidationError:
-        num = 0
-    if num <= 0:
-        raise ConfigError(f"server.kv_cache_memory: {text!r} is not a memory size (e.g. 4GiB, 512MB, "
-                          "or a number of bytes)")
-    return num
 
 
 def load_server_config(path: str | Path | None, overrides: list[str] | None = None) -> ServerConfig:

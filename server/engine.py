@@ -36,6 +36,7 @@ from typing import Any
 
 from server.backends.base import Backend
 from server.errors import APIError
+from server.logprobs import top_logprobs
 from server.scheduler import QueueFull, Request, Scheduler
 
 log = logging.getLogger("dlrl.server")
@@ -75,6 +76,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._listeners: list[Callable[[StepStats], None]] = []
         self._emitted: dict[int, int] = {}  # seq_id -> completion tokens already streamed
+        self._top_k: dict[int, int] = {}    # seq_id -> top logprobs asked for (server.logprobs)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -138,15 +140,29 @@ class Engine:
                 seqs.append(self.backend.new_sequence(ids, p))
         return seqs
 
-    def submit(self, seqs: list[Any], stream: bool = False) -> Request:
-        """Queue the sequences of one request (call from the event loop). Raises QueueFull."""
+    def submit(self, seqs: list[Any], stream: bool = False, num_top_logprobs: int = 0) -> Request:
+        """Queue the sequences of one request (call from the event loop). Raises QueueFull.
+        With `num_top_logprobs` k > 0 each finished sequence gets `seq.top_logprobs`
+        (per completion token the k most likely (id, logprob); see server.logprobs)."""
         req = Request(uuid.uuid4().hex, seqs, asyncio.get_running_loop(), stream=stream)
         with self._cond:
             if not self.is_running:
                 raise EngineStopped("engine is not running")
             self.scheduler.enqueue(req)
+            if num_top_logprobs > 0:
+                self._top_k.update((s.seq_id, num_top_logprobs) for s in seqs)
             self._cond.notify_all()
         return req
+
+    def abort_all(self) -> int:
+        """Abort every queued and running request (shutdown deadline); returns how many."""
+        with self._cond:
+            reqs = list({id(r): r for r in self.scheduler.owner.values()}.values())
+            for req in reqs:
+                for seq in self.scheduler.abort(req):
+                    self._finish(seq)
+            self._cond.notify_all()
+        return len(reqs)
 
     def abort(self, req: Request) -> None:
         """Cancel a request's unfinished sequences (client gone); their slots are freed."""
@@ -237,6 +253,7 @@ class Engine:
                 self.backend.add(admitted)
             before = [len(s.masked_positions()) for s in batch]
             finished = self.backend.step(batch)
+            self._score_top_logprobs(finished)
         except Exception as e:
             log.exception("engine step failed; failing %d sequences", len(batch))
             self._fail(batch, f"engine step failed: {type(e).__name__}: {e}")
@@ -250,6 +267,16 @@ class Engine:
             except Exception:  # a metrics bug must not stop decoding
                 log.exception("step listener %r failed", fn)
         return True
+
+    def _score_top_logprobs(self, finished: list[Any]) -> None:
+        """Top-k logprobs of finished sequences that asked, while their weights are still served."""
+        for seq in finished:
+            k = self._top_k.pop(seq.seq_id, 0)
+            if k and seq.completion_ids:
+                try:
+                    seq.top_logprobs = top_logprobs(self.backend.model, seq, k)
+                except Exception:  # one request's scoring must not fail the batch
+                    log.exception("top logprobs of sequence %s failed", seq.seq_id)
 
     @staticmethod
     def _committed(batch: list[Any], before: list[int]) -> int:
@@ -280,6 +307,7 @@ class Engine:
         if seq in self.scheduler.to_release:
             self.scheduler.to_release.remove(seq)
         self._emitted.pop(seq.seq_id, None)
+        self._top_k.pop(seq.seq_id, None)
         if seq.trace.finish_reason is None:
             seq.trace.finish_reason = seq.finish_reason
         self.num_aborted += seq.finish_reason == "abort"
@@ -294,6 +322,7 @@ class Engine:
             self.scheduler.to_release = [s for s in self.scheduler.to_release if s not in batch]
             for seq in batch:
                 self.backend.release(seq)
+                self._top_k.pop(seq.seq_id, None)
                 req = self.scheduler.finish(seq)
                 if req is not None:
                     req.emit(("error", req.index_of[seq.seq_id], message))

@@ -39,43 +39,73 @@ class APIError(Exception):
         return cls(status, str(e), match.group(1) if match else None)
 
 
+def _printable(text: str | None) -> str | None:
+    """Error text is echoed back as JSON: lone surrogates from the request become escapes."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "error"), "param": param, "code": status}}
+    return {"error": {"message": _printable(message), "type": _TYPES.get(status, "error"),
+                      "param": _printable(param), "code": status}}
 
 
 def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None):
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
+_UNION_TAGS = {"system", "developer", "user", "assistant", "tool"}  # chat message roles (discriminator)
+
+
 def _is_type_tag(part) -> bool:
-    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool", "list", "dict", "none"})
+    return isinstance(part, str) and ("[" in part or part.startswith(("constrained-", "function-"))
+                                      or part in {"str", "int", "float", "bool", "list", "dict", "none"})
 
 
 def _param_of(err: dict) -> str | None:
     loc = [p for p in err.get("loc", ()) if not _is_type_tag(p)]
+    loc = [p for i, p in enumerate(loc) if not (i and isinstance(loc[i - 1], int) and p in _UNION_TAGS)]
     if loc and loc[0] in ("body", "query", "path", "header"):
         loc = loc[1:]
+    if err.get("type", "").startswith("union_tag"):
+        loc.append(str(err.get("ctx", {}).get("discriminator", "")).strip("'\""))
     if not loc or err.get("type") == "json_invalid":
         match = _FIELD_PREFIX.match(err.get("msg", ""))
-        return match.group(1) if match else ("body" if err.get("type") == "json_invalid" else None)
+        return match.group(1) if match else ("body" if err.get("type") in ("json_invalid", "string_unicode") else None)
     return ".".join(str(p) for p in loc)
 
 
+def _rank(err: dict) -> tuple:
+    """Most telling error first: a union reports one error per branch, mostly type mismatches of the
+    branches the caller did not mean; a constraint error deeper in the input is the real one."""
+    kind = err.get("type", "")
+    return (kind.endswith("_type") or kind in ("model_attributes_type", "is_instance_of"), -len(err.get("loc", ())))
+
+
+def _message(err: dict, param: str | None) -> str:
+    kind = err.get("type")
+    if kind == "json_invalid":
+        return f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}"
+    if kind == "missing" and param:
+        return f"{param}: field required"
+    if kind == "string_unicode":
+        msg = "contains a lone surrogate or other invalid Unicode; strings must be valid Unicode"
+    elif kind and kind.startswith("union_tag"):
+        ctx = err.get("ctx", {})
+        msg = f"{ctx.get('tag', '?')!r} is not one of {ctx.get('expected_tags', '?')}"
+    else:
+        msg = _FIELD_PREFIX.sub(r"\2", err.get("msg", "invalid value"))
+    return f"{param}: {msg}" if param else msg
+
+
 def validation_error_response(exc: RequestValidationError) -> JSONResponse:
-    errors = list(exc.errors())
+    errors = sorted(exc.errors(), key=_rank)
     if not errors:
         return error_response(400, "invalid request")
-    first = errors[0]
-    param = _param_of(first)
-    if first.get("type") == "json_invalid":
-        message = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}"
-    elif first.get("type") == "missing" and param:
-        message = f"{param}: field required"
-    else:
-        msg = _FIELD_PREFIX.sub(r"\2", first.get("msg", "invalid value"))
-        message = f"{param}: {msg}" if param else msg
-    if len(errors) > 1 and len({_param_of(e) for e in errors}) > 1:
-        message += f" (and {len(errors) - 1} more error(s))"
+    param = _param_of(errors[0])
+    message = _message(errors[0], param)
+    others = {_param_of(e) for e in errors if not _rank(e)[0]} - {param}
+    if others:
+        message += f" (and {len(others)} more error(s))"
     return error_response(400, message, param)
 
 
@@ -102,7 +132,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
-        return error_response(exc.status_code, message, None, getattr(exc, "headers", None))
+        match = _FIELD_PREFIX.match(message) if exc.status_code == 413 else None  # RequestGuard's body limit
+        if match:
+            _count(request, 413)
+        return error_response(exc.status_code, message, match.group(1) if match else None,
+                              getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

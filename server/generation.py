@@ -1,18 +1,24 @@
 """Request handling shared by every generation route: prompts -> Sequences -> results.
 
-    seqs = prepare(engine, config, prompts, options, max_tokens, n, field="prompt")
+    app.state.prompts = PromptEncoder(tokenizer, max_model_len)       # done by server.app
+    seqs = await prepare(app.state, prompts, options, max_tokens, n, field="prompt")   # texts or ids
     seqs = await run_to_completion(engine, http_request, seqs)     # aborts if the client leaves
     async for kind, index, payload in stream_events(engine, submit(engine, seqs, stream=True)): ...
     sample = to_sample(seq, index, n)
 
-Validation follows the API contract: empty prompt / invalid token ids / bad sampling
-values -> 400 naming the field, prompt at or over `max_model_len` -> 413, prompt +
-max_tokens over it -> 400 (`max_tokens`), full queue -> 429, engine stopped -> 503.
+Validation follows the API contract: invalid token ids / bad sampling values -> 400 naming
+the field; a request that does not fit the server -> 413 (prompt at or over
+`max_model_len`, prompt + max_tokens over it, prompts x n over `max_queue`); full queue
+-> 429; engine stopped -> 503. Tokenising and chat templates run on one worker thread,
+never on the event loop, after a cheap bound: a text longer than `max_model_len` x the
+longest token (in characters) cannot fit, so it is a 413 without being tokenised.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import Request
@@ -20,12 +26,53 @@ from fastapi import Request
 from dllm.sampling import SamplingParams
 from dllm.tokenizer import encode
 from rollout_client.protocol import DecodingOptions, Sample, TraceModel
-from server.config import ServerConfig
 from server.engine import Engine, EngineStopped, QueueFull
 from server.errors import APIError
 
 
-def to_sampling_params(opts: DecodingOptions, max_tokens: int, config: ServerConfig) -> SamplingParams:
+class PromptEncoder:
+    """The handlers' tokenizer, used on one worker thread only (HF tokenizers are not re-entrant)."""
+
+    def __init__(self, tokenizer: Any, max_model_len: int):
+        self.tokenizer, self.max_model_len = tokenizer, max_model_len
+        vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+        # a token covers at most this many characters of text (byte-level tokens: one char per byte)
+        self.max_token_chars = max((len(t) for t in vocab), default=1)
+        self.max_chars = max_model_len * self.max_token_chars
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlrl-tokenizer")
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def check_chars(self, num_chars: int, field: str) -> None:
+        if num_chars > self.max_chars:
+            raise APIError(413, f"{field}: {num_chars} characters cannot fit in max_model_len={self.max_model_len} "
+                                f"tokens (longest token: {self.max_token_chars} characters)", field)
+
+    async def encode(self, texts: list[str], field: str) -> list[list[int]]:
+        for text in texts:
+            self.check_chars(len(text), field)
+        return await self.run(lambda: [encode(self.tokenizer, t) for t in texts])
+
+    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        self.check_chars(sum(len(m.get("content") or "") for m in messages), "messages")
+
+        def render() -> list[int]:
+            try:
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                          add_generation_prompt=add_generation_prompt)
+            except Exception as e:  # template errors are the caller's messages' fault
+                raise APIError(400, f"messages: chat template failed: {e}", "messages") from None
+            self.check_chars(len(text), "messages")
+            return encode(self.tokenizer, text)
+
+        return await self.run(render)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def to_sampling_params(opts: DecodingOptions, max_tokens: int, config: Any) -> SamplingParams:
     """SamplingParams of a request; fields the client left unset take the server defaults."""
     given = opts.model_fields_set
 
@@ -39,41 +86,42 @@ def to_sampling_params(opts: DecodingOptions, max_tokens: int, config: ServerCon
         stop=opts.stop_list(), stop_token_ids=opts.stop_token_ids, ignore_eos=opts.ignore_eos)
 
 
-def encode_prompts(engine: Engine, prompts: list[str | list[int]], field: str) -> list[list[int]]:
+async def encode_prompts(state: Any, prompts: list[str | list[int]], field: str) -> list[list[int]]:
+    """Token ids of each prompt (texts tokenised off the event loop); 413 when one cannot fit."""
+    texts = [p for p in prompts if isinstance(p, str)]
+    encoded = iter(await state.prompts.encode(texts, field) if texts else [])
+    limit = state.engine.max_model_len
     out = []
-    name = field
     for p in prompts:
-        if isinstance(p, str):
-            if not p:
-                raise APIError(400, f"{name}: must not be empty", name)
-            p = encode(engine.tokenizer, p)
-        if not p:
-            raise APIError(400, f"{name}: must contain at least one token", name)
-        if len(p) >= engine.max_model_len:
-            raise APIError(413, f"{name}: prompt has {len(p)} tokens; the limit is max_model_len="
-                                f"{engine.max_model_len} (prompt + completion)", name)
-        out.append(p)
+        ids = next(encoded) if isinstance(p, str) else p
+        if not ids:
+            raise APIError(400, f"{field}: must contain at least one token", field)
+        if len(ids) >= limit:
+            raise APIError(413, f"{field}: prompt has {len(ids)} tokens; the limit is max_model_len="
+                                f"{limit} (prompt + completion)", field)
+        out.append(ids)
     return out
 
 
-def prepare(engine: Engine, config: ServerConfig, prompts: list[str | list[int]], opts: DecodingOptions,
-            max_tokens: int | None, n: int, field: str = "prompt") -> list[Any]:
+async def prepare(state: Any, prompts: list[str | list[int]], opts: DecodingOptions, max_tokens: int | None,
+                  n: int, field: str = "prompt") -> list[Any]:
     """Tokenise and validate the prompts; build n Sequences per prompt (prompt-major)."""
-    num_seqs = len(prompts) * n
-    if num_seqs > engine.scheduler.max_queue:
-        raise APIError(400, f"n: {len(prompts)} prompt(s) x n={n} = {num_seqs} sequences exceed what the server "
-                            f"queues at once (max_queue={engine.scheduler.max_queue})", "n")
+    engine: Engine = state.engine
     if not prompts:
         raise APIError(400, f"{field}: must not be empty", field)
+    num_seqs = len(prompts) * n
+    if num_seqs > engine.scheduler.max_queue:
+        raise APIError(413, f"n: {len(prompts)} prompt(s) x n={n} = {num_seqs} sequences exceed what the server "
+                            f"queues at once (max_queue={engine.scheduler.max_queue})", "n")
     seqs = []
-    for ids in encode_prompts(engine, prompts, field):
+    for ids in await encode_prompts(state, prompts, field):
         room = engine.max_model_len - len(ids)
-        num = min(config.default_max_tokens, room) if max_tokens is None else max_tokens
+        num = min(state.config.default_max_tokens, room) if max_tokens is None else max_tokens
         if num > room:
-            raise APIError(400, f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({num}) exceeds "
+            raise APIError(413, f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({num}) exceeds "
                                 f"max_model_len={engine.max_model_len}", "max_tokens")
         try:
-            seqs += engine.make_sequences([ids], to_sampling_params(opts, num, config), n)
+            seqs += engine.make_sequences([ids], to_sampling_params(opts, num, state.config), n)
         except ValueError as e:
             err = APIError.from_value_error(e)
             if err.param == "prompt_ids" and field != "prompt_ids":
@@ -82,9 +130,9 @@ def prepare(engine: Engine, config: ServerConfig, prompts: list[str | list[int]]
     return seqs
 
 
-def submit(engine: Engine, seqs: list[Any], stream: bool = False):
+def submit(engine: Engine, seqs: list[Any], stream: bool = False, num_top_logprobs: int = 0):
     try:
-        return engine.submit(seqs, stream=stream)
+        return engine.submit(seqs, stream=stream, num_top_logprobs=num_top_logprobs)
     except QueueFull as e:
         raise APIError(429, str(e), None, {"Retry-After": "1"}) from None
     except EngineStopped as e:
@@ -96,9 +144,9 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-async def run_to_completion(engine: Engine, request: Request, seqs: list[Any]) -> list[Any]:
+async def run_to_completion(engine: Engine, request: Request, seqs: list[Any], num_top_logprobs: int = 0) -> list[Any]:
     """Run the sequences to the end; a client disconnect aborts them (slots freed)."""
-    req = submit(engine, seqs)
+    req = submit(engine, seqs, num_top_logprobs=num_top_logprobs)
     waiter = asyncio.ensure_future(engine.wait(req))
     gone = asyncio.ensure_future(_wait_disconnect(request))
     try:

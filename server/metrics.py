@@ -9,7 +9,10 @@ Names: dlrl_requests_total{endpoint,status}, dlrl_prompt_tokens_total,
 dlrl_generation_tokens_total, dlrl_forwards_total, dlrl_tokens_per_forward,
 dlrl_batch_size, dlrl_max_batch_size, dlrl_step_seconds, dlrl_request_latency_seconds,
 dlrl_queue_depth, dlrl_running_sequences, dlrl_policy_version, dlrl_paused,
-dlrl_aborted_sequences.
+dlrl_aborted_sequences; continuous alignment (issue 19): dlrl_served_version (= the policy
+version), dlrl_records_total (samples written to the feedback store), dlrl_feedback_total
+(new feedback accepted), dlrl_rollbacks_total, dlrl_store_errors_total (records dropped or
+not written, feedback the store could not take).
 """
 
 from __future__ import annotations
@@ -47,6 +50,11 @@ class ServerMetrics:
                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.latency = Histogram("dlrl_request_latency_seconds", "request latency (arrival to last token)",
                                  ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.records = Counter("dlrl_records", "served samples written to the feedback store", registry=r)
+        self.feedback = Counter("dlrl_feedback", "new feedback accepted by POST /v1/feedback", registry=r)
+        self.rollbacks = Counter("dlrl_rollbacks", "rollbacks to a kept weight version", registry=r)
+        self.store_errors = Counter("dlrl_store_errors", "feedback store failures (record dropped or not "
+                                    "written, feedback not stored)", registry=r)
         self._max_batch = 0
         if engine is not None:
             self.bind_engine(engine)
@@ -59,6 +67,8 @@ class ServerMetrics:
             lambda: engine.num_running)
         Gauge("dlrl_policy_version", "version of the served weights", registry=r).set_function(
             lambda: engine.version)
+        Gauge("dlrl_served_version", "weight version served now (after updates and rollbacks)",
+              registry=r).set_function(lambda: engine.version)
         Gauge("dlrl_paused", "1 while admission is paused", registry=r).set_function(
             lambda: float(engine.is_paused))
         Gauge("dlrl_aborted_sequences", "sequences aborted (client gone, pause)", registry=r).set_function(

@@ -4,10 +4,15 @@
     resp = await chat(body, request)          # ChatCompletionResponse | StreamingResponse
 
 Streams send one `data: {chunk}` event per committed block of each choice (the block's
-new text), a last chunk per choice with its finish_reason, an optional usage chunk
-(`stream_options={"include_usage": true}`), then `data: [DONE]`. dLLM options
-(strategy, steps, threshold, top_k, seed, return_trace, ...) are extra request fields;
-with `return_trace` each choice also carries its `trace`, `completion_ids` and `version`.
+new text), a last chunk per choice with its finish_reason (and its logprobs, when asked),
+an optional usage chunk (`stream_options={"include_usage": true}`), then `data: [DONE]`.
+Text that could still be the start of a stop string is held back until the next block
+says whether it is one, so streamed text always equals the non-streamed text.
+dLLM options (strategy, steps, threshold, top_k, seed, return_trace, ...) are extra
+request fields; with `return_trace` each choice also carries its `trace`,
+`completion_ids` and `version`. Logprobs: completions `logprobs=k` gives `tokens`,
+`token_logprobs`, `top_logprobs` (k most likely + the sampled token) and `text_offset`;
+chat `logprobs=true, top_logprobs=k` gives k alternatives per token (server.logprobs).
 """
 
 from __future__ import annotations
@@ -20,12 +25,13 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from dllm.tokenizer import encode
 from rollout_client import protocol as P
 from server.errors import APIError, error_body
 from server.generation import prepare, run_to_completion, stream_events, submit, trace_model
+from server.recording import record_ids, record_one
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_WINDOW = 8  # tokens of left context when measuring the text each token adds
 
 
 def check_model(name: str | None, served: str) -> None:
@@ -51,69 +57,132 @@ def _sse(obj: Any) -> str:
     return f"data: {data}\n\n"
 
 
+def hold_back(text: str, stops: list[str]) -> str:
+    """`text` without its longest ending that is a proper prefix of a stop string."""
+    keep = len(text)
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:size]):
+                keep = min(keep, len(text) - size)
+                break
+    return text[:keep]
+
+
+# --------------------------------------------------------------------------- logprobs (tokenizer thread)
+
+def _token_texts(tok: Any, ids: list[int]) -> tuple[list[str], list[int]]:
+    """Each token's own text (special tokens shown) and the characters it adds to the decoded text."""
+    texts = tok.batch_decode([[i] for i in ids])
+    added = []
+    for j in range(len(ids)):
+        lo = max(0, j - _WINDOW)
+        before, after = tok.decode(ids[lo:j], skip_special_tokens=True), tok.decode(ids[lo:j + 1],
+                                                                                     skip_special_tokens=True)
+        added.append(max(0, len(after) - len(before)))
+    return texts, added
+
+
+def completion_logprobs(tok: Any, seq: Any, k: int) -> P.CompletionLogprobs:
+    """`text_offset` counts from the start of the completion (echo is never combined with logprobs)."""
+    texts, added = _token_texts(tok, seq.completion_ids)
+    offsets, offset = [], 0
+    for n in added:
+        offsets.append(offset)
+        offset += n
+    top = getattr(seq, "top_logprobs", None) if k else None
+    tops = []
+    for j, (text, lp) in enumerate(zip(texts, seq.trace.logprobs)):
+        alts = {tok.decode([i]): v for i, v in (top[j] if top else [])}
+        alts.setdefault(text, lp)
+        tops.append(alts)
+    return P.CompletionLogprobs(tokens=texts, token_logprobs=list(seq.trace.logprobs), top_logprobs=tops,
+                                text_offset=offsets)
+
+
+def chat_logprobs(tok: Any, seq: Any, k: int) -> P.ChatLogprobs:
+    def entry(i: int, lp: float) -> dict:
+        text = tok.decode([i])
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", "replace"))}
+
+    top = getattr(seq, "top_logprobs", None) if k else None
+    return P.ChatLogprobs(content=[
+        P.TokenLogprob(**entry(i, lp), top_logprobs=[P.TopLogprob(**entry(a, v)) for a, v in (top[j] if top else [])])
+        for j, (i, lp) in enumerate(zip(seq.completion_ids, seq.trace.logprobs))])
+
+
+# --------------------------------------------------------------------------- endpoints
+
 async def completions(body: P.CompletionRequest, request: Request):
     st, t0 = request.app.state, time.perf_counter()
     check_model(body.model, st.engine.model_name)
     prompts = body.prompt_list()
-    seqs = prepare(st.engine, st.config, prompts, body, body.max_tokens, body.n)
-    prefixes = [p if isinstance(p, str) else st.engine.tokenizer.decode(p) for p in prompts] if body.echo else None
+    seqs = await prepare(st, prompts, body, body.max_tokens, body.n)
+    prefixes = None
+    if body.echo:
+        prefixes = await st.prompts.run(lambda: [p if isinstance(p, str) else st.prompts.tokenizer.decode(p)
+                                                 for p in prompts])
+    k = body.logprobs
+
+    def logprobs(seq: Any) -> P.CompletionLogprobs | None:
+        return None if k is None else completion_logprobs(st.prompts.tokenizer, seq, k)
+
     if body.stream:
-        return _stream(request, "/v1/completions", body, seqs, lambda rid, i, text, reason: P.CompletionResponse(
+        return _stream(request, "/v1/completions", body, seqs, lambda rid, i, text, reason, lp=None: P.CompletionResponse(
             id=rid, model=st.engine.model_name,
-            choices=[P.CompletionChoice(index=i, text=text, finish_reason=reason)]), prefixes)
-    seqs = await run_to_completion(st.engine, request, seqs)
-    tok = st.engine.tokenizer
+            choices=[P.CompletionChoice(index=i, text=text, finish_reason=reason, logprobs=lp)]),
+            prefixes, logprobs, k or 0, prompts)
+    seqs = await run_to_completion(st.engine, request, seqs, num_top_logprobs=k or 0)
+    all_logprobs = await st.prompts.run(lambda: [logprobs(s) for s in seqs])
     choices = []
-    for i, s in enumerate(seqs):
-        logprobs = None
-        if body.logprobs is not None:
-            logprobs = P.ChoiceLogprobs(tokens=tok.convert_ids_to_tokens(s.completion_ids),
-                                        token_logprobs=list(s.trace.logprobs))
-        text = (prefixes[i // body.n] if prefixes else "") + s.text
-        choices.append(P.CompletionChoice(index=i, text=text, finish_reason=s.finish_reason, logprobs=logprobs,
-                                          **_extras(s, body)))
-    st.metrics.observe_request("/v1/completions", 200, time.perf_counter() - t0, _usage(seqs, body.n).prompt_tokens)
+    for i, (s, record_id) in enumerate(zip(seqs, record_ids(st, seqs, prompts, body.n))):
+        prefix = prefixes[i // body.n] if prefixes else ""
+        choices.append(P.CompletionChoice(index=i, text=prefix + s.text, finish_reason=s.finish_reason,
+                                          logprobs=all_logprobs[i], record_id=record_id, **_extras(s, body)))
+    usage = _usage(seqs, body.n)
+    st.metrics.observe_request("/v1/completions", 200, time.perf_counter() - t0, usage.prompt_tokens)
     return P.CompletionResponse(id=P.new_id("cmpl"), model=st.engine.model_name, choices=choices,
-                                usage=_usage(seqs, body.n), version=max(s.trace.version for s in seqs))
+                                usage=usage, version=max(s.trace.version for s in seqs))
 
 
 async def chat(body: P.ChatCompletionRequest, request: Request):
     st, t0 = request.app.state, time.perf_counter()
     check_model(body.model, st.engine.model_name)
-    tok = st.engine.tokenizer
-    messages = [m.model_dump() for m in body.messages]
-    try:
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=body.add_generation_prompt)
-    except Exception as e:  # template errors are the caller's messages' fault
-        raise APIError(400, f"messages: chat template failed: {e}", "messages") from None
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    seqs = prepare(st.engine, st.config, [encode(tok, text)], body, max_tokens, body.n, field="messages")
+    for name in ("max_tokens", "max_completion_tokens"):  # the one not used must be in range too
+        if (getattr(body, name) or 0) >= st.engine.max_model_len:
+            raise APIError(413, f"{name}: {getattr(body, name)} is not below max_model_len={st.engine.max_model_len}",
+                           name)
+    ids = await st.prompts.encode_chat([m.for_template() for m in body.messages], body.add_generation_prompt)
+    seqs = await prepare(st, [ids], body, body.max_completion_tokens or body.max_tokens, body.n, field="messages")
+    k = (body.top_logprobs or 0) if body.logprobs else None
+
+    def logprobs(seq: Any) -> P.ChatLogprobs | None:
+        return None if k is None else chat_logprobs(st.prompts.tokenizer, seq, k)
+
     if body.stream:
-        return _stream(request, "/v1/chat/completions", body, seqs, lambda rid, i, delta, reason: P.ChatCompletionChunk(
-            id=rid, model=st.engine.model_name,
-            choices=[P.ChatChunkChoice(index=i, delta=P.ChatDelta(content=delta), finish_reason=reason)]))
-    seqs = await run_to_completion(st.engine, request, seqs)
-    choices = []
-    for i, s in enumerate(seqs):
-        logprobs = None
-        if body.logprobs:
-            tokens = tok.convert_ids_to_tokens(s.completion_ids)
-            logprobs = {"content": [{"token": t, "logprob": lp, "bytes": None, "top_logprobs": []}
-                                    for t, lp in zip(tokens, s.trace.logprobs)]}
-        choices.append(P.ChatChoice(index=i, message=P.AssistantMessage(content=s.text), finish_reason=s.finish_reason,
-                                    logprobs=logprobs, **_extras(s, body)))
-    st.metrics.observe_request("/v1/chat/completions", 200, time.perf_counter() - t0, _usage(seqs, body.n).prompt_tokens)
+        return _stream(request, "/v1/chat/completions", body, seqs, lambda rid, i, delta, reason, lp=None:
+                       P.ChatCompletionChunk(id=rid, model=st.engine.model_name, choices=[P.ChatChunkChoice(
+                           index=i, delta=P.ChatDelta(content=delta), finish_reason=reason, logprobs=lp)]),
+                       None, logprobs, k or 0)
+    seqs = await run_to_completion(st.engine, request, seqs, num_top_logprobs=k or 0)
+    all_logprobs = await st.prompts.run(lambda: [logprobs(s) for s in seqs])
+    choices = [P.ChatChoice(index=i, message=P.ChatResponseMessage(content=s.text), finish_reason=s.finish_reason,
+                            logprobs=all_logprobs[i], record_id=record_id, **_extras(s, body))
+               for i, (s, record_id) in enumerate(zip(seqs, record_ids(st, seqs, n=body.n)))]
+    usage = _usage(seqs, body.n)
+    st.metrics.observe_request("/v1/chat/completions", 200, time.perf_counter() - t0, usage.prompt_tokens)
     return P.ChatCompletionResponse(id=P.new_id("chatcmpl"), model=st.engine.model_name, choices=choices,
-                                    usage=_usage(seqs, body.n), version=max(s.trace.version for s in seqs))
+                                    usage=usage, version=max(s.trace.version for s in seqs))
 
 
-def _stream(request: Request, endpoint: str, body: P._OpenAIBase, seqs: list[Any],
-            chunk: Callable[[str, int, str, str | None], Any], prefixes: list[str] | None = None):
-    """SSE response: per-block text deltas, a finish chunk per choice, usage, [DONE]."""
+def _stream(request: Request, endpoint: str, body: P._OpenAIBase, seqs: list[Any], chunk: Callable[..., Any],
+            prefixes: list[str] | None, logprobs: Callable[[Any], Any], num_top: int,
+            prompts: list[Any] | None = None):
+    """SSE response: per-block text deltas, a finish chunk per choice (with its record_id), usage, [DONE]."""
     st = request.app.state
-    rid = P.new_id("chatcmpl" if endpoint.endswith("chat/completions") else "cmpl")
     is_chat = endpoint.endswith("chat/completions")
-    events = stream_events(st.engine, submit(st.engine, seqs, stream=True))  # 429 before any header
+    rid = P.new_id("chatcmpl" if is_chat else "cmpl")
+    stops = body.stop_list()
+    events = stream_events(st.engine, submit(st.engine, seqs, stream=True, num_top_logprobs=num_top))  # 429 now
 
     async def body_iter() -> AsyncIterator[str]:
         t0, sent = time.perf_counter(), [""] * len(seqs)
@@ -124,13 +193,17 @@ def _stream(request: Request, endpoint: str, body: P._OpenAIBase, seqs: list[Any
             yield _sse(first)
         try:
             async for kind, i, payload in events:
-                text = (payload[1] if kind == "update" else seqs[i].text).rstrip("\ufffd")
+                done = kind == "done"
+                text = seqs[i].text if done else hold_back(payload[1].rstrip("\ufffd"), stops)
                 delta = text[len(sent[i]):] if text.startswith(sent[i]) else ""
-                if delta or kind == "done":
+                if delta or done:
                     sent[i] += delta
-                    out = chunk(rid, i, delta, seqs[i].finish_reason if kind == "done" else None)
-                    if kind == "done" and body.return_trace:
+                    lp = await st.prompts.run(logprobs, seqs[i]) if done else None
+                    out = chunk(rid, i, delta, seqs[i].finish_reason if done else None, lp)
+                    if done and body.return_trace:
                         out.choices[0] = out.choices[0].model_copy(update=_extras(seqs[i], body))
+                    if done:
+                        out.choices[0].record_id = record_one(st, seqs[i], prompts[i // body.n] if prompts else None)
                     yield _sse(out)
         except RuntimeError as e:
             yield _sse(error_body(500, str(e)))

@@ -16,31 +16,46 @@ from fastapi import APIRouter, Request
 from rollout_client import protocol as P
 from server import openai_api
 from server.generation import prepare, run_to_completion, to_sample
+from server.openapi import error_responses
+from server.recording import record_ids
 
-router = APIRouter()
+router = APIRouter(tags=["generation"])
+ERRORS = error_responses(400, 404, 413, 429, 503)
+SSE_EVENT = {"type": "object", "required": ["data"], "description": "one server-sent event: `data` is a JSON "
+             "chunk, or `[DONE]` last", "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
 
 
-@router.post("/generate", response_model=P.GenerateResponse)
+def _json_or_sse(model: type) -> dict:
+    """200 of an OpenAI route: the JSON body, or an SSE stream of chunks with `stream: true`."""
+    return {200: {"model": model, "description": "JSON, or with `stream: true` a text/event-stream of "
+                  "`data: {chunk}` events ending with `data: [DONE]`",
+                  "content": {"text/event-stream": {"schema": SSE_EVENT}}}}
+
+
+@router.post("/generate", response_model=P.GenerateResponse, responses=ERRORS)
 async def generate(body: P.GenerateRequest, request: Request) -> P.GenerateResponse:
     st, t0 = request.app.state, time.perf_counter()
     openai_api.check_model(body.model, st.engine.model_name)
     field = "prompt" if body.prompt is not None else "prompt_ids"
     max_tokens = body.max_tokens if "max_tokens" in body.model_fields_set else None
-    seqs = prepare(st.engine, st.config, body.prompt_list(), body, max_tokens, body.n, field)
+    seqs = await prepare(st, body.prompt_list(), body, max_tokens, body.n, field)
     seqs = await run_to_completion(st.engine, request, seqs)
     samples = [to_sample(s, i, body.n, body.return_trace) for i, s in enumerate(seqs)]
+    for sample, record_id in zip(samples, record_ids(st, seqs, body.prompt_list(), body.n)):
+        sample.record_id = record_id
     usage = openai_api._usage(seqs, body.n)
     st.metrics.observe_request("/generate", 200, time.perf_counter() - t0, usage.prompt_tokens)
     return P.GenerateResponse(id=P.new_id("gen"), model=st.engine.model_name,
                               version=max(s.version for s in samples), samples=samples, usage=usage)
 
 
-@router.post("/v1/completions", response_model=None)
+@router.post("/v1/completions", response_model=None, responses={**_json_or_sse(P.CompletionResponse), **ERRORS})
 async def completions(body: P.CompletionRequest, request: Request):
     return await openai_api.completions(body, request)
 
 
-@router.post("/v1/chat/completions", response_model=None)
+@router.post("/v1/chat/completions", response_model=None,
+             responses={**_json_or_sse(P.ChatCompletionResponse), **ERRORS})
 async def chat_completions(body: P.ChatCompletionRequest, request: Request):
     return await openai_api.chat(body, request)
 

@@ -1,6 +1,7 @@
 """Service routes: health, readiness, Prometheus metrics, and admin pause/resume.
 
-    GET  /health          always 200 while the process serves (model, version, paused, queue)
+    GET  /health          always 200 while the process serves (model, version, paused, draining,
+                          running / waiting sequences, free KV-cache slots)
     GET  /ready           200 when the engine runs and admits requests, else 503
     GET  /metrics         Prometheus text format (per-app registry)
     POST /admin/pause     {"abort_inflight": false}  (bearer token)  -> EngineStatus
@@ -16,16 +17,17 @@ from rollout_client import protocol as P
 from server.auth import require_admin
 from server.errors import error_response
 from server.metrics import CONTENT_TYPE
+from server.openapi import error_responses
 
-router = APIRouter()
-admin = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
+router = APIRouter(tags=["service"])
+admin = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
 
 
-def _health(engine) -> P.HealthResponse:
+def _health(engine, is_draining: bool = False) -> P.HealthResponse:
     status = "ok" if engine.is_running else "stopped"
     return P.HealthResponse(status=status, model=engine.model_name, version=engine.version,
-                            is_paused=engine.is_paused, num_running=engine.num_running,
-                            num_waiting=engine.num_waiting)
+                            is_paused=engine.is_paused, is_draining=is_draining, num_running=engine.num_running,
+                            num_waiting=engine.num_waiting, num_free_slots=engine.backend.num_free_slots)
 
 
 def _status(engine) -> P.EngineStatus:
@@ -35,12 +37,14 @@ def _status(engine) -> P.EngineStatus:
 
 @router.get("/health", response_model=P.HealthResponse)
 async def health(request: Request) -> P.HealthResponse:
-    return _health(request.app.state.engine)
+    return _health(request.app.state.engine, request.app.state.is_draining)
 
 
-@router.get("/ready", response_model=P.HealthResponse)
+@router.get("/ready", response_model=P.HealthResponse, responses=error_responses(503))
 async def ready(request: Request):
     engine = request.app.state.engine
+    if request.app.state.is_draining:
+        return error_response(503, "not ready: shutting down")
     if not engine.is_running or engine.model is None:
         return error_response(503, "not ready: model not loaded or engine stopped")
     if engine.is_paused:
@@ -48,7 +52,8 @@ async def ready(request: Request):
     return _health(engine)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response, responses={200: {
+    "description": "Prometheus text exposition format", "content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}})
 async def metrics(request: Request) -> Response:
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
 

@@ -1,16 +1,21 @@
 """Admin routes of the weight-sync control plane (bearer token: server.auth.require_admin).
 
-    POST /weights/begin        {version, transport, manifest, options, timeout_s}  -> {num_buckets, ...}
+    POST /weights/connect      ConnectRequest -> ConnectResponse  (one-time: region, staging, dist group)
+    POST /weights/begin        BeginRequest   -> BeginResponse
     PUT  /weights/bucket/{i}   raw bucket bytes (http transport), headers X-Weights-Version,
-                               X-Bucket-Checksum (crc32)                            -> {index, nbytes}
-    POST /weights/commit       {version, checksums, abort_inflight?}                 -> {version}
-    POST /weights/abort        {version?, reason?}                                   -> {aborted, version}
-    GET  /weights/version      -> {version, update: {...} | null, last_failure, is_paused}
-    GET  /weights/checksum     -> {version, digest}   (= weight_sync.weights_digest of the model)
+                               X-Bucket-Checksum (xxh3_64)          -> {index, nbytes}
+    POST /weights/commit       CommitRequest  -> CommitResponse (200 applied, 202 pending drain)
+    POST /weights/abort        AbortRequest   -> AbortResponse
+    GET  /weights/version      -> VersionResponse
+    GET  /weights/updates/{v}  -> UpdateState  (applied / failed / in progress / unknown)
+    GET  /weights/checksum     -> ChecksumResponse (= weight_sync.weights_digest of the model)
+    POST /weights/rollback     RollbackRequest -> RollbackResponse (404 not kept, 409 update in progress)
+    GET  /weights/kept         -> KeptResponse (versions kept in host memory, server.keep_versions)
 
-Errors are 4xx JSON naming the problem: 409 stale version / update already running / no
-update, 400 bad manifest or data (truncated bucket, checksum mismatch), 422 (or the app's
-400 mapping) for a malformed body. The WeightUpdates glue lives in
+Bodies are the pydantic models of weight_sync.protocol, which the sender uses too. Errors
+are 4xx JSON naming the problem: 409 stale version / update already running / no update,
+400 bad manifest or data (truncated bucket, checksum mismatch, NaN/inf weights), 400 for a
+malformed body (the app's validation mapping). The WeightUpdates glue lives in
 `app.state.weight_updates`, created on first use from `app.state.engine` / `.config`.
 """
 
@@ -18,37 +23,35 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, Depends, HTTPException, Request
-from pydantic import BaseModel, Field
+from fastapi.responses import JSONResponse
 
+from rollout_client.protocol import ErrorResponse
 from server.auth import require_admin
 from server.weight_updates import WeightUpdates, make_updates
 from weight_sync.errors import WeightSyncError
+from weight_sync.protocol import (
+    AbortRequest,
+    AbortResponse,
+    BeginRequest,
+    BeginResponse,
+    ChecksumResponse,
+    CommitRequest,
+    CommitResponse,
+    ConnectRequest,
+    ConnectResponse,
+    KeptResponse,
+    RollbackRequest,
+    RollbackResponse,
+    UpdateState,
+    VersionResponse,
+)
 from weight_sync.transports.http import CHECKSUM_HEADER, VERSION_HEADER, parse_int_header
 
 log = logging.getLogger("dlrl.server")
 router = APIRouter(prefix="/weights", tags=["weights"], dependencies=[Depends(require_admin)])
-
-
-class BeginRequest(BaseModel):
-    version: int = Field(ge=1)
-    transport: Literal["shm", "dist", "http"]
-    manifest: dict[str, Any]
-    options: dict[str, Any] = Field(default_factory=dict)
-    timeout_s: float | None = Field(default=None, gt=0, le=86400)
-
-
-class CommitRequest(BaseModel):
-    version: int = Field(ge=1)
-    checksums: list[int | None] | None = None
-    abort_inflight: bool | None = None
-
-
-class AbortRequest(BaseModel):
-    version: int | None = None
-    reason: str = Field(default="aborted by the sender", max_length=1000)
 
 
 def get_updates(request: Request) -> WeightUpdates:
@@ -76,11 +79,14 @@ async def _call(step: str, coro: Awaitable[dict[str, Any]]) -> dict[str, Any]:
         raise HTTPException(status_code=400, detail=f"{step}: failed: {type(e).__name__}: {e}") from None
 
 
-@router.post("/begin")
+@router.post("/connect", response_model=ConnectResponse)
+async def connect(body: ConnectRequest, request: Request) -> dict[str, Any]:
+    return await _call("connect", get_updates(request).connect(body))
+
+
+@router.post("/begin", response_model=BeginResponse)
 async def begin(body: BeginRequest, request: Request) -> dict[str, Any]:
-    updates = get_updates(request)
-    return await _call("begin", updates.begin(body.version, body.transport, body.manifest, body.options,
-                                              body.timeout_s))
+    return await _call("begin", get_updates(request).begin(body))
 
 
 @router.put("/bucket/{index}")
@@ -95,23 +101,47 @@ async def put_bucket(index: int, request: Request) -> dict[str, Any]:
     return await _call("bucket upload", run())
 
 
-@router.post("/commit")
-async def commit(body: CommitRequest, request: Request) -> dict[str, Any]:
-    updates = get_updates(request)
-    return await _call("commit", updates.commit(body.version, body.checksums, body.abort_inflight))
+@router.post("/commit", response_model=CommitResponse, responses={202: {"model": CommitResponse}})
+async def commit(body: CommitRequest, request: Request) -> Any:
+    result = await _call("commit", get_updates(request).commit(body.version, body.checksums, body.abort_inflight))
+    if result["state"] == "pending":
+        return JSONResponse(CommitResponse.model_validate(result).model_dump(), status_code=202)
+    return result
 
 
-@router.post("/abort")
+@router.post("/abort", response_model=AbortResponse)
 async def abort(request: Request, body: AbortRequest | None = None) -> dict[str, Any]:
     body = body or AbortRequest()
-    return await _call("abort", get_updates(request).abort(body.version, body.reason))
+    return await _call("abort", get_updates(request).abort(body.version, body.reason, body.run_id))
 
 
-@router.get("/version")
+@router.get("/version", response_model=VersionResponse)
 async def version(request: Request) -> dict[str, Any]:
     return get_updates(request).status()
 
 
-@router.get("/checksum")
+@router.get("/updates/{version}", response_model=UpdateState)
+async def update_state(version: int, request: Request) -> dict[str, Any]:
+    return get_updates(request).state(version)
+
+
+@router.get("/checksum", response_model=ChecksumResponse)
 async def checksum(request: Request) -> dict[str, Any]:
     return await _call("checksum", get_updates(request).checksum())
+
+
+@router.post("/rollback", response_model=RollbackResponse, responses={
+    404: {"model": ErrorResponse, "description": "This version is not kept here (GET /weights/kept)"},
+    409: {"model": ErrorResponse, "description": "A weight update is in progress, or in-flight sequences did "
+          "not finish within weight_sync_drain_timeout_s (retry, or pass abort_inflight)"}})
+async def rollback(body: RollbackRequest, request: Request) -> dict[str, Any]:
+    result = await _call("rollback", get_updates(request).rollback(body.version, body.abort_inflight))
+    metrics = getattr(request.app.state, "metrics", None)
+    if metrics is not None:
+        metrics.rollbacks.inc()
+    return result
+
+
+@router.get("/kept", response_model=KeptResponse)
+async def kept(request: Request) -> dict[str, Any]:
+    return get_updates(request).kept_status()

@@ -1,27 +1,40 @@
 """Glue between weight_sync.WeightReceiver and the Engine: the server's update window.
 
-    updates = WeightUpdates(engine)                    # one per app (routes_weights creates it)
-    await updates.begin(7, "shm", manifest, options)   # validate against engine.model, stage
-    await updates.commit(7, checksums)                 # verify -> pause -> apply -> version -> resume
+    updates = make_updates(engine, config)            # one per app (routes_weights creates it)
+    await updates.begin(BeginRequest(...))            # validate against engine.model, stage
+    await updates.commit(7, checksums)                # verify -> drain -> apply -> version -> resume
 
-Commit = verify the staged bytes (in a worker thread), `await engine.pause(abort_inflight)`
-(admission stops; in-flight sequences finish by default, so no sequence mixes versions),
-copy into the model with `dllm.weights.copy_into_model` (the checkpoint-loading path),
-set `engine.version`, and `await engine.resume()` -- also on failure. An engine that an
-admin had paused before the update stays paused. Any failure leaves weights and version
-unchanged (copy_into_model validates everything before copying anything).
+Commit = verify the staged bytes (in a worker thread: checksums and NaN/inf), then the
+drain: admission stops and in-flight sequences get `drain_timeout_s` to finish. Past that
+bound, with `abort_inflight` they are aborted (finish_reason "abort") and the update is
+applied; without it they finish on the old weights, the commit answers "pending" and the
+update is applied in the background as soon as they are done (the sender polls
+`GET /weights/updates/{v}`; an abort meanwhile cancels it). The copy into the model is
+`dllm.weights.copy_into_model` (the checkpoint-loading path); then `engine.version` is set
+and the engine resumes -- also on failure. An engine an admin had paused stays paused. A
+failed update leaves weights and version unchanged; a retried commit of an applied
+version answers "applied".
+
+Rollback (issue 19): after each applied update (and at start) the served weights are
+copied to host memory in a worker thread (server.weight_versions, the last
+`server.keep_versions`); `rollback(v)` pauses between sequences like a commit, re-checks
+the kept copy's digest, copies it back with `copy_into_model` and sets the version to v.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import torch
 
-from weight_sync import WeightReceiver
+from server.weight_versions import Kept, KeptVersions, NotKept
+from weight_sync import UpdateConflict, UpdateFailed, WeightReceiver
+from weight_sync.protocol import BeginRequest, ConnectRequest
 from weight_sync.transports.http import read_body_into
 
 log = logging.getLogger("dlrl.server")
@@ -35,17 +48,22 @@ def _default_apply(engine: Any) -> Callable[[list[tuple[str, torch.Tensor]]], An
 
 class WeightUpdates:
     def __init__(
-        self, engine: Any, *, timeout_s: float = 300.0, abort_inflight: bool = False,
-        apply_fn: Callable[[list[tuple[str, torch.Tensor]]], Any] | None = None,
+        self, engine: Any, *, lease_s: float = 30.0, drain_timeout_s: float = 30.0, abort_inflight: bool = False,
+        check_finite: bool = True, apply_fn: Callable[[list[tuple[str, torch.Tensor]]], Any] | None = None,
+        keep_versions: int = 0,
     ):
         self.engine = engine
-        self.abort_inflight = abort_inflight
+        self.kept = KeptVersions(keep_versions)
+        self._capture_task: asyncio.Future | None = None
+        self._write_lock = asyncio.Lock()        # one weight change at a time (commit apply or rollback)
+        self._weights_lock = threading.Lock()    # held while a rollback copies or a digest reads
+        self.abort_inflight, self.drain_timeout_s = abort_inflight, drain_timeout_s
         self.receiver = WeightReceiver(
-            lambda: dict(engine.model.named_parameters()),
-            apply_fn or _default_apply(engine),
-            version=int(engine.version),
-            timeout_s=timeout_s,
+            lambda: dict(engine.model.named_parameters()), apply_fn or _default_apply(engine),
+            version=int(engine.version), lease_s=lease_s, check_finite=check_finite,
         )
+        self._commits: dict[int, asyncio.Task] = {}
+        self._verify_s = 0.0
 
     @property
     def version(self) -> int:
@@ -54,14 +72,22 @@ class WeightUpdates:
     def status(self) -> dict[str, Any]:
         return {**self.receiver.status(), "version": self.version, "is_paused": bool(self.engine.is_paused)}
 
-    async def begin(
-        self, version: int, transport: str, manifest: dict[str, Any],
-        options: dict[str, Any] | None = None, timeout_s: float | None = None,
-    ) -> dict[str, Any]:
+    def state(self, version: int) -> dict[str, Any]:
+        return {**self.receiver.state(version), "served_version": self.version}
+
+    def _sync_version(self) -> None:
         rx = self.receiver
         if rx.status()["update"] is None and rx.version != self.version:
             rx.version = self.version  # the engine is the source of truth for the served version
-        return await asyncio.to_thread(rx.begin, version, transport, manifest, options, timeout_s)
+
+    async def connect(self, body: ConnectRequest) -> dict[str, Any]:
+        return await asyncio.to_thread(self.receiver.connect, body.transport, body.manifest, body.options,
+                                       body.run_id)
+
+    async def begin(self, body: BeginRequest) -> dict[str, Any]:
+        self._sync_version()
+        return await asyncio.to_thread(self.receiver.begin, body.version, body.transport, body.manifest,
+                                       body.options, body.lease_s, body.run_id)
 
     async def put_bucket(
         self, index: int, stream: AsyncIterator[bytes], version: int | None, checksum: int | None,
@@ -69,7 +95,7 @@ class WeightUpdates:
         """http data plane: stream one request body into the staging bucket, then verify it."""
         buf = self.receiver.bucket_buffer(index, version)
         try:
-            nbytes = await read_body_into(stream, buf)
+            nbytes = await read_body_into(stream, buf, self.receiver.touch)
         except BaseException:
             self.receiver.bucket_written(index, None, None, version)  # releases the bucket
             raise
@@ -78,43 +104,166 @@ class WeightUpdates:
 
     async def commit(self, version: int, checksums: list[int | None] | None = None,
                      abort_inflight: bool | None = None) -> dict[str, Any]:
-        rx = self.receiver
-        await asyncio.to_thread(rx.verify, version, checksums)
-        engine = self.engine
+        """Verify, drain (bounded), apply. Returns {"state": "applied" | "pending", ...}."""
+        abort = self.abort_inflight if abort_inflight is None else abort_inflight
+        task = self._commits.get(version)
+        if task is None:
+            if self.receiver.committed(version) and version <= self.version:  # above: applied, then rolled back
+                return {"version": version, "state": "applied", "served_version": self.version}
+            t0 = time.perf_counter()
+            await asyncio.to_thread(self.receiver.verify, version, checksums)
+            self._verify_s = time.perf_counter() - t0
+            task = self._commits[version] = asyncio.create_task(self._drain_and_apply(version, abort))
+            task.add_done_callback(lambda _t: self._commits.pop(version, None))
+        bound = self.drain_timeout_s * (2 if abort else 1) + 2.0
+        try:
+            await asyncio.wait_for(asyncio.shield(task), bound)
+        except TimeoutError:
+            return {"version": version, "state": "pending", "served_version": self.version}
+        return {"version": version, "state": "applied", "served_version": self.version}
+
+    async def _drain_and_apply(self, version: int, abort: bool) -> None:
+        await self.wait_capture()
+        async with self._write_lock:
+            await self._drain_and_apply_locked(version, abort)
+        self.start_capture()  # keep the new version for rollback (reads the weights while serving)
+
+    async def _drain_and_apply_locked(self, version: int, abort: bool) -> None:
+        engine, rx = self.engine, self.receiver
         was_paused = bool(engine.is_paused)
+        rx.set_draining(version)
         try:
-            await engine.pause(abort_inflight=self.abort_inflight if abort_inflight is None else abort_inflight)
-        except BaseException:
-            rx.abort(version, "engine pause failed", force=True)
-            if not was_paused:
-                await engine.resume()
-            raise
-        try:
+            t0 = time.perf_counter()
+            await self._drain(version, abort)
+            t1 = time.perf_counter()
             await asyncio.to_thread(rx.apply, version)
             engine.version = rx.version
-            log.info("weights updated to version %d", rx.version)
+            log.info("weights updated to version %d (verify %.3fs, drain %.3fs, apply %.3fs)", rx.version,
+                     self._verify_s, t1 - t0, time.perf_counter() - t1)
+        except BaseException as e:
+            if rx.state(version)["state"] in ("draining", "verified"):
+                rx.abort(version, f"drain failed: {e!r}")
+            raise
         finally:
             if not was_paused:
                 await engine.resume()
-        return {"version": self.version}
 
-    async def abort(self, version: int | None = None, reason: str = "aborted by the sender") -> dict[str, Any]:
-        return {"aborted": self.receiver.abort(version, reason), "version": self.version}
+    async def _drain(self, version: int, abort: bool) -> None:
+        """Wait (bounded) for in-flight sequences; then abort them, or keep waiting for them."""
+        try:
+            await self.engine.pause(abort_inflight=False, timeout=self.drain_timeout_s)
+            return
+        except TimeoutError:
+            pass
+        if abort:
+            log.warning("update %d: in-flight sequences still running after %.1fs: aborting them",
+                        version, self.drain_timeout_s)
+            await self.engine.pause(abort_inflight=True, timeout=self.drain_timeout_s)
+            return
+        log.info("update %d pending: in-flight sequences finish on the old weights first", version)
+        while True:
+            if self.receiver.state(version)["state"] != "draining":
+                raise UpdateFailed(f"update {version} was aborted while in-flight sequences drained")
+            try:
+                await self.engine.pause(abort_inflight=False, timeout=1.0)
+                return
+            except TimeoutError:
+                continue
+
+    async def abort(self, version: int | None = None, reason: str = "aborted by the sender",
+                    run_id: str | None = None) -> dict[str, Any]:
+        aborted = await asyncio.to_thread(self.receiver.abort, version, reason, run_id)
+        return {"aborted": aborted, "version": self.version}
 
     async def checksum(self) -> dict[str, Any]:
-        digest = await asyncio.to_thread(self.receiver.digest)
-        return {"version": self.version, "digest": digest}
+        def digest() -> str:
+            with self._weights_lock:
+                return self.receiver.digest()
+
+        return {"version": self.version, "digest": await asyncio.to_thread(digest)}
+
+    # ------------------------------------------------------------------ kept versions, rollback
+    def start_capture(self) -> None:
+        """Copy the served weights to host memory as the current version, in a worker thread."""
+        if self.kept.keep == 0:
+            return
+        version, model = self.version, self.engine.model
+
+        def capture() -> None:
+            with self._weights_lock:
+                self.kept.capture(version, model.named_parameters())
+
+        self._capture_task = asyncio.ensure_future(asyncio.to_thread(capture))
+
+    async def wait_capture(self) -> None:
+        """Wait for a capture in progress (the weights must not change under it)."""
+        task = self._capture_task
+        if task is not None:
+            try:
+                await asyncio.shield(task)
+            except Exception as e:  # a failed capture only means that version cannot be rolled back to
+                log.error("keeping version for rollback failed: %r", e)
+            self._capture_task = None
+
+    def kept_status(self) -> dict[str, Any]:
+        return {"versions": self.kept.versions(), "served_version": self.version, "keep": self.kept.keep,
+                "num_bytes": self.kept.num_bytes}
+
+    async def rollback(self, version: int, abort_inflight: bool | None = None) -> dict[str, Any]:
+        """Restore kept `version` (NotKept: 404; UpdateConflict: an update is in progress or
+        in-flight sequences did not drain): pause between sequences, copy_into_model, resume."""
+        await self.wait_capture()
+        if self.kept.get(version) is None:  # before anything is paused
+            raise NotKept(f"version: {version} is not kept here (kept: {self.kept.versions()})")
+        if self._write_lock.locked() or self.receiver.status()["update"] is not None:
+            raise UpdateConflict("a weight update is in progress; roll back after it (or abort it)")
+        abort = self.abort_inflight if abort_inflight is None else abort_inflight
+        async with self._write_lock:
+            t0, previous, engine = time.perf_counter(), self.version, self.engine
+            was_paused = bool(engine.is_paused)
+            try:
+                await self._pause_for_rollback(abort)
+                kept = await asyncio.to_thread(self._restore, version)
+                engine.version = version
+            finally:
+                if not was_paused:
+                    await engine.resume()
+            self.kept.touch(version)
+            self._sync_version()
+        seconds = time.perf_counter() - t0
+        log.info("rolled back from version %d to %d in %.3fs", previous, version, seconds)
+        return {"version": version, "previous_version": previous, "digest": kept.digest, "seconds": seconds}
+
+    async def _pause_for_rollback(self, abort: bool) -> None:
+        try:
+            await self.engine.pause(abort_inflight=False, timeout=self.drain_timeout_s)
+        except TimeoutError:
+            if not abort:
+                raise UpdateConflict(f"in-flight sequences did not finish within {self.drain_timeout_s}s; "
+                                     "retry, or pass abort_inflight") from None
+            await self.engine.pause(abort_inflight=True, timeout=self.drain_timeout_s)
+
+    def _restore(self, version: int) -> Kept:
+        from dllm.weights import copy_into_model  # the one function that writes parameters
+
+        with self._weights_lock:
+            kept = self.kept.verified(version)
+            copy_into_model(self.engine.model, list(kept.tensors.items()), strict=True)
+        return kept
 
     def close(self) -> None:
         self.receiver.close()
 
 
 def make_updates(engine: Any, config: Any = None) -> WeightUpdates:
-    """WeightUpdates configured from `config` (optional attributes, defaults otherwise)."""
+    """WeightUpdates configured from `config` (server.config.ServerConfig weight_sync_* keys)."""
     return WeightUpdates(
         engine,
-        timeout_s=float(getattr(config, "weight_sync_timeout_s", 300.0) or 300.0),
+        lease_s=float(getattr(config, "weight_sync_lease_s", 30.0)),
+        drain_timeout_s=float(getattr(config, "weight_sync_drain_timeout_s", 30.0)),
         abort_inflight=bool(getattr(config, "weight_sync_abort_inflight", False)),
+        check_finite=bool(getattr(config, "weight_sync_check_finite", True)),
+        keep_versions=int(getattr(config, "keep_versions", 0)),
     )
 
 

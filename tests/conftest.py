@@ -25,8 +25,7 @@ from dllm.model import SDARForCausalLM
 from dllm.sft import TinyModelConfig, make_model_config
 from dllm.tokenizer import build_char_tokenizer
 from dllm.weights import save_pretrained
-
-ADMIN_TOKEN = "secret"
+from tests.helpers import ADMIN_TOKEN, FIXTURE_CONFIG  # noqa: F401  (shared with test modules)
 
 
 @pytest.fixture(scope="session")
@@ -61,7 +60,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir: str, **overrides) -> RunningServer:
+def start_server(model_dir: str, port: int | None = None, **overrides) -> RunningServer:
     import uvicorn
 
     from server.app import create_app
@@ -69,7 +68,7 @@ def start_server(model_dir: str, **overrides) -> RunningServer:
     from server.config import ServerConfig
     from server.engine import Engine
 
-    config = ServerConfig(model=model_dir, port=_free_port(), device="cpu", dtype="float32", **overrides)
+    config = ServerConfig(model=model_dir, port=port or _free_port(), device="cpu", dtype="float32", **overrides)
     backend = NativeBackend.from_pretrained(model_dir, device="cpu", dtype="float32", max_batch=config.max_batch,
                                             max_model_len=config.max_model_len)
     engine = Engine(backend, max_queue=config.max_queue, model_name=config.model_name())
@@ -115,3 +114,95 @@ def server(make_server) -> RunningServer:
 @pytest.fixture
 def admin_headers() -> dict:
     return {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+@dataclass
+class ServeProcess:
+    """A real `dlrl serve` subprocess on a free loopback port."""
+
+    proc: Any
+    url: str
+    log_path: Any
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+
+@pytest.fixture
+def serve_process(tiny_model_dir, tmp_path):
+    """Factory: `serve_process("server.shutdown_timeout=5", env={...})` starts `dlrl serve` on the tiny
+    model, waits (bounded) until /ready answers 200, and kills what is left at the end of the test.
+    One torch thread: a shared 2-core box makes two spinning OpenMP threads per forward very slow."""
+    import subprocess
+    import sys
+
+    started: list[ServeProcess] = []
+
+    def start(*overrides: str, env: dict | None = None, timeout: float = 90.0) -> ServeProcess:
+        port = _free_port()
+        log_path = tmp_path / f"serve-{port}.log"
+        dlrl = os.path.join(os.path.dirname(sys.executable), "dlrl")  # the installed console script
+        cmd = [dlrl, "serve", "--model", tiny_model_dir, "--port", str(port), *overrides]
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        with open(log_path, "w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env,
+                                    cwd=os.path.dirname(os.path.dirname(__file__)))
+        srv = ServeProcess(proc, f"http://127.0.0.1:{port}", log_path)
+        started.append(srv)
+        deadline = time.monotonic() + timeout
+        while True:
+            assert proc.poll() is None, srv.log()
+            try:
+                if httpx.get(srv.url + "/ready", timeout=1).status_code == 200:
+                    return srv
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"dlrl serve not ready after {timeout}s:\n{srv.log()}"
+            time.sleep(0.1)
+
+    yield start
+    for srv in started:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+            srv.proc.wait(timeout=10)
+
+
+SMALL_SHAPES = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "head_dim": 16, "max_position_embeddings": 4096}
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer_dir(tmp_path_factory) -> str:
+    """The Qwen2/Qwen3-style byte-level BPE stand-in tokenizer (dllm.standin), built once."""
+    from dllm.standin import build_qwen_tokenizer
+
+    path = tmp_path_factory.mktemp("qwen-tok")
+    build_qwen_tokenizer(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def small_sdar_dir(tmp_path_factory, qwen_tokenizer_dir) -> str:
+    """Every field of the SDAR-1.7B-Chat config.json, small shapes (vocab kept: 151936), 2 layers,
+    bf16 random weights whose <|im_end|> row makes turns end after a few tokens, the stand-in
+    tokenizer and a generation_config.json (eos [<|im_end|>, <|endoftext|>])."""
+    from dllm.standin import build_real_shape_folder
+
+    path = tmp_path_factory.mktemp("small-sdar")
+    return str(build_real_shape_folder(path, FIXTURE_CONFIG, num_hidden_layers=2, overrides=SMALL_SHAPES,
+                                       tokenizer_from=qwen_tokenizer_dir, max_shard_bytes=16 << 20))
+
+
+@pytest.fixture(scope="session")
+def make_server_for():
+    """Start a real server (uvicorn thread, loopback) on any model folder; all stop at the end."""
+    started: list[RunningServer] = []
+
+    def make(model_dir: str, **overrides) -> RunningServer:
+        srv = start_server(model_dir, **overrides)
+        started.append(srv)
+        return srv
+
+    yield make
+    for srv in started:
+        srv.stop()

@@ -134,3 +134,77 @@ def test_sequence_reward_on_last_step():
     # gamma = 1: every valid token's return is the sequence reward
     ret, _ = stepwise_gae_batch(tok_r, torch.zeros(2, 5), steps, valid, gamma=1.0, lam=1.0)
     assert ret.tolist() == [[2, 2, 2, 2, 0], [-1, -1, -1, -1, -1]]
+
+
+# ------------------------------------------------------------- step-wise GAE on shrunk traces (issue 18)
+def _paper_gae(prompt_len, block_size, steps, values, reward, shrink, gamma, lam):
+    """TraceRL's step-wise GAE written out directly: tokens -> (block, ceil(step / shrink)) steps in
+    decoding order; one value per step (the mean over its tokens); the reward on the last step;
+    backward recursions for the step returns and GAE; each token: its own value and the next step's."""
+    key = [((prompt_len + j) // block_size, -(-st // shrink)) for j, st in enumerate(steps)]
+    order = sorted(set(key))
+    T = len(order)
+    v_step = [sum(v for k, v in zip(key, values) if k == o) / sum(k == o for k in key) for o in order]
+    r_step = [0.0] * T
+    r_step[-1] = reward
+    ret, adv = [0.0] * (T + 1), [0.0] * (T + 1)
+    v_next = v_step + [0.0]
+    for t in range(T - 1, -1, -1):
+        ret[t] = r_step[t] + gamma * ret[t + 1]
+        adv[t] = r_step[t] - v_step[t] + gamma * v_next[t + 1] + gamma * lam * adv[t + 1]
+    out_ret, out_adv = [], []
+    for k, v in zip(key, values):
+        t = order.index(k)
+        r = reward if t == T - 1 else 0.0
+        out_ret.append(r + gamma * ret[t + 1])
+        out_adv.append(r - v + gamma * v_next[t + 1] + gamma * lam * adv[t + 1])
+    return out_ret, out_adv
+
+
+def _trace(prompt_len, block_size, steps):
+    from rollout_client.protocol import TraceModel
+
+    return TraceModel(prompt_len=prompt_len, block_size=block_size, steps=steps, logprobs=[0.0] * len(steps))
+
+
+def test_shrink_smallest_case_from_the_issue():
+    from trainer.advantages import trace_gae
+
+    tr = _trace(0, 4, [1, 2, 3, 4])
+    _, adv = trace_gae([tr], torch.tensor([[0.1, 0.2, 0.3, 0.4]]), torch.tensor([1.0]), shrink=2, gamma=1.0, lam=0.0)
+    assert adv[0].tolist() == pytest.approx([0.25, 0.15, 0.70, 0.60])
+
+
+@pytest.mark.parametrize("shrink", [1, 2, 3])
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (1.0, 0.0), (0.9, 0.95), (0.5, 0.3)])
+def test_trace_gae_matches_the_paper_formula(shrink, gamma, lam):
+    """Random traces: any commit order inside blocks, a prompt ending mid-block, a truncated last block."""
+    from trainer.advantages import trace_gae
+
+    g = torch.Generator().manual_seed(shrink * 100 + int(gamma * 10) + int(lam * 10))
+    traces, values, rewards, B = [], [], [], 4
+    for _ in range(6):
+        P = int(torch.randint(1, 9, (1,), generator=g))
+        n = int(torch.randint(1, 15, (1,), generator=g))  # completion length: last block often truncated
+        steps, j = [], 0
+        while j < n:
+            start = (P + j) // B * B
+            width = min(start + B - (P + j), n - j)  # this block's completion tokens
+            full = start + B - (P + j)  # ... of which the first `width` were kept
+            perm = torch.randperm(full, generator=g)[:width] + 1  # commit steps, any order
+            steps += perm.tolist()
+            j += width
+        traces.append(_trace(P, B, steps))
+        values.append(torch.rand(n, generator=g).tolist())
+        rewards.append(float(torch.rand((), generator=g)))
+    L = max(len(v) for v in values)
+    tok_v = torch.zeros(len(values), L)
+    for i, v in enumerate(values):
+        tok_v[i, :len(v)] = torch.tensor(v)
+    ret, adv = trace_gae(traces, tok_v, torch.tensor(rewards), shrink, gamma, lam)
+    for i, tr in enumerate(traces):
+        exp_ret, exp_adv = _paper_gae(tr.prompt_len, B, tr.steps, values[i], rewards[i], shrink, gamma, lam)
+        n = len(tr.steps)
+        assert ret[i, :n].tolist() == pytest.approx(exp_ret, abs=1e-5)
+        assert adv[i, :n].tolist() == pytest.approx(exp_adv, abs=1e-5)
+        assert torch.count_nonzero(adv[i, n:]) == 0

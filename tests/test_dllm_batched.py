@@ -16,7 +16,7 @@ from dllm.sampling import (
     sample_tokens,
     sampling_logprobs,
 )
-from tests.test_dllm_model import tiny_config
+from tests.helpers import OverflowingParams, tiny_config
 
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16], [20, 21, 22, 23]]
 MIXED = [  # every knob differs between rows of one batch
@@ -124,17 +124,9 @@ def test_mixed_batch_equals_each_sequence_alone(model):
         assert max(abs(a - b) for a, b in zip(out.trace.logprobs, alone.trace.logprobs)) < 1e-5
 
 
-class _Overflowing(SamplingParams):
-    """Bypasses the greedy floor: logits / 1e-45 overflow and the row's probabilities become NaN."""
-
-    @property
-    def is_greedy(self) -> bool:
-        return False
-
-
 def test_non_finite_row_fails_alone(model):
     good = SamplingParams(max_tokens=8, seed=1)
-    bad = _Overflowing(**{**dataclasses.asdict(good), "temperature": 1e-45})
+    bad = OverflowingParams(**{**dataclasses.asdict(good), "temperature": 1e-45})
     outs = generate(model, PROMPTS, [good, bad, good, good])
     alone = generate(model, [PROMPTS[0], PROMPTS[2], PROMPTS[3]], good)
     assert outs[1].finish_reason == "error" and "not finite" in outs[1].error

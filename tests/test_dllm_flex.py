@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 
 from dllm import attention
 from dllm.model import SDARForCausalLM
-from tests.test_dllm_model import tiny_config
+from tests.helpers import tiny_config
 
 
 def test_one_compilation_serves_twenty_lengths(monkeypatch):

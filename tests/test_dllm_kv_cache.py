@@ -7,7 +7,7 @@ from dllm.decoding import BlockDecoder, CacheFull, generate
 from dllm.kv_cache import KVCache
 from dllm.model import SDARForCausalLM
 from dllm.sampling import SamplingParams
-from tests.test_dllm_model import tiny_config
+from tests.helpers import tiny_config
 
 
 @pytest.fixture(scope="module")

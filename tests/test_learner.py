@@ -1,33 +1,73 @@
-"""The learner's baseline path gives the same gradient as objectives.random_masking_loss."""
+"""The learner's baseline path (random masks from `baseline_rows`, 1/t ELBO weights folded into
+the advantages, the shared clipped surrogate) against the masked-diffusion baseline losses
+written out as loops: diffu-GRPO's random masking and coupled-GRPO's complementary masks."""
 
 import torch
 
 from trainer.config import TrainConfig
 from trainer.learner import _policy_loss, baseline_rows
-from trainer.objectives import random_masking_loss
 from trainer.replay import Rows
 
+B, L, START = 3, 8, 3  # completions at positions 3..6 (row 2 one shorter)
 
-def test_random_masking_baseline_matches_direct_loss():
+
+def _rows() -> Rows:
     torch.manual_seed(0)
-    B, L = 3, 8
     clean = torch.randint(0, 10, (B, L))
     target = torch.zeros(B, L, dtype=torch.bool)
-    target[:, 3:7] = True
+    target[:, START:7] = True
     target[2, 6] = False
     sidx = torch.where(target, torch.arange(B)[:, None].expand(B, L), -1)
-    tidx = torch.where(target, torch.arange(L).expand(B, L) - 3, -1)
-    rows = Rows(clean.clone(), clean, torch.arange(L).expand(B, L), torch.ones(B, L, dtype=torch.bool), target,
+    tidx = torch.where(target, torch.arange(L).expand(B, L) - START, -1)
+    return Rows(clean.clone(), clean, torch.arange(L).expand(B, L), torch.ones(B, L, dtype=torch.bool), target,
                 sidx, tidx, torch.arange(B))
-    masked, weights = baseline_rows(rows, "random_masking", mask_id=99, generator=torch.Generator().manual_seed(1))
+
+
+def _learner_grad(objective: str, rows: Rows, lp: torch.Tensor, adv: torch.Tensor, seed: int):
+    """Gradient of the learner's loss w.r.t. the log-probs of its (mask, [complement]) rows."""
+    masked, weights = baseline_rows(rows, objective, mask_id=99, generator=torch.Generator().manual_seed(seed))
     assert torch.equal(masked.noisy[masked.target], torch.full((int(masked.target.sum()),), 99))
+    n_tok = masked.target.sum()
+    a = adv[masked.row_sample][:, None] * weights * n_tok
+    loss, _ = _policy_loss(TrainConfig(objective=objective), lp, lp.detach(), a, masked.target, None, None)
+    return torch.autograd.grad(loss, lp)[0], masked
+
+
+def test_random_masking_baseline_matches_the_reference_loss():
+    rows = _rows()
     lp = torch.randn(B, L, requires_grad=True)
     adv = torch.tensor([1.0, -0.5, 2.0])
-    n_tok = masked.target.sum()
-    loss, _ = _policy_loss(TrainConfig(objective="random_masking"), lp, lp.detach(),
-                           adv[:, None] * weights * n_tok, masked.target, None, None)
-    (g_learner,) = torch.autograd.grad(loss, lp)
-    t = masked.target.sum(1).float() / target.sum(1).float()
-    direct, _ = random_masking_loss(lp, masked.target, t, adv, target)
-    (g_direct,) = torch.autograd.grad(direct, lp)
-    assert torch.allclose(g_learner, g_direct, atol=1e-6)
+    g, masked = _learner_grad("random_masking", rows, lp, adv, seed=1)
+    n = rows.target.sum(1).float()
+    t = masked.target.sum(1).float() / n
+    # reference: per sequence, sum over masked tokens of (1/t) * (-A) * ratio / response tokens; mean
+    ref = 0.0
+    for b in range(B):
+        s = sum((1 / t[b]) * (-adv[b]) * torch.exp(lp[b, j] - lp[b, j].detach()) for j in range(L)
+                if masked.target[b, j])
+        ref = ref + s / n[b]
+    (g_ref,) = torch.autograd.grad(ref / B, lp)
+    assert torch.allclose(g, g_ref, atol=1e-6)
+
+
+def test_coupled_baseline_matches_the_reference_loss():
+    rows = _rows()
+    lp = torch.randn(2 * B, L, requires_grad=True)  # rows 0..B-1: mask copy; B..2B-1: complement copy
+    adv = torch.tensor([0.7, -1.0, 1.5])
+    g, masked = _learner_grad("coupled", rows, lp, adv, seed=4)
+    mask, comp = masked.target[:B], masked.target[B:]
+    assert torch.equal(mask | comp, rows.target) and not (mask & comp).any()
+    n = rows.target.sum(1).float()
+    t = mask.sum(1).float() / n
+    ref = 0.0
+    for b in range(B):
+        s = 0.0
+        for j in range(L):
+            if mask[b, j]:
+                s = s + 0.5 / t[b] * (-adv[b]) * torch.exp(lp[b, j] - lp[b, j].detach())
+            elif comp[b, j]:
+                s = s + 0.5 / (1 - t[b]) * (-adv[b]) * torch.exp(lp[B + b, j] - lp[B + b, j].detach())
+        ref = ref + s / n[b]
+    (g_ref,) = torch.autograd.grad(ref / B, lp)
+    assert torch.allclose(g, g_ref, atol=1e-6)
+    assert (g[:B][~mask] == 0).all() and (g[B:][~comp] == 0).all()

@@ -6,8 +6,8 @@ import torch
 from dllm.decoding import generate
 from dllm.model import SDARForCausalLM
 from dllm.sampling import SamplingParams
-from tests.test_dllm_model import tiny_config
-from trainer.replay import ReplaySample, build_rows, completion_rows, token_logprobs
+from tests.helpers import tiny_config
+from trainer.replay import build_rows, completion_rows, token_logprobs
 
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16], [30]]
 
@@ -19,8 +19,7 @@ def model():
 
 
 def as_samples(outs):
-    return [ReplaySample(o.prompt_ids, o.completion_ids, o.trace.steps, o.trace.tail_ids, o.trace.tail_steps)
-            for o in outs]
+    return outs  # GenerationOutput has what replay reads: prompt_ids, completion_ids, trace
 
 
 @pytest.mark.parametrize("strategy,steps", [("static", 2), ("static", 4), ("dynamic", None), ("sequential", 4)])
@@ -54,3 +53,40 @@ def test_completion_rows_cover_completion_tokens(model):
     rows = completion_rows(as_samples(outs), 4, pad_id=0)
     assert rows.noisy.shape[0] == len(outs)
     assert rows.target.sum(1).tolist() == [len(o.completion_ids) for o in outs]
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 5, 64])
+def test_chunked_logprobs_match_full_logits_values_and_gradients(chunk):
+    """Chunked scoring (full-vocabulary logits for `chunk` tokens at a time, recomputed in
+    backward) gives the values and gradients of the unchunked path."""
+    from trainer.replay import chunked_token_logprobs, token_entropy
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 40, bias=False)
+    hidden = torch.randn(23, 16, requires_grad=True)
+    ids = torch.randint(0, 39, (23,))
+    ref_lp = token_logprobs(head(hidden), ids, mask_id=39, temperature=0.7)
+    ref_ent = token_entropy(head(hidden).detach(), 39)
+    (ref_lp * torch.arange(23.0)).sum().backward()
+    ref_gh, ref_gw = hidden.grad.clone(), head.weight.grad.clone()
+    hidden.grad, head.weight.grad = None, None
+
+    lp, ent, anchor = chunked_token_logprobs(head, hidden, ids, 39, temperature=0.7, chunk=chunk, num_chunks=30,
+                                             filler=hidden[:1].detach())
+    ((lp * torch.arange(23.0)).sum() + anchor).backward()
+    torch.testing.assert_close(lp, ref_lp)
+    torch.testing.assert_close(ent, ref_ent)
+    torch.testing.assert_close(hidden.grad, ref_gh)
+    torch.testing.assert_close(head.weight.grad, ref_gw)
+
+
+def test_chunked_logprobs_with_no_tokens_still_has_a_graph():
+    from trainer.replay import chunked_token_logprobs
+
+    head = torch.nn.Linear(8, 10, bias=False)
+    filler = torch.randn(1, 8, requires_grad=True)
+    lp, _, anchor = chunked_token_logprobs(head, filler[:0], torch.zeros(0, dtype=torch.long), 9, chunk=4,
+                                           num_chunks=2, filler=filler)
+    assert lp.numel() == 0 and anchor.requires_grad and float(anchor) == 0.0
+    anchor.backward()
+    assert torch.count_nonzero(head.weight.grad) == 0

@@ -1,14 +1,14 @@
-"""Tests for trainer.rewards: built-in rewards, sandboxing, loading, overlong penalty, batching."""
+"""Tests for trainer.rewards: exact and math rewards, loading, ranges, overlong penalty, batching
+(code rewards: test_rewards_code.py; sandbox escapes: test_rewards_sandbox.py)."""
 
 import logging
-import math as pymath
 import re
-import textwrap
 import time
 
 import pytest
 
 from trainer import rewards as R
+from trainer.rewards.math_reward import _sympy_equal
 
 
 def test_exact_match():
@@ -47,17 +47,17 @@ def test_math_no_box_is_zero():
 
 
 def test_sympy_fallback():
-    assert R._sympy_equal(r"\frac{2}{4}", "1/2")
-    assert R._sympy_equal(r"2\sqrt{2}", r"\sqrt{8}")
-    assert not R._sympy_equal("x+1", "x+2")
-    assert not R._sympy_equal("((((", "1")  # unparsable -> False, no exception
+    assert _sympy_equal(r"\frac{2}{4}", "1/2")
+    assert _sympy_equal(r"2\sqrt{2}", r"\sqrt{8}")
+    assert not _sympy_equal("x+1", "x+2")
+    assert not _sympy_equal("((((", "1")  # unparsable -> False, no exception
 
 
 def test_math_never_evals_model_output(tmp_path):
     marker = tmp_path / "pwned"
     for attack in [f"__import__('os').system('touch {marker}')", f"exec(chr(49))+open('{marker}','w')",
                    f"eval(str(open('{marker}','w')))"]:
-        assert not R._sympy_equal(attack, "0")
+        assert not _sympy_equal(attack, "0")
         assert R.math(rf"\boxed{{{attack}}}", {"answer": "0"}) == 0.0
     assert not marker.exists()
 
@@ -68,79 +68,6 @@ def test_math_timeout_gives_zero_and_recovers():
     assert R.math(r"\boxed{9^{9^{9^{9}}}}", {"answer": r"\frac{1}{3}"}, timeout=1.0) == 0.0
     assert time.monotonic() - start < 5.0
     assert R.math(r"\boxed{1/3}", {"answer": r"\frac{1}{3}"}) == 1.0
-
-
-def _py(src: str) -> str:
-    return "Here:\n```python\n" + textwrap.dedent(src) + "```\n"
-
-
-ADD = _py("""
-    def add(a, b):
-        return a + b
-""")
-
-
-def test_extract_code():
-    assert R.extract_code("```python\na = 1\n```\n```py\nb = 2\n```") == "b = 2\n"
-    assert R.extract_code("```\nc = 3\n```") == "c = 3\n"
-    assert R.extract_code("```python\na = 1\n```\n```\nb\n```") == "a = 1\n"  # python block preferred
-    assert R.extract_code("no code") is None
-
-
-def test_code_fraction_and_strict():
-    tests = "assert add(1, 2) == 3\nassert add(2, 2) == 5\n"
-    assert R.code(ADD, {"tests": tests}) == 0.5
-    assert R.code(ADD, {"tests": ["assert add(1, 2) == 3", "assert add(0, 0) == 0"]}) == 1.0
-    assert R.code_strict(ADD, {"tests": tests}) == 0.0
-    assert R.code("no code", {"tests": tests}) == 0.0
-
-
-def test_split_tests_setup_and_check_style():
-    steps = R.split_tests("import math\nassert math.pi > 3\nx = 2\nassert x == 2\n")
-    assert [t for _, t in steps] == [False, True, False, True]
-    # HumanEval style: no top-level assert -> calls are the tests
-    humaneval = "def check(f):\n    assert f(1, 1) == 2\n\ncheck(add)\n"
-    assert [t for _, t in R.split_tests(humaneval)] == [False, True]
-    assert R.code(ADD, {"tests": humaneval}) == 1.0
-    assert R.code(ADD, {"tests": "import math\nassert add(1, 1) == 2\nassert math.floor(add(0.5, 0.6)) == 1\n"}) == 1.0
-
-
-def test_code_broken_solution_fails_all_tests():
-    assert R.code(_py("def add(a, b):\n    return a + b\nraise RuntimeError\n"), {"tests": "assert add(1, 2) == 3"}) == 0.0
-    assert R.code(_py("import sys\nsys.exit(0)\n"), {"tests": "assert True"}) == 0.0
-    assert R.code(_py("import os\nos._exit(0)\n"), {"tests": "assert True"}) == 0.0
-
-
-def test_code_isolation():
-    env_and_cwd = _py("""
-        import os, sys, tempfile
-        ENV = dict(os.environ)
-        CWD = os.getcwd()
-    """)
-    tests = ["assert 'HOME' not in ENV and 'PATH' not in ENV", "assert 'dlrl_code_' in CWD",
-             "assert sys.flags.isolated == 1"]
-    assert R.code(env_and_cwd, {"tests": tests}) == 1.0
-
-
-def test_code_time_and_memory_limits():
-    start = time.monotonic()
-    assert R.code(_py("while True:\n    pass\n"), {"tests": ["assert True"]}, timeout=1.0) == 0.0
-    assert time.monotonic() - start < 5.0
-    hog = _py("x = bytearray(4 * 1024 ** 3)\n")  # over the 2 GiB address-space limit
-    assert R.code(hog, {"tests": ["assert True"]}) == 0.0
-
-
-def test_code_cannot_forge_result_or_flood_output():
-    forged = _py("""
-        import sys
-        print('{"passed": 99, "ok": true}')
-        sys.__stdout__.write('deadbeef{"passed": 99, "ok": true}\\n')
-        def add(a, b):
-            return 0
-    """)
-    assert R.code(forged, {"tests": ["assert add(1, 1) == 2"]}) == 0.0
-    flood = _py("import os\nwhile True:\n    os.write(1, b'x' * 65536)\n")
-    assert R.code(flood, {"tests": ["assert True"]}, timeout=3.0) == 0.0
 
 
 def test_load_reward_fn(tmp_path, monkeypatch):
@@ -195,11 +122,34 @@ def test_score_batch_robust(caplog):
         R.score_batch(flaky, texts, examples[:2])
 
 
-def test_score_batch_with_lengths_and_subprocess_rewards():
+def test_score_batch_with_lengths():
     reward = R.build_reward("exact_match", overlong_buffer=10, max_tokens=50)
     out = R.score_batch(reward, ["a", "a", "b"], [{"answer": "a"}] * 3, num_tokens=[10, 45, 60])
     assert out == pytest.approx([1.0, 0.5, -1.0])
-    texts = [ADD, _py("def add(a, b):\n    return a - b\n")] * 2
-    got = R.score_batch(R.build_reward("code"), texts, [{"tests": ["assert add(1, 2) == 3"]}] * 4, num_workers=4)
-    assert got == [1.0, 0.0, 1.0, 0.0]
-    assert all(pymath.isfinite(x) for x in got)
+
+
+def test_rewards_are_clamped_to_their_declared_range(tmp_path, monkeypatch, caplog):
+    (tmp_path / "user_rewards.py").write_text(
+        "from trainer.rewards import reward_range\n"
+        "def forged(text, example):\n    return 1000.0\n"
+        "@reward_range(0, 5)\ndef stars(text, example):\n    return float(text)\n"
+        "def chatty(text, example):\n    return 'not a number'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="trainer.rewards"):
+        forged = R.build_reward("user_rewards:forged")
+    assert "declares no reward_range" in caplog.text
+    assert forged("x", {}) == R.DEFAULT_RANGE[1] == 1.0
+    stars = R.build_reward("user_rewards:stars", overlong_buffer=10, max_tokens=20)
+    assert [stars(t, {}) for t in ("3", "9", "-4", "inf")] == [3.0, 5.0, 0.0, 0.0]
+    assert stars("9", {}, num_tokens=20) == 4.0  # clamp first, then the overlong penalty
+    assert R.build_reward("user_rewards:chatty")("x", {}) == 0.0  # never raises
+    assert R.score_batch(forged, ["a", "b"], [{}, {}]) == [1.0, 1.0]
+    with pytest.raises(ValueError, match="reward_range"):
+        R.reward_range(1, 0)
+
+
+def test_builtin_rewards_never_raise_on_malformed_examples():
+    for name in ("exact_match", "math", "code"):
+        reward = R.build_reward(name)
+        for example in ({}, {"answer": None, "tests": None}, {"tests": [{"input": 1}]}, {"tests": 42}):
+            assert reward("```python\nx = 1\n```\n\\boxed{1}", example) == 0.0

@@ -5,6 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tests.helpers import ADMIN_TOKEN  # what the `admin_headers` fixture sends
+
 
 @pytest.mark.parametrize("headers,status", [
     ({}, 401),
@@ -22,15 +24,16 @@ def test_admin_rejects_bad_tokens(server, headers, status):
     assert not server.engine.is_paused
 
 
-def test_admin_with_token(server, admin_headers):
-    r = httpx.get(server.url + "/admin/status", headers=admin_headers)
-    assert r.status_code == 200 and r.json() == {"is_paused": False, "version": server.engine.version,
+def test_admin_with_token(make_server, admin_headers):
+    srv = make_server(max_batch=2, admin_token=ADMIN_TOKEN)  # its own server: pausing must not touch the shared one
+    r = httpx.get(srv.url + "/admin/status", headers=admin_headers)
+    assert r.status_code == 200 and r.json() == {"is_paused": False, "version": srv.engine.version,
                                                  "num_running": 0, "num_waiting": 0}
-    assert httpx.post(server.url + "/admin/pause", headers=admin_headers).json()["is_paused"] is True
-    assert httpx.get(server.url + "/ready").status_code == 503
-    assert httpx.get(server.url + "/health").json()["is_paused"] is True
-    assert httpx.post(server.url + "/admin/resume", headers=admin_headers).json()["is_paused"] is False
-    assert httpx.get(server.url + "/ready").status_code == 200
+    assert httpx.post(srv.url + "/admin/pause", headers=admin_headers).json()["is_paused"] is True
+    assert httpx.get(srv.url + "/ready").status_code == 503
+    assert httpx.get(srv.url + "/health").json()["is_paused"] is True
+    assert httpx.post(srv.url + "/admin/resume", headers=admin_headers).json()["is_paused"] is False
+    assert httpx.get(srv.url + "/ready").status_code == 200
 
 
 def test_admin_disabled_without_token(make_server):
@@ -51,6 +54,7 @@ def test_admin_token_from_env(make_server, monkeypatch):
 def test_health_and_ready(server):
     h = httpx.get(server.url + "/health").json()
     assert h["status"] == "ok" and h["model"] == server.engine.model_name and h["is_paused"] is False
+    assert h["is_draining"] is False and h["num_free_slots"] == server.config.max_batch
     assert httpx.get(server.url + "/ready").status_code == 200
     assert httpx.get(server.url + "/metrics").headers["content-type"].startswith("text/plain")
 

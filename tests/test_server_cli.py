@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -26,33 +24,19 @@ def test_parser_and_overrides(tmp_path):
         load_server_config(str(cfg), ["server.bogus=1"])
 
 
-def test_serve_subprocess(tiny_model_dir, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tmp_path / "serve.log"
-    env = {**os.environ, "DLRL_ADMIN_TOKEN": "t0k"}
-    cmd = [sys.executable, "-m", "server.cli", "--model", tiny_model_dir, "--port", str(port),
-           "server.max_batch=2", "server.log_level=info"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                cwd=os.path.dirname(os.path.dirname(__file__)))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        r = httpx.post(url + "/generate", json={"prompt": "1+1=", "max_tokens": 4}, timeout=30)
-        assert r.status_code == 200 and len(r.json()["samples"][0]["completion_ids"]) <= 4
-        assert httpx.get(url + "/admin/status", headers={"Authorization": "Bearer t0k"}).status_code == 200
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=20)
-    text = log.read_text()
-    assert f"listening on http://127.0.0.1:{port}" in text and "serving model" in text
-    assert tiny_model_dir in text
+def test_serve_subprocess(serve_process, tiny_model_dir):
+    srv = serve_process("server.max_batch=2", "server.log_level=info", env={"DLRL_ADMIN_TOKEN": "t0k"})
+    r = httpx.post(srv.url + "/generate", json={"prompt": "1+1=", "max_tokens": 4}, timeout=30)
+    assert r.status_code == 200 and len(r.json()["samples"][0]["completion_ids"]) <= 4
+    assert httpx.get(srv.url + "/admin/status", headers={"Authorization": "Bearer t0k"}).status_code == 200
+    srv.proc.send_signal(signal.SIGINT)
+    assert srv.proc.wait(timeout=30) == 0  # graceful: drains (nothing in flight) and exits 0
+    text = srv.log()
+    assert f"listening on {srv.url}" in text and "serving model" in text
+    assert tiny_model_dir in text and "received SIGINT: shutting down gracefully" in text
+
+
+def test_bad_override_names_the_key(tiny_model_dir):
+    out = subprocess.run([sys.executable, "-m", "server.cli", "--model", tiny_model_dir, "server.max_body_bytes=0"],
+                         capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 2 and "server.max_body_bytes" in out.stderr

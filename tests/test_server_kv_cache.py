@@ -13,7 +13,7 @@ import torch
 from dllm.config import SDARConfig
 from dllm.configlib import ConfigError
 from server.backends.native import GIB, NativeBackend, plan_kv_cache
-from server.config import ServerConfig, parse_memory
+from server.config import ServerConfig, load_server_config
 
 SDAR_1_7B = dict(model_type="sdar", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                  num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
@@ -36,19 +36,23 @@ def test_plan_on_sdar_1_7b_shapes():
 
 
 def test_memory_option_parsing():
-    assert parse_memory("") == 0 and parse_memory("4GiB") == 4 << 30 and parse_memory("512MB") == 512_000_000
-    assert parse_memory("1048576") == 1 << 20
-    for bad in ("lots", "-1GiB", "0"):
+    def memory(value: str) -> int:
+        return load_server_config(None, [f"server.kv_cache_memory={value}"]).kv_cache_memory
+
+    assert ServerConfig().kv_cache_memory == 0 and memory("0") == 0  # 0: kv_cache_fraction decides
+    assert memory("4GiB") == 4 << 30 and memory("512MB") == 512_000_000 and memory("1048576") == 1 << 20
+    for bad in ("lots", "-1GiB", "-5", "''"):
         with pytest.raises(ConfigError, match="server.kv_cache_memory"):
-            parse_memory(bad)
-    with pytest.raises(ConfigError, match="server.kv_cache_fraction"):
-        ServerConfig(kv_cache_fraction=1.5).validate()
+            memory(bad)
+    for bad in ("1.5", "0", "-0.1", "nan"):
+        with pytest.raises(ConfigError, match="server.kv_cache_fraction"):
+            load_server_config(None, [f"kv_cache_fraction={bad}"])
 
 
 def test_backend_logs_the_plan(tiny_model_dir, caplog):
     with caplog.at_level(logging.INFO, logger="dlrl.server"):
         backend = NativeBackend.from_pretrained(tiny_model_dir, device="cpu", dtype="float32", max_batch=4,
-                                                max_model_len=64, kv_cache_memory="64KiB")
+                                                max_model_len=64, kv_cache_memory=64 * 1024)
     plan = backend.kv_plan
     assert plan.num_bytes <= 64 * 1024 and backend.decoder.cache.num_pages == plan.num_pages
     assert any("KV cache" in r.message and "kv_cache_memory" in r.message for r in caplog.records)

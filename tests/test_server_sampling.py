@@ -13,7 +13,7 @@ from dllm.decoding import generate
 from dllm.sampling import SamplingParams
 from dllm.tokenizer import encode
 from server.engine import RequestFailed
-from tests.test_dllm_batched import _Overflowing
+from tests.helpers import OverflowingParams
 
 
 def reference(server, prompt_ids, **params):
@@ -56,7 +56,7 @@ def test_tiny_temperature_among_fifteen_requests(server):
 def test_non_finite_row_ends_only_its_own_request(server):
     engine, tok = server.engine, server.engine.tokenizer
     prompt = encode(tok, "7+5=")
-    bad = _Overflowing(max_tokens=12, temperature=1e-45, ignore_eos=True)
+    bad = OverflowingParams(max_tokens=12, temperature=1e-45, ignore_eos=True)
 
     async def send():
         failing = engine.submit(engine.make_sequences([prompt], bad, n=2))

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 BAD = [  # (endpoint, body, status, param)
     ("/generate", {"prompt": ""}, 400, "prompt"),
-    ("/generate", {"prompt": ["ok", ""]}, 400, "prompt"),
+    ("/generate", {"prompt": ["ok", ""]}, 400, "prompt.1"),
     ("/generate", {"prompt_ids": []}, 400, "prompt_ids"),
     ("/generate", {}, 400, "prompt"),
     ("/generate", {"prompt": "a", "prompt_ids": [6]}, 400, "prompt"),
@@ -17,16 +17,16 @@ BAD = [  # (endpoint, body, status, param)
     ("/generate", {"prompt": "a", "max_tokens": -3}, 400, "max_tokens"),
     ("/generate", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
     ("/generate", {"prompt": "a", "max_tokens": 10**12}, 400, "max_tokens"),
-    ("/generate", {"prompt": "a", "max_tokens": 256}, 400, "max_tokens"),  # over max_model_len with the prompt
+    ("/generate", {"prompt": "a", "max_tokens": 256}, 413, "max_tokens"),  # over max_model_len with the prompt
     ("/generate", {"prompt": "a", "max_tokens": "8"}, 400, "max_tokens"),
     ("/generate", {"prompt": "a", "strategy": "beam"}, 400, "strategy"),
     ("/generate", {"prompt": "a", "n": 0}, 400, "n"),
     ("/generate", {"prompt": "a", "n": 10**6}, 400, "n"),
-    ("/generate", {"prompt": ["a", "b"], "n": 33}, 400, "n"),  # prompts x n > max_queue (64)
+    ("/generate", {"prompt": ["a", "b"], "n": 33}, 413, "n"),  # prompts x n > max_queue (64)
     ("/generate", {"prompt_ids": [6, 10**6]}, 400, "prompt_ids"),
-    ("/generate", {"prompt_ids": [6, -1]}, 400, "prompt_ids"),
+    ("/generate", {"prompt_ids": [6, -1]}, 400, "prompt_ids.1"),
     ("/generate", {"prompt_ids": [6, 1]}, 400, "prompt_ids"),  # the mask id
-    ("/generate", {"prompt_ids": [[6], []]}, 400, "prompt_ids"),
+    ("/generate", {"prompt_ids": [[6], []]}, 400, "prompt_ids.1"),
     ("/generate", {"prompt": "a", "temperature": -1}, 400, "temperature"),
     ("/generate", {"prompt": "a", "top_p": 0}, 400, "top_p"),
     ("/generate", {"prompt": "a", "top_k": -1}, 400, "top_k"),
@@ -34,7 +34,7 @@ BAD = [  # (endpoint, body, status, param)
     ("/generate", {"prompt": "a", "steps": 99}, 400, "steps"),
     ("/generate", {"prompt": "a", "threshold": 2}, 400, "threshold"),
     ("/generate", {"prompt": "a", "seed": -1}, 400, "seed"),
-    ("/generate", {"prompt": "a", "stop": [""]}, 400, "stop"),
+    ("/generate", {"prompt": "a", "stop": [""]}, 400, "stop.0"),
     ("/generate", {"prompt": "a", "stop": 3}, 400, "stop"),
     ("/generate", {"prompt": "a", "bogus": 1}, 400, "bogus"),
     ("/generate", {"prompt": "a", "model": "other"}, 404, "model"),

@@ -4,10 +4,6 @@ resume, and bad configs that stop with an error naming the cause."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import zlib
 from pathlib import Path
 
 import httpx
@@ -15,34 +11,17 @@ import pytest
 import torch
 
 from dllm.weights import load_pretrained
-from tests.conftest import _free_port
-from trainer.servers import wait_ready
+from tests.helpers import free_port, served_process
 from weight_sync import weights_digest
 
 TOKEN = "e2e-token"
 
 
-def parity_reward(text: str, example: dict) -> float:
-    """A reward with variance on a random model: parity of a hash of the completion."""
-    return float(zlib.crc32(text.encode()) % 2)
-
-
 @pytest.fixture(scope="module")
 def served(tiny_model_dir, tmp_path_factory):
     """A real server subprocess on a free port."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path_factory.mktemp("srv") / "server.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "dlrl.cli", "serve", "--model", tiny_model_dir, "--port",
-                             str(port), "server.max_batch=64", "server.device=cpu", "server.dtype=float32"],
-                            env=dict(os.environ, DLRL_ADMIN_TOKEN=TOKEN), stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_ready(url, 120, proc)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
+    with served_process(tiny_model_dir, TOKEN, tmp_path_factory.mktemp("srv")) as srv:
+        yield srv.url
 
 
 def admin(url: str, path: str) -> dict:
@@ -52,7 +31,7 @@ def admin(url: str, path: str) -> dict:
 def write_config(tmp: Path, url: str, model: str, **train) -> Path:
     cfg = {"train": {"servers": [url], "model": model, "output_dir": str(tmp / "run"), "num_steps": 2,
                      "prompts_per_step": 4, "group_size": 4, "max_tokens": 6, "eval_every": 0,
-                     "reward": "tests.test_trainer_e2e:parity_reward", "admin_token": TOKEN, "lr": 1e-3,
+                     "reward": "tests.helpers:parity_reward", "admin_token": TOKEN, "lr": 1e-3,
                      "start_server": False, "tensorboard": False, **train}}
     path = tmp / "cfg.yaml"
     path.write_text(json.dumps(cfg))  # JSON is YAML
@@ -86,6 +65,8 @@ def test_two_steps_change_every_param_and_sync_the_server(served, tiny_model_dir
     ["objective=coupled", "sync_transport=dist"],
     ["use_value_model=true", "gamma=1.0", "lam=0.95", "norm=sequence"],
     ["zero_stage=2", "shrink=2", "updates_per_step=2", "grad_accum=2"],
+    ["is_correction=tis", "is_level=sequence", "logprob_chunk=3"],
+    ["zero_stage=3", "objective=dipo", "kl_coef=0.1", "is_correction=mis", "use_value_model=true"],
 ])
 def test_objectives_and_options_run_end_to_end(served, tiny_model_dir, tmp_path, overrides):
     v0 = admin(served, "/weights/version")["version"]
@@ -100,6 +81,10 @@ def test_objectives_and_options_run_end_to_end(served, tiny_model_dir, tmp_path,
         assert "value_loss" in row
     if "kl_coef=0.1" in overrides:
         assert "kl_ref" in row
+    if not any(o in overrides for o in ("objective=random_masking", "objective=coupled")):
+        assert "mismatch_abs_mean" in row and "mismatch_abs_max" in row  # train-serve mismatch, every step
+    if any(o.startswith("is_correction") for o in overrides):
+        assert "is_weight_mean" in row and row["mismatch_abs_max"] < 1e-3  # fp32 server == fp32 trainer
 
 
 def test_resume_after_a_crash(served, tiny_model_dir, tmp_path):
@@ -137,27 +122,27 @@ def test_bad_config_names_the_cause(served, tiny_model_dir, tmp_path, capsys, ov
 
 
 def test_unreachable_server_is_an_error(tiny_model_dir, tmp_path, capsys):
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     assert run_train(write_config(tmp_path, url, tiny_model_dir)) == 1
     assert url in capsys.readouterr().err
 
 
 def test_version_conflict_is_refused(served, tiny_model_dir, tmp_path):
-    from trainer.config import TrainConfig
-    from trainer.context import RunContext
-    from weight_sync import WeightSyncError, push
+    from trainer.cli import parse
+    from trainer.fleet import FleetError
+    from trainer.run import build_run
+    from weight_sync import push
 
-    cfg = TrainConfig(servers=[served], model=tiny_model_dir, output_dir=str(tmp_path / "run"), admin_token=TOKEN,
-                      start_server=False, tensorboard=False, eval_every=0)
-    ctx = RunContext(cfg, None, []).setup()
+    _, root, overrides = parse(["--config", str(write_config(tmp_path, served, tiny_model_dir))])
+    run = build_run(root, None, overrides)
     try:
-        params = dict(ctx.engine.module.named_parameters())
-        push([served], params.items(), ctx.version + 5, transport="http", token=TOKEN)  # someone else moved on
-        with pytest.raises(WeightSyncError, match="version"):
-            ctx.push()
-        assert admin(served, "/weights/version")["version"] == ctx.version + 5
+        params = dict(run.learner.engine.module.named_parameters())
+        push([served], params.items(), run.version + 5, transport="http", token=TOKEN)  # someone else moved on
+        with pytest.raises(FleetError, match="version"):
+            run.publisher.push()
+        assert admin(served, "/weights/version")["version"] == run.version + 5
     finally:
-        ctx.close()
+        run.close()
 
 
 def test_jsonl_prompts_with_math_reward(served, tiny_model_dir, tmp_path):

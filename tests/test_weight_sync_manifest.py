@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from weight_sync.bucket import pack_stream, plan_buckets, specs_of, unpack
+from weight_sync.checksum import checksum, parallel_checksums
 from weight_sync.errors import ManifestError
-from weight_sync.manifest import ALIGN, Manifest, crc32, parallel_crc32, weights_digest
+from weight_sync.manifest import ALIGN, Manifest, weights_digest
 
 
 def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -30,9 +31,11 @@ def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
 
 def pack_all(named: dict[str, torch.Tensor], bucket_bytes: int, dtype=None) -> tuple[Manifest, list[torch.Tensor]]:
     m = plan_buckets(specs_of(named.items(), dtype), bucket_bytes, version=3)
-    bufs = [buf.clone() for _, buf in pack_stream(m, iter(named.items()), lambda i, n: torch.empty(n, dtype=torch.uint8))]
-    for b, buf in zip(m.buckets, bufs):
-        b.checksum = crc32(buf)
+    bufs = []
+    for i, buf, crc in pack_stream(m, iter(named.items()), lambda i, n: torch.full((n,), 7, dtype=torch.uint8)):
+        assert crc == checksum(buf)  # hashed while packing == hashed afterwards (padding zeroed)
+        m.buckets[i].checksum = crc
+        bufs.append(buf.clone())
     return m, bufs
 
 
@@ -62,7 +65,7 @@ def test_manifest_json_roundtrip():
         (lambda d: d["buckets"][0].update(nbytes=8), "tensor ends past bucket"),
         (lambda d: d["buckets"][0].update(checksum="abc"), "manifest.buckets[0].checksum"),
         (lambda d: d.update(total_bytes=1), "manifest.total_bytes"),
-        (lambda d: d.update(format=2), "manifest.format"),
+        (lambda d: d.update(format=1), "manifest.format"),
     ],
 )
 def test_manifest_validation_names_the_field(mutate, field):
@@ -139,6 +142,6 @@ def test_digest_stable_and_sensitive():
     assert len(d) == 32 and int(d, 16) >= 0
 
 
-def test_parallel_crc_matches_serial():
+def test_parallel_checksums_match_serial():
     bufs = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in (0, 1, 1000, 1 << 16)]
-    assert parallel_crc32(bufs) == [crc32(b) for b in bufs]
+    assert parallel_checksums(bufs) == [checksum(b) for b in bufs]

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -12,8 +13,9 @@ import torch
 
 from weight_sync import UpdateConflict, UpdateFailed, WeightReceiver, weights_digest
 from weight_sync.bucket import pack_stream, plan_buckets, specs_of
+from weight_sync.checksum import checksum as crc32
 from weight_sync.errors import ManifestError
-from weight_sync.manifest import Manifest, crc32
+from weight_sync.manifest import Manifest
 from weight_sync.transports.shm import ShmRegion
 
 
@@ -26,11 +28,11 @@ def tensors(seed: int) -> dict[str, torch.Tensor]:
 class Served:
     """A served 'model' (dict of tensors) plus a receiver applying into it."""
 
-    def __init__(self, timeout_s: float = 30.0):
+    def __init__(self, lease_s: float = 30.0):
         self.params = tensors(0)
         self.applied = 0
         self.fail_apply = False
-        self.rx = WeightReceiver(lambda: self.params, self.apply, timeout_s=timeout_s)
+        self.rx = WeightReceiver(lambda: self.params, self.apply, lease_s=lease_s)
 
     def apply(self, named):
         if self.fail_apply:
@@ -45,7 +47,7 @@ class Served:
 
 def packed(named: dict[str, torch.Tensor], version: int, bucket_bytes: int = 512) -> tuple[Manifest, list]:
     m = plan_buckets(specs_of(named.items()), bucket_bytes, version)
-    bufs = [b.clone() for _, b in pack_stream(m, iter(named.items()), lambda i, n: torch.empty(n, dtype=torch.uint8))]
+    bufs = [b.clone() for _, b, _ in pack_stream(m, iter(named.items()), lambda i, n: torch.empty(n, dtype=torch.uint8))]
     return m, bufs
 
 
@@ -80,7 +82,7 @@ def test_shm_flow_in_process(served):
     try:
         m = plan_buckets(specs_of(new.items()), 512, 4)
         opts = region.prepare(m)
-        bufs = [b for _, b in pack_stream(m, iter(new.items()), region.bucket)]
+        bufs = [b for _, b, _ in pack_stream(m, iter(new.items()), region.bucket)]
         served.rx.begin(4, "shm", m.to_dict(), opts)
         served.rx.commit(4, [crc32(b) for b in bufs])
         assert served.rx.version == 4 and served.digest() == weights_digest(new)
@@ -178,24 +180,47 @@ def test_apply_failure_keeps_version(served):
     assert served.rx.version == 0 and served.rx.status()["update"] is None
 
 
-def test_abort_and_verified_state(served):
+def test_abort_states_and_queryable_outcome(served):
     assert served.rx.abort() is False
     m, bufs = packed(tensors(1), 1)
-    served.rx.begin(1, "http", m)
+    served.rx.begin(1, "http", m, run_id="run-a")
     assert served.rx.abort(version=2) is False  # another version: nothing to abort
+    assert served.rx.abort(version=1, run_id="run-b") is False  # another run's abort: ignored
     assert served.rx.abort(version=1, reason="test") is True
     assert "aborted: test" in served.rx.status()["last_failure"]
+    assert served.rx.state(1)["state"] == "failed" and served.rx.state(1)["reason"] == "test"
     served.rx.begin(1, "http", m)  # same version may begin again after an abort
     send_http(served.rx, 1, bufs)
     served.rx.verify(1)
-    with pytest.raises(UpdateConflict, match="verified"):
+    assert served.rx.state(1)["state"] == "verified"
+    assert served.rx.abort(version=1, reason="sender gave up") is True  # verified: not applied yet, abortable
+    served.rx.begin(1, "http", m)
+    send_http(served.rx, 1, bufs)
+    served.rx.verify(1)
+    entered, release = threading.Event(), threading.Event()
+    apply = served.apply
+
+    def slow_apply(named):
+        entered.set()
+        release.wait(10)
+        apply(named)
+
+    served.rx._apply_fn = slow_apply
+    t = threading.Thread(target=served.rx.apply, args=(1,))
+    t.start()
+    assert entered.wait(10)
+    with pytest.raises(UpdateConflict, match="applying"):
         served.rx.abort()
-    served.rx.apply(1)
+    release.set()
+    t.join(10)
     assert served.rx.version == 1 and served.digest() == weights_digest(tensors(1))
+    assert served.rx.state(1)["state"] == "applied" and served.rx.committed(1)
+    served.rx.commit(1)  # a retried commit of an applied version is a success (and a no-op)
+    assert served.applied == 1
 
 
 def test_stale_begin_times_out():
-    s = Served(timeout_s=0.3)
+    s = Served(lease_s=0.3)
     before = s.digest()
     m, bufs = packed(tensors(1), 1)
     s.rx.begin(1, "http", m)
@@ -205,8 +230,8 @@ def test_stale_begin_times_out():
     while s.rx.status()["update"] is not None:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    assert "timed out" in s.rx.status()["last_failure"]
-    with pytest.raises(UpdateConflict, match="no weight update in progress.*timed out"):
+    assert "lease expired" in s.rx.status()["last_failure"]
+    with pytest.raises(UpdateConflict, match="no weight update in progress.*lease expired"):
         s.rx.commit(1)
     assert s.digest() == before and s.rx.version == 0
     s.rx.begin(1, "http", m)  # a new update can start
@@ -243,3 +268,13 @@ def test_staging_reused_across_updates_but_not_after_an_interrupted_write(served
     send_http(rx, 2, bufs2)
     rx.commit(2)
     assert served.digest() == weights_digest(tensors(2))
+
+
+def test_begin_refuses_buckets_larger_than_their_tensors(served):
+    m, _ = packed(tensors(1), 1)
+    d = m.to_dict()
+    d["buckets"][-1]["nbytes"] += 1 << 40  # a terabyte of "padding" to stage
+    d["total_bytes"] += 1 << 40
+    with pytest.raises(ManifestError, match="beyond the tensors"):
+        served.rx.begin(1, "http", d)
+    assert served.rx.status()["update"] is None

@@ -8,27 +8,40 @@ Uses FastAPI's TestClient on a minimal app with a fake engine, and once a real
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 import torch
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from server import routes_weights
+from server.weight_updates import WeightUpdates
 from weight_sync import weights_digest
 from weight_sync.bucket import pack_stream, plan_buckets, specs_of
-from weight_sync.manifest import crc32
+from weight_sync.checksum import checksum as crc32
 
 TOKEN = "tok"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 class Engine:
-    def __init__(self, model: torch.nn.Module):
-        self.model, self.version, self.is_paused, self.calls = model, 0, False, []
+    """Fake engine; `busy` = a sequence in flight that only an abort (or clearing busy) ends."""
 
-    async def pause(self, abort_inflight: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module):
+        self.model, self.version, self.is_paused, self.calls, self.busy = model, 0, False, [], False
+
+    async def pause(self, abort_inflight: bool = False, timeout: float | None = None) -> None:
         self.is_paused = True
         self.calls.append(("pause", abort_inflight))
+        if abort_inflight:
+            self.busy = False
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.busy:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"engine did not drain within {timeout}s")
+            await asyncio.sleep(0.01)
 
     async def resume(self) -> None:
         self.is_paused = False
@@ -50,7 +63,7 @@ def make_client(model: torch.nn.Module) -> tuple[TestClient, Engine]:
 def packed(model: torch.nn.Module, version: int) -> tuple[dict, list[torch.Tensor]]:
     named = list(model.named_parameters())
     m = plan_buckets(specs_of(named), 256, version)
-    bufs = [b.clone() for _, b in pack_stream(m, iter(named), lambda i, n: torch.empty(n, dtype=torch.uint8))]
+    bufs = [b.clone() for _, b, _ in pack_stream(m, iter(named), lambda i, n: torch.empty(n, dtype=torch.uint8))]
     return m.to_dict(), bufs
 
 
@@ -82,7 +95,7 @@ def test_auth_required():
 def test_http_update_pauses_applies_resumes():
     client, engine = make_client(tiny_model(0))
     src = tiny_model(1)
-    assert http_update(client, src, 1) == {"version": 1}
+    assert http_update(client, src, 1) == {"version": 1, "state": "applied", "served_version": 1}
     assert engine.version == 1 and engine.calls == [("pause", False), ("resume",)]
     digest = client.get("/weights/checksum", headers=AUTH).json()
     assert digest == {"version": 1, "digest": weights_digest(src.named_parameters())}
@@ -90,11 +103,72 @@ def test_http_update_pauses_applies_resumes():
     assert status["version"] == 1 and status["update"] is None and status["is_paused"] is False
 
 
-def test_admin_paused_engine_stays_paused_and_abort_inflight_passes_through():
-    client, engine = make_client(tiny_model(0))
-    engine.is_paused = True
-    http_update(client, tiny_model(1), 1, abort_inflight=True)
-    assert engine.is_paused and engine.calls == [("pause", True)]
+def make_updates_app(model: torch.nn.Module, drain_timeout_s: float) -> tuple[FastAPI, Engine]:
+    app = FastAPI()
+    engine = Engine(model)
+    app.state.engine, app.state.admin_token = engine, TOKEN
+    app.state.weight_updates = WeightUpdates(engine, drain_timeout_s=drain_timeout_s)
+    app.include_router(routes_weights.router)
+    return app, engine
+
+
+def test_admin_paused_engine_stays_paused_and_abort_inflight_after_the_drain_bound():
+    app, engine = make_updates_app(tiny_model(0), drain_timeout_s=0.2)
+    engine.is_paused, engine.busy = True, True
+    with TestClient(app) as client:
+        http_update(client, tiny_model(1), 1, abort_inflight=True)
+    assert engine.is_paused and engine.calls == [("pause", False), ("pause", True)]  # drain, then abort
+    assert engine.version == 1
+
+
+def test_commit_pending_while_sequences_drain_then_applied():
+    """abort_inflight false: past the drain bound the commit answers 202 pending; in-flight
+    sequences finish on the old weights, then the update is applied; a retried commit says applied."""
+    app, engine = make_updates_app(tiny_model(0), drain_timeout_s=0.2)
+    engine.busy = True
+    src = tiny_model(1)
+    manifest, bufs = packed(src, 1)
+    with TestClient(app) as client:
+        assert client.post("/weights/begin", json={"version": 1, "transport": "http", "manifest": manifest,
+                                                   "run_id": "r1"}, headers=AUTH).status_code == 200
+        for i, b in enumerate(bufs):
+            assert put(client, i, b.numpy().tobytes(), 1, crc32(b)).status_code == 200
+        r = client.post("/weights/commit", json={"version": 1}, headers=AUTH)
+        assert r.status_code == 202 and r.json() == {"version": 1, "state": "pending", "served_version": 0}
+        assert client.get("/weights/updates/1", headers=AUTH).json()["state"] == "draining"
+        assert engine.version == 0  # in-flight sequences still run on the old weights
+        engine.busy = False  # they finish
+        deadline = time.monotonic() + 10
+        while client.get("/weights/updates/1", headers=AUTH).json()["state"] != "applied":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert engine.version == 1 and not engine.is_paused
+        r = client.post("/weights/commit", json={"version": 1}, headers=AUTH)  # a retried commit
+        assert r.status_code == 200 and r.json()["state"] == "applied"
+        assert client.get("/weights/checksum", headers=AUTH).json()["digest"] == weights_digest(
+            src.named_parameters())
+        assert client.get("/weights/updates/7", headers=AUTH).json()["state"] == "unknown"
+
+
+def test_abort_while_draining_cancels_the_update():
+    app, engine = make_updates_app(tiny_model(0), drain_timeout_s=0.1)
+    engine.busy = True
+    before = weights_digest(engine.model.named_parameters())
+    manifest, bufs = packed(tiny_model(1), 1)
+    with TestClient(app) as client:
+        client.post("/weights/begin", json={"version": 1, "transport": "http", "manifest": manifest}, headers=AUTH)
+        for i, b in enumerate(bufs):
+            put(client, i, b.numpy().tobytes(), 1, crc32(b))
+        assert client.post("/weights/commit", json={"version": 1}, headers=AUTH).status_code == 202
+        assert client.post("/weights/abort", json={"version": 1, "reason": "gave up"}, headers=AUTH).json()[
+            "aborted"]
+        deadline = time.monotonic() + 10
+        while engine.is_paused:  # the drain task notices and resumes the engine
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        state = client.get("/weights/updates/1", headers=AUTH).json()
+        assert state["state"] == "failed" and state["reason"] == "gave up"
+    assert engine.version == 0 and weights_digest(engine.model.named_parameters()) == before
 
 
 def test_error_statuses_and_messages():

@@ -84,8 +84,9 @@ def test_unreachable_server_raises_weight_sync_error():
     sender.close()
 
 
-@pytest.mark.parametrize("transport", ["http", "shm"])
-def test_source_failure_aborts_the_update(transport):
+@pytest.mark.parametrize("transport, fail_at", [("http", 3), ("shm", 3), ("http", 0), ("dist", 0)])
+def test_source_failure_aborts_the_update(transport, fail_at):
+    """A source failing mid-push, or before its first bucket is complete, aborts the begun update."""
     engine = FakeEngine(FakeModel(make(0)))
     with ReceiverServer(make_app(engine)) as srv:
         before = srv.get("/weights/checksum")
@@ -94,7 +95,7 @@ def test_source_failure_aborts_the_update(transport):
         def bad_source():
             calls.append(1)
             for k, (n, t) in enumerate(make(1).items()):
-                if k == 3 and len(calls) == 2:
+                if k == fail_at and len(calls) == 2:
                     raise RuntimeError("gather failed")
                 yield n, t
 

@@ -66,7 +66,7 @@ for v in versions:
                 os.kill(os.getpid(), signal.SIGKILL)
             yield n, t
     timings = push(urls, source, v, transport=transport, token=os.environ["TOKEN"], bucket_bytes=4096,
-                   timeout=timeout)
+                   timeout=max(timeout, 30.0), lease_s=timeout)
     print(json.dumps({"version": v, "digest": weights_digest(named), **timings}), flush=True)
 close_all()
 '''
@@ -95,7 +95,7 @@ class FakeEngine:
         self.model, self.version, self.is_paused = model, 0, False
         self.num_pauses = 0
 
-    async def pause(self, abort_inflight: bool = False) -> None:
+    async def pause(self, abort_inflight: bool = False, timeout: float | None = None) -> None:
         self.is_paused = True
         self.num_pauses += 1
 
@@ -107,7 +107,7 @@ def make_app(engine: FakeEngine, timeout_s: float = 30.0) -> FastAPI:
     app = FastAPI()
     app.state.engine, app.state.admin_token = engine, TOKEN
     app.state.weight_updates = make_updates(engine)
-    app.state.weight_updates.receiver.timeout_s = timeout_s
+    app.state.weight_updates.receiver.lease_s = timeout_s
     app.include_router(routes_weights.router)
     return app
 
@@ -198,7 +198,7 @@ def test_push_roundtrip(receiver):
 
 def test_wrong_token_fails_cleanly():
     with ReceiverServer(make_app(FakeEngine(FakeModel(make(0))))) as srv:
-        with pytest.raises(WeightSyncError, match="begin failed with HTTP 403.*invalid admin token"):
+        with pytest.raises(WeightSyncError, match="connect failed with HTTP 403.*invalid admin token"):
             push([srv.url], make(5), 99, transport="http", token="wrong")
         close_all()
         assert srv.get("/weights/version")["update"] is None

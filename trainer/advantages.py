@@ -18,6 +18,11 @@
 
     adv = group_advantages(torch.tensor(rewards), group_size=8)
     returns, adv = stepwise_gae_batch(tok_r, values, step_ids, valid, gamma=1.0, lam=1.0)
+    returns, adv = trace_gae(traces, values, rewards, shrink=2, gamma=1.0, lam=0.95)   # from traces
+
+`trace_gae` takes each sample's step ids from its trace (`TraceModel.global_steps(shrink)`:
+with shrinkage s, steps (k-1)s+1..ks of a block are one step of the shrunk trajectory, as in
+TraceRL) and puts the sequence reward on the tokens of the last step.
 """
 
 from __future__ import annotations
@@ -118,3 +123,18 @@ def stepwise_gae(token_rewards: torch.Tensor, token_values: torch.Tensor, token_
     returns, adv = stepwise_gae_batch(token_rewards[None], token_values[None], token_step_ids[None],
                                       valid[None], gamma, lam)
     return returns[0], adv[0]
+
+
+def trace_gae(traces, token_values: torch.Tensor, rewards: torch.Tensor, shrink: int = 1, gamma: float = 1.0,
+              lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """traces: N objects with `global_steps(shrink)` (rollout_client TraceModel); token_values
+    [N, L] (V_j of completion token j); rewards [N]. -> (returns [N, L], advantages [N, L])."""
+    N, L = token_values.shape
+    step_ids = torch.zeros(N, L, dtype=torch.long)
+    valid = torch.zeros(N, L, dtype=torch.bool)
+    for i, tr in enumerate(traces):
+        ids = tr.global_steps(shrink)
+        step_ids[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        valid[i, :len(ids)] = True
+    tok_r = sequence_to_token_rewards(rewards, step_ids, valid)
+    return stepwise_gae_batch(tok_r, token_values, step_ids, valid, gamma, lam)

@@ -1,12 +1,17 @@
-"""`dlrl train`: the online RL loop end to end.
+"""`dlrl train`: the online RL loop end to end, on one rank or many.
 
     dlrl train --config configs/tiny.yaml                    # embedded default (make train)
     dlrl train --config configs/tiny.yaml num_steps=5 objective=dipo servers=http://h1:8000,http://h2:8000
+    dlrl train --config configs/tiny.yaml nproc=2            # 2 local ranks (torchrun)
+    torchrun --nproc_per_node 8 -m dlrl.cli train --config cfg.yaml       # under any launcher
+    deepspeed --num_gpus 8 --module dlrl.cli train --config cfg.yaml
     dlrl train --config configs/tiny.yaml --resume
 
-If no server answers at `train.servers` it starts one; if no SFT model exists yet it
-trains it first. Writes metrics.jsonl, TensorBoard logs, curves.png and a final
-Hugging Face export (SDAR layout) under `train.output_dir`.
+If no server answers at `train.servers` (local addresses) rank 0 starts one; if no SFT model
+exists yet it trains it first. Rank 0 writes metrics.jsonl, TensorBoard logs, curves.png and
+the final Hugging Face export (SDAR layout) under `train.output_dir`. SIGTERM / SIGINT: the
+push in flight is aborted, a checkpoint is saved, servers the trainer started are stopped,
+exit code 0 (`--resume` continues); a second signal stops at once.
 """
 
 from __future__ import annotations
@@ -14,59 +19,116 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 
-from dllm.configlib import ConfigError, check_overrides, load_section
+from dllm.configlib import ConfigError, load_sections, print_check
 
 log = logging.getLogger("dlrl.train")
 
 
-def main(argv: list[str]) -> int:
-    from dllm.sft import SFTConfig, TinyModelConfig
-    from dllm.task import ArithmeticTask
-    from trainer.config import TrainConfig
+class Stopper:
+    """SIGTERM / SIGINT handler: ask the loop to stop at the next step boundary; a push in
+    flight on rank 0 is aborted at once. A second signal interrupts immediately."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.publisher = None
+
+    def install(self) -> Stopper:
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def uninstall(self) -> None:
+        """Give the process its previous handlers back (main() may run inside another program)."""
+        for sig, handler in getattr(self, "_previous", {}).items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, _frame) -> None:
+        from trainer.loop import StopRequested
+
+        if self.requested:
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping now")
+        self.requested = True
+        log.warning("%s: stopping at the end of this step (checkpoint, stop servers, exit 0)",
+                    signal.Signals(signum).name)
+        if self.publisher is not None and self.publisher.pushing:
+            raise StopRequested(f"{signal.Signals(signum).name} during a push: aborting it")
+
+
+def parse(argv: list[str]):
+    """-> (args, root sections, overrides): the config file read once, every section typed."""
+    from dllm.tiny import TINY_SECTIONS
+    from trainer.config import ServerKeys, TrainConfig
 
     ap = argparse.ArgumentParser(prog="dlrl train", description="online RL for block-diffusion LMs")
     ap.add_argument("--config", default="configs/tiny.yaml")
     ap.add_argument("--resume", action="store_true", help="continue from output_dir/checkpoint")
-    ap.add_argument("overrides", nargs="*", help="key=value overrides (e.g. num_steps=5)")
+    ap.add_argument("--check", action="store_true", help="only parse the command line and the config; exit 0 "
+                                                        "(or 2 with the error)")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides (e.g. num_steps=5 nproc=2)")
     args = ap.parse_args(argv)
     overrides = list(args.overrides) + (["train.resume=true"] if args.resume else [])
     try:
-        sections = {"train": TrainConfig, "model": TinyModelConfig, "task": ArithmeticTask, "sft": SFTConfig}
-        check_overrides([o for o in overrides if not o.startswith("server.")], sections, primary="train")
-        cfg = load_section(TrainConfig, args.config, "train", overrides)
+        root = load_sections(args.config, overrides, {"train": TrainConfig, **TINY_SECTIONS, "server": ServerKeys},
+                             primary="train")
     except (ConfigError, ValueError) as e:
         ap.error(str(e))
-    from rollout_client.client import RolloutError
-    from trainer.context import RunContext
+    return args, root, overrides
+
+
+def main(argv: list[str]) -> int:
+    args, root, overrides = parse(argv)
+    cfg = root["train"]
+    if args.check:
+        return print_check("train", cfg)
+    from trainer.launch import launch_local, under_launcher
+
+    if cfg.nproc > 1 and not under_launcher():
+        return launch_local(cfg.nproc, argv)
+    from rollout_client.client import AdminError, RolloutError
+    from trainer.dist import RankError
+    from trainer.fleet import FleetError
+    from trainer.loop import StopRequested
+    from trainer.run import build_run
     from weight_sync import WeightSyncError
 
-    ctx = RunContext(cfg, args.config, overrides)
+    stopper = Stopper().install()
+    run = None
     try:
-        return _run(ctx, cfg)
-    except (RuntimeError, ValueError, FileNotFoundError, WeightSyncError, RolloutError) as e:
+        run = build_run(root, args.config, overrides)
+        stopper.publisher = run.publisher
+        return _train(run, cfg, stopper)
+    except StopRequested as e:
+        log.warning("%s: checkpoint saved; continue with --resume", e)
+        return 0
+    except (RuntimeError, ValueError, FileNotFoundError, WeightSyncError, RolloutError, AdminError, FleetError,
+            RankError) as e:
         log.error("training stopped: %s", e)
         print(f"dlrl train: error: {e}", file=sys.stderr)
         return 1
     finally:
-        ctx.close()
+        if run is not None:
+            run.close()
+        stopper.uninstall()
 
 
-def _run(ctx, cfg) -> int:
+def _train(run, cfg, stopper: Stopper) -> int:
     from trainer.loop import train_loop
 
-    ctx.setup()
-    log.info("training %s on %s from version %d (%s, %s)", ctx.model_dir, ", ".join(cfg.servers),
-             ctx.version, cfg.objective, cfg.mode)
-    if cfg.eval_every and ctx.start_step == 0:
-        acc = ctx.evaluate()
-        ctx.logger.log(0, {"version": ctx.version, "eval_accuracy": acc})
-        log.info("step 0: held-out greedy accuracy %.1f%%", 100 * acc)
-    last = train_loop(ctx)
-    final = ctx.export()
-    png = ctx.finish()
-    summary = {"final_model": str(final), "curves": str(png), "version": ctx.version,
-               "eval_accuracy": last.get("eval_accuracy")}
-    print(json.dumps(summary, indent=2))
+    if run.ranks.is_main:
+        log.info("training %s on %s from version %d (%s, %s, %d rank(s), ZeRO-%d)", run.model_dir,
+                 ", ".join(cfg.servers), run.version, cfg.objective, cfg.mode, run.ranks.world_size, cfg.zero_stage)
+    if cfg.eval_every and run.start_step == 0:
+        scores = run.evaluate()
+        if scores is not None:
+            run.log(0, {"version": run.version, **scores})
+            log.info("step 0: held-out greedy accuracy %.1f%%", 100 * scores["eval_accuracy"])
+    last = train_loop(run, should_stop=lambda: stopper.requested)
+    final = run.export()
+    png = run.finish()
+    if run.ranks.is_main:
+        summary = {"final_model": str(final), "curves": str(png), "version": run.version,
+                   "eval_accuracy": last.get("eval_accuracy"), "num_ranks": run.ranks.world_size}
+        print(json.dumps(summary, indent=2))
     return 0

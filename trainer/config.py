@@ -1,28 +1,45 @@
 """TrainConfig: every knob of the online RL loop (section `train` of configs/*.yaml).
 
-    cfg = load_section(TrainConfig, "configs/tiny.yaml", "train", ["num_steps=5"])
+    root = load_sections("configs/tiny.yaml", ["num_steps=5"], {"train": TrainConfig, ...}, primary="train")
 
-Any field can be overridden on the command line as `key=value` or `train.key=value`.
+Any field can be overridden on the command line as `key=value` or `train.key=value`. Choices
+are `Literal` types taken from where the choice is implemented (objectives, transports,
+strategies, corrections, sandbox modes), so one table serves the code and the config.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import Literal
 
-from trainer.objectives import OBJECTIVES
+from pydantic import Field
 
-MODES = ("sync", "overlap")
-TRANSPORTS = ("shm", "dist", "http")
+from dllm.configlib import Config
+from rollout_client.protocol import Strategy
+from trainer.correction import Level, Mode
+from trainer.objectives import Objective
+from trainer.rewards.sandbox import SandboxMode
+from weight_sync.protocol import Transport
 
 
-@dataclass
-class TrainConfig:
+class ServerKeys(Config, extra="ignore"):
+    """The keys of the `server` section the trainer reads (the admin token it pushes with); the
+    server validates the rest itself. Parsed with the rest of the file, once."""
+
+    admin_token: str = ""
+    admin_token_file: str = ""
+
+
+class TrainConfig(Config):
     # where rollouts come from
-    servers: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8000"])
+    servers: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"], min_length=1)
     start_server: bool = True  # start a local server (subprocess) when none is reachable
-    server_start_timeout: float = 600.0
-    admin_token: str = ""  # empty: env DLRL_ADMIN_TOKEN, then server.admin_token_file of the config
+    server_start_timeout: float = Field(600.0, gt=0)
+    server_wait_s: float = Field(120.0, ge=0)  # a server down before a step is waited for this long, then an error
+    admin_token: str = ""  # empty: env DLRL_ADMIN_TOKEN, then the config's server.admin_token(_file)
     model: str = ""  # policy to train; empty = the embedded default (trained by SFT if missing)
+    trust_remote_code: bool = False  # run the model folder's own Python code (tokenizer); never asked on stdin
+    block_size: int = Field(0, ge=0)  # for folders whose config.json lacks it (0 = from the folder)
+    mask_token_id: int = Field(-1, ge=-1)  # for folders that lack it (-1 = from the folder / the tokenizer)
     output_dir: str = "runs/tiny-rl"
     # data
     data: str = ""  # JSONL of prompts; empty = the embedded arithmetic task
@@ -30,73 +47,65 @@ class TrainConfig:
     answer_field: str = ""
     chat_template: bool = False
     reward: str = "exact_match"  # exact_match | math | code | module:function
-    overlong_buffer: int = 0
+    overlong_buffer: int = Field(0, ge=0)
+    reward_sandbox: SandboxMode = "bwrap"  # code rewards: bwrap | unsafe_local (plain subprocess, trusted code only)
     # rollouts
-    num_steps: int = 60
-    prompts_per_step: int = 32
-    group_size: int = 8
-    max_tokens: int = 8
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    strategy: str = "static"
-    denoise_steps: int = 0  # 0 = block_size
-    threshold: float = 0.9
-    mode: str = "sync"  # sync | overlap (one-step off-policy)
-    max_staleness: int = 1
+    num_steps: int = Field(60, ge=1)
+    prompts_per_step: int = Field(32, ge=1)
+    group_size: int = Field(8, ge=1)
+    max_tokens: int = Field(8, ge=1)
+    stop: list[str] = Field(default_factory=list)  # rollout stop strings (besides the model's eos ids)
+    stop_token_ids: list[int] = Field(default_factory=list)  # rollout stop token ids (besides eos)
+    temperature: float = Field(1.0, ge=0)
+    top_k: int = Field(0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    strategy: Strategy = "static"
+    denoise_steps: int = Field(0, ge=0)  # 0 = block_size
+    threshold: float = Field(0.9, ge=0, le=1)
+    mode: Literal["sync", "overlap"] = "sync"  # overlap: one-step off-policy
+    max_staleness: int = Field(1, ge=1)
     filter_zero_variance: bool = True
     # objective
-    objective: str = "tracerl"
-    eps_clip: float = 0.2
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    kl_coef: float = 0.0
-    log_ratio_clip: float = 10.0
-    norm: str = "token"  # token | sequence
-    shrink: int = 1
+    objective: Objective = "tracerl"
+    eps_clip: float = Field(0.2, ge=0)
+    eps_low: float = Field(0.2, ge=0)
+    eps_high: float = Field(0.28, ge=0)
+    kl_coef: float = Field(0.0, ge=0)
+    log_ratio_clip: float = Field(10.0, gt=0)
+    norm: Literal["token", "sequence"] = "token"
+    shrink: int = Field(1, ge=1)
     use_value_model: bool = False
-    gamma: float = 1.0
-    lam: float = 1.0
-    value_lr: float = 1e-4
-    value_clip: float = 0.2
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(1.0, ge=0, le=1)
+    value_lr: float = Field(1e-4, gt=0)
+    value_clip: float = Field(0.2, gt=0)
+    # train-serve mismatch (trainer.correction)
+    is_correction: Mode = "none"
+    is_level: Level = "token"
+    is_cap: float = Field(2.0, ge=1)
+    logprob_chunk: int = Field(1024, ge=0)  # scored tokens per full-vocabulary logits chunk (0: all at once)
     # optimisation (DeepSpeed)
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    zero_stage: int = 0
-    dtype: str = "fp32"
-    grad_accum: int = 1  # micro-batches per optimizer step
-    updates_per_step: int = 1
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, ge=0)
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    dtype: Literal["fp32", "bf16"] = "fp32"  # fp16 is not supported
+    grad_accum: int = Field(1, ge=1)  # micro-batches per optimizer step
+    updates_per_step: int = Field(1, ge=1)
     gradient_checkpointing: bool = False
-    # sync, eval, logging
-    sync_transport: str = "shm"
-    eval_every: int = 5
-    eval_size: int = 200
-    checkpoint_every: int = 0
+    # weight sync
+    sync_transport: Transport = "shm"
+    sync_timeout: float = Field(300.0, gt=0)  # seconds a push may take before the servers drop it
+    sync_addr: str = "127.0.0.1"  # dist transport: the address servers reach rank 0 at
+    record_digests: bool = False  # append {version, digest} of every push to output_dir/versions.jsonl
+    # ranks
+    nproc: int = Field(1, ge=1)  # local ranks started by `dlrl train` itself (ignored under torchrun / deepspeed)
+    # eval, checkpoints, logging
+    eval_every: int = Field(5, ge=0)
+    eval_size: int = Field(200, ge=1)
+    eval_data: str = ""  # held-out JSONL for the periodic evaluation (as `dlrl eval` reads it); empty = split
+    checkpoint_every: int = Field(0, ge=0)
     resume: bool = False
     seed: int = 0
-    num_threads: int = 0
+    num_threads: int = Field(0, ge=0)
     tensorboard: bool = True
-
-    def validate(self) -> None:
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"train.objective: unknown {self.objective!r} (known: {', '.join(OBJECTIVES)})")
-        if self.mode not in MODES:
-            raise ValueError(f"train.mode: unknown {self.mode!r} (known: {', '.join(MODES)})")
-        if self.sync_transport not in TRANSPORTS:
-            raise ValueError(f"train.sync_transport: unknown {self.sync_transport!r} "
-                             f"(known: {', '.join(TRANSPORTS)})")
-        if self.norm not in ("token", "sequence"):
-            raise ValueError(f"train.norm: must be 'token' or 'sequence', got {self.norm!r}")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"train.zero_stage: must be 0-3, got {self.zero_stage}")
-        if self.dtype not in ("fp32", "bf16"):
-            raise ValueError(f"train.dtype: must be fp32 or bf16 (fp16 is not supported), got {self.dtype!r}")
-        if not self.servers:
-            raise ValueError("train.servers: need at least one server URL")
-        for name in ("num_steps", "prompts_per_step", "group_size", "max_tokens", "grad_accum",
-                     "updates_per_step", "shrink", "max_staleness"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"train.{name}: must be >= 1, got {getattr(self, name)}")
-        if self.lr <= 0:
-            raise ValueError(f"train.lr: must be > 0, got {self.lr}")

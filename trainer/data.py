@@ -50,6 +50,23 @@ def format_prompt(text: str, prompt_template: str = "{prompt}", tokenizer=None,
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+def example_from_record(record, where: str, prompt_field: str | None = None, answer_field: str | None = None,
+                        require_answer: bool = True, prompt_template: str = "{prompt}", tokenizer=None,
+                        system_prompt: str | None = None) -> dict:
+    """One parsed JSONL record -> an example; errors name `where` (file:line) and the field."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    question = _pick(record, prompt_field, DEFAULT_PROMPT_FIELDS, "prompt", where)
+    example = dict(record)
+    if require_answer or answer_field:
+        example["answer"] = str(_pick(record, answer_field, DEFAULT_ANSWER_FIELDS, "answer", where))
+    elif any(k in record for k in DEFAULT_ANSWER_FIELDS):
+        example["answer"] = str(_pick(record, None, DEFAULT_ANSWER_FIELDS, "answer", where))
+    example["question_text"] = str(question)
+    example["prompt"] = format_prompt(str(question), prompt_template, tokenizer, system_prompt)
+    return example
+
+
 def load_prompts(path: str | Path, prompt_field: str | None = None, answer_field: str | None = None,
                  require_answer: bool = True, prompt_template: str = "{prompt}", tokenizer=None,
                  system_prompt: str | None = None, limit: int | None = None) -> list[dict]:
@@ -67,17 +84,8 @@ def load_prompts(path: str | Path, prompt_field: str | None = None, answer_field
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: bad JSON: {e.msg} (column {e.colno})") from e
-            if not isinstance(record, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            question = _pick(record, prompt_field, DEFAULT_PROMPT_FIELDS, "prompt", where)
-            example = dict(record)
-            if require_answer or answer_field:
-                example["answer"] = str(_pick(record, answer_field, DEFAULT_ANSWER_FIELDS, "answer", where))
-            elif any(k in record for k in DEFAULT_ANSWER_FIELDS):
-                example["answer"] = str(_pick(record, None, DEFAULT_ANSWER_FIELDS, "answer", where))
-            example["question_text"] = str(question)
-            example["prompt"] = format_prompt(str(question), prompt_template, tokenizer, system_prompt)
-            examples.append(example)
+            examples.append(example_from_record(record, where, prompt_field, answer_field, require_answer,
+                                                prompt_template, tokenizer, system_prompt))
             if limit is not None and len(examples) >= limit:
                 break
     if not examples:

@@ -8,7 +8,7 @@
     push(named_full_params(engine))              # weight sync (every rank must iterate: ZeRO-3)
     save_checkpoint(engine, "runs/x/ckpt", {"step": 7, "version": 7, "sampler": {...}})
     state = load_checkpoint(engine, "runs/x/ckpt")   # into a freshly built engine on resume
-    export_hf(engine, model.config, "runs/x/hf")      # Hugging Face SDAR folder
+    export_hf(engine, model.config, "runs/x/hf", source_dir="/models/SDAR")  # loads in transformers
 
 CPU: accelerator `cpu` (DS_ACCELERATOR, set before DeepSpeed is imported), gloo, ZeRO 0-3,
 fp32/bf16. CUDA: nccl. The optimizer is a torch AdamW handed to `deepspeed.initialize` (no
@@ -18,13 +18,10 @@ extension to compile). A second `build_engine` (value model) reuses the process 
 from __future__ import annotations
 
 import base64
-import dataclasses
 import json
 import logging
-import os
 import random
 import shutil
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+
+from trainer.dist import init_process_group
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CLIENT_STATE = "client_state.json"
@@ -93,25 +92,6 @@ def _deep_merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def setup_dist_env(world_size: int = 1, rank: int = 0) -> str:
-    """Fill RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (and DS_ACCELERATOR=cpu without
-    CUDA) where absent, so a single process needs no launcher. Returns the backend name."""
-    if not (has_cuda := torch.cuda.is_available()):
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.setdefault("RANK", str(rank))
-    os.environ.setdefault("LOCAL_RANK", str(rank))
-    os.environ.setdefault("WORLD_SIZE", str(world_size))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    return "nccl" if has_cuda else "gloo"
-
-
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """AdamW groups: decay on matrices, none on 1-D params (norm weights, biases)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -121,23 +101,21 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
                         {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
 
 
-def build_engine(model: nn.Module, cfg: DSConfig, world_size: int = 1, rank: int = 0):
+def build_engine(model: nn.Module, cfg: DSConfig):
     """Wrap `model` in a DeepSpeed engine with a torch AdamW (and warmup LambdaLR). Build it
-    once per run: the optimizer state (Adam moments, step) persists across RL steps.
-    world_size/rank only fill env variables a launcher (torchrun, deepspeed) did not set.
+    once per run: the optimizer state (Adam moments, step) persists across RL steps. The
+    process group is the job's (`trainer.dist.init_process_group`: a launcher's ranks, or one).
     Train with `engine.module.forward_train(...)` (or `engine(...)` for `forward`), then
     `engine.backward(loss)` and `engine.step()` per micro-batch."""
     cfg.validate()
-    backend = setup_dist_env(world_size, rank)
+    init_process_group()
     import deepspeed  # after the env: DS_ACCELERATOR is read on first use
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
-    if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
     if hasattr(model, "gradient_checkpointing"):
         model.gradient_checkpointing = cfg.gradient_checkpointing
     optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
-                                  betas=tuple(cfg.betas), eps=cfg.eps)
+                                  betas=tuple(cfg.betas), eps=cfg.eps, fused=True)  # fused: ~10x faster on CPU
     scheduler = None
     if cfg.warmup_steps > 0:
         warm = cfg.warmup_steps
@@ -145,6 +123,24 @@ def build_engine(model: nn.Module, cfg: DSConfig, world_size: int = 1, rank: int
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                       config=cfg.to_ds_config(torch.distributed.get_world_size()))
     return engine
+
+
+def build_frozen(model: nn.Module, cfg: DSConfig):
+    """A frozen copy for inference (the KL reference) that follows the policy's sharding: under
+    ZeRO-3 a DeepSpeed engine without optimizer partitions it over the ranks (its module
+    gathers each layer's parameters in forward); otherwise the plain module, full on each rank."""
+    model = model.eval().requires_grad_(False)
+    init_process_group()
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if cfg.zero_stage != 3:
+        return model.to(device=get_accelerator().current_device_name(), dtype=DTYPES[cfg.dtype])
+
+    conf = DSConfig(zero_stage=3, dtype=cfg.dtype, grad_accum=cfg.grad_accum).to_ds_config(
+        torch.distributed.get_world_size())
+    engine, *_ = deepspeed.initialize(model=model, config=conf)
+    return engine.module.eval()
 
 
 def _unwrap(engine_or_module) -> nn.Module:
@@ -252,6 +248,13 @@ def _prune(ckpt_dir: Path, keep_last: int, current: str) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
+def read_client_state(ckpt_dir: str | Path, tag: str | None = None) -> dict[str, Any]:
+    """The JSON client state of checkpoint `tag` (default: `latest`) without loading anything else."""
+    ckpt_dir = Path(ckpt_dir)
+    tag = tag or (ckpt_dir / "latest").read_text().strip()
+    return json.loads((ckpt_dir / tag / CLIENT_STATE).read_text())
+
+
 def load_checkpoint(engine, ckpt_dir: str | Path, tag: str | None = None,
                     restore_rng: bool = True) -> dict[str, Any]:
     """Restore module, optimizer and scheduler state from `ckpt_dir` (tag default: `latest`)
@@ -271,30 +274,21 @@ def load_checkpoint(engine, ckpt_dir: str | Path, tag: str | None = None,
     return json.loads((ckpt_dir / tag / CLIENT_STATE).read_text())
 
 
-def export_hf(engine, model_config, out_dir: str | Path, dtype: str | torch.dtype | None = None) -> None:
-    """Write the Hugging Face SDAR folder (config.json + safetensors) of the engine's policy.
-    ZeRO-3 parameters are gathered into a fresh CPU model first. Collective; rank 0 writes."""
-    from dllm.model import SDARForCausalLM
-    from dllm.weights import copy_into_model, save_pretrained
+def export_hf(engine, model_config, out_dir: str | Path, dtype: str | torch.dtype | None = None,
+              source_dir: str | Path | None = None) -> None:
+    """Write a Hugging Face folder of the engine's policy that transformers loads like the source
+    (`dllm.export.export_pretrained`: source config.json kept, modeling/tokenizer files and
+    generation_config.json copied or shipped, dtype = the source's unless `dtype` is given).
+    Without `source_dir` the weights keep the engine's dtype. Parameters stream out one
+    ZeRO-3 bucket at a time. Collective: every rank iterates; rank 0 writes."""
+    from dllm.export import export_pretrained
 
     model_config = model_config or engine.module.config
-    if dtype is None:  # record the saved weights' dtype in config.json
+    if dtype is None and source_dir is None:  # record the saved weights' dtype in config.json
         dtype = next(engine.module.parameters()).dtype
-    if not _is_zero3(engine):
-        if engine.global_rank == 0:
-            cfg, old = engine.module.config, engine.module.config.torch_dtype
-            try:
-                save_pretrained(engine.module, out_dir, dtype=dtype)
-            finally:
-                cfg.torch_dtype = old  # save_pretrained records dtype on the live config
-        return
-    named = list(named_full_params(engine))  # collective: every rank gathers
+    named = named_full_params(engine)  # collective under ZeRO-3: every rank gathers
     if engine.global_rank != 0:
+        for _ in named:
+            pass
         return
-    with torch.device("meta"):
-        model = SDARForCausalLM(dataclasses.replace(model_config))
-    model = model.to_empty(device="cpu").to(named[0][1].dtype)
-    if model_config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    copy_into_model(model, named, strict=True)
-    save_pretrained(model, out_dir, dtype=dtype)
+    export_pretrained(named, model_config, out_dir, source_dir=source_dir, dtype=dtype)

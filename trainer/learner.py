@@ -1,46 +1,57 @@
-"""Learner: turns replayed rows into DeepSpeed updates of the policy (and the value model).
+"""Learner: turns replayed rows into DeepSpeed updates of the policy (and the value model),
+data-parallel over the job's ranks.
 
-One `update` per RL step: rows are split into `updates_per_step` mini-batches; each is
-one optimizer step made of exactly `grad_accum` micro-batches (DeepSpeed's fixed
-gradient accumulation), with the
-loss normalised over the whole mini-batch (token-level), so the result does not depend
-on how rows are split.
+    learner = Learner(cfg, ranks, policy_engine, mask_id, ref=ref_module, value=value_engine)
+    metrics = learner.update(rows, old_lp, adv, row_minibatch)     # one RL step's update
+    values = learner.values(rows); vmetrics = learner.update_value(rows, values, returns, row_minibatch)
 
-Policy objectives (TraceRL, DiPO) score replayed trace steps against the behaviour
-logprobs recorded by the server; the baselines (random-masking, coupled) score the
-completion under fresh random masks (see `baseline_rows`).
+Each rank holds the rows of its own samples. Row r belongs to mini-batch `row_minibatch[r]`
+(chosen from the GLOBAL sample index, so the split does not depend on the number of ranks);
+each mini-batch is one optimizer step made of exactly `grad_accum` micro-batches per rank
+(DeepSpeed's fixed gradient accumulation). The loss is token-normalised over the whole
+mini-batch across ALL ranks (the token count is all-reduced) and scaled so that DeepSpeed's
+gradient average over ranks gives the sum over every rank's tokens: an N-rank step makes the
+same update as one rank with the same global batch. Every rank runs every micro-batch
+forward, with a dummy row when it has none (ZeRO-3 gathers parameters collectively).
+Metrics are token-weighted means over all ranks (`*_max`: the maximum).
+
+Policy objectives (TraceRL, DiPO) score replayed trace steps against the behaviour logprobs
+recorded by the server; the baselines (random-masking, coupled) score the completion under
+fresh random masks (see `baseline_rows`).
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 
 import torch
 
-from trainer.objectives import complementary_masks, get_objective, random_mask, value_loss
-from trainer.replay import Rows, token_entropy, token_logprobs
+from trainer import faults
+from trainer.correction import is_weights, mismatch_stats
+from trainer.dist import Ranks
+from trainer.objectives import complementary_masks, dipo_loss, random_mask, tracerl_loss, value_loss
+from trainer.replay import Rows, chunked_token_logprobs
 
 
-def _policy_loss(cfg, new_lp, old_lp, adv, mask, ref_lp, entropy):
+def _policy_loss(cfg, new_lp, old_lp, adv, mask, ref_lp, entropy, weights=None):
     """TraceRL's symmetric clip, or DiPO's asymmetric one. The random-masking / coupled
     baselines also come here: on-policy (ratio 1) with their 1/t ELBO weights and
     per-sequence normalisation folded into the advantages by `baseline_rows`, which gives
-    the same gradient as `objectives.random_masking_loss` / `coupled_loss` but lets them
-    share the mini-batch token normalisation of `update`."""
-    name = cfg.objective
-    fn = get_objective(name)
-    if name == "tracerl":
-        return fn(new_lp, old_lp, adv, mask, eps_clip=cfg.eps_clip, ref_logprobs=ref_lp, kl_coef=cfg.kl_coef,
-                  log_ratio_clip=cfg.log_ratio_clip, norm="token", entropy=entropy)
-    return get_objective("dipo")(new_lp, old_lp, adv, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-                                 ref_logprobs=ref_lp, kl_coef=cfg.kl_coef, log_ratio_clip=cfg.log_ratio_clip,
-                                 entropy=entropy)
+    the same gradient as the masked-diffusion baseline losses but lets them share the
+    mini-batch token normalisation of `update`. `weights`: importance corrections."""
+    if cfg.objective == "dipo":
+        return dipo_loss(new_lp, old_lp, adv, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+                         ref_logprobs=ref_lp, kl_coef=cfg.kl_coef, log_ratio_clip=cfg.log_ratio_clip,
+                         entropy=entropy, weights=weights)
+    return tracerl_loss(new_lp, old_lp, adv, mask, eps_clip=cfg.eps_clip, ref_logprobs=ref_lp,
+                        kl_coef=cfg.kl_coef, log_ratio_clip=cfg.log_ratio_clip, entropy=entropy, weights=weights)
 
 
-def baseline_rows(rows_like: Rows, objective: str, mask_id: int,
-                  generator: torch.Generator) -> tuple[Rows, torch.Tensor]:
+def baseline_rows(rows_like: Rows, objective: str, mask_id: int, generator: torch.Generator,
+                  num_sequences: int | None = None) -> tuple[Rows, torch.Tensor]:
     """For random-masking / coupled RL: one row (two for coupled) per sample with a random mask
-    over its completion tokens (instead of trace states). Returns rows and 1/t weights [R, L]."""
+    over its completion tokens (instead of trace states). Returns rows and 1/t weights [R, L],
+    which average over `num_sequences` (default: this batch's; give the global count)."""
     is_comp = rows_like.target
     if objective == "random_masking":
         mask, t = random_mask(is_comp, generator)
@@ -48,98 +59,196 @@ def baseline_rows(rows_like: Rows, objective: str, mask_id: int,
     else:
         mask, comp, t = complementary_masks(is_comp, generator)
         masks, ts = [mask, comp], [t, 1 - t]
+    num_seq = is_comp.shape[0] if num_sequences is None else num_sequences
     out, weights = [], []
     for m, tt in zip(masks, ts):
         noisy = torch.where(m, torch.full_like(rows_like.clean, mask_id), rows_like.clean)
         out.append(Rows(noisy, rows_like.clean, rows_like.pos, rows_like.valid, m, rows_like.sample_idx,
                         rows_like.token_idx, rows_like.row_sample))
-        per_seq = len(masks) * is_comp.sum(1).clamp(min=1)[:, None] * is_comp.shape[0]  # mean over sequences
+        per_seq = len(masks) * is_comp.sum(1).clamp(min=1)[:, None] * num_seq  # mean over sequences
         weights.append(m.float() / tt.clamp(1e-6)[:, None] / per_seq)
     cat = Rows(*(torch.cat([getattr(r, f) for r in out]) for f in Rows.__dataclass_fields__))
     return cat, torch.cat(weights)
 
 
+def _select(rows: Rows, idx: torch.Tensor) -> Rows:
+    return Rows(*(getattr(rows, f)[idx] for f in Rows.__dataclass_fields__))
+
+
+def _dummy_rows(like: Rows) -> Rows:
+    """One padding row with no target: a forward that contributes nothing (ZeRO-3 needs it)."""
+    L = like.noisy.shape[1]
+    zeros = torch.zeros(1, L, dtype=torch.long)
+    valid = torch.zeros(1, L, dtype=torch.bool)
+    valid[0, 0] = True
+    return Rows(zeros, zeros, torch.arange(L)[None], valid, torch.zeros(1, L, dtype=torch.bool),
+                zeros - 1, zeros - 1, torch.zeros(1, dtype=torch.long))
+
+
+class MetricSums:
+    """Token-weighted metric sums of one rank; `reduce` combines all ranks."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[dict[str, float], float]] = []
+
+    def add(self, metrics: dict[str, float], weight: float) -> None:
+        if metrics and weight > 0:
+            self.parts.append((metrics, float(weight)))
+
+    def reduce(self, ranks: Ranks) -> dict[str, float]:
+        sums: dict[str, float] = {}
+        weights: dict[str, float] = {}
+        maxes: dict[str, float] = {}
+        for parts in ranks.all_gather(self.parts):
+            for metrics, w in parts:
+                for k, v in metrics.items():
+                    if k.endswith("_max"):
+                        maxes[k] = max(maxes.get(k, v), v)
+                    else:
+                        sums[k] = sums.get(k, 0.0) + v * w
+                        weights[k] = weights.get(k, 0.0) + w
+        return {**{k: sums[k] / weights[k] for k in sums}, **maxes}
+
+
+MicroFn = Callable[[Rows, torch.Tensor, float, int], tuple[torch.Tensor, dict[str, float]]]
+
+
 class Learner:
-    def __init__(self, cfg, engine, mask_id: int, ref_model=None, value=None):
-        self.cfg, self.engine, self.mask_id = cfg, engine, mask_id
-        self.ref_model, self.value = ref_model, value
+    def __init__(self, cfg, ranks: Ranks, engine, mask_id: int, ref=None, value=None):
+        self.cfg, self.ranks, self.engine, self.mask_id = cfg, ranks, engine, mask_id
+        self.ref_model, self.value = ref, value
 
     @property
-    def device(self):
+    def device(self) -> torch.device:
         return next(self.engine.module.parameters()).device
 
-    def _forward_lp(self, model, rows: Rows, temperature: float):
-        dev = self.device
-        logits = model.forward_train(rows.noisy.to(dev), rows.clean.to(dev), rows.pos.to(dev), rows.valid.to(dev))
-        lp = token_logprobs(logits, rows.clean.to(dev), self.mask_id, temperature)
-        return lp, logits
+    def _logprobs(self, model, rows: Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (log-probs [R, L], entropy [R, L], anchor) of rows.target under `model` (the policy's
+        DeepSpeed engine, whose forward keeps ZeRO-3 gradient accumulation right, or the frozen
+        reference). Full-vocabulary logits only for `logprob_chunk` scored tokens at a time."""
+        dev, cfg = self.device, self.cfg
+        module = getattr(model, "module", model)
+        hidden = model(rows.noisy.to(dev), position_ids=rows.pos.to(dev), clean_ids=rows.clean.to(dev),
+                       valid=rows.valid.to(dev), output="hidden")  # [R, L, D]
+        target = rows.target.to(dev)
+        n = int(target.sum())
+        step = cfg.logprob_chunk if cfg.logprob_chunk > 0 else max(n, 1)
+        (num_chunks,) = self.ranks.max([-(-n // step)])  # every rank calls lm_head equally often (ZeRO-3)
+        lp_t, ent_t, anchor = chunked_token_logprobs(
+            module.lm_head, hidden[target], rows.clean.to(dev)[target], self.mask_id, cfg.temperature,
+            chunk=step, num_chunks=int(num_chunks), filler=hidden.reshape(-1, hidden.shape[-1])[:1])
+        zeros = torch.zeros(target.shape, dtype=torch.float32, device=dev)
+        return zeros.masked_scatter(target, lp_t), zeros.masked_scatter(target, ent_t), anchor
 
-    def update(self, rows: Rows, old_lp: torch.Tensor, adv: torch.Tensor,
-               weights: torch.Tensor | None = None) -> dict:
-        """rows [R, L]; old_lp/adv/weights [R, L] at rows.target. Returns averaged metrics."""
-        cfg = self.cfg
-        R = rows.noisy.shape[0]
-        order = torch.randperm(R)
-        minibatches = [order[i::cfg.updates_per_step] for i in range(cfg.updates_per_step)]
-        totals: dict[str, float] = {}
-        count = 0
-        for mb in minibatches:
-            if len(mb) == 0:
+    # ------------------------------------------------------------------ the shared loop
+    def _partitions(self, rows: Rows, row_mb: torch.Tensor):
+        """(mini-batch k, global token count, micro-batch row indices) in the order every rank
+        runs them; empty micro-batches are kept (they run a dummy row)."""
+        gas = self.engine.gradient_accumulation_steps()
+        for k in range(self.cfg.updates_per_step):
+            idx = (row_mb == k).nonzero().squeeze(1)
+            (n_tok,) = self.ranks.sum([float(rows.target[idx].sum())])
+            if n_tok == 0:  # the same decision on every rank
                 continue
-            n_tok = rows.target[mb].sum().clamp(min=1)
-            gas = self.engine.gradient_accumulation_steps()
-            for idx in torch.tensor_split(mb, gas):  # DeepSpeed steps after exactly `gas` backwards
-                sub = Rows(*(getattr(rows, f)[idx] for f in Rows.__dataclass_fields__))
-                loss, metrics = self._micro_loss(sub, old_lp[idx], adv[idx],
-                                                 None if weights is None else weights[idx], n_tok)
-                self.engine.backward(loss * gas)
-                self.engine.step()
-                for key, val in metrics.items():
-                    totals[key] = totals.get(key, 0.0) + val
-                count += bool(metrics)
-        return {k: v / max(1, count) for k, v in totals.items()}
+            for part in torch.tensor_split(idx, gas):
+                yield k, n_tok, part
 
-    def _micro_loss(self, rows: Rows, old_lp, adv, weights, n_tok):
+    def _minibatches(self, engine, rows: Rows, row_mb: torch.Tensor, micro: MicroFn) -> dict[str, float]:
+        """One optimizer step of `engine` per mini-batch, `grad_accum` micro-batches each, every
+        micro loss normalised by the mini-batch's global token count."""
+        sums = MetricSums()
+        gas, world = engine.gradient_accumulation_steps(), self.ranks.world_size
+        for k, n_tok, part in self._partitions(rows, row_mb):
+            sub = _select(rows, part) if len(part) else _dummy_rows(rows)
+            loss, metrics = micro(sub, part, n_tok, k)
+            engine.backward(loss * gas * world)  # DeepSpeed divides by gas and averages over ranks
+            faults.crash_at("optimizer")
+            engine.step()
+            sums.add(metrics, float(sub.target.sum()))
+        return sums.reduce(self.ranks)
+
+    # ------------------------------------------------------------------ policy
+    @torch.no_grad()
+    def recompute(self, rows: Rows, row_mb: torch.Tensor) -> torch.Tensor:
+        """The policy's log-probs of every target [R, L] with the weights before the update,
+        computed in the update's own micro-batches (so ZeRO-3 ranks stay in step)."""
+        out = torch.zeros(rows.target.shape, dtype=torch.float32)
+        for _, _, part in self._partitions(rows, row_mb):
+            sub = _select(rows, part) if len(part) else _dummy_rows(rows)
+            lp, _, _ = self._logprobs(self.engine, sub)
+            if len(part):
+                out[part] = lp.float().cpu()
+        return out
+
+    def update(self, rows: Rows, behaviour_lp: torch.Tensor, adv: torch.Tensor, row_mb: torch.Tensor,
+               weights: torch.Tensor | None = None) -> dict[str, float]:
+        """rows [R, L] of this rank; behaviour_lp/adv/weights [R, L] at rows.target; row_mb [R]."""
         cfg = self.cfg
-        dev = self.device
+        old_lp, is_w, extra = behaviour_lp, None, MetricSums()
+        if cfg.is_correction != "none" and weights is None:
+            old_lp = self.recompute(rows, row_mb)  # PPO ratio against the trainer's own old log-probs
+            is_w, stats = is_weights(old_lp - behaviour_lp, rows.target, rows.sample_idx, cfg.is_correction,
+                                     cfg.is_level, cfg.is_cap)
+            extra.add({**stats, **mismatch_stats(old_lp, behaviour_lp, rows.target)}, float(rows.target.sum()))
+
+        def micro(sub: Rows, part: torch.Tensor, n_tok: float, k: int):
+            before_update = k == 0 and is_w is None and weights is None  # mini-batch 0: still the old weights
+            return self._micro_loss(sub, old_lp[part], adv[part], None if weights is None else weights[part],
+                                    None if is_w is None else is_w[part], n_tok,
+                                    behaviour=behaviour_lp[part] if before_update else None)
+
+        metrics = self._minibatches(self.engine, rows, row_mb, micro)
+        return metrics | extra.reduce(self.ranks)
+
+    def _micro_loss(self, rows: Rows, old_lp, adv, weights, is_w, n_tok: float, behaviour=None):
+        """behaviour: the server's log-probs, given while the weights are still those that served
+        them (then the train-serve mismatch is reported)."""
+        cfg, dev = self.cfg, self.device
         mask = rows.target.to(dev)
-        if mask.numel() == 0 or not mask.any():
-            p = next(self.engine.module.parameters())
-            return p.sum() * 0.0, {}
-        lp, logits = self._forward_lp(self.engine.module, rows, cfg.temperature)
-        with torch.no_grad():
-            ent = token_entropy(logits.detach(), self.mask_id)
-            ref_lp = None
-            if self.ref_model is not None and cfg.kl_coef > 0:
-                ref_lp, _ = self._forward_lp(self.ref_model, rows, cfg.temperature)
+        lp, ent, anchor = self._logprobs(self.engine, rows)
+        ref_lp = None
+        if self.ref_model is not None and cfg.kl_coef > 0:
+            with torch.no_grad():
+                ref_lp, _, _ = self._logprobs(self.ref_model, rows)
+        if len(old_lp) == 0:  # dummy row
+            old_lp, adv = torch.zeros_like(lp), torch.zeros_like(lp)
         adv, old_lp = adv.to(dev), old_lp.to(dev)
-        if weights is not None:  # baselines: 1/t ELBO weights, on-policy ratio
+        if weights is not None and len(weights):  # baselines: 1/t ELBO weights, on-policy ratio
             old_lp = lp.detach()
             adv = adv * weights.to(dev) * n_tok
-        loss, metrics = _policy_loss(cfg, lp, old_lp, adv, mask, ref_lp, ent)
-        scale = mask.sum() / n_tok  # token-normalise over the whole mini-batch
-        return loss * scale, metrics
+        iw = is_w.to(dev) if is_w is not None and len(is_w) else None
+        loss, metrics = _policy_loss(cfg, lp, old_lp, adv, mask, ref_lp, ent, iw)
+        if behaviour is not None and len(behaviour):
+            metrics |= mismatch_stats(lp, behaviour.to(dev), mask)
+        return loss * (mask.sum() / n_tok) + anchor, metrics  # token-normalise over the global mini-batch
 
+    # ------------------------------------------------------------------ value model
     def values(self, rows: Rows) -> torch.Tensor:
         """Value-model estimates at every row position [R, L] (no grad)."""
         dev = self.value.device
+        sub = rows if rows.noisy.shape[0] else _dummy_rows(rows)
         with torch.no_grad():
-            return self.value(rows.noisy.to(dev), rows.clean.to(dev), rows.pos.to(dev),
-                              rows.valid.to(dev)).float().cpu()
+            v = self.value(sub.noisy.to(dev), sub.clean.to(dev), sub.pos.to(dev), sub.valid.to(dev)).float().cpu()
+        return v[:rows.noisy.shape[0]]
 
-    def update_value(self, rows: Rows, old_values: torch.Tensor, returns: torch.Tensor) -> dict:
+    def update_value(self, rows: Rows, old_values: torch.Tensor, returns: torch.Tensor,
+                     row_mb: torch.Tensor) -> dict[str, float]:
         dev = self.value.device
-        metrics = {}
-        step = max(1, math.ceil(rows.noisy.shape[0] / self.cfg.grad_accum))
-        for i in range(0, rows.noisy.shape[0], step):
-            sl = slice(i, i + step)
-            v = self.value(rows.noisy[sl].to(dev), rows.clean[sl].to(dev), rows.pos[sl].to(dev),
-                           rows.valid[sl].to(dev))
-            loss, metrics = value_loss(v, old_values[sl].to(dev), returns[sl].to(dev),
-                                       rows.target[sl].to(dev), clip=self.cfg.value_clip)
-            self.value.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.value.parameters(), self.cfg.grad_clip)
-            self.value.optimizer.step()
-        return metrics
+        moments = torch.zeros(5, dtype=torch.float64)  # n, sum R, sum R^2, sum e, sum e^2 (e = R - V)
 
+        def micro(sub: Rows, part: torch.Tensor, n_tok: float, k: int):
+            v = self.value(sub.noisy.to(dev), sub.clean.to(dev), sub.pos.to(dev), sub.valid.to(dev))
+            old = old_values[part].to(dev) if len(part) else torch.zeros_like(v)
+            ret = returns[part].to(dev) if len(part) else torch.zeros_like(v)
+            mask = sub.target.to(dev)
+            loss, metrics = value_loss(v, old, ret, mask, clip=self.cfg.value_clip)
+            r, e = ret[mask].double().cpu(), (ret - v.detach())[mask].double().cpu()
+            moments.add_(torch.stack([torch.tensor(float(r.numel()), dtype=torch.float64), r.sum(),
+                                      (r * r).sum(), e.sum(), (e * e).sum()]))
+            metrics.pop("explained_var", None)  # a global statistic, computed below
+            return loss * (mask.sum() / n_tok), metrics
+
+        metrics = self._minibatches(self.value, rows, row_mb, micro)
+        n, r1, r2, e1, e2 = self.ranks.sum(moments.tolist())
+        var_r, var_e = (r2 / n - (r1 / n) ** 2, e2 / n - (e1 / n) ** 2) if n else (0.0, 0.0)
+        return {**metrics, "explained_var": 1 - var_e / var_r if var_r > 0 else 0.0}

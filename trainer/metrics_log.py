@@ -116,6 +116,12 @@ class MetricsLogger:
                 parts.append(f"{label}={record[key]:.3g}")
         return " ".join(parts)
 
+    def set_total(self, total_steps: int | None) -> None:
+        """The progress bar's total (None: a run without a fixed length, e.g. dlrl align)."""
+        if self._bar is not None:
+            self._bar.total = total_steps
+            self._bar.refresh()
+
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:

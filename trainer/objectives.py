@@ -1,23 +1,26 @@
 """RL losses on per-token log-probability tensors (no model here). Each returns (loss, metrics).
 
 - `tracerl_loss`: PPO-clipped ratio per trace token (old = behaviour logprobs recorded in the
-  trace), optional k3 KL to a reference, log-ratio clamping, "token" or "sequence" normalisation.
+  trace), optional k3 KL to a reference, log-ratio clamping, per-token weights.
 - `dipo_loss`: DiPO / GRPO: asymmetric clip [1 - eps_low, 1 + eps_high], k3 KL to a frozen
-  reference, token-level normalisation.
-- `random_masking_loss` / `coupled_loss`: baselines. Log-probs are scored under a random mask
-  with ratio t (coupled: also under its complement, ratio 1 - t); each masked token's term is
-  weighted by 1/t (1/(1-t)), the masked-diffusion ELBO weighting of diffu-GRPO / coupled-GRPO,
-  then normalised by the sequence's number of response tokens. `random_mask` and
-  `complementary_masks` draw the masks.
+  reference.
+- `random_mask` / `complementary_masks`: the masks of the random-masking and coupled
+  baselines (diffu-GRPO / coupled-GRPO); the learner scores them through the same surrogate
+  with their 1/t ELBO weights folded into the advantages (`trainer.learner.baseline_rows`).
 - `value_loss`: PPO-style clipped value loss.
 
-Shapes: B sequences, L response positions. `mask` / `valid` [B,L] bool mark real tokens.
-Advantages are [B,L] or [B] (broadcast over tokens). Metrics are python floats.
+Every loss is token-normalised (one sum over the mask / its count): the learner scales it to
+the global mini-batch, and `train.norm=sequence` is the same surrogate with advantages scaled
+by mean_len / len (one normalisation path). Shapes: B rows, L positions; `mask` [B,L] bool
+marks scored tokens; advantages [B,L] or [B]. Metrics are python floats.
 
-    loss, metrics = get_objective("tracerl")(new_lp, old_lp, adv, mask, eps_clip=0.2)
+    loss, metrics = tracerl_loss(new_lp, old_lp, adv, mask, eps_clip=0.2)
 """
 
 from __future__ import annotations
+
+import typing
+from typing import Literal
 
 import torch
 
@@ -30,27 +33,17 @@ def k3_kl(new_logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tenso
     return torch.exp(d) - d - 1
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor, norm: str = "token",
-                 denom_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """x, mask: [B,L] -> scalar: sum of x over mask, divided by the size of denom_mask
-    (default mask). token: one global sum / count; sequence: per-row sum / row count, then
-    mean over rows with a non-zero count."""
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x, mask: [B,L] -> scalar: the sum of x over mask divided by the mask's size."""
     xs = torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
-    d = (mask if denom_mask is None else denom_mask).to(x.dtype)
-    if norm == "token":
-        return xs.sum() / d.sum().clamp(min=1)
-    if norm == "sequence":
-        n = d.sum(dim=1)  # [B]
-        per_seq = xs.sum(dim=1) / n.clamp(min=1)
-        return (per_seq * (n > 0)).sum() / (n > 0).sum().clamp(min=1)
-    raise ValueError(f"norm: expected 'token' or 'sequence', got {norm!r}")
+    return xs.sum() / mask.to(x.dtype).sum().clamp(min=1)
 
 
 def _clipped_pg(new_logprobs, old_logprobs, advantages, mask, eps_low, eps_high, log_ratio_clip,
-                ref_logprobs=None, kl_coef=0.0, entropy=None, weights=None, norm="token", denom_mask=None):
+                ref_logprobs=None, kl_coef=0.0, entropy=None, weights=None):
     """Shared PPO surrogate over the tokens of `mask` [B,L]. Per token:
-    max(-A r, -A clip(r, 1-eps_low, 1+eps_high)) * w + kl_coef * k3, normalised by
-    `_masked_mean(..., norm, denom_mask)`. Values outside mask never reach loss or grads."""
+    max(-A r, -A clip(r, 1-eps_low, 1+eps_high)) * w + kl_coef * k3, token-normalised.
+    Values outside mask never reach loss or grads."""
     mask = mask.bool()
     zero = torch.zeros((), dtype=new_logprobs.dtype, device=new_logprobs.device)
     new_logprobs = torch.where(mask, new_logprobs, zero)  # padding may hold -inf / garbage
@@ -70,7 +63,7 @@ def _clipped_pg(new_logprobs, old_logprobs, advantages, mask, eps_low, eps_high,
         kl = k3_kl(new_logprobs, torch.where(mask, ref_logprobs, zero))
         per_token = per_token + kl_coef * kl
         metrics["kl_ref"] = float(_masked_mean(kl.detach(), mask))
-    loss = _masked_mean(per_token, mask, norm, denom_mask)
+    loss = _masked_mean(per_token, mask)
     with torch.no_grad():
         r, a = ratio.detach(), advantages.detach()
         clipped = ((r > 1 + eps_high) & (a > 0)) | ((r < 1 - eps_low) & (a < 0))
@@ -87,21 +80,23 @@ def _clipped_pg(new_logprobs, old_logprobs, advantages, mask, eps_low, eps_high,
 
 def tracerl_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
                  mask: torch.Tensor, eps_clip: float = 0.2, ref_logprobs: torch.Tensor | None = None,
-                 kl_coef: float = 0.0, log_ratio_clip: float = 20.0, norm: str = "token",
-                 entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, Metrics]:
+                 kl_coef: float = 0.0, log_ratio_clip: float = 20.0, entropy: torch.Tensor | None = None,
+                 weights: torch.Tensor | None = None) -> tuple[torch.Tensor, Metrics]:
     """TraceRL policy loss. new/old/ref logprobs, mask: [B,L]; advantages [B,L] or [B];
-    old = behaviour logprobs of the trace (None: on-policy, ratio 1)."""
+    old = behaviour logprobs of the trace (None: on-policy, ratio 1); weights [B,L]: per-token
+    factors of the surrogate (importance corrections)."""
     return _clipped_pg(new_logprobs, old_logprobs, advantages, mask, eps_clip, eps_clip, log_ratio_clip,
-                       ref_logprobs, kl_coef, entropy, norm=norm)
+                       ref_logprobs, kl_coef, entropy, weights=weights)
 
 
 def dipo_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
               mask: torch.Tensor, eps_low: float = 0.2, eps_high: float = 0.28,
               ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0,
-              log_ratio_clip: float = 20.0, entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, Metrics]:
-    """DiPO (GRPO for trace replay): asymmetric clip, k3 KL to reference, token normalisation."""
+              log_ratio_clip: float = 20.0, entropy: torch.Tensor | None = None,
+              weights: torch.Tensor | None = None) -> tuple[torch.Tensor, Metrics]:
+    """DiPO (GRPO for trace replay): asymmetric clip, k3 KL to reference."""
     return _clipped_pg(new_logprobs, old_logprobs, advantages, mask, eps_low, eps_high, log_ratio_clip,
-                       ref_logprobs, kl_coef, entropy, norm="token")
+                       ref_logprobs, kl_coef, entropy, weights=weights)
 
 
 # ---------------------------------------------------------------- masked-diffusion baselines
@@ -137,40 +132,6 @@ def complementary_masks(valid: torch.Tensor, generator: torch.Generator | None =
     return mask, valid.bool() & ~mask, t
 
 
-def random_masking_loss(logprobs: torch.Tensor, mask: torch.Tensor, t: torch.Tensor, advantages: torch.Tensor,
-                        valid: torch.Tensor, old_logprobs: torch.Tensor | None = None, eps_clip: float = 0.2,
-                        log_ratio_clip: float = 20.0) -> tuple[torch.Tensor, Metrics]:
-    """logprobs [B,L] scored with `mask` [B,L] applied (used at masked positions); t [B];
-    advantages [B]; valid [B,L]. Per sequence: sum over masked tokens of (1/t) * clipped
-    surrogate, divided by the number of valid tokens; mean over sequences."""
-    valid = valid.bool()
-    mask = mask.bool() & valid
-    weights = (1.0 / t.clamp(min=1e-6))[:, None].to(logprobs.dtype)  # [B,1]
-    return _clipped_pg(logprobs, old_logprobs, advantages, mask, eps_clip, eps_clip, log_ratio_clip,
-                       weights=weights, norm="sequence", denom_mask=valid)
-
-
-def coupled_loss(logprobs: torch.Tensor, logprobs_complement: torch.Tensor, mask: torch.Tensor,
-                 t: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor,
-                 old_logprobs: torch.Tensor | None = None, old_logprobs_complement: torch.Tensor | None = None,
-                 eps_clip: float = 0.2, log_ratio_clip: float = 20.0) -> tuple[torch.Tensor, Metrics]:
-    """Coupled RL: `logprobs` [B,L] scored under `mask` (ratio t [B]), `logprobs_complement`
-    under valid & ~mask (ratio 1 - t). Each token counts once, from the pass that masked it,
-    weighted 1/t or 1/(1-t); the two ELBO estimates are averaged (factor 1/2)."""
-    valid = valid.bool()
-    mask = mask.bool() & valid
-    merged = torch.where(mask, logprobs, logprobs_complement)  # [B,L]
-    old = None
-    if old_logprobs is not None or old_logprobs_complement is not None:
-        if old_logprobs is None or old_logprobs_complement is None:
-            raise ValueError("old_logprobs: give both old_logprobs and old_logprobs_complement, or neither")
-        old = torch.where(mask, old_logprobs, old_logprobs_complement)
-    tt = t.clamp(1e-6, 1 - 1e-6)[:, None]  # [B,1]
-    weights = 0.5 * torch.where(mask, 1.0 / tt, 1.0 / (1.0 - tt))
-    return _clipped_pg(merged, old, advantages, valid, eps_clip, eps_clip, log_ratio_clip,
-                       weights=weights.to(logprobs.dtype), norm="sequence")
-
-
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
                clip: float | None = 0.2) -> tuple[torch.Tensor, Metrics]:
     """values, old_values, returns, mask: [B,L]. 0.5 * max((v - R)^2, (v_clip - R)^2), with
@@ -194,11 +155,5 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return loss, metrics
 
 
-OBJECTIVES = {"tracerl": tracerl_loss, "dipo": dipo_loss, "random_masking": random_masking_loss,
-              "coupled": coupled_loss}
-
-
-def get_objective(name: str):
-    if name not in OBJECTIVES:
-        raise ValueError(f"objective: unknown {name!r}; known: {', '.join(OBJECTIVES)}")
-    return OBJECTIVES[name]
+Objective = Literal["tracerl", "dipo", "random_masking", "coupled"]  # train.objective
+OBJECTIVES = typing.get_args(Objective)

@@ -10,7 +10,11 @@ under the state before step r*s+1); s=1 is exact.
 Replay invariant (DESIGN.md): under the same weights, `token_logprobs` of row targets
 equals the trace's behaviour logprobs (fp32, temperature 1, no top-k/top-p).
 
-    rows = build_rows(samples, block_size, mask_id, pad_id, shrink=1)
+A sample is anything with `prompt_ids`, `completion_ids` and a `trace` (`steps`, `tail_ids`,
+`tail_steps`): a `rollout_client.Rollout` straight off the wire, or a
+`dllm.decoding.GenerationOutput`.
+
+    rows = build_rows(rollouts, block_size, mask_id, pad_id, shrink=1)
     logits = model.forward_train(rows.noisy, rows.clean, rows.pos, rows.valid)
     lp = token_logprobs(logits, rows.clean, mask_id)        # [R, L]
     old = rows.gather(behaviour_logprobs_per_sample)        # [R, L], zeros off-target
@@ -20,17 +24,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-
-@dataclass
-class ReplaySample:
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    steps: list[int]  # trace step of each completion token
-    tail_ids: list[int]  # last block's tokens after the truncation point (visible by step, never scored)
-    tail_steps: list[int]
+Sample = Any  # .prompt_ids, .completion_ids, .trace.{steps, tail_ids, tail_steps}
 
 
 @dataclass
@@ -55,15 +53,15 @@ class Rows:
         return out
 
 
-def _sample_rows(s: ReplaySample, block_size: int, mask_id: int, shrink: int):
+def _sample_rows(s: Sample, block_size: int, mask_id: int, shrink: int):
     """-> list of (noisy ids, target flags, token idx) for one sample, plus its clean ids."""
-    P = len(s.prompt_ids)
-    gen_ids = s.completion_ids + s.tail_ids
-    gen_steps = s.steps + s.tail_steps
-    clean = s.prompt_ids + gen_ids
+    P, tr = len(s.prompt_ids), s.trace
+    gen_ids = list(s.completion_ids) + list(tr.tail_ids)
+    gen_steps = list(tr.steps) + list(tr.tail_steps)
+    clean = list(s.prompt_ids) + gen_ids
     L = math.ceil(len(clean) / block_size) * block_size
     clean = clean + [mask_id] * (L - len(clean))  # never happens for complete blocks
-    max_step = max(s.steps, default=0)
+    max_step = max(tr.steps, default=0)
     rows = []
     for r in range(math.ceil(max_step / shrink)):
         lo, hi = r * shrink + 1, (r + 1) * shrink  # steps scored in this row
@@ -81,7 +79,7 @@ def _sample_rows(s: ReplaySample, block_size: int, mask_id: int, shrink: int):
     return clean, len(s.prompt_ids) + len(gen_ids), rows
 
 
-def build_rows(samples: list[ReplaySample], block_size: int, mask_id: int, pad_id: int,
+def build_rows(samples: list[Sample], block_size: int, mask_id: int, pad_id: int,
                shrink: int = 1) -> Rows:
     if shrink < 1:
         raise ValueError("shrink: must be >= 1")
@@ -111,12 +109,12 @@ def build_rows(samples: list[ReplaySample], block_size: int, mask_id: int, pad_i
     return Rows(noisy, clean_t, pos, valid, target, sample_idx, token_idx, row_sample)
 
 
-def completion_rows(samples: list[ReplaySample], block_size: int, pad_id: int) -> Rows:
+def completion_rows(samples: list[Sample], block_size: int, pad_id: int) -> Rows:
     """One clean row per sample whose targets are all its completion tokens (for the
     random-masking / coupled baselines, which draw their own masks)."""
     n = len(samples)
-    seqs = [s.prompt_ids + s.completion_ids + s.tail_ids for s in samples]
-    L = math.ceil(max(map(len, seqs)) / block_size) * block_size
+    seqs = [list(s.prompt_ids) + list(s.completion_ids) + list(s.trace.tail_ids) for s in samples]
+    L = math.ceil(max(map(len, seqs), default=1) / block_size) * block_size
     clean = torch.full((n, L), pad_id, dtype=torch.long)
     valid = torch.zeros(n, L, dtype=torch.bool)
     target = torch.zeros(n, L, dtype=torch.bool)
@@ -142,6 +140,56 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, mask_id: int,
     if temperature not in (0, 1.0):
         logits = logits / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, ids[..., None]).squeeze(-1)
+
+
+def _chunk_logprobs(lm_head, hidden: torch.Tensor, ids: torch.Tensor, mask_id: int, temperature: float):
+    """hidden [C, D], ids [C] -> (log p(ids) [C] fp32, entropy [C] detached)."""
+    logits = lm_head(hidden).float()  # [C, V]: the only place full-vocabulary logits exist
+    lp = token_logprobs(logits, ids, mask_id, temperature)
+    return lp, token_entropy(logits.detach(), mask_id)
+
+
+def chunked_token_logprobs(lm_head, hidden: torch.Tensor, ids: torch.Tensor, mask_id: int,
+                           temperature: float = 1.0, chunk: int = 1024, num_chunks: int | None = None,
+                           filler: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Like `token_logprobs(lm_head(hidden), ids)` for scored tokens only: hidden [N, D], ids [N]
+    -> (log-probs [N], entropy [N] without grad, anchor). Full-vocabulary logits exist for `chunk`
+    tokens at a time, in forward and (recomputed, activation-checkpointing style) in backward,
+    so peak memory is bounded by the chunk instead of N x vocab (chunk 0: one chunk).
+
+    `num_chunks` (>= the chunks N needs) makes exactly that many `lm_head` calls, padding with
+    one-token chunks of `filler` [1, D]: under ZeRO-3 every rank must call `lm_head` equally
+    often. `anchor` is a zero that depends on those calls: add it to the loss so the backward
+    reaches them (and so a rank with N = 0 still has a loss with a graph)."""
+    n = hidden.shape[0]
+    step = chunk if chunk > 0 else max(n, 1)
+    need = -(-n // step)
+    total = need if num_chunks is None else num_chunks
+    if total < need:
+        raise ValueError(f"num_chunks: {total} chunks of {step} cannot hold {n} tokens")
+    checkpointed = torch.is_grad_enabled() and hidden.requires_grad
+
+    def run(h, t):
+        if checkpointed:
+            return torch.utils.checkpoint.checkpoint(_chunk_logprobs, lm_head, h, t, mask_id, temperature,
+                                                     use_reentrant=False)
+        return _chunk_logprobs(lm_head, h, t, mask_id, temperature)
+
+    lps, ents = [], []
+    anchor = hidden.new_zeros((), dtype=torch.float32)
+    for i in range(total):
+        if i < need:
+            lp, ent = run(hidden[i * step:(i + 1) * step], ids[i * step:(i + 1) * step])
+            lps.append(lp)
+            ents.append(ent)
+        else:  # padding call: same collectives as a real chunk, contributes exactly 0
+            src = filler if filler is not None else hidden[:1]
+            lp, _ = run(src * 0, torch.zeros(src.shape[0], dtype=torch.long, device=src.device))
+            anchor = anchor + lp.sum() * 0
+    if n and lps:
+        anchor = anchor + lps[0].sum() * 0
+    empty = hidden.new_zeros(0, dtype=torch.float32)
+    return (torch.cat(lps) if lps else empty), (torch.cat(ents) if ents else empty), anchor
 
 
 def token_entropy(logits: torch.Tensor, mask_id: int) -> torch.Tensor:

@@ -1,34 +1,44 @@
-"""Rollout collection for the trainer: prompts -> server samples -> replay samples.
+"""Rollout collection: the step's prompts -> this rank's shard of server samples.
 
-`RolloutSource.get(step)` returns the rollouts for a step. In `sync` mode it generates
-them now; in `overlap` mode the rollouts of step k+1 are generated in a background
-thread while step k trains (one-step off-policy: staleness is measured from the policy
-version each sample reports and bounded by `max_staleness`).
+    source = RolloutSource(cfg, ranks, fleet, sampler, prompt_ids_of)
+    batch = source.get(policy_version)      # Batch: this rank's examples and rollouts
+    source.close()
+
+Every rank draws the same global batch of `prompts_per_step` prompts (same seeded sampler),
+takes its contiguous shard of whole prompts (a group's `group_size` samples stay together:
+group advantages and DAPO filtering need complete groups) and asks the servers for it
+itself: N ranks fetch in parallel, the servers batch their requests together, and nothing
+is scattered between ranks. In `sync` mode rollouts are generated when asked; in `overlap`
+mode the next step's rollouts are generated in a background thread while this step trains
+(one-step off-policy; staleness measured from each sample's policy version, bounded by
+`max_staleness`, decided globally so every rank's sampler stays in step).
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from rollout_client import RolloutClient
-from trainer.replay import ReplaySample
+from rollout_client.protocol import Rollout
+from trainer.dist import Ranks
 
 log = logging.getLogger("dlrl.train")
 
 
 @dataclass
 class Batch:
-    examples: list[dict]  # one per prompt
-    rollouts: list  # rollout_client.protocol.Rollout, group_size per prompt, ordered
+    examples: list[dict]  # this rank's prompts (whole groups)
+    rollouts: list[Rollout]  # group_size per prompt, prompt-major
+    first_sample: int  # global index of this rank's first sample in the step
+    num_samples: int  # samples in the whole step (all ranks)
     seconds: float
 
-    def samples(self) -> list[ReplaySample]:
-        return [ReplaySample(r.prompt_ids, r.completion_ids, r.trace.steps, r.trace.tail_ids,
-                             r.trace.tail_steps) for r in self.rollouts]
+    def group_examples(self, group_size: int) -> list[dict]:
+        """The example of every rollout (prompt-major, `group_size` each)."""
+        return [e for e in self.examples for _ in range(group_size)]
 
 
 def sampling_kwargs(cfg, greedy: bool = False) -> dict:
@@ -36,30 +46,32 @@ def sampling_kwargs(cfg, greedy: bool = False) -> dict:
           "temperature": 0.0 if greedy else cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p}
     if cfg.denoise_steps:
         kw["steps"] = cfg.denoise_steps
+    if cfg.stop:
+        kw["stop"] = list(cfg.stop)
+    if cfg.stop_token_ids:
+        kw["stop_token_ids"] = list(cfg.stop_token_ids)
     return kw
 
 
-def fetch(servers: list[str], prompts: list, n: int, **kw) -> list:
-    async def run():
-        async with RolloutClient(servers, timeout=600.0, max_retries=5) as client:
-            return await client.generate(prompts, n=n, return_trace=True, **kw)
-    return asyncio.run(run())
-
-
 class RolloutSource:
-    def __init__(self, cfg, sampler, prompt_of):
-        self.cfg, self.sampler, self.prompt_of = cfg, sampler, prompt_of
+    def __init__(self, cfg, ranks: Ranks, fleet, sampler, prompt_of: Callable[[dict], list[int]], seed: int):
+        self.cfg, self.ranks, self.fleet, self.sampler, self.prompt_of = cfg, ranks, fleet, sampler, prompt_of
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollouts")
         self.pending: concurrent.futures.Future | None = None
-        self.seed = cfg.seed
+        self.seed = seed  # advanced once per collected batch (saved in checkpoints)
 
     def _collect(self) -> Batch:
-        examples = self.sampler.next_batch()
+        examples = self.sampler.next_batch()  # the global batch: identical on every rank
+        shard = self.ranks.shard(len(examples))
+        mine = examples[shard]
         t0 = time.perf_counter()
         self.seed += 1
-        rollouts = fetch(self.cfg.servers, [self.prompt_of(e) for e in examples], self.cfg.group_size,
-                         seed=self.seed * 100_003 % (2**31), **sampling_kwargs(self.cfg))
-        return Batch(examples, rollouts, time.perf_counter() - t0)
+        G = self.cfg.group_size
+        rollouts = []
+        if mine:  # one seed per step: sample i of every prompt uses seed + i, whoever fetches it
+            rollouts = self.fleet.generate([self.prompt_of(e) for e in mine], G,
+                                           seed=self.seed * 100_003 % (2**31), **sampling_kwargs(self.cfg))
+        return Batch(mine, rollouts, shard.start * G, len(examples) * G, time.perf_counter() - t0)
 
     def get(self, policy_version: int) -> Batch:
         if self.pending is None:
@@ -67,7 +79,8 @@ class RolloutSource:
         else:
             batch = self.pending.result()
             self.pending = None
-            stale = policy_version - min(r.version for r in batch.rollouts)
+            oldest = min((r.version for r in batch.rollouts), default=policy_version)
+            (stale,) = self.ranks.max([policy_version - oldest])  # one decision for all ranks
             if stale > self.cfg.max_staleness:
                 log.warning("dropping rollouts %d versions stale (max_staleness=%d)", stale,
                             self.cfg.max_staleness)

@@ -1,52 +1,41 @@
-"""Finding, starting and stopping the generation servers the trainer talks to.
+"""Local generation servers the trainer starts itself (when none answers at a local address).
 
-If no server answers at the configured address (and `train.start_server` is on), the
-trainer starts `dlrl serve` as a subprocess on that host/port with an admin token it
-generated, waits until it is ready, and stops it at the end. The trainer never imports
+    srv = LocalServer("http://127.0.0.1:8000", "configs/tiny.yaml", model="", overrides=[...],
+                      token=tok, log_path=Path("runs/x/server0.log"))
+    ...
+    srv.stop()      # SIGTERM to its process group, SIGKILL after a grace period
+
+The server runs `dlrl serve` in its own process group with a parent-death signal: if the
+trainer dies, even by SIGKILL, its servers get SIGTERM and exit. The trainer never imports
 the server package: they only meet over HTTP and weight_sync.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import secrets
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-import httpx
-
 log = logging.getLogger("dlrl.train")
+PR_SET_PDEATHSIG = 1
 
 
-def is_alive(url: str, timeout: float = 2.0) -> bool:
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    os.setsid()
     try:
-        return httpx.get(f"{url.rstrip('/')}/health", timeout=timeout).status_code == 200
-    except httpx.HTTPError:
-        return False
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: the process group still lets stop() reach it
+        pass
 
 
-def wait_ready(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server at {url} exited with code {proc.returncode} before becoming ready")
-        try:
-            if httpx.get(f"{url.rstrip('/')}/ready", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"servers: {url} unreachable/not ready after {timeout:.0f}s")
-
-
-def read_token_file(path: str | Path) -> str:
-    p = Path(path)
-    return p.read_text().strip() if p.is_file() else ""
+def is_local(url: str) -> bool:
+    return urlparse(url).hostname in ("127.0.0.1", "localhost", "::1")
 
 
 class LocalServer:
@@ -63,46 +52,36 @@ class LocalServer:
             cmd += [f"server.model={model}"]
         cmd += [o for o in overrides if o.startswith("server.")]
         env = dict(os.environ, DLRL_ADMIN_TOKEN=token)
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
+            env.pop(key, None)  # the server is not a rank of the trainer's job
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_path
         self.log_file = open(log_path, "ab")
         log.info("no server at %s: starting one (log: %s)", url, log_path)
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log_file, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=self.log_file,
+                                     stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         self.url = url
 
-    def stop(self) -> None:
+    def exited(self) -> int | None:
+        return self.proc.poll()
+
+    def stop(self, grace_s: float = 20.0) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
             try:
-                self.proc.wait(timeout=20)
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+            except ProcessLookupError:
+                pass
         self.log_file.close()
-
-
-def ensure_servers(cfg, config_path: str | None, overrides: list[str], token: str,
-                   out_dir: Path) -> list[LocalServer]:
-    """Check every configured server; start the missing ones locally when allowed."""
-    started = []
-    try:
-        for i, url in enumerate(cfg.servers):
-            if is_alive(url):
-                wait_ready(url, cfg.server_start_timeout)
-                continue
-            host = urlparse(url).hostname
-            if not cfg.start_server or host not in ("127.0.0.1", "localhost"):
-                raise RuntimeError(f"servers: {url} is unreachable (start it with `dlrl serve`, "
-                                   "or set train.start_server=true for a local address)")
-            srv = LocalServer(url, config_path, cfg.model, overrides, token, out_dir / f"server{i}.log")
-            started.append(srv)
-            wait_ready(url, cfg.server_start_timeout, srv.proc)
-    except BaseException:
-        for s in started:
-            s.stop()
-        raise
-    return started
 
 
 def new_token() -> str:
     return secrets.token_urlsafe(24)
+
+
+def read_token_file(path: str | Path) -> str:
+    p = Path(path)
+    return p.read_text().strip() if p.is_file() else ""

@@ -1,22 +1,32 @@
-"""weight_sync: push trainer weights into running servers in place (torch + stdlib only).
+"""weight_sync: push trainer weights into running servers in place (torch + xxhash + pydantic only).
 
-    from weight_sync import push, weights_digest
-    push(["http://127.0.0.1:8000"], model.named_parameters(), version=1, transport="shm", token=tok)
+    from weight_sync import connect, push, weights_digest
+    connect(["http://127.0.0.1:8000"], model.named_parameters(), transport="shm", token=tok, run_id="run-1")
+    push(["http://127.0.0.1:8000"], model.named_parameters(), version=1, transport="shm", token=tok,
+         run_id="run-1")
     assert weights_digest(model.named_parameters()) == GET /weights/checksum
 
-Files: manifest.py (JSON manifest, checksums, digest), bucket.py (pack/unpack),
-sender.py (trainer side), sources.py (plain / ZeRO-3 params), receiver.py (server side)
-+ staging.py (one staged update), errors.py (errors with HTTP statuses),
+Files: protocol.py (control-plane wire schemas, shared with the server), manifest.py
+(JSON manifest, digest), checksum.py (xxh3, fused copy+hash, NaN scan), bucket.py
+(pack/unpack), sender.py + control.py (trainer side), sources.py (plain / ZeRO-3 params),
+receiver.py + staging.py (server side), errors.py (errors with HTTP statuses),
 transports/{shm,dist,http}.py (data planes). Imports neither server, trainer nor dllm.
 """
 
-from weight_sync.errors import ManifestError, UpdateConflict, UpdateFailed, WeightSyncError
+from weight_sync.errors import (
+    ManifestError,
+    NonFiniteWeights,
+    UpdateConflict,
+    UpdateFailed,
+    WeightSyncError,
+)
 from weight_sync.manifest import Manifest, weights_digest
 from weight_sync.receiver import WeightReceiver
-from weight_sync.sender import WeightSender, close_all, push
+from weight_sync.sender import WeightSender, close_all, connect, push
 from weight_sync.sources import drain, iter_deepspeed_params
 
 __all__ = [
-    "Manifest", "ManifestError", "UpdateConflict", "UpdateFailed", "WeightReceiver", "WeightSender",
-    "WeightSyncError", "close_all", "drain", "iter_deepspeed_params", "push", "weights_digest",
+    "Manifest", "ManifestError", "NonFiniteWeights", "UpdateConflict", "UpdateFailed", "WeightReceiver",
+    "WeightSender", "WeightSyncError", "close_all", "connect", "drain", "iter_deepspeed_params", "push",
+    "weights_digest",
 ]

@@ -1,13 +1,17 @@
 """Pack named tensors into contiguous uint8 buckets, and view them back out without copying.
 
     manifest = plan_buckets(specs_of(named), bucket_bytes=64 << 20, version=3)
-    for index, buf in pack_stream(manifest, iter(named), lambda i, n: torch.empty(n, dtype=torch.uint8)):
-        send(index, buf)                      # buf: [manifest.buckets[index].nbytes] uint8
+    get = lambda i, n: torch.empty(n, dtype=torch.uint8)
+    for index, buf, checksum in pack_stream(manifest, iter(named), get):
+        send(index, buf, checksum)            # buf: [manifest.buckets[index].nbytes] uint8
     views = unpack(buf, manifest, index)      # [(name, tensor view of buf)], no copy
+    pieces(manifest, index)                   # byte spans of a bucket, for the receiver's scan
 
-A tensor is converted to the serving dtype while it is copied into its bucket
-(`bucket[off:off+n].view(dtype).view(shape).copy_(t)`: one copy, also GPU->CPU), so bf16
-needs no numpy support. Tensors larger than `bucket_bytes` get a bucket of their own.
+A tensor is converted to the serving dtype while it is copied into its bucket, chunk by
+chunk, and each chunk is hashed (xxh3_64) right after it lands, while it is in cache: one
+pass packs and checksums (weight_sync/checksum.py). Padding between tensors is zeroed, so
+the checksum covers the whole bucket. Tensors larger than `bucket_bytes` get a bucket of
+their own. Buckets on a GPU (NCCL) are packed there and hashed from a host copy.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from weight_sync.checksum import Hasher, Piece, checksum, copy_hashed
 from weight_sync.errors import ManifestError
 from weight_sync.manifest import ALIGN, DTYPES, BucketInfo, Manifest, TensorEntry, dtype_name
 
@@ -76,34 +81,78 @@ def unpack(bucket: torch.Tensor, manifest: Manifest, index: int) -> list[tuple[s
     return [(e.name, entry_view(bucket, e)) for e in manifest.entries if e.bucket == index]
 
 
+def pieces(manifest: Manifest, index: int) -> list[Piece]:
+    """Byte spans tiling bucket `index` in order: (start, end, dtype or None for padding, name)."""
+    out: list[Piece] = []
+    pos = 0
+    for e in sorted((e for e in manifest.entries if e.bucket == index), key=lambda e: e.offset):
+        if e.offset > pos:
+            out.append((pos, e.offset, None, ""))
+        out.append((e.offset, e.offset + e.nbytes, DTYPES[e.dtype], e.name))
+        pos = e.offset + e.nbytes
+    if pos < manifest.buckets[index].nbytes:
+        out.append((pos, manifest.buckets[index].nbytes, None, ""))
+    return out
+
+
+def _fill(buf: torch.Tensor, entries: list[TensorEntry], named: Iterator[tuple[str, torch.Tensor]],
+          hasher: Hasher | None, on_tensor: Callable[[], None] | None) -> None:
+    """Copy the next tensors of `named` into their places in `buf`, zero the padding, hash in order."""
+    pos = 0
+    for e in entries:
+        try:
+            name, t = next(named)
+        except StopIteration:
+            raise ManifestError(f"tensor source ended before {e.name!r}") from None
+        if name != e.name or tuple(t.shape) != e.shape:
+            raise ManifestError(
+                f"tensor source yielded {name!r} {tuple(t.shape)}, expected {e.name!r} {e.shape} "
+                "(the source must yield the same tensors in the same order every time)"
+            )
+        if e.offset > pos:
+            buf[pos : e.offset].zero_()
+            if hasher is not None:
+                hasher.update(buf[pos : e.offset])
+        dst = entry_view(buf, e).view(-1)  # [numel] in the sent dtype
+        if hasher is not None:
+            copy_hashed(dst, t.detach().reshape(-1), hasher, buf[e.offset : e.offset + e.nbytes])
+        else:
+            dst.copy_(t.detach().reshape(-1))
+        pos = e.offset + e.nbytes
+        if on_tensor is not None:
+            on_tensor()
+    if pos < buf.numel():
+        buf[pos:].zero_()
+        if hasher is not None:
+            hasher.update(buf[pos:])
+
+
 def pack_stream(
     manifest: Manifest,
     named: Iterator[tuple[str, torch.Tensor]],
     get_buffer: Callable[[int, int], torch.Tensor],
-) -> Iterator[tuple[int, torch.Tensor]]:
-    """Copy tensors (in manifest order) into buckets; yield (index, bucket) as each fills.
+    on_tensor: Callable[[], None] | None = None,
+) -> Iterator[tuple[int, torch.Tensor, int]]:
+    """Copy tensors (in manifest order) into buckets; yield (index, bucket, checksum) as each fills.
 
     `get_buffer(index, nbytes)` returns the flat uint8 destination of bucket `index`
     (a slice of a shared-memory region, or a reused staging buffer). The consumer must be
     done with a yielded bucket before asking for the next one when buffers are reused.
+    `on_tensor()` is called after each tensor (the shm sender bumps its heartbeat there).
     """
     by_bucket: dict[int, list[TensorEntry]] = {}
     for e in manifest.entries:
         by_bucket.setdefault(e.bucket, []).append(e)
     for index, info in enumerate(manifest.buckets):
         buf = get_buffer(index, info.nbytes)  # [nbytes] uint8
-        for e in by_bucket.get(index, []):
-            try:
-                name, t = next(named)
-            except StopIteration:
-                raise ManifestError(f"tensor source ended before {e.name!r}") from None
-            if name != e.name or tuple(t.shape) != e.shape:
-                raise ManifestError(
-                    f"tensor source yielded {name!r} {tuple(t.shape)}, expected {e.name!r} {e.shape} "
-                    "(the source must yield the same tensors in the same order every time)"
-                )
-            entry_view(buf, e).copy_(t.detach())
-        yield index, buf
+        entries = sorted(by_bucket.get(index, []), key=lambda e: e.offset)
+        if buf.device.type == "cpu":
+            hasher = Hasher()
+            _fill(buf, entries, named, hasher, on_tensor)
+            yield index, buf, hasher.value()
+        else:  # device bucket (NCCL): pack on the device, hash a host copy
+            _fill(buf, entries, named, None, on_tensor)
+            yield index, buf, checksum(buf.cpu())
     extra = next(named, None)
     if extra is not None:
         raise ManifestError(f"tensor source yielded an unexpected extra tensor {extra[0]!r}")

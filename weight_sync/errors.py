@@ -8,6 +8,7 @@
 `ManifestError` (400, also a ValueError) : the manifest or a bucket does not match the model.
 `UpdateConflict` (409)                    : stale version, an update already running, no update.
 `UpdateFailed` (400)                      : bad data: truncated bucket, checksum mismatch, ...
+`NonFiniteWeights` (400)                  : the update holds NaN/inf values; nothing was applied.
 `WeightSyncError`                         : base class; the sender raises it for any failed push.
 """
 
@@ -36,3 +37,7 @@ class UpdateFailed(WeightSyncError):
     """The data of an update is incomplete or corrupt; the update was aborted (HTTP 400)."""
 
     http_status = 400
+
+
+class NonFiniteWeights(UpdateFailed):
+    """The staged weights contain NaN or infinite values; the update was refused (HTTP 400)."""

@@ -1,19 +1,28 @@
-"""Server side of a weight update: validate, stage, verify, apply atomically, or leave untouched.
+"""Server side of a weight update: validate, stage privately, verify, apply atomically, or leave untouched.
 
     rx = WeightReceiver(lambda: dict(model.named_parameters()),
-                        functools.partial(copy_into_model, model), version=0)
-    rx.begin(7, "http", manifest_json)            # 409 stale/concurrent, 400 bad manifest
-    buf = rx.bucket_buffer(0, 7); ...; rx.bucket_written(0, nbytes, crc)   # http data plane
-    rx.commit(7, checksums)                       # = verify() + apply(): version becomes 7
+                        functools.partial(copy_into_model, model), version=0, lease_s=30)
+    rx.connect("shm", manifest, options)           # once: attach region / size staging / join group
+    rx.begin(7, "http", manifest_json, run_id="tiny-rl")   # 409 stale/busy, 400 bad manifest
+    buf = rx.bucket_buffer(0, 7); ...; rx.bucket_written(0, nbytes, checksum)   # http data plane
+    rx.commit(7, checksums)                        # = verify() + apply(): version becomes 7
+    rx.state(7)                                    # {"state": "applied", ...}: commit is queryable
 
-State machine (state of one update: weight_sync/staging.py): idle -> receiving (begin)
--> verifying -> verified (verify) -> applying -> idle (apply), or -> idle (abort, failure,
-timeout; not once applying). One update at a time. Failing a check, an abort, a dist receive error or `timeout_s`
-without progress all drop the staging and leave weights and version unchanged. The
-server splits commit into `verify()` (heavy, in a thread), engine pause, `apply()`.
-Staging: shm applies straight from the shared region; dist/http receive into
-per-bucket uint8 tensors (on the model's device for NCCL), kept for the next update of
-the same layout unless `keep_staging=False` (costs model-size memory, saves page faults).
+State machine (one update at a time; weight_sync/staging.py holds its state):
+receiving (begin) -> verifying -> verified (verify) -> draining (the server waits for
+in-flight sequences) -> applying -> applied (apply); or failed (abort, bad data, lapsed
+lease, apply error; never once applying). A failed update leaves weights and version
+unchanged. Outcomes of recent versions are kept, so a retried commit of an applied version
+succeeds and `state(v)` tells the sender what happened.
+
+Lease: an update lives while its data plane makes progress (http chunks, dist buckets,
+the shm heartbeat); `lease_s` without progress while receiving aborts it. A begin from
+the same `run_id` as the update in progress takes it over at once (a resumed trainer).
+Staging: every transport stages into private per-bucket buffers (on the model's device for
+NCCL), allocated at connect/first begin and kept for the next update of the same layout;
+verification hashes exactly those bytes, and NaN/inf are refused (`check_finite`). shm
+copies a bucket into staging (hashing it) as soon as the sender marks it ready, while the
+sender packs the next one; dist hashes each bucket as it lands; http as its body ends.
 """
 
 from __future__ import annotations
@@ -27,30 +36,39 @@ from typing import Any
 import torch
 
 from weight_sync.errors import ManifestError, UpdateConflict, UpdateFailed
-from weight_sync.manifest import Manifest, check_against, crc32, served_dtype, weights_digest
-from weight_sync.staging import StagedUpdate
+from weight_sync.manifest import Manifest, check_against, served_dtype, weights_digest
+from weight_sync.staging import Outcomes, StagedUpdate, StagingPool
 from weight_sync.transports import TRANSPORTS
 from weight_sync.transports.dist import DistReceiver
-from weight_sync.transports.shm import ShmReader
+from weight_sync.transports.shm import ShmReader, sweep
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+def _parse(manifest: Manifest | dict | str | bytes) -> Manifest:
+    if isinstance(manifest, Manifest):
+        return manifest
+    return Manifest.from_json(manifest) if isinstance(manifest, str | bytes) else Manifest.from_dict(manifest)
 
 
 class WeightReceiver:
     def __init__(self, named_params_fn: Callable[[], NamedTensors | dict[str, torch.Tensor]],
                  apply_fn: Callable[[list[tuple[str, torch.Tensor]]], Any], *, version: int = 0,
-                 timeout_s: float = 300.0, staging_device: str | torch.device = "cpu", keep_staging: bool = True):
+                 lease_s: float = 30.0, staging_device: str | torch.device = "cpu", keep_staging: bool = True,
+                 check_finite: bool = True):
         self._params_fn, self._apply_fn = named_params_fn, apply_fn
-        self._version, self.timeout_s, self.staging_device = version, timeout_s, torch.device(staging_device)
+        self._version, self.lease_s, self.staging_device = version, lease_s, torch.device(staging_device)
+        self.check_finite = check_finite
         self._lock = threading.RLock()
         self._apply_lock = threading.Lock()  # held while weights change (and while digesting)
         self._update: StagedUpdate | None = None
+        self._outcomes = Outcomes()
         self.last_failure = ""
         self._shm, self._dist = ShmReader(), DistReceiver()
-        self._pool = ThreadPoolExecutor(2, thread_name_prefix="weight-sync-crc")
-        self.keep_staging = keep_staging  # reuse staging buffers across updates (no page faults)
-        self._staging_cache: tuple[tuple, list[torch.Tensor]] | None = None
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="weight-sync-scan")  # dist: as buckets land
+        self._staging = StagingPool(keep=keep_staging)
 
+    # ------------------------------------------------------------------ queries
     @property
     def version(self) -> int:
         return self._version
@@ -66,10 +84,27 @@ class WeightReceiver:
     def status(self) -> dict[str, Any]:
         with self._lock:
             u = self._update
-            info = None if u is None else {"version": u.version, "transport": u.transport, "phase": u.phase,
-                                           "buckets_received": sum(u.received), "num_buckets": len(u.received)}
+            info = None if u is None else {
+                "version": u.version, "transport": u.transport, "phase": u.phase, "run_id": u.run_id,
+                "buckets_received": sum(u.received), "num_buckets": len(u.received),
+                "lease_left_s": round(u.lease_left(), 3)}
             return {"version": self._version, "update": info, "last_failure": self.last_failure,
                     "dtype": served_dtype(self._params())}
+
+    def state(self, version: int) -> dict[str, Any]:
+        """What became of `version`: receiving ... applying, applied, failed, or unknown."""
+        with self._lock:
+            u = self._update
+            if u is not None and u.version == version:
+                out = {"state": u.phase, "reason": "", "run_id": u.run_id}
+            else:
+                out = self._outcomes.get(version)
+            return {"version": version, **out, "served_version": self._version}
+
+    def committed(self, version: int) -> bool:
+        """True when `version` was applied here (a retried commit of it is a success)."""
+        with self._lock:
+            return self._outcomes.get(version)["state"] == "applied"
 
     def digest(self) -> str:
         with self._apply_lock:
@@ -79,15 +114,15 @@ class WeightReceiver:
         p = self._params_fn()
         return dict(p.items() if isinstance(p, dict) else p)
 
-    def _current(self, version: int | None, phase: str) -> StagedUpdate:
+    def _current(self, version: int | None, *phases: str) -> StagedUpdate:
         u = self._update
         if u is None:
             last = f" (last failure: {self.last_failure})" if self.last_failure else ""
             raise UpdateConflict(f"no weight update in progress; call begin first{last}")
         if version is not None and version != u.version:
             raise UpdateConflict(f"version: the update in progress is {u.version}, request says {version}")
-        if u.phase != phase:
-            raise UpdateConflict(f"update {u.version} is {u.phase}, expected {phase}")
+        if phases and u.phase not in phases:
+            raise UpdateConflict(f"update {u.version} is {u.phase}, expected {' or '.join(phases)}")
         return u
 
     def _drop(self, u: StagedUpdate, reason: str | None) -> None:
@@ -97,63 +132,87 @@ class WeightReceiver:
         self._update = None
         if reason:
             self.last_failure = f"update to version {u.version} aborted: {reason}"
+            self._outcomes.record(u.version, "failed", reason, u.run_id)
+        u.stop.set()
         if u.transport == "dist" and not u.done.is_set():
-            self._dist = DistReceiver()  # the blocked thread keeps (and later drops) the old group
-            self._staging_cache = None  # ... and may still write into this staging
-        if u.writing:
-            self._staging_cache = None  # an http body is still streaming into this staging
-        u.staging, u.named = [], []
+            self._dist.drop()  # the collective sequence is broken: the next push reconnects
+            self._staging.invalidate()  # a late broadcast may still land in this staging
+        if u.writing or u.phase == "verifying" or (u.sources is not None and not u.staged.is_set()):
+            self._staging.invalidate()  # an http body / an shm copy may still write into this staging
+        u.named = []
         u.done.set()
 
-    def begin(self, version: int, transport: str, manifest: Manifest | dict | str,
-              options: dict[str, Any] | None = None, timeout_s: float | None = None) -> dict[str, Any]:
-        """Validate `manifest` against the served model and open staging (ManifestError / 409)."""
-        if not isinstance(manifest, Manifest):
-            manifest = Manifest.from_json(manifest) if isinstance(manifest, str | bytes) else Manifest.from_dict(manifest)
+    # ------------------------------------------------------------------ setup
+    def _stage(self, transport: str, m: Manifest, options: dict, device: torch.device) -> list[torch.Tensor]:
+        """Private per-bucket staging (on the model's device for NCCL), reused across updates."""
+        nccl = transport == "dist" and options.get("backend") == "nccl"
+        return self._staging.get(device if nccl else self.staging_device, m)
+
+    def connect(self, transport: str, manifest: Manifest | dict | str, options: dict[str, Any] | None = None,
+                run_id: str = "") -> dict[str, Any]:
+        """Prepare the data plane before the first update: attach the region, size the staging, join."""
+        m, options = _parse(manifest), options or {}
         if transport not in TRANSPORTS:
             raise ManifestError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
-        if manifest.version != version:
-            raise ManifestError(f"manifest.version: {manifest.version} != request version {version}")
-        options = options or {}
-        timeout = float(timeout_s or self.timeout_s)
         with self._lock:
-            if self._update is not None:
-                u = self._update
-                raise UpdateConflict(f"an update to version {u.version} is already {u.phase}; abort it first")
+            self._take_over(run_id)  # another run's live update: 409 (the sender waits for its lease)
+            device = check_against(m, self._params())
+            if transport == "shm":
+                sweep()
+                self._shm.buckets(options, m)
+            elif transport == "dist":
+                self._dist.connect(options, device)
+            staging = self._stage(transport, m, options, device)
+            return {"transport": transport, "num_buckets": len(staging), "total_bytes": m.total_bytes,
+                    "staging_bytes": sum(s.numel() for s in staging)}
+
+    def begin(self, version: int, transport: str, manifest: Manifest | dict | str,
+              options: dict[str, Any] | None = None, lease_s: float | None = None,
+              run_id: str = "") -> dict[str, Any]:
+        """Validate `manifest` against the served model and open staging (ManifestError / 409)."""
+        m, options = _parse(manifest), options or {}
+        if transport not in TRANSPORTS:
+            raise ManifestError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
+        if m.version != version:
+            raise ManifestError(f"manifest.version: {m.version} != request version {version}")
+        with self._lock:
+            took_over = self._take_over(run_id)
             if version <= self._version:
                 raise UpdateConflict(f"version: {version} is not greater than the current version {self._version}")
-            device = check_against(manifest, self._params())
-            if transport == "dist":
+            device = check_against(m, self._params())
+            sources = None
+            if transport == "shm":
+                sweep()
+                sources = self._shm.buckets(options, m)
+            elif transport == "dist":
                 self._dist.check(options)
-            staging = self._stage(transport, manifest, options, device)
-            u = StagedUpdate(version, transport, manifest, staging, timeout, time.monotonic() + timeout,
-                        received=[transport == "shm"] * len(staging), crc=[None] * len(staging),
-                        expected=[b.checksum for b in manifest.buckets])
+            staging = self._stage(transport, m, options, device)
+            u = StagedUpdate(version, transport, m, staging, float(lease_s or self.lease_s), run_id, sources)
+            u.heartbeat = self._shm.heartbeat() if sources is not None else 0
             self._update = u
             self._arm(u)
+            if transport == "shm":
+                threading.Thread(target=self._stage_shm, args=(u,), daemon=True, name="weight-sync-shm").start()
             if transport == "dist":
-                self._dist.start(options, staging, lambda i: self._on_bucket(u, i), lambda e: self._on_done(u, e))
+                self._dist.start(staging, lambda i: self._on_bucket(u, i), lambda e: self._on_done(u, e), u.stop)
             return {"version": version, "transport": transport, "num_buckets": len(staging),
-                    "total_bytes": manifest.total_bytes}
+                    "total_bytes": m.total_bytes, "run_id": run_id, "lease_s": u.lease_s, "took_over": took_over}
 
-    def _stage(self, transport: str, m: Manifest, options: dict, device: torch.device) -> list[torch.Tensor]:
-        if transport == "shm":
-            return self._shm.buckets(options, m)
-        dev = device if transport == "dist" and options.get("backend") == "nccl" else self.staging_device
-        key = (dev, tuple(b.nbytes for b in m.buckets))
-        if self._staging_cache is not None and self._staging_cache[0] == key:
-            return self._staging_cache[1]
-        self._staging_cache = None
-        try:
-            staging = [torch.empty(b.nbytes, dtype=torch.uint8, device=dev) for b in m.buckets]
-        except RuntimeError as e:  # out of memory
-            raise UpdateFailed(f"cannot allocate {m.total_bytes} staging bytes on {dev}: {e}") from None
-        if self.keep_staging:
-            self._staging_cache = (key, staging)
-        return staging
+    def _take_over(self, run_id: str) -> int | None:
+        """A begin while an update runs: the same run takes over (aborting it); others get 409."""
+        u = self._update
+        if u is None:
+            return None
+        if run_id and u.run_id == run_id and u.phase == "receiving":
+            self._drop(u, f"superseded by a new begin of run {run_id!r}")
+            return u.version
+        who = f" by run {u.run_id!r}" if u.run_id else ""
+        raise UpdateConflict(f"an update to version {u.version}{who} is already {u.phase} (lease "
+                             f"{u.lease_left():.1f}s left); abort it, wait for the lease, or begin from the same run")
 
+    # ------------------------------------------------------------------ lease
     def _arm(self, u: StagedUpdate) -> None:
-        timer = threading.Timer(max(0.05, u.deadline - time.monotonic()), self._on_timer, args=(u,))
+        timer = threading.Timer(max(0.05, min(u.deadline - time.monotonic(), 1.0)), self._on_timer, args=(u,))
         timer.daemon = True
         timer.start()
 
@@ -161,17 +220,51 @@ class WeightReceiver:
         with self._lock:
             if self._update is not u or u.phase != "receiving":
                 return
+            if u.sources is not None:  # shm: the sender's heartbeat is the data plane's progress
+                beat = self._shm.heartbeat()
+                if beat != u.heartbeat:
+                    u.heartbeat = beat
+                    u.renew()
             if time.monotonic() < u.deadline:
                 self._arm(u)
                 return
-            self._drop(u, f"timed out: no progress for {u.timeout_s:g}s")
+            who = f" from run {u.run_id!r}" if u.run_id else ""
+            self._drop(u, f"lease expired: no data{who} for {u.lease_s:g}s")
 
+    def _stage_shm(self, u: StagedUpdate) -> None:
+        """Copy each bucket the sender marked ready into private staging (hashing it) while the
+        sender packs the next; stops when the commit arrives, which then stages the rest."""
+        try:
+            index = 0
+            while index < len(u.staging) and not u.stop.is_set():
+                if self._shm.ready(index) != u.version:
+                    if u.phase != "receiving":
+                        break
+                    time.sleep(0.001)
+                    continue
+                digest, bad = u.scan(index, self.check_finite)
+                with self._lock:
+                    if self._update is not u:
+                        break
+                    u.record(index, digest, bad)
+                    u.renew()
+                index += 1
+        finally:
+            u.staged.set()
+
+    def touch(self) -> None:
+        """Data-plane progress outside the receiver (a streaming http body): renew the lease."""
+        with self._lock:
+            if self._update is not None and self._update.phase == "receiving":
+                self._update.renew()
+
+    # ------------------------------------------------------------------ data planes
     def _on_bucket(self, u: StagedUpdate, index: int) -> None:
         with self._lock:
             if self._update is u:
                 u.received[index] = True
-                u.deadline = time.monotonic() + u.timeout_s
-                u.pending[index] = self._pool.submit(crc32, u.staging[index].cpu())  # overlaps the next bucket
+                u.renew()
+                u.pending[index] = self._pool.submit(u.scan, index, self.check_finite)  # overlaps the next bucket
 
     def _on_done(self, u: StagedUpdate, error: BaseException | None) -> None:
         with self._lock:
@@ -191,8 +284,9 @@ class WeightReceiver:
             if index in u.writing:
                 raise UpdateConflict(f"bucket {index} is already being written")
             u.writing.add(index)
-            u.received[index] = False
-            u.deadline = time.monotonic() + u.timeout_s
+            u.received[index], u.digests[index] = False, None
+            u.nonfinite.pop(index, None)
+            u.renew()
             return u.staging[index]
 
     def bucket_written(self, index: int, nbytes: int | None, checksum: int | None, version: int | None = None) -> None:
@@ -205,33 +299,39 @@ class WeightReceiver:
             return
         if nbytes != buf.numel():
             raise UpdateFailed(f"bucket {index}: truncated, got {nbytes} of {buf.numel()} bytes")
-        crc = crc32(buf.cpu()) if checksum is not None else None
-        if checksum is not None and crc != checksum:
-            raise UpdateFailed(f"bucket {index}: checksum mismatch (got {crc}, header says {checksum})")
+        digest, bad = u.scan(index, self.check_finite)
+        if checksum is not None and digest != checksum:
+            raise UpdateFailed(f"bucket {index}: checksum mismatch (got {digest}, header says {checksum})")
         with self._lock:
             if self._update is u:
-                u.received[index], u.crc[index] = True, crc
+                u.received[index] = True
+                u.record(index, digest, bad)
                 if checksum is not None:
                     u.expect(index, checksum)
-                u.deadline = time.monotonic() + u.timeout_s
+                u.renew()
 
+    # ------------------------------------------------------------------ commit
     def verify(self, version: int, checksums: list[int | None] | None = None) -> None:
-        """Commit, phase 1: wait for the data, check completeness and checksums (else abort)."""
+        """Commit, phase 1: wait for the data, stage and check completeness, checksums, finiteness."""
         with self._lock:
             u = self._current(version, "receiving")
             if u.writing:
                 raise UpdateConflict(f"buckets {sorted(u.writing)} are still being written")
-            u.phase = "verifying"  # the stale-update timer leaves it alone from now on
+            u.phase = "verifying"  # the lease no longer applies: the server is doing the work
         try:
             if u.transport == "dist":
                 self._wait_dist(u)
-            self._verify_data(u, checksums)
+            if u.transport == "shm":
+                u.staged.wait()  # the staging thread has stopped: nothing writes the staging but us
+            if u.error is not None:
+                raise UpdateFailed(f"dist receive failed: {u.error}")
+            u.verify(checksums, self.check_finite, self._pool)
         except UpdateFailed as e:
             with self._lock:
                 self._drop(u, str(e))
             raise
         with self._lock:
-            if self._update is not u:  # aborted or timed out meanwhile
+            if self._update is not u:  # aborted meanwhile
                 raise UpdateFailed(f"update {version} was aborted: {self.last_failure}")
             u.phase = "verified"
             u.named = u.views()
@@ -239,19 +339,17 @@ class WeightReceiver:
     def _wait_dist(self, u: StagedUpdate) -> None:
         while not u.done.wait(0.05):
             if time.monotonic() > u.deadline:  # the receive thread extends it per bucket
-                raise UpdateFailed(f"dist data did not arrive within {u.timeout_s:g}s")
+                raise UpdateFailed(f"dist data did not arrive within the {u.lease_s:g}s lease")
 
-    def _verify_data(self, u: StagedUpdate, checksums: list[int | None] | None) -> None:
-        if u.error is not None:
-            raise UpdateFailed(f"dist receive failed: {u.error}")
-        if self._update is not u:
-            raise UpdateFailed(f"aborted meanwhile ({self.last_failure})")
-        u.verify(checksums)
+    def set_draining(self, version: int) -> None:
+        """The server is waiting for in-flight sequences before apply (still abortable)."""
+        with self._lock:
+            self._current(version, "verified").phase = "draining"
 
     def apply(self, version: int) -> None:
-        """Commit, phase 2 (engine paused): apply_fn(named views), then bump the version."""
+        """Commit, phase 2 (engine paused): apply_fn(named views of the staging), then bump the version."""
         with self._lock:
-            u = self._current(version, "verified")
+            u = self._current(version, "verified", "draining")
             u.phase = "applying"
         try:
             with self._apply_lock:
@@ -262,22 +360,30 @@ class WeightReceiver:
             raise UpdateFailed(f"update {version}: apply failed: {e}") from e
         with self._lock:
             self._version = version
+            self._outcomes.record(u.version, "applied", run_id=u.run_id)
             self._drop(u, None)
 
     def commit(self, version: int, checksums: list[int | None] | None = None) -> None:
+        if self.committed(version):
+            return
         self.verify(version, checksums)
         self.apply(version)
 
-    def abort(self, version: int | None = None, reason: str = "aborted by the sender", force: bool = False) -> bool:
-        """Drop the update in progress (any version when `version` is None); False if none."""
+    def abort(self, version: int | None = None, reason: str = "aborted by the sender",
+              run_id: str | None = None) -> bool:
+        """Drop the update in progress (any version when `version` is None); False if none matches."""
         with self._lock:
             u = self._update
             if u is None or (version is not None and version != u.version):
                 return False
-            if u.phase == "applying" or (u.phase == "verified" and not force):
-                raise UpdateConflict(f"update {u.version} is {u.phase}; it can no longer be aborted")
+            if run_id is not None and run_id != u.run_id:
+                return False
+            if u.phase == "applying":
+                raise UpdateConflict(f"update {u.version} is applying; it can no longer be aborted")
             self._drop(u, reason)
-            return True
+        if u.sources is not None:
+            sweep()
+        return True
 
     def close(self) -> None:
         with self._lock:
@@ -285,5 +391,5 @@ class WeightReceiver:
                 self._drop(self._update, "receiver closed")
             self._shm.close()
             self._dist.close()
-            self._staging_cache = None
+            self._staging.invalidate()
         self._pool.shutdown(wait=False)

@@ -1,24 +1,33 @@
-"""Trainer side of a weight update: begin -> data plane -> commit on every server, or abort all.
+"""Trainer side of a weight update: connect once, then begin -> data plane -> commit, or abort all.
 
-    timings = push(["http://127.0.0.1:8000"], model.named_parameters(), version=3,
-                   transport="shm", token="secret")     # {"total_s": ..., "gbps": ...}
-    sender = WeightSender(servers, transport="dist", dist_addr="10.0.0.5")  # explicit owner
-    sender.push(iter_deepspeed_params(engine), version=4); sender.close()
+    connect(servers, model.named_parameters(), transport="shm", token=tok, run_id="tiny-rl")  # at startup
+    timings = push(servers, model.named_parameters(), version=3, transport="shm", token=tok,
+                   run_id="tiny-rl")            # {"total_s": ..., "gbps": ...}; WeightSyncError on failure
+    sender = WeightSender(servers, transport="dist", dist_addr="10.0.0.5", run_id="job-7")
+    sender.connect(src); sender.push(iter_deepspeed_params(engine), version=4); sender.close()
 
-Control plane (admin HTTP, bearer token): `POST /weights/begin {version, transport,
-manifest, options, timeout_s}`, then the data plane, then `POST /weights/commit {version,
-checksums}`. Any failure POSTs `/weights/abort` to every server that began and raises
-`WeightSyncError` naming the server and the step. Data planes (weight_sync/transports):
-shm writes every bucket once into a region all same-host servers read; dist broadcasts
-buckets from rank 0 (double-buffered); http PUTs each bucket to each server.
-`push()` caches one WeightSender per (servers, transport, ...), so the shm region and the
-dist group stay open across updates; `close_all()` (also at exit) releases them.
+Connect (`POST /weights/connect`) does the one-time work: the shm region is created and its
+pages populated, the dist group built (the trainer hosts its store on `dist_addr`), and
+every server sizes its private staging; it runs again only when the layout grows or
+changes. A push then: `POST /weights/begin` (bodies: weight_sync/protocol.py), the data
+plane -- tensors are packed straight from the source into the shm region / a send buffer,
+hashed (xxh3) chunk by chunk while packing; dist and http pack bucket k+1 while bucket k
+is on the wire -- then `POST /weights/commit` with the checksums, which succeeds exactly
+when the server applied the version (weight_sync/control.py). Every failure, from the
+first begin on and including KeyboardInterrupt, aborts the update on every server that
+may have begun it. `run_id` names the pushing run: a resumed run (same id) takes over its
+own stale update at once; another run waits for that update's lease to lapse.
+`dtype` casts floating tensors before sending ("auto": what the server serves, e.g. bf16,
+which halves the bytes; checksums cover what is sent).
 """
 
 from __future__ import annotations
 
 import atexit
+import os
+import socket
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -26,57 +35,29 @@ from typing import Any
 import torch
 
 from weight_sync.bucket import DEFAULT_BUCKET_BYTES, pack_stream, plan_buckets
+from weight_sync.control import ControlClient, HTTPStatusError
 from weight_sync.errors import WeightSyncError
-from weight_sync.manifest import DTYPES, Manifest, crc32
-from weight_sync.sources import as_source, drain, iter_deepspeed_params
+from weight_sync.manifest import DTYPES, Manifest
+from weight_sync.protocol import AbortRequest, BeginRequest, CommitRequest, ConnectRequest
+from weight_sync.sources import Source, as_source, drain, iter_deepspeed_params
 from weight_sync.transports import TRANSPORTS
 from weight_sync.transports.dist import DistSender
 from weight_sync.transports.http import put_bucket
 from weight_sync.transports.shm import ShmRegion
 
-__all__ = ["WeightSender", "push", "close_all", "iter_deepspeed_params", "drain", "WeightSyncError"]
+__all__ = ["WeightSender", "push", "connect", "close_all", "iter_deepspeed_params", "drain", "WeightSyncError"]
 
 
-class _Conflict(WeightSyncError):
-    """A 409 from a server (used to rebuild a stale dist group)."""
-
-
-class ControlClient:
-    """Admin HTTP calls to one server (httpx, keep-alive)."""
-
-    def __init__(self, url: str, token: str | None, timeout: float):
-        import httpx  # lazy: only senders need it
-
-        self.url = url.rstrip("/")
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.http = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)))
-
-    def check(self, resp: Any, step: str) -> dict[str, Any]:
-        if resp.status_code < 300:
-            return resp.json() if resp.content else {}
-        try:
-            data = resp.json()
-            detail = data.get("detail") or (data.get("error") or {}).get("message") or resp.text
-        except (ValueError, AttributeError):
-            detail = resp.text
-        cls = _Conflict if resp.status_code == 409 else WeightSyncError
-        raise cls(f"{self.url}: {step} failed with HTTP {resp.status_code}: {detail}")
-
-    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        return self.check(self.http.post(f"{self.url}{path}", json=body), f"POST {path}")
-
-    def get(self, path: str) -> dict[str, Any]:
-        return self.check(self.http.get(f"{self.url}{path}"), f"GET {path}")
-
-    def close(self) -> None:
-        self.http.close()
+def default_run_id() -> str:
+    return f"{socket.gethostname()[:32]}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
 class WeightSender:
     def __init__(
         self, servers: list[str], *, transport: str = "shm", token: str | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | str | None = None, timeout: float = 300.0,
-        dist_addr: str = "127.0.0.1", dist_port: int = 0,
+        dist_addr: str = "127.0.0.1", dist_port: int = 0, run_id: str | None = None, lease_s: float | None = None,
+        abort_inflight: bool | None = None,
     ):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
@@ -87,65 +68,103 @@ class WeightSender:
                 raise ValueError(f"dtype: expected 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
             dtype = DTYPES[dtype]
         self.transport, self.bucket_bytes, self.dtype, self.timeout = transport, bucket_bytes, dtype, timeout
+        self.run_id, self.lease_s, self.abort_inflight = run_id or default_run_id(), lease_s, abort_inflight
         self.clients = [ControlClient(u, token, timeout) for u in servers]
-        self.shm = ShmRegion() if transport == "shm" else None
-        self.dist = DistSender(dist_addr, dist_port, timeout) if transport == "dist" else None
-        self._buffers: list[torch.Tensor] = []  # reused bucket buffers (dist, http)
+        self.shm = ShmRegion(self.run_id) if transport == "shm" else None
+        self.dist = DistSender(dist_addr, dist_port, min(timeout, 60.0)) if transport == "dist" else None
+        self._buffers: list[torch.Tensor] = []  # reused double buffers (dist, http)
+        self._layout: tuple | None = None  # (bucket sizes, device) the servers are connected for
+        self._options: list[dict[str, Any]] = [{}] * len(self.clients)
 
+    # ------------------------------------------------------------------ connect
+    def _source(self, named_tensors: Iterable | Callable) -> Source:
+        if self.dtype == "auto":  # cast floating tensors to what the (first) server serves
+            served = self.clients[0].status().dtype
+            self.dtype = DTYPES[served] if served else None
+        return as_source(named_tensors, self.dtype)
+
+    def connect(self, named_tensors: Iterable | Callable) -> dict[str, Any]:
+        """One-time setup for tensors shaped like `named_tensors`: region, group, server staging."""
+        t0 = time.perf_counter()
+        source = self._source(named_tensors)
+        self._connect(plan_buckets(source.specs, self.bucket_bytes, 0), source.device)
+        return {"connect_s": time.perf_counter() - t0}
+
+    def _connect(self, manifest: Manifest, device: torch.device) -> None:
+        self._layout = None
+        n = len(self.clients)
+        fresh = True
+        if self.shm is not None:
+            self._options = [self.shm.prepare(manifest)] * n
+        elif self.dist is not None:
+            self._options, fresh = self.dist.prepare(n, "nccl" if device.type == "cuda" else "gloo")
+        if fresh:
+            body = [ConnectRequest(transport=self.transport, manifest=manifest.to_dict(), options=o,
+                                   run_id=self.run_id) for o in self._options]
+            self._parallel(lambda c, i: c.connect(body[i]))
+        if self.dist is not None:
+            self.dist.connect(device)  # blocks until every server joined
+        if self.shm is None:  # the two send buffers, their pages touched now rather than in the first push
+            biggest = max(b.nbytes for b in manifest.buckets)
+            for slot in range(2):
+                self._buffer(slot, biggest, device if self.dist is not None else torch.device("cpu")).fill_(0)
+        self._layout = (tuple(b.nbytes for b in manifest.buckets), device)
+
+    # ------------------------------------------------------------------ push
     def push(self, named_tensors: Iterable | Callable, version: int) -> dict[str, Any]:
         """Send one update to every server; returns timings. Raises WeightSyncError."""
         t0 = time.perf_counter()
-        if self.dtype == "auto":  # cast floating tensors to what the (first) server serves
-            served = self.clients[0].get("/weights/version").get("dtype")
-            self.dtype = DTYPES[served] if served else None
-        source = as_source(named_tensors, self.dtype)
+        source = self._source(named_tensors)
         manifest = plan_buckets(source.specs, self.bucket_bytes, version)
+        connect_s = 0.0
         for attempt in range(2):
             begun: list[ControlClient] = []
             try:
-                self._begin_all(manifest, source.device, begun)
+                if self._layout != (tuple(b.nbytes for b in manifest.buckets), source.device):
+                    tc = time.perf_counter()
+                    self._connect(manifest, source.device)
+                    connect_s += time.perf_counter() - tc
                 t1 = time.perf_counter()
-                checksums = self._send(manifest, source.make_iter(), source.device)
+                if self.shm is not None:
+                    self.shm.clear_ready()  # before begin: the server stages buckets once marked ready
+                self._begin_all(manifest, begun)
                 t2 = time.perf_counter()
-                commit = {"version": version, "checksums": checksums}
-                self._parallel(lambda c, body=commit: c.post("/weights/commit", body))
+                checksums = self._send(manifest, source.make_iter(), source.device)
+                t3 = time.perf_counter()
+                body = CommitRequest(version=version, checksums=checksums, abort_inflight=self.abort_inflight,
+                                     run_id=self.run_id)
+                self._parallel(lambda c, i, body=body: c.commit(body))
                 break
             except BaseException as e:
-                self._abort(begun, f"sender failed: {e}")
+                self._abort(begun, version, f"sender failed: {e}")
                 if self.dist is not None:
-                    self.dist.close()  # the next update builds a fresh group
-                if isinstance(e, _Conflict) and "group_id" in str(e) and attempt == 0:
-                    continue  # a server lost the cached dist group: rebuild it once
+                    self.dist.close()  # the collective sequence is broken: the next push reconnects
+                    self._layout = None
+                if isinstance(e, HTTPStatusError) and e.status == 409 and "group_id" in str(e) and attempt == 0:
+                    continue  # a server lost the dist group (restarted?): connect again, once
                 if isinstance(e, WeightSyncError) or not isinstance(e, Exception):
                     raise  # (KeyboardInterrupt & co. propagate as they are, after the aborts)
                 raise WeightSyncError(f"push of version {version} ({self.transport}) failed: {e!r}") from e
-        t3 = time.perf_counter()
+        t4 = time.perf_counter()
         return {
             "transport": self.transport, "version": version, "num_servers": len(self.clients),
-            "num_buckets": len(manifest.buckets), "bytes": manifest.total_bytes,
-            "begin_s": t1 - t0, "data_s": t2 - t1, "commit_s": t3 - t2, "total_s": t3 - t0,
-            "gbps": manifest.total_bytes / max(t3 - t0, 1e-9) / 1e9,
+            "num_buckets": len(manifest.buckets), "bytes": manifest.total_bytes, "connect_s": connect_s,
+            "begin_s": t2 - t1, "data_s": t3 - t2, "commit_s": t4 - t3, "total_s": t4 - t0,
+            "gbps": manifest.total_bytes / max(t4 - t0, 1e-9) / 1e9,
         }
 
-    def _parallel(self, fn: Callable[[ControlClient], Any]) -> list[Any]:
+    def _parallel(self, fn: Callable[[ControlClient, int], Any]) -> list[Any]:
         if len(self.clients) == 1:
-            return [fn(self.clients[0])]
+            return [fn(self.clients[0], 0)]
         with ThreadPoolExecutor(len(self.clients)) as pool:
-            return list(pool.map(fn, self.clients))
+            return list(pool.map(fn, self.clients, range(len(self.clients))))
 
-    def _begin_all(self, manifest: Manifest, device: torch.device, begun: list[ControlClient]) -> None:
-        n = len(self.clients)
-        if self.shm is not None:
-            options = [self.shm.prepare(manifest)] * n
-        elif self.dist is not None:
-            options = self.dist.prepare(n, "nccl" if device.type == "cuda" else "gloo")
-        else:
-            options = [{}] * n
-        body = {"version": manifest.version, "transport": self.transport, "manifest": manifest.to_dict(),
-                "timeout_s": self.timeout}
-        for client, opts in zip(self.clients, options):
-            client.post("/weights/begin", {**body, "options": opts})
-            begun.append(client)
+    def _begin_all(self, manifest: Manifest, begun: list[ControlClient]) -> None:
+        for client, opts in zip(self.clients, self._options):
+            begun.append(client)  # before the call: a begin that timed out may still have begun
+            client.begin(BeginRequest(version=manifest.version, transport=self.transport,
+                                      manifest=manifest.to_dict(), options=opts, run_id=self.run_id,
+                                      lease_s=self.lease_s))
 
     def _buffer(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
         while len(self._buffers) <= slot:
@@ -156,51 +175,53 @@ class WeightSender:
         return buf[:nbytes]
 
     def _send(self, manifest: Manifest, named: Any, device: torch.device) -> list[int]:
-        """Run the data plane; returns the crc32 of every bucket."""
-        if self.shm is not None:  # checksum bucket i (in a thread) while packing bucket i+1
-            with ThreadPoolExecutor(2) as pool:
-                futures = [pool.submit(crc32, buf) for _, buf in pack_stream(manifest, named, self.shm.bucket)]
-                return [f.result() for f in futures]
+        """Run the data plane; returns the checksum of every bucket (computed while packing)."""
+        if self.shm is not None:
+            checksums = []
+            for index, _, crc in pack_stream(manifest, named, self.shm.bucket, self.shm.beat):
+                self.shm.mark_ready(index, manifest.version)  # the server copies it while we pack the next
+                checksums.append(crc)
+            return checksums
         if self.dist is not None:
-            return self._send_dist(manifest, named, device)
-        checksums = []
-        for index, buf in pack_stream(manifest, named, lambda i, n: self._buffer(0, n, torch.device("cpu"))):
-            crc = crc32(buf)
-            checksums.append(crc)
-            self._parallel(lambda c, i=index, b=buf, k=crc: c.check(
-                put_bucket(c.http, c.url, i, b, k, manifest.version), f"PUT /weights/bucket/{i}"))
-        return checksums
+            return self._pipelined(manifest, named, device, lambda i, buf, crc: self.dist.broadcast(buf))
+        with ThreadPoolExecutor(1, thread_name_prefix="weight-sync-put") as pool:
+            def put(i: int, buf: torch.Tensor, crc: int) -> Future:
+                return pool.submit(self._parallel, lambda c, _k: c.check(
+                    put_bucket(c.http, c.url, i, buf, crc, manifest.version), f"PUT /weights/bucket/{i}"))
+            return self._pipelined(manifest, named, torch.device("cpu"), put)
 
-    def _send_dist(self, manifest: Manifest, named: Any, device: torch.device) -> list[int]:
-        assert self.dist is not None
-        self.dist.connect()  # blocks until every server joined (first update only)
-        # double buffering: bucket i is on the wire (and checksummed in a thread) while i+1 is packed
-        pending: list[tuple[Any, Future] | None] = [None, None]
-        checksums: list[Future] = []
+    def _pipelined(self, manifest: Manifest, named: Any, device: torch.device,
+                   start: Callable[[int, torch.Tensor, int], Any]) -> list[int]:
+        """Double buffering: bucket k is on the wire while bucket k+1 is packed into the other buffer."""
+        inflight: list[Any] = [None, None]
+
+        def finish(work: Any) -> None:
+            if work is not None:
+                work.result() if isinstance(work, Future) else work.wait()
 
         def get_buffer(index: int, nbytes: int) -> torch.Tensor:
-            if pending[index % 2] is not None:
-                work, crc = pending[index % 2]
-                work.wait()
-                crc.result()
+            finish(inflight[index % 2])
+            inflight[index % 2] = None
             return self._buffer(index % 2, nbytes, device)
 
-        with ThreadPoolExecutor(1) as pool:
-            for index, buf in pack_stream(manifest, named, get_buffer):
-                work = self.dist.broadcast(buf)
-                crc = pool.submit(crc32, buf if buf.device.type == "cpu" else buf.cpu())
-                pending[index % 2] = (work, crc)
+        checksums = []
+        try:
+            for index, buf, crc in pack_stream(manifest, named, get_buffer):
                 checksums.append(crc)
-            for slot in pending:
-                if slot is not None:
-                    slot[0].wait()
-            return [f.result() for f in checksums]
+                inflight[index % 2] = start(index, buf, crc)
+            for work in inflight:
+                finish(work)
+        finally:
+            for work in inflight:
+                if isinstance(work, Future):
+                    work.cancel()
+        return checksums
 
-    def _abort(self, begun: list[ControlClient], reason: str) -> None:
+    def _abort(self, begun: list[ControlClient], version: int, reason: str) -> None:
         for client in begun:
             try:
-                client.post("/weights/abort", {"reason": reason[:500]})
-            except Exception:  # noqa: BLE001 - best effort; the server also times out
+                client.abort(AbortRequest(version=version, reason=reason[:1000], run_id=self.run_id))
+            except Exception:  # noqa: BLE001 - best effort; the server's lease ends it anyway
                 pass
 
     def close(self) -> None:
@@ -210,31 +231,50 @@ class WeightSender:
             self.dist.close()
         for c in self.clients:
             c.close()
-        self._buffers = []
+        self._buffers, self._layout = [], None
 
 
 _SENDERS: dict[tuple, WeightSender] = {}
 
 
+def _cached(servers: list[str] | str, **kwargs: Any) -> WeightSender:
+    servers = [servers] if isinstance(servers, str) else list(servers)
+    key = (tuple(servers), *sorted((k, str(v)) for k, v in kwargs.items()))
+    sender = _SENDERS.get(key)
+    if sender is None:
+        sender = _SENDERS[key] = WeightSender(servers, **kwargs)
+    return sender
+
+
 def push(
     servers: list[str] | str, named_tensors: Iterable | Callable, version: int, *, transport: str = "shm",
     token: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | str | None = None,
-    timeout: float = 300.0, dist_addr: str = "127.0.0.1",
+    timeout: float = 300.0, dist_addr: str = "127.0.0.1", run_id: str | None = None, lease_s: float | None = None,
+    abort_inflight: bool | None = None,
 ) -> dict[str, Any]:
-    """Push `named_tensors` as `version` to every server (cached sender; see module doc).
+    """Push `named_tensors` as `version` to every server (cached, connected sender; see module doc).
 
     dtype: cast floating tensors to it before sending (None: as they are; "auto": the
-    dtype the first server serves, from GET /weights/version).
+    dtype the first server serves, from GET /weights/version). run_id: names the pushing run
+    (default: host-pid-random; pass the run's name so a resumed run takes over its own update).
     """
-    servers = [servers] if isinstance(servers, str) else list(servers)
-    key = (tuple(servers), transport, token, bucket_bytes, dtype, timeout, dist_addr)
-    sender = _SENDERS.get(key)
-    if sender is None:
-        sender = _SENDERS[key] = WeightSender(
-            servers, transport=transport, token=token, bucket_bytes=bucket_bytes, dtype=dtype,
-            timeout=timeout, dist_addr=dist_addr,
-        )
+    sender = _cached(servers, transport=transport, token=token, bucket_bytes=bucket_bytes, dtype=dtype,
+                     timeout=timeout, dist_addr=dist_addr, run_id=run_id, lease_s=lease_s,
+                     abort_inflight=abort_inflight)
     return sender.push(named_tensors, version)
+
+
+def connect(
+    servers: list[str] | str, named_tensors: Iterable | Callable, *, transport: str = "shm",
+    token: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | str | None = None,
+    timeout: float = 300.0, dist_addr: str = "127.0.0.1", run_id: str | None = None, lease_s: float | None = None,
+    abort_inflight: bool | None = None,
+) -> dict[str, Any]:
+    """Do the one-time setup now (at trainer startup) for the sender `push` with the same arguments uses."""
+    sender = _cached(servers, transport=transport, token=token, bucket_bytes=bucket_bytes, dtype=dtype,
+                     timeout=timeout, dist_addr=dist_addr, run_id=run_id, lease_s=lease_s,
+                     abort_inflight=abort_inflight)
+    return sender.connect(named_tensors)
 
 
 @atexit.register

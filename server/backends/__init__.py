@@ -1,4 +1,6 @@
-"""Inference backends of the engine: `native` (dllm BlockDecoder) or `lmdeploy` (GPU, lazy).
+"""Inference backends of the engine: `native` (dllm BlockDecoder). The `Backend` interface is
+where another engine plugs in (an LMDeploy adapter needs a GPU to be built and tested: see the
+README's GPU notes).
 
     backend = create_backend("native", model_path, device="auto", dtype="auto", max_batch=16)
 """
@@ -15,11 +17,7 @@ def create_backend(name: str, model_path: str, **kwargs: Any) -> Backend:
         from server.backends.native import NativeBackend
 
         return NativeBackend.from_pretrained(model_path, **kwargs)
-    if name == "lmdeploy":
-        from server.backends.lmdeploy_backend import LMDeployBackend
-
-        return LMDeployBackend(model_path, **kwargs)
-    raise BackendUnavailable(f"backend: unknown {name!r} (known: native, lmdeploy)")
+    raise BackendUnavailable(f"backend: unknown {name!r} (known: native)")
 
 
 __all__ = ["Backend", "BackendUnavailable", "create_backend"]

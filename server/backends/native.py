@@ -1,15 +1,21 @@
 """The native backend: dllm's `BlockDecoder` (PyTorch; CPU SDPA, CUDA FlexAttention in bf16).
 
     backend = NativeBackend.from_pretrained("runs/tiny/model", device="auto", dtype="auto", max_batch=16,
-                                            max_model_len=0, kv_cache_memory="", kv_cache_fraction=0.8)
+                                            max_model_len=0, kv_cache_memory=0, kv_cache_fraction=0.8,
+                                            trust_remote_code=False)
 
-The KV cache is sized from memory (`plan_kv_cache`): `kv_cache_memory` (e.g. "4GiB") if
-set, else `kv_cache_fraction` of the memory available once the weights are loaded (free
-device memory on CUDA, available RAM on CPU), never more than `max_batch` sequences of
-`max_model_len` need. It is block-paged, so a sequence holds only the pages of its own
-prompt + max_tokens: how many run at once follows their real lengths (at most
-`max_batch`). The plan is logged at startup; when one sequence of `max_model_len` does not
-fit, startup stops with a ConfigError naming the options to change.
+The KV cache is sized from memory (`plan_kv_cache`): `kv_cache_memory` bytes (e.g. 4 << 30;
+server.kv_cache_memory takes "4GiB") if not 0, else `kv_cache_fraction` of the memory
+available once the weights are loaded (free device memory on CUDA, available RAM on CPU),
+never more than `max_batch` sequences of `max_model_len` need. It is block-paged, so a
+sequence holds only the pages of its own prompt + max_tokens: how many run at once follows
+their real lengths (at most `max_batch`). The plan is logged at startup; when one sequence of
+`max_model_len` does not fit, startup stops with a ConfigError naming the options to change.
+
+Generation stops at the union of config.json's, generation_config.json's and the
+tokenizer's eos ids (`backend.eos_ids`; chat checkpoints end turns with `<|im_end|>`); a
+request's `stop_token_ids` add to them, as in vLLM. The folder's own Python code runs only
+with `trust_remote_code=True` (never a prompt on stdin).
 
 The decoder gets its own tokenizer instance (it decodes text and applies stop strings in
 the engine thread) while `backend.tokenizer` is used by HTTP handlers on the event loop,
@@ -31,7 +37,6 @@ from dllm.decoding import BlockDecoder, Sequence
 from dllm.kv_cache import KVCache
 from dllm.weights import load_pretrained, parse_dtype
 from server.backends.base import Backend
-from server.config import parse_memory
 
 log = logging.getLogger("dlrl.server")
 DEFAULT_MAX_LEN = 8192
@@ -112,35 +117,43 @@ class NativeBackend(Backend):
     name = "native"
 
     def __init__(self, model: Any, tokenizer: Any, *, max_batch: int, max_model_len: int = 0,
-                 kv_cache_memory: str = "", kv_cache_fraction: float = 0.8):
+                 eos_ids: list[int] | None = None, kv_cache_memory: int = 0, kv_cache_fraction: float = 0.8):
         cfg = model.config
+        self.eos_ids = sorted(set(cfg.eos_ids if eos_ids is None else eos_ids))
         self.model, self.tokenizer = model.eval(), tokenizer
         self.block_size, self.vocab_size, self.mask_token_id = cfg.block_size, cfg.vocab_size, cfg.mask_token_id
         # 0 = the model's limit, capped at DEFAULT_MAX_LEN; set server.max_model_len to go higher
         self.max_len = max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_LEN)
         self.max_batch = max_batch
         self.kv_plan = plan_kv_cache(cfg, model.dtype, max_batch=max_batch, max_len=self.max_len,
-                                     memory=parse_memory(kv_cache_memory), fraction=kv_cache_fraction,
+                                     memory=int(kv_cache_memory), fraction=kv_cache_fraction,
                                      available=available_memory(model.device))
         log.info("%s", self.kv_plan.describe())
         decode_tok = copy.deepcopy(tokenizer) if tokenizer is not None else None
-        self.decoder = BlockDecoder(model, max_batch=max_batch, max_len=self.max_len, tokenizer=decode_tok,
-                                    num_pages=self.kv_plan.num_pages)
+        self.decoder = BlockDecoder(model, max_batch=max_batch, max_len=self.max_len, eos_ids=self.eos_ids,
+                                    tokenizer=decode_tok, num_pages=self.kv_plan.num_pages)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str = "auto", dtype: str = "auto",
-                        max_batch: int = 16, max_model_len: int = 0, kv_cache_memory: str = "",
+                        max_batch: int = 16, max_model_len: int = 0, trust_remote_code: bool = False,
+                        block_size: int = 0, mask_token_id: int = -1, kv_cache_memory: int = 0,
                         kv_cache_fraction: float = 0.8) -> NativeBackend:
-        from dllm.tokenizer import load_tokenizer
+        from dllm.tokenizer import eos_token_ids, load_tokenizer
 
         dev = resolve_device(device)
-        model = load_pretrained(path, device=dev, dtype=resolve_dtype(dtype, dev))
+        model = load_pretrained(path, device=dev, dtype=resolve_dtype(dtype, dev), block_size=block_size or None,
+                                mask_token_id=None if mask_token_id < 0 else mask_token_id)
+        tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
         log.info("loaded %s on %s (%s, %.1fM params)", path, dev, model.dtype,
                  sum(p.numel() for p in model.parameters()) / 1e6)
-        return cls(model, load_tokenizer(path), max_batch=max_batch, max_model_len=max_model_len,
+        eos_ids = eos_token_ids(path, tokenizer, model.config.eos_ids)
+        log.info("stop token ids (config.json + generation_config.json + tokenizer): %s", eos_ids)
+        return cls(model, tokenizer, max_batch=max_batch, max_model_len=max_model_len, eos_ids=eos_ids,
                    kv_cache_memory=kv_cache_memory, kv_cache_fraction=kv_cache_fraction)
 
     def new_sequence(self, prompt_ids: list[int], params: Any) -> Sequence:
+        if params.stop_token_ids is not None and not params.ignore_eos:  # vLLM: they add to the eos ids
+            params.stop_token_ids = sorted(set(self.eos_ids) | set(params.stop_token_ids))
         return self.decoder.new_sequence(prompt_ids, params)
 
     def add(self, seqs: list[Sequence]) -> None:

@@ -4,4 +4,8 @@ Each module has a sender half (used by weight_sync.sender) and a receiver half (
 weight_sync.receiver). The control plane (begin/commit/abort) is always admin HTTP.
 """
 
-TRANSPORTS = ("shm", "dist", "http")
+import typing
+
+from weight_sync.protocol import Transport
+
+TRANSPORTS = typing.get_args(Transport)

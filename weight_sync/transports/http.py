@@ -1,17 +1,19 @@
 """HTTP data plane (slow fallback, any network): one `PUT /weights/bucket/{index}` per bucket.
 
-Sender:   put_bucket(client, "http://host:8000", index=2, buf=bucket, checksum=crc, version=7)
-Receiver: n = await read_body_into(request.stream(), staging_bucket)   # route handler
+Sender:   put_bucket(client, "http://host:8000", index=2, buf=bucket, checksum=xxh, version=7)
+Receiver: n = await read_body_into(request.stream(), staging_bucket, renew)   # route handler
 
 The body is the bucket's raw bytes (`application/octet-stream`, Content-Length set);
-headers carry the update version and the bucket's crc32 so the server can reject a bad
-bucket at once (it verifies again at commit). The body is streamed straight into the
-receiver's staging tensor: no pickle, no intermediate `bytes` of the whole bucket.
+headers carry the update version and the bucket's xxh3_64 so the server can reject a bad
+bucket at once (the commit carries the checksums again). The body is streamed straight
+into the receiver's staging tensor (no pickle, no intermediate `bytes` of the whole
+bucket); `renew` is called every few MiB: the data plane keeps the update's lease alive.
+The sender packs bucket k+1 while bucket k is on the wire (weight_sync/sender.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import torch
@@ -58,14 +60,18 @@ def parse_int_header(headers: Any, name: str) -> int | None:
     return n
 
 
-async def read_body_into(stream: AsyncIterator[bytes], dest: torch.Tensor) -> int:
+async def read_body_into(stream: AsyncIterator[bytes], dest: torch.Tensor,
+                         renew: Callable[[], None] | None = None, renew_bytes: int = 16 << 20) -> int:
     """Copy a streamed body into `dest` ([nbytes] uint8); returns bytes read.
 
     Raises UpdateFailed if the body is longer than `dest` (the caller checks for short).
     """
-    cap, pos = dest.numel(), 0
+    cap, pos, next_renew = dest.numel(), 0, renew_bytes
     view = memoryview(dest.numpy())  # writes go straight into the staging tensor
     async for chunk in stream:
+        if renew is not None and pos >= next_renew:
+            renew()
+            next_renew = pos + renew_bytes
         n = len(chunk)
         if not n:
             continue

@@ -1,27 +1,41 @@
 """Same-host data plane: one POSIX shared-memory region the trainer writes and servers read.
 
 Sender (trainer):                                 Receiver (server):
-    region = ShmRegion()                              reader = ShmReader()
-    opts = region.prepare(manifest)  # -> begin       bufs = reader.buckets(opts, manifest)
-    buf = region.bucket(i)           # write here     # verify + apply straight from bufs
-    region.close()                   # unlinks        reader.close()
+    region = ShmRegion(run_id="tiny-rl")              reader = ShmReader()
+    opts = region.prepare(manifest)  # connect/begin  srcs = reader.buckets(opts, manifest)
+    region.clear_ready()             # before begin   # a thread copies each ready bucket into
+    buf = region.bucket(i, nbytes)   # pack here      #   private staging, hashing while copying,
+    region.beat()                    # per tensor     #   while the sender packs the next one
+    region.mark_ready(i, version)    # per bucket     reader.ready(i) == version
+    region.close()                   # unlinks        reader.close(); sweep()  # dead pushers' regions
 
-The region is sized to the whole update (buckets laid out back to back, 64-byte aligned),
-so the trainer writes every bucket once and any number of servers on the host read it:
-the receiver verifies and applies directly from the region, with no staging copy. The
-sender keeps the region open across updates and re-creates it only when it must grow.
+Layout: a header (magic, heartbeat counter, one ready stamp per bucket; 4 KiB or more),
+then the buckets back to back (64-byte aligned). The region is sized to the whole update,
+created once (at connect) with its pages populated up front, reused across updates and
+re-created only when the model grows. The receiver never applies from the region: it
+copies each bucket into private staging and verifies the copy, so bytes changed in the
+region after verification are never applied. The heartbeat, bumped by the sender after
+every packed tensor, renews the update's lease.
 
-Ownership: only the creator unlinks. Python's resource_tracker registers every attach
-(Python < 3.13 has no `track=False`) and would unlink the region when the *server*
-exits, so the reader unregisters its attachments; the creator's registration stays, so
-a crashed trainer still gets its region cleaned up.
+Names and leaks: `dlrl_ws_<run>_<pid>_<random>`. The creator holds a shared flock on the
+segment for its whole life; the kernel drops it when the process dies, however it dies.
+`sweep()` (server startup, connect, begin, abort; a sender creating a region) unlinks every `dlrl_ws_*` segment whose flock is
+free, so a pusher killed together with its resource tracker leaks nothing for long.
+Readers unregister their attachments from Python's resource_tracker (which would unlink
+the region when the *server* exits); only the creator (or the sweep) unlinks.
 """
 
 from __future__ import annotations
 
+import fcntl
+import logging
+import mmap
 import os
+import re
+import time
 import uuid
 from multiprocessing import resource_tracker, shared_memory
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,23 +43,52 @@ import torch
 from weight_sync.errors import ManifestError
 from weight_sync.manifest import ALIGN, Manifest
 
+log = logging.getLogger("dlrl.weight_sync")
+PREFIX = "dlrl_ws"
+HEADER_BYTES = 4096
+MAGIC = int.from_bytes(b"DLRLWS02", "little")
+SHM_DIR = Path("/dev/shm")
+_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # Linux >= 5.14
 _CREATED_HERE: set[str] = set()  # regions this process created (and so must not unregister)
 
 
+def region_name(run_id: str) -> str:
+    tag = re.sub(r"[^A-Za-z0-9]", "", run_id)[:24] or "anon"
+    return f"{PREFIX}_{tag}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+
+
+def header_bytes(num_buckets: int) -> int:
+    """magic, heartbeat, 6 spare words, then one ready stamp per bucket; whole pages."""
+    return max(HEADER_BYTES, (64 + 8 * num_buckets + HEADER_BYTES - 1) // HEADER_BYTES * HEADER_BYTES)
+
+
 def bucket_offsets(manifest: Manifest) -> tuple[list[int], int]:
-    """Byte offset of each bucket in the region, and the region size."""
-    offsets, pos = [], 0
+    """Byte offset of each bucket in the region (after the header), and the region size."""
+    offsets, pos = [], header_bytes(len(manifest.buckets))
     for b in manifest.buckets:
         offsets.append(pos)
         pos += (b.nbytes + ALIGN - 1) // ALIGN * ALIGN
-    return offsets, max(pos, ALIGN)
+    return offsets, pos
+
+
+def _populate(shm: shared_memory.SharedMemory, advice: int) -> None:
+    """Fault every page in now (connect time) rather than during the first push."""
+    try:
+        shm._mmap.madvise(advice)  # type: ignore[attr-defined]
+    except (OSError, ValueError, AttributeError):  # old kernel: touch the pages instead
+        data = torch.frombuffer(shm.buf, dtype=torch.uint8)
+        if advice == _MADV_POPULATE_WRITE:
+            data[:: mmap.PAGESIZE].zero_()
+        else:
+            int(data[:: mmap.PAGESIZE].sum())
+        del data
 
 
 def attach(name: str) -> shared_memory.SharedMemory:
     """Open an existing region without letting this process's resource_tracker own it."""
     shm = shared_memory.SharedMemory(name=name, create=False)
     if name not in _CREATED_HERE:
-        resource_tracker.unregister(shm._name, "shared_memory")
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
     return shm
 
 
@@ -64,24 +107,58 @@ def _release(shm: shared_memory.SharedMemory | None, unlink: bool) -> None:
         _CREATED_HERE.discard(shm.name)
 
 
-class ShmRegion:
-    """Sender side: creates, caches and finally unlinks the region."""
+def sweep(grace_s: float = 2.0) -> list[str]:
+    """Unlink `dlrl_ws_*` segments whose creator is gone (its flock is free); returns their names."""
+    removed: list[str] = []
+    if not SHM_DIR.is_dir():
+        return removed
+    for path in SHM_DIR.glob(f"{PREFIX}_*"):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            if time.time() - os.fstat(fd).st_ctime < grace_s:
+                continue  # just created: its creator may not hold the lock yet
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # locked: the creator is alive
+        finally:
+            os.close(fd)
+        try:
+            path.unlink()
+            removed.append(path.name)
+        except OSError:
+            pass
+    if removed:
+        log.info("swept %d shared-memory region(s) of dead pushers: %s", len(removed), removed[:5])
+    return removed
 
-    def __init__(self, prefix: str = "dlrl_ws"):
-        self.prefix = prefix
+
+class ShmRegion:
+    """Sender side: creates (once, populated), caches, grows and finally unlinks the region."""
+
+    def __init__(self, run_id: str = ""):
+        self.run_id = run_id
         self.shm: shared_memory.SharedMemory | None = None
         self.data: torch.Tensor | None = None  # [size] uint8 view of the whole region
+        self.header: torch.Tensor | None = None  # [header_bytes / 8] int64: magic, heartbeat, ..., stamps
         self.offsets: list[int] = []
 
     def prepare(self, manifest: Manifest) -> dict[str, Any]:
-        """Make sure the region fits `manifest`; return the begin options for receivers."""
+        """Make sure the region fits `manifest`; return the options receivers need."""
         self.offsets, size = bucket_offsets(manifest)
         if self.shm is None or self.shm.size < size:
             self.close()
-            name = f"{self.prefix}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-            self.shm = shared_memory.SharedMemory(name=name, create=True, size=size)
-            _CREATED_HERE.add(self.shm.name)
-            self.data = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
+            sweep()  # regions of earlier pushers on this host that died with their resource tracker
+            shm = shared_memory.SharedMemory(name=region_name(self.run_id), create=True, size=size)
+            _CREATED_HERE.add(shm.name)
+            fcntl.flock(shm._fd, fcntl.LOCK_SH)  # type: ignore[attr-defined]  # "alive" marker for sweep()
+            _populate(shm, _MADV_POPULATE_WRITE)
+            self.shm, self.data = shm, torch.frombuffer(shm.buf, dtype=torch.uint8)
+        assert self.data is not None
+        self.header = self.data[: self.offsets[0]].view(torch.int64)
+        self.header[0] = MAGIC
         return {"name": self.shm.name, "size": self.shm.size, "offsets": self.offsets}
 
     def bucket(self, index: int, nbytes: int) -> torch.Tensor:
@@ -90,8 +167,23 @@ class ShmRegion:
         start = self.offsets[index]
         return self.data[start : start + nbytes]
 
+    def beat(self) -> None:
+        """Progress marker: the receiver renews the update's lease when it changes."""
+        if self.header is not None:
+            self.header[1] += 1
+
+    def clear_ready(self) -> None:
+        """Before begin: no bucket of the coming update is ready (stamps may hold an aborted try's)."""
+        if self.header is not None:
+            self.header[8:].zero_()
+
+    def mark_ready(self, index: int, version: int) -> None:
+        """Bucket `index` of update `version` is packed (stored after its bytes: x86 keeps the order)."""
+        if self.header is not None:
+            self.header[8 + index] = version
+
     def close(self) -> None:
-        self.data = None
+        self.data = self.header = None
         shm, self.shm = self.shm, None
         _release(shm, unlink=True)
 
@@ -102,30 +194,47 @@ class ShmReader:
     def __init__(self) -> None:
         self.shm: shared_memory.SharedMemory | None = None
         self.data: torch.Tensor | None = None
+        self.stamps: torch.Tensor | None = None
 
     def buckets(self, options: dict[str, Any], manifest: Manifest) -> list[torch.Tensor]:
-        """Read-only-by-convention views of every bucket: list of [nbytes_i] uint8."""
+        """Views of every bucket in the region (read only by convention): list of [nbytes_i] uint8."""
         name, size, offsets = options.get("name"), options.get("size"), options.get("offsets")
         if not isinstance(name, str) or not isinstance(offsets, list) or len(offsets) != len(manifest.buckets):
             raise ManifestError("options: shm transport needs 'name' and one 'offsets' entry per bucket")
+        if not name.lstrip("/").startswith(PREFIX + "_") or "/" in name.lstrip("/"):
+            raise ManifestError(f"options.name: {name!r} is not a weight-sync region ({PREFIX}_*)")
         if self.shm is None or self.shm.name.lstrip("/") != name.lstrip("/"):
             self.close()
             try:
-                self.shm = attach(name)
+                shm = attach(name)
             except FileNotFoundError:
                 raise ManifestError(f"options.name: shared-memory region {name!r} does not exist") from None
-            self.data = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
+            _populate(shm, _MADV_POPULATE_READ)
+            self.shm, self.data = shm, torch.frombuffer(shm.buf, dtype=torch.uint8)
         assert self.data is not None
+        if self.shm.size < HEADER_BYTES or int(self.data[:8].view(torch.int64)[0]) != MAGIC:
+            raise ManifestError(f"options.name: region {name!r} has no weight-sync header")
+        if not offsets or not isinstance(offsets[0], int) or offsets[0] < header_bytes(len(offsets)) \
+                or offsets[0] % 8:
+            raise ManifestError(f"options.offsets[0]: leaves no room for the header of {len(offsets)} buckets")
+        self.stamps = self.data[64 : 64 + 8 * len(offsets)].view(torch.int64)  # [num_buckets]
         if isinstance(size, int) and self.shm.size < size:
             raise ManifestError(f"options.size: region {name!r} has {self.shm.size} bytes, sender says {size}")
         views = []
         for i, (off, b) in enumerate(zip(offsets, manifest.buckets)):
-            if not isinstance(off, int) or off < 0 or off + b.nbytes > self.shm.size:
+            if not isinstance(off, int) or off < offsets[0] or off + b.nbytes > self.shm.size:
                 raise ManifestError(f"options.offsets[{i}]: bucket does not fit in region {name!r}")
             views.append(self.data[off : off + b.nbytes])
         return views
 
+    def heartbeat(self) -> int:
+        return int(self.data[8:16].view(torch.int64)[0]) if self.data is not None else 0
+
+    def ready(self, index: int) -> int:
+        """The version whose bucket `index` the sender has packed (0: none)."""
+        return int(self.stamps[index]) if self.stamps is not None and index < self.stamps.numel() else 0
+
     def close(self) -> None:
-        self.data = None
+        self.data = self.stamps = None
         shm, self.shm = self.shm, None
         _release(shm, unlink=False)

@@ -1,0 +1,72 @@
+"""`POST /v1/feedback`: a user's reward for a recorded sample (bearer FEEDBACK token, issue 19).
+
+    curl -s localhost:8000/v1/feedback -H "Authorization: Bearer $DLRL_FEEDBACK_TOKEN" \
+         -d '{"id": "rec-3f...", "reward": 1.0}'          # or {"id": ..., "label": "accept"}
+    -> {"id": "rec-3f...", "reward": 1.0, "duplicate": false}
+
+The feedback token (`server.feedback_token`, else env `DLRL_FEEDBACK_TOKEN`) is not the admin
+token and the admin token is not accepted here: a feedback client can attach one reward to
+a record whose id it was given, nothing else. No token configured: the route is disabled
+(403). Statuses: 200 (also for the same feedback again: `duplicate: true`), 400 bad body or
+unknown label, 401 missing token, 403 wrong token or disabled, 404 unknown record id, 409 a
+different reward for a record that already has one, 503 the store is unavailable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from fastapi import APIRouter, Depends, Request
+
+from rollout_client.protocol import ErrorResponse, FeedbackRequest, FeedbackResponse
+from server.auth import check_bearer
+from server.config import FEEDBACK_ENV_VAR
+from server.errors import APIError
+from server.openapi import error_responses
+from store import FeedbackConflict
+
+log = logging.getLogger("dlrl.server")
+
+
+async def require_feedback(request: Request) -> None:
+    """FastAPI dependency: 403 disabled (no feedback token), 401 missing, 403 wrong token."""
+    token = getattr(request.app.state, "feedback_token", "")
+    check_bearer(token, request.headers.get("authorization"), what="feedback",
+                 disabled_hint=f"set server.feedback_token or {FEEDBACK_ENV_VAR}")
+
+
+router = APIRouter(tags=["feedback"], dependencies=[Depends(require_feedback)])
+
+
+RESPONSES = {**error_responses(400, 413, 503),
+             **{code: {"model": ErrorResponse, "description": text} for code, text in (
+                 (403, "Wrong feedback token (the admin token is not one), or feedback disabled on this server "
+                       "(no feedback token configured)"),
+                 (404, "No recorded sample with this id (never recorded, or pruned)"),
+                 (409, "This record already has a different reward"))}}
+
+
+@router.post("/v1/feedback", response_model=FeedbackResponse, responses=RESPONSES)
+async def feedback(body: FeedbackRequest, request: Request) -> FeedbackResponse:
+    st = request.app.state
+    recorder = st.recorder
+    if body.label is not None:
+        labels = st.config.feedback_labels
+        if body.label not in labels:
+            raise APIError(400, f"label: {body.label!r} is not one of {sorted(labels)}", "label")
+        reward = float(labels[body.label])
+    else:
+        reward = float(body.reward)
+    try:
+        is_new = await asyncio.to_thread(recorder.add_feedback, body.id, reward, body.label)
+    except KeyError:
+        raise APIError(404, f"id: no recorded sample {body.id!r} (never recorded, or pruned)", "id") from None
+    except FeedbackConflict as e:
+        raise APIError(409, f"reward: {e}", "reward") from None
+    except Exception as e:  # the store itself failed (disk, lock timeout): not the client's fault
+        recorder.report_error(f"feedback store failed: {type(e).__name__}: {e}")
+        raise APIError(503, "feedback store unavailable; retry later") from None
+    if is_new:
+        st.metrics.feedback.inc()
+    return FeedbackResponse(id=body.id, reward=reward, duplicate=not is_new)

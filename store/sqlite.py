@@ -1,0 +1,284 @@
+"""SQLiteStore: the FeedbackStore on one SQLite file (WAL mode), shared by the processes of one host.
+
+Several server processes and `dlrl align` open the same file at once: WAL lets readers run
+beside the one writer, every write is one short `BEGIN IMMEDIATE` transaction (so a writer
+waits for the lock instead of failing on an upgrade), and a busy timeout makes waiting
+writers queue rather than error. `synchronous=NORMAL`: a committed write survives a crash or
+restart of any process (a power cut may lose the last few commits).
+
+Bounds: at most `max_records` records, kept exactly on every insert (a trigger-maintained
+count, the oldest records go first, with their feedback); records older than `max_age_s`
+are removed by `prune()`, run at open and then every `prune_every_s` seconds as writers add.
+The version registry and the event log are small and never pruned.
+
+    with open_store("runs/feedback.db", max_records=100_000, max_age_s=7 * 86400) as st:
+        st.add_record(rec); st.add_feedback(rec.id, 1.0)
+        batch = st.labeled(after_seq=cursor, min_version=v - 2)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+from store.types import VERSION_STATUSES, FeedbackConflict, FeedbackStore, Labeled, Record
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS records (
+    id TEXT PRIMARY KEY, created REAL NOT NULL, server TEXT NOT NULL, version INTEGER NOT NULL,
+    prompt TEXT, prompt_ids TEXT NOT NULL, completion_ids TEXT NOT NULL, text TEXT NOT NULL,
+    finish_reason TEXT NOT NULL, trace TEXT NOT NULL, sampling TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS records_created ON records(created);
+CREATE TABLE IF NOT EXISTS feedback (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    record_id TEXT NOT NULL UNIQUE REFERENCES records(id) ON DELETE CASCADE,
+    reward REAL NOT NULL, label TEXT, time REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS versions (
+    version INTEGER PRIMARY KEY, parent INTEGER, step INTEGER NOT NULL, run_id TEXT NOT NULL,
+    data TEXT NOT NULL, eval TEXT, status TEXT NOT NULL, status_order INTEGER NOT NULL DEFAULT 0,
+    created REAL NOT NULL, updated REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL, kind TEXT NOT NULL,
+    version INTEGER NOT NULL, replica TEXT, detail TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS counts (name TEXT PRIMARY KEY, n INTEGER NOT NULL);
+INSERT OR IGNORE INTO counts VALUES ('records', (SELECT COUNT(*) FROM records));
+CREATE TRIGGER IF NOT EXISTS records_ins AFTER INSERT ON records
+    BEGIN UPDATE counts SET n = n + 1 WHERE name = 'records'; END;
+CREATE TRIGGER IF NOT EXISTS records_del AFTER DELETE ON records
+    BEGIN UPDATE counts SET n = n - 1 WHERE name = 'records'; END;
+"""
+_RECORD_COLS = ("id, created, server, version, prompt, prompt_ids, completion_ids, text, "
+                "finish_reason, trace, sampling")
+
+
+def _record_row(r: Record) -> tuple:
+    return (r.id, float(r.created), r.server, int(r.version), r.prompt, json.dumps(list(r.prompt_ids)),
+            json.dumps(list(r.completion_ids)), r.text, r.finish_reason, json.dumps(r.trace),
+            json.dumps(r.sampling))
+
+
+def _record_of(row: tuple) -> Record:
+    return Record(id=row[0], created=row[1], server=row[2], version=row[3], prompt=row[4],
+                  prompt_ids=json.loads(row[5]), completion_ids=json.loads(row[6]), text=row[7],
+                  finish_reason=row[8], trace=json.loads(row[9]), sampling=json.loads(row[10]))
+
+
+class SQLiteStore(FeedbackStore):
+    """FeedbackStore on an SQLite file; one connection per instance, shared by its threads."""
+
+    def __init__(self, path: str | os.PathLike, *, max_records: int = 100_000,
+                 max_age_s: float = 7 * 86400.0, busy_timeout_s: float = 30.0,
+                 prune_every_s: float = 60.0):
+        if int(max_records) < 1:
+            raise ValueError(f"max_records: must be >= 1, got {max_records}")
+        if not float(max_age_s) > 0:
+            raise ValueError(f"max_age_s: must be > 0, got {max_age_s}")
+        self.path = Path(path)
+        self.max_records = int(max_records)
+        self.max_age_s = float(max_age_s)
+        self.prune_every_s = float(prune_every_s)
+        self._last_prune = 0.0
+        self._lock = threading.Lock()
+        if str(self.path) != ":memory:":
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Autocommit mode: transactions are explicit (BEGIN IMMEDIATE) and short.
+        self._db = sqlite3.connect(str(self.path), timeout=busy_timeout_s, isolation_level=None,
+                                   check_same_thread=False)
+        self._db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
+        self._set_wal(busy_timeout_s)
+        self._db.execute("PRAGMA synchronous = NORMAL")
+        self._db.execute("PRAGMA foreign_keys = ON")
+        with self._lock:
+            try:
+                self._db.executescript("BEGIN IMMEDIATE;" + _SCHEMA + "COMMIT;")
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
+        self.prune()
+
+    def _set_wal(self, timeout_s: float) -> None:
+        """Switch to WAL (persistent in the file). The switch needs a moment alone with the
+        file and may answer "locked" without waiting while another process opens it: retry."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                mode = self._db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+                continue
+            if mode.lower() == "wal" or str(self.path) == ":memory:":
+                return
+            raise sqlite3.OperationalError(f"{self.path}: could not switch to WAL mode (got {mode})")
+
+    # -- plumbing ---------------------------------------------------------------------------
+    class _Txn:
+        def __init__(self, store: SQLiteStore):
+            self.store = store
+
+        def __enter__(self) -> sqlite3.Connection:
+            self.store._lock.acquire()
+            try:
+                self.store._db.execute("BEGIN IMMEDIATE")
+            except BaseException:
+                self.store._lock.release()
+                raise
+            return self.store._db
+
+        def __exit__(self, exc_type, exc, tb) -> None:
+            db = self.store._db
+            try:
+                if exc_type is None:
+                    try:
+                        db.execute("COMMIT")
+                    except BaseException:
+                        db.execute("ROLLBACK")
+                        raise
+                else:
+                    db.execute("ROLLBACK")
+            finally:
+                self.store._lock.release()
+
+    def _write(self) -> SQLiteStore._Txn:
+        return SQLiteStore._Txn(self)
+
+    def _read(self, sql: str, args: tuple = ()) -> list[tuple]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- records and feedback ---------------------------------------------------------------
+    def add_record(self, record: Record) -> None:
+        with self._write() as db:
+            db.execute(f"INSERT OR IGNORE INTO records ({_RECORD_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                       _record_row(record))
+            excess = db.execute("SELECT n FROM counts WHERE name = 'records'").fetchone()[0] - self.max_records
+            if excess > 0:
+                db.execute("DELETE FROM records WHERE rowid IN "
+                           "(SELECT rowid FROM records ORDER BY created, rowid LIMIT ?)", (excess,))
+        if time.monotonic() - self._last_prune >= self.prune_every_s:
+            self.prune()
+
+    def add_feedback(self, record_id: str, reward: float, label: str | None = None) -> bool:
+        reward = float(reward)
+        if not math.isfinite(reward):
+            raise ValueError(f"reward: must be a finite number, got {reward}")
+        with self._write() as db:
+            if db.execute("SELECT 1 FROM records WHERE id = ?", (record_id,)).fetchone() is None:
+                raise KeyError(record_id)
+            old = db.execute("SELECT reward FROM feedback WHERE record_id = ?", (record_id,)).fetchone()
+            if old is not None:
+                if old[0] != reward:
+                    raise FeedbackConflict(f"record {record_id} already has reward {old[0]}, not {reward}")
+                return False
+            db.execute("INSERT INTO feedback (record_id, reward, label, time) VALUES (?,?,?,?)",
+                       (record_id, reward, label, time.time()))
+            return True
+
+    def get_record(self, record_id: str) -> Record | None:
+        rows = self._read(f"SELECT {_RECORD_COLS} FROM records WHERE id = ?", (record_id,))
+        return _record_of(rows[0]) if rows else None
+
+    def labeled(self, after_seq: int = 0, min_version: int = 0, limit: int = 1000) -> list[Labeled]:
+        cols = ", ".join(f"r.{c.strip()}" for c in _RECORD_COLS.split(","))
+        rows = self._read(
+            f"SELECT {cols}, f.reward, f.label, f.time, f.seq FROM feedback f JOIN records r "
+            "ON r.id = f.record_id WHERE f.seq > ? AND r.version >= ? ORDER BY f.seq LIMIT ?",
+            (int(after_seq), int(min_version), int(limit)))
+        return [Labeled(record=_record_of(row[:11]), reward=row[11], label=row[12], feedback_time=row[13],
+                        seq=row[14]) for row in rows]
+
+    def prompts(self, after: float = 0.0, limit: int = 1000) -> list[Record]:
+        rows = self._read(f"SELECT {_RECORD_COLS} FROM records WHERE created > ? "
+                          "ORDER BY created, rowid LIMIT ?", (float(after), int(limit)))
+        return [_record_of(row) for row in rows]
+
+    # -- version registry and events --------------------------------------------------------
+    def register_version(self, version: int, parent: int | None, step: int, run_id: str,
+                         data: dict) -> None:
+        now = time.time()
+        with self._write() as db:
+            db.execute(
+                "INSERT INTO versions (version, parent, step, run_id, data, status, created, updated) "
+                "VALUES (?,?,?,?,?,'trained',?,?) ON CONFLICT(version) DO UPDATE SET parent = excluded.parent, "
+                "step = excluded.step, run_id = excluded.run_id, data = excluded.data, updated = excluded.updated",
+                (int(version), None if parent is None else int(parent), int(step), str(run_id),
+                 json.dumps(data or {}), now, now))
+
+    def update_version(self, version: int, *, eval: dict | None = None, status: str | None = None) -> None:
+        if status is not None and status not in VERSION_STATUSES:
+            raise ValueError(f"status: must be one of {', '.join(VERSION_STATUSES)}, got {status!r}")
+        with self._write() as db:
+            if db.execute("SELECT 1 FROM versions WHERE version = ?", (int(version),)).fetchone() is None:
+                raise KeyError(f"version {version} is not registered")
+            if eval is not None:
+                db.execute("UPDATE versions SET eval = ?, updated = ? WHERE version = ?",
+                           (json.dumps(eval), time.time(), int(version)))
+            if status is not None:
+                db.execute("UPDATE versions SET status = ?, updated = ?, status_order = "
+                           "(SELECT COALESCE(MAX(status_order), 0) + 1 FROM versions) WHERE version = ?",
+                           (status, time.time(), int(version)))
+
+    def log_event(self, kind: str, version: int, replica: str | None = None,
+                  detail: dict | None = None) -> None:
+        with self._write() as db:
+            db.execute("INSERT INTO events (time, kind, version, replica, detail) VALUES (?,?,?,?,?)",
+                       (time.time(), str(kind), int(version), replica, json.dumps(detail or {})))
+
+    def versions(self) -> list[dict]:
+        rows = self._read("SELECT version, parent, step, run_id, data, eval, status, created, updated "
+                          "FROM versions ORDER BY version")
+        return [{"version": r[0], "parent": r[1], "step": r[2], "run_id": r[3], "data": json.loads(r[4]),
+                 "eval": None if r[5] is None else json.loads(r[5]), "status": r[6], "created": r[7],
+                 "updated": r[8]} for r in rows]
+
+    def events(self, after_id: int = 0) -> list[dict]:
+        rows = self._read("SELECT id, time, kind, version, replica, detail FROM events WHERE id > ? "
+                          "ORDER BY id", (int(after_id),))
+        return [{"id": r[0], "time": r[1], "kind": r[2], "version": r[3], "replica": r[4],
+                 "detail": json.loads(r[5])} for r in rows]
+
+    def serving_version(self) -> int | None:
+        rows = self._read("SELECT version FROM versions WHERE status = 'serving' "
+                          "ORDER BY status_order DESC LIMIT 1")
+        return rows[0][0] if rows else None
+
+    # -- bounds and stats -------------------------------------------------------------------
+    def prune(self) -> int:
+        self._last_prune = time.monotonic()
+        with self._write() as db:
+            before = db.execute("SELECT n FROM counts WHERE name = 'records'").fetchone()[0]
+            db.execute("DELETE FROM records WHERE created < ?", (time.time() - self.max_age_s,))
+            excess = db.execute("SELECT n FROM counts WHERE name = 'records'").fetchone()[0] - self.max_records
+            if excess > 0:
+                db.execute("DELETE FROM records WHERE rowid IN "
+                           "(SELECT rowid FROM records ORDER BY created, rowid LIMIT ?)", (excess,))
+            return before - db.execute("SELECT n FROM counts WHERE name = 'records'").fetchone()[0]
+
+    def stats(self) -> dict:
+        num_records = self._read("SELECT n FROM counts WHERE name = 'records'")[0][0]
+        oldest, newest = self._read("SELECT MIN(created), MAX(created) FROM records")[0]
+        num_bytes = sum(os.path.getsize(p) for p in (self.path, Path(f"{self.path}-wal"))
+                        if os.path.exists(p))
+        return {"num_records": num_records,
+                "num_feedback": self._read("SELECT COUNT(*) FROM feedback")[0][0],
+                "num_versions": self._read("SELECT COUNT(*) FROM versions")[0][0],
+                "num_events": self._read("SELECT COUNT(*) FROM events")[0][0],
+                "bytes": num_bytes, "oldest": oldest, "newest": newest,
+                "max_records": self.max_records, "max_age_s": self.max_age_s}
+
+
+def open_store(path: str | os.PathLike, *, max_records: int = 100_000, max_age_s: float = 7 * 86400.0,
+               **options) -> SQLiteStore:
+    """Open (creating if needed) the SQLite feedback store at `path`."""
+    return SQLiteStore(path, max_records=max_records, max_age_s=max_age_s, **options)

@@ -1,0 +1,118 @@
+"""Helpers shared by test modules (tests never import each other): free ports, real `dlrl serve`
+subprocesses on loopback, admin calls, waiting on a condition with a deadline, the tiny
+random SDAR config of the dllm tests.
+
+    with served_process(model_dir, token="t", log_dir=tmp) as srv:   # a real server process
+        admin_get(srv.url, "/weights/version", "t")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from dllm.config import SDARConfig
+from dllm.sampling import SamplingParams
+
+ADMIN_TOKEN = "secret"  # the session test server's admin token (what the `admin_headers` fixture sends)
+FIXTURE_CONFIG = str(Path(__file__).parent / "fixtures" / "sdar-1.7b-chat.config.json")
+
+
+def tiny_config(**kw) -> SDARConfig:
+    """A tiny random SDAR config (vocab 64, 2 layers, block 4, mask 63, eos 0); `kw` overrides fields."""
+    base = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, block_size=4, mask_token_id=63, eos_token_id=0,
+                rope_theta=10000.0)
+    base.update(kw)
+    return SDARConfig(**base)
+
+
+class OverflowingParams(SamplingParams):
+    """Bypasses the greedy floor: logits / 1e-45 overflow and the row's probabilities become NaN."""
+
+    @property
+    def is_greedy(self) -> bool:
+        return False
+
+
+def parity_reward(text: str, example: dict, num_tokens: int | None = None) -> float:
+    """A reward with variance on a random model: parity of a hash of the completion."""
+    import zlib
+
+    return float(zlib.crc32(text.encode()) % 2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(cond: Callable[[], bool], timeout: float, what: str, interval: float = 0.1) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout:.0f}s")
+        time.sleep(interval)
+
+
+def is_ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@dataclass
+class ServerProcess:
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=30)
+
+
+def start_server_process(model_dir: str, token: str, log_dir: Path, *overrides: str,
+                         port: int | None = None) -> ServerProcess:
+    port = port or free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = Path(log_dir) / f"server-{port}.log"
+    cmd = [sys.executable, "-m", "dlrl.cli", "serve", "--model", model_dir, "--port", str(port), "server.max_batch=64",
+           "server.device=cpu", "server.dtype=float32", *overrides]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, env=dict(os.environ, DLRL_ADMIN_TOKEN=token), stdout=log, stderr=subprocess.STDOUT)
+    srv = ServerProcess(url, proc, log_path)
+    try:
+        wait_until(lambda: is_ready(url) or proc.poll() is not None, 120, f"server {url}")
+        if proc.poll() is not None:
+            raise RuntimeError(f"server {url} exited: {log_path.read_text()[-2000:]}")
+    except BaseException:
+        srv.kill()
+        raise
+    return srv
+
+
+@contextlib.contextmanager
+def served_process(model_dir: str, token: str, log_dir: Path, *overrides: str) -> Iterator[ServerProcess]:
+    srv = start_server_process(model_dir, token, log_dir, *overrides)
+    try:
+        yield srv
+    finally:
+        srv.kill(signal.SIGTERM)
+
+
+def admin_get(url: str, path: str, token: str) -> dict:
+    return httpx.get(url + path, headers={"Authorization": f"Bearer {token}"}, timeout=30).json()

@@ -1,0 +1,127 @@
+"""The promotion gate (regression, KL budget, sanity monitors), the canary's judgement and the weight bank."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dllm.decoding import SamplingParams, generate
+from dllm.tokenizer import encode, load_tokenizer
+from dllm.weights import load_pretrained
+from trainer.align_bank import WeightBank
+from trainer.align_config import AlignConfig
+from trainer.align_gate import Gate, is_degenerate
+from trainer.align_metrics import AlignMetrics
+from trainer.align_pool import LiveStats, parse_live
+from trainer.align_promote import Canary, Candidate, FeedbackTally, Promoter
+from trainer.config import TrainConfig
+from weight_sync import weights_digest
+
+SERVING = {"accuracy": 0.6, "mean_length": 3.0, "stop_rate": 1.0, "empty_frac": 0.0, "degenerate_frac": 0.0}
+
+
+@pytest.mark.parametrize("text,bad", [("122", False), ("", False), ("aaaa", True), ("1212121212", True),
+                                      ("the the the the", True), ("ab ab", False), ("1111", True), ("12 3", False)])
+def test_degenerate_answers(text, bad):
+    assert is_degenerate(text) is bad
+
+
+def _gate(**align) -> Gate:
+    return Gate(AlignConfig(**align), TrainConfig(), [], None, lambda e: [1], 0, 4, 0)
+
+
+@pytest.mark.parametrize("change,check", [
+    ({"accuracy": 0.5}, "held-out accuracy"), ({"kl": 0.9}, "KL to the serving version"),
+    ({"mean_length": 7.0}, "mean length"), ({"mean_length": 1.0}, "mean length"),
+    ({"stop_rate": 0.8}, "stop rate"), ({"empty_frac": 0.2}, "empty answers"),
+    ({"degenerate_frac": 0.5}, "degenerate answers")])
+def test_gate_stops_a_candidate_naming_the_check(change, check):
+    gate = _gate(tolerance=0.05, kl_budget=0.5)
+    ok = gate.check({**SERVING, "accuracy": 0.58, "kl": 0.1}, SERVING)
+    assert ok.passed and not ok.reasons
+    bad = gate.check({**SERVING, "kl": 0.1, **change}, SERVING)
+    assert not bad.passed and len(bad.reasons) == 1 and bad.reasons[0].startswith(check)
+
+
+def test_kl_by_trace_replay_is_zero_for_the_same_weights_and_grows_with_distance(tiny_model_dir):
+    model = load_pretrained(tiny_model_dir).eval()
+    tok = load_tokenizer(tiny_model_dir)
+    examples = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in ((12, 34), (7, 8), (55, 66), (3, 90))]
+
+    def generate_fn(prompts, n, seed=0, **kw):  # what the rollout servers answer: traced samples
+        params = SamplingParams(max_tokens=kw["max_tokens"], strategy=kw["strategy"], temperature=1.0, seed=seed)
+        return generate(model, [p for p in prompts for _ in range(n)], params)
+
+    gate = Gate(AlignConfig(kl_prompts=4), TrainConfig(max_tokens=8), examples, None,
+                lambda e: encode(tok, e["prompt"]), model.config.mask_token_id, 4, 0)
+    same = gate.kl(generate_fn, model, copy.deepcopy(model))
+    assert same["kl_tokens"] > 0 and same["kl"] == pytest.approx(0.0, abs=1e-6)
+    kls = []
+    for scale in (0.01, 0.1):
+        ref = copy.deepcopy(model)
+        with torch.no_grad():
+            torch.manual_seed(0)
+            for p in ref.parameters():
+                p.add_(torch.randn_like(p) * scale)
+        kls.append(gate.kl(generate_fn, model, ref)["kl"])
+    assert 0 < kls[0] < kls[1]
+
+
+def _promoter(tally: FeedbackTally, serving: int = 3) -> Promoter:
+    cfg = AlignConfig(rollback_on_error_rate=0.01, rollback_on_latency_ratio=2.0, rollback_on_reward_drop=0.1,
+                      rollback_min_feedback=5, rollback_z=1.645)
+    return Promoter(cfg, None, SimpleNamespace(urls=["a", "b"]), None, AlignMetrics(), tally,
+                    serving_version=serving)
+
+
+def test_canary_judgement_error_rate_latency_and_feedback_reward():
+    tally = FeedbackTally()
+    for i in range(40):
+        tally.add(100.0 + i, 3, 1.0 if i % 2 else 0.0)  # serving version: reward 0.5
+    for i in range(10):
+        tally.add(100.0 + i, 9, 1.0 if i % 3 else 0.0)  # candidate: 0.6
+    p = _promoter(tally)
+    canary = Canary(Candidate(9, 9, {}, None), "a", 0.0, 0.0, 100.0)
+    good = {"a": LiveStats(40, 0, 4.0, 40), "b": LiveStats(40, 0, 4.0, 40)}
+    assert p.judge(canary, good)[0] == []
+    slow = {"a": LiveStats(40, 0, 10.0, 40), "b": LiveStats(40, 0, 4.0, 40)}
+    assert p.judge(canary, slow)[0][0].startswith("mean latency")
+    errors = {"a": LiveStats(40, 2, 4.0, 40), "b": LiveStats(40, 0, 4.0, 40)}
+    assert p.judge(canary, errors)[0][0].startswith("error rate")
+    for i in range(4):
+        tally.add(120.0 + i, 9, 0.0)  # 6/14 liked (0.43): not below 0.5 - 0.1
+    assert p.judge(canary, good)[0] == []
+    for i in range(26):
+        tally.add(130.0 + i, 9, 0.0)  # users dislike the candidate's answers: 6/40
+    reasons, detail = p.judge(canary, good)
+    assert reasons[0].startswith("feedback reward") and detail["canary_feedback"] == 40
+
+
+def test_live_stats_from_server_metrics():
+    text = ('dlrl_requests_total{endpoint="/v1/completions",status="200"} 30.0\n'
+            'dlrl_requests_total{endpoint="/v1/completions",status="503"} 2.0\n'
+            'dlrl_requests_total{endpoint="/generate",status="400"} 1.0\n'
+            'dlrl_request_latency_seconds_sum{endpoint="/v1/completions"} 3.0\n'
+            'dlrl_request_latency_seconds_count{endpoint="/v1/completions"} 30.0\n')
+    s = parse_live(text)
+    assert (s.requests, s.errors, s.mean_latency) == (33.0, 2.0, 0.1)
+    assert (s - LiveStats(3, 0, 0.0, 0)).error_rate == pytest.approx(2 / 30)
+
+
+def test_weight_bank_keeps_recent_in_memory_all_on_disk(tiny_model_dir, tmp_path):
+    model = load_pretrained(tiny_model_dir)
+    ref = copy.deepcopy(model)
+    bank = WeightBank(tmp_path / "promoted", ref, keep=1)
+    w = {n: p.detach().clone() for n, p in model.named_parameters()}
+    w2 = {n: t + 1.0 for n, t in w.items()}
+    bank.put(1, w)
+    bank.put(2, w2)
+    assert list(bank.memory) == [2] and bank.path(1).is_file()
+    assert bank.digest(1) == weights_digest(w)  # read back from disk, bit for bit
+    bank.set_reference(2)
+    assert weights_digest(dict(ref.named_parameters())) == weights_digest(w2)
+    with pytest.raises(KeyError, match="no saved weights"):
+        bank.set_reference(7)

@@ -1,0 +1,307 @@
+"""`dlrl align`: the trainer in continuous mode, built from the parts of `dlrl train`.
+
+    al = Aligner(run, align_cfg, store, pool, should_stop)    # run = trainer.run.build_run(...)
+    al.prepare()               # serving version, its weights and scores; replicas reconciled
+    align_loop(al)             # until stopped, align.max_steps or align.max_seconds
+
+One step: new feedback read from the store -> the step's share of feedback records (none staler
+than `align.max_staleness` versions) -> on-policy rollouts for the rest (`trainer.loop.collect`,
+prompts from the growing source) -> `trainer.loop.learn` on the mixed batch (feedback rewards
+are the users'; importance weights from the recorded behaviour log-probs, `trainer.correction`;
+advantages: see `trainer.align_data`) -> push to the rollout servers (`Publisher.push`) -> the
+new version in the registry (parent, step, data consumed). Every `align.promote_every` steps the
+policy is a candidate: the gate (`trainer.align_gate`) on the rollout servers, then the rolling
+promotion to the serving replicas (`trainer.align_promote`), watched between the next steps. A
+candidate stopped by the gate or rolled back on the canary sends the policy back to the serving
+weights (`align.on_gate_fail=revert`, Adam moments reset) or lets it train on (`continue`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from trainer.align_bank import WeightBank
+from trainer.align_data import AlignReward, FeedbackBuffer, MixedBatch
+from trainer.align_gate import Gate
+from trainer.align_metrics import AlignMetrics
+from trainer.align_promote import Candidate, FeedbackTally, Promoter
+from trainer.loop import StopRequested, Timer, collect, learn
+
+log = logging.getLogger("dlrl.align")
+
+
+def policy_weights(run) -> dict:
+    """CPU copies of the policy's parameters ({name: tensor})."""
+    from trainer.ds_engine import named_full_params
+
+    return dict(named_full_params(run.learner.engine))
+
+
+class Aligner:
+    def __init__(self, run, cfg, store, pool, should_stop=lambda: False):
+        import copy
+
+        self.run, self.cfg, self.store, self.pool, self.should_stop = run, cfg, store, pool, should_stop
+        self.metrics = AlignMetrics()
+        self.tally = FeedbackTally()
+        max_len = run.learner.engine.module.config.max_position_embeddings
+        self.feedback = FeedbackBuffer(store, run.block_size, max_len, cfg.feedback_buffer)
+        reference = copy.deepcopy(run.learner.engine.module).eval().requires_grad_(False)
+        self.bank = WeightBank(run.out / "promoted", reference, cfg.keep_versions)
+        self.base_reward = run.reward_fn
+        self.step_no = run.start_step
+        run.reward_fn = AlignReward(self.base_reward, lambda: self.step_no + 1 in cfg.flip_reward_steps)
+        self.gate = Gate(cfg, run.cfg, run.eval_examples, self.base_reward, run.prompt_ids, run.mask_id,
+                         run.block_size, run.pad_id)
+        self.run_id = run.fleet.sync_options.get("run_id") or run.out.name
+        self.pending: list[tuple[int, float]] = []  # (version trained on it, feedback time), not serving yet
+        self.serving_scores: dict = {}
+        self.last_candidate = -1
+        self.learned = False
+        self.promoter: Promoter | None = None
+        self.counts = {"promotions": 0, "rollbacks": 0, "gate_failed": 0, "reverts": 0}
+
+    # ------------------------------------------------------------------ start
+    def prepare(self) -> None:
+        """Versions past the registry's, the serving version's weights and scores, replicas reconciled."""
+        run, store = self.run, self.store
+        serving = store.serving_version()
+        if serving is None:
+            serving = self._register_initial()
+        elif not self.bank.has(serving):
+            raise RuntimeError(f"align.output_dir: the registry's serving version {serving} has no saved weights "
+                               f"in {self.bank.root} (was align.output_dir changed?)")
+        top = max([v["version"] for v in store.versions()] + [v for v in self.pool.versions().values() if v])
+        if top > run.publisher.version:  # never reuse a version number a replica or the registry knows
+            run.publisher.version = top
+            run.publisher.check_fleet()  # the rollout servers get the policy under that number
+        self.bank.set_reference(serving)
+        self.promoter = Promoter(self.cfg, store, self.pool, self.bank, self.metrics, self.tally,
+                                 serving_version=serving, poll=self.poll_feedback, on_promoted=self._promoted,
+                                 on_rejected=self._canary_rejected, on_adopted=self._adopted)
+        if run.resumed_extra:
+            self.load_state_dict(run.resumed_extra)
+        self.promoter.reconcile()
+        self.serving_scores = self._scores_of(serving)
+        self.metrics.serving_version.set(serving)
+        self.metrics.serving_accuracy.set(self.serving_scores["accuracy"])
+        self.metrics.trainer_version.set(run.version)
+        if self.cfg.metrics_port:
+            self.metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port)
+        log.info("serving version %d (held-out accuracy %.1f%%), trainer at version %d", serving,
+                 100 * self.serving_scores["accuracy"], run.version)
+
+    def _register_initial(self) -> int:
+        """First run on this store: the replicas' version is the serving one; they must hold the
+        trainer's starting weights (checked by digest)."""
+        from dllm.weights import parse_dtype
+
+        versions = {u: v for u, v in self.pool.versions().items() if v is not None}
+        if not versions:
+            raise RuntimeError("align.serving_replicas: no serving replica answers")
+        serving = max(versions.values())
+        self.bank.put(serving, policy_weights(self.run))
+        for url in versions:
+            served = self.pool.served_dtype(url)
+            if self.pool.checksum(url) != self.bank.digest(serving, parse_dtype(served) if served else None):
+                raise RuntimeError(f"align.serving_replicas: {url} serves other weights than the trainer's model "
+                                   f"{self.run.model_dir} and the registry ({self.cfg.store}) names no serving "
+                                   "version; start the replicas with the same model")
+        self.store.register_version(serving, None, self.run.start_step, self.run_id,
+                                    {"initial": str(self.run.model_dir)})
+        self.store.update_version(serving, status="serving")
+        self.store.log_event("promoted", serving, detail={"initial": True})
+        return serving
+
+    def _scores_of(self, version: int) -> dict:
+        """Held-out scores of a serving version: from the registry, else evaluated on the replicas."""
+        for v in self.store.versions():
+            if v["version"] == version and (v.get("eval") or {}).get("accuracy") is not None:
+                return v["eval"]
+        scores = self.gate.scores(self.pool.generate)
+        self.store.update_version(version, eval=scores)
+        return scores
+
+    # ------------------------------------------------------------------ one step
+    def poll_feedback(self) -> None:
+        before = dict(self.feedback.counts)
+        self.feedback.poll(lambda s: self.tally.add(s.feedback_time, s.rollout.version, s.reward))
+        self.metrics.count_feedback({k: self.feedback.counts[k] - before.get(k, 0) for k in self.feedback.counts})
+
+    def step(self, step: int) -> dict:
+        """One training step (0-based `step`); returns its metrics."""
+        run, cfg, G = self.run, self.cfg, self.run.cfg.group_size
+        t = Timer()
+        self.step_no, self.learned = step, False
+        if step + 1 in cfg.flip_reward_steps and step not in cfg.flip_reward_steps:
+            self.reset_optimizer()  # test option: the flipped reward acts at once, not after Adam's momentum
+        self.poll_feedback()
+        before = dict(self.feedback.counts)
+        self.feedback.drop_stale(run.version, cfg.max_staleness)
+        want = int(cfg.feedback_ratio * run.cfg.prompts_per_step) * G
+        taken = self.feedback.take(min(want, len(self.feedback) // G * G), run.version, cfg.max_staleness)
+        run.sampler.batch_size = run.cfg.prompts_per_step - len(taken) // G
+        with t("rollout"):
+            batch = MixedBatch(collect(run), taken, G)
+        parent = run.version
+        metrics = learn(run, batch, step, t)
+        self.learned = True
+        with t("sync"):
+            if metrics["num_kept"]:
+                run.publisher.push()
+        stale = self.feedback.counts["stale"] - before["stale"]
+        self.metrics.count_feedback({"used": len(taken), "stale": stale})
+        if run.version != parent:
+            self.store.register_version(run.version, parent, step + 1, self.run_id, {
+                "on_policy": len(batch.rollouts) - len(taken), "feedback": len(taken), "feedback_stale": stale,
+                "prompts": batch.num_on_policy, "flipped": step + 1 in cfg.flip_reward_steps})
+            self.pending += [(run.version, s.feedback_time) for s in taken]
+        self.metrics.steps.inc()
+        self.metrics.trainer_version.set(run.version)
+        return {"step": step + 1, "version": run.version, **metrics, **t, "feedback_used": len(taken),
+                "feedback_stale": stale, "feedback_waiting": len(self.feedback),
+                "feedback_rate": self.metrics.feedback_rate(), "flipped": int(step + 1 in cfg.flip_reward_steps)}
+
+    # ------------------------------------------------------------------ gate and promotion
+    def maybe_promote(self, step: int) -> dict:
+        """After step `step` (1-based): gate the policy if it is due; returns gate metrics."""
+        run, cfg = self.run, self.cfg
+        if step % cfg.promote_every or self.promoter.busy:
+            return {}
+        self.promoter.reconcile()  # the serving version to compare with (a manual rollback wins)
+        if run.version in (self.last_candidate, self.promoter.serving_version):
+            return {}
+        v = self.last_candidate = run.version
+        t0 = time.perf_counter()
+        cand = self.gate.scores(run.fleet.generate)  # the rollout servers hold version v
+        cand |= self.gate.kl(run.fleet.generate, run.learner.engine.module, self.bank.reference, seed=step)
+        result = self.gate.check(cand, self.serving_scores)
+        self.store.update_version(v, eval={**cand, "gate_passed": result.passed, "reasons": result.reasons,
+                                           "serving_version": self.promoter.serving_version,
+                                           "serving_accuracy": self.serving_scores["accuracy"]})
+        self.metrics.gate.labels(result="pass" if result.passed else "fail").inc()
+        for name, ok in result.checks.items():
+            self.metrics.gate_check.labels(check=name).set(float(ok))
+        self.metrics.candidate_accuracy.set(cand["accuracy"])
+        self.metrics.candidate_kl.set(cand["kl"])
+        out = {"eval_accuracy": cand["accuracy"], "candidate_version": v, "candidate_kl": cand["kl"],
+               "gate_passed": int(result.passed), "time_gate": time.perf_counter() - t0}
+        if result.passed:
+            log.info("version %d passed the gate (accuracy %.1f%% vs serving %.1f%%, KL %.4f)", v,
+                     100 * cand["accuracy"], 100 * self.serving_scores["accuracy"], cand["kl"])
+            feedback_times = [ft for ver, ft in self.pending if ver <= v]
+            self.promoter.start(Candidate(v, step, policy_weights(run), result, feedback_times))
+        else:
+            log.warning("version %d stopped by the gate: %s", v, "; ".join(result.reasons))
+            self.store.update_version(v, status="gated_out")
+            self.store.log_event("gate_failed", v, detail={"reasons": result.reasons, "scores": cand})
+            self.counts["gate_failed"] += 1
+            self._rejected(Candidate(v, step, {}, result), result.reasons)
+        return out
+
+    def _promoted(self, cand: Candidate) -> None:
+        self.serving_scores = dict(cand.gate.candidate)
+        self.bank.set_reference(cand.version)
+        self.pending = [(ver, ft) for ver, ft in self.pending if ver > cand.version]
+        self.metrics.serving_accuracy.set(self.serving_scores["accuracy"])
+        self.counts["promotions"] += 1
+
+    def _adopted(self, version: int) -> None:
+        """The registry's serving version changed outside this process (a manual rollback)."""
+        if not self.bank.has(version):
+            raise RuntimeError(f"the registry's serving version is now {version}, whose weights are not saved in "
+                               f"{self.bank.root}; roll back to a version this run promoted")
+        self.bank.set_reference(version)
+        self.serving_scores = self._scores_of(version)
+        self.metrics.serving_accuracy.set(self.serving_scores["accuracy"])
+        self.metrics.rollbacks.labels(kind="manual").inc()
+
+    def _canary_rejected(self, cand: Candidate, reasons: list[str]) -> None:
+        self.counts["rollbacks"] += 1
+        self._rejected(cand, reasons)
+
+    def _rejected(self, cand: Candidate, reasons: list[str]) -> None:
+        if self.cfg.on_gate_fail != "revert":
+            return
+        self.revert()
+        self.pending = [(ver, ft) for ver, ft in self.pending if ver > cand.version]
+
+    def revert(self) -> None:
+        """The policy goes back to the serving version's weights (Adam moments reset), pushed to
+        the rollout servers as a new version whose parent is the serving version."""
+        from dllm.weights import copy_into_model
+
+        run, serving = self.run, self.promoter.serving_version
+        copy_into_model(run.learner.engine.module, list(self.bank.get(serving).items()))
+        self.reset_optimizer()
+        run.publisher.push()
+        self.store.register_version(run.version, serving, self.step_no + 1, self.run_id, {"reverted_to": serving})
+        self.counts["reverts"] += 1
+        log.warning("policy reverted to the serving version %d (now version %d on the rollout servers)", serving,
+                    run.version)
+
+    def reset_optimizer(self) -> None:
+        """Forget Adam's moments (the torch optimizer inside the DeepSpeed engine starts afresh)."""
+        opt = self.run.learner.engine.optimizer
+        getattr(opt, "optimizer", opt).state.clear()
+
+    # ------------------------------------------------------------------ state
+    def status(self) -> dict:
+        p = self.promoter
+        return {"serving_version": p.serving_version, "serving_accuracy": self.serving_scores.get("accuracy"),
+                "canary_version": p.canary.cand.version if p.canary else 0, **self.counts}
+
+    def state_dict(self) -> dict:
+        return {"feedback": self.feedback.state_dict(), "last_candidate": self.last_candidate,
+                "pending": self.pending, "counts": self.counts}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.feedback.load_state_dict(state["feedback"])
+        self.last_candidate = int(state.get("last_candidate", -1))
+        self.pending = [(int(v), float(t)) for v, t in state.get("pending", [])]
+        self.counts.update(state.get("counts") or {})
+
+    def close(self) -> None:
+        self.metrics.close()
+
+
+def align_loop(al: Aligner) -> dict:
+    """Steps until stopped (StopRequested after a checkpoint), `max_steps` or `max_seconds`."""
+    run, cfg = al.run, al.cfg
+    t_start, step, metrics = time.monotonic(), run.start_step, {}
+    while not (cfg.max_steps and step >= cfg.max_steps) and not (
+            cfg.max_seconds and time.monotonic() - t_start >= cfg.max_seconds):
+        try:
+            metrics = al.step(step)
+        except StopRequested:
+            done = step + 1 if al.learned else step  # an update applied, its push aborted: kept
+            al.promoter.abort("stopped by a signal")
+            run.checkpoint(done, extra=al.state_dict())
+            raise
+        step += 1
+        metrics |= al.maybe_promote(step)
+        al.promoter.tick()
+        metrics |= al.status()
+        metrics["time_step"] = sum(v for k, v in metrics.items() if k.startswith("time_") and k != "time_step")
+        run.log(step, metrics)
+        if metrics.get("candidate_version"):
+            _plot(run)
+        if al.should_stop():
+            al.promoter.abort("stopped by a signal")
+            run.checkpoint(step, metrics, extra=al.state_dict())
+            raise StopRequested(f"stopped by a signal after step {step}")
+        if run.cfg.checkpoint_every and step % run.cfg.checkpoint_every == 0:
+            run.checkpoint(step, metrics, extra=al.state_dict())
+    al.promoter.finish(cfg.canary_max_s + 120, al.should_stop)
+    run.checkpoint(step, metrics, extra=al.state_dict())
+    _plot(run)
+    return metrics | al.status()
+
+
+def _plot(run) -> None:
+    from trainer.align_report import plot_serving
+    from trainer.metrics_log import plot_curves
+
+    plot_curves(run.out / "metrics.jsonl", run.out / "curves.png")
+    plot_serving(run.out / "metrics.jsonl", run.out / "serving.png")

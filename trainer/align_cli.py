@@ -1,0 +1,208 @@
+"""`dlrl align` (continuous alignment) and `dlrl versions` (its version registry).
+
+    dlrl align --config configs/align.yaml                       # until SIGTERM (checkpoint, exit 0)
+    dlrl align --config configs/align.yaml max_steps=12 promote_every=3 train.lr=2e-4
+    dlrl align --config configs/align.yaml --resume               # continue after a stop
+    dlrl align --config configs/align.yaml --check                # parse and validate only
+    dlrl versions --store runs/feedback.db [--events] [--json]
+    dlrl versions --config configs/align.yaml --rollback 12       # every serving replica back to 12
+
+Bare `key=value` overrides go to the `align` section (`trainer.align_config.AlignConfig`),
+`train.key=value` to the trainer's (`trainer.config.TrainConfig`; its `servers` are
+`align.rollout_servers`). The rollout servers and serving replicas must be running
+(`make align` starts them; see trainer/align_local.py). SIGTERM / SIGINT: the push in flight is
+aborted, a canary in flight is rolled back, a checkpoint is saved, exit 0; a second signal
+stops at once. `dlrl align` runs one trainer rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import time
+
+from dllm.configlib import ConfigError, check_overrides, load_section, print_check
+
+log = logging.getLogger("dlrl.align")
+NO_PRUNE = {"max_records": 1 << 62, "max_age_s": 1e15}  # the servers own the store's bounds
+
+
+def parse(argv: list[str]):
+    from dllm.sft import SFTConfig, TinyModelConfig
+    from dllm.task import ArithmeticTask
+    from trainer.align_config import AlignConfig, check_train
+    from trainer.config import TrainConfig
+
+    ap = argparse.ArgumentParser(prog="dlrl align", description="continuous alignment from live traffic")
+    ap.add_argument("--config", default="configs/align.yaml")
+    ap.add_argument("--resume", action="store_true", help="continue from align.output_dir/checkpoint")
+    ap.add_argument("--check", action="store_true", help="only parse the command line and the config; exit 0 "
+                                                        "(or 2 with the error)")
+    ap.add_argument("overrides", nargs="*", help="key=value (align section) or train.key=value overrides")
+    args = ap.parse_args(argv)
+    overrides = list(args.overrides)
+    try:
+        sections = {"align": AlignConfig, "train": TrainConfig, "model": TinyModelConfig, "task": ArithmeticTask,
+                    "sft": SFTConfig}
+        check_overrides([o for o in overrides if not o.startswith("server.")], sections, primary="align")
+        cfg = load_section(AlignConfig, args.config, "align", overrides)
+        train = load_section(TrainConfig, args.config, "train", overrides, bare_keys=False)
+        train = dataclasses.replace(train, servers=list(cfg.rollout_servers), output_dir=cfg.output_dir,
+                                    eval_data=cfg.eval_data, eval_size=cfg.eval_size, eval_every=0,
+                                    num_steps=cfg.max_steps or 1_000_000_000, resume=args.resume,
+                                    admin_token=cfg.admin_token or train.admin_token)
+        train.validate()
+        check_train(cfg, train)
+    except (ConfigError, ValueError) as e:
+        ap.error(str(e))
+    return args, cfg, train, overrides
+
+
+def make_sampler_factory(cfg, train, store, should_stop):
+    from trainer.align_data import PromptPool, StaticPrompts, StorePrompts, TailedJSONL
+
+    def factory(train_examples, tokenizer):
+        if cfg.prompt_source == "store":
+            source = StorePrompts(store, cfg.accept_reward)
+        elif cfg.prompt_source == "task":
+            source = StaticPrompts(train_examples)
+        else:
+            source = TailedJSONL(cfg.prompt_source, prompt_field=train.prompt_field or None,
+                                 answer_field=train.answer_field or None,
+                                 tokenizer=tokenizer if train.chat_template else None)
+        return PromptPool(source, train.prompts_per_step, seed=train.seed, wait_s=cfg.prompt_wait_s,
+                          should_stop=should_stop)
+    return factory
+
+
+def main(argv: list[str]) -> int:
+    args, cfg, train, overrides = parse(argv)
+    if args.check:
+        return print_check("align", cfg, train)
+    from rollout_client.client import AdminError, RolloutError
+    from store import open_store
+    from trainer.align import Aligner, align_loop
+    from trainer.align_data import NoData
+    from trainer.align_pool import ServingPool
+    from trainer.cli import Stopper
+    from trainer.dist import RankError
+    from trainer.fleet import FleetError
+    from trainer.loop import StopRequested
+    from trainer.run import build_run, resolve_token
+    from weight_sync import WeightSyncError
+
+    stopper = Stopper().install()
+    store = open_store(cfg.store, **NO_PRUNE)
+    run = pool = al = None
+    try:
+        t0 = time.perf_counter()
+        factory = make_sampler_factory(cfg, train, store, lambda: stopper.requested)
+        run = build_run(train, args.config, overrides, sampler_factory=factory)
+        log.info("trainer built in %.1fs (policy, DeepSpeed engine, rollout servers at version %d)",
+                 time.perf_counter() - t0, run.version)
+        if run.ranks.world_size > 1:
+            raise RuntimeError("train.nproc: dlrl align runs one trainer rank")
+        if run.logger is not None:
+            run.logger.set_total(cfg.max_steps or None)
+        stopper.publisher = run.publisher
+        pool = ServingPool(cfg.serving_replicas, resolve_token(train, args.config), run.fleet.sync_options)
+        al = Aligner(run, cfg, store, pool, should_stop=lambda: stopper.requested)
+        t0 = time.perf_counter()
+        al.prepare()
+        log.info("controller ready in %.1fs", time.perf_counter() - t0)
+        last = align_loop(al)
+        print(json.dumps({"version": run.version, "serving_version": last.get("serving_version"),
+                          "serving_accuracy": last.get("serving_accuracy"), **al.counts,
+                          "feedback": al.feedback.counts, "output_dir": str(run.out)}, indent=2))
+        return 0
+    except StopRequested as e:
+        log.warning("%s: checkpoint saved; continue with --resume", e)
+        return 0
+    except (RuntimeError, ValueError, FileNotFoundError, WeightSyncError, RolloutError, AdminError, FleetError,
+            RankError, NoData) as e:
+        log.error("align stopped: %s", e)
+        print(f"dlrl align: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        for part in (al, pool, run, store):
+            if part is not None:
+                part.close()
+
+
+# ------------------------------------------------------------------------------ dlrl versions
+def versions_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="dlrl versions", description="the version registry of dlrl align")
+    ap.add_argument("--config", default=None, help="align config (store, serving replicas, admin token)")
+    ap.add_argument("--store", default=None, help="feedback store path (default: align.store of --config)")
+    ap.add_argument("--events", action="store_true", help="list the events (promotions, rollbacks, ...)")
+    ap.add_argument("--json", action="store_true", help="print JSON")
+    ap.add_argument("--rollback", type=int, default=None, metavar="VERSION",
+                    help="roll every serving replica back to VERSION (a version that served before)")
+    ap.add_argument("overrides", nargs="*", help="align key=value overrides")
+    args = ap.parse_args(argv)
+    from trainer.align_config import AlignConfig
+
+    try:
+        cfg = load_section(AlignConfig, args.config, "align", args.overrides)
+    except (ConfigError, ValueError) as e:
+        ap.error(str(e))
+    path = args.store or cfg.store
+    import os
+
+    if not os.path.isfile(path):
+        ap.error(f"--store: no feedback store at {path!r}")
+    from store import open_store
+
+    with open_store(path, **NO_PRUNE) as st:
+        if args.rollback is not None:
+            return manual_rollback(cfg, args.config, st, args.rollback)
+        data = st.events() if args.events else st.versions()
+        if args.json:
+            print(json.dumps(data, indent=1, default=str))
+        else:
+            from trainer.align_report import format_events, format_versions
+
+            print(format_events(data) if args.events else format_versions(data))
+            print(f"\nserving version: {st.serving_version()}")
+    return 0
+
+
+def manual_rollback(cfg, config_path, st, version: int) -> int:
+    """The registry names `version` the serving version (a running `dlrl align` adopts it and brings
+    any replica that fails here to it from its saved weights); then every serving replica goes
+    back to it, one at a time, from the versions it keeps in host memory."""
+    from trainer.align_pool import ServingPool
+    from trainer.config import TrainConfig
+    from trainer.fleet import FleetError
+    from trainer.run import resolve_token
+
+    known = {v["version"]: v for v in st.versions()}
+    status = known.get(version, {}).get("status")
+    if status not in ("serving", "retired"):
+        print(f"dlrl versions: error: --rollback: version {version} never served "
+              f"(status {status or 'not registered'}); roll back to a retired or serving version", file=sys.stderr)
+        return 2
+    token = resolve_token(TrainConfig(admin_token=cfg.admin_token), config_path)
+    current = st.serving_version()
+    if current is not None and current != version:  # the registry first: a running controller adopts it
+        st.update_version(current, status="rolled_back")  # and never "repairs" a rolled-back replica
+        st.update_version(version, status="serving")
+    pool = ServingPool(cfg.serving_replicas, token)
+    results: dict[str, str] = {}
+    try:
+        for url in pool.urls:  # one at a time: capacity drops by one replica at most
+            try:
+                pool.rollback(url, version)
+                results[url] = pool.checksum(url)
+            except FleetError as e:
+                results[url] = f"error: {e}"
+    finally:
+        pool.close()
+    ok = [u for u, r in results.items() if not r.startswith("error")]
+    st.log_event("rollback", current if current is not None else version,
+                 detail={"kind": "manual", "to": version, "replicas": results})
+    print(json.dumps({"version": version, "previous": current, "replicas": results}, indent=1))
+    return 0 if len(ok) == len(results) else 1

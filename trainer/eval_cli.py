@@ -1,0 +1,144 @@
+"""`dlrl eval`: accuracy and decoding speed of a served model on a JSONL of problems.
+
+    dlrl eval --config configs/tiny.yaml                       # embedded default, held-out split
+    dlrl eval data=data/math500.jsonl model=/models/SDAR-1.7B-Chat chat_template=true \
+        max_tokens=1024 num_samples=4 temperature=1.0 static_steps=[4] dynamic_thresholds=[0.9,0.7]
+    dlrl eval data=gsm8k.jsonl servers=[http://h1:8000,http://h2:8000] start_server=false
+
+Talks to the servers at `eval.servers`; when none answers (and `eval.start_server`), starts
+`dlrl serve` with `eval.model` (and any `server.*` overrides) and stops it at the end.
+`eval.block_sizes` decodes with each block size in turn (a started server is restarted with
+`server.block_size=B`; running servers must already decode with it). Prints one table row per
+decoding setting and writes every metric and generation to `eval.output` (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field
+
+from dllm.configlib import Config, ConfigError, load_sections, print_check
+
+log = logging.getLogger("dlrl.eval")
+
+
+class EvalConfig(Config):
+    servers: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"], min_length=1)
+    start_server: bool = True  # start a local `dlrl serve` when no server answers
+    server_start_timeout: float = Field(600.0, gt=0)
+    model: str = ""  # folder of the model: tokenizer for chat_template, model of a started server
+    data: str = ""  # JSONL; empty = the embedded arithmetic task's held-out split
+    prompt_field: str = ""
+    answer_field: str = ""
+    prompt_template: str = "{prompt}"
+    system_prompt: str = ""
+    chat_template: bool = False
+    reward: str = ""  # empty: math for a data file, exact_match for the embedded task
+    limit: int = Field(0, ge=0)  # first N problems; 0 = all
+    num_samples: int = Field(1, ge=1)  # samples per problem (pass@k for k up to this)
+    max_tokens: int = Field(512, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    top_k: int = Field(0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int = 0
+    stop: list[str] = Field(default_factory=list)
+    static_steps: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)
+    dynamic_thresholds: list[Annotated[float, Field(ge=0, le=1)]] = Field(default_factory=list)
+    block_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)
+    batch_size: int = Field(64, ge=1)  # prompts per request batch
+    request_timeout: float = Field(600.0, gt=0)  # seconds per generation request
+    output: str = "runs/eval/results.json"
+
+    def check(self) -> None:
+        if self.chat_template and not self.model:
+            raise ValueError("eval.chat_template: needs eval.model (the folder whose tokenizer holds the template)")
+        if "{prompt}" not in self.prompt_template:
+            raise ValueError("eval.prompt_template: must contain {prompt}")
+
+
+def load_examples(cfg: EvalConfig, task) -> list[dict]:
+    if not cfg.data:
+        return task.split("heldout", cfg.limit or 200)
+    from trainer.evaluate import load_eval_examples
+
+    tokenizer = None
+    if cfg.chat_template:
+        from dllm.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.model)
+    return load_eval_examples(cfg.data, cfg.prompt_field, cfg.answer_field, tokenizer, cfg.prompt_template,
+                              cfg.system_prompt, cfg.limit)
+
+
+def run(cfg: EvalConfig, task, config_path: str | None, overrides: list[str]) -> list:
+    """Evaluate against `cfg.servers`, starting local ones where none answers (once per block
+    size: a started server is restarted with each)."""
+    from trainer.evaluate import evaluate, make_settings
+    from trainer.fleet import ServerFleet
+    from trainer.rewards import build_reward
+    from trainer.servers import LocalServer, new_token
+
+    examples = load_examples(cfg, task)
+    reward = build_reward(cfg.reward or ("math" if cfg.data else "exact_match"))
+    server_overrides = [o for o in overrides if o.startswith("server.")]
+    out_dir = Path(cfg.output).parent
+    results = []
+    for block_size in cfg.block_sizes or [None]:
+        extra = [f"server.block_size={block_size}"] if block_size is not None else []
+        token = new_token()
+
+        def launch(url: str, i: int, extra=extra, token=token):
+            return LocalServer(url, config_path, cfg.model, server_overrides + extra, token, out_dir / f"server{i}.log")
+
+        fleet = ServerFleet(cfg.servers, token, timeout=cfg.request_timeout)
+        try:
+            fleet.start_missing(cfg.start_server, launch)
+            fleet.wait_ready(cfg.server_start_timeout)
+            settings = make_settings(cfg.static_steps, cfg.dynamic_thresholds, [block_size] if block_size else [])
+            results += evaluate(cfg.servers, examples, reward, settings, num_samples=cfg.num_samples,
+                                max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+                                top_p=cfg.top_p, seed=cfg.seed, stop=cfg.stop, batch_size=cfg.batch_size,
+                                generate_fn=fleet.generate)
+        finally:
+            fleet.close()  # stops the servers it started
+    return results
+
+
+def main(argv: list[str]) -> int:
+    from dllm.task import ArithmeticTask
+    from trainer.config import ServerKeys
+
+    ap = argparse.ArgumentParser(prog="dlrl eval", description="evaluate a served block-diffusion LM")
+    ap.add_argument("--config", default=None, help="YAML config with an `eval` section (default "
+                                                   "configs/tiny.yaml when it exists)")
+    ap.add_argument("--check", action="store_true", help="only parse the command line and the config; exit 0 "
+                                                        "(or 2 with the error)")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides (e.g. data=math500.jsonl num_samples=4)")
+    args = ap.parse_args(argv)
+    config_path = args.config or ("configs/tiny.yaml" if Path("configs/tiny.yaml").is_file() else None)
+    try:
+        root = load_sections(config_path, args.overrides, {"eval": EvalConfig, "task": ArithmeticTask,
+                                                           "server": ServerKeys}, primary="eval")
+        cfg = root["eval"]
+    except (ConfigError, ValueError) as e:
+        ap.error(str(e))
+    if args.check:
+        return print_check("eval", cfg)
+    from rollout_client.client import RolloutError
+    from trainer.evaluate import format_table, write_results
+
+    try:
+        results = run(cfg, root["task"], config_path, args.overrides)
+    except (RuntimeError, ValueError, FileNotFoundError, RolloutError) as e:
+        print(f"dlrl eval: error: {e}", file=sys.stderr)
+        return 1
+    print(format_table(results))
+    path = write_results(cfg.output, results, config=cfg.model_dump(), servers=cfg.servers)
+    log.info("wrote %s", path)
+    print(f"results: {path}")
+    return 0

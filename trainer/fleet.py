@@ -1,0 +1,193 @@
+"""ServerFleet: the generation servers as the trainer sees them, through ONE client.
+
+    fleet = ServerFleet(["http://h1:8000", "http://h2:8000"], token)
+    fleet.start_missing(start_server=True, launch=lambda url, i: LocalServer(...))  # local only
+    fleet.wait_ready(timeout=600)
+    rollouts = fleet.generate(prompt_ids, n=8, seed=7, max_tokens=64)   # least-loaded over servers
+    fleet.versions()  -> {url: version}        fleet.digests() -> {url: digest}
+    fleet.push(source, version=8, transport="shm")   # every server, or an error naming the failed one
+    fleet.close()
+
+Generation, readiness and admin calls all go through one `rollout_client.RolloutClient` that
+lives on one event loop (a thread owned by the fleet) for the whole run: no new loop or
+client per batch. The weight data plane is `weight_sync` (one sender per server set, kept
+open across pushes). Only rank 0 uses the control plane; every rank may generate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from rollout_client.client import AdminError, RolloutClient
+from rollout_client.protocol import Rollout
+
+log = logging.getLogger("dlrl.train")
+T = TypeVar("T")
+
+
+class FleetError(RuntimeError):
+    """A server misbehaved; the message names it."""
+
+
+async def _gather(*coros: Coroutine[Any, Any, Any], return_exceptions: bool = False) -> list[Any]:
+    return await asyncio.gather(*coros, return_exceptions=return_exceptions)
+
+
+class _LoopThread:
+    """One asyncio loop in a daemon thread; `run(coro)` from any thread waits for its result."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="fleet-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
+        if not self.loop.is_running():
+            self.loop.close()
+
+
+class ServerFleet:
+    def __init__(self, urls: list[str], token: str, *, timeout: float = 600.0, max_retries: int = 5,
+                 sync_options: dict[str, Any] | None = None):
+        if not urls:
+            raise ValueError("train.servers: need at least one server URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.token = token
+        self.sync_options = dict(sync_options or {})
+        self.local: list[Any] = []  # LocalServer processes this fleet started
+        self._loop = _LoopThread()
+        self.client: RolloutClient = self._loop.run(self._make_client(timeout, max_retries))
+        self._senders: dict[tuple[str, ...], Any] = {}
+
+    async def _make_client(self, timeout: float, max_retries: int) -> RolloutClient:
+        return RolloutClient(self.urls, timeout=timeout, max_retries=max_retries, policy="least_loaded",
+                             token=self.token)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start_missing(self, start_server: bool, launch: Callable[[str, int], Any]) -> None:
+        """Start a local server (`launch(url, index)`) for every configured one that does not answer."""
+        from trainer.servers import is_local
+
+        health = self._loop.run(self.client.health())
+        for i, url in enumerate(self.urls):
+            if health[url] is not None:
+                continue
+            if not start_server or not is_local(url):
+                raise FleetError(f"servers: {url} is unreachable (start it with `dlrl serve`, "
+                                 "or set train.start_server=true for a local address)")
+            self.local.append(launch(url, i))
+
+    def wait_ready(self, timeout: float, urls: list[str] | None = None) -> None:
+        """Wait until the servers answer /ready; a local server that exits is an error naming it."""
+        pending = list(urls or self.urls)
+        deadline = time.monotonic() + timeout
+        while pending:
+            for srv in self.local:
+                if srv.url.rstrip("/") in pending and srv.exited() is not None:
+                    raise FleetError(f"server at {srv.url} exited with code {srv.exited()} before becoming "
+                                     f"ready (log: {srv.log_path})")
+            ready = self._loop.run(_gather(*(self.client.is_ready(u) for u in pending)))
+            pending = [u for u, ok in zip(pending, ready) if not ok]
+            if pending and time.monotonic() > deadline:
+                raise FleetError(f"servers: {', '.join(pending)} unreachable/not ready after {timeout:.0f}s")
+            if pending:
+                time.sleep(0.25)
+
+    def close(self) -> None:
+        for sender in self._senders.values():
+            sender.close()
+        self._senders.clear()
+        try:
+            self._loop.run(self.client.aclose())
+        finally:
+            self._loop.close()
+        for srv in self.local:
+            srv.stop()
+        self.local = []
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: list[list[int]], n: int, **sampling: Any) -> list[Rollout]:
+        return self._loop.run(self.client.generate(prompts, n=n, return_trace=True, **sampling))
+
+    def metrics(self, url: str) -> str:
+        """One server's Prometheus metrics (text exposition)."""
+        return self._loop.run(self.client.metrics(url))
+
+    # ------------------------------------------------------------------ admin (rank 0)
+    def admin(self, url: str, method: str, path: str, body: dict | None = None) -> dict[str, Any]:
+        return self._loop.run(self.client.admin(url, method, path, body))
+
+    def _each(self, path: str, key: str, urls: list[str] | None = None) -> dict[str, Any]:
+        urls = list(urls or self.urls)
+        coros = [self.client.admin(u, "GET", path) for u in urls]
+        answers = self._loop.run(_gather(*coros, return_exceptions=True))
+        out = {}
+        for url, a in zip(urls, answers):
+            if isinstance(a, BaseException):
+                raise FleetError(str(a)) from a
+            out[url] = a[key]
+        return out
+
+    def versions(self, urls: list[str] | None = None) -> dict[str, int]:
+        return {u: int(v) for u, v in self._each("/weights/version", "version", urls).items()}
+
+    def digests(self, urls: list[str] | None = None) -> dict[str, str]:
+        return self._each("/weights/checksum", "digest", urls)
+
+    def served_dtype(self) -> str | None:
+        return self.admin(self.urls[0], "GET", "/weights/version").get("dtype")
+
+    def unreachable(self) -> list[str]:
+        health = self._loop.run(self.client.health())
+        return [u for u, h in health.items() if h is None]
+
+    # ------------------------------------------------------------------ weights (rank 0)
+    def _sender(self, urls: list[str] | None):
+        """One weight_sync sender per set of servers, kept for the run (its shm region, dist group
+        and the servers' staging are set up once, at connect)."""
+        from weight_sync import WeightSender
+
+        key = tuple(urls or self.urls)
+        sender = self._senders.get(key)
+        if sender is None:
+            opts = self.sync_options
+            sender = self._senders[key] = WeightSender(
+                list(key), transport=opts.get("transport", "shm"), token=self.token, dtype="auto",
+                timeout=float(opts.get("timeout", 300.0)), dist_addr=opts.get("dist_addr", "127.0.0.1"),
+                run_id=opts.get("run_id"))
+        return sender
+
+    def connect(self, source: Any) -> dict[str, Any]:
+        """Set the data plane up for tensors shaped like `source` (so the first push is as fast as
+        the rest): region / group created, server staging allocated."""
+        from weight_sync import WeightSyncError
+
+        try:
+            return self._sender(None).connect(source)
+        except (WeightSyncError, AdminError) as e:
+            raise FleetError(f"weight sync connect failed: {e}") from e
+
+    def push(self, source: Any, version: int, urls: list[str] | None = None) -> dict[str, Any]:
+        """Push `source` (weight_sync source) as `version` into `urls` (default: all servers).
+        Each server applies it whole or not at all; an error names the servers that failed."""
+        from weight_sync import WeightSyncError
+
+        key = tuple(urls or self.urls)
+        sender = self._sender(list(key))
+        try:
+            return sender.push(source, version)
+        except (WeightSyncError, AdminError) as e:
+            dead = [u for u in key if u in self.unreachable()]
+            where = f" (unreachable: {', '.join(dead)})" if dead else ""
+            raise FleetError(f"push of version {version} failed{where}: {e}") from e

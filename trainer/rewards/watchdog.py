@@ -1,0 +1,112 @@
+"""Resource limits that hold for a whole process tree: one thread watches every running sandbox.
+
+    verdict = WATCHDOG.watch(root_pid, limits)   # {} until it kills: {"killed": "memory" | "cpu"}
+    ...
+    WATCHDOG.unwatch(root_pid)
+
+Every `interval` seconds it maps parent -> children over all processes once (psutil), then for
+each watched root sums resident memory and CPU time (user + system, reaped children included)
+over the root's descendants, and SIGKILLs every process of a tree over `limits.memory_mb` or
+`limits.cpu_s`. Descendants are found by parentage, which `setsid` does not change; a process
+orphaned inside a bwrap sandbox is re-parented to the sandbox's init, so it stays in the tree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import psutil
+
+if TYPE_CHECKING:
+    from trainer.rewards.sandbox import SandboxLimits
+
+logger = logging.getLogger("trainer.rewards")
+
+
+class Watchdog:
+    """One thread for every running sandbox: each `interval` s it sums resident memory and CPU time
+    over each watched process tree and kills a tree over its limits."""
+
+    def __init__(self, interval: float = 0.1):
+        self.interval = interval
+        self._trees: dict[int, tuple[SandboxLimits, dict]] = {}  # root pid -> (limits, verdict)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, pid: int, limits: SandboxLimits) -> dict:
+        verdict: dict = {}
+        with self._lock:
+            self._trees[pid] = (limits, verdict)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="sandbox-watchdog", daemon=True)
+                self._thread.start()
+        self._wake.set()
+        return verdict
+
+    def unwatch(self, pid: int) -> None:
+        with self._lock:
+            self._trees.pop(pid, None)
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                trees = dict(self._trees)
+            if not trees:
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                self._check(trees)
+            except Exception:  # never let the watchdog die: the next tick tries again
+                logger.exception("sandbox watchdog: check failed")
+            time.sleep(self.interval)
+
+    @staticmethod
+    def _check(trees: dict[int, tuple[SandboxLimits, dict]]) -> None:
+        children: dict[int, list[int]] = {}
+        for p in psutil.process_iter(["ppid"]):
+            children.setdefault(p.info["ppid"], []).append(p.pid)
+        for root, (limits, verdict) in trees.items():
+            pids = _descendants(root, children)
+            mem, cpu = _usage(pids)
+            if mem > limits.memory_mb << 20 or cpu > limits.cpu_s:
+                verdict["killed"] = "memory" if mem > limits.memory_mb << 20 else "cpu"
+                kill_pids(pids)
+
+
+def _descendants(root: int, children: dict[int, list[int]]) -> list[int]:
+    pids, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        todo.extend(children.get(pid, ()))
+    return pids
+
+
+def _usage(pids: list[int]) -> tuple[int, float]:
+    """(resident bytes, CPU seconds incl. reaped children) summed over pids."""
+    mem, cpu = 0, 0.0
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            p = psutil.Process(pid)
+            with p.oneshot():
+                mem += p.memory_info().rss
+                t = p.cpu_times()
+                cpu += t.user + t.system + t.children_user + t.children_system
+    return mem, cpu
+
+
+def kill_pids(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+WATCHDOG = Watchdog()

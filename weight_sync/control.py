@@ -1,0 +1,151 @@
+"""Admin HTTP client of one server's weight control plane (bodies from weight_sync.protocol).
+
+    c = ControlClient("http://127.0.0.1:8000", token, timeout=300)
+    c.begin(BeginRequest(...), my_run_id)       # waits out another run's update (lease), then begins
+    c.commit(CommitRequest(...))                # success iff the server applied the version
+    c.abort(AbortRequest(version=3, run_id=...))
+    c.status()                                  # VersionResponse
+
+`commit` never leaves the two sides disagreeing: a commit answered "pending" (the server
+drains in-flight sequences first), one that timed out or lost its connection, are followed
+by polling `GET /weights/updates/{v}` until the server says applied or failed; when the
+sender's own deadline passes it aborts (refused once the server is applying) and asks once
+more, so it reports success exactly when the server applied the update.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from weight_sync.errors import WeightSyncError
+from weight_sync.protocol import (
+    AbortRequest,
+    BeginRequest,
+    BeginResponse,
+    CommitRequest,
+    CommitResponse,
+    ConnectRequest,
+    ConnectResponse,
+    UpdateState,
+    VersionResponse,
+)
+
+POLL_S = 0.1
+
+
+class HTTPStatusError(WeightSyncError):
+    """A server answered a control call with an error status."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+class ControlClient:
+    """Admin HTTP calls to one server (httpx, keep-alive)."""
+
+    def __init__(self, url: str, token: str | None, timeout: float):
+        import httpx  # lazy: only senders need it
+
+        self.url, self.timeout = url.rstrip("/"), timeout
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)))
+
+    def check(self, resp: Any, step: str) -> dict[str, Any]:
+        if resp.status_code < 300:
+            return resp.json() if resp.content else {}
+        try:
+            data = resp.json()
+            detail = data.get("detail") or (data.get("error") or {}).get("message") or resp.text
+        except (ValueError, AttributeError):
+            detail = resp.text
+        raise HTTPStatusError(f"{self.url}: {step} failed with HTTP {resp.status_code}: {detail}", resp.status_code)
+
+    def post(self, path: str, body: Any) -> dict[str, Any]:
+        return self.check(self.http.post(f"{self.url}{path}", json=body.model_dump()), f"POST {path}")
+
+    def get(self, path: str) -> dict[str, Any]:
+        return self.check(self.http.get(f"{self.url}{path}"), f"GET {path}")
+
+    def status(self) -> VersionResponse:
+        return VersionResponse.model_validate(self.get("/weights/version"))
+
+    def state(self, version: int) -> UpdateState:
+        return UpdateState.model_validate(self.get(f"/weights/updates/{version}"))
+
+    def connect(self, body: ConnectRequest) -> ConnectResponse:
+        return ConnectResponse.model_validate(self._post_when_free("/weights/connect", body))
+
+    def begin(self, body: BeginRequest) -> BeginResponse:
+        return BeginResponse.model_validate(self._post_when_free("/weights/begin", body))
+
+    def _post_when_free(self, path: str, body: ConnectRequest | BeginRequest) -> dict[str, Any]:
+        """POST; while another run's update holds the server, wait for its lease (up to `timeout`)."""
+        deadline, idle_retry = time.monotonic() + self.timeout, True
+        while True:
+            try:
+                return self.post(path, body)
+            except HTTPStatusError as e:
+                if e.status != 409:
+                    raise
+                busy = self.status().update
+                if busy is None and idle_retry:  # the update that held the server may have just ended
+                    idle_retry = False
+                    continue
+                if busy is None or busy.run_id == body.run_id or busy.phase != "receiving" \
+                        or time.monotonic() > deadline:
+                    raise  # a stale version, or nothing to wait for
+                idle_retry = True
+                time.sleep(min(busy.lease_left_s + 0.1, 1.0))
+
+    def abort(self, body: AbortRequest) -> None:
+        self.post("/weights/abort", body)
+
+    def commit(self, body: CommitRequest) -> CommitResponse:
+        """Commit and make sure of the outcome; raises WeightSyncError unless the version was applied."""
+        import httpx
+
+        deadline, send = time.monotonic() + self.timeout, True
+        while time.monotonic() < deadline:
+            if send:  # (re)send: commit is idempotent on the server
+                send = False
+                try:
+                    resp = CommitResponse.model_validate(self.post("/weights/commit", body))
+                    if resp.state == "applied":
+                        return resp
+                except httpx.TransportError:  # timed out or connection lost: the server may still apply
+                    pass
+                except HTTPStatusError as e:
+                    if e.status != 409:  # bad data, non-finite weights, ...: the update failed
+                        raise
+                    # 409: a commit of this version is already running (a retry raced it): ask
+            state = self._state_or_none(body.version)
+            if state is not None and state.state == "applied":
+                return CommitResponse(version=body.version, state="applied", served_version=state.served_version)
+            if state is not None and state.state in ("failed", "unknown"):
+                raise WeightSyncError(f"{self.url}: commit of version {body.version} failed: "
+                                      f"{state.reason or state.state}")
+            send = state is not None and state.state == "receiving"  # the commit never arrived
+            time.sleep(POLL_S)
+        try:  # give up: abort (refused with 409 once applying), then take the server's word
+            self.abort(AbortRequest(version=body.version, reason="commit timed out at the sender",
+                                    run_id=body.run_id))
+        except (WeightSyncError, httpx.TransportError):
+            pass
+        state = self._state_or_none(body.version)
+        if state is not None and state.state == "applied":
+            return CommitResponse(version=body.version, state="applied", served_version=state.served_version)
+        raise WeightSyncError(f"{self.url}: commit of version {body.version} did not finish within "
+                              f"{self.timeout:g}s (aborted)")
+
+    def _state_or_none(self, version: int) -> UpdateState | None:
+        import httpx
+
+        try:
+            return self.state(version)
+        except httpx.TransportError:
+            return None
+
+    def close(self) -> None:
+        self.http.close()
