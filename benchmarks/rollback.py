@@ -30,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from sync import SIZES, free_port, module_from, sdar_like  # noqa: E402
+from sync import SIZES, StubEngine, free_port, module_from, sdar_like  # noqa: E402
 
 TOKEN = "bench"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -50,19 +50,7 @@ def serve(size: str, port: int, dtype: str) -> None:
 
     logging.basicConfig(level=logging.WARNING)
 
-    class Engine:  # what the routes need; a real server pauses its decode loop here
-        version, is_paused = 0, False
-
-        def __init__(self, model: torch.nn.Module):
-            self.model = model
-
-        async def pause(self, abort_inflight: bool = False, timeout: float | None = None) -> None:
-            self.is_paused = True
-
-        async def resume(self) -> None:
-            self.is_paused = False
-
-    engine = Engine(module_from({n: t.to(getattr(torch, dtype)) for n, t in sdar_like(size, seed=1).items()}))
+    engine = StubEngine(module_from({n: t.to(getattr(torch, dtype)) for n, t in sdar_like(size, seed=1).items()}))
     updates = make_updates(engine, ServerConfig(keep_versions=2))
 
     @asynccontextmanager

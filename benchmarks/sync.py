@@ -74,6 +74,20 @@ def module_from(named: dict[str, torch.Tensor]) -> torch.nn.Module:
 
 
 # ---- receiver process -----------------------------------------------------------------------
+class StubEngine:
+    """What the weight routes need of an engine; a real server pauses its decode loop here."""
+    version, is_paused = 0, False
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    async def pause(self, abort_inflight: bool = False, timeout: float | None = None) -> None:
+        self.is_paused = True
+
+    async def resume(self) -> None:
+        self.is_paused = False
+
+
 def serve(size: str, port: int, dtype: str) -> None:
     import logging
 
@@ -88,20 +102,8 @@ def serve(size: str, port: int, dtype: str) -> None:
     from server import routes_weights
     from server.weight_updates import make_updates
 
-    class Engine:  # what the routes need; a real server would pause its decode loop here
-        version, is_paused = 0, False
-
-        def __init__(self, model: torch.nn.Module):
-            self.model = model
-
-        async def pause(self, abort_inflight: bool = False, timeout: float | None = None) -> None:
-            self.is_paused = True
-
-        async def resume(self) -> None:
-            self.is_paused = False
-
     served = {n: t.to(getattr(torch, dtype)) for n, t in sdar_like(size, seed=1).items()}
-    engine = Engine(module_from(served))
+    engine = StubEngine(module_from(served))
     app = FastAPI()
     app.state.engine, app.state.admin_token = engine, TOKEN
     app.state.weight_updates = make_updates(engine)

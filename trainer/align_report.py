@@ -15,7 +15,7 @@ import json
 import time
 from pathlib import Path
 
-from trainer.metrics_log import read_jsonl
+from trainer.metrics_log import read_jsonl, save_figure
 
 
 def _num(x) -> bool:
@@ -54,12 +54,7 @@ def plot_serving(jsonl_path: str | Path, png_path: str | Path) -> Path:
     ax2.set_ylabel("reward")
     ax2.grid(alpha=0.3)
     fig.suptitle(f"dlrl align: {Path(jsonl_path).parent.name}")
-    fig.tight_layout()
-    png_path = Path(png_path)
-    png_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
-    return png_path
+    return save_figure(fig, png_path)
 
 
 def _fmt_time(t: float | None) -> str:

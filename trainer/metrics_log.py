@@ -161,6 +161,13 @@ def plot_curves(jsonl_path: str | Path, png_path: str | Path,
             ax.legend(loc="best", fontsize=8)
     axes[-1, 0].set_xlabel("step")
     fig.suptitle(Path(jsonl_path).parent.name or "metrics")
+    return save_figure(fig, png_path)
+
+
+def save_figure(fig, png_path: str | Path) -> Path:
+    """Lay out, write (folders made) and close a matplotlib figure; -> the PNG's path."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     png_path = Path(png_path)
     png_path.parent.mkdir(parents=True, exist_ok=True)
