@@ -12,7 +12,7 @@ import torch
 
 from dllm.config import SDARConfig
 from dllm.configlib import ConfigError
-from server.backends.native import GIB, NativeBackend, plan_kv_cache
+from server.backends.native import GIB, NativeBackend, available_memory, plan_kv_cache
 from server.config import ServerConfig, load_server_config
 
 SDAR_1_7B = dict(model_type="sdar", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
@@ -47,6 +47,15 @@ def test_memory_option_parsing():
     for bad in ("1.5", "0", "-0.1", "nan"):
         with pytest.raises(ConfigError, match="server.kv_cache_fraction"):
             load_server_config(None, [f"kv_cache_fraction={bad}"])
+
+
+def test_cpu_budget_leaves_room_for_kept_weight_versions(monkeypatch):
+    import psutil
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("VM", (), {"available": 10 << 30})())
+    cpu = torch.device("cpu")
+    assert available_memory(cpu) == 10 << 30 and available_memory(cpu, 4 << 30) == 6 << 30
+    assert available_memory(cpu, 12 << 30) == 0
 
 
 def test_backend_logs_the_plan(tiny_model_dir, caplog):

@@ -6,8 +6,8 @@
 
 The KV cache is sized from memory (`plan_kv_cache`): `kv_cache_memory` bytes (e.g. 4 << 30;
 server.kv_cache_memory takes "4GiB") if not 0, else `kv_cache_fraction` of the memory
-available once the weights are loaded (free device memory on CUDA, available RAM on CPU),
-never more than `max_batch` sequences of `max_model_len` need. It is block-paged, so a
+available once the weights are loaded (free device memory on CUDA; on CPU available RAM
+less the `keep_versions` host copies of the weights kept for rollback), never more than `max_batch` sequences of `max_model_len` need. It is block-paged, so a
 sequence holds only the pages of its own prompt + max_tokens: how many run at once follows
 their real lengths (at most `max_batch`). The plan is logged at startup; when one sequence of
 `max_model_len` does not fit, startup stops with a ConfigError naming the options to change.
@@ -55,13 +55,14 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return parse_dtype(dtype)
 
 
-def available_memory(device: torch.device) -> int:
-    """Bytes the KV cache could take: free device memory on CUDA, available RAM otherwise."""
+def available_memory(device: torch.device, host_reserve: int = 0) -> int:
+    """Bytes the KV cache could take: free device memory on CUDA, available RAM otherwise
+    (less `host_reserve`, host memory promised to something else: kept weight versions)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     import psutil
 
-    return psutil.virtual_memory().available
+    return max(psutil.virtual_memory().available - host_reserve, 0)
 
 
 @dataclass
@@ -113,11 +114,16 @@ def plan_kv_cache(cfg, dtype: torch.dtype, *, max_batch: int, max_len: int, memo
     return KVPlan(num_pages, cfg.block_size, per_token, max_len, max_batch, source)
 
 
+def weight_bytes(model: Any) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 class NativeBackend(Backend):
     name = "native"
 
     def __init__(self, model: Any, tokenizer: Any, *, max_batch: int, max_model_len: int = 0,
-                 eos_ids: list[int] | None = None, kv_cache_memory: int = 0, kv_cache_fraction: float = 0.8):
+                 eos_ids: list[int] | None = None, kv_cache_memory: int = 0, kv_cache_fraction: float = 0.8,
+                 keep_versions: int = 0):
         cfg = model.config
         self.eos_ids = sorted(set(cfg.eos_ids if eos_ids is None else eos_ids))
         self.model, self.tokenizer = model.eval(), tokenizer
@@ -127,7 +133,7 @@ class NativeBackend(Backend):
         self.max_batch = max_batch
         self.kv_plan = plan_kv_cache(cfg, model.dtype, max_batch=max_batch, max_len=self.max_len,
                                      memory=int(kv_cache_memory), fraction=kv_cache_fraction,
-                                     available=available_memory(model.device))
+                                     available=available_memory(model.device, keep_versions * weight_bytes(model)))
         log.info("%s", self.kv_plan.describe())
         decode_tok = copy.deepcopy(tokenizer) if tokenizer is not None else None
         self.decoder = BlockDecoder(model, max_batch=max_batch, max_len=self.max_len, eos_ids=self.eos_ids,
@@ -137,7 +143,7 @@ class NativeBackend(Backend):
     def from_pretrained(cls, path: str | Path, *, device: str = "auto", dtype: str = "auto",
                         max_batch: int = 16, max_model_len: int = 0, trust_remote_code: bool = False,
                         block_size: int = 0, mask_token_id: int = -1, kv_cache_memory: int = 0,
-                        kv_cache_fraction: float = 0.8) -> NativeBackend:
+                        kv_cache_fraction: float = 0.8, keep_versions: int = 0) -> NativeBackend:
         from dllm.tokenizer import eos_token_ids, load_tokenizer
 
         dev = resolve_device(device)
@@ -149,7 +155,7 @@ class NativeBackend(Backend):
         eos_ids = eos_token_ids(path, tokenizer, model.config.eos_ids)
         log.info("stop token ids (config.json + generation_config.json + tokenizer): %s", eos_ids)
         return cls(model, tokenizer, max_batch=max_batch, max_model_len=max_model_len, eos_ids=eos_ids,
-                   kv_cache_memory=kv_cache_memory, kv_cache_fraction=kv_cache_fraction)
+                   kv_cache_memory=kv_cache_memory, kv_cache_fraction=kv_cache_fraction, keep_versions=keep_versions)
 
     def new_sequence(self, prompt_ids: list[int], params: Any) -> Sequence:
         if params.stop_token_ids is not None and not params.ignore_eos:  # vLLM: they add to the eos ids
