@@ -3,6 +3,8 @@ the two ways of handing rollouts to ranks.
 
     .venv/bin/python benchmarks/scale.py                      # tiny + ~100M random SDAR
     .venv/bin/python benchmarks/scale.py --models tiny --steps 2
+    .venv/bin/python benchmarks/scale.py --models 100M --stages 3   # one stage
+    .venv/bin/python benchmarks/scale.py --no-update                # part 2 only
 
 Part 1 (update): for each model x ZeRO stage x number of ranks, torchrun starts the ranks;
 each builds the real learner (`trainer.run._build_learner`) and runs `trainer.loop.learn` on
@@ -201,6 +203,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="tiny,100M")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--stages", default="0,2,3", help="ZeRO stages of part 1")
+    ap.add_argument("--no-update", action="store_true", help="skip part 1 (update), run part 2 (rollouts) only")
     ap.add_argument("--worker", nargs=2, metavar=("MODEL", "STAGE"))
     ap.add_argument("--fetch")
     ap.add_argument("--batches", type=int, default=3)
@@ -210,8 +214,8 @@ def main() -> None:
     if args.fetch:
         return fetch_worker(args.fetch, args.batches)
     print(f"{'model':>6} {'ZeRO':>4} {'ranks':>5} {'rank':>4} {'s/step':>7} {'param+optim MB':>14} {'peak RSS MB':>11}")
-    for model in args.models.split(","):
-        for stage in (0, 2, 3):
+    for model in args.models.split(",") if not args.no_update else []:
+        for stage in [int(s) for s in args.stages.split(",")]:
             for nproc in (1, 2):
                 for line in torchrun(nproc, "--worker", model, str(stage), "--steps", str(args.steps)):
                     if line.startswith("ROW "):

@@ -6,18 +6,17 @@
 first use). `admin_token=""` falls back to the `DLRL_ADMIN_TOKEN` env var; with neither,
 admin endpoints are disabled. `max_model_len=0` means min(max_position_embeddings, 8192).
 KV-cache memory: `kv_cache_memory` ("4GiB", "512MB", bytes) if not 0, else `kv_cache_fraction`
-of the memory available after loading the weights (free CUDA memory / available RAM);
-see server.backends.native.plan_kv_cache.
+of the memory available after loading the weights (free CUDA memory / available RAM less the
+`keep_versions` host copies of the weights); see server.backends.native.plan_kv_cache.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import ByteSize, Field
+from pydantic import ByteSize, Field, StringConstraints
 
 from dllm.configlib import Config, load_section
 from rollout_client.protocol import Strategy
@@ -27,6 +26,8 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
 RecordMode = Literal["none", "sample", "all"]
 FEEDBACK_ENV_VAR = "DLRL_FEEDBACK_TOKEN"
+Label = Annotated[str, StringConstraints(min_length=1, max_length=64)]
+Reward = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # a finite number (not a bool)
 
 
 class ServerConfig(Config):
@@ -68,16 +69,11 @@ class ServerConfig(Config):
     store_max_records: int = Field(100_000, ge=1)  # bound of the store: oldest records go first
     store_max_age_s: float = Field(7 * 86400.0, gt=0)  # records older than this are pruned
     feedback_token: str = ""         # bearer token of POST /v1/feedback; "" = env DLRL_FEEDBACK_TOKEN, else disabled
-    feedback_labels: dict[str, float] = Field(default_factory=lambda: {"accept": 1.0, "reject": 0.0})
+    feedback_labels: dict[Label, Reward] = Field(default_factory=lambda: {"accept": 1.0, "reject": 0.0})
 
     def check(self) -> None:
         if (self.record != "none" or self.resolved_feedback_token()) and not self.store:
             raise ValueError("server.store: a path is needed when recording or feedback is on")
-        for label, reward in self.feedback_labels.items():
-            if not label or len(label) > 64:
-                raise ValueError(f"server.feedback_labels: label {label!r} must be a string of 1-64 characters")
-            if not math.isfinite(reward):
-                raise ValueError(f"server.feedback_labels.{label}: reward must be a finite number, got {reward!r}")
         token = self.resolved_feedback_token()
         if token and token == (self.admin_token or os.environ.get("DLRL_ADMIN_TOKEN", "")).strip():
             raise ValueError("server.feedback_token: must differ from the admin token (a feedback client "

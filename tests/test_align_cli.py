@@ -62,3 +62,17 @@ def test_versions_refuses_bad_input(tmp_path, capsys):
     _registry(tmp_path / "fb.db")
     assert dlrl(["versions", "--store", str(tmp_path / "fb.db"), "--rollback", "3"]) == 2
     assert "never served" in capsys.readouterr().err
+
+
+def test_users_and_launcher_refuse_bad_keys_before_starting(capsys):
+    from dllm.configlib import ConfigError
+    from trainer.align_local import LocalAlign
+    from trainer.align_users import main as users_main
+
+    with pytest.raises(SystemExit) as e:
+        users_main(["--config", "configs/align.yaml", "feedback_prob=1.5"])
+    assert e.value.code == 2 and "users.feedback_prob" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"users\.num_users"):
+        LocalAlign("configs/align.yaml", ["users.num_users=0"])
+    with pytest.raises(ConfigError, match=r"align\.serving_replicas"):
+        LocalAlign("configs/align.yaml", ["serving_replicas=[]"])

@@ -46,7 +46,7 @@ def test_two_servers_and_two_ranks_end_on_the_trainers_weights(tiny_model_dir, t
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))  # as `make test`: DeepSpeed's op
     cmd = ["bash", str(LOCAL), "--model", tiny_model_dir, "--steps", "2", "--out", str(out), "--port", str(port),
            "--device", "cpu", "--", "train.prompts_per_step=4", "train.group_size=4", "train.max_tokens=6",
-           "train.eval_every=0", "train.tensorboard=false", "train.reward=tests.ranks_worker:parity_reward"]
+           "train.eval_every=0", "train.tensorboard=false", "train.reward=tests.helpers:parity_reward"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     logs = "\n".join(p.read_text()[-2000:] for p in out.glob("server-*.log"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + logs

@@ -129,6 +129,23 @@ def test_feedback_token_boundary(rec_server, server):
     assert disabled.status_code == 403 and "disabled" in disabled.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("override,named", [
+    ("server.feedback_labels={accept: true}", "server.feedback_labels.accept"),
+    ("server.feedback_labels={accept: .inf}", "server.feedback_labels.accept"),
+    ("server.feedback_labels={'': 1}", "server.feedback_labels"),
+    ("server.record=some", "server.record"),
+    ("server.record_fraction=2", "server.record_fraction"),
+    ("server.keep_versions=65", "server.keep_versions"),
+    ("server.feedback_token=admin-tok", "server.feedback_token"),
+])
+def test_alignment_keys_refused_with_the_key_named(override, named):
+    from dllm.configlib import ConfigError
+    from server.config import load_server_config
+
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        load_server_config(None, [override, "server.admin_token=admin-tok"])
+
+
 def test_store_failure_never_fails_a_request(rec_server):
     recorder = rec_server.app.state.recorder
     real = recorder.store.add_record

@@ -9,7 +9,8 @@
 
 Bare `key=value` overrides go to the `align` section (`trainer.align_config.AlignConfig`),
 `train.key=value` to the trainer's (`trainer.config.TrainConfig`; its `servers` are
-`align.rollout_servers`). The rollout servers and serving replicas must be running
+`align.rollout_servers`), `model.` / `task.` / `sft.` / `server.key=value` to theirs; the config
+file is read once (`trainer.align_config.align_sections`). The rollout servers and serving replicas must be running
 (`make align` starts them; see trainer/align_local.py). SIGTERM / SIGINT: the push in flight is
 aborted, a canary in flight is rolled back, a checkpoint is saved, exit 0; a second signal
 stops at once. `dlrl align` runs one trainer rank.
@@ -18,23 +19,21 @@ stops at once. `dlrl align` runs one trainer rank.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
 import time
 
-from dllm.configlib import ConfigError, check_overrides, load_section, print_check
+from dllm.configlib import ConfigError, load_sections, print_check
 
 log = logging.getLogger("dlrl.align")
 NO_PRUNE = {"max_records": 1 << 62, "max_age_s": 1e15}  # the servers own the store's bounds
 
 
 def parse(argv: list[str]):
-    from dllm.sft import SFTConfig, TinyModelConfig
-    from dllm.task import ArithmeticTask
-    from trainer.align_config import AlignConfig, check_train
-    from trainer.config import TrainConfig
+    """-> (args, root sections, overrides): the config file read once, every section typed; the
+    `train` section as `dlrl align` runs it (servers = align.rollout_servers, ...)."""
+    from trainer.align_config import align_sections, check_train
 
     ap = argparse.ArgumentParser(prog="dlrl align", description="continuous alignment from live traffic")
     ap.add_argument("--config", default="configs/align.yaml")
@@ -45,20 +44,16 @@ def parse(argv: list[str]):
     args = ap.parse_args(argv)
     overrides = list(args.overrides)
     try:
-        sections = {"align": AlignConfig, "train": TrainConfig, "model": TinyModelConfig, "task": ArithmeticTask,
-                    "sft": SFTConfig}
-        check_overrides([o for o in overrides if not o.startswith("server.")], sections, primary="align")
-        cfg = load_section(AlignConfig, args.config, "align", overrides)
-        train = load_section(TrainConfig, args.config, "train", overrides, bare_keys=False)
-        train = dataclasses.replace(train, servers=list(cfg.rollout_servers), output_dir=cfg.output_dir,
-                                    eval_data=cfg.eval_data, eval_size=cfg.eval_size, eval_every=0,
-                                    num_steps=cfg.max_steps or 1_000_000_000, resume=args.resume,
-                                    admin_token=cfg.admin_token or train.admin_token)
-        train.validate()
-        check_train(cfg, train)
+        root = load_sections(args.config, overrides, align_sections(), primary="align")
+        cfg, train = root["align"], root["train"]
+        root["train"] = train.replace(servers=list(cfg.rollout_servers), output_dir=cfg.output_dir,
+                                      eval_data=cfg.eval_data, eval_size=cfg.eval_size, eval_every=0,
+                                      num_steps=cfg.max_steps or 1_000_000_000, resume=args.resume,
+                                      admin_token=cfg.admin_token or train.admin_token)
+        check_train(cfg, root["train"])
     except (ConfigError, ValueError) as e:
         ap.error(str(e))
-    return args, cfg, train, overrides
+    return args, root, overrides
 
 
 def make_sampler_factory(cfg, train, store, should_stop):
@@ -79,7 +74,8 @@ def make_sampler_factory(cfg, train, store, should_stop):
 
 
 def main(argv: list[str]) -> int:
-    args, cfg, train, overrides = parse(argv)
+    args, root, overrides = parse(argv)
+    cfg, train = root["align"], root["train"]
     if args.check:
         return print_check("align", cfg, train)
     from rollout_client.client import AdminError, RolloutError
@@ -100,7 +96,7 @@ def main(argv: list[str]) -> int:
     try:
         t0 = time.perf_counter()
         factory = make_sampler_factory(cfg, train, store, lambda: stopper.requested)
-        run = build_run(train, args.config, overrides, sampler_factory=factory)
+        run = build_run(root, args.config, overrides, sampler_factory=factory)
         log.info("trainer built in %.1fs (policy, DeepSpeed engine, rollout servers at version %d)",
                  time.perf_counter() - t0, run.version)
         if run.ranks.world_size > 1:
@@ -108,7 +104,7 @@ def main(argv: list[str]) -> int:
         if run.logger is not None:
             run.logger.set_total(cfg.max_steps or None)
         stopper.publisher = run.publisher
-        pool = ServingPool(cfg.serving_replicas, resolve_token(train, args.config), run.fleet.sync_options)
+        pool = ServingPool(cfg.serving_replicas, resolve_token(train, root["server"]), run.fleet.sync_options)
         al = Aligner(run, cfg, store, pool, should_stop=lambda: stopper.requested)
         t0 = time.perf_counter()
         al.prepare()
@@ -143,12 +139,13 @@ def versions_main(argv: list[str]) -> int:
                     help="roll every serving replica back to VERSION (a version that served before)")
     ap.add_argument("overrides", nargs="*", help="align key=value overrides")
     args = ap.parse_args(argv)
-    from trainer.align_config import AlignConfig
+    from trainer.align_config import align_sections
 
     try:
-        cfg = load_section(AlignConfig, args.config, "align", args.overrides)
+        root = load_sections(args.config, args.overrides, align_sections(), primary="align")
     except (ConfigError, ValueError) as e:
         ap.error(str(e))
+    cfg = root["align"]
     path = args.store or cfg.store
     import os
 
@@ -158,7 +155,7 @@ def versions_main(argv: list[str]) -> int:
 
     with open_store(path, **NO_PRUNE) as st:
         if args.rollback is not None:
-            return manual_rollback(cfg, args.config, st, args.rollback)
+            return manual_rollback(cfg, root["server"], st, args.rollback)
         data = st.events() if args.events else st.versions()
         if args.json:
             print(json.dumps(data, indent=1, default=str))
@@ -170,12 +167,12 @@ def versions_main(argv: list[str]) -> int:
     return 0
 
 
-def manual_rollback(cfg, config_path, st, version: int) -> int:
+def manual_rollback(cfg, server, st, version: int) -> int:
     """The registry names `version` the serving version (a running `dlrl align` adopts it and brings
     any replica that fails here to it from its saved weights); then every serving replica goes
-    back to it, one at a time, from the versions it keeps in host memory."""
+    back to it, one at a time, from the versions it keeps in host memory. `server`: the config's
+    ServerKeys (admin token fallbacks after align.admin_token and env DLRL_ADMIN_TOKEN)."""
     from trainer.align_pool import ServingPool
-    from trainer.config import TrainConfig
     from trainer.fleet import FleetError
     from trainer.run import resolve_token
 
@@ -185,7 +182,7 @@ def manual_rollback(cfg, config_path, st, version: int) -> int:
         print(f"dlrl versions: error: --rollback: version {version} never served "
               f"(status {status or 'not registered'}); roll back to a retired or serving version", file=sys.stderr)
         return 2
-    token = resolve_token(TrainConfig(admin_token=cfg.admin_token), config_path)
+    token = resolve_token(cfg, server)  # reads cfg.admin_token first
     current = st.serving_version()
     if current is not None and current != version:  # the registry first: a running controller adopts it
         st.update_version(current, status="rolled_back")  # and never "repairs" a rolled-back replica

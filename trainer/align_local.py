@@ -34,11 +34,14 @@ import httpx
 
 class LocalAlign:
     def __init__(self, config: str, overrides: list[str] | None = None, env: dict[str, str] | None = None):
-        from dllm.configlib import load_section
-        from trainer.align_config import AlignConfig
+        from dllm.configlib import load_sections
+        from trainer.align_config import align_sections
+        from trainer.align_users import UsersConfig
 
         self.config, self.overrides = config, list(overrides or [])
-        self.cfg = load_section(AlignConfig, config, "align", self.overrides)
+        # every section checked before any process starts (ConfigError naming the key)
+        self.root = load_sections(config, self.overrides, {**align_sections(), "users": UsersConfig}, primary="align")
+        self.cfg = self.root["align"]
         self.out = Path(self.cfg.output_dir)
         self.logs = self.out / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -105,7 +108,7 @@ class LocalAlign:
         return self._spawn("users", cmd, {**self.env, "DLRL_FEEDBACK_TOKEN": self.feedback_token})
 
     def start_align(self, *extra: str, resume: bool = False) -> subprocess.Popen:
-        keys = [o for o in self.overrides if not o.startswith(("users.", "server."))]
+        keys = [o for o in self.overrides if not o.startswith("users.")]  # server.*: its admin token keys
         cmd = [sys.executable, "-m", "dlrl.cli", "align", "--config", self.config, *keys, *extra]
         return self._spawn("align", cmd + (["--resume"] if resume else []))
 
@@ -146,11 +149,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=0.0, help="seconds before dlrl align gets SIGTERM (0: none)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
+    from dllm.configlib import ConfigError
     from dllm.tiny import ensure_default_model
 
-    if not any(o.startswith("train.model=") for o in args.overrides):
-        ensure_default_model(args.config, args.overrides)  # SFT once, before three servers want it
-    stack = LocalAlign(args.config, args.overrides)
+    try:
+        stack = LocalAlign(args.config, args.overrides)
+    except ConfigError as e:
+        ap.error(str(e))
+    if not any(o.startswith("train.model=") for o in args.overrides):  # SFT once, before three servers want it
+        ensure_default_model(stack.root["model"], stack.root["task"], stack.root["sft"])
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     code = 1
     try:

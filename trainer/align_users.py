@@ -21,36 +21,27 @@ import random
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
-from dllm.configlib import ConfigError, load_section
+from pydantic import Field
+
+from dllm.configlib import Config, ConfigError, load_sections
 
 
-@dataclass
-class UsersConfig:
-    replicas: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8101", "http://127.0.0.1:8102"])
-    num_users: int = 8
-    think_time_s: float = 0.2  # pause between one user's requests
-    feedback_prob: float = 1.0  # share of answers that get feedback
-    feedback_delay_s: float = 1.0  # feedback comes after a random delay up to this
-    temperature: float = 1.0
-    max_tokens: int = 8
-    request_timeout_s: float = 120.0
-    duration_s: float = 0.0  # 0: until stopped
+class UsersConfig(Config):
+    replicas: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=lambda: ["http://127.0.0.1:8101", "http://127.0.0.1:8102"], min_length=1)
+    num_users: int = Field(8, ge=1)
+    think_time_s: float = Field(0.2, ge=0)  # pause between one user's requests
+    feedback_prob: float = Field(1.0, ge=0, le=1)  # share of answers that get feedback
+    feedback_delay_s: float = Field(1.0, ge=0)  # feedback comes after a random delay up to this
+    temperature: float = Field(1.0, ge=0)
+    max_tokens: int = Field(8, ge=1)
+    request_timeout_s: float = Field(120.0, gt=0)
+    duration_s: float = Field(0.0, ge=0)  # 0: until stopped
     seed: int = 1
-    stats_path: str = "runs/align/users.json"
-
-    def validate(self) -> None:
-        if not self.replicas:
-            raise ConfigError("users.replicas: need at least one replica URL")
-        if self.num_users < 1:
-            raise ConfigError(f"users.num_users: must be >= 1, got {self.num_users}")
-        if not 0.0 <= self.feedback_prob <= 1.0:
-            raise ConfigError(f"users.feedback_prob: must be in [0, 1], got {self.feedback_prob}")
-        for name in ("think_time_s", "feedback_delay_s", "temperature", "duration_s"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"users.{name}: must be >= 0, got {getattr(self, name)}")
+    stats_path: str = Field("runs/align/users.json", min_length=1)
 
 
 class Stats:
@@ -167,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="users.key=value (or key=value) and task.key=value overrides")
     args = ap.parse_args(argv)
     try:
-        cfg = load_section(UsersConfig, args.config, "users", args.overrides)
-        task = load_section(ArithmeticTask, args.config, "task", args.overrides, bare_keys=False)
+        root = load_sections(args.config, args.overrides, {"users": UsersConfig, "task": ArithmeticTask},
+                             primary="users")
+        cfg, task = root["users"], root["task"]
     except (ConfigError, ValueError) as e:
         ap.error(str(e))
     token = os.environ.get("DLRL_FEEDBACK_TOKEN", "")
