@@ -1,13 +1,17 @@
-"""Decoding benchmark: KV cache vs no-cache baseline, static vs dynamic tokens per forward.
+"""Decoding benchmark: the engine's cost over its model forwards, old engine vs new, side by side.
 
-    .venv/bin/python benchmarks/decode.py            # tiny + ~100M random SDAR, batch 1/8/32
-    .venv/bin/python benchmarks/decode.py --quick    # smaller run
+    .venv/bin/python benchmarks/decode.py                 # tiny + ~100M random SDAR, batch 1/8/32/64
+    .venv/bin/python benchmarks/decode.py --quick         # tiny only, batch 1/8
+    .venv/bin/python benchmarks/decode.py --old-ref main  # compare with another git ref
 
-For each model and batch size: tokens/s with the KV cache and with a baseline that
-recomputes the whole prefix every forward (same sampling, same seeds, same tokens), and
-the speed-up. Then tokens per denoising forward for static (1 token/step) vs dynamic
-(confidence threshold) decoding on the SFT tiny model if present (trained weights make
-the threshold meaningful), else on random weights.
+For each model, strategy (static, dynamic) and batch size, both engines decode the same
+prompts with the same parameters (seeded sampling at temperature 1, max_tokens new
+tokens, EOS ignored). Reported: tokens/s, and the **overhead ratio** = decode wall time /
+time of the same model forwards alone: every forward the engine made (prefill, denoising,
+block commits) is recorded and run again, in order, on the same cache without the engine.
+A ratio of 1.0 is the physical limit: all time spent in the model. The old engine is
+`dllm.decoding` at git ref OLD_ENGINE_REF (benchmarks/oldref.py), imported next to
+today's in the same process. Then tokens per denoising forward for the strategies.
 """
 
 from __future__ import annotations
@@ -21,54 +25,101 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.oldref import OLD_ENGINE_REF, load_package  # noqa: E402
+from dllm import decoding  # noqa: E402
 from dllm.config import SDARConfig  # noqa: E402
-from dllm.decoding import BlockDecoder  # noqa: E402
 from dllm.model import SDARForCausalLM  # noqa: E402
 from dllm.sampling import SamplingParams  # noqa: E402
 
-MODELS = {
-    "tiny-1M": dict(vocab_size=101, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+MODELS = {  # tiny: the embedded default's architecture (char vocab); 100M: SDAR shapes scaled down
+    "tiny": dict(vocab_size=100, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32),
     "sdar-100M": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=10,
                       num_attention_heads=12, num_key_value_heads=4, head_dim=64),
 }
 
 
-def build(name: str) -> SDARForCausalLM:
+def build(name: str, package=None) -> SDARForCausalLM:
     cfg = SDARConfig(**MODELS[name], block_size=4, mask_token_id=MODELS[name]["vocab_size"] - 1, eos_token_id=0)
     torch.manual_seed(0)
-    return SDARForCausalLM(cfg).eval()
+    model = SDARForCausalLM(cfg).eval()
+    if package is None:
+        return model
+    old = package.model.SDARForCausalLM(package.config.SDARConfig.from_dict(cfg.to_dict())).eval()
+    old.load_state_dict(model.state_dict())
+    return old
 
 
-def run(model, batch: int, prompt_len: int, max_tokens: int, use_cache: bool, params: SamplingParams):
-    """-> (tokens generated, seconds, denoising forwards)."""
-    dec = BlockDecoder(model, max_batch=batch, max_len=prompt_len + max_tokens + 4, eos_ids=[], use_cache=use_cache)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(1, model.config.vocab_size - 1, (prompt_len,), generator=g).tolist()
-               for _ in range(batch)]
+def decode(engine, model, prompts, params) -> tuple[int, float, float, list]:
+    """Decode with `engine` (a dllm.decoding module) -> (tokens, wall s, CPU s, recorded forward calls)."""
+    calls = []
+    hook = model.register_forward_pre_hook(lambda _m, args, kwargs: calls.append((args, kwargs)), with_kwargs=True)
+    dec = engine.BlockDecoder(model, max_batch=len(prompts), max_len=len(prompts[0]) + params.max_tokens + 4,
+                              eos_ids=[])
     seqs = [dec.new_sequence(p, params) for p in prompts]
-    t0 = time.perf_counter()
-    dec.add(seqs)
-    running = list(seqs)
-    while running:
-        dec.step(running)
-        running = [s for s in running if not s.is_finished]
-    return sum(len(s.completion_ids) for s in seqs), time.perf_counter() - t0, dec.num_forwards
+    t0, c0 = time.perf_counter(), time.process_time()
+    with torch.no_grad():
+        dec.add(seqs)
+        running = list(seqs)
+        while running:
+            dec.step(running)
+            running = [s for s in running if not s.is_finished]
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    hook.remove()
+    return sum(len(s.completion_ids) for s in seqs), wall, cpu, calls
 
 
-def cache_table(names, batches, prompt_len, max_tokens):
-    print(f"\n## KV cache vs recompute-prefix baseline (prompt {prompt_len}, {max_tokens} new tokens, "
-          "static 1 token/forward, greedy)")
-    print("| model | batch | cache tok/s | no-cache tok/s | speed-up |")
-    print("|---|---:|---:|---:|---:|")
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, strategy="static", ignore_eos=True)
+def replay(model, calls) -> tuple[float, float]:
+    """Run the recorded forwards again, in order, without the engine -> (wall s, CPU s)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    with torch.no_grad():
+        for args, kwargs in calls:
+            model(*args, **kwargs)
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def measure(engines: dict, prompts, params, repeats: int) -> dict[str, dict]:
+    """engines: name -> (dllm.decoding module, model). Runs alternate between the engines (drift on a
+    shared box hits both alike); best of `repeats` for decode and replay separately, wall and CPU."""
+    runs: dict[str, list] = {name: [] for name in engines}
+    for _ in range(repeats):
+        for name, (engine, model) in engines.items():
+            tokens, wall, cpu, calls = decode(engine, model, prompts, params)
+            runs[name].append((wall, cpu, *replay(model, calls), tokens, len(calls)))
+    out = {}
+    for name, rs in runs.items():
+        wall, cpu, fwd_wall, fwd_cpu = (min(r[i] for r in rs) for i in range(4))
+        tokens, num_calls = rs[0][4], rs[0][5]
+        out[name] = {"tok_s": tokens / wall, "tok_s_cpu": tokens / cpu, "ratio": wall / fwd_wall,
+                     "ratio_cpu": cpu / fwd_cpu, "forwards": num_calls}
+    return out
+
+
+def engine_table(names, batches, prompt_len, max_tokens, repeats, old_ref):
+    old = load_package("dllm", old_ref)
+    print(f"\n## Engine overhead: old ({old_ref}) vs new, prompt {prompt_len}, {max_tokens} new tokens, "
+          "temperature 1 (seeded), block 4")
+    print("tok/s from wall clock (and from process CPU time, which other tenants of a shared box disturb "
+          "less); ratio = decode time / time of the same forwards replayed alone, wall (CPU); 1.0 = all "
+          "time in the model\n")
+    print("| model | strategy | batch | forwards old / new | old tok/s | new tok/s | speed-up | old ratio | "
+          "new ratio |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for name in names:
-        model = build(name)
-        run(model, 1, 8, max_tokens, True, params)  # warm-up
-        for b in batches:
-            n1, s1, _ = run(model, b, prompt_len, max_tokens, True, params)
-            n2, s2, _ = run(model, b, prompt_len, max_tokens, False, params)
-            print(f"| {name} | {b} | {n1 / s1:,.0f} | {n2 / s2:,.0f} | {s2 / s1:.2f}x |", flush=True)
+        engines = {"old": (old.decoding, build(name, old)), "new": (decoding, build(name))}
+        g = torch.Generator().manual_seed(1)
+        for strategy in ("static", "dynamic"):
+            params = SamplingParams(max_tokens=max_tokens, temperature=1.0, strategy=strategy, seed=0, ignore_eos=True)
+            measure(engines, [[1] * 8], params, 1)  # warm-up
+            for b in batches:
+                prompts = [torch.randint(1, MODELS[name]["vocab_size"] - 1, (prompt_len,), generator=g).tolist()
+                           for _ in range(b)]
+                r = measure(engines, prompts, params, repeats)
+                o, n = r["old"], r["new"]
+                print(f"| {name} | {strategy} | {b} | {o['forwards']} / {n['forwards']} | {o['tok_s']:,.0f} "
+                      f"({o['tok_s_cpu']:,.0f}) | {n['tok_s']:,.0f} ({n['tok_s_cpu']:,.0f}) | "
+                      f"{n['tok_s'] / o['tok_s']:.2f}x ({n['tok_s_cpu'] / o['tok_s_cpu']:.2f}x) | "
+                      f"{o['ratio']:.2f} ({o['ratio_cpu']:.2f}) | {n['ratio']:.2f} ({n['ratio_cpu']:.2f}) |", flush=True)
 
 
 def tpf_table(max_tokens):
@@ -81,37 +132,40 @@ def tpf_table(max_tokens):
         prompts = [encode(tok, e["prompt"]) for e in ArithmeticTask().split("heldout", 64)]
         label = "tiny SFT (runs/tiny-sft), held-out prompts"
     else:
-        model = build("tiny-1M")
+        model = build("tiny")
         prompts = [[1 + i % 50] * 6 for i in range(64)]
         label = "tiny random weights"
-    print(f"\n## Tokens per denoising forward ({label}, batch 64, max {max_tokens} tokens)")
+    print(f"\n## Tokens per denoising forward ({label}, batch 64, max {max_tokens} tokens, greedy)\n")
     print("| strategy | tokens | forwards | tokens/forward |")
     print("|---|---:|---:|---:|")
     for strategy, kw in [("static", {}), ("static steps=2", {"steps": 2}), ("dynamic thr=0.9", {"threshold": 0.9}),
-                         ("dynamic thr=0.7", {"threshold": 0.7})]:
+                         ("dynamic thr=0.7", {"threshold": 0.7}), ("dynamic thr=0.7 steps=2",
+                                                                   {"threshold": 0.7, "steps": 2})]:
         p = SamplingParams(max_tokens=max_tokens, temperature=0.0, strategy=strategy.split()[0], **kw)
-        dec = BlockDecoder(model, max_batch=len(prompts), max_len=64, tokenizer=None)
-        seqs = [dec.new_sequence(x, p) for x in prompts]
-        dec.add(seqs)
-        running = list(seqs)
-        while running:
-            dec.step(running)
-            running = [s for s in running if not s.is_finished]
-        toks = sum(len(s.completion_ids) + len(s.trace.tail_ids) for s in seqs)
-        fwd = sum(s.num_forwards for s in seqs)
+        outs = decoding.generate(model, prompts, p)
+        toks = sum(len(o.completion_ids) + len(o.trace.tail_ids) for o in outs)
+        fwd = sum(o.num_forwards for o in outs)
         print(f"| {strategy} | {toks} | {fwd} | {toks / fwd:.2f} |", flush=True)
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--old-ref", default=OLD_ENGINE_REF, help="git ref of the old engine")
+    ap.add_argument("--repeats", type=int, default=3, help="best of n runs per row")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     args = ap.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device cpu")
     if args.quick:
-        cache_table(["tiny-1M"], [1, 8], 32, 16)
+        engine_table(["tiny"], [1, 8], 16, 16, 1, args.old_ref)
     else:
-        cache_table(["tiny-1M", "sdar-100M"], [1, 8, 32], 64, 32)
+        if "tiny" in args.models:
+            engine_table(["tiny"], [1, 8, 32, 64], 16, 32, args.repeats, args.old_ref)
+        if "sdar-100M" in args.models:
+            engine_table(["sdar-100M"], [1, 8, 32, 64], 16, 16, max(1, args.repeats - 1), args.old_ref)
     tpf_table(16)
 
 

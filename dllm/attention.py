@@ -9,6 +9,9 @@ Every query and key token carries its absolute position, whether it is in the
 
 The KV-cache decode path, the dense block-causal forward and the SFT/RL training
 layout (noisy copy + clean copy) are all instances of this rule.
+The mask (dense boolean for SDPA, a BlockMask for FlexAttention) is built once per forward
+and cached on the MaskSpec that every layer receives. FlexAttention is compiled once with
+dynamic shapes, so one kernel serves every batch size and length (it also runs on CPU).
 Backend: env DLRL_ATTN=sdpa|flex overrides the automatic choice (flex on CUDA).
 """
 
@@ -61,37 +64,53 @@ def _backend(device: torch.device) -> str:
 _flex_compiled = None
 
 
-def _flex(q, k, v, spec: MaskSpec) -> torch.Tensor:
+def _flex_fn():
+    """flex_attention compiled once with dynamic shapes: one kernel for every batch and length
+    (a static-shape compile would recompile per length and, past torch's recompile limit,
+    silently fall back to the unfused O(L^2) path)."""
     global _flex_compiled
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
     if _flex_compiled is None:
-        _flex_compiled = torch.compile(flex_attention, dynamic=False)
-    bs = spec.block_size
-    qpos, kpos = spec.q_pos, spec.k_pos
-    qn = spec.q_noisy if spec.q_noisy is not None else torch.zeros_like(qpos, dtype=torch.bool)
-    kn = spec.k_noisy if spec.k_noisy is not None else torch.zeros_like(kpos, dtype=torch.bool)
-    kv = spec.k_valid if spec.k_valid is not None else torch.ones_like(kpos, dtype=torch.bool)
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _flex_compiled = torch.compile(flex_attention, dynamic=True)
+    return _flex_compiled
+
+
+def block_mask(spec: MaskSpec, batch: int, q_len: int, kv_len: int, device) -> object:
+    """The FlexAttention BlockMask of `spec` (built once per forward, shared by all layers)."""
+    cached = spec.__dict__.get("_block_mask")
+    if cached is not None:
+        return cached
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    # block ids precomputed: mask_mod captures only tensors (a captured Python int becomes a
+    # symbolic size under dynamic shapes, which inductor's CPU flex template miscompiles)
+    qblk = (spec.q_pos // spec.block_size).contiguous()  # [B, Lq]
+    kblk = (spec.k_pos // spec.block_size).contiguous()  # [B, Lk]
+    qn = spec.q_noisy.contiguous() if spec.q_noisy is not None else torch.zeros_like(qblk, dtype=torch.bool)
+    kn = spec.k_noisy.contiguous() if spec.k_noisy is not None else torch.zeros_like(kblk, dtype=torch.bool)
+    kv = spec.k_valid.contiguous() if spec.k_valid is not None else torch.ones_like(kblk, dtype=torch.bool)
 
     def mask_mod(b, h, qi, ki):
-        qb, kb = qpos[b, qi] // bs, kpos[b, ki] // bs
+        qb, kb = qblk[b, qi], kblk[b, ki]
         noisy_q = qn[b, qi]
         noisy_k = kn[b, ki]
         seen_by_noisy = (noisy_k & (kb == qb)) | (~noisy_k & (kb < qb))
         seen_by_clean = ~noisy_k & (kb <= qb)
         return kv[b, ki] & ((noisy_q & seen_by_noisy) | (~noisy_q & seen_by_clean))
 
-    B, Lq, Lk = q.shape[0], q.shape[2], k.shape[2]
-    block_mask = create_block_mask(mask_mod, B, None, Lq, Lk, device=q.device)
-    return _flex_compiled(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
+    spec.__dict__["_block_mask"] = create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device)
+    return spec.__dict__["_block_mask"]
+
+
+def _flex(q, k, v, spec: MaskSpec) -> torch.Tensor:
+    mask = block_mask(spec, q.shape[0], q.shape[2], k.shape[2], q.device)
+    return _flex_fn()(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec) -> torch.Tensor:
     """q: [B, H, Lq, D], k/v: [B, Hkv, Lk, D] -> [B, H, Lq, D]."""
     if _backend(q.device) == "flex":
         return _flex(q, k, v, spec)
-    if k.shape[1] != q.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=spec.dense())
+    # grouped-query attention without materialising repeated K/V (same result, several times faster)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=spec.dense(), enable_gqa=k.shape[1] != q.shape[1])

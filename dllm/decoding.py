@@ -1,126 +1,65 @@
-"""Block-diffusion decoding with a KV cache and exact traces.
+"""Block-diffusion decoding with a paged KV cache and exact traces: one batched step for all sequences.
 
     outs = generate(model, [prompt_ids, ...], SamplingParams(max_tokens=32, temperature=0), tokenizer)
     outs[0].completion_ids, outs[0].text, outs[0].trace.steps, outs[0].trace.logprobs
 
-Blocks are aligned to absolute position 0. For each sequence: prefill its complete
-prompt blocks into the cache; then per block run denoising forwards, each committing
-some masked tokens (strategy `static`, `dynamic` or `sequential`), until no mask is
-left; then one clean forward writes the block's K/V into the cache. `BlockDecoder`
-does this for many sequences at once, each at its own position; the server's
-continuous-batching engine drives it step by step.
+    dec = BlockDecoder(model, max_batch=16, max_len=4096, tokenizer=tok, num_pages=2048)  # the server's
+    seq = dec.new_sequence(prompt_ids, params)                                        # runner
+    dec.add([seq]) if dec.num_admissible([seq]) else ...; finished = dec.step(running)
+
+Blocks are aligned to absolute position 0. Per sequence: its complete prompt blocks go
+into the cache; then per block, denoising forwards each commit some masked tokens
+(`dllm.commit`: static, dynamic or sequential) until no mask is left; the finished block's
+clean K/V are written by the sequence's next forward, as one more row of it (so are
+one-block prompts; longer prompts get a cache-filling forward of their own). `step` runs ONE denoising forward for every running sequence, each at its
+own position with its own parameters: sampling (`dllm.sampling.sample_batch`) and the
+commit rules are batched tensor ops; the inputs go to the device in one copy, and one
+small device-to-host copy per forward brings back each row's block (ids, steps,
+logprobs) and whether its probabilities were finite. A row whose probabilities are not
+finite ends its own sequence (finish_reason "error", `seq.error` says why); the others go
+on untouched. Finished blocks are detokenised incrementally (`dllm.detokenize`) and
+checked against stop ids, stop strings and max_tokens.
+
+KV memory is paged (`dllm.kv_cache`, pages of block_size tokens): a sequence takes, when
+added, the pages of its own prompt + max_tokens; `num_admissible` says how many waiting
+sequences fit now (free slots and pages).
 """
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass
-
+import numpy as np
 import torch
 
 from dllm.attention import MaskSpec
-from dllm.model import KVCache, SDARForCausalLM
-from dllm.sampling import SamplingParams, sample_tokens, sampling_logprobs
-from dllm.trace import Trace
+from dllm.commit import commit_mask, transfer_schedule
+from dllm.detokenize import TextStream
+from dllm.kv_cache import CacheFull, KVCache
+from dllm.model import SDARForCausalLM
+from dllm.sampling import SamplingParams, counter_uniforms, sample_batch
+from dllm.sequence import STEP_FIELDS, GenerationOutput, Sequence, step_inputs, to_output
 
-_ids = itertools.count()
-
-
-def transfer_schedule(num_masked: int, steps: int) -> list[int]:
-    """Tokens to commit at each of `steps` forwards for a block with `num_masked` masks."""
-    steps = max(1, min(steps, num_masked))
-    base, rem = divmod(num_masked, steps)
-    return [base + (1 if i < rem else 0) for i in range(steps)]
-
-
-class Sequence:
-    """Decoding state of one sample (plain data; the decoder mutates it)."""
-
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, block_size: int, mask_id: int,
-                 seq_id: int | None = None):
-        self.seq_id = next(_ids) if seq_id is None else seq_id
-        self.prompt_ids = list(prompt_ids)
-        self.params = params
-        self.block_size = block_size
-        self.mask_id = mask_id
-        self.completion_ids: list[int] = []
-        self.trace = Trace(prompt_len=len(prompt_ids), block_size=block_size)
-        self.finish_reason: str | None = None
-        self.num_forwards = 0
-        self.slot: int | None = None
-        self.text = ""
-        self.generator = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
-        prefill = len(prompt_ids) // block_size * block_size
-        self.block_start = prefill
-        self._new_block()
-
-    def _new_block(self) -> None:
-        B, start = self.block_size, self.block_start
-        self.block_ids = [self.mask_id] * B
-        given = self.prompt_ids[start:start + B]  # prompt tail inside the first block
-        self.block_ids[:len(given)] = given
-        self.block_steps = [0] * B
-        self.block_logprobs = [0.0] * B
-        self.step_in_block = 0
-        masked = B - len(given)
-        self.schedule = transfer_schedule(masked, self.params.steps or B)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def end_pos(self) -> int:
-        return self.block_start + self.block_size
-
-    def masked_positions(self) -> list[int]:
-        return [i for i, t in enumerate(self.block_ids) if t == self.mask_id and self._is_gen(i)]
-
-    def _is_gen(self, i: int) -> bool:
-        return self.block_start + i >= len(self.prompt_ids)
-
-
-@dataclass
-class GenerationOutput:
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    text: str
-    finish_reason: str
-    trace: Trace
-    num_forwards: int
-
-
-def choose_positions(seq: Sequence, conf: torch.Tensor) -> list[int]:
-    """Which masked positions of the block to commit this forward. conf: [B] prob of sampled token."""
-    masked = seq.masked_positions()
-    p = seq.params
-    k = seq.schedule[min(seq.step_in_block - 1, len(seq.schedule) - 1)]
-    if p.strategy == "sequential":
-        return masked[:k]
-    ranked = sorted(masked, key=lambda i: -float(conf[i]))
-    if p.strategy == "static":
-        return ranked[:k]
-    chosen = [i for i in ranked if float(conf[i]) >= p.threshold]
-    return chosen or ranked[:1]
+__all__ = ["BlockDecoder", "CacheFull", "GenerationOutput", "Sequence", "generate", "to_output",
+           "transfer_schedule"]
 
 
 class BlockDecoder:
-    """Batched block decoding over a preallocated KV cache (one slot per sequence)."""
+    """Batched block decoding over a block-paged KV cache (one slot + its own pages per sequence)."""
 
     def __init__(self, model: SDARForCausalLM, *, max_batch: int, max_len: int, eos_ids=None,
-                 tokenizer=None, use_cache: bool = True):
+                 tokenizer=None, use_cache: bool = True, num_pages: int | None = None):
         cfg = model.config
         self.model, self.tokenizer, self.use_cache = model, tokenizer, use_cache
         self.block_size, self.mask_id = cfg.block_size, cfg.mask_token_id
         self.eos_ids = list(cfg.eos_ids if eos_ids is None else eos_ids)
+        self._eos_set = set(self.eos_ids)
         self.max_len = (max_len + self.block_size - 1) // self.block_size * self.block_size
-        self.cache = KVCache(cfg, max_batch, self.max_len, model.device, model.dtype) if use_cache else None
+        self._col = {name: 5 * self.block_size + i for i, name in enumerate(STEP_FIELDS)}  # packed row layout
+        pages = max_batch * (self.max_len // self.block_size) if num_pages is None else num_pages
+        self.cache = (KVCache(cfg, max_batch, self.max_len, model.device, model.dtype, num_pages=pages)
+                      if use_cache else None)
         self.free_slots = list(range(max_batch))[::-1]
         self.num_forwards = 0  # denoising forwards
-        self.num_commit_forwards = 0
-        self.num_prefill_forwards = 0
+        self.num_fill_forwards = 0  # cache-filling forwards of their own (prompts longer than a block)
         self.num_tokens = 0
 
     @property
@@ -141,43 +80,64 @@ class BlockDecoder:
                              f"exceeds the maximum sequence length {self.max_len}")
         return Sequence(prompt_ids, params, self.block_size, self.mask_id, seq_id)
 
-    @torch.no_grad()
+    def num_pages_needed(self, seq: Sequence) -> int:
+        """KV pages the sequence holds while it runs: its prompt + max_tokens, in blocks."""
+        return -(-(len(seq.prompt_ids) + seq.params.max_tokens) // self.block_size) if self.use_cache else 0
+
+    def num_admissible(self, seqs) -> int:
+        """How many of `seqs`, taken in order, can be added now (free slots and free KV pages)."""
+        num, pages = 0, self.cache.num_free_pages if self.use_cache else 0
+        for s in seqs:
+            need = self.num_pages_needed(s)
+            if num == len(self.free_slots) or need > pages:
+                break
+            num, pages = num + 1, pages - need
+        return num
+
     def add(self, seqs: Sequence | list[Sequence]) -> None:
-        """Allocate slots and prefill the complete prompt blocks of the new sequences."""
-        seqs = [seqs] if isinstance(seqs, Sequence) else seqs
-        if len(seqs) > len(self.free_slots):
-            raise RuntimeError(f"no free decoding slot ({len(self.free_slots)} free, {len(seqs)} asked)")
+        """Give the new sequences slots and pages; their complete prompt blocks are prefilled by the next step."""
+        seqs = [seqs] if isinstance(seqs, Sequence) else list(seqs)
+        if self.num_admissible(seqs) < len(seqs):
+            raise CacheFull(f"cannot add {len(seqs)} sequences: {len(self.free_slots)} free slots, "
+                            f"{self.cache.num_free_pages if self.cache else 0} free KV pages")
         for s in seqs:
             s.slot = self.free_slots.pop()
-        todo = [s for s in seqs if s.block_start > 0]
-        if not todo or not self.use_cache:
-            return
-        L = max(s.block_start for s in todo)
-        dev = self.model.device
-        ids = torch.full((len(todo), L), self.mask_id, dtype=torch.long)
-        for r, s in enumerate(todo):
-            ids[r, :s.block_start] = torch.tensor(s.prompt_ids[:s.block_start])
-        pos = torch.arange(L).expand(len(todo), L)
-        slots = torch.tensor([s.slot for s in todo])
-        self.model(ids.to(dev), pos.to(dev), cache=self.cache, slots=slots.to(dev))
-        self.num_prefill_forwards += 1
+            if self.cache is not None:
+                self.cache.allocate(s.slot, len(s.prompt_ids) + s.params.max_tokens)
+            if self.tokenizer is not None:
+                s.text_stream = TextStream(self.tokenizer, s.params.stop)
+            if self.use_cache and s.block_start > 0:
+                s.pending = s.prompt_ids[:s.block_start]  # prefilled with (or just before) the next step
 
     def release(self, seq: Sequence) -> None:
         if seq.slot is not None:
+            if self.cache is not None:
+                self.cache.free(seq.slot)
             self.free_slots.append(seq.slot)
             seq.slot = None
         if seq.finish_reason is None:
             seq.finish_reason = "abort"
 
-    def _logits(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One denoising forward -> logits of each sequence's current block [N, B, V]."""
+    def _denoise_logits(self, rows: torch.Tensor, pending: list[int], kv_len: int) -> torch.Tensor:
+        """The denoising forward from the packed rows -> logits of the current blocks [N, B, V].
+
+        Rows `pending` also owe the cache their previous block (clean, positions block_start - B ..):
+        it goes in as one more row of the same forward, before the current blocks, so its K/V are
+        written (every layer writes all rows before any reads) and seen by its own next block."""
+        B, dev, col = self.block_size, rows.device, self._col
+        ar = torch.arange(B, device=dev)
+        ids, start, slots = rows[:, :B].long(), rows[:, col["block_start"]].long(), rows[:, col["slot"]].long()
+        pos = start[:, None] + ar  # [N, B]
+        if pending:
+            idx = torch.tensor(pending).to(dev, non_blocking=True)
+            ids = torch.cat([rows[idx, 3 * B:4 * B].long(), ids])  # [P + N, B]
+            pos = torch.cat([pos[idx] - B, pos])
+            slots = torch.cat([slots[idx], slots])
+        return self.model(ids, pos, cache=self.cache, slots=slots, kv_len=kv_len, num_logit_rows=rows.shape[0])
+
+    def _logits_no_cache(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Baseline without a cache: recompute the whole prefix every forward -> logits [N, B, V]."""
         dev, B = self.model.device, self.block_size
-        if self.use_cache:
-            ids = torch.tensor([s.block_ids for s in seqs])
-            pos = torch.stack([torch.arange(s.block_start, s.end_pos) for s in seqs])
-            slots = torch.tensor([s.slot for s in seqs])
-            return self.model(ids.to(dev), pos.to(dev), cache=self.cache, slots=slots.to(dev))
-        # no-cache baseline: recompute the whole prefix every forward
         L = max(s.end_pos for s in seqs)
         ids = torch.full((len(seqs), L), self.mask_id, dtype=torch.long)
         valid = torch.zeros(len(seqs), L, dtype=torch.bool)
@@ -193,89 +153,132 @@ class BlockDecoder:
 
     @torch.no_grad()
     def step(self, seqs: list[Sequence]) -> list[Sequence]:
-        """One denoising forward for every sequence; returns those that finished."""
+        """One denoising forward for every sequence; returns those that finished (or failed)."""
         if not seqs:
             return []
-        logits = self._logits(seqs)  # [N, B, V]
+        B = self.block_size
+        # clean blocks owed to the cache (a just-finished block, a one-block prompt) ride along with this
+        # forward as extra rows; longer prompts get a cache-filling forward of their own first
+        long = [s for s in seqs if s.pending is not None and len(s.pending) > B]
+        if long:
+            self._write_pending(long)
+        pending = [r for r, s in enumerate(seqs) if s.pending is not None]
+        rows = self._pack(seqs)  # [N, 5B + 6]
+        rows = torch.from_numpy(rows).to(self.model.device, non_blocking=True)  # the one host-to-device copy
+        if self.use_cache:
+            logits = self._denoise_logits(rows, pending, max(s.end_pos for s in seqs))  # [N, B, V]
+        else:
+            logits = self._logits_no_cache(seqs)
         self.num_forwards += 1
-        completed = []
+        out = self._sample_and_commit(seqs, logits, rows).cpu()  # the one device-to-host copy
+        ids, steps, logprobs = out[:, :B].long().tolist(), out[:, B:2 * B].long().tolist(), out[:, 2 * B:3 * B]
+        logprobs, is_ok = logprobs.tolist(), out[:, 3 * B].bool().tolist()
+        completed, failed = [], []
         for r, s in enumerate(seqs):
             s.num_forwards += 1
             s.step_in_block += 1
-            logp = sampling_logprobs(logits[r], s.params, self.mask_id)  # [B, V]
-            ids, tok_logp = sample_tokens(logp, s.params, s.generator)
-            chosen = choose_positions(s, tok_logp.exp())
-            for i in chosen:
-                s.block_ids[i] = int(ids[i])
-                s.block_steps[i] = s.step_in_block
-                s.block_logprobs[i] = float(tok_logp[i])
-            if not s.masked_positions():
+            s.pending = None
+            if not is_ok[r]:
+                failed.append(s)
+                continue
+            s.block_ids, s.block_steps, s.block_logprobs = ids[r], steps[r], logprobs[r]
+            if self.mask_id not in s.block_ids:
                 completed.append(s)
-        return self._complete_blocks(completed)
+        for s in failed:
+            self._fail(s)
+        return failed + self._complete_blocks(completed)
+
+    def _pack(self, seqs: list[Sequence]) -> np.ndarray:
+        """Every input of a step in one float64 array [N, 5B + 6] (one host-to-device copy):
+        step_inputs' 4B columns, the sampling uniforms [B], then the STEP_FIELDS values."""
+        B = self.block_size
+        rows = np.array([step_inputs(s) for s in seqs], dtype=np.float64)  # [N, 4B + 6]
+        noise = counter_uniforms([s.seed for s in seqs], rows[:, 4 * B, None] + np.arange(B), rows[:, 4 * B + 1])
+        return np.concatenate([rows[:, :4 * B], noise, rows[:, 4 * B:]], axis=1)
+
+    def _sample_and_commit(self, seqs: list[Sequence], logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Batched sampling + commit rules. rows: [N, 5B + 6] (see _pack) -> [N, 3B + 1] float64:
+        the new block ids, steps, logprobs and whether the row's probabilities were finite."""
+        N, B, col = rows.shape[0], self.block_size, self._col
+        params = [s.params for s in seqs]
+        tok, lp = sample_batch(logits, params, rows[:, 4 * B:5 * B], self.mask_id)  # [N, B] each
+        masked = rows[:, :B] == self.mask_id
+        is_ok = (torch.isfinite(lp) | ~masked).all(-1)  # [N]
+        commit = commit_mask(lp.exp(), masked, rows[:, col["k"]].long(), rows[:, col["threshold"]].float(),
+                             rows[:, col["strategy"]].long(), {p.strategy for p in params}) & is_ok[:, None]
+        step = rows[:, col["step"], None].expand(N, B)
+        new = torch.stack([tok.double(), step, lp.double()], 1)  # [N, 3, B]: ids, steps, logprobs
+        block = torch.where(commit[:, None], new, rows[:, :3 * B].view(N, 3, B))
+        return torch.cat([block.view(N, 3 * B), is_ok[:, None].double()], 1)
+
+    def _fail(self, s: Sequence) -> None:
+        p = s.params
+        s.error = (f"sampling failed: the model's probabilities for this sequence are not finite "
+                   f"(temperature={p.temperature}, top_k={p.top_k}, top_p={p.top_p})")
+        s.finish_reason = s.trace.finish_reason = "error"
+        self.release(s)
 
     def _complete_blocks(self, seqs: list[Sequence]) -> list[Sequence]:
-        finished, going = [], []
+        """Append finished blocks; the clean K/V of a going sequence's block is written by its next step."""
+        finished = []
         for s in seqs:
             self._append_block(s)
-            (finished if s.is_finished else going).append(s)
-        if going and self.use_cache:  # clean forward: write the committed blocks' K/V
-            dev = self.model.device
-            ids = torch.tensor([s.block_ids for s in going])
-            pos = torch.stack([torch.arange(s.block_start, s.end_pos) for s in going])
-            slots = torch.tensor([s.slot for s in going])
-            self.model(ids.to(dev), pos.to(dev), cache=self.cache, slots=slots.to(dev))
-            self.num_commit_forwards += 1
-        for s in going:
+            if s.is_finished:
+                finished.append(s)
+                self.release(s)
+                continue
+            if self.use_cache:
+                s.pending = s.block_ids
             s.block_start += self.block_size
             s._new_block()
-        for s in finished:
-            self.release(s)
         return finished
 
+    def _write_pending(self, seqs: list[Sequence]) -> None:
+        """One cache-filling forward (no logits) for prompts of more than one block (one row each)."""
+        L = max(len(s.pending) for s in seqs)
+        ids = torch.full((len(seqs), L), self.mask_id, dtype=torch.long)
+        valid = torch.zeros(len(seqs), L, dtype=torch.bool)  # padding writes into the scratch page
+        for r, s in enumerate(seqs):
+            ids[r, :len(s.pending)] = torch.tensor(s.pending)
+            valid[r, :len(s.pending)] = True
+        starts = torch.tensor([s.block_start - len(s.pending) for s in seqs])
+        dev = self.model.device
+        pos = (starts.to(dev)[:, None] + torch.arange(L, device=dev)).clamp_(max=self.max_len - 1)  # [N, L]
+        kv_len = min(self.max_len, max(s.block_start - len(s.pending) for s in seqs) + L)
+        self.model(ids.to(dev), pos, cache=self.cache, slots=torch.tensor([s.slot for s in seqs]).to(dev),
+                   kv_len=kv_len, write_mask=valid.to(dev), num_logits=0)
+        self.num_fill_forwards += 1
+        for s in seqs:
+            s.pending = None
+
     def _append_block(self, s: Sequence) -> None:
-        """Move the finished block into the completion; apply stop rules."""
+        """Move the finished block into the completion; apply stop ids, stop strings, max_tokens."""
         first = max(0, len(s.prompt_ids) - s.block_start)
         new_ids = s.block_ids[first:]
         new_steps, new_lp = s.block_steps[first:], s.block_logprobs[first:]
         p = s.params
         keep, reason = len(new_ids), None
-        stop_ids = set(self.eos_ids if p.stop_token_ids is None else p.stop_token_ids)
-        if not p.ignore_eos:
-            hit = next((i for i, t in enumerate(new_ids) if t in stop_ids), None)
-            if hit is not None:
-                keep, reason = hit + 1, "stop"
-        if self.tokenizer is not None and p.stop:
-            n = self._stop_string_cut(s, new_ids[:keep])
+        stop_ids = self._eos_set if p.stop_token_ids is None else set(p.stop_token_ids)
+        if not p.ignore_eos and not stop_ids.isdisjoint(new_ids):
+            keep, reason = next(i for i, t in enumerate(new_ids) if t in stop_ids) + 1, "stop"
+        room = p.max_tokens - len(s.completion_ids)
+        if s.text_stream is not None:
+            n = s.text_stream.push(new_ids[:min(keep, room)])  # decodes only the new tokens
+            s.text = s.text_stream.text
             if n is not None:
                 keep, reason = n, "stop"
-        room = p.max_tokens - len(s.completion_ids)
         if keep > room or (keep == room and reason is None):
             keep, reason = room, "length"
         s.completion_ids += new_ids[:keep]
         s.trace.steps += new_steps[:keep]
         s.trace.logprobs += new_lp[:keep]
         self.num_tokens += keep
-        if self.tokenizer is not None:
-            s.text = self.tokenizer.decode(s.completion_ids, skip_special_tokens=True)
-            cuts = [s.text.find(st) for st in p.stop if st in s.text]
-            if cuts:
-                s.text = s.text[:min(cuts)]
         if reason is None and s.end_pos + self.block_size > self.max_len:
             reason = "length"
         if reason is not None:
             s.trace.tail_ids = new_ids[keep:]
             s.trace.tail_steps = new_steps[keep:]
             s.finish_reason = s.trace.finish_reason = reason
-
-    def _stop_string_cut(self, s: Sequence, cand: list[int]) -> int | None:
-        """Fewest of the block's new tokens after which the text contains a stop string."""
-        def has_stop(ids):
-            text = self.tokenizer.decode(s.completion_ids + ids, skip_special_tokens=True)
-            return any(st in text for st in s.params.stop)
-
-        if not has_stop(cand):
-            return None
-        return next(n for n in range(1, len(cand) + 1) if has_stop(cand[:n]))
 
 
 def generate(model: SDARForCausalLM, prompts_ids: list[list[int]], params: SamplingParams | list[SamplingParams],
@@ -293,8 +296,6 @@ def generate(model: SDARForCausalLM, prompts_ids: list[list[int]], params: Sampl
         done = dec.step(running)
         running = [s for s in running if not s.is_finished]
         assert done or running
-    return [to_output(s, tokenizer) for s in seqs]
+    return [to_output(s) for s in seqs]
 
 
-def to_output(s: Sequence, tokenizer=None) -> GenerationOutput:
-    return GenerationOutput(s.prompt_ids, s.completion_ids, s.text, s.finish_reason, s.trace, s.num_forwards)

@@ -5,7 +5,7 @@ so Hugging Face folders load without conversion (see dllm.weights).
 
     model = SDARForCausalLM(cfg)
     logits = model(ids, pos)                                   # dense block-causal forward
-    logits = model(ids, pos, cache=cache, slots=slots)         # KV-cache decode (dllm.decoding)
+    logits = model(ids, pos, cache=cache, slots=slots)         # KV-cache decode (dllm.kv_cache, dllm.decoding)
     logits = model.forward_train(noisy, clean, pos, valid)     # noisy-copy + clean-copy layout
 """
 
@@ -17,6 +17,7 @@ from torch import nn
 
 from dllm.attention import MaskSpec, attend
 from dllm.config import SDARConfig
+from dllm.kv_cache import CacheView, KVCache
 
 
 class RMSNorm(nn.Module):
@@ -46,16 +47,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-class KVCache:
-    """Preallocated per-layer K/V: [num_slots, max_len, num_kv_heads, head_dim]."""
-
-    def __init__(self, cfg: SDARConfig, num_slots: int, max_len: int, device, dtype):
-        shape = (cfg.num_hidden_layers, num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.max_len = max_len
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: SDARConfig, layer_idx: int):
         super().__init__()
@@ -70,19 +61,14 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, spec: MaskSpec, cache: KVCache | None, slots, kv_len: int):
+    def forward(self, x, cos, sin, spec: MaskSpec, cache: CacheView | None):
         B, L, _ = x.shape  # x: [B, L, hidden]
         q = self.q_norm(self.q_proj(x).view(B, L, self.num_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(B, L, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # q: [B, H, L, D], k/v: [B, Hkv, L, D]
-        if cache is not None:
-            ck, cv = cache.k[self.layer_idx], cache.v[self.layer_idx]  # [S, max_len, Hkv, D]
-            rows = slots[:, None].expand(B, L)
-            ck[rows, spec.q_pos] = k.transpose(1, 2).to(ck.dtype)
-            cv[rows, spec.q_pos] = v.transpose(1, 2).to(cv.dtype)
-            k = ck[slots, :kv_len].transpose(1, 2).to(q.dtype)  # [B, Hkv, kv_len, D]
-            v = cv[slots, :kv_len].transpose(1, 2).to(q.dtype)
+        if cache is not None:  # write this forward's K/V into the pages, attend over [0, kv_len)
+            k, v = cache.update(self.layer_idx, k, v)  # [B, Hkv, kv_len, D]
         out = attend(q, k, v, spec)  # [B, H, L, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, L, -1))
 
@@ -106,8 +92,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, spec, cache, slots, kv_len):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, spec, cache, slots, kv_len)
+    def forward(self, x, cos, sin, spec, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, spec, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -146,24 +132,28 @@ class SDARForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
-    def hidden_states(self, ids, spec: MaskSpec, cache=None, slots=None, kv_len=0) -> torch.Tensor:
-        """ids: [B, L] -> final normed hidden states [B, L, hidden]."""
+    def hidden_states(self, ids, spec: MaskSpec, cache: CacheView | None = None) -> torch.Tensor:
+        """ids: [B, L] -> final normed hidden states [B, L, hidden] (spec's mask built once, used by all layers)."""
         x = self.model.embed_tokens(ids)
         cos, sin = rope_cos_sin(spec.q_pos, self.config.head_dim, self.config.rope_theta, x.dtype)
         for layer in self.model.layers:
             if self.gradient_checkpointing and self.training:
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, spec, cache, slots, kv_len,
-                                                      use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, spec, cache, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, spec, cache, slots, kv_len)
+                x = layer(x, cos, sin, spec, cache)
         return self.model.norm(x)
 
     def forward(self, input_ids, position_ids=None, cache: KVCache | None = None, slots=None,
-                k_valid=None, clean_ids=None, valid=None, output: str = "logits") -> torch.Tensor:
+                k_valid=None, kv_len: int | None = None, write_mask=None, num_logits: int | None = None,
+                num_logit_rows: int | None = None, clean_ids=None, valid=None,
+                output: str = "logits") -> torch.Tensor:
         """Block-causal forward. input_ids/position_ids: [B, L] -> logits [B, L, V].
 
         With `cache` and `slots` ([B] cache rows), the tokens' K/V are written into the
-        cache at their positions and attention runs over cache positions [0, max pos].
+        cache at their positions (tokens where write_mask [B, L] is False write nowhere
+        that is read) and attention runs over cache positions [0, kv_len) (kv_len: max
+        position + 1; pass it to spare a device sync). `num_logits` / `num_logit_rows`: logits
+        of the last n positions / rows only (0 positions: a forward that only fills the cache).
         With `clean_ids` and `valid` ([B, L]) it is `forward_train(input_ids, clean_ids, ...)`
         (so a DeepSpeed engine wrapping the model can run the training layout); with
         output="hidden" it returns the noisy copy's hidden states [B, L, hidden] instead
@@ -180,12 +170,15 @@ class SDARForCausalLM(nn.Module):
         if cache is None:
             spec = MaskSpec(position_ids, position_ids, bs, k_valid=k_valid)
             return self.lm_head(self.hidden_states(input_ids, spec))
-        kv_len = int(position_ids.max()) + 1
+        if kv_len is None:
+            kv_len = int(position_ids.max()) + 1
         k_pos = torch.arange(kv_len, device=input_ids.device).expand(B, kv_len)
         # keys beyond each row's own last position are stale cache entries
         k_valid = k_pos <= position_ids.max(dim=1, keepdim=True).values
         spec = MaskSpec(position_ids, k_pos, bs, k_valid=k_valid)
-        return self.lm_head(self.hidden_states(input_ids, spec, cache, slots, kv_len))
+        hidden = self.hidden_states(input_ids, spec, cache.view(slots, position_ids, kv_len, write_mask))
+        return self.lm_head(hidden[B - (num_logit_rows if num_logit_rows is not None else B):,
+                                   L - (num_logits if num_logits is not None else L):])
 
     def train_spec(self, position_ids, valid) -> MaskSpec:
         B, L = position_ids.shape

@@ -1,19 +1,38 @@
-"""Sampling parameters and the per-token sampling distribution used by block decoding.
+"""Sampling parameters and the sampling distribution of block decoding: its definition and the batched sampler.
 
-`SamplingParams.validate(block_size)` raises ValueError("<field>: <message>").
-`sampling_logprobs` returns the log-probabilities a token is drawn from: logits with
-the mask token removed, divided by temperature, then top-k and top-p filtered. For
-greedy decoding (temperature 0) the distribution is the temperature-1 one and the
-argmax is taken. The Trace records log p(token) under exactly this distribution.
+    params.validate(block_size)                            # ValueError("<field>: <message>")
+    logp = sampling_logprobs(logits, params, mask_id)      # [..., V]: the distribution (the definition)
+    ids, lp = sample_tokens(logp, params, u)               # one sequence's positions, row by row
+    ids, lp = sample_batch(logits, params_list, u, mask_id)  # [N, B, V]: every running sequence at once
+    u = counter_uniforms(seeds, positions, steps)          # [N, B] noise (numpy): a pure function of its inputs
+
+The distribution: logits with the mask token removed, divided by the temperature, then
+top-k and top-p filtered; the Trace records log p(token) under exactly this distribution.
+Greedy decoding (`temperature` 0, or any temperature below `GREEDY_BELOW` = 1e-5: dividing
+logits by e.g. 1e-38 overflows to inf and every probability becomes NaN) takes the argmax and
+records its log-probability under the temperature-1 distribution (still top-k / top-p
+filtered).
+
+Sampling is inverse-CDF: one uniform u in (0, 1] per position picks the first token whose
+cumulative probability reaches u x total. The uniforms come from a counter-based hash
+(splitmix64) of (request seed, absolute position, denoising step), computed on the host and
+shipped with the step's other inputs, so a seeded request gives the same tokens whatever
+else shares its batch, on any device, with no generator state to carry (unseeded sequences
+draw their seed from torch's global generator). `sample_batch` applies
+every row's own temperature / top-k / top-p with tensor ops (top-k and top-p only on the
+rows that ask for them) and gathers the sampled tokens' log-probabilities in one op; it is
+token-for-token the row-by-row definition (`sampling_logprobs` + `sample_tokens`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 STRATEGIES = ("static", "dynamic", "sequential")
+GREEDY_BELOW = 1e-5  # temperatures under this floor decode greedily (logits / 1e-38 overflow to inf)
 
 
 @dataclass
@@ -55,8 +74,10 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
+
+# ----------------------------------------------------------------------------- the definition (one params)
 
 def sampling_logprobs(logits: torch.Tensor, params: SamplingParams, mask_token_id: int) -> torch.Tensor:
     """logits: [..., V] -> log-probabilities [..., V] of the sampling distribution (fp32)."""
@@ -68,20 +89,99 @@ def sampling_logprobs(logits: torch.Tensor, params: SamplingParams, mask_token_i
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop = cum > params.top_p
-        drop[..., 1:] = drop[..., :-1].clone()
-        drop[..., 0] = False
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+        logits = _top_p_filter(logits, params.top_p)
     return torch.log_softmax(logits, dim=-1)
 
 
 def sample_tokens(logprobs: torch.Tensor, params: SamplingParams,
-                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """logprobs: [L, V] -> (token ids [L], their logprobs [L])."""
-    if params.is_greedy:
-        ids = logprobs.argmax(-1)
+                  uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logprobs: [L, V], uniforms: [L] in (0, 1] -> (token ids [L], their logprobs [L])."""
+    ids = logprobs.argmax(-1) if params.is_greedy else _inverse_cdf(logprobs, uniforms)
+    return ids, logprobs.gather(-1, ids[..., None]).squeeze(-1)
+
+
+def _top_p_filter(logits: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (broadcast over rows)."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+    drop = cum > top_p
+    drop[..., 1:] = drop[..., :-1].clone()
+    drop[..., 0] = False
+    return logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+
+
+def _inverse_cdf(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """logprobs [..., V], uniforms [...] in (0, 1] -> the first token whose cumulative mass reaches u."""
+    cdf = logprobs.exp().cumsum(-1)  # [..., V]; zero-probability tokens add nothing, so are never picked
+    target = uniforms[..., None].to(cdf.dtype) * cdf[..., -1:]
+    return torch.searchsorted(cdf, target).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
+
+
+# ----------------------------------------------------------------------------- batched (the engine)
+
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor,
+                 mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [N, B, V] (row r sampled with params[r]; fp32 logits are overwritten), uniforms: [N, B] ->
+    (token ids [N, B], their logprobs [N, B] fp32; NaN/inf where a row's probabilities are not finite)."""
+    N, _, V = logits.shape
+    dev = logits.device
+    greedy = [p.is_greedy for p in params]
+    x = logits.float()  # [N, B, V]: a copy unless already fp32 (then the caller's logits are consumed)
+    x[..., mask_token_id] = float("-inf")
+    temps = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
+    if len(set(temps)) == 1 and temps[0] != 1.0:
+        x = x / temps[0]
+    elif len(set(temps)) > 1:
+        x = x / torch.tensor(temps, device=dev)[:, None, None]
+    rows = [r for r, p in enumerate(params) if 0 < p.top_k < V]
+    if rows:
+        idx = _rows(rows, dev)
+        sub = x[idx]  # [n, B, V]
+        ks = torch.tensor([params[r].top_k for r in rows], device=dev)
+        top = torch.topk(sub, max(params[r].top_k for r in rows), dim=-1).values
+        kth = top.gather(-1, (ks - 1)[:, None, None].expand(-1, sub.shape[1], 1))  # [n, B, 1]
+        x[idx] = sub.masked_fill(sub < kth, float("-inf"))
+    rows = [r for r, p in enumerate(params) if p.top_p < 1.0]
+    if rows:
+        idx = _rows(rows, dev)
+        top_p = torch.tensor([float(params[r].top_p) for r in rows], device=dev)[:, None, None]
+        x[idx] = _top_p_filter(x[idx], top_p)
+    logp = torch.log_softmax(x, dim=-1)  # [N, B, V]
+    sampled = [r for r in range(N) if not greedy[r]]
+    if len(sampled) == N:
+        ids = _inverse_cdf(logp, uniforms)  # [N, B]
     else:
-        ids = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
-    return ids, logprobs.gather(-1, ids[:, None]).squeeze(-1)
+        ids = logp.argmax(-1)
+        if sampled:
+            idx = _rows(sampled, dev)
+            ids[idx] = _inverse_cdf(logp[idx], uniforms[idx])
+    return ids, logp.gather(-1, ids[..., None]).squeeze(-1)
+
+
+def _rows(rows: list[int], device) -> torch.Tensor:
+    return torch.tensor(rows, device=device)
+
+
+# ----------------------------------------------------------------------------- counter-based noise
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijective, well-avalanching 64-bit hash (uint64 arithmetic wraps)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def counter_uniforms(seeds, positions, steps) -> np.ndarray:
+    """seeds: [N] non-negative ints, positions: [N, B], steps: [N] -> uniforms [N, B] float64 in (0, 1].
+
+    A pure function of (seed, position, step), computed on the host in a few vectorised
+    uint64 ops: each (position, step) of a sequence gets its own draw, whatever the batch,
+    its order or the device the model runs on."""
+    seeds = np.asarray([int(s) & 0xFFFFFFFFFFFFFFFF for s in seeds], dtype=np.uint64)[:, None]
+    pos = np.asarray(positions, dtype=np.int64).astype(np.uint64)
+    step = np.asarray(steps, dtype=np.int64).astype(np.uint64)[:, None]
+    h = _mix64(_mix64(_mix64(step * _GOLDEN ^ seeds) ^ pos) + _GOLDEN)  # [N, B]
+    return ((h >> np.uint64(11)) + np.uint64(1)).astype(np.float64) * 2.0 ** -53

@@ -55,7 +55,8 @@ def build_engine(config: ServerConfig, model_path: str):
     backend = create_backend(config.backend, model_path, device=config.device, dtype=config.dtype,
                              max_batch=config.max_batch, max_model_len=config.max_model_len,
                              trust_remote_code=config.trust_remote_code, block_size=config.block_size,
-                             mask_token_id=config.mask_token_id)
+                             mask_token_id=config.mask_token_id, kv_cache_memory=config.kv_cache_memory,
+                             kv_cache_fraction=config.kv_cache_fraction, keep_versions=config.keep_versions)
     return Engine(backend, max_queue=config.max_queue, model_name=config.model_name(model_path))
 
 
@@ -81,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     model_path = resolve_model(config, config_path, args.overrides)
     try:
         engine = build_engine(config, model_path)
+    except ConfigError as e:  # e.g. the KV cache cannot hold one sequence of max_model_len
+        parser.exit(2, f"dlrl serve: error: {e}\n")
     except (ValueError, FileNotFoundError) as e:  # bad folder / option: the message names it
         parser.exit(2, f"dlrl serve: error: cannot load {model_path}: {e}\n")
     try:

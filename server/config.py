@@ -5,6 +5,9 @@
 `model=""` serves the embedded tiny default (`dllm.tiny.ensure_default_model`, trained on
 first use). `admin_token=""` falls back to the `DLRL_ADMIN_TOKEN` env var; with neither,
 admin endpoints are disabled. `max_model_len=0` means min(max_position_embeddings, 8192).
+KV-cache memory: `kv_cache_memory` ("4GiB", "512MB", bytes) if not 0, else `kv_cache_fraction`
+of the memory available after loading the weights (free CUDA memory / available RAM less the
+`keep_versions` host copies of the weights); see server.backends.native.plan_kv_cache.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, StringConstraints
+from pydantic import ByteSize, Field, StringConstraints
 
 from dllm.configlib import Config, load_section
 from rollout_client.protocol import Strategy
@@ -35,9 +38,11 @@ class ServerConfig(Config):
     backend: Backend = "native"
     device: str = "auto"             # auto | cpu | cuda | cuda:N
     dtype: Dtype = "auto"            # auto = bf16 on CUDA, fp32 on CPU
-    max_batch: int = Field(16, ge=1)   # max concurrently decoded sequences (KV-cache slots)
+    max_batch: int = Field(16, ge=1)   # max concurrently decoded sequences (the KV-cache pages may allow fewer)
     max_queue: int = Field(256, ge=1)  # max waiting sequences before 429
     max_model_len: int = Field(0, ge=0)  # prompt + completion limit; 0 = min(max_position_embeddings, 8192)
+    kv_cache_memory: ByteSize = Field(0, ge=0)  # KV-cache budget ("4GiB", "512MB", bytes); 0 = kv_cache_fraction
+    kv_cache_fraction: float = Field(0.8, gt=0, le=1)  # share of free CUDA memory / available RAM after the weights
     trust_remote_code: bool = False  # run the model folder's own Python code (tokenizer/config); never asked
     block_size: int = Field(0, ge=0)  # 0 = config.json's; set it for folders that lack it (or to decode with another)
     mask_token_id: int = Field(-1, ge=-1)  # -1 = config.json's, else the tokenizer's <|MASK|>

@@ -8,10 +8,13 @@
     await engine.pause(); engine.version += 1; await engine.resume()   # weight update window
 
 Each loop iteration (the Runner side is the backend): release aborted sequences, admit
-waiting ones into free slots (prefill), run ONE batched denoising forward over every
+the waiting ones that fit (`backend.num_admissible`: free slots and KV-cache pages), run
+ONE batched denoising forward over every
 running sequence -- whatever its prompt, position, block, strategy or sampling params --
 then hand finished sequences (and, for streams, newly committed blocks) back to their
-requests' event loops. So concurrent requests share every forward.
+requests' event loops. So concurrent requests share every forward. A sequence the backend
+failed alone (`seq.error`, e.g. non-finite probabilities) fails only its own request
+(`RequestFailed`, a 500 with the message); the others go on.
 
 `pause()` stops admission and waits until no sequence runs and no forward is in flight
 (with `abort_inflight=True` it aborts the running ones first); while paused and drained
@@ -32,15 +35,23 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from server.backends.base import Backend
+from server.errors import APIError
 from server.logprobs import top_logprobs
 from server.scheduler import QueueFull, Request, Scheduler
 
 log = logging.getLogger("dlrl.server")
-__all__ = ["Engine", "EngineStopped", "QueueFull", "Request", "StepStats"]
+__all__ = ["Engine", "EngineStopped", "QueueFull", "Request", "RequestFailed", "StepStats"]
 
 
 class EngineStopped(RuntimeError):
     """The engine is shut down (or its thread died); no new requests."""
+
+
+class RequestFailed(APIError, RuntimeError):
+    """A sequence of the request failed in the engine (a 500 whose message says why)."""
+
+    def __init__(self, message: str):
+        super().__init__(500, message)
 
 
 @dataclass
@@ -164,9 +175,9 @@ class Engine:
 
     async def wait(self, req: Request) -> list[Any]:
         """Wait for every sequence of `req`; returns them in request order."""
-        async for kind, _, payload in self.events(req):
+        async for kind, index, payload in self.events(req):
             if kind == "error":
-                raise RuntimeError(payload)
+                raise RequestFailed(f"sample {index}: {payload}" if len(req.seqs) > 1 else payload)
         return req.seqs
 
     async def events(self, req: Request):
@@ -228,7 +239,8 @@ class Engine:
             for seq in self.scheduler.take_releases():
                 self.backend.release(seq)
                 self._finish(seq)
-            admitted = [] if self._is_paused else self.scheduler.admit(self.backend.num_free_slots)
+            admitted = [] if self._is_paused else self.scheduler.admit(
+                self.backend.num_admissible(self.scheduler.waiting))
             for seq in admitted:
                 seq.trace.version = self.version
             batch = list(self.scheduler.running)
@@ -300,8 +312,9 @@ class Engine:
             seq.trace.finish_reason = seq.finish_reason
         self.num_aborted += seq.finish_reason == "abort"
         req = self.scheduler.finish(seq)
-        if req is not None:
-            req.emit(("done", req.index_of[seq.seq_id], None))
+        if req is not None:  # a sequence the decoder failed alone (seq.error) fails its own request only
+            error = getattr(seq, "error", None)
+            req.emit(("error", req.index_of[seq.seq_id], error) if error else ("done", req.index_of[seq.seq_id], None))
 
     def _fail(self, batch: list[Any], message: str) -> None:
         with self._cond:

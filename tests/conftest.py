@@ -70,7 +70,9 @@ def start_server(model_dir: str, port: int | None = None, **overrides) -> Runnin
 
     config = ServerConfig(model=model_dir, port=port or _free_port(), device="cpu", dtype="float32", **overrides)
     backend = NativeBackend.from_pretrained(model_dir, device="cpu", dtype="float32", max_batch=config.max_batch,
-                                            max_model_len=config.max_model_len)
+                                            max_model_len=config.max_model_len, kv_cache_memory=config.kv_cache_memory,
+                                            kv_cache_fraction=config.kv_cache_fraction,
+                                            keep_versions=config.keep_versions)
     engine = Engine(backend, max_queue=config.max_queue, model_name=config.model_name())
     app = create_app(engine, config)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=config.port, log_level="warning",

@@ -1,5 +1,6 @@
 """Helpers shared by test modules (tests never import each other): free ports, real `dlrl serve`
-subprocesses on loopback, admin calls, waiting on a condition with a deadline.
+subprocesses on loopback, admin calls, waiting on a condition with a deadline, the tiny
+random SDAR config of the dllm tests.
 
     with served_process(model_dir, token="t", log_dir=tmp) as srv:   # a real server process
         admin_get(srv.url, "/weights/version", "t")
@@ -20,8 +21,28 @@ from pathlib import Path
 
 import httpx
 
+from dllm.config import SDARConfig
+from dllm.sampling import SamplingParams
+
 ADMIN_TOKEN = "secret"  # the session test server's admin token (what the `admin_headers` fixture sends)
 FIXTURE_CONFIG = str(Path(__file__).parent / "fixtures" / "sdar-1.7b-chat.config.json")
+
+
+def tiny_config(**kw) -> SDARConfig:
+    """A tiny random SDAR config (vocab 64, 2 layers, block 4, mask 63, eos 0); `kw` overrides fields."""
+    base = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, block_size=4, mask_token_id=63, eos_token_id=0,
+                rope_theta=10000.0)
+    base.update(kw)
+    return SDARConfig(**base)
+
+
+class OverflowingParams(SamplingParams):
+    """Bypasses the greedy floor: logits / 1e-45 overflow and the row's probabilities become NaN."""
+
+    @property
+    def is_greedy(self) -> bool:
+        return False
 
 
 def parity_reward(text: str, example: dict, num_tokens: int | None = None) -> float:

@@ -7,7 +7,7 @@ from dllm.decoding import BlockDecoder, generate, transfer_schedule
 from dllm.model import SDARForCausalLM
 from dllm.sampling import SamplingParams, sampling_logprobs
 from dllm.tokenizer import build_char_tokenizer
-from tests.test_dllm_model import tiny_config
+from tests.helpers import tiny_config
 
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16], [20, 21, 22, 23]]
 

@@ -5,14 +5,7 @@ import torch
 
 from dllm.config import ConfigValueError, SDARConfig
 from dllm.model import KVCache, SDARForCausalLM
-
-
-def tiny_config(**kw) -> SDARConfig:
-    base = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, block_size=4, mask_token_id=63, eos_token_id=0,
-                rope_theta=10000.0)
-    base.update(kw)
-    return SDARConfig(**base)
+from tests.helpers import tiny_config
 
 
 def test_block_size_1_matches_transformers_qwen3():

@@ -7,7 +7,7 @@ import torch
 
 from dllm.model import SDARForCausalLM
 from dllm.weights import WeightLoadError, copy_into_model, load_pretrained, save_pretrained
-from tests.test_dllm_model import tiny_config
+from tests.helpers import tiny_config
 
 
 def test_sharded_round_trip(tmp_path):

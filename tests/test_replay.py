@@ -6,7 +6,7 @@ import torch
 from dllm.decoding import generate
 from dllm.model import SDARForCausalLM
 from dllm.sampling import SamplingParams
-from tests.test_dllm_model import tiny_config
+from tests.helpers import tiny_config
 from trainer.replay import build_rows, completion_rows, token_logprobs
 
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16], [30]]

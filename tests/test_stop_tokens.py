@@ -47,7 +47,8 @@ def test_every_route_stops_at_im_end(small_sdar_dir, make_server_for):
         _check_stop(s["completion_ids"], s["trace"], s["text"])
     comp = httpx.post(srv.url + "/v1/completions", json={**body, "prompt": "Hi", "return_trace": True},
                       timeout=60).json()["choices"]
-    chat = httpx.post(srv.url + "/v1/chat/completions", json={**body, "return_trace": True, "messages": [
+    # the random model ends about 2 turns in 3 within 24 tokens: of 8 samples one stops all but surely
+    chat = httpx.post(srv.url + "/v1/chat/completions", json={**body, "n": 8, "return_trace": True, "messages": [
         {"role": "user", "content": "What is 2+2?"}]}, timeout=60).json()["choices"]
     for c in comp + chat:
         if c["finish_reason"] == "stop":

@@ -3,6 +3,7 @@
 The engine's one background thread drives a backend like nano-vllm's ModelRunner:
 
     seq = backend.new_sequence(prompt_ids, params)   # validate (ValueError "<field>: ...")
+    n = backend.num_admissible(waiting)              # how many waiting sequences fit now
     backend.add([seq, ...])                          # allocate slots, prefill prompt blocks
     finished = backend.step(running)                 # one batched denoising forward
     backend.release(seq)                             # free an aborted sequence's slot
@@ -52,6 +53,11 @@ class Backend(ABC):
     @abstractmethod
     def num_free_slots(self) -> int:
         ...
+
+    def num_admissible(self, waiting) -> int:
+        """How many of the waiting sequences, taken in order, can start now (free slots by default;
+        the native backend also counts the KV-cache pages each one needs)."""
+        return min(len(waiting), self.num_free_slots)
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Free device resources."""

@@ -1,7 +1,16 @@
 """The native backend: dllm's `BlockDecoder` (PyTorch; CPU SDPA, CUDA FlexAttention in bf16).
 
-    backend = NativeBackend.from_pretrained("runs/tiny/model", device="auto", dtype="auto",
-                                            max_batch=16, max_model_len=0, trust_remote_code=False)
+    backend = NativeBackend.from_pretrained("runs/tiny/model", device="auto", dtype="auto", max_batch=16,
+                                            max_model_len=0, kv_cache_memory=0, kv_cache_fraction=0.8,
+                                            trust_remote_code=False)
+
+The KV cache is sized from memory (`plan_kv_cache`): `kv_cache_memory` bytes (e.g. 4 << 30;
+server.kv_cache_memory takes "4GiB") if not 0, else `kv_cache_fraction` of the memory
+available once the weights are loaded (free device memory on CUDA; on CPU available RAM
+less the `keep_versions` host copies of the weights kept for rollback), never more than `max_batch` sequences of `max_model_len` need. It is block-paged, so a
+sequence holds only the pages of its own prompt + max_tokens: how many run at once follows
+their real lengths (at most `max_batch`). The plan is logged at startup; when one sequence of
+`max_model_len` does not fit, startup stops with a ConfigError naming the options to change.
 
 Generation stops at the union of config.json's, generation_config.json's and the
 tokenizer's eos ids (`backend.eos_ids`; chat checkpoints end turns with `<|im_end|>`); a
@@ -17,17 +26,21 @@ from __future__ import annotations
 
 import copy
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dllm.configlib import ConfigError
 from dllm.decoding import BlockDecoder, Sequence
+from dllm.kv_cache import KVCache
 from dllm.weights import load_pretrained, parse_dtype
 from server.backends.base import Backend
 
 log = logging.getLogger("dlrl.server")
 DEFAULT_MAX_LEN = 8192
+GIB = float(1 << 30)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -42,27 +55,95 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return parse_dtype(dtype)
 
 
+def available_memory(device: torch.device, host_reserve: int = 0) -> int:
+    """Bytes the KV cache could take: free device memory on CUDA, available RAM otherwise
+    (less `host_reserve`, host memory promised to something else: kept weight versions)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return max(psutil.virtual_memory().available - host_reserve, 0)
+
+
+@dataclass
+class KVPlan:
+    num_pages: int
+    page_tokens: int
+    bytes_per_token: int
+    max_len: int
+    max_batch: int
+    budget: str  # where the budget came from
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_pages * self.page_tokens * self.bytes_per_token
+
+    @property
+    def num_full_sequences(self) -> int:
+        """Sequences of max_model_len that fit at once."""
+        return self.num_pages // -(-self.max_len // self.page_tokens)
+
+    def describe(self) -> str:
+        tokens = self.num_pages * self.page_tokens
+        return (f"KV cache {self.num_bytes / GIB:.3f} GiB ({self.budget}): {self.num_pages:,} pages of "
+                f"{self.page_tokens} tokens = {tokens:,} tokens at {self.bytes_per_token / 1024:.1f} KiB/token; "
+                f"{min(self.num_full_sequences, self.max_batch)} sequences of max_model_len={self.max_len} at "
+                f"once, up to max_batch={self.max_batch} when shorter")
+
+
+def plan_kv_cache(cfg, dtype: torch.dtype, *, max_batch: int, max_len: int, memory: int, fraction: float,
+                  available: int) -> KVPlan:
+    """Pages of the KV cache from a memory budget; ConfigError when one max_len sequence does not fit."""
+    per_token = KVCache.bytes_per_token(cfg, dtype)
+    page_bytes = per_token * cfg.block_size
+    pages_per_seq = -(-max_len // cfg.block_size)
+    if memory:
+        budget, source = memory, f"server.kv_cache_memory={memory / GIB:.3f} GiB"
+    else:
+        budget = int(fraction * available)
+        source = f"server.kv_cache_fraction={fraction} of {available / GIB:.2f} GiB available"
+    num_pages = min(budget // page_bytes, max_batch * pages_per_seq)
+    if num_pages < pages_per_seq:
+        need = pages_per_seq * page_bytes
+        raise ConfigError(
+            f"KV cache: one sequence of max_model_len={max_len} tokens needs {need / GIB:.3f} GiB, but the cache "
+            f"may use {budget / GIB:.3f} GiB ({source}); raise server.kv_cache_memory or "
+            f"server.kv_cache_fraction, or lower server.max_model_len")
+    if num_pages == max_batch * pages_per_seq:
+        source += f"; capped at max_batch={max_batch} x max_model_len={max_len}"
+    return KVPlan(num_pages, cfg.block_size, per_token, max_len, max_batch, source)
+
+
+def weight_bytes(model: Any) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 class NativeBackend(Backend):
     name = "native"
 
     def __init__(self, model: Any, tokenizer: Any, *, max_batch: int, max_model_len: int = 0,
-                 eos_ids: list[int] | None = None):
+                 eos_ids: list[int] | None = None, kv_cache_memory: int = 0, kv_cache_fraction: float = 0.8,
+                 keep_versions: int = 0):
         cfg = model.config
         self.eos_ids = sorted(set(cfg.eos_ids if eos_ids is None else eos_ids))
         self.model, self.tokenizer = model.eval(), tokenizer
         self.block_size, self.vocab_size, self.mask_token_id = cfg.block_size, cfg.vocab_size, cfg.mask_token_id
-        # 0 = the model's limit, capped so the preallocated KV cache of a real SDAR model
-        # (max_batch x max_len per layer) stays reasonable; set server.max_model_len to go higher
+        # 0 = the model's limit, capped at DEFAULT_MAX_LEN; set server.max_model_len to go higher
         self.max_len = max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_LEN)
         self.max_batch = max_batch
+        self.kv_plan = plan_kv_cache(cfg, model.dtype, max_batch=max_batch, max_len=self.max_len,
+                                     memory=int(kv_cache_memory), fraction=kv_cache_fraction,
+                                     available=available_memory(model.device, keep_versions * weight_bytes(model)))
+        log.info("%s", self.kv_plan.describe())
         decode_tok = copy.deepcopy(tokenizer) if tokenizer is not None else None
         self.decoder = BlockDecoder(model, max_batch=max_batch, max_len=self.max_len, eos_ids=self.eos_ids,
-                                    tokenizer=decode_tok)
+                                    tokenizer=decode_tok, num_pages=self.kv_plan.num_pages)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str = "auto", dtype: str = "auto",
                         max_batch: int = 16, max_model_len: int = 0, trust_remote_code: bool = False,
-                        block_size: int = 0, mask_token_id: int = -1) -> NativeBackend:
+                        block_size: int = 0, mask_token_id: int = -1, kv_cache_memory: int = 0,
+                        kv_cache_fraction: float = 0.8, keep_versions: int = 0) -> NativeBackend:
         from dllm.tokenizer import eos_token_ids, load_tokenizer
 
         dev = resolve_device(device)
@@ -73,7 +154,8 @@ class NativeBackend(Backend):
                  sum(p.numel() for p in model.parameters()) / 1e6)
         eos_ids = eos_token_ids(path, tokenizer, model.config.eos_ids)
         log.info("stop token ids (config.json + generation_config.json + tokenizer): %s", eos_ids)
-        return cls(model, tokenizer, max_batch=max_batch, max_model_len=max_model_len, eos_ids=eos_ids)
+        return cls(model, tokenizer, max_batch=max_batch, max_model_len=max_model_len, eos_ids=eos_ids,
+                   kv_cache_memory=kv_cache_memory, kv_cache_fraction=kv_cache_fraction, keep_versions=keep_versions)
 
     def new_sequence(self, prompt_ids: list[int], params: Any) -> Sequence:
         if params.stop_token_ids is not None and not params.ignore_eos:  # vLLM: they add to the eos ids
@@ -92,6 +174,9 @@ class NativeBackend(Backend):
     @property
     def num_free_slots(self) -> int:
         return self.decoder.num_free_slots
+
+    def num_admissible(self, waiting) -> int:
+        return self.decoder.num_admissible(waiting)
 
     def close(self) -> None:
         self.decoder.cache = None

@@ -1,0 +1,107 @@
+"""Block-paged KV cache: pages of `block_size` tokens shared by every sequence, a page table per slot.
+
+    cache = KVCache(cfg, num_slots=16, max_len=8192, device=dev, dtype=dt, num_pages=4096)
+    cache.allocate(slot, num_tokens)        # give the slot pages for positions [0, num_tokens) (CacheFull)
+    logits = model(ids, pos, cache=cache, slots=slots, kv_len=...)   # writes + reads through the tables
+    cache.free(slot)                        # its pages go back to the pool
+
+K/V live in one pool per layer, `[num_pages + 1, page_size, num_kv_heads, head_dim]`; page 0
+is a scratch page that unallocated table entries point at (padding writes land there and
+are never attended to). A sequence holds only the pages its own length needs, so memory
+follows real sequence lengths, not `num_slots x max_len`. With `num_pages=None` every slot
+gets its `max_len` pages up front (the simple fixed layout, for direct use of the model).
+
+`KVCache.bytes_per_token(cfg, dtype)` is what one cached token costs (keys + values, all
+layers): the number the server sizes the pool from.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dllm.config import SDARConfig
+
+
+class CacheFull(RuntimeError):
+    """No free page left for an allocation."""
+
+
+class KVCache:
+    def __init__(self, cfg: SDARConfig, num_slots: int, max_len: int, device, dtype, num_pages: int | None = None):
+        ps = self.page_size = cfg.block_size
+        self.num_slots = num_slots
+        self.max_pages = -(-max_len // ps)  # pages of one slot's longest sequence
+        self.max_len = self.max_pages * ps
+        fixed = num_pages is None
+        self.num_pages = num_slots * self.max_pages if fixed else int(num_pages)
+        shape = (cfg.num_hidden_layers, self.num_pages + 1, ps, cfg.num_key_value_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.page_table = torch.zeros(num_slots, self.max_pages, dtype=torch.long, device=device)  # 0 = scratch
+        self.slot_pages: list[list[int]] = [[] for _ in range(num_slots)]
+        self.free_pages = list(range(self.num_pages, 0, -1))
+        if fixed:
+            for slot in range(num_slots):
+                self.allocate(slot, self.max_len)
+
+    @staticmethod
+    def bytes_per_token(cfg: SDARConfig, dtype: torch.dtype) -> int:
+        item = torch.empty((), dtype=dtype).element_size()
+        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * item
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self.free_pages)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def allocate(self, slot: int, num_tokens: int) -> None:
+        """Make `slot` hold pages for positions [0, num_tokens) (keeps the pages it has)."""
+        pages = self.slot_pages[slot]
+        need = self.pages_for(min(num_tokens, self.max_len)) - len(pages)
+        if need <= 0:
+            return
+        if need > len(self.free_pages):
+            raise CacheFull(f"KV cache full: {need} pages needed, {len(self.free_pages)} free")
+        new = [self.free_pages.pop() for _ in range(need)]
+        first = len(pages)
+        pages += new
+        row = torch.tensor(new, dtype=torch.long).to(self.page_table.device, non_blocking=True)
+        self.page_table[slot, first:first + need] = row
+
+    def free(self, slot: int) -> None:
+        self.free_pages += reversed(self.slot_pages[slot])
+        self.slot_pages[slot] = []
+        self.page_table[slot] = 0
+
+    def view(self, slots: torch.Tensor, q_pos: torch.Tensor, kv_len: int, write_mask=None) -> CacheView:
+        return CacheView(self, slots, q_pos, kv_len, write_mask)
+
+
+class CacheView:
+    """One forward's cache addressing, computed once and used by every layer.
+
+    slots: [N] cache rows, q_pos: [N, L] positions written (where write_mask [N, L], else into
+    the scratch page: padding), kv_len: positions [0, kv_len) read."""
+
+    def __init__(self, cache: KVCache, slots: torch.Tensor, q_pos: torch.Tensor, kv_len: int,
+                 write_mask: torch.Tensor | None = None):
+        ps = cache.page_size
+        table = cache.page_table[slots]  # [N, max_pages]
+        self.cache = cache
+        write = table.gather(1, q_pos // ps) * ps + q_pos % ps  # [N, L]
+        if write_mask is not None:
+            write = torch.where(write_mask, write, q_pos % ps)  # page 0: scratch
+        self.write_idx = write.flatten()  # [N * L]
+        k_pos = torch.arange(kv_len, device=q_pos.device)
+        self.read_idx = table[:, k_pos // ps] * ps + k_pos % ps  # [N, kv_len]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v: [N, Hkv, L, D] new keys/values -> all cached ones [N, Hkv, kv_len, D] (after writing)."""
+        out = []
+        for pool, new in ((self.cache.k[layer], k), (self.cache.v[layer], v)):
+            flat = pool.view(-1, *pool.shape[2:])  # [(P + 1) * page_size, Hkv, D]
+            flat.index_copy_(0, self.write_idx, new.transpose(1, 2).reshape(-1, *flat.shape[1:]).to(flat.dtype))
+            out.append(flat[self.read_idx].transpose(1, 2).to(k.dtype))
+        return out[0], out[1]

@@ -1,0 +1,105 @@
+"""Sequence: the decoding state of one sample, and what a finished one hands back.
+
+    seq = Sequence(prompt_ids, SamplingParams(max_tokens=32), block_size=4, mask_id=63)
+    seq.block_ids, seq.block_steps, seq.block_logprobs     # the block being denoised (host mirror)
+    seq.completion_ids, seq.text, seq.trace, seq.finish_reason, seq.error
+    to_output(seq) -> GenerationOutput
+
+Plain data: `dllm.decoding.BlockDecoder` mutates it. `seed` keys the sequence's sampling
+noise (the request seed, else drawn from torch's global generator); `pending` holds clean
+tokens just before the current block whose K/V the cache does not have yet (new prompt
+blocks, a just-finished block) and that the decoder's next forward writes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from dllm.commit import STRATEGY_CODES, transfer_schedule
+from dllm.detokenize import TextStream
+from dllm.sampling import SamplingParams
+from dllm.trace import Trace
+
+_ids = itertools.count()
+
+
+class Sequence:
+    """Decoding state of one sample (plain data; the decoder mutates it)."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, block_size: int, mask_id: int,
+                 seq_id: int | None = None):
+        self.seq_id = next(_ids) if seq_id is None else seq_id
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.block_size = block_size
+        self.mask_id = mask_id
+        self.completion_ids: list[int] = []
+        self.trace = Trace(prompt_len=len(prompt_ids), block_size=block_size)
+        self.finish_reason: str | None = None
+        self.error: str | None = None  # why the sequence failed (finish_reason "error")
+        self.num_forwards = 0
+        self.slot: int | None = None
+        self.text = ""
+        self.text_stream: TextStream | None = None
+        self.pending: list[int] | None = None  # clean ids just before the block whose K/V are not cached yet
+        # the key of this sequence's sampling noise: the request seed, else drawn from torch's generator
+        self.seed = params.seed if params.seed is not None else int(torch.randint(1 << 62, ()))
+        self.block_start = len(prompt_ids) // block_size * block_size
+        self._new_block()
+
+    def _new_block(self) -> None:
+        B, start = self.block_size, self.block_start
+        self.block_ids = [self.mask_id] * B
+        given = self.prompt_ids[start:start + B]  # prompt tail inside the first block
+        self.block_ids[:len(given)] = given
+        self.block_steps = [0] * B
+        self.block_logprobs = [0.0] * B
+        self.step_in_block = 0
+        self.schedule = transfer_schedule(B - len(given), self.params.steps or B)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def end_pos(self) -> int:
+        return self.block_start + self.block_size
+
+    def masked_positions(self) -> list[int]:
+        return [i for i, t in enumerate(self.block_ids) if t == self.mask_id and self._is_gen(i)]
+
+    def _is_gen(self, i: int) -> bool:
+        return self.block_start + i >= len(self.prompt_ids)
+
+
+@dataclass
+class GenerationOutput:
+    """A finished sample, as `dllm.decoding.generate` returns it."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    text: str
+    finish_reason: str
+    trace: Trace
+    num_forwards: int
+    error: str | None = None
+
+
+STEP_FIELDS = ("block_start", "step", "k", "strategy", "threshold", "slot")
+
+
+def step_inputs(s: Sequence) -> list:
+    """One sequence's inputs of a denoising step, as numbers: block ids, steps, logprobs, pending clean
+    ids [4B], then the STEP_FIELDS values (step is 1-based, k from the schedule). The decoder adds the noise."""
+    k = s.schedule[min(s.step_in_block, len(s.schedule) - 1)]
+    pending = s.pending if s.pending is not None else s.block_ids
+    return [*s.block_ids, *s.block_steps, *s.block_logprobs, *pending, s.block_start, s.step_in_block + 1, k,
+            STRATEGY_CODES[s.params.strategy], float(s.params.threshold), s.slot]
+
+
+def to_output(s: Sequence, tokenizer=None) -> GenerationOutput:
+    return GenerationOutput(s.prompt_ids, s.completion_ids, s.text, s.finish_reason, s.trace, s.num_forwards,
+                            s.error)
