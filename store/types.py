@@ -18,7 +18,8 @@ import uuid
 from dataclasses import asdict, dataclass, field
 
 # Version statuses of the registry, in the order a version usually goes through them.
-VERSION_STATUSES = ("trained", "candidate", "gated_out", "canary", "serving", "rolled_back", "retired")
+VERSION_STATUSES = ("trained", "candidate", "gated_out", "canary", "serving", "rolled_back", "retired",
+                    "superseded")
 
 
 def new_record_id() -> str:

@@ -122,7 +122,8 @@ def test_align_end_to_end(sft_model, tmp_path, monkeypatch, capsys):
     assert users["requests"] > 100 and users["errors"] == 0, users["error_messages"]
     serving_ever = {e["version"] for e in events if e["kind"] in ("promoted", "canary")}
     assert set(users["versions_seen"]) <= serving_ever
-    # the flipped candidate: stopped by the gate, never on a replica
+    # the flipped candidate (the first one gated after steps 4-6: a canary in flight can delay it; its
+    # `flipped` mark follows the lineage until a revert): stopped by the gate, never on a replica
     bad = [v for v, r in versions.items() if r["status"] == "gated_out"]
     assert any(versions[v]["data"].get("flipped") for v in bad), versions
     assert all(versions[v]["eval"]["gate_passed"] is False for v in bad)

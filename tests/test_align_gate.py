@@ -125,3 +125,84 @@ def test_weight_bank_keeps_recent_in_memory_all_on_disk(tiny_model_dir, tmp_path
     assert weights_digest(dict(ref.named_parameters())) == weights_digest(w2)
     with pytest.raises(KeyError, match="no saved weights"):
         bank.set_reference(7)
+
+
+class _Promoter:
+    """The promoter's face to the Aligner: busy while a canary is in flight; records starts."""
+
+    def __init__(self):
+        self.serving_version, self.canary, self.started = 0, None, []
+
+    busy = property(lambda self: self.canary is not None)
+
+    def reconcile(self):
+        pass
+
+    def start(self, cand):
+        self.started.append(cand.version)
+        self.canary = SimpleNamespace(cand=cand)
+
+
+def _aligner(tmp_path, monkeypatch, scores: dict):
+    """An Aligner with its collaborators stubbed: the rollout servers' scores come from `scores`."""
+    from store import open_store
+    from trainer import align
+
+    monkeypatch.setattr(align, "policy_weights", lambda run: {})
+    al = object.__new__(align.Aligner)
+    al.cfg = AlignConfig(promote_every=3, tolerance=0.02)
+    al.run = SimpleNamespace(version=0)
+    al.store = open_store(tmp_path / "reg.db")
+    al.store.register_version(0, None, 0, "r", {})
+    al.promoter, al.metrics, al.bank = _Promoter(), AlignMetrics(), SimpleNamespace(reference=None)
+    al.gate = SimpleNamespace(scores=lambda gen: dict(scores[al.run.version]), kl=lambda *a, **k: {"kl": 0.0},
+                              check=_gate(tolerance=0.02, kl_budget=1.0).check)
+    al.run.fleet = al.run.learner = SimpleNamespace(generate=None, engine=SimpleNamespace(module=None))
+    al.pending, al.last_candidate, al.waiting, al.serving_scores = [], -1, None, dict(SERVING)
+    al.counts = {"promotions": 0, "rollbacks": 0, "gate_failed": 0, "reverts": 0}
+    al.reverts, al.flipped = [], False
+    monkeypatch.setattr(al, "revert", lambda: al.reverts.append(al.run.version), raising=False)
+    return al
+
+
+def _to(al, version: int, step: int) -> dict:
+    al.run.version = version
+    al.store.register_version(version, version - 1, step, "r", {})
+    return al.maybe_promote(step)
+
+
+def test_the_gate_runs_during_a_promotion_and_a_passing_candidate_waits_for_it(tmp_path, monkeypatch):
+    scores = {3: {**SERVING, "accuracy": 0.7}, 6: {**SERVING, "accuracy": 0.2}, 7: {**SERVING, "accuracy": 0.75},
+              9: {**SERVING, "accuracy": 0.8}, 12: {**SERVING, "accuracy": 0.72}}
+    al = _aligner(tmp_path, monkeypatch, scores)
+    status = lambda v: next(r["status"] for r in al.store.versions() if r["version"] == v)  # noqa: E731
+    assert _to(al, 3, 3)["gate_passed"] == 1 and al.promoter.started == [3]  # idle: the promotion starts
+    # a bad policy during version 3's canary: stopped and reverted at once, not after the promotion
+    assert _to(al, 6, 6)["gate_passed"] == 0 and status(6) == "gated_out" and al.reverts == [6]
+    assert al.waiting is None and al.promoter.started == [3]
+    # good ones during the canary wait; the newer replaces the older
+    assert _to(al, 7, 9)["gate_passed"] == 1 and al.waiting.version == 7 and status(7) == "candidate"
+    assert _to(al, 9, 12)["gate_passed"] == 1 and al.waiting.version == 9
+    assert status(7) == "superseded" and al.promoter.started == [3]
+    al.start_waiting()  # still busy: nothing
+    assert al.promoter.started == [3]
+    al.promoter.canary, al.promoter.serving_version = None, 3  # version 3 promoted (72% held out)
+    al.serving_scores = {**SERVING, "accuracy": 0.7}
+    al.start_waiting()  # 80% >= 70% - 2%: checked again, it starts
+    assert al.promoter.started == [3, 9] and al.waiting is None
+    # one that passed against the old serving version but not against the one promoted meanwhile
+    assert _to(al, 12, 15)["gate_passed"] == 1 and al.waiting.version == 12
+    al.promoter.canary, al.promoter.serving_version = None, 9
+    al.serving_scores = {**SERVING, "accuracy": 0.8}
+    al.start_waiting()
+    assert al.promoter.started == [3, 9] and status(12) == "gated_out" and al.reverts == [6]  # no revert
+    row = next(r for r in al.store.versions() if r["version"] == 12)
+    assert row["eval"]["gate_passed"] is False and row["eval"]["serving_version"] == 9
+    assert "held-out accuracy 0.720 < serving 0.800" in row["eval"]["reasons"][0]
+    # a revert drops the waiting candidate
+    al.promoter.canary = SimpleNamespace(cand=SimpleNamespace(version=99))
+    scores[13] = {**SERVING, "accuracy": 0.9}
+    scores[14] = {**SERVING, "accuracy": 0.1}
+    assert _to(al, 13, 18)["gate_passed"] == 1 and al.waiting.version == 13
+    assert _to(al, 14, 21)["gate_passed"] == 0 and al.waiting is None and status(13) == "superseded"
+    al.store.close()

@@ -11,8 +11,9 @@ are the users'; importance weights from the recorded behaviour log-probs, `train
 advantages: see `trainer.align_data`) -> push to the rollout servers (`Publisher.push`) -> the
 new version in the registry (parent, step, data consumed). Every `align.promote_every` steps the
 policy is a candidate: the gate (`trainer.align_gate`) on the rollout servers, then the rolling
-promotion to the serving replicas (`trainer.align_promote`), watched between the next steps. A
-candidate stopped by the gate or rolled back on the canary sends the policy back to the serving
+promotion to the serving replicas (`trainer.align_promote`), watched between the next steps (the
+gate runs when due even during a promotion; a candidate that passes then waits for it, and a
+newer one that passes replaces it: status `superseded`). A candidate stopped by the gate or rolled back on the canary sends the policy back to the serving
 weights (`align.on_gate_fail=revert`, Adam moments reset) or lets it train on (`continue`).
 """
 
@@ -58,6 +59,11 @@ class Aligner:
         self.pending: list[tuple[int, float]] = []  # (version trained on it, feedback time), not serving yet
         self.serving_scores: dict = {}
         self.last_candidate = -1
+        self.waiting: Candidate | None = None  # passed the gate while a promotion was in flight
+        # the policy has trained on flipped rewards (align.flip_reward_steps) since it last was the serving
+        # weights: every version it pushes is a "flipped" candidate until a revert (a candidate gated some
+        # steps after the flip, because a canary was in flight, is still the bad candidate)
+        self.flipped = False
         self.learned = False
         self.promoter: Promoter | None = None
         self.counts = {"promotions": 0, "rollbacks": 0, "gate_failed": 0, "reverts": 0}
@@ -149,13 +155,15 @@ class Aligner:
         self.learned = True
         with t("sync"):
             if metrics["num_kept"]:
+                self.flipped |= step + 1 in cfg.flip_reward_steps
                 run.publisher.push()
         stale = self.feedback.counts["stale"] - before["stale"]
         self.metrics.count_feedback({"used": len(taken), "stale": stale})
         if run.version != parent:
             self.store.register_version(run.version, parent, step + 1, self.run_id, {
                 "on_policy": len(batch.rollouts) - len(taken), "feedback": len(taken), "feedback_stale": stale,
-                "prompts": batch.num_on_policy, "flipped": step + 1 in cfg.flip_reward_steps})
+                "prompts": batch.num_on_policy, "flipped": self.flipped,
+                "flipped_step": step + 1 in cfg.flip_reward_steps})
             self.pending += [(run.version, s.feedback_time) for s in taken]
         self.metrics.steps.inc()
         self.metrics.trainer_version.set(run.version)
@@ -165,9 +173,14 @@ class Aligner:
 
     # ------------------------------------------------------------------ gate and promotion
     def maybe_promote(self, step: int) -> dict:
-        """After step `step` (1-based): gate the policy if it is due; returns gate metrics."""
+        """After step `step` (1-based): gate the policy if it is due; returns gate metrics.
+
+        The gate runs on the rollout servers, so it runs when due even while a promotion is in
+        flight on the serving replicas: a bad policy is stopped (and reverted) at once, not one
+        promotion later. A candidate that passes while a promotion is in flight waits for it
+        (`start_waiting`; a newer one that passes replaces it)."""
         run, cfg = self.run, self.cfg
-        if step % cfg.promote_every or self.promoter.busy:
+        if step % cfg.promote_every:
             return {}
         self.promoter.reconcile()  # the serving version to compare with (a manual rollback wins)
         if run.version in (self.last_candidate, self.promoter.serving_version):
@@ -191,14 +204,59 @@ class Aligner:
             log.info("version %d passed the gate (accuracy %.1f%% vs serving %.1f%%, KL %.4f)", v,
                      100 * cand["accuracy"], 100 * self.serving_scores["accuracy"], cand["kl"])
             feedback_times = [ft for ver, ft in self.pending if ver <= v]
-            self.promoter.start(Candidate(v, step, policy_weights(run), result, feedback_times))
+            candidate = Candidate(v, step, policy_weights(run), result, feedback_times)
+            if self.promoter.busy:
+                self.supersede(f"version {v} passed the gate after it")
+                self.waiting = candidate
+                self.store.update_version(v, status="candidate")
+                log.info("version %d waits for the promotion of version %d in flight", v,
+                         self.promoter.canary.cand.version)
+            else:
+                self.supersede(f"version {v} passed the gate after it")
+                self.promoter.start(candidate)
         else:
-            log.warning("version %d stopped by the gate: %s", v, "; ".join(result.reasons))
-            self.store.update_version(v, status="gated_out")
-            self.store.log_event("gate_failed", v, detail={"reasons": result.reasons, "scores": cand})
-            self.counts["gate_failed"] += 1
+            self._gated_out(v, result.reasons, cand)
             self._rejected(Candidate(v, step, {}, result), result.reasons)
         return out
+
+    def start_waiting(self) -> None:
+        """The candidate that passed the gate during a promotion starts its own when that one is
+        over, checked again against the serving version's scores if the serving version changed."""
+        cand = self.waiting
+        if cand is None or self.promoter.busy:
+            return
+        self.waiting = None
+        if cand.gate.serving != self.serving_scores:
+            result = self.gate.check(cand.gate.candidate, self.serving_scores)
+            if not result.passed:  # no better than the version promoted meanwhile; the policy trains on
+                self._gated_out(cand.version, result.reasons, cand.gate.candidate,
+                                serving_version=self.promoter.serving_version)
+                return
+            cand.gate = result
+        self.promoter.start(cand)
+
+    def _gated_out(self, v: int, reasons: list[str], scores: dict, **extra) -> None:
+        log.warning("version %d stopped by the gate: %s", v, "; ".join(reasons))
+        if extra:  # checked again later (start_waiting): the registry keeps the reasons that stopped it
+            eval_ = self._row(v).get("eval") or {}
+            self.store.update_version(v, eval={**eval_, "gate_passed": False, "reasons": reasons, **extra})
+        self.store.update_version(v, status="gated_out")
+        self.store.log_event("gate_failed", v, detail={"reasons": reasons, "scores": scores, **extra})
+        self.counts["gate_failed"] += 1
+
+    def stop_promotions(self, why: str) -> None:
+        """A stop: the promotion in flight is aborted (the canary goes back to the serving version)
+        and the waiting candidate dropped; the policy is kept as it is for the checkpoint."""
+        self.promoter.abort(why)
+        self.supersede(why)
+
+    def supersede(self, why: str) -> None:
+        """The candidate waiting for a promotion is dropped (a newer one, a revert, the end of the run)."""
+        if self.waiting is not None:
+            v, self.waiting = self.waiting.version, None
+            self.store.update_version(v, status="superseded")
+            self.store.log_event("superseded", v, detail={"reason": why})
+            log.info("version %d will not be promoted: %s", v, why)
 
     def _promoted(self, cand: Candidate) -> None:
         self.serving_scores = dict(cand.gate.candidate)
@@ -224,22 +282,32 @@ class Aligner:
     def _rejected(self, cand: Candidate, reasons: list[str]) -> None:
         if self.cfg.on_gate_fail != "revert":
             return
+        self.supersede(f"the policy went back to the serving version (version {cand.version} was stopped)")
         self.revert()
         self.pending = [(ver, ft) for ver, ft in self.pending if ver > cand.version]
 
     def revert(self) -> None:
-        """The policy goes back to the serving version's weights (Adam moments reset), pushed to
-        the rollout servers as a new version whose parent is the serving version."""
+        """The policy goes back to the serving version's weights, or to the candidate on the canary
+        when a promotion is in flight (it passed the gate; if the canary rolls it back, the policy
+        goes back again, to the serving version), Adam moments reset; pushed to the rollout servers
+        as a new version whose parent is that version."""
         from dllm.weights import copy_into_model
 
-        run, serving = self.run, self.promoter.serving_version
-        copy_into_model(run.learner.engine.module, list(self.bank.get(serving).items()))
+        run, canary = self.run, self.promoter.canary
+        to = canary.cand.version if canary is not None else self.promoter.serving_version
+        copy_into_model(run.learner.engine.module, list(self.bank.get(to).items()))
+        self.flipped = bool((self._row(to).get("data") or {}).get("flipped"))
         self.reset_optimizer()
         run.publisher.push()
-        self.store.register_version(run.version, serving, self.step_no + 1, self.run_id, {"reverted_to": serving})
+        self.store.register_version(run.version, to, self.step_no + 1, self.run_id,
+                                    {"reverted_to": to, "flipped": self.flipped})
         self.counts["reverts"] += 1
-        log.warning("policy reverted to the serving version %d (now version %d on the rollout servers)", serving,
-                    run.version)
+        log.warning("policy reverted to the %s version %d (now version %d on the rollout servers)",
+                    "canary" if canary is not None else "serving", to, run.version)
+
+    def _row(self, version: int) -> dict:
+        """The registry's row of `version` ({} when it is not registered)."""
+        return next((r for r in self.store.versions() if r["version"] == version), {})
 
     def reset_optimizer(self) -> None:
         """Forget Adam's moments (the torch optimizer inside the DeepSpeed engine starts afresh)."""
@@ -250,17 +318,19 @@ class Aligner:
     def status(self) -> dict:
         p = self.promoter
         return {"serving_version": p.serving_version, "serving_accuracy": self.serving_scores.get("accuracy"),
-                "canary_version": p.canary.cand.version if p.canary else 0, **self.counts}
+                "canary_version": p.canary.cand.version if p.canary else 0,
+                "waiting_version": self.waiting.version if self.waiting else 0, **self.counts}
 
     def state_dict(self) -> dict:
         return {"feedback": self.feedback.state_dict(), "last_candidate": self.last_candidate,
-                "pending": self.pending, "counts": self.counts}
+                "pending": self.pending, "counts": self.counts, "flipped": self.flipped}
 
     def load_state_dict(self, state: dict) -> None:
         self.feedback.load_state_dict(state["feedback"])
         self.last_candidate = int(state.get("last_candidate", -1))
         self.pending = [(int(v), float(t)) for v, t in state.get("pending", [])]
         self.counts.update(state.get("counts") or {})
+        self.flipped = bool(state.get("flipped", False))
 
     def close(self) -> None:
         self.metrics.close()
@@ -276,23 +346,27 @@ def align_loop(al: Aligner) -> dict:
             metrics = al.step(step)
         except StopRequested:
             done = step + 1 if al.learned else step  # an update applied, its push aborted: kept
-            al.promoter.abort("stopped by a signal")
+            al.stop_promotions("stopped by a signal")
             run.checkpoint(done, extra=al.state_dict())
             raise
         step += 1
         metrics |= al.maybe_promote(step)
         al.promoter.tick()
+        if not al.should_stop():
+            al.start_waiting()
         metrics |= al.status()
         metrics["time_step"] = sum(v for k, v in metrics.items() if k.startswith("time_") and k != "time_step")
         run.log(step, metrics)
         if metrics.get("candidate_version"):
             _plot(run)
         if al.should_stop():
-            al.promoter.abort("stopped by a signal")
+            al.stop_promotions("stopped by a signal")
             run.checkpoint(step, metrics, extra=al.state_dict())
             raise StopRequested(f"stopped by a signal after step {step}")
         if run.cfg.checkpoint_every and step % run.cfg.checkpoint_every == 0:
             run.checkpoint(step, metrics, extra=al.state_dict())
+    al.promoter.finish(cfg.canary_max_s + 120, al.should_stop)
+    al.start_waiting()  # the candidate that waited for the last promotion gets its own
     al.promoter.finish(cfg.canary_max_s + 120, al.should_stop)
     run.checkpoint(step, metrics, extra=al.state_dict())
     _plot(run)

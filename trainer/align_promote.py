@@ -22,6 +22,8 @@ The registry (the store) holds the state: statuses candidate -> canary -> servin
 serving version -> retired) or rolled_back, and events promotion_started, canary, promoted,
 rollback, promotion_aborted, replica_synced, replica_missed. A manual rollback
 (`dlrl versions --rollback V`) changes the registry's serving version; the promoter adopts it.
+`on_rejected` is called only for a candidate judged worse on the canary: a promotion aborted
+(a stop, a manual rollback, a canary that went down, no replica up) says nothing about it.
 """
 
 from __future__ import annotations
@@ -258,14 +260,15 @@ class Promoter:
                              detail={"kind": "auto", "to": self.serving_version, "reasons": reasons, **detail})
         self.metrics.rollbacks.labels(kind="auto").inc()
         log.warning("version %d rolled back on the canary %s: %s", c.cand.version, c.url, "; ".join(reasons))
-        self._reject(c.cand, reasons, "rolled_back")
+        self._reject(c.cand, reasons, "rolled_back", judged=True)
 
-    def _reject(self, cand: Candidate, reasons: list[str], status: str) -> None:
+    def _reject(self, cand: Candidate, reasons: list[str], status: str, judged: bool = False) -> None:
         self.store.update_version(cand.version, status=status)
         self.metrics.candidate_version.set(0)
         for url in self.pool.urls:
             self.metrics.replica_target.labels(replica=url).set(self.serving_version)
-        self.on_rejected(cand, reasons)
+        if judged:
+            self.on_rejected(cand, reasons)
 
     # ------------------------------------------------------------------ reconcile
     def _adopt_registry(self) -> bool:
