@@ -14,7 +14,22 @@ import time
 import httpx
 import pytest
 
-LONG = {"max_tokens": 480, "strategy": "sequential", "ignore_eos": True, "seed": 0}
+# sequential decoding, one token per forward: long enough that a quiet, fast box cannot finish the
+# request before the signal (or within the 0.5 s deadline) - the model below allows 4096 positions
+LONG = {"strategy": "sequential", "ignore_eos": True, "seed": 0}
+DRAIN_TOKENS, ABORT_TOKENS = 2000, 4000
+
+
+@pytest.fixture(scope="module")
+def long_model(tiny_model_dir, tmp_path_factory) -> list[str]:
+    """The tiny random model with 4096 positions (RoPE has no length limit of its own): `--model` args."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("tiny-long") / "model"
+    shutil.copytree(tiny_model_dir, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    return ["--model", str(path)]
 
 
 def _wait_for(cond, timeout: float = 60.0, what: str = "condition") -> None:
@@ -36,12 +51,12 @@ def _post_status(url: str) -> int:
 
 
 @pytest.mark.slow
-def test_sigterm_drains_inflight_stream_refuses_new_and_exits_0(serve_process):
-    srv = serve_process("server.shutdown_timeout=300", "server.max_batch=2")
+def test_sigterm_drains_inflight_stream_refuses_new_and_exits_0(serve_process, long_model):
+    srv = serve_process(*long_model, "server.shutdown_timeout=300", "server.max_batch=2")
     events: list[dict] = []
 
     def stream() -> None:
-        body = {"prompt": "7", "stream": True, "return_trace": True, **LONG}
+        body = {"prompt": "7", "stream": True, "return_trace": True, "max_tokens": DRAIN_TOKENS, **LONG}
         with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=300) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
@@ -58,19 +73,20 @@ def test_sigterm_drains_inflight_stream_refuses_new_and_exits_0(serve_process):
     assert httpx.get(srv.url + "/health").json()["is_draining"] is True
     reader.join(timeout=300)
     final = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
-    assert len(final) == 1 and final[0]["finish_reason"] == "length" and len(final[0]["completion_ids"]) == 480
+    assert len(final) == 1 and final[0]["finish_reason"] == "length" and len(final[0]["completion_ids"]) == DRAIN_TOKENS
     assert srv.proc.wait(timeout=60) == 0
     log = srv.log()
     assert "received SIGTERM: shutting down gracefully" in log and "drained: no request in flight" in log
 
 
 @pytest.mark.slow
-def test_sigterm_deadline_aborts_what_is_left_and_exits_0(serve_process):
-    srv = serve_process("server.shutdown_timeout=0.5", "server.max_batch=2")
+def test_sigterm_deadline_aborts_what_is_left_and_exits_0(serve_process, long_model):
+    srv = serve_process(*long_model, "server.shutdown_timeout=0.5", "server.max_batch=2")
     result: dict = {}
 
     def generate() -> None:
-        result["response"] = httpx.post(srv.url + "/generate", json={"prompt": "3", **LONG}, timeout=300)
+        result["response"] = httpx.post(srv.url + "/generate", json={"prompt": "3", "max_tokens": ABORT_TOKENS, **LONG},
+                                        timeout=300)
 
     caller = threading.Thread(target=generate)
     caller.start()
@@ -80,7 +96,7 @@ def test_sigterm_deadline_aborts_what_is_left_and_exits_0(serve_process):
     caller.join(timeout=120)
     sample = result["response"].json()["samples"][0]
     assert result["response"].status_code == 200 and sample["finish_reason"] == "abort"
-    assert len(sample["completion_ids"]) < 480
+    assert len(sample["completion_ids"]) < ABORT_TOKENS
     assert srv.proc.wait(timeout=60) == 0
     assert time.monotonic() - t0 < 30
     assert "shutdown deadline (0.5s) passed: aborted 1 request(s)" in srv.log()
