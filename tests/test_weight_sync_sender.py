@@ -108,3 +108,32 @@ def test_source_failure_aborts_the_update(transport, fail_at):
         timings = sender.push(make(1), 1)  # the same sender recovers
         assert timings["version"] == 1 and srv.get("/weights/checksum")["digest"] == weights_digest(make(1))
         sender.close()
+
+
+@pytest.mark.parametrize("transport", ["http", "shm"])
+def test_a_stop_signal_mid_push_aborts_the_update_and_propagates_unwrapped(transport):
+    """The trainer's SIGTERM handler raises StopRequested inside a push in flight: the update is aborted
+    and the exception reaches the trainer as it is (a WeightSyncError would make it exit 1, not
+    checkpoint and exit 0)."""
+    from trainer.loop import StopRequested
+
+    engine = FakeEngine(FakeModel(make(0)))
+    with ReceiverServer(make_app(engine)) as srv:
+        before = srv.get("/weights/checksum")
+
+        calls = []
+
+        def interrupted():  # the first call only lists the tensors (as_source); the second is the push
+            calls.append(1)
+            for k, (n, t) in enumerate(make(1).items()):
+                if k == 2 and len(calls) == 2:
+                    raise StopRequested("SIGTERM during a push: aborting it")
+                yield n, t
+
+        sender = WeightSender([srv.url], transport=transport, token="test-token", bucket_bytes=4096)
+        with pytest.raises(StopRequested):
+            sender.push(interrupted, 1)
+        status = srv.get("/weights/version")
+        assert status["update"] is None and "sender failed" in status["last_failure"]
+        assert srv.get("/weights/checksum") == before
+        sender.close()

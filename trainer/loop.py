@@ -29,8 +29,12 @@ log = logging.getLogger("dlrl.train")
 BASELINES = ("random_masking", "coupled")
 
 
-class StopRequested(Exception):
-    """SIGTERM / SIGINT: finish at the next step boundary (checkpoint, stop servers, exit 0)."""
+class StopRequested(BaseException):
+    """SIGTERM / SIGINT: finish at the next step boundary (checkpoint, stop servers, exit 0).
+
+    A BaseException, like KeyboardInterrupt: the signal handler raises it inside a push in flight,
+    and no `except Exception` on the way (the sender's error wrapping, retries) may turn it into a
+    push failure."""
 
 
 class Timer(dict):
