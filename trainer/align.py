@@ -205,14 +205,13 @@ class Aligner:
                      100 * cand["accuracy"], 100 * self.serving_scores["accuracy"], cand["kl"])
             feedback_times = [ft for ver, ft in self.pending if ver <= v]
             candidate = Candidate(v, step, policy_weights(run), result, feedback_times)
+            self.supersede(f"version {v} passed the gate after it")
             if self.promoter.busy:
-                self.supersede(f"version {v} passed the gate after it")
                 self.waiting = candidate
                 self.store.update_version(v, status="candidate")
                 log.info("version %d waits for the promotion of version %d in flight", v,
                          self.promoter.canary.cand.version)
             else:
-                self.supersede(f"version {v} passed the gate after it")
                 self.promoter.start(candidate)
         else:
             self._gated_out(v, result.reasons, cand)
