@@ -37,7 +37,7 @@ def report(out: Path, db: Path, png: Path) -> str:
     lines = ["| min | event | version | held-out acc. | KL | feedback-to-serving (median / min / max) |",
              "|---:|---|---:|---:|---:|---|"]
     for e in events:
-        if e["kind"] not in ("promoted", "rollback", "gate_failed", "promotion_aborted"):
+        if e["kind"] not in ("promoted", "rollback", "gate_failed", "promotion_aborted", "superseded"):
             continue
         ev = (versions.get(e["version"]) or {}).get("eval") or {}
         lat = e["detail"].get("feedback_to_serving") or {}
@@ -52,6 +52,7 @@ def report(out: Path, db: Path, png: Path) -> str:
         "steps": len(recs), "candidates": sum(1 for r in recs if r.get("candidate_version")),
         "promotions": len(promoted), "gate_failed": sum(e["kind"] == "gate_failed" for e in events),
         "rollbacks": sum(e["kind"] == "rollback" for e in events),
+        "superseded": sum(e["kind"] == "superseded" for e in events),
         "serving_accuracy_start": serving[0]["serving_accuracy"] if serving else None,
         "serving_accuracy_end": serving[-1]["serving_accuracy"] if serving else None,
         "feedback_used": sum(v["data"].get("feedback", 0) for v in versions.values()),

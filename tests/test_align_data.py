@@ -121,6 +121,9 @@ def test_feedback_buffer_checks_records_drops_stale_and_resumes(tmp_path):
         taken = fb.take(2, policy_version=10, max_staleness=5)  # version 1 is 9 versions old: dropped
         assert [s.rollout.version for s in taken] == [7, 6] and fb.counts["stale"] == 1  # newest first
         assert taken[0].reward == 1.0 and taken[0].rollout.completion_ids == [5, 0]
+        # the serving version's records are kept however far the policy has moved on
+        assert [s.rollout.version for s in fb.take(1, policy_version=40, max_staleness=5, serving_version=5)] == [5]
+        assert len(fb) == 0 and fb.counts["stale"] == 1
         state = fb.state_dict()
         late = _record(version=8)
         st.add_record(late)

@@ -144,9 +144,10 @@ class Aligner:
             self.reset_optimizer()  # test option: the flipped reward acts at once, not after Adam's momentum
         self.poll_feedback()
         before = dict(self.feedback.counts)
-        self.feedback.drop_stale(run.version, cfg.max_staleness)
+        serving = self.promoter.serving_version  # its records (and its canary's) are never stale
+        self.feedback.drop_stale(run.version, cfg.max_staleness, serving)
         want = int(cfg.feedback_ratio * run.cfg.prompts_per_step) * G
-        taken = self.feedback.take(min(want, len(self.feedback) // G * G), run.version, cfg.max_staleness)
+        taken = self.feedback.take(min(want, len(self.feedback) // G * G), run.version, cfg.max_staleness, serving)
         run.sampler.batch_size = run.cfg.prompts_per_step - len(taken) // G
         with t("rollout"):
             batch = MixedBatch(collect(run), taken, G)

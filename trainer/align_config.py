@@ -34,7 +34,8 @@ class AlignConfig(Config):
     prompt_source: str = Field("store", min_length=1)  # store | task (train.data or the embedded split) | JSONL path (tailed)
     accept_reward: float = 1.0  # store source: a completion rewarded at least this is a reference answer
     feedback_ratio: Frac = 0.25  # share of each step's samples taken from feedback records
-    max_staleness: int = Field(12, ge=0)  # versions: records generated more than this many versions ago are dropped
+    # versions: records generated more than this many versions ago are dropped (never the serving version's)
+    max_staleness: int = Field(12, ge=0)
     feedback_buffer: int = Field(4096, ge=1)  # labeled records waiting to be trained on (the newest are kept)
     prompt_wait_s: float = Field(600.0, ge=0)  # how long a step waits for prompts/feedback before giving up
     # when to promote, when to stop

@@ -20,7 +20,8 @@ generated the whole sample. A record becomes a `rollout_client.protocol.Rollout`
 trace and version; the learner's importance correction (`train.is_correction`, see
 `trainer.correction`) recomputes the log-probs under the current weights and weights each
 token by pi_current / mu_behaviour, so staleness is corrected exactly (and bounded by
-`align.max_staleness`). Greedy records (temperature 0) were produced by a deterministic
+`align.max_staleness`, except for records of the version serving now: the replicas trail the
+trainer by a whole promotion, canary window included, and no fresher feedback exists). Greedy records (temperature 0) were produced by a deterministic
 policy: their behaviour log-probs are set to 0 (mu = 1).
 
 Advantages of feedback records. A record has no group (a user asked a prompt once), so the
@@ -267,17 +268,25 @@ class FeedbackBuffer:
         self.counts["received"] += new
         return new
 
-    def drop_stale(self, policy_version: int, max_staleness: int) -> int:
-        keep = deque(s for s in self.queue if policy_version - s.rollout.version <= max_staleness)
+    def drop_stale(self, policy_version: int, max_staleness: int, serving_version: int | None = None) -> int:
+        """Drop records more than `max_staleness` versions behind the policy, except those of
+        `serving_version` or newer (what the replicas serve now, or its canary): no user can give
+        fresher feedback, so they are kept however far the trainer has moved on."""
+        floor = policy_version - max_staleness
+        if serving_version is not None:
+            floor = min(floor, serving_version)
+        keep = deque(s for s in self.queue if s.rollout.version >= floor)
         dropped = len(self.queue) - len(keep)
         self.queue = keep
         self.counts["stale"] += dropped
         return dropped
 
-    def take(self, n: int, policy_version: int, max_staleness: int) -> list[FeedbackSample]:
+    def take(self, n: int, policy_version: int, max_staleness: int,
+             serving_version: int | None = None) -> list[FeedbackSample]:
         """Up to n records, newest first (the freshest data, the shortest way to serving), none
-        staler than `max_staleness` versions; older ones wait until they are stale or pushed out."""
-        self.drop_stale(policy_version, max_staleness)
+        staler than `max_staleness` versions unless of the serving version (`drop_stale`); older
+        ones wait until they are stale or pushed out."""
+        self.drop_stale(policy_version, max_staleness, serving_version)
         out = [self.queue.pop() for _ in range(min(n, len(self.queue)))]
         self.counts["used"] += len(out)
         return out
