@@ -122,9 +122,9 @@ class Aligner:
 
     def _scores_of(self, version: int) -> dict:
         """Held-out scores of a serving version: from the registry, else evaluated on the replicas."""
-        for v in self.store.versions():
-            if v["version"] == version and (v.get("eval") or {}).get("accuracy") is not None:
-                return v["eval"]
+        registered = self._row(version).get("eval") or {}
+        if registered.get("accuracy") is not None:
+            return registered
         scores = self.gate.scores(self.pool.generate)
         self.store.update_version(version, eval=scores)
         return scores
@@ -191,9 +191,7 @@ class Aligner:
         cand = self.gate.scores(run.fleet.generate)  # the rollout servers hold version v
         cand |= self.gate.kl(run.fleet.generate, run.learner.engine.module, self.bank.reference, seed=step)
         result = self.gate.check(cand, self.serving_scores)
-        self.store.update_version(v, eval={**cand, "gate_passed": result.passed, "reasons": result.reasons,
-                                           "serving_version": self.promoter.serving_version,
-                                           "serving_accuracy": self.serving_scores["accuracy"]})
+        self._record_gate(v, result)
         self.metrics.gate.labels(result="pass" if result.passed else "fail").inc()
         for name, ok in result.checks.items():
             self.metrics.gate_check.labels(check=name).set(float(ok))
@@ -229,17 +227,21 @@ class Aligner:
         if cand.gate.serving != self.serving_scores:
             result = self.gate.check(cand.gate.candidate, self.serving_scores)
             if not result.passed:  # no better than the version promoted meanwhile; the policy trains on
+                self._record_gate(cand.version, result)  # the registry keeps the check that stopped it
                 self._gated_out(cand.version, result.reasons, cand.gate.candidate,
                                 serving_version=self.promoter.serving_version)
                 return
             cand.gate = result
         self.promoter.start(cand)
 
+    def _record_gate(self, v: int, result) -> None:
+        """The gate's scores and verdict for version `v`, against the serving version, in the registry."""
+        self.store.update_version(v, eval={**result.candidate, "gate_passed": result.passed,
+                                           "reasons": result.reasons, "serving_version": self.promoter.serving_version,
+                                           "serving_accuracy": result.serving["accuracy"]})
+
     def _gated_out(self, v: int, reasons: list[str], scores: dict, **extra) -> None:
         log.warning("version %d stopped by the gate: %s", v, "; ".join(reasons))
-        if extra:  # checked again later (start_waiting): the registry keeps the reasons that stopped it
-            eval_ = self._row(v).get("eval") or {}
-            self.store.update_version(v, eval={**eval_, "gate_passed": False, "reasons": reasons, **extra})
         self.store.update_version(v, status="gated_out")
         self.store.log_event("gate_failed", v, detail={"reasons": reasons, "scores": scores, **extra})
         self.counts["gate_failed"] += 1
@@ -282,7 +284,7 @@ class Aligner:
     def _rejected(self, cand: Candidate, reasons: list[str]) -> None:
         if self.cfg.on_gate_fail != "revert":
             return
-        self.supersede(f"the policy went back to the serving version (version {cand.version} was stopped)")
+        self.supersede(f"the policy was reverted (version {cand.version} was stopped)")
         self.revert()
         self.pending = [(ver, ft) for ver, ft in self.pending if ver > cand.version]
 
@@ -365,9 +367,10 @@ def align_loop(al: Aligner) -> dict:
             raise StopRequested(f"stopped by a signal after step {step}")
         if run.cfg.checkpoint_every and step % run.cfg.checkpoint_every == 0:
             run.checkpoint(step, metrics, extra=al.state_dict())
-    al.promoter.finish(cfg.canary_max_s + 120, al.should_stop)
-    al.start_waiting()  # the candidate that waited for the last promotion gets its own
-    al.promoter.finish(cfg.canary_max_s + 120, al.should_stop)
+    for _ in range(2):  # the promotion in flight, then the one of the candidate that waited for it
+        al.promoter.finish(cfg.canary_max_s + 120, al.should_stop)
+        if not al.should_stop():
+            al.start_waiting()
     run.checkpoint(step, metrics, extra=al.state_dict())
     _plot(run)
     return metrics | al.status()
