@@ -47,7 +47,7 @@ class BlockDecoder:
     """Batched block decoding over a block-paged KV cache (one slot + its own pages per sequence)."""
 
     def __init__(self, model: SDARForCausalLM, *, max_batch: int, max_len: int, eos_ids=None,
-                 tokenizer=None, use_cache: bool = True, num_pages: int | None = None, compile: bool = False,
+                 tokenizer=None, use_cache: bool = True, num_pages: int | None = None, compile: bool | str = False,
                  cuda_graphs: bool = False):
         cfg = model.config
         self.model, self.tokenizer, self.use_cache = model, tokenizer, use_cache

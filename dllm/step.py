@@ -13,7 +13,7 @@ and the commit rules (`commit_mask`, all strategies) are tensor ops on every row
 rows write into the cache's scratch page and no real row attends to them; their outputs,
 like those of the clean rows, are never read. The caller does the one device-to-host copy.
 
-`compile=True` runs `torch.compile(decode_step)`: the row and key dims are marked dynamic,
+`compile=True` runs `torch.compile(decode_step)` (a string: that torch.compile backend): the row and key dims are marked dynamic,
 so one graph serves every bucket (plus the one-row bucket, which torch specialises, and
 the `filtered` variants: top-k / top-p used by some row or not) -- a bounded number of
 compilations, then none. `cuda_graphs=True` (CUDA only) captures each bucket's step once
@@ -90,7 +90,7 @@ def decode_step(model, cache, rows: torch.Tensor, k_pos: torch.Tensor, filtered:
     pos = rows[:, col["block_start"], None].long() + torch.arange(B, device=rows.device)  # [R, B]
     write = (rows[:, col["write"], None] > 0).expand(R, B)
     kp = k_pos.expand(R, KV)
-    spec = MaskSpec(pos, kp, B, k_valid=kp <= pos[:, -1:])  # keys past a row's own block are stale
+    spec = MaskSpec(pos, kp, B, k_valid=kp <= pos[:, -1:], backend="sdpa")  # keys past a row's block: stale
     view = cache.view(rows[:, col["slot"]].long(), pos, k_pos, write)
     logits = model.lm_head(model.hidden_states(ids, spec, view))  # [R, B, V]
     return sample_and_commit(logits, rows, mask_id, filtered)
@@ -99,7 +99,7 @@ def decode_step(model, cache, rows: torch.Tensor, k_pos: torch.Tensor, filtered:
 class DecodeStep:
     """Bucketed inputs in preallocated buffers -> `decode_step` (eager, compiled or graph-replayed)."""
 
-    def __init__(self, model, cache, *, max_rows: int, compile: bool = False, cuda_graphs: bool = False,
+    def __init__(self, model, cache, *, max_rows: int, compile: bool | str = False, cuda_graphs: bool = False,
                  max_graphs: int = 64):
         self.model, self.cache = model, cache
         B, dev = model.config.block_size, model.device
@@ -110,7 +110,8 @@ class DecodeStep:
         self._k_pos = {KV: torch.arange(KV, device=dev) for KV in self.kv_buckets}
         self.fn = decode_step
         if compile:
-            self.fn = torch.compile(decode_step, fullgraph=True)
+            backend = "inductor" if compile is True else compile  # a name: tests trace with "eager"
+            self.fn = torch.compile(decode_step, fullgraph=True, backend=backend)
             for t in (*self._rows.values(), *self._k_pos.values()):
                 if t.shape[0] > 1:  # one compiled graph for every bucket (torch specialises size 1)
                     torch._dynamo.maybe_mark_dynamic(t, 0)

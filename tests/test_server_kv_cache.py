@@ -78,3 +78,12 @@ def test_serve_refuses_a_cache_too_small_for_one_sequence(tiny_model_dir):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "one sequence of max_model_len=256" in proc.stderr and "server.kv_cache_memory" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_cuda_graphs_need_a_cuda_device():
+    from dllm.model import SDARForCausalLM
+    from tests.helpers import tiny_config
+
+    with pytest.raises(ConfigError, match="server.cuda_graphs"):
+        NativeBackend(SDARForCausalLM(tiny_config()).to(torch.device("cpu")), None, max_batch=2,
+                      kv_cache_memory=1 << 20, cuda_graphs=True)
