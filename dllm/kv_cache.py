@@ -5,9 +5,11 @@
     logits = model(ids, pos, cache=cache, slots=slots, kv_len=...)   # writes + reads through the tables
     cache.free(slot)                        # its pages go back to the pool
 
-K and V live in one pool, `[num_layers, num_pages + 1, page_size, 2, num_kv_heads, head_dim]`
-(`cache.k` / `cache.v` are views of it), so a layer writes its keys and values with ONE
-index_copy_ and reads them with one gather; page 0 is a scratch page that unallocated table entries point at (padding writes land there and
+K and V live in one pool per layer, `cache.kv[layer]`: `[num_pages + 1, page_size, 2, num_kv_heads,
+head_dim]`, so a layer writes its keys and values with ONE index_copy_ and reads them with
+one gather. The layers' pools are separate tensors, not views of one: under torch.compile a
+write through a view of a shared base is functionalised into a copy of the whole base
+(O(pool) per step); a write into a tensor of its own stays in place. Page 0 is a scratch page that unallocated table entries point at (padding writes land there and
 are never attended to). A sequence holds only the pages its own length needs, so memory
 follows real sequence lengths, not `num_slots x max_len`. With `num_pages=None` every slot
 gets its `max_len` pages up front (the simple fixed layout, for direct use of the model).
@@ -35,9 +37,8 @@ class KVCache:
         self.max_len = self.max_pages * ps
         fixed = num_pages is None
         self.num_pages = num_slots * self.max_pages if fixed else int(num_pages)
-        shape = (cfg.num_hidden_layers, self.num_pages + 1, ps, 2, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv = torch.zeros(shape, device=device, dtype=dtype)
-        self.k, self.v = self.kv[:, :, :, 0], self.kv[:, :, :, 1]  # views: [layers, pages + 1, ps, Hkv, D]
+        shape = (self.num_pages + 1, ps, 2, cfg.num_key_value_heads, cfg.head_dim)  # K and V of a page
+        self.kv = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
         self.page_table = torch.zeros(num_slots, self.max_pages, dtype=torch.long, device=device)  # 0 = scratch
         self.slot_pages: list[list[int]] = [[] for _ in range(num_slots)]
         self.free_pages = list(range(self.num_pages, 0, -1))
@@ -49,6 +50,10 @@ class KVCache:
     def bytes_per_token(cfg: SDARConfig, dtype: torch.dtype) -> int:
         item = torch.empty((), dtype=dtype).element_size()
         return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * item
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.kv)
 
     @property
     def num_free_pages(self) -> int:
