@@ -153,7 +153,7 @@ def engine_table(names, batches, prompt_len, max_tokens, repeats, old_ref):
 def static_table(batches, max_tokens, repeats, today_ref):
     """The embedded default's architecture: today's engine vs the static step, eager and compiled."""
     today = load_package("dllm", today_ref)
-    fixed = dict(max_batch=max(batches), num_pages=max(batches) * 16)  # one cache shape for every batch size
+    fixed = dict(max_batch=max(batches), num_pages=max(batches) * (max_tokens + 24) // 4)  # one cache shape for all
     engines = {"today": (today.decoding, build("tiny", today), fixed), "static": (decoding, build("tiny"), fixed),
                "compiled": (decoding, build("tiny"), dict(fixed, compile=True))}
     print(f"\n## Static decode step (tiny = the embedded default's shape): today ({today_ref}) vs static step "
