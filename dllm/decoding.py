@@ -11,10 +11,12 @@ Blocks are aligned to absolute position 0. Per sequence: its complete prompt blo
 into the cache; then per block, denoising forwards each commit some masked tokens
 (`dllm.commit`: static, dynamic or sequential) until no mask is left; the finished block's
 clean K/V are written by the sequence's next forward, as one more row of it (so are
-one-block prompts; longer prompts get a cache-filling forward of their own). `step` runs ONE denoising forward for every running sequence, each at its
-own position with its own parameters: sampling (`dllm.sampling.sample_batch`) and the
-commit rules are batched tensor ops; the inputs go to the device in one copy, and one
-small device-to-host copy per forward brings back each row's block (ids, steps,
+one-block prompts; longer prompts get a cache-filling forward of their own). `step` runs ONE
+denoising forward for every running sequence, each at its own position with its own
+parameters, as the static decode step (`dllm.step`: rows and keys padded to buckets,
+sampling and the commit rules as tensor ops on the device, optionally torch.compile'd or
+replayed as CUDA graphs: `compile=`, `cuda_graphs=`); the inputs go to the device in one
+copy, and one small device-to-host copy per forward brings back each row's block (ids, steps,
 logprobs) and whether its probabilities were finite. A row whose probabilities are not
 finite ends its own sequence (finish_reason "error", `seq.error` says why); the others go
 on untouched. Finished blocks are detokenised incrementally (`dllm.detokenize`) and
