@@ -39,7 +39,10 @@ class KVCache:
         self.num_pages = num_slots * self.max_pages if fixed else int(num_pages)
         shape = (self.num_pages + 1, ps, 2, cfg.num_key_value_heads, cfg.head_dim)  # K and V of a page
         self.kv = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
-        self.page_table = torch.zeros(num_slots, self.max_pages, dtype=torch.long, device=device)  # 0 = scratch
+        # a power of two of columns, the entries past max_pages scratch: the decode step reads keys in
+        # buckets of 1, 2, 4, ... pages, whatever max_len (so its results do not depend on max_len)
+        self.table_pages = 1 << (self.max_pages - 1).bit_length()
+        self.page_table = torch.zeros(num_slots, self.table_pages, dtype=torch.long, device=device)  # 0 = scratch
         self.slot_pages: list[list[int]] = [[] for _ in range(num_slots)]
         self.free_pages = list(range(self.num_pages, 0, -1))
         if fixed:
@@ -96,7 +99,7 @@ class CacheView:
     def __init__(self, cache: KVCache, slots: torch.Tensor, q_pos: torch.Tensor, kv_len: int | torch.Tensor,
                  write_mask: torch.Tensor | None = None):
         ps = cache.page_size
-        table = cache.page_table[slots]  # [N, max_pages]
+        table = cache.page_table[slots]  # [N, table_pages]
         self.cache = cache
         write = table.gather(1, q_pos // ps) * ps + q_pos % ps  # [N, L]
         if write_mask is not None:

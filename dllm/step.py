@@ -5,8 +5,9 @@
 
 The forward's rows -- the blocks being denoised, then the clean blocks owed to the cache
 (a just-finished block, a one-block prompt) -- are padded to a row bucket (1, 2, 4, ...,
-`max_rows`) and the keys to a page-aligned bucket (1, 2, 4, ... pages, up to the cache's
-`max_len`). The packed rows go into the bucket's preallocated device buffer with one copy;
+`max_rows`) and the keys to a page-aligned bucket (1, 2, 4, ... pages: powers of two whatever
+the cache's `max_len`, so a sequence's logprobs do not depend on it; keys past a row's own
+block are masked). The packed rows go into the bucket's preallocated device buffer with one copy;
 `decode_step` then runs with no host synchronisation and no data-dependent shape: the mask,
 positions and cache addressing are built once (not per layer), sampling (`sample_static`)
 and the commit rules (`commit_mask`, all strategies) are tensor ops on every row. Padding
@@ -104,7 +105,7 @@ class DecodeStep:
         self.model, self.cache = model, cache
         B, dev = model.config.block_size, model.device
         self.row_buckets = buckets(max_rows)
-        self.kv_buckets = [p * cache.page_size for p in buckets(cache.max_pages)]
+        self.kv_buckets = [p * cache.page_size for p in buckets(cache.table_pages)]  # powers of two
         self._pad = padding_row(B, model.config.mask_token_id)
         self._rows = {R: torch.empty(R, width(B), dtype=torch.float64, device=dev) for R in self.row_buckets}
         self._k_pos = {KV: torch.arange(KV, device=dev) for KV in self.kv_buckets}

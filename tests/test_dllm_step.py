@@ -82,7 +82,7 @@ def test_buckets_are_bounded():
     assert buckets(1) == [1] and buckets(12) == [1, 2, 4, 8, 12] and buckets(64) == [1, 2, 4, 8, 16, 32, 64]
     dec = BlockDecoder(SDARForCausalLM(tiny_config()), max_batch=5, max_len=100, num_pages=30)
     assert dec.decode.row_buckets == [1, 2, 4, 8, 10]  # sequences + the clean blocks they owe the cache
-    assert dec.decode.kv_buckets == [4, 8, 16, 32, 64, 100]  # page-aligned, capped at max_len
+    assert dec.decode.kv_buckets == [4, 8, 16, 32, 64, 128]  # page-aligned powers of two, past max_len=100
     assert dec.decode.bucket(3, 17) == (4, 32)
 
 
