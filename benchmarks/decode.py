@@ -69,8 +69,8 @@ def decode(engine, model, prompts, params, **kw) -> tuple[int, float, float, lis
     step = getattr(dec, "decode", None)
     if step is not None:  # the static step runs the model's layers itself: record its forwards' inputs
         fn = step.fn
-        step.fn = lambda m, cache, rows, k_pos, filtered: calls.append((cache, rows.clone(), k_pos)) or fn(
-            m, cache, rows, k_pos, filtered)
+        step.fn = lambda m, cache, rows, k_pos, out_rows, filtered: calls.append((cache, rows.clone(), k_pos, out_rows)) or fn(
+            m, cache, rows, k_pos, out_rows, filtered)
     seqs = [dec.new_sequence(p, params) for p in prompts]
     t0, c0 = time.perf_counter(), time.process_time()
     with torch.no_grad():
@@ -84,8 +84,9 @@ def decode(engine, model, prompts, params, **kw) -> tuple[int, float, float, lis
     return sum(len(s.completion_ids) for s in seqs), wall, cpu, calls
 
 
-def static_forward(model, cache, rows, k_pos) -> tuple[tuple, dict]:
-    """The model forward of one static step (its bucketed rows and keys), as model(*args, **kwargs)."""
+def static_forward(model, cache, rows, k_pos, out_rows) -> tuple[tuple, dict]:
+    """The model forward of one static step (its bucketed rows and keys, logits of out_rows' count of rows),
+    as model(*args, **kwargs)."""
     from dllm.step import columns
 
     B = model.config.block_size
@@ -93,12 +94,12 @@ def static_forward(model, cache, rows, k_pos) -> tuple[tuple, dict]:
     pos = rows[:, col["block_start"], None].long() + torch.arange(B)
     write = (rows[:, col["write"], None] > 0).expand_as(pos)
     return (rows[:, :B].long(), pos), dict(cache=cache, slots=rows[:, col["slot"]].long(), kv_len=k_pos.shape[0],
-                                           write_mask=write)
+                                           write_mask=write, num_logit_rows=out_rows.shape[0])
 
 
 def replay(model, calls) -> tuple[float, float]:
     """Run the recorded forwards again, in order, without the engine -> (wall s, CPU s)."""
-    calls = [static_forward(model, *c) if len(c) == 3 else c for c in calls]
+    calls = [static_forward(model, *c) if len(c) == 4 else c for c in calls]
     t0, c0 = time.perf_counter(), time.process_time()
     with torch.no_grad():
         for args, kwargs in calls:

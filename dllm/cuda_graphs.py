@@ -1,7 +1,7 @@
 """CUDA graphs over the static decode step: each bucket's step captured once, then replayed.
 
     graphs = GraphedSteps(decode_step, max_graphs=64)   # dllm.step.DecodeStep makes it (cuda_graphs=True)
-    out = graphs.run((R, KV, filtered), (model, cache, rows_buf, k_pos, filtered))
+    out = graphs.run((R, Rn, KV, filtered), (model, cache, rows_buf, k_pos, out_rows, filtered))
 
 The step reads only persistent storage -- the bucket's input buffer (the caller copies the
 next inputs into it before `run`), the KV pool and page table, the parameters -- so a
@@ -38,7 +38,7 @@ class GraphedSteps:
                     self._warned = True
                 return self.fn(*args)
             entry = self.graphs[key] = self._capture(args)
-            log.info("cuda graphs: captured %s (rows, keys, filtered); %d graphs", key, len(self.graphs))
+            log.info("cuda graphs: captured %s (rows, sampled rows, keys, filtered); %d graphs", key, len(self.graphs))
         graph, out = entry
         graph.replay()
         return out

@@ -155,7 +155,7 @@ class BlockDecoder:
         rows = self._pack(seqs)  # [N + P, width(B)]
         filtered = any(needs_filter(s.params) for s in seqs)
         if self.use_cache:
-            out = self.decode.run(rows, max(s.end_pos for s in seqs), filtered)[:N]
+            out = self.decode.run(rows, N, max(s.end_pos for s in seqs), filtered)
         else:
             rows_t = torch.from_numpy(rows[:N]).to(self.model.device)
             out = sample_and_commit(self._logits_no_cache(seqs), rows_t, self.mask_id, filtered)

@@ -1,21 +1,22 @@
 """The static decode step: one denoising forward + sampling + commit, with bucketed shapes, on the device.
 
     step = DecodeStep(model, cache, max_rows=2 * max_batch, compile=False, cuda_graphs=False)
-    out = step.run(rows, kv_len, filtered)   # rows: numpy [n, width(B)] (COLUMNS) -> [n, 3B + 1] on the device
+    out = step.run(rows, num_out, kv_len, filtered)   # rows: numpy [n, width(B)] -> [num_out, 3B + 1] on the device
 
 The forward's rows -- the blocks being denoised, then the clean blocks owed to the cache
 (a just-finished block, a one-block prompt) -- are padded to a row bucket (1, 2, 4, ...,
 `max_rows`) and the keys to a page-aligned bucket (1, 2, 4, ... pages: powers of two whatever
 the cache's `max_len`, so a sequence's logprobs do not depend on it; keys past a row's own
 block are masked). The packed rows go into the bucket's preallocated device buffer with one copy;
-`decode_step` then runs with no host synchronisation and no data-dependent shape: the mask,
+Only the sequences' rows (their own bucket, `num_out` of them first) go through the
+vocabulary projection and the sampler. `decode_step` then runs with no host synchronisation and no data-dependent shape: the mask,
 positions and cache addressing are built once (not per layer), sampling (`sample_static`)
 and the commit rules (`commit_mask`, all strategies) are tensor ops on every row. Padding
 rows write into the cache's scratch page and no real row attends to them; their outputs,
 like those of the clean rows, are never read. The caller does the one device-to-host copy.
 
 `compile=True` runs `torch.compile(decode_step)` (a string: that torch.compile backend): the row and key dims are marked dynamic,
-so one graph serves every bucket (plus the one-row bucket, which torch specialises, and
+so one graph serves every bucket (plus the one-row buckets, which torch specialises, and
 the `filtered` variants: top-k / top-p used by some row or not) -- a bounded number of
 compilations, then none. `cuda_graphs=True` (CUDA only) captures each bucket's step once
 and replays it (`dllm.cuda_graphs`). Weight updates copy into the parameters in place
@@ -82,19 +83,21 @@ def sample_and_commit(logits: torch.Tensor, rows: torch.Tensor, mask_id: int, fi
     return torch.cat([block.reshape(R, 3 * B), is_ok[:, None].double()], 1)
 
 
-def decode_step(model, cache, rows: torch.Tensor, k_pos: torch.Tensor, filtered: bool) -> torch.Tensor:
-    """rows: [R, width(B)] packed inputs, k_pos: [KV] key positions (the bucket) -> [R, 3B + 1]."""
+def decode_step(model, cache, rows: torch.Tensor, k_pos: torch.Tensor, out_rows: torch.Tensor,
+                filtered: bool) -> torch.Tensor:
+    """rows: [R, width(B)] packed inputs, k_pos: [KV] key positions (the bucket), out_rows: [Rn] (its length
+    is the row bucket of the sequences: rows [0, Rn) are sampled) -> [Rn, 3B + 1]."""
     B, mask_id = model.config.block_size, model.config.mask_token_id
     col = columns(B)
-    R, KV = rows.shape[0], k_pos.shape[0]
+    R, KV, Rn = rows.shape[0], k_pos.shape[0], out_rows.shape[0]
     ids = rows[:, :B].long()  # [R, B]
     pos = rows[:, col["block_start"], None].long() + torch.arange(B, device=rows.device)  # [R, B]
     write = (rows[:, col["write"], None] > 0).expand(R, B)
     kp = k_pos.expand(R, KV)
     spec = MaskSpec(pos, kp, B, k_valid=kp <= pos[:, -1:], backend="sdpa")  # keys past a row's block: stale
     view = cache.view(rows[:, col["slot"]].long(), pos, k_pos, write)
-    logits = model.lm_head(model.hidden_states(ids, spec, view))  # [R, B, V]
-    return sample_and_commit(logits, rows, mask_id, filtered)
+    logits = model.lm_head(model.hidden_states(ids, spec, view)[:Rn])  # [Rn, B, V]: the sequences' rows
+    return sample_and_commit(logits, rows[:Rn], mask_id, filtered)
 
 
 class DecodeStep:
@@ -109,11 +112,14 @@ class DecodeStep:
         self._pad = padding_row(B, model.config.mask_token_id)
         self._rows = {R: torch.empty(R, width(B), dtype=torch.float64, device=dev) for R in self.row_buckets}
         self._k_pos = {KV: torch.arange(KV, device=dev) for KV in self.kv_buckets}
+        self._out = {R: torch.arange(R, device=dev) for R in self.row_buckets}
         self.fn = decode_step
         if compile:
             backend = "inductor" if compile is True else compile  # a name: tests trace with "eager"
             self.fn = torch.compile(decode_step, fullgraph=True, backend=backend)
-            for t in (*self._rows.values(), *self._k_pos.values()):
+            # variants: 1 row or more, 1 sampled row or more, filtered or not (torch's default limit: 8)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
+            for t in (*self._rows.values(), *self._k_pos.values(), *self._out.values()):
                 if t.shape[0] > 1:  # one compiled graph for every bucket (torch specialises size 1)
                     torch._dynamo.maybe_mark_dynamic(t, 0)
         self.graphs = None
@@ -127,14 +133,16 @@ class DecodeStep:
     def bucket(self, num_rows: int, kv_len: int) -> tuple[int, int]:
         return (next(r for r in self.row_buckets if r >= num_rows), next(k for k in self.kv_buckets if k >= kv_len))
 
-    def run(self, rows: np.ndarray, kv_len: int, filtered: bool) -> torch.Tensor:
-        """rows: [n, width(B)] packed (numpy), kv_len: the longest row's end -> [n, 3B + 1] on the device."""
+    def run(self, rows: np.ndarray, num_out: int, kv_len: int, filtered: bool) -> torch.Tensor:
+        """rows: [n, width(B)] packed (numpy), the first `num_out` sampled; kv_len: the longest row's end
+        -> [num_out, 3B + 1] on the device."""
         n = rows.shape[0]
         R, KV = self.bucket(n, kv_len)
+        Rn = self.bucket(num_out, kv_len)[0]
         host = np.empty((R, rows.shape[1]))
         host[:n], host[n:] = rows, self._pad
-        buf, k_pos = self._rows[R], self._k_pos[KV]
+        buf, k_pos, out_rows = self._rows[R], self._k_pos[KV], self._out[Rn]
         buf.copy_(torch.from_numpy(host), non_blocking=True)  # the one host-to-device copy
-        args = (self.model, self.cache, buf, k_pos, filtered)
-        out = self.graphs.run((R, KV, filtered), args) if self.graphs is not None else self.fn(*args)
-        return out[:n]
+        args = (self.model, self.cache, buf, k_pos, out_rows, filtered)
+        out = self.graphs.run((R, Rn, KV, filtered), args) if self.graphs is not None else self.fn(*args)
+        return out[:num_out]
