@@ -7,18 +7,19 @@ The forward's rows -- the blocks being denoised, then the clean blocks owed to t
 (a just-finished block, a one-block prompt) -- are padded to a row bucket (1, 2, 4, ...,
 `max_rows`) and the keys to a page-aligned bucket (1, 2, 4, ... pages: powers of two whatever
 the cache's `max_len`, so a sequence's logprobs do not depend on it; keys past a row's own
-block are masked). The packed rows go into the bucket's preallocated device buffer with one copy;
-Only the sequences' rows (their own bucket, `num_out` of them first) go through the
-vocabulary projection and the sampler. `decode_step` then runs with no host synchronisation and no data-dependent shape: the mask,
-positions and cache addressing are built once (not per layer), sampling (`sample_static`)
-and the commit rules (`commit_mask`, all strategies) are tensor ops on every row. Padding
+block are masked). The packed rows go into the bucket's preallocated device buffer with one
+copy; `decode_step` then runs with no host synchronisation and no data-dependent shape: the
+mask, positions and cache addressing are built once (not per layer), every layer writes its
+K/V once, sampling (`sample_static`) and the commit rules (`commit_mask`, all strategies)
+are tensor ops on every row. Only the sequences' rows (the first `num_out`, padded to their
+own row bucket) go through the vocabulary projection and the sampler. Padding
 rows write into the cache's scratch page and no real row attends to them; their outputs,
 like those of the clean rows, are never read. The caller does the one device-to-host copy.
 
-`compile=True` runs `torch.compile(decode_step)` (a string: that torch.compile backend): the row and key dims are marked dynamic,
-so one graph serves every bucket (plus the one-row buckets, which torch specialises, and
-the `filtered` variants: top-k / top-p used by some row or not) -- a bounded number of
-compilations, then none. `cuda_graphs=True` (CUDA only) captures each bucket's step once
+`compile=True` runs `torch.compile(decode_step, fullgraph=True)` (a string: that backend;
+the tests trace with "eager"): the row and key dims are marked dynamic, so one graph serves
+every bucket (plus the one-row buckets, which torch specialises, and the `filtered`
+variants: top-k / top-p used by some row or not) -- at most 6 compilations, then none. `cuda_graphs=True` (CUDA only) captures each bucket's step once
 and replays it (`dllm.cuda_graphs`). Weight updates copy into the parameters in place
 (`dllm.weights.copy_into_model`), so neither the compiled code nor the graphs go stale.
 """
