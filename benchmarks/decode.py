@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/decode.py                 # tiny + ~100M random SDAR, batch 1/8/32/64
     .venv/bin/python benchmarks/decode.py --quick         # tiny only, batch 1/8
     .venv/bin/python benchmarks/decode.py --old-ref main  # compare with another git ref
+    .venv/bin/python benchmarks/decode.py --static-only   # today's engine vs the static step (eager, compiled)
 
 For each model, strategy (static, dynamic) and batch size, both engines decode the same
 prompts with the same parameters (seeded sampling at temperature 1, max_tokens new
@@ -12,6 +13,12 @@ block commits) is recorded and run again, in order, on the same cache without th
 A ratio of 1.0 is the physical limit: all time spent in the model. The old engine is
 `dllm.decoding` at git ref OLD_ENGINE_REF (benchmarks/oldref.py), imported next to
 today's in the same process. Then tokens per denoising forward for the strategies.
+
+First table: the static decode step (dllm/step.py), eager and `torch.compile`d, against
+today's engine (TODAY_REF, the commit before it) on the embedded default's shape, with one
+cache shape for every batch size (as a server has); the compiled step's variants are
+compiled in an untimed warm-up run. The static step's forwards are recorded at its
+bucketed shapes and replayed eagerly through `model(...)`.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ from dllm import decoding  # noqa: E402
 from dllm.config import SDARConfig  # noqa: E402
 from dllm.model import SDARForCausalLM  # noqa: E402
 from dllm.sampling import SamplingParams  # noqa: E402
+
+TODAY_REF = "2bdf442"  # main before the static decode step
 
 MODELS = {  # tiny: the embedded default's architecture (char vocab); 100M: SDAR shapes scaled down
     "tiny": dict(vocab_size=100, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
@@ -50,12 +59,18 @@ def build(name: str, package=None) -> SDARForCausalLM:
     return old
 
 
-def decode(engine, model, prompts, params) -> tuple[int, float, float, list]:
-    """Decode with `engine` (a dllm.decoding module) -> (tokens, wall s, CPU s, recorded forward calls)."""
+def decode(engine, model, prompts, params, **kw) -> tuple[int, float, float, list]:
+    """Decode with `engine` (a dllm.decoding module; `kw` for its BlockDecoder) -> (tokens, wall s, CPU s,
+    recorded forward calls)."""
     calls = []
     hook = model.register_forward_pre_hook(lambda _m, args, kwargs: calls.append((args, kwargs)), with_kwargs=True)
-    dec = engine.BlockDecoder(model, max_batch=len(prompts), max_len=len(prompts[0]) + params.max_tokens + 4,
-                              eos_ids=[])
+    kw.setdefault("max_batch", len(prompts))
+    dec = engine.BlockDecoder(model, max_len=len(prompts[0]) + params.max_tokens + 4, eos_ids=[], **kw)
+    step = getattr(dec, "decode", None)
+    if step is not None:  # the static step runs the model's layers itself: record its forwards' inputs
+        fn = step.fn
+        step.fn = lambda m, cache, rows, k_pos, out_rows, filtered: calls.append((cache, rows.clone(), k_pos, out_rows)) or fn(
+            m, cache, rows, k_pos, out_rows, filtered)
     seqs = [dec.new_sequence(p, params) for p in prompts]
     t0, c0 = time.perf_counter(), time.process_time()
     with torch.no_grad():
@@ -69,8 +84,22 @@ def decode(engine, model, prompts, params) -> tuple[int, float, float, list]:
     return sum(len(s.completion_ids) for s in seqs), wall, cpu, calls
 
 
+def static_forward(model, cache, rows, k_pos, out_rows) -> tuple[tuple, dict]:
+    """The model forward of one static step (its bucketed rows and keys, logits of out_rows' count of rows),
+    as model(*args, **kwargs)."""
+    from dllm.step import columns
+
+    B = model.config.block_size
+    col = columns(B)
+    pos = rows[:, col["block_start"], None].long() + torch.arange(B)
+    write = (rows[:, col["write"], None] > 0).expand_as(pos)
+    return (rows[:, :B].long(), pos), dict(cache=cache, slots=rows[:, col["slot"]].long(), kv_len=k_pos.shape[0],
+                                           write_mask=write, num_logit_rows=out_rows.shape[0])
+
+
 def replay(model, calls) -> tuple[float, float]:
     """Run the recorded forwards again, in order, without the engine -> (wall s, CPU s)."""
+    calls = [static_forward(model, *c) if len(c) == 4 else c for c in calls]
     t0, c0 = time.perf_counter(), time.process_time()
     with torch.no_grad():
         for args, kwargs in calls:
@@ -79,12 +108,12 @@ def replay(model, calls) -> tuple[float, float]:
 
 
 def measure(engines: dict, prompts, params, repeats: int) -> dict[str, dict]:
-    """engines: name -> (dllm.decoding module, model). Runs alternate between the engines (drift on a
-    shared box hits both alike); best of `repeats` for decode and replay separately, wall and CPU."""
+    """engines: name -> (dllm.decoding module, model[, BlockDecoder kwargs]). Runs alternate between the
+    engines (drift on a shared box hits all alike); best of `repeats` for decode and replay separately."""
     runs: dict[str, list] = {name: [] for name in engines}
     for _ in range(repeats):
-        for name, (engine, model) in engines.items():
-            tokens, wall, cpu, calls = decode(engine, model, prompts, params)
+        for name, (engine, model, *kw) in engines.items():
+            tokens, wall, cpu, calls = decode(engine, model, prompts, params, **(kw[0] if kw else {}))
             runs[name].append((wall, cpu, *replay(model, calls), tokens, len(calls)))
     out = {}
     for name, rs in runs.items():
@@ -122,6 +151,32 @@ def engine_table(names, batches, prompt_len, max_tokens, repeats, old_ref):
                       f"{o['ratio']:.2f} ({o['ratio_cpu']:.2f}) | {n['ratio']:.2f} ({n['ratio_cpu']:.2f}) |", flush=True)
 
 
+def static_table(batches, max_tokens, repeats, today_ref):
+    """The embedded default's architecture: today's engine vs the static step, eager and compiled."""
+    today = load_package("dllm", today_ref)
+    fixed = dict(max_batch=max(batches), num_pages=max(batches) * (max_tokens + 24) // 4)  # one cache shape for all
+    engines = {"today": (today.decoding, build("tiny", today), fixed), "static": (decoding, build("tiny"), fixed),
+               "compiled": (decoding, build("tiny"), dict(fixed, compile=True))}
+    print(f"\n## Static decode step (tiny = the embedded default's shape): today ({today_ref}) vs static step "
+          f"eager vs static step torch.compile'd; prompt 16, {max_tokens} new tokens, temperature 1 (seeded)\n")
+    print("tok/s wall (CPU); ratio = decode time / the same forwards replayed alone (eager), wall (CPU)\n")
+    print("| strategy | batch | today tok/s | static tok/s | compiled tok/s | compiled / today | today ratio | "
+          "static ratio | compiled ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    g = torch.Generator().manual_seed(1)
+    for strategy in ("static", "dynamic"):
+        params = SamplingParams(max_tokens=max_tokens, temperature=1.0, strategy=strategy, seed=0, ignore_eos=True)
+        for b in batches:
+            prompts = [torch.randint(1, 99, (16,), generator=g).tolist() for _ in range(b)]
+            measure(engines, prompts, params, 1)  # warm-up (the compiled step's variants compile here)
+            r = measure(engines, prompts, params, repeats)
+            t, s, c = r["today"], r["static"], r["compiled"]
+            print(f"| {strategy} | {b} | {t['tok_s']:,.0f} ({t['tok_s_cpu']:,.0f}) | {s['tok_s']:,.0f} "
+                  f"({s['tok_s_cpu']:,.0f}) | {c['tok_s']:,.0f} ({c['tok_s_cpu']:,.0f}) | {c['tok_s'] / t['tok_s']:.2f}x "
+                  f"({c['tok_s_cpu'] / t['tok_s_cpu']:.2f}x) | {t['ratio']:.2f} ({t['ratio_cpu']:.2f}) | "
+                  f"{s['ratio']:.2f} ({s['ratio_cpu']:.2f}) | {c['ratio']:.2f} ({c['ratio_cpu']:.2f}) |", flush=True)
+
+
 def tpf_table(max_tokens):
     sft = Path("runs/tiny-sft")
     if (sft / "config.json").is_file():
@@ -155,10 +210,16 @@ def main():
     ap.add_argument("--repeats", type=int, default=3, help="best of n runs per row")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--today-ref", default=TODAY_REF, help="git ref of today's engine (the static step's baseline)")
+    ap.add_argument("--static-only", action="store_true", help="only the static-step table")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device cpu")
+    static_table([1, 8] if args.quick else [1, 8, 32], 16 if args.quick else 64, 1 if args.quick else args.repeats,
+                 args.today_ref)
+    if args.static_only:
+        return
     if args.quick:
         engine_table(["tiny"], [1, 8], 16, 16, 1, args.old_ref)
     else:

@@ -12,7 +12,9 @@ layout (noisy copy + clean copy) are all instances of this rule.
 The mask (dense boolean for SDPA, a BlockMask for FlexAttention) is built once per forward
 and cached on the MaskSpec that every layer receives. FlexAttention is compiled once with
 dynamic shapes, so one kernel serves every batch size and length (it also runs on CPU).
-Backend: env DLRL_ATTN=sdpa|flex overrides the automatic choice (flex on CUDA).
+Backend: env DLRL_ATTN=sdpa|flex overrides the automatic choice (flex on CUDA) of the dense
+and training forwards; KV-cache decode forwards always use SDPA (`MaskSpec.backend`): one
+fused kernel over the bucketed keys with the step's dense mask, no compilation per shape.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class MaskSpec:
     q_noisy: torch.Tensor | None = None  # [B, Lq] bool
     k_noisy: torch.Tensor | None = None  # [B, Lk] bool
     k_valid: torch.Tensor | None = None  # [B, Lk] bool
+    backend: str | None = None  # "sdpa" | "flex": this forward's kernel (None: DLRL_ATTN, else by device)
 
     def dense(self) -> torch.Tensor:
         """Boolean mask [B, 1, Lq, Lk], True = may attend (built once, shared by all layers)."""
@@ -110,7 +113,7 @@ def _flex(q, k, v, spec: MaskSpec) -> torch.Tensor:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec) -> torch.Tensor:
     """q: [B, H, Lq, D], k/v: [B, Hkv, Lk, D] -> [B, H, Lq, D]."""
-    if _backend(q.device) == "flex":
+    if (spec.backend or _backend(q.device)) == "flex":
         return _flex(q, k, v, spec)
     # grouped-query attention without materialising repeated K/V (same result, several times faster)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=spec.dense(), enable_gqa=k.shape[1] != q.shape[1])

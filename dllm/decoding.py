@@ -11,10 +11,12 @@ Blocks are aligned to absolute position 0. Per sequence: its complete prompt blo
 into the cache; then per block, denoising forwards each commit some masked tokens
 (`dllm.commit`: static, dynamic or sequential) until no mask is left; the finished block's
 clean K/V are written by the sequence's next forward, as one more row of it (so are
-one-block prompts; longer prompts get a cache-filling forward of their own). `step` runs ONE denoising forward for every running sequence, each at its
-own position with its own parameters: sampling (`dllm.sampling.sample_batch`) and the
-commit rules are batched tensor ops; the inputs go to the device in one copy, and one
-small device-to-host copy per forward brings back each row's block (ids, steps,
+one-block prompts; longer prompts get a cache-filling forward of their own). `step` runs ONE
+denoising forward for every running sequence, each at its own position with its own
+parameters, as the static decode step (`dllm.step`: rows and keys padded to buckets,
+sampling and the commit rules as tensor ops on the device, optionally torch.compile'd or
+replayed as CUDA graphs: `compile=`, `cuda_graphs=`); the inputs go to the device in one
+copy, and one small device-to-host copy per forward brings back each row's block (ids, steps,
 logprobs) and whether its probabilities were finite. A row whose probabilities are not
 finite ends its own sequence (finish_reason "error", `seq.error` says why); the others go
 on untouched. Finished blocks are detokenised incrementally (`dllm.detokenize`) and
@@ -31,12 +33,13 @@ import numpy as np
 import torch
 
 from dllm.attention import MaskSpec
-from dllm.commit import commit_mask, transfer_schedule
+from dllm.commit import transfer_schedule
 from dllm.detokenize import TextStream
 from dllm.kv_cache import CacheFull, KVCache
 from dllm.model import SDARForCausalLM
-from dllm.sampling import SamplingParams, counter_uniforms, sample_batch
-from dllm.sequence import STEP_FIELDS, GenerationOutput, Sequence, step_inputs, to_output
+from dllm.sampling import SamplingParams, counter_uniforms, needs_filter
+from dllm.sequence import GenerationOutput, Sequence, step_inputs, to_output
+from dllm.step import DecodeStep, columns, padding_row, sample_and_commit
 
 __all__ = ["BlockDecoder", "CacheFull", "GenerationOutput", "Sequence", "generate", "to_output",
            "transfer_schedule"]
@@ -46,17 +49,21 @@ class BlockDecoder:
     """Batched block decoding over a block-paged KV cache (one slot + its own pages per sequence)."""
 
     def __init__(self, model: SDARForCausalLM, *, max_batch: int, max_len: int, eos_ids=None,
-                 tokenizer=None, use_cache: bool = True, num_pages: int | None = None):
+                 tokenizer=None, use_cache: bool = True, num_pages: int | None = None, compile: bool | str = False,
+                 cuda_graphs: bool = False):
         cfg = model.config
         self.model, self.tokenizer, self.use_cache = model, tokenizer, use_cache
         self.block_size, self.mask_id = cfg.block_size, cfg.mask_token_id
         self.eos_ids = list(cfg.eos_ids if eos_ids is None else eos_ids)
         self._eos_set = set(self.eos_ids)
         self.max_len = (max_len + self.block_size - 1) // self.block_size * self.block_size
-        self._col = {name: 5 * self.block_size + i for i, name in enumerate(STEP_FIELDS)}  # packed row layout
         pages = max_batch * (self.max_len // self.block_size) if num_pages is None else num_pages
         self.cache = (KVCache(cfg, max_batch, self.max_len, model.device, model.dtype, num_pages=pages)
                       if use_cache else None)
+        self.decode = (DecodeStep(model, self.cache, max_rows=2 * max_batch, compile=compile, cuda_graphs=cuda_graphs)
+                       if use_cache else None)
+        self._clean_row = padding_row(self.block_size, self.mask_id)  # a clean row owed to the cache: writes
+        self._clean_row[columns(self.block_size)["write"]] = 1.0
         self.free_slots = list(range(max_batch))[::-1]
         self.num_forwards = 0  # denoising forwards
         self.num_fill_forwards = 0  # cache-filling forwards of their own (prompts longer than a block)
@@ -118,23 +125,6 @@ class BlockDecoder:
         if seq.finish_reason is None:
             seq.finish_reason = "abort"
 
-    def _denoise_logits(self, rows: torch.Tensor, pending: list[int], kv_len: int) -> torch.Tensor:
-        """The denoising forward from the packed rows -> logits of the current blocks [N, B, V].
-
-        Rows `pending` also owe the cache their previous block (clean, positions block_start - B ..):
-        it goes in as one more row of the same forward, before the current blocks, so its K/V are
-        written (every layer writes all rows before any reads) and seen by its own next block."""
-        B, dev, col = self.block_size, rows.device, self._col
-        ar = torch.arange(B, device=dev)
-        ids, start, slots = rows[:, :B].long(), rows[:, col["block_start"]].long(), rows[:, col["slot"]].long()
-        pos = start[:, None] + ar  # [N, B]
-        if pending:
-            idx = torch.tensor(pending).to(dev, non_blocking=True)
-            ids = torch.cat([rows[idx, 3 * B:4 * B].long(), ids])  # [P + N, B]
-            pos = torch.cat([pos[idx] - B, pos])
-            slots = torch.cat([slots[idx], slots])
-        return self.model(ids, pos, cache=self.cache, slots=slots, kv_len=kv_len, num_logit_rows=rows.shape[0])
-
     def _logits_no_cache(self, seqs: list[Sequence]) -> torch.Tensor:
         """Baseline without a cache: recompute the whole prefix every forward -> logits [N, B, V]."""
         dev, B = self.model.device, self.block_size
@@ -156,21 +146,21 @@ class BlockDecoder:
         """One denoising forward for every sequence; returns those that finished (or failed)."""
         if not seqs:
             return []
-        B = self.block_size
+        B, N = self.block_size, len(seqs)
         # clean blocks owed to the cache (a just-finished block, a one-block prompt) ride along with this
         # forward as extra rows; longer prompts get a cache-filling forward of their own first
         long = [s for s in seqs if s.pending is not None and len(s.pending) > B]
         if long:
             self._write_pending(long)
-        pending = [r for r, s in enumerate(seqs) if s.pending is not None]
-        rows = self._pack(seqs)  # [N, 5B + 6]
-        rows = torch.from_numpy(rows).to(self.model.device, non_blocking=True)  # the one host-to-device copy
+        rows = self._pack(seqs)  # [N + P, width(B)]
+        filtered = any(needs_filter(s.params) for s in seqs)
         if self.use_cache:
-            logits = self._denoise_logits(rows, pending, max(s.end_pos for s in seqs))  # [N, B, V]
+            out = self.decode.run(rows, N, max(s.end_pos for s in seqs), filtered)
         else:
-            logits = self._logits_no_cache(seqs)
+            rows_t = torch.from_numpy(rows[:N]).to(self.model.device)
+            out = sample_and_commit(self._logits_no_cache(seqs), rows_t, self.mask_id, filtered)
         self.num_forwards += 1
-        out = self._sample_and_commit(seqs, logits, rows).cpu()  # the one device-to-host copy
+        out = out.cpu()  # the one device-to-host copy
         ids, steps, logprobs = out[:, :B].long().tolist(), out[:, B:2 * B].long().tolist(), out[:, 2 * B:3 * B]
         logprobs, is_ok = logprobs.tolist(), out[:, 3 * B].bool().tolist()
         completed, failed = [], []
@@ -189,27 +179,23 @@ class BlockDecoder:
         return failed + self._complete_blocks(completed)
 
     def _pack(self, seqs: list[Sequence]) -> np.ndarray:
-        """Every input of a step in one float64 array [N, 5B + 6] (one host-to-device copy):
-        step_inputs' 4B columns, the sampling uniforms [B], then the STEP_FIELDS values."""
+        """Every input of a step in one float64 array (dllm.step's row layout, one host-to-device copy):
+        a row per sequence (its block, step fields, sampling parameters and uniforms), then a row per
+        clean block owed to the cache (write only: its outputs are not read)."""
         B = self.block_size
-        rows = np.array([step_inputs(s) for s in seqs], dtype=np.float64)  # [N, 4B + 6]
-        noise = counter_uniforms([s.seed for s in seqs], rows[:, 4 * B, None] + np.arange(B), rows[:, 4 * B + 1])
-        return np.concatenate([rows[:, :4 * B], noise, rows[:, 4 * B:]], axis=1)
-
-    def _sample_and_commit(self, seqs: list[Sequence], logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Batched sampling + commit rules. rows: [N, 5B + 6] (see _pack) -> [N, 3B + 1] float64:
-        the new block ids, steps, logprobs and whether the row's probabilities were finite."""
-        N, B, col = rows.shape[0], self.block_size, self._col
-        params = [s.params for s in seqs]
-        tok, lp = sample_batch(logits, params, rows[:, 4 * B:5 * B], self.mask_id)  # [N, B] each
-        masked = rows[:, :B] == self.mask_id
-        is_ok = (torch.isfinite(lp) | ~masked).all(-1)  # [N]
-        commit = commit_mask(lp.exp(), masked, rows[:, col["k"]].long(), rows[:, col["threshold"]].float(),
-                             rows[:, col["strategy"]].long(), {p.strategy for p in params}) & is_ok[:, None]
-        step = rows[:, col["step"], None].expand(N, B)
-        new = torch.stack([tok.double(), step, lp.double()], 1)  # [N, 3, B]: ids, steps, logprobs
-        block = torch.where(commit[:, None], new, rows[:, :3 * B].view(N, 3, B))
-        return torch.cat([block.view(N, 3 * B), is_ok[:, None].double()], 1)
+        rows = np.array([step_inputs(s) for s in seqs], dtype=np.float64)  # [N, 3B + F]
+        col = columns(B)
+        noise = counter_uniforms([s.seed for s in seqs], rows[:, col["block_start"], None] + np.arange(B),
+                                 rows[:, col["step"]])
+        rows = np.concatenate([rows, noise], axis=1)  # [N, width(B)]
+        owed = [s for s in seqs if s.pending is not None]
+        if not owed or not self.use_cache:
+            return rows
+        clean = np.tile(self._clean_row, (len(owed), 1))
+        clean[:, :B] = [s.pending for s in owed]
+        clean[:, col["block_start"]] = [s.block_start - B for s in owed]
+        clean[:, col["slot"]] = [s.slot for s in owed]
+        return np.concatenate([rows, clean])
 
     def _fail(self, s: Sequence) -> None:
         p = s.params

@@ -5,8 +5,11 @@
     logits = model(ids, pos, cache=cache, slots=slots, kv_len=...)   # writes + reads through the tables
     cache.free(slot)                        # its pages go back to the pool
 
-K/V live in one pool per layer, `[num_pages + 1, page_size, num_kv_heads, head_dim]`; page 0
-is a scratch page that unallocated table entries point at (padding writes land there and
+K and V live in one pool per layer, `cache.kv[layer]`: `[num_pages + 1, page_size, 2, num_kv_heads,
+head_dim]`, so a layer writes its keys and values with ONE index_copy_ and reads them with
+one gather. The layers' pools are separate tensors, not views of one: under torch.compile a
+write through a view of a shared base is functionalised into a copy of the whole base
+(O(pool) per step); a write into a tensor of its own stays in place. Page 0 is a scratch page that unallocated table entries point at (padding writes land there and
 are never attended to). A sequence holds only the pages its own length needs, so memory
 follows real sequence lengths, not `num_slots x max_len`. With `num_pages=None` every slot
 gets its `max_len` pages up front (the simple fixed layout, for direct use of the model).
@@ -34,10 +37,12 @@ class KVCache:
         self.max_len = self.max_pages * ps
         fixed = num_pages is None
         self.num_pages = num_slots * self.max_pages if fixed else int(num_pages)
-        shape = (cfg.num_hidden_layers, self.num_pages + 1, ps, cfg.num_key_value_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.page_table = torch.zeros(num_slots, self.max_pages, dtype=torch.long, device=device)  # 0 = scratch
+        shape = (self.num_pages + 1, ps, 2, cfg.num_key_value_heads, cfg.head_dim)  # K and V of a page
+        self.kv = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        # a power of two of columns, the entries past max_pages scratch: the decode step reads keys in
+        # buckets of 1, 2, 4, ... pages, whatever max_len (so its results do not depend on max_len)
+        self.table_pages = 1 << (self.max_pages - 1).bit_length()
+        self.page_table = torch.zeros(num_slots, self.table_pages, dtype=torch.long, device=device)  # 0 = scratch
         self.slot_pages: list[list[int]] = [[] for _ in range(num_slots)]
         self.free_pages = list(range(self.num_pages, 0, -1))
         if fixed:
@@ -48,6 +53,10 @@ class KVCache:
     def bytes_per_token(cfg: SDARConfig, dtype: torch.dtype) -> int:
         item = torch.empty((), dtype=dtype).element_size()
         return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * item
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.kv)
 
     @property
     def num_free_pages(self) -> int:
@@ -75,7 +84,8 @@ class KVCache:
         self.slot_pages[slot] = []
         self.page_table[slot] = 0
 
-    def view(self, slots: torch.Tensor, q_pos: torch.Tensor, kv_len: int, write_mask=None) -> CacheView:
+    def view(self, slots: torch.Tensor, q_pos: torch.Tensor, kv_len: int | torch.Tensor,
+             write_mask=None) -> CacheView:
         return CacheView(self, slots, q_pos, kv_len, write_mask)
 
 
@@ -83,25 +93,27 @@ class CacheView:
     """One forward's cache addressing, computed once and used by every layer.
 
     slots: [N] cache rows, q_pos: [N, L] positions written (where write_mask [N, L], else into
-    the scratch page: padding), kv_len: positions [0, kv_len) read."""
+    the scratch page: padding), kv_len: positions [0, kv_len) read (an int, or the key
+    positions themselves, a [kv_len] tensor: the static decode step passes its bucket's)."""
 
-    def __init__(self, cache: KVCache, slots: torch.Tensor, q_pos: torch.Tensor, kv_len: int,
+    def __init__(self, cache: KVCache, slots: torch.Tensor, q_pos: torch.Tensor, kv_len: int | torch.Tensor,
                  write_mask: torch.Tensor | None = None):
         ps = cache.page_size
-        table = cache.page_table[slots]  # [N, max_pages]
+        table = cache.page_table[slots]  # [N, table_pages]
         self.cache = cache
         write = table.gather(1, q_pos // ps) * ps + q_pos % ps  # [N, L]
         if write_mask is not None:
             write = torch.where(write_mask, write, q_pos % ps)  # page 0: scratch
         self.write_idx = write.flatten()  # [N * L]
-        k_pos = torch.arange(kv_len, device=q_pos.device)
+        k_pos = torch.arange(kv_len, device=q_pos.device) if isinstance(kv_len, int) else kv_len
         self.read_idx = table[:, k_pos // ps] * ps + k_pos % ps  # [N, kv_len]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v: [N, Hkv, L, D] new keys/values -> all cached ones [N, Hkv, kv_len, D] (after writing)."""
-        out = []
-        for pool, new in ((self.cache.k[layer], k), (self.cache.v[layer], v)):
-            flat = pool.view(-1, *pool.shape[2:])  # [(P + 1) * page_size, Hkv, D]
-            flat.index_copy_(0, self.write_idx, new.transpose(1, 2).reshape(-1, *flat.shape[1:]).to(flat.dtype))
-            out.append(flat[self.read_idx].transpose(1, 2).to(k.dtype))
-        return out[0], out[1]
+        """k, v: [N, Hkv, L, D] new keys/values -> all cached ones [N, Hkv, kv_len, D] (after writing):
+        one write (keys and values together) and one read per layer."""
+        pool = self.cache.kv[layer]
+        flat = pool.view(-1, *pool.shape[2:])  # [(P + 1) * page_size, 2, Hkv, D]
+        new = torch.stack([k, v], 2).transpose(1, 3)  # [N, L, 2, Hkv, D]
+        flat.index_copy_(0, self.write_idx, new.reshape(-1, *flat.shape[1:]).to(flat.dtype))
+        kv = flat[self.read_idx].to(k.dtype)  # [N, kv_len, 2, Hkv, D]
+        return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)

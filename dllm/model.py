@@ -175,7 +175,7 @@ class SDARForCausalLM(nn.Module):
         k_pos = torch.arange(kv_len, device=input_ids.device).expand(B, kv_len)
         # keys beyond each row's own last position are stale cache entries
         k_valid = k_pos <= position_ids.max(dim=1, keepdim=True).values
-        spec = MaskSpec(position_ids, k_pos, bs, k_valid=k_valid)
+        spec = MaskSpec(position_ids, k_pos, bs, k_valid=k_valid, backend="sdpa")  # decode: SDPA (dllm.attention)
         hidden = self.hidden_states(input_ids, spec, cache.view(slots, position_ids, kv_len, write_mask))
         return self.lm_head(hidden[B - (num_logit_rows if num_logit_rows is not None else B):,
                                    L - (num_logits if num_logits is not None else L):])

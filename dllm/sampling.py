@@ -4,6 +4,7 @@
     logp = sampling_logprobs(logits, params, mask_id)      # [..., V]: the distribution (the definition)
     ids, lp = sample_tokens(logp, params, u)               # one sequence's positions, row by row
     ids, lp = sample_batch(logits, params_list, u, mask_id)  # [N, B, V]: every running sequence at once
+    ids, lp = sample_static(logits, param_rows, u, mask_id, filtered)  # the same, no host sync (decode step)
     u = counter_uniforms(seeds, positions, steps)          # [N, B] noise (numpy): a pure function of its inputs
 
 The distribution: logits with the mask token removed, divided by the temperature, then
@@ -18,9 +19,10 @@ cumulative probability reaches u x total. The uniforms come from a counter-based
 (splitmix64) of (request seed, absolute position, denoising step), computed on the host and
 shipped with the step's other inputs, so a seeded request gives the same tokens whatever
 else shares its batch, on any device, with no generator state to carry (unseeded sequences
-draw their seed from torch's global generator). `sample_batch` applies
-every row's own temperature / top-k / top-p with tensor ops (top-k and top-p only on the
-rows that ask for them) and gathers the sampled tokens' log-probabilities in one op; it is
+draw their seed from torch's global generator). `sample_static` applies
+every row's own temperature / top-k / top-p with the same tensor ops for every row (the
+parameters are a tensor, no Python branch per row, no data-dependent shape: the static decode
+step runs it) and gathers the sampled tokens' log-probabilities in one op; it is
 token-for-token the row-by-row definition (`sampling_logprobs` + `sample_tokens`).
 """
 
@@ -123,43 +125,46 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], uniforms: t
                  mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [N, B, V] (row r sampled with params[r]; fp32 logits are overwritten), uniforms: [N, B] ->
     (token ids [N, B], their logprobs [N, B] fp32; NaN/inf where a row's probabilities are not finite)."""
-    N, _, V = logits.shape
     dev = logits.device
-    greedy = [p.is_greedy for p in params]
+    cols = torch.tensor([param_row(p) for p in params], dtype=torch.float64).to(dev)  # [N, 4]
+    return sample_static(logits, cols, uniforms, mask_token_id, any(needs_filter(p) for p in params))
+
+
+def param_row(p: SamplingParams) -> list[float]:
+    """A sequence's sampling parameters as numbers (PARAM_FIELDS), for the device-side sampler."""
+    return [1.0 if p.is_greedy else float(p.temperature), float(p.top_k), float(p.top_p), float(p.is_greedy)]
+
+
+PARAM_FIELDS = ("temperature", "top_k", "top_p", "greedy")
+
+
+def needs_filter(p: SamplingParams) -> bool:
+    return p.top_k > 0 or p.top_p < 1.0
+
+
+def sample_static(logits: torch.Tensor, params: torch.Tensor, uniforms: torch.Tensor, mask_token_id: int,
+                  filtered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batched sampler with no host sync and no data-dependent shape (the static decode step's).
+
+    logits: [N, B, V], params: [N, 4] (PARAM_FIELDS, from `param_row`), uniforms: [N, B] -> (ids [N, B],
+    logprobs [N, B] fp32). Every row runs the same ops: temperature 1 divides exactly, top-k with k=0
+    keeps everything (its k-th largest is the mask token's -inf), top-p applies where < 1 only
+    (so rows without it are untouched by rounding in the cumulative sum). `filtered` (a Python
+    bool: part of the compiled step's key) is False when no row uses top-k / top-p: no sort."""
+    V = logits.shape[-1]
     x = logits.float()  # [N, B, V]: a copy unless already fp32 (then the caller's logits are consumed)
     x[..., mask_token_id] = float("-inf")
-    temps = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
-    if len(set(temps)) == 1 and temps[0] != 1.0:
-        x = x / temps[0]
-    elif len(set(temps)) > 1:
-        x = x / torch.tensor(temps, device=dev)[:, None, None]
-    rows = [r for r, p in enumerate(params) if 0 < p.top_k < V]
-    if rows:
-        idx = _rows(rows, dev)
-        sub = x[idx]  # [n, B, V]
-        ks = torch.tensor([params[r].top_k for r in rows], device=dev)
-        top = torch.topk(sub, max(params[r].top_k for r in rows), dim=-1).values
-        kth = top.gather(-1, (ks - 1)[:, None, None].expand(-1, sub.shape[1], 1))  # [n, B, 1]
-        x[idx] = sub.masked_fill(sub < kth, float("-inf"))
-    rows = [r for r, p in enumerate(params) if p.top_p < 1.0]
-    if rows:
-        idx = _rows(rows, dev)
-        top_p = torch.tensor([float(params[r].top_p) for r in rows], device=dev)[:, None, None]
-        x[idx] = _top_p_filter(x[idx], top_p)
+    x = x / params[:, 0, None, None].float()
+    if filtered:
+        top_k = params[:, 1].long()
+        k = torch.where((top_k > 0) & (top_k < V), top_k, V)  # [N]
+        kth = torch.sort(x, dim=-1, descending=True).values.gather(-1, (k - 1)[:, None, None].expand(-1, x.shape[1], 1))
+        x = x.masked_fill(x < kth, float("-inf"))
+        top_p = params[:, 2, None, None]
+        x = torch.where(top_p < 1.0, _top_p_filter(x, top_p.float()), x)
     logp = torch.log_softmax(x, dim=-1)  # [N, B, V]
-    sampled = [r for r in range(N) if not greedy[r]]
-    if len(sampled) == N:
-        ids = _inverse_cdf(logp, uniforms)  # [N, B]
-    else:
-        ids = logp.argmax(-1)
-        if sampled:
-            idx = _rows(sampled, dev)
-            ids[idx] = _inverse_cdf(logp[idx], uniforms[idx])
+    ids = torch.where(params[:, 3, None] > 0, logp.argmax(-1), _inverse_cdf(logp, uniforms))
     return ids, logp.gather(-1, ids[..., None]).squeeze(-1)
-
-
-def _rows(rows: list[int], device) -> torch.Tensor:
-    return torch.tensor(rows, device=device)
 
 
 # ----------------------------------------------------------------------------- counter-based noise

@@ -20,7 +20,7 @@ import torch
 
 from dllm.commit import STRATEGY_CODES, transfer_schedule
 from dllm.detokenize import TextStream
-from dllm.sampling import SamplingParams
+from dllm.sampling import SamplingParams, param_row
 from dllm.trace import Trace
 
 _ids = itertools.count()
@@ -88,16 +88,13 @@ class GenerationOutput:
     error: str | None = None
 
 
-STEP_FIELDS = ("block_start", "step", "k", "strategy", "threshold", "slot")
-
-
 def step_inputs(s: Sequence) -> list:
-    """One sequence's inputs of a denoising step, as numbers: block ids, steps, logprobs, pending clean
-    ids [4B], then the STEP_FIELDS values (step is 1-based, k from the schedule). The decoder adds the noise."""
+    """One sequence's inputs of a denoising step, as numbers: block ids, steps, logprobs [3B], then
+    dllm.step.FIELDS' values (step is 1-based, k from the schedule, write 1, the sampling parameters).
+    The decoder adds the noise."""
     k = s.schedule[min(s.step_in_block, len(s.schedule) - 1)]
-    pending = s.pending if s.pending is not None else s.block_ids
-    return [*s.block_ids, *s.block_steps, *s.block_logprobs, *pending, s.block_start, s.step_in_block + 1, k,
-            STRATEGY_CODES[s.params.strategy], float(s.params.threshold), s.slot]
+    return [*s.block_ids, *s.block_steps, *s.block_logprobs, s.block_start, s.step_in_block + 1, k,
+            STRATEGY_CODES[s.params.strategy], float(s.params.threshold), s.slot or 0, 1.0, *param_row(s.params)]
 
 
 def to_output(s: Sequence, tokenizer=None) -> GenerationOutput:

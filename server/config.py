@@ -8,6 +8,8 @@ admin endpoints are disabled. `max_model_len=0` means min(max_position_embedding
 KV-cache memory: `kv_cache_memory` ("4GiB", "512MB", bytes) if not 0, else `kv_cache_fraction`
 of the memory available after loading the weights (free CUDA memory / available RAM less the
 `keep_versions` host copies of the weights); see server.backends.native.plan_kv_cache.
+The decode step (dllm/step.py) runs eagerly unless `compile` (torch.compile: each variant is
+compiled on first use, tens of seconds on a small CPU) or `cuda_graphs` (CUDA only).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class ServerConfig(Config):
     max_model_len: int = Field(0, ge=0)  # prompt + completion limit; 0 = min(max_position_embeddings, 8192)
     kv_cache_memory: ByteSize = Field(0, ge=0)  # KV-cache budget ("4GiB", "512MB", bytes); 0 = kv_cache_fraction
     kv_cache_fraction: float = Field(0.8, gt=0, le=1)  # share of free CUDA memory / available RAM after the weights
+    compile: bool = False            # torch.compile the static decode step (dllm/step.py): faster steps, slow start
+    cuda_graphs: bool = False        # CUDA only: capture each bucket's decode step once, replay it (not yet run on a GPU)
     trust_remote_code: bool = False  # run the model folder's own Python code (tokenizer/config); never asked
     block_size: int = Field(0, ge=0)  # 0 = config.json's; set it for folders that lack it (or to decode with another)
     mask_token_id: int = Field(-1, ge=-1)  # -1 = config.json's, else the tokenizer's <|MASK|>

@@ -65,7 +65,7 @@ def test_backend_logs_the_plan(tiny_model_dir, caplog):
     plan = backend.kv_plan
     assert plan.num_bytes <= 64 * 1024 and backend.decoder.cache.num_pages == plan.num_pages
     assert any("KV cache" in r.message and "kv_cache_memory" in r.message for r in caplog.records)
-    assert backend.decoder.cache.k.numel() * 4 * 2 <= plan.num_bytes + plan.page_tokens * plan.bytes_per_token
+    assert backend.decoder.cache.num_bytes <= plan.num_bytes + plan.page_tokens * plan.bytes_per_token
     assert plan.num_bytes / GIB < 1
 
 
@@ -78,3 +78,12 @@ def test_serve_refuses_a_cache_too_small_for_one_sequence(tiny_model_dir):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "one sequence of max_model_len=256" in proc.stderr and "server.kv_cache_memory" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_cuda_graphs_need_a_cuda_device():
+    from dllm.model import SDARForCausalLM
+    from tests.helpers import tiny_config
+
+    with pytest.raises(ConfigError, match="server.cuda_graphs"):
+        NativeBackend(SDARForCausalLM(tiny_config()).to(torch.device("cpu")), None, max_batch=2,
+                      kv_cache_memory=1 << 20, cuda_graphs=True)

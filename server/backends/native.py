@@ -1,8 +1,11 @@
-"""The native backend: dllm's `BlockDecoder` (PyTorch; CPU SDPA, CUDA FlexAttention in bf16).
+"""The native backend: dllm's `BlockDecoder` (PyTorch; its static decode step, SDPA; bf16 on CUDA).
 
     backend = NativeBackend.from_pretrained("runs/tiny/model", device="auto", dtype="auto", max_batch=16,
                                             max_model_len=0, kv_cache_memory=0, kv_cache_fraction=0.8,
-                                            trust_remote_code=False)
+                                            trust_remote_code=False, compile=False, cuda_graphs=False)
+
+`compile` (server.compile) runs the decode step through torch.compile; `cuda_graphs`
+(server.cuda_graphs, CUDA only, a ConfigError elsewhere) captures it per bucket (dllm/step.py).
 
 The KV cache is sized from memory (`plan_kv_cache`): `kv_cache_memory` bytes (e.g. 4 << 30;
 server.kv_cache_memory takes "4GiB") if not 0, else `kv_cache_fraction` of the memory
@@ -123,8 +126,10 @@ class NativeBackend(Backend):
 
     def __init__(self, model: Any, tokenizer: Any, *, max_batch: int, max_model_len: int = 0,
                  eos_ids: list[int] | None = None, kv_cache_memory: int = 0, kv_cache_fraction: float = 0.8,
-                 keep_versions: int = 0):
+                 keep_versions: int = 0, compile: bool = False, cuda_graphs: bool = False):
         cfg = model.config
+        if cuda_graphs and model.device.type != "cuda":
+            raise ConfigError(f"server.cuda_graphs: needs a CUDA device (the model is on {model.device})")
         self.eos_ids = sorted(set(cfg.eos_ids if eos_ids is None else eos_ids))
         self.model, self.tokenizer = model.eval(), tokenizer
         self.block_size, self.vocab_size, self.mask_token_id = cfg.block_size, cfg.vocab_size, cfg.mask_token_id
@@ -137,13 +142,15 @@ class NativeBackend(Backend):
         log.info("%s", self.kv_plan.describe())
         decode_tok = copy.deepcopy(tokenizer) if tokenizer is not None else None
         self.decoder = BlockDecoder(model, max_batch=max_batch, max_len=self.max_len, eos_ids=self.eos_ids,
-                                    tokenizer=decode_tok, num_pages=self.kv_plan.num_pages)
+                                    tokenizer=decode_tok, num_pages=self.kv_plan.num_pages, compile=compile,
+                                    cuda_graphs=cuda_graphs)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str = "auto", dtype: str = "auto",
                         max_batch: int = 16, max_model_len: int = 0, trust_remote_code: bool = False,
                         block_size: int = 0, mask_token_id: int = -1, kv_cache_memory: int = 0,
-                        kv_cache_fraction: float = 0.8, keep_versions: int = 0) -> NativeBackend:
+                        kv_cache_fraction: float = 0.8, keep_versions: int = 0, compile: bool = False,
+                        cuda_graphs: bool = False) -> NativeBackend:
         from dllm.tokenizer import eos_token_ids, load_tokenizer
 
         dev = resolve_device(device)
@@ -155,7 +162,8 @@ class NativeBackend(Backend):
         eos_ids = eos_token_ids(path, tokenizer, model.config.eos_ids)
         log.info("stop token ids (config.json + generation_config.json + tokenizer): %s", eos_ids)
         return cls(model, tokenizer, max_batch=max_batch, max_model_len=max_model_len, eos_ids=eos_ids,
-                   kv_cache_memory=kv_cache_memory, kv_cache_fraction=kv_cache_fraction, keep_versions=keep_versions)
+                   kv_cache_memory=kv_cache_memory, kv_cache_fraction=kv_cache_fraction, keep_versions=keep_versions,
+                   compile=compile, cuda_graphs=cuda_graphs)
 
     def new_sequence(self, prompt_ids: list[int], params: Any) -> Sequence:
         if params.stop_token_ids is not None and not params.ignore_eos:  # vLLM: they add to the eos ids

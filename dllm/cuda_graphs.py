@@ -1,0 +1,56 @@
+"""CUDA graphs over the static decode step: each bucket's step captured once, then replayed.
+
+    graphs = GraphedSteps(decode_step, max_graphs=64)   # dllm.step.DecodeStep makes it (cuda_graphs=True)
+    out = graphs.run((R, Rn, KV, filtered), (model, cache, rows_buf, k_pos, out_rows, filtered))
+
+The step reads only persistent storage -- the bucket's input buffer (the caller copies the
+next inputs into it before `run`), the KV pool and page table, the parameters -- so a
+graph captured once stays valid: weight updates copy into the same parameter storage
+(`dllm.weights.copy_into_model`), page-table changes are in-place writes. All graphs share
+one memory pool (as nano-vllm's capture); the first `max_graphs` keys are captured lazily,
+each logged, later keys run eagerly (logged once). NOT YET RUN ON A GPU: `server.cuda_graphs`
+is off by default; tests/test_dllm_step.py has the GPU-marked checks.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger("dlrl.dllm")
+
+
+class GraphedSteps:
+    def __init__(self, fn, max_graphs: int = 64):
+        self.fn, self.max_graphs = fn, max_graphs
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        self._warned = False
+
+    def run(self, key: tuple, args: tuple) -> torch.Tensor:
+        entry = self.graphs.get(key)
+        if entry is None:
+            if len(self.graphs) >= self.max_graphs:
+                if not self._warned:
+                    log.warning("cuda graphs: %d captured (the limit); key %s and later ones run eagerly",
+                                len(self.graphs), key)
+                    self._warned = True
+                return self.fn(*args)
+            entry = self.graphs[key] = self._capture(args)
+            log.info("cuda graphs: captured %s (rows, sampled rows, keys, filtered); %d graphs", key, len(self.graphs))
+        graph, out = entry
+        graph.replay()
+        return out
+
+    def _capture(self, args: tuple) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the capture (lazy init, autotuning)
+            self.fn(*args)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.fn(*args)
+        self.pool = graph.pool()
+        return graph, out
