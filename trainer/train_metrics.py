@@ -15,12 +15,18 @@ and the policy), dlrl_train_tokens_per_forward, dlrl_train_response_length. Rank
 from __future__ import annotations
 
 import math
+import threading
+import time
+from collections import deque
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 PHASES = ("rollout", "reward", "replay", "train", "sync", "eval", "step")
 _STEP_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+HISTORY = 2000  # steps kept in memory for the align console
+HISTORY_KEYS = ("version", "reward_mean", "eval_accuracy", "serving_accuracy", "serving_version", "feedback_used",
+                "feedback_rate", "staleness", "time_step")
 # gauge name -> the metric keys it reads (the first one present)
 GAUGES = {
     "reward_mean": ("reward_mean",), "reward_std": ("reward_std",), "accuracy": ("accuracy",),
@@ -42,10 +48,20 @@ class TrainMetrics:
                                   buckets=_STEP_BUCKETS, registry=r)
         self.gauges = {name: Gauge(f"dlrl_train_{name}", f"last logged {name.replace('_', ' ')}", registry=r)
                        for name in GAUGES}
+        self._history: deque = deque(maxlen=HISTORY)
+        self._lock = threading.Lock()
         self._server = None
+
+    def history(self) -> list[dict]:
+        """The last HISTORY logged steps' HISTORY_KEYS (the align console's charts)."""
+        with self._lock:
+            return list(self._history)
 
     def observe(self, step: int, metrics: dict[str, Any]) -> None:
         self.step.set(step)
+        with self._lock:
+            self._history.append({"step": step, "time": time.time(),
+                                  **{k: metrics[k] for k in HISTORY_KEYS if _is_number(metrics.get(k))}})
         if "time_step" in metrics or "reward_mean" in metrics:  # a training step (not the step-0 evaluation)
             self.steps.inc()
         for phase in PHASES:
@@ -59,10 +75,14 @@ class TrainMetrics:
             if value is not None:
                 self.gauges[name].set(value)
 
-    def serve(self, host: str, port: int) -> None:
+    def serve(self, host: str, port: int, key: str = "train.metrics_port") -> None:
+        """Serve GET /metrics on host:port (a thread); ValueError naming `key` when it cannot listen."""
         from prometheus_client import start_http_server
 
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        try:
+            self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as e:
+            raise ValueError(f"{key}: cannot serve metrics on {host}:{port}: {e}") from None
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
