@@ -5,7 +5,7 @@
     metrics.observe_request("/generate", 200, seconds, prompt_tokens, completion_tokens)
     body = metrics.render()                # text exposition format for GET /metrics
 
-Names follow vLLM's (`vllm:x` -> `dlrl_x`) where the concept is the same; every family is
+Names follow vLLM's where the concept is the same (`vllm:` becomes `dlrl_`); every family is
 listed in README "Operating dlrl". Latency (per sequence, from its request's arrival):
 dlrl_time_to_first_token_seconds (first committed block), dlrl_inter_token_latency_seconds
 (per token, between two commits of a sequence; a forward commits several),

@@ -82,7 +82,7 @@ def test_console_shows_the_loop_and_rolls_back_from_the_page(chromium, tiny_mode
         assert value(fams, "dlrl_train_steps", "dlrl_train_steps_total") >= 1
         assert value(fams, "dlrl_train_step_seconds", phase="rollout") > 0
         assert httpx.post(console + "api/pause", timeout=10).status_code == 401  # no token: read-only
-        assert httpx.post(console + "api/pause", headers={"Authorization": "Bearer wrong"}, timeout=10).status_code == 401
+        assert httpx.post(console + "api/pause", headers={"Authorization": "Bearer wrong"}, timeout=10).status_code == 403
 
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])

@@ -236,8 +236,11 @@ class _Handler(BaseHTTPRequestHandler):
             return self._json(404, {"error": f"no such action: {path}"})
         if not self.console.token:
             return self._json(403, {"error": "actions are disabled: no admin token configured"})
-        if not self.console.authorized(self.headers.get("Authorization")):
+        header = self.headers.get("Authorization")
+        if not header:
             return self._json(401, {"error": "authorization: the admin token is required (Bearer)"})
+        if not self.console.authorized(header):
+            return self._json(403, {"error": "authorization: wrong admin token"})
         length = self.headers.get("Content-Length", "0")
         if not length.isdigit() or int(length) > MAX_BODY:
             return self._json(413, {"error": f"body: at most {MAX_BODY} bytes"})
