@@ -114,6 +114,8 @@ def event_line(e: dict) -> str:
         text = f"version {v} superseded: {d.get('reason', '')}"
     elif kind in ("promotion_paused", "promotion_resumed"):
         text = f"promotion {kind.split('_')[1]}" + (f" ({d['by']})" if d.get("by") else "")
-    else:
-        text = f"{kind} version {v}" + (f" on {e['replica']}" if e.get("replica") else "")
+    else:  # promotion_started, promotion_aborted, replica_missed, replica_synced, ...
+        text = f"version {v}: {str(kind).replace('_', ' ')}" + (f" on {e['replica']}" if e.get("replica") else "")
+        if d.get("reason"):
+            text += f": {d['reason']}"
     return f"[{time.strftime('%H:%M:%S', time.localtime(e.get('time') or time.time()))}] {text}"
