@@ -78,6 +78,9 @@ def _traffic(url: str, model_dir: str) -> dict:
     assert httpx.post(url + "/v1/feedback", json={"id": rid, "label": "nope"}, headers=fb, timeout=10).status_code == 400
     model = load_pretrained(model_dir)
     push([url], model.named_parameters(), 1, transport="http", token=ADMIN)
+    stale = httpx.post(url + "/weights/begin", json={"version": 1, "transport": "http", "manifest": {}},
+                       headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10)
+    assert 400 <= stale.status_code < 500, stale.text  # version 1 is served already: refused
     return {"record_id": rid}
 
 
@@ -103,6 +106,7 @@ def test_server_metrics_parse_and_count_what_happened(served):
     for phase in ("verify", "drain", "apply"):
         assert value(fams, f"dlrl_weight_update_{phase}_seconds", f"dlrl_weight_update_{phase}_seconds_count") == 1
     assert value(fams, "dlrl_weight_update_aborts", "dlrl_weight_update_aborts_total") == 0
+    assert value(fams, "dlrl_weight_update_refusals", "dlrl_weight_update_refusals_total", step="begin") == 1
     # feedback: 2 received, 1 rejected (400), 1 stored; 5 samples recorded in the store
     assert value(fams, "dlrl_feedback_received", "dlrl_feedback_received_total") == 2
     assert value(fams, "dlrl_feedback_rejected", "dlrl_feedback_rejected_total", status="400") == 1
