@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[server,train,dev]'
+	$(PY) -m tests.browser  # headless Chromium for the align console test (apt-get as root when missing)
 	touch $(STAMP)
 
 test: install

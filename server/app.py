@@ -31,8 +31,9 @@ from server.config import ServerConfig
 from server.engine import Engine
 from server.errors import install_error_handlers
 from server.generation import PromptEncoder
+from server.logs import use_json_logs
 from server.metrics import ServerMetrics
-from server.middleware import RequestGuard
+from server.middleware import RequestGuard, RequestLog
 from server.openapi import install_openapi
 from server.recording import Recorder
 from server.weight_updates import make_updates
@@ -73,16 +74,21 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     if app.state.feedback_token and app.state.feedback_token == app.state.admin_token:
         raise ConfigError("server.feedback_token: must differ from the admin token")
     app.state.recorder = Recorder.from_config(config, engine, app.state.metrics)
-    if config.keep_versions > 0:
-        app.state.weight_updates = make_updates(engine, config)
+    if app.state.recorder is not None:
+        app.state.metrics.store = app.state.recorder.store  # store size gauges
+    app.state.weight_updates = make_updates(engine, config)  # keep_versions=0: nothing kept
+    app.state.weight_updates.metrics = app.state.metrics
     install_error_handlers(app)
     app.add_middleware(RequestGuard, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(RequestLog)  # outermost: X-Request-Id, one log event per request, feedback counts
     app.include_router(routes_generate.router)
     app.include_router(routes_feedback.router)
     app.include_router(routes_service.router)
     app.include_router(routes_service.admin)
     app.include_router(routes_weights.router)
     install_openapi(app)
+    if config.log_format == "json":
+        use_json_logs()
     if not app.state.admin_token:
         log.info("no admin token configured: admin endpoints are disabled")
     return app

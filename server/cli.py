@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
              config.max_batch, engine.max_model_len)
     log.info("listening on http://%s:%d (admin endpoints %s)", config.host, config.port,
              "enabled" if app.state.admin_token else "disabled: no admin token")
-    server = GracefulServer(uvicorn.Config(app, host=config.host, port=config.port,
+    json_logs = {"log_config": None, "access_log": False} if config.log_format == "json" else {}  # server.logs
+    server = GracefulServer(uvicorn.Config(app, host=config.host, port=config.port, **json_logs,
                                            log_level=config.log_level.lower(), timeout_graceful_shutdown=5),
                             app, shutdown_timeout=config.shutdown_timeout)
     server.run()

@@ -53,6 +53,7 @@ class ServerConfig(Config):
     admin_token: str = ""
     admin_token_file: str = ""       # read (or create) the token here when none is set otherwise
     log_level: LogLevel = "info"
+    log_format: Literal["text", "json"] = "text"  # json: one JSON event per line (request id, version, timing)
     max_body_bytes: int = Field(4 << 20, ge=1)  # request bodies over this are a 413 before being read (weights exempt)
     shutdown_timeout: float = Field(20.0, ge=0)  # SIGTERM: seconds in-flight requests get before they are aborted
     # defaults for requests that leave these unset

@@ -61,6 +61,9 @@ class StepStats:
     seconds: float       # wall time of admission prefill + forward
     num_admitted: int
     num_waiting: int
+    seqs: tuple = ()              # the batch (after the forward), for per-sequence latency metrics
+    admitted: tuple = ()          # sequences admitted into this forward
+    num_cache_refused: int = 0    # waiting sequences a free slot could take but the KV-cache pages could not
 
 
 class Engine:
@@ -145,6 +148,8 @@ class Engine:
         With `num_top_logprobs` k > 0 each finished sequence gets `seq.top_logprobs`
         (per completion token the k most likely (id, logprob); see server.logprobs)."""
         req = Request(uuid.uuid4().hex, seqs, asyncio.get_running_loop(), stream=stream)
+        for seq in seqs:
+            seq.arrived_at = req.arrival  # server.metrics: queue time, TTFT, end-to-end latency
         with self._cond:
             if not self.is_running:
                 raise EngineStopped("engine is not running")
@@ -239,10 +244,13 @@ class Engine:
             for seq in self.scheduler.take_releases():
                 self.backend.release(seq)
                 self._finish(seq)
-            admitted = [] if self._is_paused else self.scheduler.admit(
-                self.backend.num_admissible(self.scheduler.waiting))
+            num = 0 if self._is_paused else self.backend.num_admissible(self.scheduler.waiting)
+            admitted = [] if self._is_paused else self.scheduler.admit(num)
+            refused = 0 if self._is_paused else min(self.scheduler.num_waiting, self.backend.num_free_slots - num)
+            now = time.monotonic()
             for seq in admitted:
                 seq.trace.version = self.version
+                seq.admitted_at = now
             batch = list(self.scheduler.running)
             self._is_busy = bool(batch)
         if not batch:
@@ -259,7 +267,7 @@ class Engine:
             self._fail(batch, f"engine step failed: {type(e).__name__}: {e}")
             return True
         stats = StepStats(len(batch), self._committed(batch, before), time.perf_counter() - t0,
-                          len(admitted), self.scheduler.num_waiting)
+                          len(admitted), self.scheduler.num_waiting, tuple(batch), tuple(admitted), refused)
         self._after_step(batch, finished)
         for fn in self._listeners:
             try:

@@ -5,18 +5,31 @@
     metrics.observe_request("/generate", 200, seconds, prompt_tokens, completion_tokens)
     body = metrics.render()                # text exposition format for GET /metrics
 
-Names: dlrl_requests_total{endpoint,status}, dlrl_prompt_tokens_total,
-dlrl_generation_tokens_total, dlrl_forwards_total, dlrl_tokens_per_forward,
-dlrl_batch_size, dlrl_max_batch_size, dlrl_step_seconds, dlrl_request_latency_seconds,
-dlrl_queue_depth, dlrl_running_sequences, dlrl_policy_version, dlrl_paused,
-dlrl_aborted_sequences; continuous alignment (issue 19): dlrl_served_version (= the policy
-version), dlrl_records_total (samples written to the feedback store), dlrl_feedback_total
-(new feedback accepted), dlrl_rollbacks_total, dlrl_store_errors_total (records dropped or
-not written, feedback the store could not take).
+Names follow vLLM's where the concept is the same (`vllm:` becomes `dlrl_`); every family is
+listed in README "Operating dlrl". Latency (per sequence, from its request's arrival):
+dlrl_time_to_first_token_seconds (first committed block), dlrl_inter_token_latency_seconds
+(per token, between two commits of a sequence; a forward commits several),
+dlrl_time_per_output_token_seconds, dlrl_e2e_request_latency_seconds,
+dlrl_request_queue_time_seconds, dlrl_request_latency_seconds{endpoint} (HTTP). Load:
+dlrl_num_requests_running / dlrl_num_requests_waiting (sequences), dlrl_kv_cache_pages_used /
+_total / dlrl_kv_cache_usage_perc, dlrl_kv_cache_refusals_total (engine steps that left a
+sequence waiting with a free slot but too few KV pages). Block diffusion: dlrl_forwards_total,
+dlrl_forwards_per_second, dlrl_tokens_per_forward, dlrl_batch_size, dlrl_step_seconds,
+dlrl_prompt_tokens_total, dlrl_generation_tokens_total. Weights: dlrl_model_info{model_name,
+version}, dlrl_served_version, dlrl_weight_updates_total{outcome}, dlrl_weight_update_bytes_total,
+dlrl_weight_update_{verify,drain,apply}_seconds, dlrl_weight_update_aborts_total,
+dlrl_weight_update_refusals_total{step}, dlrl_rollbacks_total. Feedback:
+dlrl_feedback_received_total, dlrl_feedback_rejected_total{status}, dlrl_feedback_total (stored),
+dlrl_records_total, dlrl_store_errors_total, dlrl_store_records / dlrl_store_feedback /
+dlrl_store_bytes (store size). Older names kept: dlrl_queue_depth, dlrl_running_sequences,
+dlrl_policy_version, dlrl_paused, dlrl_aborted_sequences, dlrl_max_batch_size.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import deque
 from typing import Any
 
 from prometheus_client import (
@@ -27,16 +40,61 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _TPF_BUCKETS = (0.25, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 16, 32)
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+STORE_STATS_TTL_S = 5.0  # the store is read at most this often by scrapes
+
+
+class _Dynamic:
+    """Families whose label values change (served version) or that read other objects at scrape time."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.m = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        engine = self.m.engine
+        if engine is not None:
+            info = GaugeMetricFamily("dlrl_model_info", "served model and weight version (value 1)",
+                                     labels=["model_name", "version"])
+            info.add_metric([str(engine.model_name), str(engine.version)], 1.0)
+            yield info
+            pages = _pages(engine)
+            if pages is not None:
+                used, total = pages
+                yield GaugeMetricFamily("dlrl_kv_cache_pages_used", "KV-cache pages held by running sequences",
+                                        value=used)
+                yield GaugeMetricFamily("dlrl_kv_cache_pages_total", "KV-cache pages of the pool", value=total)
+                yield GaugeMetricFamily("dlrl_kv_cache_usage_perc", "KV-cache usage (1 = full)",
+                                        value=used / total if total else 0.0)
+        stats = self.m.store_stats()
+        if stats is not None:
+            for key, name, text in (("num_records", "dlrl_store_records", "records in the feedback store"),
+                                    ("num_feedback", "dlrl_store_feedback", "feedback rows in the store"),
+                                    ("bytes", "dlrl_store_bytes", "size of the store's files")):
+                yield GaugeMetricFamily(name, text, value=float(stats.get(key) or 0))
+
+
+def _pages(engine: Any) -> tuple[int, int] | None:
+    cache = getattr(getattr(engine.backend, "decoder", None), "cache", None)
+    if cache is None or not hasattr(cache, "num_free_pages"):
+        return None
+    return cache.num_pages - cache.num_free_pages, cache.num_pages
 
 
 class ServerMetrics:
     def __init__(self, engine: Any | None = None):
         self.registry = r = CollectorRegistry(auto_describe=True)
+        self.engine = None
+        self.store = None  # set by server.recording when a store is open (store size gauges)
+        self._store_stats: tuple[float, dict | None] = (0.0, None)
         self.requests = Counter("dlrl_requests", "HTTP generation requests", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("dlrl_prompt_tokens", "prompt tokens of finished sequences", registry=r)
         self.generation_tokens = Counter("dlrl_generation_tokens", "tokens committed by decoding", registry=r)
@@ -50,20 +108,55 @@ class ServerMetrics:
                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.latency = Histogram("dlrl_request_latency_seconds", "request latency (arrival to last token)",
                                  ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("dlrl_time_to_first_token_seconds", "arrival to the first committed block of a "
+                              "sequence", buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("dlrl_inter_token_latency_seconds", "time between two commits of a sequence, per "
+                             "token committed", buckets=_TOKEN_BUCKETS, registry=r)
+        self.tpot = Histogram("dlrl_time_per_output_token_seconds", "first token to last, per later token",
+                              buckets=_TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("dlrl_e2e_request_latency_seconds", "arrival to the end of a sequence",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("dlrl_request_queue_time_seconds", "arrival to admission into the batch",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.kv_refusals = Counter("dlrl_kv_cache_refusals", "engine steps that left a sequence waiting with a "
+                                   "free slot but too few free KV-cache pages", registry=r)
         self.records = Counter("dlrl_records", "served samples written to the feedback store", registry=r)
-        self.feedback = Counter("dlrl_feedback", "new feedback accepted by POST /v1/feedback", registry=r)
+        self.feedback = Counter("dlrl_feedback", "new feedback stored by POST /v1/feedback", registry=r)
+        self.feedback_received = Counter("dlrl_feedback_received", "POST /v1/feedback requests", registry=r)
+        self.feedback_rejected = Counter("dlrl_feedback_rejected", "POST /v1/feedback answered 4xx/5xx",
+                                         ["status"], registry=r)
         self.rollbacks = Counter("dlrl_rollbacks", "rollbacks to a kept weight version", registry=r)
         self.store_errors = Counter("dlrl_store_errors", "feedback store failures (record dropped or not "
                                     "written, feedback not stored)", registry=r)
+        self.updates = Counter("dlrl_weight_updates", "weight updates committed", ["outcome"], registry=r)
+        self.update_bytes = Counter("dlrl_weight_update_bytes", "bytes of the applied weight updates", registry=r)
+        self.update_seconds = {phase: Histogram(f"dlrl_weight_update_{phase}_seconds", f"weight update {phase} "
+                                                "time", buckets=_LATENCY_BUCKETS, registry=r)
+                               for phase in ("verify", "drain", "apply")}
+        self.update_aborts = Counter("dlrl_weight_update_aborts", "weight updates aborted (sender, lease, "
+                                     "failure)", registry=r)
+        self.update_refusals = Counter("dlrl_weight_update_refusals", "weight-update calls refused", ["step"],
+                                       registry=r)
+        for outcome in ("applied", "failed"):
+            self.updates.labels(outcome=outcome)
         self._max_batch = 0
+        self._forward_times: deque[float] = deque()
+        self._lock = threading.Lock()
+        self._seq_times: dict[int, list[float]] = {}  # seq_id -> [first token, last commit, tokens at last commit]
+        r.register(_Dynamic(self))
         if engine is not None:
             self.bind_engine(engine)
 
     def bind_engine(self, engine: Any) -> None:
         r = self.registry
+        self.engine = engine
         Gauge("dlrl_queue_depth", "sequences waiting for a slot", registry=r).set_function(
             lambda: engine.num_waiting)
+        Gauge("dlrl_num_requests_waiting", "sequences waiting for a slot", registry=r).set_function(
+            lambda: engine.num_waiting)
         Gauge("dlrl_running_sequences", "sequences being decoded", registry=r).set_function(
+            lambda: engine.num_running)
+        Gauge("dlrl_num_requests_running", "sequences being decoded", registry=r).set_function(
             lambda: engine.num_running)
         Gauge("dlrl_policy_version", "version of the served weights", registry=r).set_function(
             lambda: engine.version)
@@ -73,12 +166,26 @@ class ServerMetrics:
             lambda: float(engine.is_paused))
         Gauge("dlrl_aborted_sequences", "sequences aborted (client gone, pause)", registry=r).set_function(
             lambda: engine.num_aborted)
+        Gauge("dlrl_forwards_per_second", "batched forwards per second (last 10 s)", registry=r).set_function(
+            self.forwards_per_second)
         engine.add_step_listener(self.observe_step)
+
+    def forwards_per_second(self, window_s: float = 10.0) -> float:
+        with self._lock:
+            now = time.monotonic()
+            while self._forward_times and self._forward_times[0] < now - window_s:
+                self._forward_times.popleft()
+            return len(self._forward_times) / window_s
 
     def observe_step(self, stats: Any) -> None:
         """Called from the engine thread after every batched forward (stats: engine.StepStats)."""
+        if stats.num_cache_refused:
+            self.kv_refusals.inc()
         if stats.batch_size <= 0:
             return
+        now = time.monotonic()
+        with self._lock:
+            self._forward_times.append(now)
         self.forwards.inc()
         self.generation_tokens.inc(stats.num_tokens)
         self.tokens_per_forward.observe(stats.num_tokens / stats.batch_size)
@@ -87,6 +194,33 @@ class ServerMetrics:
         if stats.batch_size > self._max_batch:
             self._max_batch = stats.batch_size
             self.max_batch_size.set(stats.batch_size)
+        for seq in stats.admitted:
+            if getattr(seq, "arrived_at", None) is not None:
+                self.queue_time.observe(max(0.0, seq.admitted_at - seq.arrived_at))
+        for seq in stats.seqs:
+            self._observe_sequence(seq, now)
+        if len(self._seq_times) > len(stats.seqs):  # every running sequence is in every forward: the rest ended
+            live = {s.seq_id for s in stats.seqs}
+            for seq_id in [k for k in self._seq_times if k not in live]:
+                del self._seq_times[seq_id]
+
+    def _observe_sequence(self, seq: Any, now: float) -> None:
+        arrived = getattr(seq, "arrived_at", None)
+        if arrived is None:
+            return
+        num = len(seq.completion_ids)
+        times = self._seq_times.get(seq.seq_id)
+        if times is None and num:
+            self.ttft.observe(now - arrived)
+            times = self._seq_times[seq.seq_id] = [now, now, num]
+        elif times is not None and num > times[2]:
+            self.itl.observe((now - times[1]) / (num - times[2]))
+            times[1:] = [now, num]
+        if seq.is_finished:
+            self.e2e.observe(now - arrived)
+            self._seq_times.pop(seq.seq_id, None)
+            if times is not None and times[2] > 1:
+                self.tpot.observe((times[1] - times[0]) / (times[2] - 1))
 
     def observe_request(self, endpoint: str, status: int, seconds: float | None = None,
                         prompt_tokens: int = 0) -> None:
@@ -95,6 +229,24 @@ class ServerMetrics:
             self.prompt_tokens.inc(prompt_tokens)
         if seconds is not None:
             self.latency.labels(endpoint=endpoint).observe(seconds)
+
+    def observe_feedback_status(self, status: int) -> None:
+        self.feedback_received.inc()
+        if status >= 400:
+            self.feedback_rejected.labels(status=str(status)).inc()
+
+    def store_stats(self) -> dict | None:
+        """The store's size (cached STORE_STATS_TTL_S); None without a store or when it cannot be read."""
+        if self.store is None:
+            return None
+        at, stats = self._store_stats
+        if time.monotonic() - at > STORE_STATS_TTL_S:
+            try:
+                stats = self.store.stats()
+            except Exception:  # a busy or broken store must not fail the scrape
+                stats = None
+            self._store_stats = (time.monotonic(), stats)
+        return stats
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,11 +12,17 @@
 - While `app.state.is_draining` (server.lifecycle), new generation requests are answered 503
   with Retry-After and `Connection: close`.
 - `app.state.num_inflight` counts generation requests until their last byte is sent.
+
+RequestLog (below) is the outermost layer: `X-Request-Id`, one log event per request.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import re
+import time
+import uuid
 from typing import Any
 
 from fastapi import HTTPException
@@ -101,3 +107,60 @@ class RequestGuard:
             return message
 
         return receive_limited
+
+
+REQUEST_ID_HEADER = b"x-request-id"
+_REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:\-]{1,128}$")
+request_log = logging.getLogger("dlrl.request")
+QUIET_PATHS = ("/metrics", "/health", "/ready")  # scraped and probed: logged at debug only
+
+
+class RequestLog:
+    """Outermost middleware: the request id, one log event per request, feedback request counts.
+
+    - `X-Request-Id` from the client is kept when it is 1-128 characters of [A-Za-z0-9._:-] (else a
+      fresh uuid4 hex replaces it); it is returned on every response and is `request.state.request_id`.
+    - One event per request when the response ends: request_id, method, path, status, duration_s
+      and the served weight version (`version`); INFO with `server.log_format: json`, else DEBUG
+      (uvicorn's access log covers text mode).
+    - POST /v1/feedback answers feed dlrl_feedback_received_total / dlrl_feedback_rejected_total.
+    """
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers", ())).get(REQUEST_ID_HEADER, b"")
+        rid = given.decode() if _REQUEST_ID.match(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+        t0, status = time.perf_counter(), 500
+
+        async def send_with_id(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()), (REQUEST_ID_HEADER, rid.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            self._log(scope, rid, status, time.perf_counter() - t0)
+
+    @staticmethod
+    def _log(scope: dict, rid: str, status: int, seconds: float) -> None:
+        state, path = scope["app"].state, scope["path"]
+        metrics = getattr(state, "metrics", None)
+        if path == "/v1/feedback" and metrics is not None:
+            metrics.observe_feedback_status(status)
+        config = getattr(state, "config", None)
+        level = logging.INFO if getattr(config, "log_format", "text") == "json" and path not in QUIET_PATHS \
+            else logging.DEBUG
+        if not request_log.isEnabledFor(level):
+            return
+        engine = getattr(state, "engine", None)
+        request_log.log(level, "%s %s %d %.3fs", scope["method"], path, status, seconds, extra={
+            "request_id": rid, "method": scope["method"], "path": path, "status": status,
+            "duration_s": round(seconds, 6), "version": getattr(engine, "version", None)})

@@ -64,6 +64,12 @@ class WeightUpdates:
         )
         self._commits: dict[int, asyncio.Task] = {}
         self._verify_s = 0.0
+        self.metrics: Any = None  # server.metrics.ServerMetrics (set by server.app): update counts and timings
+        self._bytes: dict[int, int] = {}  # version -> manifest total_bytes, until applied
+
+    def _refused(self, step: str) -> None:
+        if self.metrics is not None:
+            self.metrics.update_refusals.labels(step=step).inc()
 
     @property
     def version(self) -> int:
@@ -86,8 +92,14 @@ class WeightUpdates:
 
     async def begin(self, body: BeginRequest) -> dict[str, Any]:
         self._sync_version()
-        return await asyncio.to_thread(self.receiver.begin, body.version, body.transport, body.manifest,
-                                       body.options, body.lease_s, body.run_id)
+        try:
+            out = await asyncio.to_thread(self.receiver.begin, body.version, body.transport, body.manifest,
+                                          body.options, body.lease_s, body.run_id)
+        except Exception:
+            self._refused("begin")
+            raise
+        self._bytes = {body.version: int(out.get("total_bytes", 0)) if isinstance(out, dict) else 0}
+        return out
 
     async def put_bucket(
         self, index: int, stream: AsyncIterator[bytes], version: int | None, checksum: int | None,
@@ -111,7 +123,11 @@ class WeightUpdates:
             if self.receiver.committed(version) and version <= self.version:  # above: applied, then rolled back
                 return {"version": version, "state": "applied", "served_version": self.version}
             t0 = time.perf_counter()
-            await asyncio.to_thread(self.receiver.verify, version, checksums)
+            try:
+                await asyncio.to_thread(self.receiver.verify, version, checksums)
+            except Exception:
+                self._refused("commit")
+                raise
             self._verify_s = time.perf_counter() - t0
             task = self._commits[version] = asyncio.create_task(self._drain_and_apply(version, abort))
             task.add_done_callback(lambda _t: self._commits.pop(version, None))
@@ -138,15 +154,27 @@ class WeightUpdates:
             t1 = time.perf_counter()
             await asyncio.to_thread(rx.apply, version)
             engine.version = rx.version
+            self._observe_applied(version, t1 - t0, time.perf_counter() - t1)
             log.info("weights updated to version %d (verify %.3fs, drain %.3fs, apply %.3fs)", rx.version,
                      self._verify_s, t1 - t0, time.perf_counter() - t1)
         except BaseException as e:
             if rx.state(version)["state"] in ("draining", "verified"):
                 rx.abort(version, f"drain failed: {e!r}")
+            if self.metrics is not None:
+                self.metrics.updates.labels(outcome="failed").inc()
             raise
         finally:
             if not was_paused:
                 await engine.resume()
+
+    def _observe_applied(self, version: int, drain_s: float, apply_s: float) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        m.updates.labels(outcome="applied").inc()
+        m.update_bytes.inc(self._bytes.pop(version, 0))
+        for phase, seconds in (("verify", self._verify_s), ("drain", drain_s), ("apply", apply_s)):
+            m.update_seconds[phase].observe(seconds)
 
     async def _drain(self, version: int, abort: bool) -> None:
         """Wait (bounded) for in-flight sequences; then abort them, or keep waiting for them."""
@@ -173,6 +201,8 @@ class WeightUpdates:
     async def abort(self, version: int | None = None, reason: str = "aborted by the sender",
                     run_id: str | None = None) -> dict[str, Any]:
         aborted = await asyncio.to_thread(self.receiver.abort, version, reason, run_id)
+        if aborted and self.metrics is not None:
+            self.metrics.update_aborts.inc()
         return {"aborted": aborted, "version": self.version}
 
     async def checksum(self) -> dict[str, Any]:

@@ -46,6 +46,7 @@ def _config(tmp: Path) -> Path:
 
     cfg = yaml.safe_load(Path("configs/align.yaml").read_text())
     cfg["train"].update({"tensorboard": False})
+    cfg["align"]["console_port"] = 0  # the console has its own test (tests/test_align_console.py)
     cfg["users"].update({"num_users": 4, "think_time_s": 0.4, "feedback_delay_s": 0.5})
     path = tmp / "align.yaml"
     path.write_text(yaml.safe_dump(cfg))

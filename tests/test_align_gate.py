@@ -160,7 +160,7 @@ def _aligner(tmp_path, monkeypatch, scores: dict):
     al.run.fleet = al.run.learner = SimpleNamespace(generate=None, engine=SimpleNamespace(module=None))
     al.pending, al.last_candidate, al.waiting, al.serving_scores = [], -1, None, dict(SERVING)
     al.counts = {"promotions": 0, "rollbacks": 0, "gate_failed": 0, "reverts": 0}
-    al.reverts, al.flipped = [], False
+    al.reverts, al.flipped, al.promotion_paused = [], False, False
     monkeypatch.setattr(al, "revert", lambda: al.reverts.append(al.run.version), raising=False)
     return al
 
@@ -206,3 +206,18 @@ def test_the_gate_runs_during_a_promotion_and_a_passing_candidate_waits_for_it(t
     assert _to(al, 13, 18)["gate_passed"] == 1 and al.waiting.version == 13
     assert _to(al, 14, 21)["gate_passed"] == 0 and al.waiting is None and status(13) == "superseded"
     al.store.close()
+
+
+def test_paused_promotion_keeps_the_newest_passing_candidate_until_resumed(tmp_path, monkeypatch):
+    scores = {3: {**SERVING, "accuracy": 0.7}, 6: {**SERVING, "accuracy": 0.75}}
+    al = _aligner(tmp_path, monkeypatch, scores)
+    al.pause_promotion(True, by="console")
+    assert _to(al, 3, 3)["gate_passed"] == 1 and al.promoter.started == [] and al.waiting.version == 3
+    assert _to(al, 6, 6)["gate_passed"] == 1 and al.waiting.version == 6  # the gate still runs; newest kept
+    al.start_waiting()
+    assert al.promoter.started == [] and al.metrics.registry.get_sample_value("dlrl_align_promotion_paused") == 1
+    al.pause_promotion(False, by="console")
+    al.start_waiting()
+    assert al.promoter.started == [6] and al.waiting is None
+    kinds = [e["kind"] for e in al.store.events()]
+    assert kinds.count("gate_passed") == 2 and "promotion_paused" in kinds and "promotion_resumed" in kinds

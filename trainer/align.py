@@ -25,7 +25,7 @@ import time
 from trainer.align_bank import WeightBank
 from trainer.align_data import AlignReward, FeedbackBuffer, MixedBatch
 from trainer.align_gate import Gate
-from trainer.align_metrics import AlignMetrics
+from trainer.align_metrics import AlignMetrics, CountedStore
 from trainer.align_promote import Candidate, FeedbackTally, Promoter
 from trainer.loop import StopRequested, Timer, collect, learn
 
@@ -43,8 +43,9 @@ class Aligner:
     def __init__(self, run, cfg, store, pool, should_stop=lambda: False):
         import copy
 
-        self.run, self.cfg, self.store, self.pool, self.should_stop = run, cfg, store, pool, should_stop
         self.metrics = AlignMetrics()
+        store = CountedStore(store, self.metrics)  # candidate outcomes counted from the registry's events
+        self.run, self.cfg, self.store, self.pool, self.should_stop = run, cfg, store, pool, should_stop
         self.tally = FeedbackTally()
         max_len = run.learner.engine.module.config.max_position_embeddings
         self.feedback = FeedbackBuffer(store, run.block_size, max_len, cfg.feedback_buffer)
@@ -67,6 +68,11 @@ class Aligner:
         self.learned = False
         self.promoter: Promoter | None = None
         self.counts = {"promotions": 0, "rollbacks": 0, "gate_failed": 0, "reverts": 0}
+        self.promotion_paused = False  # the console's pause: candidates that pass the gate wait (newest kept)
+        if run.prom is None:  # the training step metrics on the controller's port (trainer.train_metrics)
+            from trainer.train_metrics import TrainMetrics
+
+            run.prom = TrainMetrics(self.metrics.registry)
 
     # ------------------------------------------------------------------ start
     def prepare(self) -> None:
@@ -204,12 +210,15 @@ class Aligner:
                      100 * cand["accuracy"], 100 * self.serving_scores["accuracy"], cand["kl"])
             feedback_times = [ft for ver, ft in self.pending if ver <= v]
             candidate = Candidate(v, step, policy_weights(run), result, feedback_times)
+            self.store.log_event("gate_passed", v, detail={
+                "scores": cand, "serving_accuracy": self.serving_scores["accuracy"],
+                "serving_version": self.promoter.serving_version})
             self.supersede(f"version {v} passed the gate after it")
-            if self.promoter.busy:
+            if self.promoter.busy or self.promotion_paused:
                 self.waiting = candidate
                 self.store.update_version(v, status="candidate")
-                log.info("version %d waits for the promotion of version %d in flight", v,
-                         self.promoter.canary.cand.version)
+                log.info("version %d waits: %s", v, "promotion is paused" if self.promotion_paused else
+                         f"the promotion of version {self.promoter.canary.cand.version} is in flight")
             else:
                 self.promoter.start(candidate)
         else:
@@ -221,7 +230,7 @@ class Aligner:
         """The candidate that passed the gate during a promotion starts its own when that one is
         over, checked again against the serving version's scores if the serving version changed."""
         cand = self.waiting
-        if cand is None or self.promoter.busy:
+        if cand is None or self.promoter.busy or self.promotion_paused:
             return
         self.waiting = None
         if cand.gate.serving != self.serving_scores:
@@ -245,6 +254,16 @@ class Aligner:
         self.store.update_version(v, status="gated_out")
         self.store.log_event("gate_failed", v, detail={"reasons": reasons, "scores": scores, **extra})
         self.counts["gate_failed"] += 1
+
+    def pause_promotion(self, paused: bool, by: str = "") -> None:
+        """The console's pause / resume: while paused no promotion starts (the gate still runs; the
+        newest candidate that passes waits, and starts after resume). Recorded in the registry."""
+        if paused != self.promotion_paused:
+            self.promotion_paused = paused
+            self.metrics.promotion_paused.set(float(paused))
+            self.store.log_event("promotion_paused" if paused else "promotion_resumed",
+                                 self.promoter.serving_version, detail={"by": by})
+            log.warning("promotion %s%s", "paused" if paused else "resumed", f" ({by})" if by else "")
 
     def stop_promotions(self, why: str) -> None:
         """A stop: the promotion in flight is aborted (the canary goes back to the serving version)
@@ -321,7 +340,8 @@ class Aligner:
         p = self.promoter
         return {"serving_version": p.serving_version, "serving_accuracy": self.serving_scores.get("accuracy"),
                 "canary_version": p.canary.cand.version if p.canary else 0,
-                "waiting_version": self.waiting.version if self.waiting else 0, **self.counts}
+                "waiting_version": self.waiting.version if self.waiting else 0,
+                "promotion_paused": int(self.promotion_paused), **self.counts}
 
     def state_dict(self) -> dict:
         return {"feedback": self.feedback.state_dict(), "last_candidate": self.last_candidate,

@@ -92,7 +92,7 @@ def main(argv: list[str]) -> int:
 
     stopper = Stopper().install()
     store = open_store(cfg.store, **NO_PRUNE)
-    run = pool = al = None
+    run = pool = al = console = None
     try:
         t0 = time.perf_counter()
         factory = make_sampler_factory(cfg, train, store, lambda: stopper.requested)
@@ -109,6 +109,11 @@ def main(argv: list[str]) -> int:
         t0 = time.perf_counter()
         al.prepare()
         log.info("controller ready in %.1fs", time.perf_counter() - t0)
+        if cfg.console_port:
+            from trainer.align_console import Console
+
+            console = Console(al, resolve_token(train, root["server"]))
+            print(f"dlrl align console: {console.start()}", flush=True)
         last = align_loop(al)
         print(json.dumps({"version": run.version, "serving_version": last.get("serving_version"),
                           "serving_accuracy": last.get("serving_accuracy"), **al.counts,
@@ -123,7 +128,7 @@ def main(argv: list[str]) -> int:
         print(f"dlrl align: error: {e}", file=sys.stderr)
         return 1
     finally:
-        for part in (al, pool, run, store):
+        for part in (console, al, pool, run, store):
             if part is not None:
                 part.close()
 
@@ -172,17 +177,28 @@ def manual_rollback(cfg, server, st, version: int) -> int:
     any replica that fails here to it from its saved weights); then every serving replica goes
     back to it, one at a time, from the versions it keeps in host memory. `server`: the config's
     ServerKeys (admin token fallbacks after align.admin_token and env DLRL_ADMIN_TOKEN)."""
+    from trainer.run import resolve_token
+
+    try:
+        result = rollback_replicas(cfg, resolve_token(cfg, server), st, version)  # reads cfg.admin_token first
+    except ValueError as e:
+        print(f"dlrl versions: error: --rollback: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=1))
+    return 0 if not any(r.startswith("error") for r in result["replicas"].values()) else 1
+
+
+def rollback_replicas(cfg, token: str, st, version: int) -> dict:
+    """The manual rollback (`dlrl versions --rollback`, the console's button): registry first, then
+    each serving replica. ValueError when `version` never served. -> {version, previous, replicas}."""
     from trainer.align_pool import ServingPool
     from trainer.fleet import FleetError
-    from trainer.run import resolve_token
 
     known = {v["version"]: v for v in st.versions()}
     status = known.get(version, {}).get("status")
     if status not in ("serving", "retired"):
-        print(f"dlrl versions: error: --rollback: version {version} never served "
-              f"(status {status or 'not registered'}); roll back to a retired or serving version", file=sys.stderr)
-        return 2
-    token = resolve_token(cfg, server)  # reads cfg.admin_token first
+        raise ValueError(f"version {version} never served (status {status or 'not registered'}); roll back "
+                         "to a retired or serving version")
     current = st.serving_version()
     if current is not None and current != version:  # the registry first: a running controller adopts it
         st.update_version(current, status="rolled_back")  # and never "repairs" a rolled-back replica
@@ -198,8 +214,6 @@ def manual_rollback(cfg, server, st, version: int) -> int:
                 results[url] = f"error: {e}"
     finally:
         pool.close()
-    ok = [u for u, r in results.items() if not r.startswith("error")]
     st.log_event("rollback", current if current is not None else version,
                  detail={"kind": "manual", "to": version, "replicas": results})
-    print(json.dumps({"version": version, "previous": current, "replicas": results}, indent=1))
-    return 0 if len(ok) == len(results) else 1
+    return {"version": version, "previous": current, "replicas": results}

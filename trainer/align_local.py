@@ -10,7 +10,10 @@ Starts (all real processes, stopped together at the end or on Ctrl-C / SIGTERM):
 - `dlrl align` with the given overrides (bare keys: `align`; `train.*`, `users.*`, `server.*`).
 With `--duration S` `dlrl align` gets SIGTERM after S seconds (it checkpoints and exits 0);
 otherwise it runs until it stops by itself (`max_steps`, `max_seconds`) or is interrupted. The
-admin and feedback tokens are fresh random ones, given to the processes in their environment.
+admin and feedback tokens are fresh random ones, given to the processes in their environment (the
+admin token also in `align.output_dir/admin_token`, mode 0600, for the console's actions). With
+`align.console_port` set it prints the console's URL at start, and one status line per gate verdict,
+canary, promotion and rollback (registry events) while the run goes.
 Logs: `align.output_dir/logs/`. At the end it prints the version registry and the users' stats.
 
 `LocalAlign` is the same thing as a class (the end-to-end test drives it step by step).
@@ -47,6 +50,10 @@ class LocalAlign:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.admin_token, self.feedback_token = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
         self.env = {**os.environ, "DLRL_ADMIN_TOKEN": self.admin_token, **(env or {})}
+        self.token_file = self.out / "admin_token"  # the console's actions need it: owner-only
+        fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.admin_token + "\n")
         self.procs: dict[str, subprocess.Popen] = {}
 
     # ------------------------------------------------------------------ processes
@@ -131,6 +138,35 @@ class LocalAlign:
         for name in ["align", "users"] + [n for n in self.procs if n not in ("align", "users")]:
             self.stop(name)
 
+    @property
+    def console_url(self) -> str:
+        return f"http://{self.cfg.console_host}:{self.cfg.console_port}/"
+
+    def follow(self, align: subprocess.Popen, duration: float = 0.0, every_s: float = 2.0) -> bool:
+        """Print a status line per registry event (gate verdicts, canaries, promotions, rollbacks)
+        until `dlrl align` exits (True) or `duration` seconds pass (False)."""
+        from store import open_store
+        from trainer.align_cli import NO_PRUNE
+        from trainer.align_report import event_line
+
+        deadline = time.monotonic() + duration if duration else None
+        last_id, store = 0, None
+        while True:
+            exited = align.poll() is not None
+            try:
+                if store is None and Path(self.cfg.store).is_file():
+                    store = open_store(self.cfg.store, **NO_PRUNE)
+                for e in store.events(after_id=last_id) if store is not None else []:
+                    last_id = e["id"]
+                    print(event_line(e), flush=True)
+            except Exception as e:  # the store is busy or not created yet: the next poll reads it
+                print(f"(registry not readable yet: {type(e).__name__})", flush=True)
+            if exited or (deadline is not None and time.monotonic() >= deadline):
+                if store is not None:
+                    store.close()
+                return exited
+            time.sleep(every_s)
+
     def users_stats(self) -> dict:
         path = self.out / "users.json"
         return json.loads(path.read_text()) if path.is_file() else {}
@@ -165,9 +201,10 @@ def main(argv: list[str] | None = None) -> int:
         stack.start_users()
         align = stack.start_align()
         print(f"dlrl align running (log: {stack.logs / 'align.log'}); metrics, curves: {stack.out}", flush=True)
-        try:
-            align.wait(timeout=args.duration or None)
-        except subprocess.TimeoutExpired:
+        if stack.cfg.console_port:
+            print(f"console: {stack.console_url}  (actions: the admin token in {stack.token_file})",
+                  flush=True)
+        if not stack.follow(align, args.duration):
             stack.stop("align", grace_s=300)
         code = align.returncode
     except KeyboardInterrupt:

@@ -15,7 +15,10 @@ dlrl_align_promotions_total, dlrl_align_rollbacks_total{kind=auto|manual},
 dlrl_align_feedback_records_total{outcome=received|used|stale|invalid|overflow},
 dlrl_align_feedback_records_per_second (arrivals over the last minute),
 dlrl_align_feedback_to_serving_seconds (histogram: from a user's feedback to a serving version
-trained on it), dlrl_align_steps_total.
+trained on it), dlrl_align_steps_total, dlrl_align_candidates_total{outcome=passed_gate|gated_out|canary|promoted|
+superseded|rolled_back} (counted from the registry events, `CountedStore`), dlrl_align_promotion_paused.
+The training steps' own metrics (dlrl_train_*: step time by phase, reward, KL, staleness) are
+served on the same port (trainer.train_metrics).
 """
 
 from __future__ import annotations
@@ -26,6 +29,29 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400, 43200, 86400)
+
+
+# registry event kind -> dlrl_align_candidates_total outcome
+OUTCOMES = {"gate_passed": "passed_gate", "gate_failed": "gated_out", "canary": "canary", "promoted": "promoted",
+            "superseded": "superseded", "rollback": "rolled_back"}
+
+
+class CountedStore:
+    """The registry as the controller writes it, counting candidate outcomes from the events it logs
+    (everything else goes straight to the store)."""
+
+    def __init__(self, store, metrics: AlignMetrics):
+        self._store, self._metrics = store, metrics
+
+    def log_event(self, kind: str, version: int, *args, **kwargs):
+        out = self._store.log_event(kind, version, *args, **kwargs)
+        detail = kwargs.get("detail") or (args[1] if len(args) > 1 else None) or {}
+        if kind in OUTCOMES and not detail.get("initial") and not (kind == "rollback" and detail.get("kind") != "auto"):
+            self._metrics.candidates.labels(outcome=OUTCOMES[kind]).inc()
+        return out
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
 
 
 class AlignMetrics:
@@ -58,6 +84,12 @@ class AlignMetrics:
                                              "from a user's feedback to a serving version trained on it",
                                              buckets=_LATENCY_BUCKETS, registry=r)
         self.steps = Counter("dlrl_align_steps", "training steps", registry=r)
+        self.candidates = Counter("dlrl_align_candidates", "candidates by what became of them", ["outcome"],
+                                  registry=r)
+        for outcome in set(OUTCOMES.values()):
+            self.candidates.labels(outcome=outcome)
+        self.promotion_paused = Gauge("dlrl_align_promotion_paused", "1 while promotion is paused (console)",
+                                      registry=r)
         self._arrivals: deque[tuple[float, int]] = deque()
         self._server = None
 

@@ -3,6 +3,7 @@
     plot_serving("runs/align/metrics.jsonl", "runs/align/serving.png")
     print(format_versions(store.versions()))       # `dlrl versions`
     print(format_events(store.events()))           # `dlrl versions --events`
+    print(event_line(event))                       # one status line (`make align`, the console)
 
 The PNG shows, against wall-clock minutes since the run started, the held-out accuracy of the
 version the serving replicas serve (a step line: it moves at each promotion or rollback), every
@@ -84,3 +85,37 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def event_line(e: dict) -> str:
+    """One human line for a registry event: what `make align` prints per gate verdict, promotion,
+    rollback (and the console lists). Never holds user text (events hold scores, reasons, replicas)."""
+    d, v, kind = e.get("detail") or {}, e.get("version"), e.get("kind")
+    scores = d.get("scores") or {}
+    acc = scores.get("accuracy")
+    acc_s = f" held-out accuracy {100 * acc:.1f}%" if _num(acc) else ""
+    if kind == "gate_passed":
+        text = f"version {v} passed the gate:{acc_s} vs serving {100 * d.get('serving_accuracy', 0):.1f}%, " \
+               f"KL {scores.get('kl', 0):.4f}"
+    elif kind == "gate_failed":
+        text = f"version {v} stopped by the gate:{acc_s}; " + "; ".join(d.get("reasons") or [])
+    elif kind == "canary":
+        text = f"version {v} on the canary {e.get('replica')}"
+    elif kind == "promoted":
+        lat = d.get("feedback_to_serving") or {}
+        text = f"version {v} promoted to every replica" + (" (initial)" if d.get("initial") else
+                                                             f" (was {d.get('previous')})")
+        if lat.get("num"):
+            text += f"; feedback-to-serving median {lat['median_s']:.0f}s over {lat['num']} records"
+    elif kind == "rollback":
+        text = f"version {v} rolled back ({d.get('kind')}) to {d.get('to')}" + (
+            ": " + "; ".join(d["reasons"]) if d.get("reasons") else "")
+    elif kind == "superseded":
+        text = f"version {v} superseded: {d.get('reason', '')}"
+    elif kind in ("promotion_paused", "promotion_resumed"):
+        text = f"promotion {kind.split('_')[1]}" + (f" ({d['by']})" if d.get("by") else "")
+    else:  # promotion_started, promotion_aborted, replica_missed, replica_synced, ...
+        text = f"version {v}: {str(kind).replace('_', ' ')}" + (f" on {e['replica']}" if e.get("replica") else "")
+        if d.get("reason"):
+            text += f": {d['reason']}"
+    return f"[{time.strftime('%H:%M:%S', time.localtime(e.get('time') or time.time()))}] {text}"

@@ -109,3 +109,5 @@ class TrainConfig(Config):
     seed: int = 0
     num_threads: int = Field(0, ge=0)
     tensorboard: bool = True
+    metrics_port: int = Field(0, ge=0, lt=65536)  # Prometheus /metrics of the run on this port (rank 0; 0: off)
+    metrics_host: str = "127.0.0.1"

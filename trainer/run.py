@@ -53,6 +53,7 @@ class Run:
     eval_examples: list[dict]
     out: Path
     logger: Any = None
+    prom: Any = None  # trainer.train_metrics.TrainMetrics (rank 0, train.metrics_port or dlrl align's port)
     start_step: int = 0
     resumed_metrics: dict[str, Any] = field(default_factory=dict)
     resumed_extra: dict[str, Any] = field(default_factory=dict)  # the caller's own state (checkpoint(extra=...))
@@ -100,6 +101,8 @@ class Run:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if self.logger is not None:
             self.logger.log(step, metrics)
+        if self.prom is not None:
+            self.prom.observe(step, metrics)
 
     # ------------------------------------------------------------------ collective actions
     def checkpoint(self, step: int, metrics: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> None:
@@ -129,6 +132,9 @@ class Run:
         return plot_curves(self.out / "metrics.jsonl", self.out / "curves.png")
 
     def close(self) -> None:
+        if self.prom is not None:
+            self.prom.close()
+            self.prom = None
         if self.logger is not None:
             self.logger.close()
             self.logger = None
@@ -283,6 +289,11 @@ def build_run(root: dict, config_path: str | None, overrides: list[str], sampler
             shutil.rmtree(out / "tb", ignore_errors=True)
         run.logger = MetricsLogger(out, total_steps=cfg.num_steps + (1 if cfg.eval_every else 0),
                                    tensorboard=cfg.tensorboard)
+        if cfg.metrics_port:
+            from trainer.train_metrics import TrainMetrics
+
+            run.prom = TrainMetrics()
+            run.prom.serve(cfg.metrics_host, cfg.metrics_port)
         if run.resumed_metrics and run.logger.next_step <= run.start_step:  # logged with the checkpoint
             run.logger.log(run.start_step, run.resumed_metrics)
     return run
