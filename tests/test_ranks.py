@@ -42,7 +42,7 @@ def test_two_ranks_make_the_same_update_as_one(results, objective, stage):
     two = torch.load(results[2] / f"{objective}-zero{stage}.pt", weights_only=False)
     from tests.ranks_worker import make_policy
 
-    initial = dict(make_policy().named_parameters())
+    initial = dict(make_policy().hf_named_tensors())
     for part in ("policy", "value") if objective == "value" else ("policy",):
         for name, p in one[part].items():
             assert (p - two[part][name]).abs().max() <= 1e-5, (part, name)

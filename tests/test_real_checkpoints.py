@@ -41,7 +41,7 @@ def test_fixture_config_matches_transformers_qwen3_with_block_size_1():
     torch.manual_seed(0)
     ours = empty_model(cfg, "cpu", torch.float32).eval()
     with torch.no_grad():  # random rows; vocabulary-sized matrices repeat 997 random rows (fast)
-        for name, p in ours.named_parameters():
+        for name, p in ours.hf_named_tensors():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
                 continue
@@ -133,7 +133,7 @@ def test_bad_weight_files_name_the_file_or_tensor(small_sdar_dir, tmp_path):
 
 def test_streamed_copy_validates_first_and_reads_one_tensor_at_a_time(small_sdar_dir):
     model = load_pretrained(small_sdar_dir)
-    params = dict(model.named_parameters())
+    params = dict(model.hf_named_tensors())
     specs = [(n, tuple(p.shape)) for n, p in params.items()]
     copied = []
 

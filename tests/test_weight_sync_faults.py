@@ -41,7 +41,7 @@ import json, os, signal, sys
 from dllm.weights import load_pretrained
 from weight_sync import push
 url, model_dir, transport, version, run_id, lease = sys.argv[1:7]
-named, calls = list(load_pretrained(model_dir).named_parameters()), []
+named, calls = list(load_pretrained(model_dir).hf_named_tensors()), []
 def source():
     calls.append(1)
     for k, (n, t) in enumerate(named):
@@ -113,7 +113,7 @@ def pusher(server, transport: str, version: int, run_id: str, mode: str = "die",
 def served_model(server) -> dict[str, torch.Tensor]:
     from dllm.weights import load_pretrained
 
-    return dict(load_pretrained(server.model_dir).named_parameters())
+    return dict(load_pretrained(server.model_dir).hf_named_tensors())
 
 
 def test_nan_push_is_refused_and_nothing_changes(server):
