@@ -85,10 +85,9 @@ class FusedLinear(nn.Linear):
     parameters are a load-time layout: `hf_views()` yields each part's rows as a view
     (same storage), so checkpoints, exports and weight sync keep HF names."""
 
-    def __init__(self, in_features: int, parts: list[tuple[str, int]], bias: bool):
+    def __init__(self, in_features: int, parts: list[tuple[str, int]], bias: bool, fused_name: str):
         super().__init__(in_features, sum(rows for _, rows in parts), bias=bias)
-        self.parts = parts
-        self._register_load_state_dict_pre_hook(self._fuse_hf_keys)
+        self.parts, self.fused_name = parts, fused_name
 
     def row_slices(self) -> list[tuple[str, int, int]]:
         out, start = [], 0
@@ -97,12 +96,14 @@ class FusedLinear(nn.Linear):
             start += rows
         return out
 
-    def _fuse_hf_keys(self, state_dict, prefix, *args) -> None:
-        """load_state_dict of an HF-layout state dict (separate q/k/v or gate/up): fuse it."""
+    def fuse_hf_keys(self, state_dict: dict, prefix: str) -> None:
+        """In `state_dict`, replace this module's HF tensors (`{prefix}q_proj.weight`, ... with
+        prefix its parent's) by the fused one, when all parts are there."""
         for attr in ("weight", "bias"):
             keys = [f"{prefix}{name}.{attr}" for name, _ in self.parts]
-            if prefix + attr not in state_dict and all(k in state_dict for k in keys):
-                state_dict[prefix + attr] = torch.cat([state_dict.pop(k) for k in keys])
+            fused = f"{prefix}{self.fused_name}.{attr}"
+            if fused not in state_dict and all(k in state_dict for k in keys):
+                state_dict[fused] = torch.cat([state_dict.pop(k) for k in keys])
 
 
 class Attention(nn.Module):
@@ -113,7 +114,8 @@ class Attention(nn.Module):
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         h, bias, d = cfg.hidden_size, cfg.attention_bias, self.head_dim
         self.qkv_proj = FusedLinear(h, [("q_proj", self.num_heads * d), ("k_proj", self.num_kv_heads * d),
-                                        ("v_proj", self.num_kv_heads * d)], bias=bias)
+                                        ("v_proj", self.num_kv_heads * d)], bias=bias,
+                                   fused_name="qkv_proj")
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -137,7 +139,8 @@ class MLP(nn.Module):
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = FusedLinear(cfg.hidden_size, [("gate_proj", cfg.intermediate_size),
-                                                          ("up_proj", cfg.intermediate_size)], bias=False)
+                                                          ("up_proj", cfg.intermediate_size)], bias=False,
+                                          fused_name="gate_up_proj")
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
@@ -179,6 +182,13 @@ class SDARForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.gradient_checkpointing = False
         self.init_weights()
+        self._register_load_state_dict_pre_hook(self._fuse_hf_keys)
+
+    def _fuse_hf_keys(self, state_dict, prefix, *args) -> None:
+        """load_state_dict accepts the HF layout (separate q/k/v, gate/up) too: fused here."""
+        for name, m in self.named_modules():
+            if isinstance(m, FusedLinear):
+                m.fuse_hf_keys(state_dict, prefix + name.rpartition(".")[0] + ".")
 
     def init_weights(self, std: float = 0.02) -> None:
         """N(0, std) projection and embedding weights, zero biases, drawn tensor by tensor in
