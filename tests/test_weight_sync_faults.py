@@ -64,7 +64,8 @@ def free_port() -> int:
 def server(tiny_model_dir, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("faults") / "server.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # CPU only, GPU or not: thread counts below must not see the CUDA driver's own threads
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
     env.pop("DLRL_ADMIN_TOKEN", None)
     cmd = [sys.executable, "-m", "server.cli", "--model", tiny_model_dir, "--port", str(port),
            f"server.admin_token={TOKEN}", f"server.weight_sync_lease_s={LEASE_S}", "server.device=cpu",

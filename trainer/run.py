@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from trainer.checkpointer import Checkpointer
-from trainer.dist import Ranks
+from trainer.dist import Ranks, select_device
 from trainer.fleet import ServerFleet
 from trainer.learner import Learner
 from trainer.publish import Publisher
@@ -246,6 +246,7 @@ def build_run(root: dict, config_path: str | None, overrides: list[str], sampler
     from trainer.rewards import build_reward
 
     cfg = root["train"]
+    select_device(cfg.device)
     ranks = Ranks.init()
     torch.manual_seed(cfg.seed)
     if cfg.num_threads:
