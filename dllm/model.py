@@ -78,7 +78,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
 
 
-class FusedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear on 2-D input [N, in] as one mm/addmm (called as a module: ZeRO-3 hooks gather it)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class FusedLinear(Linear):
     """Several Hugging Face projections stacked by output rows, run as one matmul.
 
     `parts`: [(hf_name, rows)] in row order (e.g. q_proj, k_proj, v_proj). The fused
@@ -116,13 +123,13 @@ class Attention(nn.Module):
         self.qkv_proj = FusedLinear(h, [("q_proj", self.num_heads * d), ("k_proj", self.num_kv_heads * d),
                                         ("v_proj", self.num_kv_heads * d)], bias=bias,
                                    fused_name="qkv_proj")
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        self.o_proj = Linear(self.num_heads * d, h, bias=bias)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, spec: MaskSpec, cache: CacheView | None):
         B, L, _ = x.shape  # x: [B, L, hidden]; cos/sin: [B, L, 1, D]
-        qkv = linear(x.view(B * L, -1), self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = self.qkv_proj(x.view(B * L, -1))  # [B * L, (H + 2 Hkv) D]
         q, k, v = qkv.view(B, L, -1, self.head_dim).split([self.num_heads, self.num_kv_heads, self.num_kv_heads], 2)
         q = apply_rope(self.q_norm(q), cos, sin).transpose(1, 2)  # [B, H, L, D]
         k = apply_rope(self.k_norm(k), cos, sin).transpose(1, 2)  # [B, Hkv, L, D]
@@ -130,8 +137,7 @@ class Attention(nn.Module):
         if cache is not None:  # write this forward's K/V into the pages, attend over [0, kv_len)
             k, v = cache.update(self.layer_idx, k, v)  # [B, Hkv, kv_len, D]
         out = attend(q, k, v, spec)  # [B, H, L, D]
-        out = linear(out.transpose(1, 2).reshape(B * L, -1), self.o_proj.weight, self.o_proj.bias)
-        return out.view(B, L, -1)
+        return self.o_proj(out.transpose(1, 2).reshape(B * L, -1)).view(B, L, -1)
 
 
 class MLP(nn.Module):
@@ -141,13 +147,13 @@ class MLP(nn.Module):
         self.gate_up_proj = FusedLinear(cfg.hidden_size, [("gate_proj", cfg.intermediate_size),
                                                           ("up_proj", cfg.intermediate_size)], bias=False,
                                           fused_name="gate_up_proj")
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         shape = x.shape  # x: [..., hidden] (contiguous)
         i = self.intermediate_size
-        gate, up = linear(x.view(-1, shape[-1]), self.gate_up_proj.weight).split([i, i], -1)
-        return linear(F.silu(gate) * up, self.down_proj.weight).view(shape)
+        gate, up = self.gate_up_proj(x.view(-1, shape[-1])).split([i, i], -1)
+        return self.down_proj(F.silu(gate) * up).view(shape)
 
 
 class DecoderLayer(nn.Module):

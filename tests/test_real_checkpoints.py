@@ -51,7 +51,7 @@ def test_fixture_config_matches_transformers_qwen3_with_block_size_1():
     qwen_fields = {k: v for k, v in data.items() if k not in ("auto_map", "architectures", "model_type")}
     with torch.device("meta"):
         ref = Qwen3ForCausalLM(Qwen3Config(**{**qwen_fields, "attn_implementation": "eager"}))
-    ref.load_state_dict(ours.state_dict(), assign=True)  # shares the tensors: no second copy
+    ref.load_state_dict(dict(ours.hf_named_tensors(remove_duplicate=False)), assign=True)  # shared: no copy
     ref.model.rotary_emb = type(ref.model.rotary_emb)(config=ref.config)  # its buffer was on meta
     ids = torch.randint(0, 151000, (2, 9))
     with torch.no_grad():
