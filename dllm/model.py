@@ -208,6 +208,13 @@ class SDARForCausalLM(nn.Module):
                     if getattr(m, "bias", None) is not None:
                         nn.init.zeros_(m.bias)
 
+    def compile_layers(self, **options) -> None:
+        """torch.compile every decoder layer in place (forward and backward: the training step),
+        with dynamic shapes (rows and lengths vary per step); the layers share one compiled
+        graph. `gradient_checkpointing` still applies around each compiled layer."""
+        for layer in self.model.layers:
+            layer.compile(**{"dynamic": True, **options})
+
     def hf_layout(self, remove_duplicate: bool = True) -> list[tuple[str, nn.Parameter, list[tuple[str, int, int]] | None]]:
         """[(parameter name, parameter, parts)]: parts is None where the parameter is one HF tensor
         under its own name, else [(HF name, first row, end row)] of a fused parameter."""

@@ -50,6 +50,7 @@ class DSConfig:
     eps: float = 1e-8
     warmup_steps: int = 0  # linear LR warmup over optimizer steps; 0 = constant LR
     gradient_checkpointing: bool = False
+    compile_layers: bool = False  # torch.compile each decoder layer (model.compile_layers) before wrapping
     ds_overrides: dict[str, Any] = field(default_factory=dict)  # deep-merged into the DS config
 
     def validate(self) -> None:
@@ -114,6 +115,8 @@ def build_engine(model: nn.Module, cfg: DSConfig):
     deepspeed.utils.logger.setLevel(logging.WARNING)
     if hasattr(model, "gradient_checkpointing"):
         model.gradient_checkpointing = cfg.gradient_checkpointing
+    if cfg.compile_layers and hasattr(model, "compile_layers"):
+        model.compile_layers()
     optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
                                   betas=tuple(cfg.betas), eps=cfg.eps, fused=True)  # fused: ~10x faster on CPU
     scheduler = None

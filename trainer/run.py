@@ -223,7 +223,8 @@ def _build_learner(cfg, ranks: Ranks, policy) -> Learner:
     from trainer.ds_engine import DSConfig, build_engine, build_frozen
 
     ds = DSConfig(zero_stage=cfg.zero_stage, dtype=cfg.dtype, grad_accum=cfg.grad_accum, grad_clip=cfg.grad_clip,
-                  lr=cfg.lr, weight_decay=cfg.weight_decay, gradient_checkpointing=cfg.gradient_checkpointing)
+                  lr=cfg.lr, weight_decay=cfg.weight_decay, gradient_checkpointing=cfg.gradient_checkpointing,
+                  compile_layers=cfg.compile_layers)
     ref = build_frozen(copy.deepcopy(policy), ds) if cfg.kl_coef > 0 else None
     value = None
     if cfg.use_value_model:
