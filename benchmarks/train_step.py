@@ -29,9 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 OLD_REF = "2bdf442"
-SHAPES = {  # the embedded default, and a small model with the SDAR vocabulary
+SHAPES = {  # the embedded default, a wider layer stack, and a small model with the SDAR vocabulary
     "tiny": dict(vocab_size=101, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    "medium": dict(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=64),
     "small": dict(vocab_size=151936, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=64),
 }
