@@ -89,8 +89,8 @@ class FusedLinear(Linear):
     """Several Hugging Face projections stacked by output rows, run as one matmul.
 
     `parts`: [(hf_name, rows)] in row order (e.g. q_proj, k_proj, v_proj). The fused
-    parameters are a load-time layout: `hf_views()` yields each part's rows as a view
-    (same storage), so checkpoints, exports and weight sync keep HF names."""
+    parameters are a load-time layout: `SDARForCausalLM.hf_named_tensors()` yields each
+    part's rows as a view (same storage), so checkpoints, exports and weight sync keep HF names."""
 
     def __init__(self, in_features: int, parts: list[tuple[str, int]], bias: bool, fused_name: str):
         super().__init__(in_features, sum(rows for _, rows in parts), bias=bias)
