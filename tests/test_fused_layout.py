@@ -224,3 +224,19 @@ def test_zero3_source_sends_fused_parameters_under_hf_names(monkeypatch):
     out = dict(source())
     assert any(id(fused) in g for g in gathered)
     assert weights_digest(out) == weights_digest(model.hf_named_tensors())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_model_on_cuda_matches_cpu_and_loads_in_place():
+    cpu = _trained(0)
+    cuda = _trained(1).cuda()
+    ptr = cuda.model.layers[0].self_attn.qkv_proj.weight.data_ptr()
+    from dllm.weights import copy_into_model
+
+    copy_into_model(cuda, cpu.hf_named_tensors())  # HF tensors into the fused CUDA rows
+    assert cuda.model.layers[0].self_attn.qkv_proj.weight.data_ptr() == ptr
+    assert weights_digest((n, t.cpu()) for n, t in cuda.hf_named_tensors()) == weights_digest(cpu.hf_named_tensors())
+    ids, pos = torch.randint(0, 60, (2, 8)), torch.arange(8).expand(2, 8)
+    with torch.no_grad():
+        assert (cuda(ids.cuda(), pos.cuda()).cpu() - cpu(ids, pos)).abs().max() <= 1e-4
