@@ -151,7 +151,7 @@ def serve_process(tiny_model_dir, tmp_path):
         port = _free_port()
         log_path = tmp_path / f"serve-{port}.log"
         dlrl = os.path.join(os.path.dirname(sys.executable), "dlrl")  # the installed console script
-        cmd = [dlrl, "serve", "--model", tiny_model_dir, "--port", str(port), "server.device=cpu", *overrides]
+        cmd = [dlrl, "serve", "--model", tiny_model_dir, "--port", str(port), *overrides, "server.device=cpu"]
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         with open(log_path, "w") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env,
