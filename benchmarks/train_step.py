@@ -101,7 +101,7 @@ def main() -> None:
         variants["new compiled"] = compiled
     ops = {name: count_ops(m, batch, args.chunk) if name != "new compiled" else None for name, m in variants.items()}
     times: dict[str, list[float]] = {name: [] for name in variants}
-    for name, m in variants.items():
+    for m in variants.values():
         step(m, batch, args.chunk)  # warm-up
     for _ in range(args.rounds):  # interleaved: a loaded box slows every variant alike
         for name, m in variants.items():
