@@ -55,7 +55,7 @@ def build(name: str, package=None) -> SDARForCausalLM:
     if package is None:
         return model
     old = package.model.SDARForCausalLM(package.config.SDARConfig.from_dict(cfg.to_dict())).eval()
-    old.load_state_dict(model.state_dict())
+    old.load_state_dict(dict(model.hf_named_tensors()), strict=not cfg.tie_word_embeddings)  # HF names
     return old
 
 

@@ -1,6 +1,6 @@
 """Export a policy as a Hugging Face folder that other tools load like the source checkpoint.
 
-    export_pretrained(model.named_parameters(), model.config, "runs/x/final",
+    export_pretrained(model.hf_named_tensors(), model.config, "runs/x/final",
                       source_dir="/models/SDAR-1.7B-Chat")          # dtype: the source's
     AutoModelForCausalLM.from_pretrained("runs/x/final", trust_remote_code=True)   # same logits
     AutoTokenizer.from_pretrained("runs/x/final")
@@ -105,7 +105,7 @@ def export_pretrained(named_tensors: Iterable[tuple[str, torch.Tensor]], config:
                       out_dir: str | Path, source_dir: str | Path | None = None,
                       dtype: str | torch.dtype | None = None, max_shard_bytes: int = 4 << 30) -> Path:
     """Write the export folder (see the module docstring) and return it. `named_tensors` is
-    consumed once (tied weights once, e.g. `model.named_parameters()`)."""
+    consumed once (HF names, tied weights once, e.g. `model.hf_named_tensors()`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     source = Path(source_dir) if source_dir else None

@@ -1,15 +1,21 @@
 """SDARForCausalLM: a Qwen3 transformer with block-causal attention (SDAR / TraDo).
 
-Parameter names match SDAR checkpoints (`model.layers.N.self_attn.q_proj.weight`, ...),
-so Hugging Face folders load without conversion (see dllm.weights).
+The projections are fused at load time: `self_attn.qkv_proj` holds q/k/v and `mlp.gate_up_proj`
+holds gate/up, stacked by rows (one matmul each). Everything outside sees SDAR checkpoint
+names (`model.layers.N.self_attn.q_proj.weight`, ...) through `model.hf_named_tensors()`
+(views into the fused parameters), so Hugging Face folders load without conversion and
+export, weight sync and digests keep the HF layout (see dllm.weights).
 
     model = SDARForCausalLM(cfg)
     logits = model(ids, pos)                                   # dense block-causal forward
     logits = model(ids, pos, cache=cache, slots=slots)         # KV-cache decode (dllm.kv_cache, dllm.decoding)
     logits = model.forward_train(noisy, clean, pos, valid)     # noisy-copy + clean-copy layout
+    dict(model.hf_named_tensors())                             # {HF name: tensor or view}
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -21,30 +27,90 @@ from dllm.kv_cache import CacheView, KVCache
 
 
 class RMSNorm(nn.Module):
+    """Qwen3 RMSNorm in few ops: normalise in fp32, cast back, scale (HF's rounding order).
+
+    The mean is a sum scaled by 1/dim (exact for power-of-two widths), and eps is added as a
+    0-d tensor (a Python scalar costs aten four extra ops to wrap): 7 aten ops in fp32."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self._eps: torch.Tensor | None = None  # fp32 0-d tensor on the input's device, made once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self._eps_on(x.device))
+
+    def _eps_on(self, device: torch.device) -> torch.Tensor:
+        if self._eps is None or self._eps.device != device:
+            self._eps = torch.tensor(self.eps, dtype=torch.float32, device=device)
+        return self._eps
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """x: [..., D] -> weight * (x / sqrt(mean(x^2) + eps)) (the norm in fp32, HF's rounding)."""
+    xf = x if x.dtype == torch.float32 else x.float()
+    scale = torch.rsqrt(torch.add(eps, (xf * xf).sum(-1, keepdim=True), alpha=1.0 / x.shape[-1]))
+    y = xf * scale
+    return weight * (y if x.dtype == torch.float32 else y.to(x.dtype))
 
 
 def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """pos: [B, L] -> cos, sin: [B, 1, L, head_dim]."""
+    """pos: [B, L] -> cos, sin: [B, L, 1, head_dim] (once per forward; sin's first half is
+    negated, so that rotate-half is a plain swap of the halves: see apply_rope)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim))
     freqs = pos.float()[..., None] * inv_freq  # [B, L, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    sin = emb.sin()
+    sin[..., :head_dim // 2].neg_()
+    return emb.cos().to(dtype)[:, :, None], sin.to(dtype)[:, :, None]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    """x: [B, L, H, D] -> x * cos + rotate_half(x) * sin (sin from rope_cos_sin, signs folded in)."""
+    *lead, d = x.shape
+    swapped = x.view(*lead, 2, d // 2).flip(-2).view(*lead, d)  # [x2, x1]
+    return torch.addcmul(x * cos, swapped, sin)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [N, in] -> [N, out] (a 2-D matmul: fewer aten ops than F.linear on 3-D input)."""
+    return torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
+
+
+class Linear(nn.Linear):
+    """nn.Linear on 2-D input [N, in] as one mm/addmm (called as a module: ZeRO-3 hooks gather it)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class FusedLinear(Linear):
+    """Several Hugging Face projections stacked by output rows, run as one matmul.
+
+    `parts`: [(hf_name, rows)] in row order (e.g. q_proj, k_proj, v_proj). The fused
+    parameters are a load-time layout: `SDARForCausalLM.hf_named_tensors()` yields each
+    part's rows as a view (same storage), so checkpoints, exports and weight sync keep HF names."""
+
+    def __init__(self, in_features: int, parts: list[tuple[str, int]], bias: bool, fused_name: str):
+        super().__init__(in_features, sum(rows for _, rows in parts), bias=bias)
+        self.parts, self.fused_name = parts, fused_name
+
+    def row_slices(self) -> list[tuple[str, int, int]]:
+        out, start = [], 0
+        for name, rows in self.parts:
+            out.append((name, start, start + rows))
+            start += rows
+        return out
+
+    def fuse_hf_keys(self, state_dict: dict, prefix: str) -> None:
+        """In `state_dict`, replace this module's HF tensors (`{prefix}q_proj.weight`, ... with
+        prefix its parent's) by the fused one, when all parts are there."""
+        for attr in ("weight", "bias"):
+            keys = [f"{prefix}{name}.{attr}" for name, _ in self.parts]
+            fused = f"{prefix}{self.fused_name}.{attr}"
+            if fused not in state_dict and all(k in state_dict for k in keys):
+                state_dict[fused] = torch.cat([state_dict.pop(k) for k in keys])
 
 
 class Attention(nn.Module):
@@ -53,35 +119,41 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-        h, bias = cfg.hidden_size, cfg.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        h, bias, d = cfg.hidden_size, cfg.attention_bias, self.head_dim
+        self.qkv_proj = FusedLinear(h, [("q_proj", self.num_heads * d), ("k_proj", self.num_kv_heads * d),
+                                        ("v_proj", self.num_kv_heads * d)], bias=bias,
+                                   fused_name="qkv_proj")
+        self.o_proj = Linear(self.num_heads * d, h, bias=bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, spec: MaskSpec, cache: CacheView | None):
-        B, L, _ = x.shape  # x: [B, L, hidden]
-        q = self.q_norm(self.q_proj(x).view(B, L, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(B, L, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # q: [B, H, L, D], k/v: [B, Hkv, L, D]
+        B, L, _ = x.shape  # x: [B, L, hidden]; cos/sin: [B, L, 1, D]
+        qkv = self.qkv_proj(x.view(B * L, -1))  # [B * L, (H + 2 Hkv) D]
+        q, k, v = qkv.view(B, L, -1, self.head_dim).split([self.num_heads, self.num_kv_heads, self.num_kv_heads], 2)
+        q = apply_rope(self.q_norm(q), cos, sin).transpose(1, 2)  # [B, H, L, D]
+        k = apply_rope(self.k_norm(k), cos, sin).transpose(1, 2)  # [B, Hkv, L, D]
+        v = v.transpose(1, 2)
         if cache is not None:  # write this forward's K/V into the pages, attend over [0, kv_len)
             k, v = cache.update(self.layer_idx, k, v)  # [B, Hkv, kv_len, D]
         out = attend(q, k, v, spec)  # [B, H, L, D]
-        return self.o_proj(out.transpose(1, 2).reshape(B, L, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(B * L, -1)).view(B, L, -1)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: SDARConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = FusedLinear(cfg.hidden_size, [("gate_proj", cfg.intermediate_size),
+                                                          ("up_proj", cfg.intermediate_size)], bias=False,
+                                          fused_name="gate_up_proj")
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        shape = x.shape  # x: [..., hidden] (contiguous)
+        i = self.intermediate_size
+        gate, up = self.gate_up_proj(x.view(-1, shape[-1])).split([i, i], -1)
+        return self.down_proj(F.silu(gate) * up).view(shape)
 
 
 class DecoderLayer(nn.Module):
@@ -116,13 +188,59 @@ class SDARForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.gradient_checkpointing = False
         self.init_weights()
+        self._register_load_state_dict_pre_hook(self._fuse_hf_keys)
+
+    def _fuse_hf_keys(self, state_dict, prefix, *args) -> None:
+        """load_state_dict accepts the HF layout (separate q/k/v, gate/up) too: fused here."""
+        for name, m in self.named_modules():
+            if isinstance(m, FusedLinear):
+                m.fuse_hf_keys(state_dict, prefix + name.rpartition(".")[0] + ".")
 
     def init_weights(self, std: float = 0.02) -> None:
-        for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, std=std)
-                if getattr(m, "bias", None) is not None:
-                    nn.init.zeros_(m.bias)
+        """N(0, std) projection and embedding weights, zero biases, drawn tensor by tensor in
+        the HF layout's order (a seed gives the same weights as separate q/k/v, gate/up)."""
+        with torch.no_grad():
+            for m in self.modules():
+                if isinstance(m, (nn.Linear, nn.Embedding)):
+                    rows = m.row_slices() if isinstance(m, FusedLinear) else [("", 0, m.weight.shape[0])]
+                    for _, a, b in rows:
+                        nn.init.normal_(m.weight[a:b], std=std)
+                    if getattr(m, "bias", None) is not None:
+                        nn.init.zeros_(m.bias)
+
+    def compile_layers(self, **options) -> None:
+        """torch.compile every decoder layer in place (forward and backward: the training step),
+        with dynamic shapes (rows and lengths vary per step); the layers share one compiled
+        graph. `gradient_checkpointing` still applies around each compiled layer."""
+        for layer in self.model.layers:
+            layer.compile(**{"dynamic": True, **options})
+
+    def hf_layout(self, remove_duplicate: bool = True) -> list[tuple[str, nn.Parameter, list[tuple[str, int, int]] | None]]:
+        """[(parameter name, parameter, parts)]: parts is None where the parameter is one HF tensor
+        under its own name, else [(HF name, first row, end row)] of a fused parameter."""
+        fused = {name: m for name, m in self.named_modules() if isinstance(m, FusedLinear)}
+        out = []
+        for name, p in self.named_parameters(remove_duplicate=remove_duplicate):
+            owner, _, attr = name.rpartition(".")
+            m = fused.get(owner)
+            if m is None:
+                out.append((name, p, None))
+                continue
+            base = owner.rpartition(".")[0]
+            out.append((name, p, [(f"{base}.{part}.{attr}", a, b) for part, a, b in m.row_slices()]))
+        return out
+
+    def hf_named_tensors(self, remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) of every weight, as the checkpoint names them: a parameter itself, or
+        a row slice of a fused one (a view: copying into it writes the fused parameter in place).
+        What checkpoint loading, export, weight sync, digests and kept versions use."""
+        for name, p, parts in self.hf_layout(remove_duplicate):
+            if parts is None:
+                yield name, p
+                continue
+            t = p.detach()
+            for hf_name, a, b in parts:
+                yield hf_name, t[a:b]
 
     @property
     def device(self) -> torch.device:

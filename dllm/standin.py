@@ -137,7 +137,7 @@ def _param_shapes(cfg) -> list[tuple[str, tuple[int, ...]]]:
 
     with torch.device("meta"):
         model = SDARForCausalLM(cfg)
-    return [(n, tuple(p.shape)) for n, p in model.named_parameters()]  # tied weights once
+    return [(n, tuple(p.shape)) for n, p in model.hf_named_tensors()]  # HF names, tied weights once
 
 
 STREAM_LEN = 4_194_301  # prime

@@ -7,7 +7,9 @@
 
 `copy_into_model` is the single path that writes tensors into parameters
 (`param.data.copy_`): checkpoint loading and the weight-sync receiver both use it,
-so an in-place update behaves exactly like loading a checkpoint.
+so an in-place update behaves exactly like loading a checkpoint. Names are always the HF
+ones (`hf_tensors(model)`): a q/k/v or gate/up tensor is copied into its rows of the
+model's fused parameter, in place.
 
 Loading streams: the model is allocated once (on the meta device first, then empty in
 the target dtype and device), every name and shape is checked against the safetensors
@@ -73,6 +75,14 @@ def _check_specs(params: dict[str, torch.Tensor], specs: Iterable[Spec], strict:
     return seen
 
 
+def hf_tensors(model: torch.nn.Module, remove_duplicate: bool = True) -> Iterable[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of a model's weights: `model.hf_named_tensors()` (fused parameters
+    split into views) where the model has it, else its named parameters."""
+    fn = getattr(model, "hf_named_tensors", None)
+    return fn(remove_duplicate=remove_duplicate) if fn is not None else \
+        model.named_parameters(remove_duplicate=remove_duplicate)
+
+
 def copy_into_model(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]],
                     strict: bool = True, specs: Sequence[Spec] | None = None) -> set[str]:
     """Validate every (name, tensor) against the model, then copy them in place.
@@ -83,7 +93,7 @@ def copy_into_model(model: torch.nn.Module, named_tensors: Iterable[tuple[str, t
     the stream is then consumed one tensor at a time (a tensor that contradicts its spec
     still raises). With strict, every parameter (tied weights count once) must be provided.
     Returns the set of names copied."""
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params = dict(hf_tensors(model, remove_duplicate=False))
     if specs is None:
         named_tensors = named_tensors if isinstance(named_tensors, (list, tuple)) else list(named_tensors)
         specs = [(n, tuple(t.shape)) for n, t in named_tensors]
@@ -242,4 +252,4 @@ def save_pretrained(model: SDARForCausalLM, path: str | Path, max_shard_bytes: i
     if dtype:
         cfg.torch_dtype = str(dtype).removeprefix("torch.")
     cfg.save(path)
-    save_weights(model.named_parameters(), path, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    save_weights(hf_tensors(model), path, dtype=dtype, max_shard_bytes=max_shard_bytes)

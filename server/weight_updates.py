@@ -40,6 +40,12 @@ from weight_sync.transports.http import read_body_into
 log = logging.getLogger("dlrl.server")
 
 
+def _hf_tensors(model: Any) -> Any:
+    from dllm.weights import hf_tensors  # HF names: fused parameters split into views
+
+    return hf_tensors(model)
+
+
 def _default_apply(engine: Any) -> Callable[[list[tuple[str, torch.Tensor]]], Any]:
     from dllm.weights import copy_into_model  # the one function that writes parameters
 
@@ -59,7 +65,7 @@ class WeightUpdates:
         self._weights_lock = threading.Lock()    # held while a rollback copies or a digest reads
         self.abort_inflight, self.drain_timeout_s = abort_inflight, drain_timeout_s
         self.receiver = WeightReceiver(
-            lambda: dict(engine.model.named_parameters()), apply_fn or _default_apply(engine),
+            lambda: dict(_hf_tensors(engine.model)), apply_fn or _default_apply(engine),
             version=int(engine.version), lease_s=lease_s, check_finite=check_finite,
         )
         self._commits: dict[int, asyncio.Task] = {}
@@ -221,7 +227,7 @@ class WeightUpdates:
 
         def capture() -> None:
             with self._weights_lock:
-                self.kept.capture(version, model.named_parameters())
+                self.kept.capture(version, _hf_tensors(model))
 
         self._capture_task = asyncio.ensure_future(asyncio.to_thread(capture))
 

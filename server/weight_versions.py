@@ -1,7 +1,7 @@
 """KeptVersions: the last K served weight versions, in host memory, for `POST /weights/rollback`.
 
     kept = KeptVersions(keep=2)
-    kept.capture(7, model.named_parameters())     # worker thread, after version 7 is applied
+    kept.capture(7, model.hf_named_tensors())     # worker thread, after version 7 is applied
     kept.get(6).tensors                           # {name: host tensor}: what copy_into_model restores
     kept.touch(6)                                 # 6 is served again (it becomes the most recent)
 

@@ -6,6 +6,11 @@
 
 `make_server(**config)` starts more servers with other limits (session-scoped, each in
 its own thread, on a free port); all stop at the end of the session.
+
+Device: the suite runs on CPU on every machine. Servers get `server.device=cpu`; trainers
+(in-process DeepSpeed engines, `dlrl train` subprocesses, torchrun ranks: they inherit the
+environment) get `DS_ACCELERATOR=cpu`, which `trainer.dist` honours like `train.device=cpu`
+(gloo, CPU tensors). CUDA-only tests are marked `gpu` and set their own devices.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from dllm.sft import TinyModelConfig, make_model_config
 from dllm.tokenizer import build_char_tokenizer
 from dllm.weights import save_pretrained
 from tests.helpers import ADMIN_TOKEN, FIXTURE_CONFIG  # noqa: F401  (shared with test modules)
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # trainers on CPU even where a GPU is visible (see above)
 
 
 @pytest.fixture(scope="session")
@@ -144,7 +151,7 @@ def serve_process(tiny_model_dir, tmp_path):
         port = _free_port()
         log_path = tmp_path / f"serve-{port}.log"
         dlrl = os.path.join(os.path.dirname(sys.executable), "dlrl")  # the installed console script
-        cmd = [dlrl, "serve", "--model", tiny_model_dir, "--port", str(port), *overrides]
+        cmd = [dlrl, "serve", "--model", tiny_model_dir, "--port", str(port), *overrides, "server.device=cpu"]
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         with open(log_path, "w") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env,

@@ -45,7 +45,8 @@ def _config(tmp: Path) -> Path:
     import yaml
 
     cfg = yaml.safe_load(Path("configs/align.yaml").read_text())
-    cfg["train"].update({"tensorboard": False})
+    cfg["train"].update({"tensorboard": False, "device": "cpu"})  # a GPU box runs it on CPU too
+    cfg["server"]["device"] = "cpu"
     cfg["align"]["console_port"] = 0  # the console has its own test (tests/test_align_console.py)
     cfg["users"].update({"num_users": 4, "think_time_s": 0.4, "feedback_delay_s": 0.5})
     path = tmp / "align.yaml"

@@ -115,14 +115,14 @@ def test_weight_bank_keeps_recent_in_memory_all_on_disk(tiny_model_dir, tmp_path
     model = load_pretrained(tiny_model_dir)
     ref = copy.deepcopy(model)
     bank = WeightBank(tmp_path / "promoted", ref, keep=1)
-    w = {n: p.detach().clone() for n, p in model.named_parameters()}
+    w = {n: p.detach().clone() for n, p in model.hf_named_tensors()}
     w2 = {n: t + 1.0 for n, t in w.items()}
     bank.put(1, w)
     bank.put(2, w2)
     assert list(bank.memory) == [2] and bank.path(1).is_file()
     assert bank.digest(1) == weights_digest(w)  # read back from disk, bit for bit
     bank.set_reference(2)
-    assert weights_digest(dict(ref.named_parameters())) == weights_digest(w2)
+    assert weights_digest(dict(ref.hf_named_tensors())) == weights_digest(w2)
     with pytest.raises(KeyError, match="no saved weights"):
         bank.set_reference(7)
 

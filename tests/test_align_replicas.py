@@ -27,7 +27,7 @@ TOKEN = "align-replicas-token"
 
 def _weights(model, seed: int) -> dict:
     torch.manual_seed(seed)
-    return {n: p.detach() + 0.01 * torch.randn_like(p) for n, p in model.named_parameters()}
+    return {n: p.detach() + 0.01 * torch.randn_like(p) for n, p in model.hf_named_tensors()}
 
 
 def _promote(promoter: Promoter, cand: Candidate, timeout: float = 60.0) -> None:
@@ -52,7 +52,7 @@ def test_missed_promotion_canary_rollback_and_manual_rollback(tiny_model_dir, tm
     tally = FeedbackTally()
     adopted: list[int] = []
     try:
-        bank.put(0, dict(model.named_parameters()))
+        bank.put(0, dict(model.hf_named_tensors()))
         store.register_version(0, None, 0, "t", {})
         store.update_version(0, status="serving")
         promoter = Promoter(cfg, store, pool, bank, AlignMetrics(), tally, serving_version=0,

@@ -63,7 +63,7 @@ def same_outputs(a, b):
 def test_static_step_reproduces_the_previous_engine(model):
     old = load_package("dllm", PREVIOUS)
     old_model = old.model.SDARForCausalLM(old.config.SDARConfig.from_dict(model.config.to_dict())).eval()
-    old_model.load_state_dict(model.state_dict())
+    old_model.load_state_dict(dict(model.hf_named_tensors()), strict=not model.config.tie_word_embeddings)
     rng = random.Random(0)
     for trial in range(4):  # whole batches of 1..9 sequences (rows padded to 1, 2, 4, 8, 16) ...
         requests = mixed_requests(rng, [1, 3, 6, 9][trial])
@@ -137,7 +137,7 @@ def test_weights_pushed_under_the_compiled_step(model):
                ([6, 7], SamplingParams(max_tokens=6, seed=5, temperature=0.0, strategy="dynamic", threshold=0.3))]
     same_outputs(drive(dec, prompts), drive(BlockDecoder(model, max_batch=2, max_len=32, eos_ids=[0]), prompts))
     graphs = counters["stats"]["unique_graphs"]
-    copy_into_model(served, list(pushed.state_dict().items()))
+    copy_into_model(served, list(pushed.hf_named_tensors()))
     after = drive(dec, prompts)
     same_outputs(after, drive(BlockDecoder(pushed, max_batch=2, max_len=32, eos_ids=[0]), prompts))
     assert counters["stats"]["unique_graphs"] == graphs
@@ -161,7 +161,7 @@ def test_cuda_graphs_replay_each_bucket_and_survive_weight_pushes(model):
     same_outputs(drive(graphed, requests), drive(eager, requests))
     num_graphs = len(graphed.decode.graphs.graphs)
     assert 1 <= num_graphs <= len(graphed.decode.row_buckets) ** 2 * len(graphed.decode.kv_buckets) * 2
-    copy_into_model(served, list(pushed.state_dict().items()))
+    copy_into_model(served, list(pushed.hf_named_tensors()))
     fresh = BlockDecoder(pushed, max_batch=4, max_len=40, eos_ids=[0], num_pages=40)
     same_outputs(drive(graphed, requests), drive(fresh, requests))
     assert len(graphed.decode.graphs.graphs) == num_graphs  # the pushed weights replayed through the same graphs

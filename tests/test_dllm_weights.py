@@ -38,7 +38,7 @@ def test_bf16_load_and_tied(tmp_path):
 def test_copy_into_model_is_all_or_nothing():
     m = SDARForCausalLM(tiny_config())
     before = {n: p.clone() for n, p in m.state_dict().items()}
-    good = [(n, torch.zeros_like(p)) for n, p in m.named_parameters()]
+    good = [(n, torch.zeros_like(p)) for n, p in m.hf_named_tensors()]
     bad_shape = good[:-1] + [(good[-1][0], torch.zeros(3, 3))]
     with pytest.raises(WeightLoadError, match="shape mismatch"):
         copy_into_model(m, bad_shape)

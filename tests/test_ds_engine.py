@@ -74,7 +74,7 @@ def _ds_step(engine, seeds) -> float:
 
 
 def _snapshot(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().float().clone() for n, p in model.hf_named_tensors()}
 
 
 @pytest.fixture(scope="module", params=[0, 2], ids=["zero0", "zero2"])
@@ -114,7 +114,7 @@ def test_steps_reduce_loss_and_change_every_param(run):
 
 def test_named_full_params_match_module(run):
     engine = run["engine"]
-    state = dict(engine.module.named_parameters())
+    state = dict(engine.module.hf_named_tensors())
     got = dict(named_full_params(engine))
     assert got.keys() == state.keys()
     for name, t in got.items():
@@ -187,11 +187,11 @@ def test_zero3_gather_and_export(tmp_path):
     from trainer.value_model import ValueModel
 
     value = ValueModel(engine.module)  # copies from the partitioned policy (gathered)
-    for name, p in value.backbone.named_parameters():
+    for name, p in value.backbone.hf_named_tensors():
         assert torch.equal(p, expected[name]), name
     export_hf(engine, _config(), tmp_path / "hf")
     loaded = load_pretrained(tmp_path / "hf")
-    for name, p in loaded.named_parameters():
+    for name, p in loaded.hf_named_tensors():
         assert torch.equal(p, expected[name]), name
     losses = [_ds_step(engine, (7,)) for _ in range(3)]  # trains through engine.module.forward_train
     assert losses[-1] < losses[0]

@@ -111,7 +111,7 @@ def test_eval_starts_its_own_server_per_block_size(tiny_model_dir, tmp_path, cap
     from dllm.weights import load_pretrained
 
     model = load_pretrained(tiny_model_dir)
-    folder = export_pretrained(model.named_parameters(), model.config, tmp_path / "custom", source_dir=tiny_model_dir)
+    folder = export_pretrained(model.hf_named_tensors(), model.config, tmp_path / "custom", source_dir=tiny_model_dir)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -19,7 +19,8 @@ WORKER = Path(__file__).with_name("ranks_worker.py")
 
 def _run_worker(nproc: int, out: Path) -> None:
     out.mkdir()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(WORKER.parent.parent))
+    # gloo on CPU ranks, GPU or not (two NCCL ranks cannot share one GPU)
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(WORKER.parent.parent))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(WORKER), str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -42,7 +43,7 @@ def test_two_ranks_make_the_same_update_as_one(results, objective, stage):
     two = torch.load(results[2] / f"{objective}-zero{stage}.pt", weights_only=False)
     from tests.ranks_worker import make_policy
 
-    initial = dict(make_policy().named_parameters())
+    initial = dict(make_policy().hf_named_tensors())
     for part in ("policy", "value") if objective == "value" else ("policy",):
         for name, p in one[part].items():
             assert (p - two[part][name]).abs().max() <= 1e-5, (part, name)
@@ -71,3 +72,16 @@ def test_single_rank_collectives_are_local():
     assert r.is_main and r.sum([1, 2.5]) == [1.0, 2.5] and r.max([3]) == [3.0]
     assert r.broadcast({"a": 1}) == {"a": 1} and r.all_gather(5) == [5]
     assert r.on_main(lambda: 7) == 7
+
+
+def test_train_device_pins_the_trainer(monkeypatch):
+    from trainer.dist import select_device, uses_cuda
+
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    select_device("auto")
+    assert "DS_ACCELERATOR" not in os.environ and uses_cuda() == torch.cuda.is_available()
+    select_device("cpu")  # gloo + CPU tensors even on a GPU machine; torchrun ranks inherit it
+    assert os.environ["DS_ACCELERATOR"] == "cpu" and not uses_cuda()
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="train.device"):
+            select_device("cuda")

@@ -41,7 +41,7 @@ def test_fixture_config_matches_transformers_qwen3_with_block_size_1():
     torch.manual_seed(0)
     ours = empty_model(cfg, "cpu", torch.float32).eval()
     with torch.no_grad():  # random rows; vocabulary-sized matrices repeat 997 random rows (fast)
-        for name, p in ours.named_parameters():
+        for name, p in ours.hf_named_tensors():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
                 continue
@@ -51,7 +51,7 @@ def test_fixture_config_matches_transformers_qwen3_with_block_size_1():
     qwen_fields = {k: v for k, v in data.items() if k not in ("auto_map", "architectures", "model_type")}
     with torch.device("meta"):
         ref = Qwen3ForCausalLM(Qwen3Config(**{**qwen_fields, "attn_implementation": "eager"}))
-    ref.load_state_dict(ours.state_dict(), assign=True)  # shares the tensors: no second copy
+    ref.load_state_dict(dict(ours.hf_named_tensors(remove_duplicate=False)), assign=True)  # shared: no copy
     ref.model.rotary_emb = type(ref.model.rotary_emb)(config=ref.config)  # its buffer was on meta
     ids = torch.randint(0, 151000, (2, 9))
     with torch.no_grad():
@@ -133,7 +133,7 @@ def test_bad_weight_files_name_the_file_or_tensor(small_sdar_dir, tmp_path):
 
 def test_streamed_copy_validates_first_and_reads_one_tensor_at_a_time(small_sdar_dir):
     model = load_pretrained(small_sdar_dir)
-    params = dict(model.named_parameters())
+    params = dict(model.hf_named_tensors())
     specs = [(n, tuple(p.shape)) for n, p in params.items()]
     copied = []
 

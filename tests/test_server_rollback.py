@@ -53,8 +53,8 @@ def test_rollback_restores_checksum_and_follows_the_kept_versions(make_server, t
     digest0 = _get(url, "/weights/checksum")["digest"]
     _kept(url, [0])
     v1 = _perturbed(tiny_model_dir, 1)
-    push([url], v1.named_parameters(), 1, transport="http", token=TOKEN)
-    assert _get(url, "/weights/checksum")["digest"] == weights_digest(v1.named_parameters()) != digest0
+    push([url], v1.hf_named_tensors(), 1, transport="http", token=TOKEN)
+    assert _get(url, "/weights/checksum")["digest"] == weights_digest(v1.hf_named_tensors()) != digest0
     _kept(url, [0, 1])
 
     r = _rollback(url, 0)
@@ -71,13 +71,13 @@ def test_rollback_restores_checksum_and_follows_the_kept_versions(make_server, t
     assert _get(url, "/weights/checksum")["digest"] == digest0
 
     # a rolled-back version pushed again is applied again (not answered "already applied")
-    push([url], v1.named_parameters(), 1, transport="http", token=TOKEN)
-    assert _get(url, "/weights/checksum") == {"version": 1, "digest": weights_digest(v1.named_parameters())}
+    push([url], v1.hf_named_tensors(), 1, transport="http", token=TOKEN)
+    assert _get(url, "/weights/checksum") == {"version": 1, "digest": weights_digest(v1.hf_named_tensors())}
     v2 = _perturbed(tiny_model_dir, 2)
-    push([url], v2.named_parameters(), 2, transport="http", token=TOKEN)
+    push([url], v2.hf_named_tensors(), 2, transport="http", token=TOKEN)
     _kept(url, [1, 2])  # K=2: version 0, served longest ago, is evicted
     assert _rollback(url, 0).status_code == 404
-    assert _rollback(url, 1).json()["digest"] == weights_digest(v1.named_parameters())
+    assert _rollback(url, 1).json()["digest"] == weights_digest(v1.hf_named_tensors())
     assert _get(url, "/weights/checksum")["version"] == 1
     metrics = httpx.get(url + "/metrics").text
     assert "dlrl_rollbacks_total 2.0" in metrics and "dlrl_served_version 1.0" in metrics
@@ -97,7 +97,7 @@ def test_rollback_while_requests_are_in_flight(make_server, tiny_model_dir):
     srv = make_server(admin_token=TOKEN, max_batch=8, max_queue=256, max_model_len=128, keep_versions=2)
     url = srv.url
     digest0 = _get(url, "/weights/checksum")["digest"]
-    push([url], _perturbed(tiny_model_dir, 3).named_parameters(), 1, transport="http", token=TOKEN)
+    push([url], _perturbed(tiny_model_dir, 3).hf_named_tensors(), 1, transport="http", token=TOKEN)
     _kept(url, [0, 1])
     stop, results = threading.Event(), []
 

@@ -76,7 +76,7 @@ def _custom_code_folder(tmp_path: Path, tiny_model_dir: str) -> Path:
     from dllm.weights import load_pretrained
 
     model = load_pretrained(tiny_model_dir)
-    return export_pretrained(model.named_parameters(), model.config, tmp_path / "custom", source_dir=tiny_model_dir)
+    return export_pretrained(model.hf_named_tensors(), model.config, tmp_path / "custom", source_dir=tiny_model_dir)
 
 
 def test_custom_code_never_prompts(tiny_model_dir, tmp_path, monkeypatch):

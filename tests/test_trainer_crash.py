@@ -62,7 +62,7 @@ def test_kill_9_in_rollouts_optimizer_and_push_then_resume(server, tiny_model_di
     assert steps == [1, 2, 3, 4, 5]  # every step exactly once
     versions = [r["version"] for r in rows(tmp_path)]
     assert versions == sorted(set(versions))  # strictly increasing over three crashes
-    final = weights_digest(load_pretrained(tmp_path / "run" / "final").named_parameters())
+    final = weights_digest(load_pretrained(tmp_path / "run" / "final").hf_named_tensors())
     assert admin_get(server.url, "/weights/checksum", TOKEN)["digest"] == final
     assert admin_get(server.url, "/weights/version", TOKEN)["version"] == versions[-1]
 
@@ -80,7 +80,7 @@ def test_a_restarted_server_is_detected_and_resynced(tiny_model_dir, tmp_path):
         _, err = proc.communicate(timeout=600)
         assert proc.returncode == 0, err[-3000:]
         assert "restarted" in err and srv.url in err  # a clear log line naming it
-        final = weights_digest(load_pretrained(tmp_path / "run" / "final").named_parameters())
+        final = weights_digest(load_pretrained(tmp_path / "run" / "final").hf_named_tensors())
         assert admin_get(srv.url, "/weights/checksum", TOKEN)["digest"] == final
         assert admin_get(srv.url, "/weights/version", TOKEN)["version"] == rows(tmp_path)[-1]["version"]
         assert rows(tmp_path)[-1]["step"] == 40

@@ -45,13 +45,13 @@ def run_train(config: Path, *overrides: str) -> int:
 
 def test_two_steps_change_every_param_and_sync_the_server(served, tiny_model_dir, tmp_path):
     v0 = admin(served, "/weights/version")["version"]
-    before = dict(load_pretrained(tiny_model_dir).named_parameters())
+    before = dict(load_pretrained(tiny_model_dir).hf_named_tensors())
     assert run_train(write_config(tmp_path, served, tiny_model_dir)) == 0
     final = load_pretrained(tmp_path / "run" / "final")
-    changed = {n: not torch.equal(p, before[n]) for n, p in final.named_parameters()}
+    changed = {n: not torch.equal(p, before[n]) for n, p in final.hf_named_tensors()}
     assert all(changed.values()), [n for n, c in changed.items() if not c]
     assert admin(served, "/weights/version")["version"] == v0 + 2
-    assert admin(served, "/weights/checksum")["digest"] == weights_digest(final.named_parameters())
+    assert admin(served, "/weights/checksum")["digest"] == weights_digest(final.hf_named_tensors())
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for key in ("reward_mean", "time_rollout", "time_train", "time_sync", "tokens_per_forward", "staleness"):
@@ -75,7 +75,7 @@ def test_objectives_and_options_run_end_to_end(served, tiny_model_dir, tmp_path,
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     # +1 for the step, +1 more when the run first synced the server to its starting weights
     assert admin(served, "/weights/version")["version"] == row["version"] in (v0 + 1, v0 + 2)
-    assert admin(served, "/weights/checksum")["digest"] == weights_digest(final.named_parameters())
+    assert admin(served, "/weights/checksum")["digest"] == weights_digest(final.hf_named_tensors())
     assert row["num_rows"] > 0 and "pg_loss" in row
     if "use_value_model=true" in overrides:
         assert "value_loss" in row
@@ -136,7 +136,7 @@ def test_version_conflict_is_refused(served, tiny_model_dir, tmp_path):
     _, root, overrides = parse(["--config", str(write_config(tmp_path, served, tiny_model_dir))])
     run = build_run(root, None, overrides)
     try:
-        params = dict(run.learner.engine.module.named_parameters())
+        params = dict(run.learner.engine.module.hf_named_tensors())
         push([served], params.items(), run.version + 5, transport="http", token=TOKEN)  # someone else moved on
         with pytest.raises(FleetError, match="version"):
             run.publisher.push()

@@ -63,7 +63,7 @@ def test_two_ranks_two_servers_then_resume(two_servers, tiny_model_dir, tmp_path
     done = run_train(cfg, "nproc=2")
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout[done.stdout.index("{"):])["num_ranks"] == 2
-    final = weights_digest(load_pretrained(tmp_path / "run" / "final").named_parameters())
+    final = weights_digest(load_pretrained(tmp_path / "run" / "final").hf_named_tensors())
     for url in urls:  # both servers at the same version, holding exactly the trainer's weights
         assert admin_get(url, "/weights/version", TOKEN)["version"] == metrics(tmp_path)[-1]["version"]
         assert admin_get(url, "/weights/checksum", TOKEN)["digest"] == final
@@ -75,7 +75,7 @@ def test_two_ranks_two_servers_then_resume(two_servers, tiny_model_dir, tmp_path
     assert [r["step"] for r in rows] == [1, 2, 3]
     versions = [r["version"] for r in rows]
     assert versions == sorted(set(versions))  # strictly increasing across the resume
-    final = weights_digest(load_pretrained(tmp_path / "run" / "final").named_parameters())
+    final = weights_digest(load_pretrained(tmp_path / "run" / "final").hf_named_tensors())
     for url in urls:
         assert admin_get(url, "/weights/checksum", TOKEN)["digest"] == final
 

@@ -44,7 +44,7 @@ def wait_running(engine, thread: threading.Thread) -> None:
 
 
 def perturbed(srv, seed: float) -> dict:
-    return {n: p.detach() + seed for n, p in srv.engine.model.named_parameters()}
+    return {n: p.detach() + seed for n, p in srv.engine.model.hf_named_tensors()}
 
 
 @pytest.fixture(scope="module")

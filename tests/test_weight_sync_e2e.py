@@ -55,18 +55,18 @@ def test_push_into_real_server(make_server, tiny_model_dir):
     trained = load_pretrained(tiny_model_dir)
     for version, transport in enumerate(["http", "shm", "dist"], start=1):
         perturb(trained, version)
-        timings = push([srv.url], trained.named_parameters(), version, transport=transport, token=TOKEN,
+        timings = push([srv.url], trained.hf_named_tensors(), version, transport=transport, token=TOKEN,
                        dtype="auto", bucket_bytes=1 << 16)
         assert timings["num_buckets"] > 1
         served = httpx.get(srv.url + "/weights/checksum", headers=AUTH, timeout=30).json()
-        assert served == {"version": version, "digest": weights_digest(trained.named_parameters())}, transport
+        assert served == {"version": version, "digest": weights_digest(trained.hf_named_tensors())}, transport
         assert served_greedy(srv.url) == local_greedy(trained, tiny_model_dir), transport
     assert httpx.get(srv.url + "/health", timeout=10).json()["version"] == 3
     r = httpx.post(srv.url + "/generate", json={"prompt": "1+2=", "max_tokens": 8, "n": 2}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["version"] == 3 and {s["version"] for s in r.json()["samples"]} == {3}
     with pytest.raises(WeightSyncError, match="409.*not greater than the current version 3"):
-        push([srv.url], trained.named_parameters(), 3, transport="http", token=TOKEN)
+        push([srv.url], trained.hf_named_tensors(), 3, transport="http", token=TOKEN)
     assert httpx.get(srv.url + "/weights/checksum", headers=AUTH, timeout=30).json()["version"] == 3
     assert httpx.get(srv.url + "/ready", timeout=10).status_code == 200  # resumed after every update
     close_all()

@@ -41,7 +41,7 @@ import json, os, signal, sys
 from dllm.weights import load_pretrained
 from weight_sync import push
 url, model_dir, transport, version, run_id, lease = sys.argv[1:7]
-named, calls = list(load_pretrained(model_dir).named_parameters()), []
+named, calls = list(load_pretrained(model_dir).hf_named_tensors()), []
 def source():
     calls.append(1)
     for k, (n, t) in enumerate(named):
@@ -64,7 +64,8 @@ def free_port() -> int:
 def server(tiny_model_dir, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("faults") / "server.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # CPU only, GPU or not: thread counts below must not see the CUDA driver's own threads
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
     env.pop("DLRL_ADMIN_TOKEN", None)
     cmd = [sys.executable, "-m", "server.cli", "--model", tiny_model_dir, "--port", str(port),
            f"server.admin_token={TOKEN}", f"server.weight_sync_lease_s={LEASE_S}", "server.device=cpu",
@@ -113,7 +114,7 @@ def pusher(server, transport: str, version: int, run_id: str, mode: str = "die",
 def served_model(server) -> dict[str, torch.Tensor]:
     from dllm.weights import load_pretrained
 
-    return dict(load_pretrained(server.model_dir).named_parameters())
+    return dict(load_pretrained(server.model_dir).hf_named_tensors())
 
 
 def test_nan_push_is_refused_and_nothing_changes(server):

@@ -16,6 +16,7 @@ import torch
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from dllm.weights import hf_tensors
 from server import routes_weights
 from server.weight_updates import WeightUpdates
 from weight_sync import weights_digest
@@ -61,7 +62,7 @@ def make_client(model: torch.nn.Module) -> tuple[TestClient, Engine]:
 
 
 def packed(model: torch.nn.Module, version: int) -> tuple[dict, list[torch.Tensor]]:
-    named = list(model.named_parameters())
+    named = list(hf_tensors(model))  # HF names (an SDAR model's fused q/k/v split into views)
     m = plan_buckets(specs_of(named), 256, version)
     bufs = [b.clone() for _, b, _ in pack_stream(m, iter(named), lambda i, n: torch.empty(n, dtype=torch.uint8))]
     return m.to_dict(), bufs
@@ -218,5 +219,5 @@ def test_real_sdar_model_with_tied_embeddings():
     client, engine = make_client(served)
     http_update(client, trained, 1)
     digest = client.get("/weights/checksum", headers=AUTH).json()["digest"]
-    assert digest == weights_digest(trained.named_parameters())
+    assert digest == weights_digest(trained.hf_named_tensors())
     assert torch.equal(served.lm_head.weight, trained.model.embed_tokens.weight)

@@ -82,8 +82,14 @@ def main(argv: list[str]) -> int:
     cfg = root["train"]
     if args.check:
         return print_check("train", cfg)
+    from trainer.dist import select_device
     from trainer.launch import launch_local, under_launcher
 
+    try:
+        select_device(cfg.device)  # before any rank starts: torchrun's ranks inherit it
+    except ValueError as e:
+        print(f"dlrl train: {e}", file=sys.stderr)
+        return 2
     if cfg.nproc > 1 and not under_launcher():
         return launch_local(cfg.nproc, argv)
     from rollout_client.client import AdminError, RolloutError

@@ -93,6 +93,8 @@ class TrainConfig(Config):
     grad_accum: int = Field(1, ge=1)  # micro-batches per optimizer step
     updates_per_step: int = Field(1, ge=1)
     gradient_checkpointing: bool = False
+    compile_layers: bool = False  # torch.compile the policy's decoder layers for the replay forward/backward
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # trainer ranks: auto = CUDA (NCCL) when a GPU is visible, else CPU (gloo)
     # weight sync
     sync_transport: Transport = "shm"
     sync_timeout: float = Field(300.0, gt=0)  # seconds a push may take before the servers drop it

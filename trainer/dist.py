@@ -35,6 +35,21 @@ class RankError(RuntimeError):
         self.kind = kind
 
 
+def select_device(device: str) -> None:
+    """Pin the trainer's device before the process group exists (`train.device`): "cpu" runs
+    gloo + DeepSpeed's CPU accelerator even where a GPU is visible, "cuda" requires one, "auto"
+    leaves it to `DS_ACCELERATOR` / the hardware. Ranks started from here inherit the choice."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device: 'cuda' but no CUDA device is visible")
+    if device != "auto":
+        os.environ["DS_ACCELERATOR"] = device
+
+
+def uses_cuda() -> bool:
+    """Whether this trainer runs on CUDA: a GPU is visible and DS_ACCELERATOR does not say cpu."""
+    return torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
+
+
 def init_process_group() -> None:
     """The job's default process group (through DeepSpeed, which the engines need anyway).
     Under a launcher (RANK / WORLD_SIZE set) it rendezvouses through env://; a process no
@@ -42,7 +57,7 @@ def init_process_group() -> None:
     RANK / WORLD_SIZE left in its environment for the processes it starts."""
     if torch.distributed.is_initialized():
         return
-    has_cuda = torch.cuda.is_available()
+    has_cuda = uses_cuda()
     if not has_cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     backend = "nccl" if has_cuda else "gloo"

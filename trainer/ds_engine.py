@@ -50,6 +50,7 @@ class DSConfig:
     eps: float = 1e-8
     warmup_steps: int = 0  # linear LR warmup over optimizer steps; 0 = constant LR
     gradient_checkpointing: bool = False
+    compile_layers: bool = False  # torch.compile each decoder layer (model.compile_layers) before wrapping
     ds_overrides: dict[str, Any] = field(default_factory=dict)  # deep-merged into the DS config
 
     def validate(self) -> None:
@@ -114,6 +115,8 @@ def build_engine(model: nn.Module, cfg: DSConfig):
     deepspeed.utils.logger.setLevel(logging.WARNING)
     if hasattr(model, "gradient_checkpointing"):
         model.gradient_checkpointing = cfg.gradient_checkpointing
+    if cfg.compile_layers and hasattr(model, "compile_layers"):
+        model.compile_layers()
     optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
                                   betas=tuple(cfg.betas), eps=cfg.eps, fused=True)  # fused: ~10x faster on CPU
     scheduler = None
@@ -154,28 +157,32 @@ def _is_zero3(engine_or_module) -> bool:
 
 def named_full_params(engine_or_module, dtype: torch.dtype | None = None,
                       bucket_numel: int = 1 << 26) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, full tensor) for every parameter of the engine's module (or of a module,
-    e.g. `engine.module`), tied weights once, as CPU-detached copies (optionally cast). Under
-    ZeRO-3 parameters are gathered a bucket at a time with `deepspeed.zero.GatheredParameters`:
-    every rank must consume the iterator."""
-    named = list(_unwrap(engine_or_module).named_parameters())
+    """Yield (HF name, full tensor) for every weight of the engine's module (or of a module,
+    e.g. `engine.module`), tied weights once, as CPU-detached copies (optionally cast); a
+    fused parameter (q/k/v, gate/up) comes as its checkpoint tensors. Under ZeRO-3 parameters
+    are gathered a bucket at a time with `deepspeed.zero.GatheredParameters`: every rank must
+    consume the iterator."""
+    from weight_sync.sources import module_layout, split_parts
 
-    def emit(name, p):
+    layout = module_layout(_unwrap(engine_or_module))
+
+    def emit(name, p, parts):
         t = p.data.detach()
-        return name, (t.to(dtype) if dtype else t).to("cpu", copy=True)
+        t = t.to(dtype) if dtype else t
+        return [(n, v.to("cpu", copy=True)) for n, v in split_parts(name, t, parts)]
 
     if not _is_zero3(engine_or_module):
-        for name, p in named:
-            yield emit(name, p)
+        for item in layout:
+            yield from emit(*item)
         return
     import deepspeed
 
-    bucket: list[tuple[str, nn.Parameter]] = []
-    for i, (name, p) in enumerate(named):
-        bucket.append((name, p))
-        if sum(int(q.ds_numel) for _, q in bucket) >= bucket_numel or i == len(named) - 1:
-            with deepspeed.zero.GatheredParameters([q for _, q in bucket], modifier_rank=None):
-                out = [emit(n, q) for n, q in bucket]
+    bucket: list[tuple[str, nn.Parameter, Any]] = []
+    for i, item in enumerate(layout):
+        bucket.append(item)
+        if sum(int(q.ds_numel) for _, q, _ in bucket) >= bucket_numel or i == len(layout) - 1:
+            with deepspeed.zero.GatheredParameters([q for _, q, _ in bucket], modifier_rank=None):
+                out = [pair for n, q, parts in bucket for pair in emit(n, q, parts)]
             bucket = []
             yield from out
 

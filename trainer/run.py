@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from trainer.checkpointer import Checkpointer
-from trainer.dist import Ranks
+from trainer.dist import Ranks, select_device
 from trainer.fleet import ServerFleet
 from trainer.learner import Learner
 from trainer.publish import Publisher
@@ -229,7 +229,8 @@ def _build_learner(cfg, ranks: Ranks, policy) -> Learner:
     from trainer.ds_engine import DSConfig, build_engine, build_frozen
 
     ds = DSConfig(zero_stage=cfg.zero_stage, dtype=cfg.dtype, grad_accum=cfg.grad_accum, grad_clip=cfg.grad_clip,
-                  lr=cfg.lr, weight_decay=cfg.weight_decay, gradient_checkpointing=cfg.gradient_checkpointing)
+                  lr=cfg.lr, weight_decay=cfg.weight_decay, gradient_checkpointing=cfg.gradient_checkpointing,
+                  compile_layers=cfg.compile_layers)
     ref = build_frozen(copy.deepcopy(policy), ds) if cfg.kl_coef > 0 else None
     value = None
     if cfg.use_value_model:
@@ -252,6 +253,7 @@ def build_run(root: dict, config_path: str | None, overrides: list[str], sampler
     from trainer.rewards import build_reward
 
     cfg = root["train"]
+    select_device(cfg.device)
     ranks = Ranks.init()
     torch.manual_seed(cfg.seed)
     if cfg.num_threads:

@@ -1,10 +1,10 @@
 """weight_sync: push trainer weights into running servers in place (torch + xxhash + pydantic only).
 
     from weight_sync import connect, push, weights_digest
-    connect(["http://127.0.0.1:8000"], model.named_parameters(), transport="shm", token=tok, run_id="run-1")
-    push(["http://127.0.0.1:8000"], model.named_parameters(), version=1, transport="shm", token=tok,
+    connect(["http://127.0.0.1:8000"], model.hf_named_tensors(), transport="shm", token=tok, run_id="run-1")
+    push(["http://127.0.0.1:8000"], model.hf_named_tensors(), version=1, transport="shm", token=tok,
          run_id="run-1")
-    assert weights_digest(model.named_parameters()) == GET /weights/checksum
+    assert weights_digest(model.hf_named_tensors()) == GET /weights/checksum
 
 Files: protocol.py (control-plane wire schemas, shared with the server), manifest.py
 (JSON manifest, digest), checksum.py (xxh3, fused copy+hash, NaN scan), bucket.py

@@ -2,7 +2,7 @@
 
     m = Manifest(version=3, entries=[...], buckets=[...], total_bytes=...)
     m2 = Manifest.from_json(m.to_json())      # validates; ValueError (ManifestError) names the field
-    weights_digest(model.named_parameters())  # same string on trainer and server <=> same weights
+    weights_digest(model.hf_named_tensors())  # same string on trainer and server <=> same weights
 
 A manifest lists every tensor of the update: name, dtype (e.g. "bfloat16"), shape, the
 bucket it lives in, its byte offset inside that bucket, and its nbytes. Each bucket has

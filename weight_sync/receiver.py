@@ -1,6 +1,6 @@
 """Server side of a weight update: validate, stage privately, verify, apply atomically, or leave untouched.
 
-    rx = WeightReceiver(lambda: dict(model.named_parameters()),
+    rx = WeightReceiver(lambda: dict(model.hf_named_tensors()),
                         functools.partial(copy_into_model, model), version=0, lease_s=30)
     rx.connect("shm", manifest, options)           # once: attach region / size staging / join group
     rx.begin(7, "http", manifest_json, run_id="tiny-rl")   # 409 stale/busy, 400 bad manifest

@@ -1,7 +1,7 @@
 """Trainer side of a weight update: connect once, then begin -> data plane -> commit, or abort all.
 
-    connect(servers, model.named_parameters(), transport="shm", token=tok, run_id="tiny-rl")  # at startup
-    timings = push(servers, model.named_parameters(), version=3, transport="shm", token=tok,
+    connect(servers, model.hf_named_tensors(), transport="shm", token=tok, run_id="tiny-rl")  # at startup
+    timings = push(servers, model.hf_named_tensors(), version=3, transport="shm", token=tok,
                    run_id="tiny-rl")            # {"total_s": ..., "gbps": ...}; WeightSyncError on failure
     sender = WeightSender(servers, transport="dist", dist_addr="10.0.0.5", run_id="job-7")
     sender.connect(src); sender.push(iter_deepspeed_params(engine), version=4); sender.close()

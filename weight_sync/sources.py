@@ -1,6 +1,6 @@
 """Where the sender's tensors come from: plain (name, tensor) pairs, or ZeRO-3 gathered params.
 
-    push(servers, model.named_parameters(), version)                   # plain module / dict
+    push(servers, model.hf_named_tensors(), version)                   # plain module / dict
     push(servers, iter_deepspeed_params(engine), version)              # DeepSpeed ZeRO-3, rank 0
     drain(iter_deepspeed_params(engine))                               # ... every other rank
 
@@ -13,6 +13,9 @@ read the shapes. The iterator must yield the same names in the same order every 
 time) with `deepspeed.zero.GatheredParameters`: a collective, so every trainer rank must
 iterate the source (rank 0 inside `push`, the others via `drain`). Each yielded tensor is
 only valid until the generator resumes; the packer copies it into a bucket at once.
+Names are the checkpoint's: a module with `hf_layout()` (dllm's SDARForCausalLM: fused
+q/k/v and gate/up parameters) has each fused parameter gathered once and sent as its
+row slices under the HF names (`module_layout`).
 """
 
 from __future__ import annotations
@@ -53,6 +56,25 @@ def as_source(named: Pairs | dict[str, torch.Tensor] | Callable[[], Pairs], dtyp
     return Source([spec_of(n, t, dtype) for n, t in items], lambda: iter(items), device)
 
 
+Parts = list[tuple[str, int, int]] | None  # [(HF name, first row, end row)] of a fused parameter
+
+
+def module_layout(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, Parts]]:
+    """[(parameter name, parameter, parts)]: the module's `hf_layout()` when it has one (fused
+    parameters that stand for several checkpoint tensors), else its parameters one to one."""
+    fn = getattr(module, "hf_layout", None)
+    return fn() if fn is not None else [(n, p, None) for n, p in module.named_parameters()]
+
+
+def split_parts(name: str, t: torch.Tensor, parts: Parts) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of one (full) parameter: itself, or its row slices (views)."""
+    if parts is None:
+        yield name, t
+        return
+    for hf_name, a, b in parts:
+        yield hf_name, t[a:b]
+
+
 class DeepSpeedParams:
     """Callable source over a (possibly ZeRO-3 partitioned) module's parameters."""
 
@@ -68,29 +90,32 @@ class DeepSpeedParams:
 
     def specs(self, dtype: torch.dtype | None = None) -> list[Spec]:
         out = []
-        for name, p in self.module.named_parameters():
-            send = dtype if dtype is not None and p.is_floating_point() else p.dtype
-            out.append((name, dtype_name(send), self._shape(p)))
+        for name, p, parts in module_layout(self.module):
+            send = dtype_name(dtype if dtype is not None and p.is_floating_point() else p.dtype)
+            shape = self._shape(p)
+            rows = [(name, 0, shape[0] if shape else 0)] if parts is None else parts
+            for hf_name, a, b in rows:
+                out.append((hf_name, send, shape if parts is None else (b - a, *shape[1:])))
         return out
 
-    def _groups(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        group: list[tuple[str, torch.Tensor]] = []
+    def _groups(self) -> Iterator[list[tuple[str, torch.Tensor, Parts]]]:
+        group: list[tuple[str, torch.Tensor, Parts]] = []
         size = 0
-        for name, p in self.module.named_parameters():
+        for name, p, parts in module_layout(self.module):
             numel = 1
             for s in self._shape(p):
                 numel *= s
             if group and size + numel * p.element_size() > self.gather_bytes:
                 yield group
                 group, size = [], 0
-            group.append((name, p))
+            group.append((name, p, parts))
             size += numel * p.element_size()
         if group:
             yield group
 
     def __call__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for group in self._groups():
-            partitioned = [p for _, p in group if hasattr(p, "ds_id")]
+            partitioned = [p for _, p, _ in group if hasattr(p, "ds_id")]
             if partitioned:
                 import deepspeed  # lazy: only trainers running ZeRO-3 have it loaded
 
@@ -98,8 +123,8 @@ class DeepSpeedParams:
             else:
                 ctx = contextlib.nullcontext()
             with ctx:
-                for name, p in group:
-                    yield name, p.data  # full tensor, valid inside the gather context only
+                for name, p, parts in group:
+                    yield from split_parts(name, p.data, parts)  # full tensor, valid inside the gather only
 
 
 def iter_deepspeed_params(engine: Any, gather_bytes: int = 256 << 20) -> DeepSpeedParams:

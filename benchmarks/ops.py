@@ -1,0 +1,112 @@
+"""aten ops per decoder layer of one mid-decode forward (KV-cache path), old code vs today's, side by side.
+
+    .venv/bin/python benchmarks/ops.py                  # old = main at OLD_REF (before fused layers)
+    .venv/bin/python benchmarks/ops.py --ref 2bdf442 --dtype bfloat16
+
+Counted as issue 22 says: every aten op the CPU profiler records (nested ones included)
+for ONE decode forward (a block of `block_size` new tokens per row, attending over a
+filled prompt in the KV cache), a 4-layer model minus a 2-layer model of the same width,
+halved. The per-layer count is also split into the KV-cache write (`CacheView.update`),
+the attention kernel (`attend`) and the rest (the layer's own ops: norms, projections,
+rope, MLP): the first two belong to the cache/attention code, the rest to dllm/model.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+OLD_REF = "2bdf442"  # main before fused QKV / gate-up and the cheaper norms, rope and MLP
+PARTS = ("cache.update", "attend")
+
+
+def _count(pkg, num_layers: int, dtype: torch.dtype, batch: int, prompt: int) -> dict[str, int]:
+    """aten ops of one mid-decode forward of a `num_layers` model of package `pkg` (dllm or an old copy)."""
+    from dllm.sft import TinyModelConfig
+
+    arch = TinyModelConfig(num_hidden_layers=num_layers).model_dump()
+    cfg = pkg.config.SDARConfig(vocab_size=96, mask_token_id=95, eos_token_id=[0], pad_token_id=0, **arch)
+    torch.manual_seed(0)
+    model = pkg.model.SDARForCausalLM(cfg).to(dtype).eval()
+    bs = cfg.block_size
+    cache = pkg.kv_cache.KVCache(cfg, num_slots=batch, max_len=prompt + 4 * bs, device="cpu", dtype=dtype)
+    slots = torch.arange(batch)
+    ids = torch.randint(0, 90, (batch, prompt))
+    pos = torch.arange(prompt).expand(batch, prompt)
+    view_cls = pkg.kv_cache.CacheView
+    update, attend = view_cls.update, pkg.model.attend
+
+    def traced_update(self, *a, **k):
+        with record_function("cache.update"):
+            return update(self, *a, **k)
+
+    def traced_attend(*a, **k):
+        with record_function("attend"):
+            return attend(*a, **k)
+
+    with torch.inference_mode():
+        model(ids, pos, cache=cache, slots=slots, kv_len=prompt)  # prefill
+        step = torch.full((batch, bs), 95)
+        step_pos = torch.arange(prompt, prompt + bs).expand(batch, bs)
+        model(step, step_pos, cache=cache, slots=slots, kv_len=prompt + bs)  # warm-up decode step
+        view_cls.update, pkg.model.attend = traced_update, traced_attend
+        try:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                model(step, step_pos, cache=cache, slots=slots, kv_len=prompt + bs, num_logits=bs)
+        finally:
+            view_cls.update, pkg.model.attend = update, attend
+    counts = {"total": 0, **{p: 0 for p in PARTS}}
+    for ev in prof.events():
+        if not ev.name.startswith("aten::"):
+            continue
+        counts["total"] += 1
+        parent = ev.cpu_parent
+        while parent is not None:
+            if parent.name in PARTS:
+                counts[parent.name] += 1
+                break
+            parent = parent.cpu_parent
+    return counts
+
+
+def per_layer(pkg, dtype: torch.dtype, batch: int, prompt: int) -> dict[str, float]:
+    four, two = _count(pkg, 4, dtype, batch, prompt), _count(pkg, 2, dtype, batch, prompt)
+    out = {k: (four[k] - two[k]) / 2 for k in four}
+    out["layer (model.py)"] = out["total"] - sum(out[p] for p in PARTS)
+    out["whole forward, 2 layers"] = two["total"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ref", default=OLD_REF, help="git ref of the old code")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--prompt", type=int, default=32)
+    args = ap.parse_args()
+    from oldref import load_package
+
+    import dllm.config
+    import dllm.kv_cache
+    import dllm.model
+
+    dtype = getattr(torch, args.dtype)
+    old = per_layer(load_package("dllm", args.ref), dtype, args.batch, args.prompt)
+    new = per_layer(dllm, dtype, args.batch, args.prompt)
+    print(f"aten ops per decoder layer, one mid-decode forward ({args.dtype}, batch {args.batch}, "
+          f"prompt {args.prompt}); old = {args.ref}, new = working tree")
+    print(f"{'':26s} {'old':>8s} {'new':>8s} {'new/old':>8s}")
+    for key in old:
+        ratio = new[key] / old[key] if old[key] else float("nan")
+        print(f"{key:26s} {old[key]:8.1f} {new[key]:8.1f} {ratio:8.2f}")
+
+
+if __name__ == "__main__":
+    main()
