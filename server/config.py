@@ -68,6 +68,9 @@ class ServerConfig(Config):
     store: str = "runs/feedback.db"  # SQLite feedback store (store.open_store), shared by the servers of a host
     store_max_records: int = Field(100_000, ge=1)  # bound of the store: oldest records go first
     store_max_age_s: float = Field(7 * 86400.0, gt=0)  # records older than this are pruned
+    record_wait_s: float = Field(5.0, gt=0, le=600)  # a response waits this long for its records' commit
+    record_max_pending: int = Field(10_000, ge=1)    # records queued for the store writer; beyond: dropped
+    store_error_log_s: float = Field(30.0, gt=0)     # while the store fails: one log line per this many s
     feedback_token: str = ""         # bearer token of POST /v1/feedback; "" = env DLRL_FEEDBACK_TOKEN, else disabled
     feedback_labels: dict[Label, Reward] = Field(default_factory=lambda: {"accept": 1.0, "reject": 0.0})
 

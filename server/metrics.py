@@ -11,8 +11,10 @@ dlrl_batch_size, dlrl_max_batch_size, dlrl_step_seconds, dlrl_request_latency_se
 dlrl_queue_depth, dlrl_running_sequences, dlrl_policy_version, dlrl_paused,
 dlrl_aborted_sequences; continuous alignment (issue 19): dlrl_served_version (= the policy
 version), dlrl_records_total (samples written to the feedback store), dlrl_feedback_total
-(new feedback accepted), dlrl_rollbacks_total, dlrl_store_errors_total (records dropped or
-not written, feedback the store could not take).
+(new feedback accepted), dlrl_rollbacks_total; the store: dlrl_store_errors_total{op,cause}
+(failed store operations), dlrl_store_up, dlrl_records_dropped_total{reason} (never written),
+dlrl_record_ids_withheld_total{reason} (answered without an id), dlrl_record_write_seconds,
+dlrl_record_queue (records waiting for the writer).
 """
 
 from __future__ import annotations
@@ -53,11 +55,22 @@ class ServerMetrics:
         self.records = Counter("dlrl_records", "served samples written to the feedback store", registry=r)
         self.feedback = Counter("dlrl_feedback", "new feedback accepted by POST /v1/feedback", registry=r)
         self.rollbacks = Counter("dlrl_rollbacks", "rollbacks to a kept weight version", registry=r)
-        self.store_errors = Counter("dlrl_store_errors", "feedback store failures (record dropped or not "
-                                    "written, feedback not stored)", registry=r)
+        # feedback store (server/recording.py, server/store_health.py)
+        self.store_errors = Counter("dlrl_store_errors", "failed feedback store operations by cause",
+                                    ["op", "cause"], registry=r)
+        self.store_up = Gauge("dlrl_store_up", "0 while the feedback store is failing", registry=r)
+        self.records_dropped = Counter("dlrl_records_dropped", "recorded samples never written to the store",
+                                       ["reason"], registry=r)
+        self.record_ids_withheld = Counter("dlrl_record_ids_withheld", "samples answered without a record_id "
+                                           "because their record was not yet written", ["reason"], registry=r)
+        self.record_write_seconds = Histogram("dlrl_record_write_seconds", "one batched record write",
+                                              buckets=(0.001, 0.0025, 0.005, *_LATENCY_BUCKETS), registry=r)
         self._max_batch = 0
         if engine is not None:
             self.bind_engine(engine)
+
+    def register_record_queue(self, depth: Any) -> None:
+        Gauge("dlrl_record_queue", "records waiting for the store writer", registry=self.registry).set_function(depth)
 
     def bind_engine(self, engine: Any) -> None:
         r = self.registry

@@ -12,13 +12,15 @@ that implements `FeedbackStore` can replace it (README: "a fleet with a shared s
 
 from store.sqlite import SQLiteStore, open_store
 from store.types import (
+    ERROR_CAUSES,
     VERSION_STATUSES,
     FeedbackConflict,
     FeedbackStore,
     Labeled,
     Record,
+    error_cause,
     new_record_id,
 )
 
-__all__ = ["VERSION_STATUSES", "FeedbackConflict", "FeedbackStore", "Labeled", "Record", "SQLiteStore",
-           "new_record_id", "open_store"]
+__all__ = ["ERROR_CAUSES", "VERSION_STATUSES", "FeedbackConflict", "FeedbackStore", "Labeled", "Record", "SQLiteStore",
+           "error_cause", "new_record_id", "open_store"]
