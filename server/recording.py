@@ -30,7 +30,6 @@ import asyncio
 import dataclasses
 import logging
 import random
-import sqlite3
 import threading
 import time
 from collections import deque
@@ -75,7 +74,7 @@ class Recorder:
         try:
             store = open_store(config.store, max_records=config.store_max_records,
                                max_age_s=config.store_max_age_s)
-        except (sqlite3.Error, OSError, ValueError, ImportError) as e:
+        except Exception as e:  # sqlite3.Error, OSError, psycopg errors (database down), ImportError
             raise ConfigError(f"server.store: cannot open the feedback store {_redact(config.store)!r}: "
                               f"{type(e).__name__}: {e}") from None
         server = f"http://{config.host}:{config.port}"

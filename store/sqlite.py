@@ -293,6 +293,15 @@ class SQLiteStore(FeedbackStore):
 
 
 def open_store(path: str | os.PathLike, *, max_records: int = 100_000, max_age_s: float = 7 * 86400.0,
-               **options) -> SQLiteStore:
-    """Open (creating if needed) the SQLite feedback store at `path`."""
+               **options) -> FeedbackStore:
+    """Open (creating or upgrading if needed) the feedback store at `path`: a
+    `postgresql://` (or `postgres://`) URL opens store.postgres.PostgresStore (needs the
+    `postgres` extra), anything else is the path of an SQLite file."""
+    if str(path).startswith(("postgresql://", "postgres://")):
+        try:
+            from store.postgres import PostgresStore
+        except ImportError as e:
+            raise ImportError(f"a postgresql:// store needs psycopg 3 and psycopg_pool: pip install -e "
+                              f"'.[postgres]' ({e})") from None
+        return PostgresStore(str(path), max_records=max_records, max_age_s=max_age_s, **options)
     return SQLiteStore(path, max_records=max_records, max_age_s=max_age_s, **options)
