@@ -133,3 +133,41 @@ def test_align_end_to_end(sft_model, tmp_path, monkeypatch, capsys):
     assert any(e["kind"] == "rollback" and e["detail"]["kind"] == "manual" for e in events)
     start, final = versions[min(versions)]["eval"]["accuracy"], versions[serving]["eval"]["accuracy"]
     assert final >= start + 0.15, (start, final)
+
+
+def test_two_replicas_and_align_on_one_postgres_store(tiny_model_dir, tmp_path, postgres):
+    """The fleet's shared store (issue 26), short: two replicas record into one PostgreSQL
+    database, users give feedback through either, `dlrl align` trains on it and promotes; the
+    registry names one serving version, the one both replicas serve. (A random tiny model
+    and an open gate: the store is under test here, the gate in the test above.)"""
+    store = postgres.new_database("align_e2e")
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(3)]
+    overrides = [f"rollout_servers=[{urls[0]}]", f"serving_replicas=[{urls[1]},{urls[2]}]", f"store={store}",
+                 f"output_dir={tmp_path / 'align'}", f"train.model={tiny_model_dir}", "max_steps=0", "promote_every=2",
+                 "canary_window_s=1", "canary_min_requests=0", "reconcile_every_s=1", "rollback_on_latency_ratio=5",
+                 "tolerance=1", "kl_budget=1000", "max_length_ratio=1000", "max_stop_rate_drop=1", "max_empty_frac=1",
+                 "max_degenerate_frac=1", "eval_size=16", "kl_prompts=4", "rollback_on_error_rate=1",
+                 "train.prompts_per_step=4", "train.group_size=2"]
+    stack = LocalAlign(str(_config(tmp_path)), overrides)
+    log = lambda: (stack.logs / "align.log").read_text()[-4000:]  # noqa: E731
+    try:
+        stack.start_servers()
+        stack.start_users()
+        align = stack.start_align()
+        wait_until(lambda: _events(store, "promoted") or align.poll() is not None, 600, "a promotion")
+        assert align.poll() is None, log()
+        assert stack.stop("align", signal.SIGTERM, grace_s=300) == 0, log()
+        assert stack.stop("users") == 0
+        users = stack.users_stats()
+        with open_store(store, **NO_PRUNE) as st:
+            serving, versions = st.serving_version(), st.versions()
+            servers = {r.server for r in st.prompts(limit=100_000)}
+            labeled = st.labeled(limit=100_000)
+        for url in urls[1:]:
+            assert admin_get(url, "/weights/version", stack.admin_token)["version"] == serving
+    finally:
+        stack.stop_all()
+    assert serving == _events(store, "promoted")[-1]["version"] and serving > 0
+    assert [v["version"] for v in versions if v["status"] == "serving"][-1] == serving
+    assert servers == set(urls[1:]) and len(labeled) > 0  # both replicas recorded; users' feedback landed
+    assert users["requests"] > 0 and users["errors"] == 0, users["error_messages"]
