@@ -40,6 +40,14 @@ from server.weight_updates import make_updates
 log = logging.getLogger("dlrl.server")
 
 
+def kv_cache_tokens(backend) -> int:
+    """Tokens the backend's KV cache holds (its pages x tokens per page); else max_batch x max_len."""
+    plan = getattr(backend, "kv_plan", None)
+    if plan is not None:
+        return int(plan.num_pages * plan.page_tokens)
+    return int(getattr(backend, "max_batch", 1) * backend.max_len)
+
+
 def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
 
@@ -73,6 +81,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     if app.state.feedback_token and app.state.feedback_token == app.state.admin_token:
         raise ConfigError("server.feedback_token: must differ from the admin token")
     app.state.recorder = Recorder.from_config(config, engine, app.state.metrics)
+    engine.scheduler.max_queue_tokens = config.max_queue_tokens or 4 * kv_cache_tokens(engine.backend)
     if config.keep_versions > 0:
         app.state.weight_updates = make_updates(engine, config)
     install_error_handlers(app)

@@ -17,6 +17,7 @@ longest token (in characters) cannot fit, so it is a 413 without being tokenised
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -127,14 +128,24 @@ async def prepare(state: Any, prompts: list[str | list[int]], opts: DecodingOpti
             if err.param == "prompt_ids" and field != "prompt_ids":
                 err.param, err.message = field, f"{field}: " + err.message.split(": ", 1)[-1]
             raise err from None
+    deadline = request_deadline(opts, state.config)
+    for seq in seqs:
+        seq.deadline = deadline
     return seqs
+
+
+def request_deadline(opts: DecodingOptions, config: Any) -> float | None:
+    """time.monotonic() by which the request must finish: the client's `timeout`, capped by
+    `server.max_request_s` (0 = no cap); None = no deadline."""
+    limits = [t for t in (getattr(opts, "timeout", None), config.max_request_s) if t]
+    return time.monotonic() + min(limits) if limits else None
 
 
 def submit(engine: Engine, seqs: list[Any], stream: bool = False, num_top_logprobs: int = 0):
     try:
         return engine.submit(seqs, stream=stream, num_top_logprobs=num_top_logprobs)
     except QueueFull as e:
-        raise APIError(429, str(e), None, {"Retry-After": "1"}) from None
+        raise APIError(429, str(e), None, {"Retry-After": str(e.retry_after)}) from None
     except EngineStopped as e:
         raise APIError(503, str(e)) from None
 

@@ -251,7 +251,7 @@ def _redact(url: str) -> str:
         return url
     scheme, rest = url.split("://", 1)
     creds, host = rest.rsplit("@", 1)
-    return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}"
+    return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}" if ":" in creds else url
 
 
 async def record_ids(state: Any, seqs: list[Any], prompts: list[Any] | None = None, n: int = 1) -> list[str | None]:

@@ -147,7 +147,7 @@ def test_two_replicas_and_align_on_one_postgres_store(tiny_model_dir, tmp_path, 
                  "canary_window_s=1", "canary_min_requests=0", "reconcile_every_s=1", "rollback_on_latency_ratio=5",
                  "tolerance=1", "kl_budget=1000", "max_length_ratio=1000", "max_stop_rate_drop=1", "max_empty_frac=1",
                  "max_degenerate_frac=1", "eval_size=16", "kl_prompts=4", "rollback_on_error_rate=1",
-                 "train.prompts_per_step=4", "train.group_size=2"]
+                 "train.prompts_per_step=4", "train.group_size=2", "prompt_source=task"]
     stack = LocalAlign(str(_config(tmp_path)), overrides)
     log = lambda: (stack.logs / "align.log").read_text()[-4000:]  # noqa: E731
     try:
