@@ -148,3 +148,37 @@ def test_sigkill_right_after_answering_loses_no_handed_out_id(tiny_model_dir, tm
         assert statuses == [200] * 64
     finally:
         srv.kill(signal.SIGTERM)
+
+
+@pytest.mark.slow
+def test_postgres_down_mid_run_serving_goes_on_and_queued_records_land(tiny_model_dir, tmp_path, monkeypatch,
+                                                                       postgres):
+    """PostgreSQL stopped under a recording server: requests keep answering (without ids),
+    records stay queued and are written when the database is back; nothing is dropped."""
+    import psycopg
+
+    monkeypatch.setenv("DLRL_FEEDBACK_TOKEN", FEEDBACK)
+    url = postgres.new_database("t_outage")
+    srv = start_server_process(tiny_model_dir, ADMIN, tmp_path, "server.record=all", f"server.store={url}",
+                               "server.store_error_log_s=1", "server.max_batch=8", "server.record_wait_s=1")
+    try:
+        before = _generate(srv.url)
+        assert all(before)
+        postgres.stop()
+        try:
+            during = [_generate(srv.url) for _ in range(3)]
+            assert all(i is None for ids in during for i in ids)  # answered, no id that might not land
+            fb = _feedback(srv.url, before[0])
+            assert fb.status_code == 503 and "unavailable" in fb.json()["error"]["message"]
+            assert _metric(srv.url, "dlrl_store_up") == 0 and _metric(srv.url, "dlrl_record_queue") >= 12
+            assert _metric(srv.url, 'dlrl_store_errors_total{cause="unavailable",op="record"}') >= 1
+        finally:
+            postgres.restart()
+        wait_until(lambda: _metric(srv.url, "dlrl_record_queue") == 0, 60, "queued records written")
+        assert _metric(srv.url, "dlrl_store_up") == 1 and _metric(srv.url, "dlrl_records_dropped_total") == 0
+        assert _feedback(srv.url, before[0]).status_code == 200
+        assert "feedback store recovered" in srv.log_path.read_text()
+    finally:
+        srv.kill(signal.SIGTERM)
+    with psycopg.connect(url) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM dlrl_records").fetchone()[0] == 16
