@@ -34,6 +34,7 @@ from server.generation import PromptEncoder
 from server.metrics import ServerMetrics
 from server.middleware import RequestGuard
 from server.openapi import install_openapi
+from server.quotas import install as install_quotas
 from server.recording import Recorder
 from server.weight_updates import make_updates
 
@@ -85,6 +86,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     if config.keep_versions > 0:
         app.state.weight_updates = make_updates(engine, config)
     install_error_handlers(app)
+    install_quotas(app, config)  # inside RequestGuard: a draining server or a too large body is refused first
     app.add_middleware(RequestGuard, max_body_bytes=config.max_body_bytes)
     app.include_router(routes_generate.router)
     app.include_router(routes_feedback.router)

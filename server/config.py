@@ -41,6 +41,8 @@ class ServerConfig(Config):
     max_batch: int = Field(16, ge=1)   # max concurrently decoded sequences (the KV-cache pages may allow fewer)
     max_queue: int = Field(256, ge=1)  # max waiting sequences before 429
     max_queue_tokens: int = Field(0, ge=0)  # max prompt + max_tokens of waiting sequences (0 = 4x the KV cache)
+    api_keys_file: str = ""  # YAML of API keys with rate limits (server/quotas.py); "" = env DLRL_API_KEYS, else open
+    max_concurrent_feedback: int = Field(0, ge=0)  # POST /v1/feedback calls in flight (0 = unlimited)
     max_request_s: float = Field(0.0, ge=0)  # longest a request may take (0 = no limit; a client `timeout` is capped)
     max_model_len: int = Field(0, ge=0)  # prompt + completion limit; 0 = min(max_position_embeddings, 8192)
     kv_cache_memory: ByteSize = Field(0, ge=0)  # KV-cache budget ("4GiB", "512MB", bytes); 0 = kv_cache_fraction

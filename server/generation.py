@@ -29,6 +29,8 @@ from dllm.tokenizer import encode
 from rollout_client.protocol import DecodingOptions, Sample, TraceModel
 from server.engine import Engine, EngineStopped, QueueFull
 from server.errors import APIError
+from server.quotas import charge_tokens
+from server.scheduler import seq_tokens
 
 
 class PromptEncoder:
@@ -128,6 +130,7 @@ async def prepare(state: Any, prompts: list[str | list[int]], opts: DecodingOpti
             if err.param == "prompt_ids" and field != "prompt_ids":
                 err.param, err.message = field, f"{field}: " + err.message.split(": ", 1)[-1]
             raise err from None
+    charge_tokens(sum(seq_tokens(s) for s in seqs))  # the API key's token rate (server/quotas.py)
     deadline = request_deadline(opts, state.config)
     for seq in seqs:
         seq.deadline = deadline

@@ -135,15 +135,15 @@ def test_align_end_to_end(sft_model, tmp_path, monkeypatch, capsys):
     assert final >= start + 0.15, (start, final)
 
 
-def test_two_replicas_and_align_on_one_postgres_store(tiny_model_dir, tmp_path, postgres):
+def test_two_replicas_and_align_on_one_postgres_store(sft_model, tmp_path, postgres):
     """The fleet's shared store (issue 26), short: two replicas record into one PostgreSQL
     database, users give feedback through either, `dlrl align` trains on it and promotes; the
-    registry names one serving version, the one both replicas serve. (A random tiny model
-    and an open gate: the store is under test here, the gate in the test above.)"""
+    registry names one serving version, the one both replicas serve. (An open gate: the store
+    is under test here, the gate in the test above.)"""
     store = postgres.new_database("align_e2e")
     urls = [f"http://127.0.0.1:{free_port()}" for _ in range(3)]
     overrides = [f"rollout_servers=[{urls[0]}]", f"serving_replicas=[{urls[1]},{urls[2]}]", f"store={store}",
-                 f"output_dir={tmp_path / 'align'}", f"train.model={tiny_model_dir}", "max_steps=0", "promote_every=2",
+                 f"output_dir={tmp_path / 'align'}", f"train.model={sft_model}", "max_steps=0", "promote_every=2",
                  "canary_window_s=1", "canary_min_requests=0", "reconcile_every_s=1", "rollback_on_latency_ratio=5",
                  "tolerance=1", "kl_budget=1000", "max_length_ratio=1000", "max_stop_rate_drop=1", "max_empty_frac=1",
                  "max_degenerate_frac=1", "eval_size=16", "kl_prompts=4", "rollback_on_error_rate=1",
