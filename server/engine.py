@@ -177,7 +177,8 @@ class Engine:
         """Wait for every sequence of `req`; returns them in request order."""
         async for kind, index, payload in self.events(req):
             if kind == "error" and req.expired:
-                raise APIError(503, req.expired, None, {"Retry-After": "1"})
+                raise APIError(req.deadline_status, req.expired, None,
+                               {"Retry-After": "1"} if req.deadline_status == 503 else None)
             if kind == "error":
                 raise RequestFailed(f"sample {index}: {payload}" if len(req.seqs) > 1 else payload)
         return req.seqs

@@ -131,17 +131,22 @@ async def prepare(state: Any, prompts: list[str | list[int]], opts: DecodingOpti
                 err.param, err.message = field, f"{field}: " + err.message.split(": ", 1)[-1]
             raise err from None
     charge_tokens(sum(seq_tokens(s) for s in seqs))  # the API key's token rate (server/quotas.py)
-    deadline = request_deadline(opts, state.config)
+    deadline, status = request_deadline(opts, state.config)
     for seq in seqs:
-        seq.deadline = deadline
+        seq.deadline, seq.deadline_status = deadline, status
     return seqs
 
 
-def request_deadline(opts: DecodingOptions, config: Any) -> float | None:
-    """time.monotonic() by which the request must finish: the client's `timeout`, capped by
-    `server.max_request_s` (0 = no cap); None = no deadline."""
-    limits = [t for t in (getattr(opts, "timeout", None), config.max_request_s) if t]
-    return time.monotonic() + min(limits) if limits else None
+def request_deadline(opts: DecodingOptions, config: Any) -> tuple[float | None, int]:
+    """(time.monotonic() by which the request must finish, the status it gets past it): the
+    client's `timeout` (408: the client's own choice), capped by `server.max_request_s`
+    (503: the server's limit; 0 = none); (None, 0) = no deadline."""
+    mine, cap = getattr(opts, "timeout", None), config.max_request_s
+    if not mine and not cap:
+        return None, 0
+    if mine and (not cap or mine <= cap):
+        return time.monotonic() + mine, 408
+    return time.monotonic() + cap, 503
 
 
 def submit(engine: Engine, seqs: list[Any], stream: bool = False, num_top_logprobs: int = 0):

@@ -20,7 +20,7 @@ from server.openapi import error_responses
 from server.recording import record_ids
 
 router = APIRouter(tags=["generation"])
-ERRORS = error_responses(400, 404, 413, 429, 503)
+ERRORS = error_responses(400, 404, 408, 413, 429, 503)
 SSE_EVENT = {"type": "object", "required": ["data"], "description": "one server-sent event: `data` is a JSON "
              "chunk, or `[DONE]` last", "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
 

@@ -64,6 +64,7 @@ class Request:
         self.index_of = {s.seq_id: i for i, s in enumerate(self.seqs)}
         deadlines = [d for s in self.seqs if (d := getattr(s, "deadline", None)) is not None]
         self.deadline = min(deadlines) if deadlines else None
+        self.deadline_status = max((getattr(s, "deadline_status", 0) for s in self.seqs), default=0) or 503
         self.num_tokens = sum(seq_tokens(s) for s in self.seqs)
 
     @property
