@@ -6,8 +6,8 @@ PostgreSQL store from two replicas -- with feedback on every response where reco
     .venv/bin/python benchmarks/fleet.py --seconds 60 --clients 32 --pg-url postgresql://...
 
 Each setup: start its servers (random tiny SDAR, max_batch 32), run `--clients` closed-loop
-clients for `--seconds` (each: POST /v1/completions with max_tokens 8, then POST
-/v1/feedback on the returned record_id when recording), stop them. Reports requests/s,
+clients for `--seconds` (each: POST /v1/completions with max_tokens 8, and when recording a
+POST /v1/feedback on the returned record_id sent beside its next request), stop them. Reports requests/s,
 p50/p99 generation latency, p50/p99 feedback latency, the servers' mean record write
 (dlrl_record_write_seconds: one batched commit), errors, and throughput relative to
 recording off on the same number of replicas (the goal: recording costs <= 5 %).
@@ -95,8 +95,17 @@ async def load(urls: list[str], clients: int, seconds: float, feedback: bool) ->
     gen_lat, fb_lat, errors = [], [], []
     deadline = time.monotonic() + seconds
 
+    async def give_feedback(http: httpx.AsyncClient, url: str, rid: str, reward: float) -> None:
+        t0 = time.perf_counter()
+        f = await http.post(url + "/v1/feedback", json={"id": rid, "reward": reward},
+                            headers={"Authorization": f"Bearer {FEEDBACK}"})
+        fb_lat.append(time.perf_counter() - t0)
+        if f.status_code != 200:
+            errors.append(f"feedback {f.status_code}")
+
     async def client(i: int) -> None:
         url = urls[i % len(urls)]  # round robin over the replicas, as a load balancer would
+        pending = []  # feedback goes out beside the next request (a user rates while asking again)
         async with httpx.AsyncClient(timeout=60) as http:
             k = 0
             while time.monotonic() < deadline:
@@ -113,12 +122,8 @@ async def load(urls: list[str], clients: int, seconds: float, feedback: bool) ->
                     if rid is None:
                         errors.append("no record_id")
                         continue
-                    t0 = time.perf_counter()
-                    f = await http.post(url + "/v1/feedback", json={"id": rid, "reward": float(k % 2)},
-                                        headers={"Authorization": f"Bearer {FEEDBACK}"})
-                    fb_lat.append(time.perf_counter() - t0)
-                    if f.status_code != 200:
-                        errors.append(f"feedback {f.status_code}")
+                    pending.append(asyncio.ensure_future(give_feedback(http, url, rid, float(k % 2))))
+            await asyncio.gather(*pending)
 
     t0 = time.monotonic()
     await asyncio.gather(*(client(i) for i in range(clients)))
