@@ -141,7 +141,7 @@ class Recorder:
         self._dropped("queue_full" if full else "shutdown", len(records))
         if full:
             self.health.failed("record", OverflowError(f"recording queue full ({self.max_pending} records "
-                                                       "waiting: the store cannot keep up)"))
+                                                       "waiting: the store cannot keep up)"), "queue_full")
         return None
 
     def _dropped(self, reason: str, n: int) -> None:

@@ -6,7 +6,7 @@ with their real cause when they start, periodically while they last, and once wh
     except Exception as e: health.failed("record", e)      # -> cause "disk_full", "unavailable", ...
 
 Metrics (server/metrics.py): `dlrl_store_errors_total{op,cause}` (op: record | feedback;
-cause: store.ERROR_CAUSES), `dlrl_store_up` (0 while failing). A storm of failures writes
+cause: store.ERROR_CAUSES or `queue_full`), `dlrl_store_up` (0 while failing). A storm of failures writes
 one log line per `log_every_s` with a count, never one per failure.
 """
 
@@ -39,9 +39,9 @@ class StoreHealth:
     def failing(self) -> bool:
         return self._since is not None
 
-    def failed(self, op: str, exc: BaseException) -> str:
+    def failed(self, op: str, exc: BaseException, cause: str | None = None) -> str:
         """Count and (rate-limited) log one failed store operation; returns its cause."""
-        cause = error_cause(exc)
+        cause = cause or error_cause(exc)
         if self.metrics is not None:
             self.metrics.store_errors.labels(op=op, cause=cause).inc()
             self.metrics.store_up.set(0)
