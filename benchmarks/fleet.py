@@ -1,13 +1,15 @@
 """The cost of recording (issue 26): sustained load against real `dlrl serve` processes, side by side
 in one run -- recording off, recording `all` into SQLite on one replica, recording `all` into one
-PostgreSQL store from two replicas -- with feedback on every response where recording is on.
+PostgreSQL store from two replicas -- each recording setup without and with feedback on every
+response.
 
     .venv/bin/python benchmarks/fleet.py                        # 20 s per setup, 16 clients, 2 rounds
     .venv/bin/python benchmarks/fleet.py --seconds 60 --clients 32 --pg-url postgresql://...
 
 Each setup: start its servers (random tiny SDAR, max_batch 32), run `--clients` closed-loop
 clients for `--seconds` (each: POST /v1/completions with max_tokens 8, and when recording a
-POST /v1/feedback on the returned record_id sent beside its next request), stop them. Reports requests/s,
+POST /v1/feedback on the returned record_id sent beside its next request in the `+ feedback`
+setups), stop them. Reports requests/s,
 p50/p99 generation latency, p50/p99 feedback latency, the servers' mean record write
 (dlrl_record_write_seconds: one batched commit), errors, and throughput relative to
 recording off on the same number of replicas (the goal: recording costs <= 5 %).
@@ -160,18 +162,20 @@ def main(argv: list[str] | None = None) -> int:
 
         pg = PostgresServer.start()
     pg_url = args.pg_url or pg.new_database("bench")
-    setups = [("1 replica, recording off", 1, None), ("1 replica, SQLite, record all + feedback", 1,
-                                                       str(tmp / "fb.db")),
-              ("2 replicas, recording off", 2, None), ("2 replicas, PostgreSQL, record all + feedback", 2, pg_url)]
+    sqlite = str(tmp / "fb.db")
+    setups = [("1 replica, recording off", 1, None, False), ("1 replica, SQLite, record all", 1, sqlite, False),
+              ("1 replica, SQLite, record all + feedback", 1, sqlite, True),
+              ("2 replicas, recording off", 2, None, False), ("2 replicas, PostgreSQL, record all", 2, pg_url, False),
+              ("2 replicas, PostgreSQL, record all + feedback", 2, pg_url, True)]
     best: dict[str, dict] = {}
     try:
         for _ in range(args.rounds):  # the setups take turns, so a burst of load elsewhere hits all of them
-            for name, n, store in setups:
+            for name, n, store, feedback in setups:
                 servers = start_servers(model, n, store, tmp)
                 urls = [u for u, _ in servers]
                 try:
-                    asyncio.run(load(urls, args.clients, 2.0, store is not None))  # warm-up
-                    res = asyncio.run(load(urls, args.clients, args.seconds, store is not None))
+                    asyncio.run(load(urls, args.clients, 2.0, feedback))  # warm-up
+                    res = asyncio.run(load(urls, args.clients, args.seconds, feedback))
                     res["record_write_ms"] = record_write_ms(urls) if store else float("nan")
                 finally:
                     stop_servers(servers)
@@ -182,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if pg is not None:
             pg.destroy()
-    rows = [best[name] for name, _, _ in setups]
+    rows = [best[name] for name, *_ in setups]
     off = {r["replicas"]: r["req_per_s"] for r in rows if "off" in r["setup"]}
     print(f"\n{args.clients} clients, {args.seconds:.0f} s per setup, best of {args.rounds} rounds, max_tokens 8\n")
     print("| setup | req/s | vs off | p50 ms | p99 ms | feedback p50/p99 ms | record write ms | errors |")
