@@ -112,6 +112,8 @@ class DecodingOptions(_Request):
     stop_token_ids: Annotated[list[int_range(ge=0, lt=1 << 31)], Field(max_length=1024)] | None = None
     ignore_eos: bool | None = False
     return_trace: bool | None = True
+    timeout: float | None = Field(None, gt=0.0, le=86400.0, description="seconds: a request not finished by "
+                                  "then is aborted (503), its cache freed; capped by the server's max_request_s")
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -35,10 +35,19 @@ from server.logs import use_json_logs
 from server.metrics import ServerMetrics
 from server.middleware import RequestGuard, RequestLog
 from server.openapi import install_openapi
+from server.quotas import install as install_quotas
 from server.recording import Recorder
 from server.weight_updates import make_updates
 
 log = logging.getLogger("dlrl.server")
+
+
+def kv_cache_tokens(backend) -> int:
+    """Tokens the backend's KV cache holds (its pages x tokens per page); else max_batch x max_len."""
+    plan = getattr(backend, "kv_plan", None)
+    if plan is not None:
+        return int(plan.num_pages * plan.page_tokens)
+    return int(getattr(backend, "max_batch", 1) * backend.max_len)
 
 
 def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
@@ -74,11 +83,13 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     if app.state.feedback_token and app.state.feedback_token == app.state.admin_token:
         raise ConfigError("server.feedback_token: must differ from the admin token")
     app.state.recorder = Recorder.from_config(config, engine, app.state.metrics)
+    engine.scheduler.max_queue_tokens = config.max_queue_tokens or 4 * kv_cache_tokens(engine.backend)
     if app.state.recorder is not None:
         app.state.metrics.store = app.state.recorder.store  # store size gauges
     app.state.weight_updates = make_updates(engine, config)  # keep_versions=0: nothing kept
     app.state.weight_updates.metrics = app.state.metrics
     install_error_handlers(app)
+    install_quotas(app, config)  # inside RequestGuard: a draining server or a too large body is refused first
     app.add_middleware(RequestGuard, max_body_bytes=config.max_body_bytes)
     app.add_middleware(RequestLog)  # outermost: X-Request-Id, one log event per request, feedback counts
     app.include_router(routes_generate.router)

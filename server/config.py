@@ -42,6 +42,10 @@ class ServerConfig(Config):
     dtype: Dtype = "auto"            # auto = bf16 on CUDA, fp32 on CPU
     max_batch: int = Field(16, ge=1)   # max concurrently decoded sequences (the KV-cache pages may allow fewer)
     max_queue: int = Field(256, ge=1)  # max waiting sequences before 429
+    max_queue_tokens: int = Field(0, ge=0)  # max prompt + max_tokens of waiting sequences (0 = 4x the KV cache)
+    api_keys_file: str = ""  # YAML of API keys with rate limits (server/quotas.py); "" = env DLRL_API_KEYS, else open
+    max_concurrent_feedback: int = Field(0, ge=0)  # POST /v1/feedback calls in flight (0 = unlimited)
+    max_request_s: float = Field(0.0, ge=0)  # longest a request may take (0 = no limit; a client `timeout` is capped)
     max_model_len: int = Field(0, ge=0)  # prompt + completion limit; 0 = min(max_position_embeddings, 8192)
     kv_cache_memory: ByteSize = Field(0, ge=0)  # KV-cache budget ("4GiB", "512MB", bytes); 0 = kv_cache_fraction
     kv_cache_fraction: float = Field(0.8, gt=0, le=1)  # share of free CUDA memory / available RAM after the weights
@@ -73,6 +77,9 @@ class ServerConfig(Config):
     store: str = "runs/feedback.db"  # SQLite feedback store (store.open_store), shared by the servers of a host
     store_max_records: int = Field(100_000, ge=1)  # bound of the store: oldest records go first
     store_max_age_s: float = Field(7 * 86400.0, gt=0)  # records older than this are pruned
+    record_wait_s: float = Field(5.0, gt=0, le=600)  # a response waits this long for its records' commit
+    record_max_pending: int = Field(10_000, ge=1)    # records queued for the store writer; beyond: dropped
+    store_error_log_s: float = Field(30.0, gt=0)     # while the store fails: one log line per this many s
     feedback_token: str = ""         # bearer token of POST /v1/feedback; "" = env DLRL_FEEDBACK_TOKEN, else disabled
     feedback_labels: dict[Label, Reward] = Field(default_factory=lambda: {"accept": 1.0, "reject": 0.0})
 

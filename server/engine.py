@@ -181,6 +181,9 @@ class Engine:
     async def wait(self, req: Request) -> list[Any]:
         """Wait for every sequence of `req`; returns them in request order."""
         async for kind, index, payload in self.events(req):
+            if kind == "error" and req.expired:
+                raise APIError(req.deadline_status, req.expired, None,
+                               {"Retry-After": "1"} if req.deadline_status == 503 else None)
             if kind == "error":
                 raise RequestFailed(f"sample {index}: {payload}" if len(req.seqs) > 1 else payload)
         return req.seqs
@@ -241,6 +244,7 @@ class Engine:
                 self._cond.wait()
             if self._stop:
                 return False
+            self._expire()
             for seq in self.scheduler.take_releases():
                 self.backend.release(seq)
                 self._finish(seq)
@@ -309,6 +313,22 @@ class Engine:
         if num > self._emitted.get(seq.seq_id, 0):
             self._emitted[seq.seq_id] = num
             req.emit(("update", req.index_of[seq.seq_id], (list(seq.completion_ids), seq.text)))
+
+    def _expire(self) -> None:
+        """Abort the requests past their deadline (lock held): waiting sequences are dropped,
+        running ones released (slots and KV pages freed) below; each fails with the reason."""
+        for req in self.scheduler.expired(time.monotonic()):
+            waited = any(s.slot is None for s in req.seqs if not s.is_finished)
+            req.expired = (f"request deadline exceeded after {time.monotonic() - req.arrival:.1f}s (the request's "
+                           f"`timeout`, capped by server.max_request_s) "
+                           + ("waiting for KV cache pages (prompt + max_tokens = "
+                              f"{req.num_tokens} tokens)" if waited else "during generation")
+                           + "; aborted, its cache freed")
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    seq.error = req.expired
+            for seq in self.scheduler.abort(req):
+                self._finish(seq)
 
     def _finish(self, seq: Any) -> None:
         """Hand a finished/aborted sequence back to its request (lock held)."""

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 log = logging.getLogger("dlrl.server")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+          404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error", 413: "request_too_large",
           429: "rate_limit_error", 503: "service_unavailable"}
 _FIELD_PREFIX = re.compile(r"^(?:Value error, )?([A-Za-z_][\w.]*): (.*)$", re.S)
 

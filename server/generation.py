@@ -17,6 +17,7 @@ longest token (in characters) cannot fit, so it is a 413 without being tokenised
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -28,6 +29,8 @@ from dllm.tokenizer import encode
 from rollout_client.protocol import DecodingOptions, Sample, TraceModel
 from server.engine import Engine, EngineStopped, QueueFull
 from server.errors import APIError
+from server.quotas import charge_tokens
+from server.scheduler import seq_tokens
 
 
 class PromptEncoder:
@@ -127,14 +130,30 @@ async def prepare(state: Any, prompts: list[str | list[int]], opts: DecodingOpti
             if err.param == "prompt_ids" and field != "prompt_ids":
                 err.param, err.message = field, f"{field}: " + err.message.split(": ", 1)[-1]
             raise err from None
+    charge_tokens(sum(seq_tokens(s) for s in seqs))  # the API key's token rate (server/quotas.py)
+    deadline, status = request_deadline(opts, state.config)
+    for seq in seqs:
+        seq.deadline, seq.deadline_status = deadline, status
     return seqs
+
+
+def request_deadline(opts: DecodingOptions, config: Any) -> tuple[float | None, int]:
+    """(time.monotonic() by which the request must finish, the status it gets past it): the
+    client's `timeout` (408: the client's own choice), capped by `server.max_request_s`
+    (503: the server's limit; 0 = none); (None, 0) = no deadline."""
+    mine, cap = getattr(opts, "timeout", None), config.max_request_s
+    if not mine and not cap:
+        return None, 0
+    if mine and (not cap or mine <= cap):
+        return time.monotonic() + mine, 408
+    return time.monotonic() + cap, 503
 
 
 def submit(engine: Engine, seqs: list[Any], stream: bool = False, num_top_logprobs: int = 0):
     try:
         return engine.submit(seqs, stream=stream, num_top_logprobs=num_top_logprobs)
     except QueueFull as e:
-        raise APIError(429, str(e), None, {"Retry-After": "1"}) from None
+        raise APIError(429, str(e), None, {"Retry-After": str(e.retry_after)}) from None
     except EngineStopped as e:
         raise APIError(503, str(e)) from None
 

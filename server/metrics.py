@@ -20,9 +20,11 @@ version}, dlrl_served_version, dlrl_weight_updates_total{outcome}, dlrl_weight_u
 dlrl_weight_update_{verify,drain,apply}_seconds, dlrl_weight_update_aborts_total,
 dlrl_weight_update_refusals_total{step}, dlrl_rollbacks_total. Feedback:
 dlrl_feedback_received_total, dlrl_feedback_rejected_total{status}, dlrl_feedback_total (stored),
-dlrl_records_total, dlrl_store_errors_total, dlrl_store_records / dlrl_store_feedback /
-dlrl_store_bytes (store size). Older names kept: dlrl_queue_depth, dlrl_running_sequences,
-dlrl_policy_version, dlrl_paused, dlrl_aborted_sequences, dlrl_max_batch_size.
+dlrl_records_total, dlrl_store_records / dlrl_store_feedback / dlrl_store_bytes (store size).
+The store: dlrl_store_errors_total{op,cause} (failed store operations), dlrl_store_up,
+dlrl_records_dropped_total{reason} (never written), dlrl_record_ids_withheld_total{reason}
+(answered without an id), dlrl_record_write_seconds, dlrl_record_queue (records waiting for the
+writer). Older names kept: dlrl_queue_depth, dlrl_running_sequences, dlrl_policy_version, dlrl_paused, dlrl_aborted_sequences, dlrl_max_batch_size.
 """
 
 from __future__ import annotations
@@ -126,8 +128,16 @@ class ServerMetrics:
         self.feedback_rejected = Counter("dlrl_feedback_rejected", "POST /v1/feedback answered 4xx/5xx",
                                          ["status"], registry=r)
         self.rollbacks = Counter("dlrl_rollbacks", "rollbacks to a kept weight version", registry=r)
-        self.store_errors = Counter("dlrl_store_errors", "feedback store failures (record dropped or not "
-                                    "written, feedback not stored)", registry=r)
+        # feedback store (server/recording.py, server/store_health.py)
+        self.store_errors = Counter("dlrl_store_errors", "failed feedback store operations by cause",
+                                    ["op", "cause"], registry=r)
+        self.store_up = Gauge("dlrl_store_up", "0 while the feedback store is failing", registry=r)
+        self.records_dropped = Counter("dlrl_records_dropped", "recorded samples never written to the store",
+                                       ["reason"], registry=r)
+        self.record_ids_withheld = Counter("dlrl_record_ids_withheld", "samples answered without a record_id "
+                                           "because their record was not yet written", ["reason"], registry=r)
+        self.record_write_seconds = Histogram("dlrl_record_write_seconds", "one batched record write",
+                                              buckets=(0.001, 0.0025, 0.005, *_LATENCY_BUCKETS), registry=r)
         self.updates = Counter("dlrl_weight_updates", "weight updates committed", ["outcome"], registry=r)
         self.update_bytes = Counter("dlrl_weight_update_bytes", "bytes of the applied weight updates", registry=r)
         self.update_seconds = {phase: Histogram(f"dlrl_weight_update_{phase}_seconds", f"weight update {phase} "
@@ -146,6 +156,9 @@ class ServerMetrics:
         r.register(_Dynamic(self))
         if engine is not None:
             self.bind_engine(engine)
+
+    def register_record_queue(self, depth: Any) -> None:
+        Gauge("dlrl_record_queue", "records waiting for the store writer", registry=self.registry).set_function(depth)
 
     def bind_engine(self, engine: Any) -> None:
         r = self.registry

@@ -134,7 +134,7 @@ async def completions(body: P.CompletionRequest, request: Request):
     seqs = await run_to_completion(st.engine, request, seqs, num_top_logprobs=k or 0)
     all_logprobs = await st.prompts.run(lambda: [logprobs(s) for s in seqs])
     choices = []
-    for i, (s, record_id) in enumerate(zip(seqs, record_ids(st, seqs, prompts, body.n))):
+    for i, (s, record_id) in enumerate(zip(seqs, await record_ids(st, seqs, prompts, body.n))):
         prefix = prefixes[i // body.n] if prefixes else ""
         choices.append(P.CompletionChoice(index=i, text=prefix + s.text, finish_reason=s.finish_reason,
                                           logprobs=all_logprobs[i], record_id=record_id, **_extras(s, body)))
@@ -165,9 +165,10 @@ async def chat(body: P.ChatCompletionRequest, request: Request):
                        None, logprobs, k or 0)
     seqs = await run_to_completion(st.engine, request, seqs, num_top_logprobs=k or 0)
     all_logprobs = await st.prompts.run(lambda: [logprobs(s) for s in seqs])
+    ids = await record_ids(st, seqs, n=body.n)
     choices = [P.ChatChoice(index=i, message=P.ChatResponseMessage(content=s.text), finish_reason=s.finish_reason,
                             logprobs=all_logprobs[i], record_id=record_id, **_extras(s, body))
-               for i, (s, record_id) in enumerate(zip(seqs, record_ids(st, seqs, n=body.n)))]
+               for i, (s, record_id) in enumerate(zip(seqs, ids))]
     usage = _usage(seqs, body.n)
     st.metrics.observe_request("/v1/chat/completions", 200, time.perf_counter() - t0, usage.prompt_tokens)
     return P.ChatCompletionResponse(id=P.new_id("chatcmpl"), model=st.engine.model_name, choices=choices,
@@ -203,7 +204,7 @@ def _stream(request: Request, endpoint: str, body: P._OpenAIBase, seqs: list[Any
                     if done and body.return_trace:
                         out.choices[0] = out.choices[0].model_copy(update=_extras(seqs[i], body))
                     if done:
-                        out.choices[0].record_id = record_one(st, seqs[i], prompts[i // body.n] if prompts else None)
+                        out.choices[0].record_id = await record_one(st, seqs[i], prompts[i // body.n] if prompts else None)
                     yield _sse(out)
         except RuntimeError as e:
             yield _sse(error_body(500, str(e)))

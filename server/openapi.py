@@ -35,11 +35,12 @@ DESCRIPTIONS = {
     401: "Missing or malformed bearer token",
     403: "Wrong admin token, or admin endpoints disabled (no token configured)",
     404: "Not found (e.g. a model that is not served here)",
+    408: "The request's own `timeout` passed before it finished: aborted, its cache freed",
     409: "Conflict (weight update version or state)",
     413: "Does not fit this server: body over server.max_body_bytes, prompt or prompt + max_tokens over "
          "max_model_len, or prompts x n over max_queue",
-    429: "Queue full; retry after the Retry-After header",
-    503: "Not ready, stopped, or shutting down (draining)",
+    429: "Queue full (sequences or tokens) or an API key over its quota; retry after the Retry-After header",
+    503: "Not ready, stopped, or shutting down (draining), or past server.max_request_s (aborted)",
 }
 
 

@@ -24,7 +24,7 @@ from server.auth import check_bearer
 from server.config import FEEDBACK_ENV_VAR
 from server.errors import APIError
 from server.openapi import error_responses
-from store import FeedbackConflict
+from store import FeedbackConflict, error_cause
 
 log = logging.getLogger("dlrl.server")
 
@@ -64,9 +64,8 @@ async def feedback(body: FeedbackRequest, request: Request) -> FeedbackResponse:
         raise APIError(404, f"id: no recorded sample {body.id!r} (never recorded, or pruned)", "id") from None
     except FeedbackConflict as e:
         raise APIError(409, f"reward: {e}", "reward") from None
-    except Exception as e:  # the store itself failed (disk, lock timeout): not the client's fault
-        recorder.report_error(f"feedback store failed: {type(e).__name__}: {e}")
-        raise APIError(503, "feedback store unavailable; retry later") from None
+    except Exception as e:  # the store itself failed (disk, database down): counted and logged by the recorder
+        raise APIError(503, f"feedback store unavailable ({error_cause(e)}); retry later") from None
     if is_new:
         st.metrics.feedback.inc()
     return FeedbackResponse(id=body.id, reward=reward, duplicate=not is_new)

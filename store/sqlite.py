@@ -97,8 +97,7 @@ class SQLiteStore(FeedbackStore):
             try:
                 self._db.executescript("BEGIN IMMEDIATE;" + _SCHEMA + "COMMIT;")
             except BaseException:
-                if self._db.in_transaction:
-                    self._db.execute("ROLLBACK")
+                self._rollback()
                 raise
         self.prune()
 
@@ -139,12 +138,22 @@ class SQLiteStore(FeedbackStore):
                     try:
                         db.execute("COMMIT")
                     except BaseException:
-                        db.execute("ROLLBACK")
+                        self.store._rollback()
                         raise
                 else:
-                    db.execute("ROLLBACK")
+                    self.store._rollback()
             finally:
                 self.store._lock.release()
+
+    def _rollback(self) -> None:
+        """Roll back the open transaction, if SQLite has not already (it does so itself on a
+        full disk, an I/O error or out of memory): the caller's exception, the real cause, is
+        what propagates, never a "cannot rollback - no transaction is active" in its place."""
+        if self._db.in_transaction:
+            try:
+                self._db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass  # the connection is unusable; the caller's error says why
 
     def _write(self) -> SQLiteStore._Txn:
         return SQLiteStore._Txn(self)
@@ -159,9 +168,14 @@ class SQLiteStore(FeedbackStore):
 
     # -- records and feedback ---------------------------------------------------------------
     def add_record(self, record: Record) -> None:
+        self.add_records([record])
+
+    def add_records(self, records: list[Record]) -> None:
+        rows = [_record_row(r) for r in records]
+        if not rows:
+            return
         with self._write() as db:
-            db.execute(f"INSERT OR IGNORE INTO records ({_RECORD_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                       _record_row(record))
+            db.executemany(f"INSERT OR IGNORE INTO records ({_RECORD_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows)
             excess = db.execute("SELECT n FROM counts WHERE name = 'records'").fetchone()[0] - self.max_records
             if excess > 0:
                 db.execute("DELETE FROM records WHERE rowid IN "
@@ -279,6 +293,15 @@ class SQLiteStore(FeedbackStore):
 
 
 def open_store(path: str | os.PathLike, *, max_records: int = 100_000, max_age_s: float = 7 * 86400.0,
-               **options) -> SQLiteStore:
-    """Open (creating if needed) the SQLite feedback store at `path`."""
+               **options) -> FeedbackStore:
+    """Open (creating or upgrading if needed) the feedback store at `path`: a
+    `postgresql://` (or `postgres://`) URL opens store.postgres.PostgresStore (needs the
+    `postgres` extra), anything else is the path of an SQLite file."""
+    if str(path).startswith(("postgresql://", "postgres://")):
+        try:
+            from store.postgres import PostgresStore
+        except ImportError as e:
+            raise ImportError(f"a postgresql:// store needs psycopg 3 and psycopg_pool: pip install -e "
+                              f"'.[postgres]' ({e})") from None
+        return PostgresStore(str(path), max_records=max_records, max_age_s=max_age_s, **options)
     return SQLiteStore(path, max_records=max_records, max_age_s=max_age_s, **options)

@@ -28,6 +28,31 @@ def new_record_id() -> str:
     return f"rec-{uuid.uuid4().hex[:24]}"
 
 
+ERROR_CAUSES = ("disk_full", "io_error", "unavailable", "locked", "error")
+
+
+def error_cause(exc: BaseException) -> str:
+    """A store failure's cause as a short label (metrics, logs): `disk_full` (SQLite "database
+    or disk is full", ENOSPC, PostgreSQL class 53), `io_error` (SQLite "disk I/O error", EIO,
+    EFBIG: a file-size limit), `unavailable` (cannot reach or open the database), `locked`
+    (busy/lock timeout), else `error`."""
+    import errno
+
+    text = str(exc).lower()
+    sqlstate = getattr(exc, "sqlstate", None) or ""
+    if (getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "disk is full" in text
+            or "no space left" in text or sqlstate.startswith("53")):
+        return "disk_full"
+    if getattr(exc, "errno", None) in (errno.EIO, errno.EFBIG) or "disk i/o error" in text or sqlstate == "58030":
+        return "io_error"
+    if "locked" in text or "busy" in text or sqlstate in ("55P03", "40P01"):
+        return "locked"
+    if (sqlstate.startswith(("08", "57P")) or "unable to open" in text or "connection" in text
+            or type(exc).__name__ == "PoolTimeout"):
+        return "unavailable"
+    return "error"
+
+
 class FeedbackConflict(ValueError):
     """Feedback with a different reward for a record that already has feedback (HTTP 409)."""
 
@@ -74,6 +99,12 @@ class FeedbackStore(abc.ABC):
     @abc.abstractmethod
     def add_record(self, record: Record) -> None:
         """Store a served sample; idempotent on `record.id` (a second add is ignored)."""
+
+    def add_records(self, records: list[Record]) -> None:
+        """Store several records in one transaction where the implementation can (the
+        recorder's batched writes); all or none. Default: one add_record each."""
+        for record in records:
+            self.add_record(record)
 
     @abc.abstractmethod
     def add_feedback(self, record_id: str, reward: float, label: str | None = None) -> bool:

@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny random SDAR model + char tokenizer, and real uvicorn servers on loopback.
+"""Shared fixtures: a tiny random SDAR model + char tokenizer, real uvicorn servers on loopback,
+a real PostgreSQL server (`postgres`) and `store_location` (each store backend in turn).
 
     def test_x(server):            # the main server: max_batch=8, admin token "secret"
         httpx.post(server.url + "/generate", json={"prompt": "1+2=", "max_tokens": 8})
@@ -215,3 +216,23 @@ def make_server_for():
     yield make
     for srv in started:
         srv.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL server for the session (tests/postgres.py), started on first use."""
+    from tests.postgres import PostgresServer
+
+    pg = PostgresServer.start()
+    yield pg
+    pg.destroy()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store_location(request, tmp_path):
+    """Where a parametrised store test opens its store: an SQLite file, or a fresh database on
+    the session's PostgreSQL server (the same suite runs on both backends)."""
+    if request.param == "sqlite":
+        return str(tmp_path / "fb.db")
+    pg = request.getfixturevalue("postgres")
+    return pg.new_database(f"t{abs(hash(request.node.nodeid)) % 10**12}")

@@ -135,3 +135,47 @@ def test_align_end_to_end(sft_model, tmp_path, monkeypatch, capsys):
     assert any(e["kind"] == "rollback" and e["detail"]["kind"] == "manual" for e in events)
     start, final = versions[min(versions)]["eval"]["accuracy"], versions[serving]["eval"]["accuracy"]
     assert final >= start + 0.15, (start, final)
+
+
+def test_two_replicas_and_align_on_one_postgres_store(tiny_model_dir, tmp_path, postgres):
+    """The fleet's shared store (issue 26), short: two replicas record into one PostgreSQL
+    database, users give feedback through either, `dlrl align` registers the serving version
+    there and reads the users' feedback from it while it trains; SIGTERM exits 0. (A random
+    tiny model: nothing to promote; promotion on the store's registry is covered by
+    tests/test_store.py on both backends and by the SQLite end-to-end run above.)"""
+    store, metrics_port = postgres.new_database("align_e2e"), free_port()
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(3)]
+    overrides = [f"rollout_servers=[{urls[0]}]", f"serving_replicas=[{urls[1]},{urls[2]}]", f"store={store}",
+                 f"output_dir={tmp_path / 'align'}", f"train.model={tiny_model_dir}", "max_steps=0",
+                 f"metrics_port={metrics_port}", "prompt_source=task", "train.prompts_per_step=4",
+                 "train.group_size=2", "reconcile_every_s=1"]
+    stack = LocalAlign(str(_config(tmp_path)), overrides)
+    log = lambda: (stack.logs / "align.log").read_text()[-4000:]  # noqa: E731
+
+    def received() -> float:
+        try:
+            text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+        except httpx.HTTPError:
+            return 0.0
+        return sum(float(line.split()[1]) for line in text.splitlines()
+                   if line.startswith('dlrl_align_feedback_records_total{outcome="received"}'))
+
+    try:
+        stack.start_servers()
+        stack.start_users()
+        align = stack.start_align()
+        wait_until(lambda: received() >= 20 or align.poll() is not None, 900, "feedback read from the store")
+        assert align.poll() is None, log()
+        assert stack.stop("align", signal.SIGTERM, grace_s=300) == 0, log()
+        assert stack.stop("users") == 0
+        users = stack.users_stats()
+        with open_store(store, **NO_PRUNE) as st:
+            serving, labeled = st.serving_version(), st.labeled(limit=100_000)
+            servers = {r.server for r in st.prompts(limit=100_000)}
+        for url in urls[1:]:
+            assert admin_get(url, "/weights/version", stack.admin_token)["version"] == serving
+    finally:
+        stack.stop_all()
+    assert serving == 0  # registered by the controller in the shared registry
+    assert servers == set(urls[1:]) and len(labeled) >= 20  # both replicas recorded; users' feedback landed
+    assert users["requests"] > 0 and users["errors"] == 0 and users["feedback_errors"] == 0, users

@@ -28,6 +28,7 @@ COMPOSE = ROOT / "deploy" / "compose" / "compose.yaml"
 def compose() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DLRL_")}
     env["DLRL_ADMIN_TOKEN"] = "sample-token"  # the secret's source (README: exported before `up`)
+    env["DLRL_DB_PASSWORD"] = "sample-password"  # the feedback store's password, exported the same way
     done = subprocess.run([str(Path(sys.executable).with_name("docker-compose")), "-f", str(COMPOSE), "config",
                            "--format", "json"], capture_output=True, text=True, env=env, cwd=COMPOSE.parent)
     assert done.returncode == 0, done.stderr
@@ -133,3 +134,20 @@ def test_runs_on_a_volume_and_tensorboard_reads_them(compose, checked):
     logdir = tensorboard["command"][tensorboard["command"].index("--logdir") + 1]
     assert output_dir.startswith(logdir + "/")
     assert any(v["source"] == runs["source"] and v["target"] == logdir for v in tensorboard["volumes"])
+
+
+def test_servers_record_into_the_db_service_once_it_is_healthy(compose, checked):
+    from urllib.parse import urlsplit
+
+    db = compose["services"]["db"]
+    for name in by_command(checked, "serve"):
+        config = checked[name]["ServerConfig"]
+        url = urlsplit(config["store"])
+        assert config["record"] != "none" and url.scheme == "postgresql" and url.hostname == "db"
+        assert url.password is None  # not in the config file: libpq reads PGPASSWORD
+        svc = compose["services"][name]
+        assert svc["depends_on"]["db"]["condition"] == "service_healthy"
+        assert svc["environment"]["PGPASSWORD"] == db["environment"]["POSTGRES_PASSWORD"] == "sample-password"
+        assert db["environment"]["POSTGRES_USER"] == url.username and db["environment"]["POSTGRES_DB"] == url.path[1:]
+    assert "pg_isready" in db["healthcheck"]["test"]
+    assert any(v["target"] == "/var/lib/postgresql/data" and v["type"] == "volume" for v in db["volumes"])

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -135,6 +136,28 @@ def assert_token_mounted(pod: dict, container: dict, token_file: str) -> None:
     secret = volumes[mount["name"]]["secret"]
     assert secret["secretName"] == SECRET and mount["readOnly"]
     assert {"key": "token", "path": posixpath.basename(token_file)} in secret["items"]
+
+
+def test_servers_record_into_the_postgres_statefulset_with_the_password_from_a_secret(k8s):
+    _, c, [serve] = k8s.checked("StatefulSet", "dlrl-server", "server")
+    config = serve["ServerConfig"]
+    assert config["record"] != "none" and config["store"].startswith("postgresql://")
+    url = urlsplit(config["store"])
+    assert url.password is None  # never in the ConfigMap: libpq reads PGPASSWORD
+    env = {e["name"]: e for e in c["env"]}
+    assert env["PGPASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "dlrl-store", "key": "password"}
+    db = k8s.get("StatefulSet", "dlrl-db")
+    pod_name, service = url.hostname.split(".")[:2]
+    assert pod_name == "dlrl-db-0" and db["spec"]["serviceName"] == service == "dlrl-db"
+    svc = k8s.get("Service", service)
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["ports"][0]["port"] == url.port
+    pg = db["spec"]["template"]["spec"]["containers"][0]
+    pg_env = {e["name"]: e for e in pg["env"]}
+    assert pg_env["POSTGRES_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "dlrl-store", "key": "password"}
+    assert pg_env["POSTGRES_USER"]["value"] == url.username and pg_env["POSTGRES_DB"]["value"] == url.path[1:]
+    assert pg["readinessProbe"]["exec"]["command"][0] == "pg_isready"
+    claim = db["spec"]["volumeClaimTemplates"][0]
+    assert any(m["name"] == claim["metadata"]["name"] for m in pg["volumeMounts"])  # data on a volume
 
 
 def test_trainer_is_an_indexed_job_of_torchrun_ranks(k8s):

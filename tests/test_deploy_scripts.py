@@ -69,9 +69,14 @@ def test_sbatch_directives():
 
 def test_local_dlrl_lines_pass_the_cli_check():
     runtime = {"port": "8000", "TOKEN_FILE": "/tmp/admin_token", "MASTER_PORT": "29500",
-               "SERVER_URLS": "[http://127.0.0.1:8000,http://127.0.0.1:8001]", "@": EXTRA}
+               "SERVER_URLS": "[http://127.0.0.1:8000,http://127.0.0.1:8001]", "@": EXTRA, "record": []}
     found = check_all(LOCAL, runtime)
     assert sorted(found) == ["serve", "train"]
+    assert found["serve"]["ServerConfig"]["record"] == "none"
+    store = "postgresql://dlrl@127.0.0.1:5432/dlrl"  # --store URL: the servers record into that store
+    runtime["record"] = ["server.record=sample", f"server.store={store}"]
+    config = check_all(LOCAL, runtime)["serve"]["ServerConfig"]
+    assert (config["record"], config["store"]) == ("sample", store)
     assert found["train"]["TrainConfig"]["sync_transport"] == "shm"
     assert "torchrun" in found["train"]["launcher"]
 

@@ -144,7 +144,7 @@ def test_queue_full_is_429(limits_server):
             waiting = asyncio.create_task(c.post(url + "/generate", json=LONG))
             await until(lambda: engine.num_waiting == 1)
             r = await c.post(url + "/generate", json={"prompt": "1", "max_tokens": 4})
-            assert r.status_code == 429 and r.headers["retry-after"] == "1"
+            assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1  # estimated: test_server_backpressure
             assert r.json()["error"]["type"] == "rate_limit_error"
             r = await c.post(url + "/v1/completions", json={"prompt": "1", "max_tokens": 4, "stream": True})
             assert r.status_code == 429

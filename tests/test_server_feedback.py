@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sqlite3
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -103,7 +104,8 @@ def test_feedback_idempotent_conflict_unknown_and_labels(rec_server):
     assert got[ids[0]] == (0.5, None) and got[ids[1]] == (0.25, "meh") and ids[2] not in got
     metrics = httpx.get(url + "/metrics").text
     assert "dlrl_feedback_total" in metrics and "dlrl_records_total" in metrics
-    assert "dlrl_served_version 0.0" in metrics and "dlrl_store_errors_total 0.0" in metrics
+    assert "dlrl_served_version 0.0" in metrics and "dlrl_store_up 1.0" in metrics
+    assert "dlrl_store_errors_total{" not in metrics and "dlrl_records_dropped_total{" not in metrics
 
 
 def test_feedback_token_boundary(rec_server, server):
@@ -146,21 +148,46 @@ def test_alignment_keys_refused_with_the_key_named(override, named):
         load_server_config(None, [override, "server.admin_token=admin-tok"])
 
 
+def _metric(url: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(url + "/metrics").text.splitlines()
+               if line.startswith(name))
+
+
 def test_store_failure_never_fails_a_request(rec_server):
-    recorder = rec_server.app.state.recorder
-    real = recorder.store.add_record
+    """A failing store: requests answer at once without ids; a transient cause (full disk) keeps
+    the records queued and writes them when the store returns, any other cause drops them."""
+    url, recorder = rec_server.url, rec_server.app.state.recorder
+    real = recorder.store.add_records
+    written_before = _metric(url, "dlrl_records_total")
 
-    def broken(record):
-        raise OSError("disk full (injected)")
+    def full(records):
+        raise sqlite3.OperationalError("database or disk is full")
 
-    recorder.store.add_record = broken
+    recorder.store.add_records = full
     try:
-        r = httpx.post(rec_server.url + "/generate", json={"prompt": "1+1=", "n": 3, "max_tokens": 2}, timeout=60)
-        assert r.status_code == 200
-        wait_until(lambda: "dlrl_store_errors_total 3.0" in httpx.get(rec_server.url + "/metrics").text, 10,
-                   "store errors counted")
+        for _ in range(2):
+            r = httpx.post(url + "/generate", json={"prompt": "1+1=", "n": 3, "max_tokens": 2}, timeout=60)
+            assert r.status_code == 200 and [s["record_id"] for s in r.json()["samples"]] == [None] * 3
+        assert _metric(url, 'dlrl_store_errors_total{cause="disk_full",op="record"}') >= 1
+        assert _metric(url, "dlrl_store_up") == 0 and _metric(url, "dlrl_record_queue") == 6
+        assert _metric(url, "dlrl_record_ids_withheld_total") == 6
     finally:
-        recorder.store.add_record = real
+        recorder.store.add_records = real
+    recorder.flush()
+    assert _metric(url, "dlrl_records_total") == written_before + 6 and _metric(url, "dlrl_store_up") == 1
+
+    def broken(records):
+        raise TypeError("cannot store this (injected)")
+
+    recorder.store.add_records = broken
+    try:
+        r = httpx.post(url + "/generate", json={"prompt": "1+1=", "n": 3, "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 and [s["record_id"] for s in r.json()["samples"]] == [None] * 3
+        wait_until(lambda: _metric(url, 'dlrl_records_dropped_total{reason="error"}') == 3, 10, "drops counted")
+    finally:
+        recorder.store.add_records = real
+    ok = httpx.post(url + "/generate", json={"prompt": "1+1=", "max_tokens": 2}, timeout=60).json()
+    assert ok["samples"][0]["record_id"] and _metric(url, "dlrl_record_queue") == 0
 
 
 def test_sampled_fraction_and_bound_under_load(make_server, tmp_path):

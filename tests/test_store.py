@@ -1,5 +1,6 @@
-"""store.SQLiteStore: records, idempotent feedback, conflicts, bounds, registry, events, and
-several real processes writing to one file at once."""
+"""The feedback store on both backends (one suite, `store_location`: an SQLite file and a real
+PostgreSQL server): records, idempotent feedback, conflicts, bounds, registry, events, and
+several real processes writing to one store at once."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -25,8 +27,8 @@ def _record(version: int = 1, created: float | None = None, rid: str | None = No
                   sampling={"temperature": 1.0, "top_k": 0, "top_p": 1.0, "strategy": "dynamic"})
 
 
-def test_records_round_trip_and_survive_reopen(tmp_path):
-    path = tmp_path / "fb.db"
+def test_records_round_trip_and_survive_reopen(store_location):
+    path = store_location
     rec = _record()
     with open_store(path) as st:
         st.add_record(rec)
@@ -41,8 +43,8 @@ def test_records_round_trip_and_survive_reopen(tmp_path):
         assert st.get_record("rec-missing") is None
 
 
-def test_feedback_duplicate_conflict_unknown(tmp_path):
-    with open_store(tmp_path / "fb.db") as st:
+def test_feedback_duplicate_conflict_unknown(store_location):
+    with open_store(store_location) as st:
         rec = _record()
         st.add_record(rec)
         assert st.add_feedback(rec.id, 1.0) is True
@@ -60,8 +62,8 @@ def test_feedback_duplicate_conflict_unknown(tmp_path):
         assert st.stats()["num_feedback"] == 1
 
 
-def test_labeled_cursor_and_min_version(tmp_path):
-    with open_store(tmp_path / "fb.db") as st:
+def test_labeled_cursor_and_min_version(store_location):
+    with open_store(store_location) as st:
         recs = [_record(version=v) for v in (1, 2, 3, 4)]
         for r in recs:
             st.add_record(r)
@@ -73,8 +75,8 @@ def test_labeled_cursor_and_min_version(tmp_path):
         assert [lab.record.version for lab in st.labeled(min_version=3)] == [4, 3]
 
 
-def test_bounds_by_count_and_age(tmp_path):
-    with open_store(tmp_path / "fb.db", max_records=10, max_age_s=100.0) as st:
+def test_bounds_by_count_and_age(store_location, tmp_path):
+    with open_store(store_location, max_records=10, max_age_s=100.0) as st:
         now = time.time()
         old = [_record(created=now - 1000 + i) for i in range(3)]
         for r in old:
@@ -91,8 +93,8 @@ def test_bounds_by_count_and_age(tmp_path):
         open_store(tmp_path / "x.db", max_records=0)
 
 
-def test_version_registry_and_events(tmp_path):
-    with open_store(tmp_path / "fb.db") as st:
+def test_version_registry_and_events(store_location):
+    with open_store(store_location) as st:
         assert st.serving_version() is None
         st.register_version(1, None, 0, "run-a", {"on_policy": 0})
         st.register_version(2, 1, 5, "run-a", {"on_policy": 40, "feedback": 8})
@@ -143,8 +145,8 @@ print("ok", name)
 
 
 @pytest.mark.parametrize("max_records", [100_000, 50])
-def test_several_processes_write_at_once(tmp_path, max_records):
-    path = tmp_path / "fb.db"
+def test_several_processes_write_at_once(store_location, max_records):
+    path = store_location
     script = _WRITER.format(root=str(ROOT))
     procs = [subprocess.Popen([sys.executable, "-c", script, str(path), f"p{k}", "150", str(max_records)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k in range(4)]
@@ -160,8 +162,44 @@ def test_several_processes_write_at_once(tmp_path, max_records):
             assert sorted(lab.seq for lab in st.labeled(limit=10_000)) == list(range(1, 601))
         else:
             assert stats["num_records"] <= max_records
+    json.dumps(stats)  # stats are plain JSON
+    if not path.endswith(".db"):
+        return
     mode = subprocess.run([sys.executable, "-c", "import sqlite3,sys; print(sqlite3.connect(sys.argv[1])"
                            ".execute('PRAGMA journal_mode').fetchone()[0])", str(path)],
                           capture_output=True, text=True, check=True).stdout.strip()
     assert mode == "wal"
-    json.dumps(stats)  # stats are plain JSON
+
+
+def test_postgres_migrations_restart_and_registry_after_reopen(postgres):
+    """PostgreSQL only: the schema version table, a newer schema refused, servers opening at
+    once, a database restart under an open store, and the promotion a restarted controller reads."""
+    import psycopg
+
+    url = postgres.new_database("t_migrations")
+    with ThreadPoolExecutor(4) as pool:  # four servers starting at once migrate once
+        stores = list(pool.map(lambda _: open_store(url), range(4)))
+    assert [s.schema_version() for s in stores] == [1] * 4
+    for s in stores[1:]:
+        s.close()
+    st = stores[0]
+    st.register_version(1, None, 0, "run", {})
+    st.register_version(2, 1, 3, "run", {})
+    st.update_version(1, status="serving")
+    postgres.stop()           # the database restarts under an open store: the pool reconnects
+    postgres.restart()
+    rec = _record()
+    for _ in range(50):
+        try:
+            st.add_record(rec)
+            break
+        except psycopg.OperationalError:
+            time.sleep(0.1)
+    st.update_version(2, status="serving")   # a promotion, then the controller "restarts"
+    st.close()
+    with open_store(url) as again:
+        assert again.serving_version() == 2 and again.get_record(rec.id) == rec
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("INSERT INTO dlrl_schema_version VALUES (99, 0)")
+    with pytest.raises(RuntimeError, match="schema version 99 is newer"):
+        open_store(url)

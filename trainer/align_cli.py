@@ -154,7 +154,7 @@ def versions_main(argv: list[str]) -> int:
     path = args.store or cfg.store
     import os
 
-    if not os.path.isfile(path):
+    if "://" not in path and not os.path.isfile(path):  # a postgresql:// URL is checked by open_store
         ap.error(f"--store: no feedback store at {path!r}")
     from store import open_store
 

@@ -8,8 +8,10 @@
 #
 # Options: --model DIR ("" = the embedded tiny default), --steps N, --out DIR (runs/local), --port P
 # (servers on P, P+1, ...; 8000), --servers N (2), --ranks N (2), --transport shm|dist|http (shm),
-# --device auto|cpu|cuda (auto), --config FILE (configs/tiny.yaml). Arguments after `--` are more
-# trainer keys. The script ends with $OUT/servers.json: each server's weight version and checksum.
+# --device auto|cpu|cuda (auto), --config FILE (configs/tiny.yaml), --store URL (the servers record a
+# sample of what they serve into this feedback store, e.g. postgresql://dlrl@127.0.0.1:5432/dlrl
+# with PGPASSWORD set: the compose/Kubernetes topology; default: no recording). Arguments after `--`
+# are more trainer keys. The script ends with $OUT/servers.json: each server's weight version and checksum.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 if [[ -x .venv/bin/dlrl ]]; then PATH="$PWD/.venv/bin:$PATH"; fi
@@ -23,6 +25,7 @@ NUM_SERVERS=2
 NUM_RANKS=2
 TRANSPORT=shm
 DEVICE=auto
+STORE=""
 while (( $# )); do
   case $1 in
     --config) CONFIG=$2; shift 2 ;;
@@ -34,8 +37,9 @@ while (( $# )); do
     --ranks) NUM_RANKS=$2; shift 2 ;;
     --transport) TRANSPORT=$2; shift 2 ;;
     --device) DEVICE=$2; shift 2 ;;
+    --store) STORE=$2; shift 2 ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) echo "run.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -59,10 +63,12 @@ stop_servers() {  # SIGTERM: each server drains and exits 0
 trap 'stop_servers || true' EXIT
 trap 'exit 143' TERM INT
 
+record=()
+if [[ -n $STORE ]]; then record=(server.record=sample server.store="$STORE"); fi
 for ((i = 0; i < NUM_SERVERS; i++)); do
   port=$((PORT + i))
   dlrl serve --config "$CONFIG" --host 127.0.0.1 --port "$port" \
-    server.model="$MODEL" server.device="$DEVICE" server.admin_token_file="$TOKEN_FILE" \
+    server.model="$MODEL" server.device="$DEVICE" server.admin_token_file="$TOKEN_FILE" "${record[@]}" \
     > "$OUT/server-$port.log" 2>&1 &
   pids+=("$!")
   urls+=("http://127.0.0.1:$port")

@@ -1,0 +1,202 @@
+"""The cost of recording (issue 26): sustained load against real `dlrl serve` processes, side by side
+in one run -- recording off, recording `all` into SQLite on one replica, recording `all` into one
+PostgreSQL store from two replicas -- each recording setup without and with feedback on every
+response.
+
+    .venv/bin/python benchmarks/fleet.py                        # 20 s per setup, 16 clients, 2 rounds
+    .venv/bin/python benchmarks/fleet.py --seconds 60 --clients 32 --pg-url postgresql://...
+
+Each setup: start its servers (random tiny SDAR, max_batch 32), run `--clients` closed-loop
+clients for `--seconds` (each: POST /v1/completions with max_tokens 8, and when recording a
+POST /v1/feedback on the returned record_id sent beside its next request in the `+ feedback`
+setups), stop them. Reports requests/s,
+p50/p99 generation latency, p50/p99 feedback latency, the servers' mean record write
+(dlrl_record_write_seconds: one batched commit), errors, and throughput relative to
+recording off on the same number of replicas (the goal: recording costs <= 5 %).
+Without --pg-url a throwaway PostgreSQL server is started (tests/postgres.py: initdb +
+pg_ctl, installed with apt-get when missing and root).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+FEEDBACK = "bench-feedback-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_model(tmp: Path) -> str:
+    import torch
+
+    from dllm.model import SDARForCausalLM
+    from dllm.sft import TinyModelConfig, make_model_config
+    from dllm.tokenizer import build_char_tokenizer
+    from dllm.weights import save_pretrained
+
+    path = tmp / "tiny"
+    tok = build_char_tokenizer(path)
+    torch.manual_seed(0)
+    model = SDARForCausalLM(make_model_config(TinyModelConfig(), tok))
+    save_pretrained(model, path)
+    return str(path)
+
+
+def start_servers(model: str, n: int, store: str | None, tmp: Path) -> list[tuple[str, subprocess.Popen]]:
+    out = []
+    env = dict(os.environ, DLRL_ADMIN_TOKEN="bench-admin", DLRL_FEEDBACK_TOKEN=FEEDBACK, OMP_NUM_THREADS="1")
+    for _ in range(n):
+        port = free_port()
+        rec = ["server.record=all", f"server.store={store}"] if store else []
+        cmd = [sys.executable, "-m", "dlrl.cli", "serve", "--model", model, "--port", str(port), "server.device=cpu",
+               "server.dtype=float32", "server.max_batch=32", "server.max_queue=1024", "server.log_level=warning",
+               *rec]
+        log = open(tmp / f"server-{port}.log", "ab")
+        out.append((f"http://127.0.0.1:{port}", subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)))
+    deadline = time.monotonic() + 300
+    for url, proc in out:
+        while True:
+            try:
+                if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server {url} did not start (see {tmp})")
+            time.sleep(0.2)
+    return out
+
+
+def stop_servers(servers: list[tuple[str, subprocess.Popen]]) -> None:
+    for _, proc in servers:
+        proc.send_signal(signal.SIGTERM)
+    for _, proc in servers:
+        proc.wait(timeout=60)
+
+
+async def load(urls: list[str], clients: int, seconds: float, feedback: bool) -> dict:
+    gen_lat, fb_lat, errors = [], [], []
+    deadline = time.monotonic() + seconds
+
+    async def give_feedback(http: httpx.AsyncClient, url: str, rid: str, reward: float) -> None:
+        t0 = time.perf_counter()
+        f = await http.post(url + "/v1/feedback", json={"id": rid, "reward": reward},
+                            headers={"Authorization": f"Bearer {FEEDBACK}"})
+        fb_lat.append(time.perf_counter() - t0)
+        if f.status_code != 200:
+            errors.append(f"feedback {f.status_code}")
+
+    async def client(i: int) -> None:
+        url = urls[i % len(urls)]  # round robin over the replicas, as a load balancer would
+        pending = []  # feedback goes out beside the next request (a user rates while asking again)
+        async with httpx.AsyncClient(timeout=60) as http:
+            k = 0
+            while time.monotonic() < deadline:
+                k += 1
+                t0 = time.perf_counter()
+                r = await http.post(url + "/v1/completions", json={"prompt": f"{i}+{k}=", "max_tokens": 8,
+                                                                   "strategy": "static"})
+                gen_lat.append(time.perf_counter() - t0)
+                if r.status_code != 200:
+                    errors.append(r.status_code)
+                    continue
+                rid = r.json()["choices"][0].get("record_id")
+                if feedback:
+                    if rid is None:
+                        errors.append("no record_id")
+                        continue
+                    pending.append(asyncio.ensure_future(give_feedback(http, url, rid, float(k % 2))))
+            await asyncio.gather(*pending)
+
+    t0 = time.monotonic()
+    await asyncio.gather(*(client(i) for i in range(clients)))
+    wall = time.monotonic() - t0
+    q = lambda xs, p: statistics.quantiles(xs, n=100)[p - 1] * 1000 if len(xs) > 1 else float("nan")  # noqa: E731
+    return {"requests": len(gen_lat), "req_per_s": len(gen_lat) / wall, "p50_ms": q(gen_lat, 50),
+            "p99_ms": q(gen_lat, 99), "feedback_p50_ms": q(fb_lat, 50), "feedback_p99_ms": q(fb_lat, 99),
+            "errors": len(errors)}
+
+
+def record_write_ms(urls: list[str]) -> float:
+    total = count = 0.0
+    for url in urls:
+        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("dlrl_record_write_seconds_sum"):
+                total += float(line.split()[1])
+            elif line.startswith("dlrl_record_write_seconds_count"):
+                count += float(line.split()[1])
+    return total / count * 1000 if count else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=2, help="setups take turns this many times; best round reported")
+    ap.add_argument("--pg-url", default="", help="an existing PostgreSQL database (default: start a throwaway one)")
+    args = ap.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="dlrl-fleet-bench-"))
+    model = make_model(tmp)
+    pg = None
+    if not args.pg_url:
+        from tests.postgres import PostgresServer
+
+        pg = PostgresServer.start()
+    pg_url = args.pg_url or pg.new_database("bench")
+    sqlite = str(tmp / "fb.db")
+    setups = [("1 replica, recording off", 1, None, False), ("1 replica, SQLite, record all", 1, sqlite, False),
+              ("1 replica, SQLite, record all + feedback", 1, sqlite, True),
+              ("2 replicas, recording off", 2, None, False), ("2 replicas, PostgreSQL, record all", 2, pg_url, False),
+              ("2 replicas, PostgreSQL, record all + feedback", 2, pg_url, True)]
+    best: dict[str, dict] = {}
+    try:
+        for _ in range(args.rounds):  # the setups take turns, so a burst of load elsewhere hits all of them
+            for name, n, store, feedback in setups:
+                servers = start_servers(model, n, store, tmp)
+                urls = [u for u, _ in servers]
+                try:
+                    asyncio.run(load(urls, args.clients, 2.0, feedback))  # warm-up
+                    res = asyncio.run(load(urls, args.clients, args.seconds, feedback))
+                    res["record_write_ms"] = record_write_ms(urls) if store else float("nan")
+                finally:
+                    stop_servers(servers)
+                row = {"setup": name, "replicas": n, **res}
+                print(json.dumps(row), flush=True)
+                if name not in best or row["req_per_s"] > best[name]["req_per_s"]:
+                    best[name] = row
+    finally:
+        if pg is not None:
+            pg.destroy()
+    rows = [best[name] for name, *_ in setups]
+    off = {r["replicas"]: r["req_per_s"] for r in rows if "off" in r["setup"]}
+    print(f"\n{args.clients} clients, {args.seconds:.0f} s per setup, best of {args.rounds} rounds, max_tokens 8\n")
+    print("| setup | req/s | vs off | p50 ms | p99 ms | feedback p50/p99 ms | record write ms | errors |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['setup']} | {r['req_per_s']:.1f} | {r['req_per_s'] / off[r['replicas']]:.3f} | {r['p50_ms']:.0f} "
+              f"| {r['p99_ms']:.0f} | {r['feedback_p50_ms']:.1f} / {r['feedback_p99_ms']:.1f} "
+              f"| {r['record_write_ms']:.2f} | {r['errors']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

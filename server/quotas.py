@@ -1,0 +1,227 @@
+"""Per-key quotas on the generation API: optional API keys with request and token rates and a
+concurrency cap; a concurrency cap on POST /v1/feedback.
+
+    # keys.yaml (server.api_keys_file; or the same YAML/JSON inline in env DLRL_API_KEYS)
+    keys:
+      alice: {key: "sk-alice-...", requests_per_s: 5, tokens_per_s: 4000, max_concurrent: 4}
+      batch: {key: "sk-batch-...", tokens_per_s: 20000}            # 0 / missing = unlimited
+
+With keys configured, `/generate`, `/v1/completions` and `/v1/chat/completions` need
+`Authorization: Bearer <key>` (what the OpenAI client sends as `api_key`): none is 401, an
+unknown key 403 (compared in constant time). The admin token is also accepted there,
+without quota (the trainer's rollouts). Over a limit is a 429 with `Retry-After`: the
+request rate and the concurrency cap are checked before the body is read; the token rate
+charges prompt + max_tokens of every sequence once the request is tokenised
+(`charge_tokens`, from server.generation.prepare; buckets hold `burst_s` seconds of rate).
+`server.max_concurrent_feedback` (0 = unlimited) caps feedback calls in flight, whoever
+sends them. The feedback and admin tokens keep their roles: keys open nothing else.
+Without keys the generation API is open, as before.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hmac
+import math
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dllm.configlib import ConfigError
+from server.errors import APIError, error_body
+from server.middleware import GENERATION_PATHS, _send_json
+
+ENV_VAR = "DLRL_API_KEYS"
+_current: contextvars.ContextVar[KeyState | None] = contextvars.ContextVar("dlrl_api_key", default=None)
+
+
+class KeySpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    key: str = Field(min_length=16)
+    requests_per_s: float = Field(0.0, ge=0)
+    tokens_per_s: float = Field(0.0, ge=0)
+    max_concurrent: int = Field(0, ge=0)
+    burst_s: float = Field(1.0, gt=0, le=3600)  # bucket size in seconds of rate
+
+
+class KeysFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    keys: dict[str, KeySpec] = Field(min_length=1)
+
+
+class Bucket:
+    """A token bucket: `rate` per second, holding at most rate x burst_s (at least `floor`)."""
+
+    def __init__(self, rate: float, burst_s: float, floor: float = 1.0):
+        self.rate, self.capacity = rate, max(rate * burst_s, floor)
+        self.level, self.t = self.capacity, time.monotonic()
+
+    def take(self, amount: float) -> float:
+        """Take `amount` and return 0, or take nothing and return the seconds until it is there."""
+        now = time.monotonic()
+        self.level = min(self.capacity, self.level + (now - self.t) * self.rate)
+        self.t = now
+        if amount <= self.level:
+            self.level -= amount
+            return 0.0
+        return (amount - self.level) / self.rate
+
+
+class KeyState:
+    def __init__(self, name: str, spec: KeySpec):
+        self.name, self.spec, self.in_flight = name, spec, 0
+        self.requests = Bucket(spec.requests_per_s, spec.burst_s) if spec.requests_per_s else None
+        self.tokens = Bucket(spec.tokens_per_s, spec.burst_s) if spec.tokens_per_s else None
+
+
+def load_keys(path: str) -> dict[str, KeySpec]:
+    """The keys of `server.api_keys_file`, else of env DLRL_API_KEYS; {} when neither is set."""
+    where, text = (f"server.api_keys_file ({path})", None) if path else (f"env {ENV_VAR}", os.environ.get(ENV_VAR))
+    if path:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"server.api_keys_file: cannot read {path!r}: {e}") from None
+    if not text or not text.strip():
+        return {}
+    try:
+        parsed = KeysFile.model_validate(yaml.safe_load(text))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: not YAML/JSON: {e}") from None
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise ConfigError(f"{where}: {loc}: {err['msg']}") from None
+    keys = [s.key for s in parsed.keys.values()]
+    if len(set(keys)) != len(keys):
+        raise ConfigError(f"{where}: two names share one key")
+    return parsed.keys
+
+
+class Quotas:
+    def __init__(self, keys: dict[str, KeySpec], admin_token: str = "", feedback_token: str = "",
+                 max_concurrent_feedback: int = 0):
+        for name, spec in keys.items():
+            if spec.key in (admin_token, feedback_token) and spec.key:
+                raise ConfigError(f"api key {name!r}: must differ from the admin and feedback tokens")
+        self.keys = [KeyState(n, s) for n, s in keys.items()]
+        self.admin_token, self.max_feedback = admin_token, max_concurrent_feedback
+        self.feedback_in_flight = 0
+        self._lock = threading.Lock()
+
+    def identify(self, authorization: str | None) -> KeyState | str:
+        """The caller's key, "admin" for the admin token, or raise APIError 401/403."""
+        scheme, _, given = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            raise APIError(401, "missing API key: send Authorization: Bearer <key>", "authorization",
+                           {"WWW-Authenticate": "Bearer"})
+        given_b = given.strip().encode()
+        found = None
+        for k in self.keys:  # every key compared, in constant time each
+            if hmac.compare_digest(given_b, k.spec.key.encode()):
+                found = k
+        if found is None and self.admin_token and hmac.compare_digest(given_b, self.admin_token.encode()):
+            return "admin"
+        if found is None:
+            raise APIError(403, "unknown API key", "authorization")
+        return found
+
+    def admit(self, key: KeyState) -> None:
+        """Count a request against its key (rate, concurrency) or raise a 429."""
+        with self._lock:
+            if key.spec.max_concurrent and key.in_flight >= key.spec.max_concurrent:
+                raise _limited(f"API key {key.name!r}: {key.in_flight} requests in flight (max_concurrent="
+                               f"{key.spec.max_concurrent})", 1.0)
+            wait = key.requests.take(1) if key.requests else 0.0
+            if wait:
+                raise _limited(f"API key {key.name!r}: over {key.spec.requests_per_s:g} requests/s", wait)
+            key.in_flight += 1
+
+    def release(self, key: KeyState) -> None:
+        with self._lock:
+            key.in_flight -= 1
+
+
+def _limited(message: str, wait_s: float) -> APIError:
+    return APIError(429, message + "; retry later", None, {"Retry-After": str(max(1, math.ceil(wait_s)))})
+
+
+def charge_tokens(num_tokens: int) -> None:
+    """Charge prompt + max_tokens of a request to the current key's token rate (429 if over)."""
+    key = _current.get()
+    if key is None or key.tokens is None:
+        return
+    if num_tokens > key.tokens.capacity:
+        raise APIError(413, f"max_tokens: the request needs {num_tokens} tokens (prompt + max_tokens), more than API "
+                            f"key {key.name!r} may use at once ({key.tokens.capacity:g})", "max_tokens")
+    wait = key.tokens.take(num_tokens)
+    if wait:
+        raise _limited(f"API key {key.name!r}: over {key.spec.tokens_per_s:g} tokens/s", wait)
+
+
+class QuotaGuard:
+    """ASGI middleware: API keys and their limits on generation routes, the feedback cap."""
+
+    def __init__(self, app: Any, quotas: Quotas):
+        self.app, self.quotas = app, quotas
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if path in GENERATION_PATHS and self.quotas.keys:
+            return await self._generation(scope, receive, send)
+        if path == "/v1/feedback" and self.quotas.max_feedback:
+            return await self._feedback(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+    async def _generation(self, scope: dict, receive: Any, send: Any) -> None:
+        headers = dict(scope.get("headers", ()))
+        try:
+            key = self.quotas.identify(headers.get(b"authorization", b"").decode("latin-1"))
+            if key != "admin":
+                self.quotas.admit(key)
+        except APIError as e:
+            return await _refuse(send, e)
+        if key == "admin":
+            return await self.app(scope, receive, send)
+        token = _current.set(key)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _current.reset(token)
+            self.quotas.release(key)
+
+    async def _feedback(self, scope: dict, receive: Any, send: Any) -> None:
+        q = self.quotas
+        with q._lock:
+            full = q.feedback_in_flight >= q.max_feedback
+            if not full:
+                q.feedback_in_flight += 1
+        if full:
+            return await _refuse(send, _limited(f"{q.feedback_in_flight} feedback calls in flight "
+                                                f"(server.max_concurrent_feedback={q.max_feedback})", 1.0))
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            with q._lock:
+                q.feedback_in_flight -= 1
+
+
+async def _refuse(send: Any, e: APIError) -> None:
+    headers = [(k.lower().encode(), v.encode()) for k, v in (e.headers or {}).items()]
+    await _send_json(send, e.status, error_body(e.status, e.message, e.param), headers)
+
+
+def install(app: Any, config: Any) -> None:
+    """Add the QuotaGuard when keys or a feedback cap are configured (server.app)."""
+    keys = load_keys(config.api_keys_file)
+    if keys or config.max_concurrent_feedback:
+        app.add_middleware(QuotaGuard, quotas=Quotas(keys, app.state.admin_token, app.state.feedback_token,
+                                                     config.max_concurrent_feedback))
+
+
+__all__ = ["QuotaGuard", "Quotas", "charge_tokens", "install", "load_keys"]

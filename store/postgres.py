@@ -1,0 +1,266 @@
+"""PostgresStore: the FeedbackStore on a PostgreSQL database, shared by a fleet of servers and
+`dlrl align` on any number of hosts (psycopg 3 with a connection pool; `pip install -e '.[postgres]'`).
+
+    st = open_store("postgresql://dlrl:secret@db:5432/dlrl", max_records=1_000_000)
+
+Schema: tables prefixed `dlrl_` (so the database can be shared), created and upgraded by
+numbered migrations at open, under an advisory lock (several servers may start at once);
+`dlrl_schema_version` records which ran. A database of a newer schema than this code is
+refused with an error naming both versions.
+
+Guarantees under concurrent writers (the ones `dlrl align` relies on):
+- records and feedback are idempotent (`ON CONFLICT DO NOTHING`; a different reward for a
+  record that has one raises FeedbackConflict);
+- feedback `seq` and event ids follow commit order: they are taken under a transaction-
+  scoped advisory lock, so a reader's cursor (`labeled(after_seq)`, `events(after_id)`)
+  never skips a row that commits later with a smaller number;
+- registry status changes are serialised by the same kind of lock: `status_order` is
+  strictly increasing in commit order, so exactly one version is the serving version
+  and a promotion committed before a controller restart is what the new controller reads;
+- at most `max_records` records at every commit (a counter row, updated in the insert's
+  transaction; the oldest records go first, their feedback with them).
+
+Connections: a pool of `pool_size` (default 4) connections, each checked before use (so a
+database restart costs the requests in flight, not the pool); an operation that cannot get
+a connection within `connect_timeout_s` raises psycopg_pool.PoolTimeout ("unavailable").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+from store.types import VERSION_STATUSES, FeedbackConflict, FeedbackStore, Labeled, Record
+
+SCHEMA_VERSION = 1
+_MIGRATIONS = {
+    1: """
+CREATE TABLE dlrl_records (
+    rseq BIGSERIAL UNIQUE, id TEXT PRIMARY KEY, created DOUBLE PRECISION NOT NULL, server TEXT NOT NULL,
+    version INTEGER NOT NULL, prompt TEXT, prompt_ids TEXT NOT NULL, completion_ids TEXT NOT NULL,
+    text TEXT NOT NULL, finish_reason TEXT NOT NULL, trace TEXT NOT NULL, sampling TEXT NOT NULL);
+CREATE INDEX dlrl_records_created ON dlrl_records (created, rseq);
+CREATE TABLE dlrl_feedback (
+    seq BIGSERIAL PRIMARY KEY,
+    record_id TEXT NOT NULL UNIQUE REFERENCES dlrl_records(id) ON DELETE CASCADE,
+    reward DOUBLE PRECISION NOT NULL, label TEXT, time DOUBLE PRECISION NOT NULL);
+CREATE TABLE dlrl_versions (
+    version INTEGER PRIMARY KEY, parent INTEGER, step INTEGER NOT NULL, run_id TEXT NOT NULL,
+    data TEXT NOT NULL, eval TEXT, status TEXT NOT NULL, status_order BIGINT NOT NULL DEFAULT 0,
+    created DOUBLE PRECISION NOT NULL, updated DOUBLE PRECISION NOT NULL);
+CREATE TABLE dlrl_events (
+    id BIGSERIAL PRIMARY KEY, time DOUBLE PRECISION NOT NULL, kind TEXT NOT NULL,
+    version INTEGER NOT NULL, replica TEXT, detail TEXT NOT NULL);
+CREATE TABLE dlrl_counts (name TEXT PRIMARY KEY, n BIGINT NOT NULL);
+INSERT INTO dlrl_counts VALUES ('records', 0);
+""",
+}
+# transaction-scoped advisory lock keys ("dlrl" + a number): migrations, feedback, registry+events
+_LOCK_MIGRATE, _LOCK_FEEDBACK, _LOCK_REGISTRY = 0x646C726C00, 0x646C726C01, 0x646C726C02
+_COLS = ("id, created, server, version, prompt, prompt_ids, completion_ids, text, finish_reason, trace, "
+         "sampling")
+
+
+def _row(r: Record) -> tuple:
+    return (r.id, float(r.created), r.server, int(r.version), r.prompt, json.dumps(list(r.prompt_ids)),
+            json.dumps(list(r.completion_ids)), r.text, r.finish_reason, json.dumps(r.trace),
+            json.dumps(r.sampling))
+
+
+def _record(row: tuple) -> Record:
+    return Record(id=row[0], created=row[1], server=row[2], version=row[3], prompt=row[4],
+                  prompt_ids=json.loads(row[5]), completion_ids=json.loads(row[6]), text=row[7],
+                  finish_reason=row[8], trace=json.loads(row[9]), sampling=json.loads(row[10]))
+
+
+class PostgresStore(FeedbackStore):
+    """FeedbackStore on PostgreSQL; thread-safe (a connection pool), shared by processes and hosts."""
+
+    def __init__(self, url: str, *, max_records: int = 100_000, max_age_s: float = 7 * 86400.0,
+                 pool_size: int = 4, connect_timeout_s: float = 5.0, prune_every_s: float = 60.0):
+        if int(max_records) < 1:
+            raise ValueError(f"max_records: must be >= 1, got {max_records}")
+        if not float(max_age_s) > 0:
+            raise ValueError(f"max_age_s: must be > 0, got {max_age_s}")
+        from psycopg_pool import ConnectionPool
+
+        self.url, self.max_records, self.max_age_s = url, int(max_records), float(max_age_s)
+        self.prune_every_s, self._last_prune = float(prune_every_s), 0.0
+        self._pool = ConnectionPool(url, min_size=1, max_size=int(pool_size), timeout=connect_timeout_s,
+                                    check=ConnectionPool.check_connection, open=False, name="dlrl-store",
+                                    kwargs={"connect_timeout": max(1, int(connect_timeout_s))})
+        self._pool.open(wait=True, timeout=connect_timeout_s)
+        try:
+            self._migrate()
+            self.prune()
+        except BaseException:
+            self._pool.close()
+            raise
+
+    def _migrate(self) -> None:
+        with self._pool.connection() as conn:
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_MIGRATE,))
+            conn.execute("CREATE TABLE IF NOT EXISTS dlrl_schema_version "
+                         "(version INTEGER PRIMARY KEY, applied DOUBLE PRECISION NOT NULL)")
+            current = conn.execute("SELECT COALESCE(MAX(version), 0) FROM dlrl_schema_version").fetchone()[0]
+            if current > SCHEMA_VERSION:
+                raise RuntimeError(f"store schema version {current} is newer than this dlrl's ({SCHEMA_VERSION}): "
+                                   "upgrade dlrl")
+            for version in range(current + 1, SCHEMA_VERSION + 1):
+                conn.execute(_MIGRATIONS[version])
+                conn.execute("INSERT INTO dlrl_schema_version VALUES (%s, %s)", (version, time.time()))
+
+    def schema_version(self) -> int:
+        return self._one("SELECT MAX(version) FROM dlrl_schema_version")[0]
+
+    def _one(self, sql: str, args: tuple = ()) -> tuple:
+        with self._pool.connection() as conn:
+            return conn.execute(sql, args).fetchone()
+
+    def _all(self, sql: str, args: tuple = ()) -> list[tuple]:
+        with self._pool.connection() as conn:
+            return conn.execute(sql, args).fetchall()
+
+    def close(self) -> None:
+        self._pool.close()
+
+    # -- records and feedback ---------------------------------------------------------------
+    def add_record(self, record: Record) -> None:
+        self.add_records([record])
+
+    def add_records(self, records: list[Record]) -> None:
+        rows = [_row(r) for r in records]
+        if not rows:
+            return
+        with self._pool.connection() as conn:
+            with conn.cursor() as cur:  # one pipelined round trip for the batch; rowcount = rows inserted
+                cur.executemany(f"INSERT INTO dlrl_records ({_COLS}) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s) "
+                                "ON CONFLICT (id) DO NOTHING", rows)
+                added = max(cur.rowcount, 0)
+            if added:
+                self._bound(conn, added)
+        if time.monotonic() - self._last_prune >= self.prune_every_s:
+            self.prune()
+
+    def _bound(self, conn, added: int) -> int:
+        """Count `added` new records (the counter row serialises record writers) and delete the
+        oldest beyond max_records; returns the number deleted."""
+        n = conn.execute("UPDATE dlrl_counts SET n = n + %s WHERE name = 'records' RETURNING n", (added,)).fetchone()[0]
+        if n <= self.max_records:
+            return 0
+        gone = conn.execute("DELETE FROM dlrl_records WHERE id IN (SELECT id FROM dlrl_records "
+                            "ORDER BY created, rseq LIMIT %s)", (n - self.max_records,)).rowcount
+        conn.execute("UPDATE dlrl_counts SET n = n - %s WHERE name = 'records'", (gone,))
+        return gone
+
+    def add_feedback(self, record_id: str, reward: float, label: str | None = None) -> bool:
+        reward = float(reward)
+        if not math.isfinite(reward):
+            raise ValueError(f"reward: must be a finite number, got {reward}")
+        with self._pool.connection() as conn:
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_FEEDBACK,))
+            # FOR SHARE: the record cannot be deleted (bound, prune) before this commits
+            if conn.execute("SELECT 1 FROM dlrl_records WHERE id = %s FOR SHARE", (record_id,)).fetchone() is None:
+                raise KeyError(record_id)
+            old = conn.execute("SELECT reward FROM dlrl_feedback WHERE record_id = %s", (record_id,)).fetchone()
+            if old is not None:
+                if old[0] != reward:
+                    raise FeedbackConflict(f"record {record_id} already has reward {old[0]}, not {reward}")
+                return False
+            conn.execute("INSERT INTO dlrl_feedback (record_id, reward, label, time) VALUES (%s,%s,%s,%s)",
+                         (record_id, reward, label, time.time()))
+            return True
+
+    def get_record(self, record_id: str) -> Record | None:
+        rows = self._all(f"SELECT {_COLS} FROM dlrl_records WHERE id = %s", (record_id,))
+        return _record(rows[0]) if rows else None
+
+    def labeled(self, after_seq: int = 0, min_version: int = 0, limit: int = 1000) -> list[Labeled]:
+        cols = ", ".join(f"r.{c.strip()}" for c in _COLS.split(","))
+        rows = self._all(
+            f"SELECT {cols}, f.reward, f.label, f.time, f.seq FROM dlrl_feedback f JOIN dlrl_records r "
+            "ON r.id = f.record_id WHERE f.seq > %s AND r.version >= %s ORDER BY f.seq LIMIT %s",
+            (int(after_seq), int(min_version), int(limit)))
+        return [Labeled(record=_record(row[:11]), reward=row[11], label=row[12], feedback_time=row[13],
+                        seq=row[14]) for row in rows]
+
+    def prompts(self, after: float = 0.0, limit: int = 1000) -> list[Record]:
+        rows = self._all(f"SELECT {_COLS} FROM dlrl_records WHERE created > %s ORDER BY created, rseq LIMIT %s",
+                         (float(after), int(limit)))
+        return [_record(row) for row in rows]
+
+    # -- version registry and events --------------------------------------------------------
+    def register_version(self, version: int, parent: int | None, step: int, run_id: str,
+                         data: dict) -> None:
+        now = time.time()
+        with self._pool.connection() as conn:
+            conn.execute(
+                "INSERT INTO dlrl_versions (version, parent, step, run_id, data, status, created, updated) "
+                "VALUES (%s,%s,%s,%s,%s,'trained',%s,%s) ON CONFLICT (version) DO UPDATE SET "
+                "parent = excluded.parent, step = excluded.step, run_id = excluded.run_id, data = excluded.data, "
+                "updated = excluded.updated",
+                (int(version), None if parent is None else int(parent), int(step), str(run_id),
+                 json.dumps(data or {}), now, now))
+
+    def update_version(self, version: int, *, eval: dict | None = None, status: str | None = None) -> None:
+        if status is not None and status not in VERSION_STATUSES:
+            raise ValueError(f"status: must be one of {', '.join(VERSION_STATUSES)}, got {status!r}")
+        with self._pool.connection() as conn:
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_REGISTRY,))
+            if conn.execute("SELECT 1 FROM dlrl_versions WHERE version = %s", (int(version),)).fetchone() is None:
+                raise KeyError(f"version {version} is not registered")
+            if eval is not None:
+                conn.execute("UPDATE dlrl_versions SET eval = %s, updated = %s WHERE version = %s",
+                             (json.dumps(eval), time.time(), int(version)))
+            if status is not None:
+                conn.execute("UPDATE dlrl_versions SET status = %s, updated = %s, status_order = "
+                             "(SELECT COALESCE(MAX(status_order), 0) + 1 FROM dlrl_versions) WHERE version = %s",
+                             (status, time.time(), int(version)))
+
+    def log_event(self, kind: str, version: int, replica: str | None = None,
+                  detail: dict | None = None) -> None:
+        with self._pool.connection() as conn:
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_REGISTRY,))
+            conn.execute("INSERT INTO dlrl_events (time, kind, version, replica, detail) VALUES (%s,%s,%s,%s,%s)",
+                         (time.time(), str(kind), int(version), replica, json.dumps(detail or {})))
+
+    def versions(self) -> list[dict]:
+        rows = self._all("SELECT version, parent, step, run_id, data, eval, status, created, updated "
+                         "FROM dlrl_versions ORDER BY version")
+        return [{"version": r[0], "parent": r[1], "step": r[2], "run_id": r[3], "data": json.loads(r[4]),
+                 "eval": None if r[5] is None else json.loads(r[5]), "status": r[6], "created": r[7],
+                 "updated": r[8]} for r in rows]
+
+    def events(self, after_id: int = 0) -> list[dict]:
+        rows = self._all("SELECT id, time, kind, version, replica, detail FROM dlrl_events WHERE id > %s "
+                         "ORDER BY id", (int(after_id),))
+        return [{"id": r[0], "time": r[1], "kind": r[2], "version": r[3], "replica": r[4],
+                 "detail": json.loads(r[5])} for r in rows]
+
+    def serving_version(self) -> int | None:
+        rows = self._all("SELECT version FROM dlrl_versions WHERE status = 'serving' "
+                         "ORDER BY status_order DESC LIMIT 1")
+        return rows[0][0] if rows else None
+
+    # -- bounds and stats -------------------------------------------------------------------
+    def prune(self) -> int:
+        self._last_prune = time.monotonic()
+        with self._pool.connection() as conn:
+            conn.execute("SELECT n FROM dlrl_counts WHERE name = 'records' FOR UPDATE")
+            gone = conn.execute("DELETE FROM dlrl_records WHERE created < %s",
+                                (time.time() - self.max_age_s,)).rowcount
+            conn.execute("UPDATE dlrl_counts SET n = n - %s WHERE name = 'records'", (gone,))
+            return gone + self._bound(conn, 0)
+
+    def stats(self) -> dict:
+        with self._pool.connection() as conn:
+            num_records = conn.execute("SELECT n FROM dlrl_counts WHERE name = 'records'").fetchone()[0]
+            oldest, newest = conn.execute("SELECT MIN(created), MAX(created) FROM dlrl_records").fetchone()
+            counts = [conn.execute(f"SELECT COUNT(*) FROM dlrl_{t}").fetchone()[0]
+                      for t in ("feedback", "versions", "events")]
+            num_bytes = conn.execute("SELECT SUM(pg_total_relation_size(c)) FROM unnest(ARRAY['dlrl_records', "
+                                     "'dlrl_feedback', 'dlrl_versions', 'dlrl_events']::regclass[]) c").fetchone()[0]
+        return {"num_records": num_records, "num_feedback": counts[0], "num_versions": counts[1],
+                "num_events": counts[2], "bytes": int(num_bytes or 0), "oldest": oldest, "newest": newest,
+                "max_records": self.max_records, "max_age_s": self.max_age_s}

@@ -1,0 +1,124 @@
+"""Back-pressure and deadlines (issue 26) on real servers: a KV cache filled by many long requests
+(each one completes or gets a 429/503 that says why, never a 500; every page is free afterwards),
+the queue's token bound, Retry-After estimated from the recent throughput, and request deadlines
+(a client `timeout`: 408, the server's `max_request_s`: 503) that abort a waiting or running
+request and free its cache.
+
+A sequence gets the KV pages of prompt + max_tokens when it is admitted, so a running sequence
+cannot run out of cache mid-generation: there is nothing to preempt, and what is tested is
+admission (wait for pages, bounded by the queue's token bound and the deadline)."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from server.scheduler import QueueFull, Request, Scheduler
+from tests.helpers import wait_until
+
+BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # tiny model: layers x (k, v) x kv heads x head_dim x float32
+
+
+@pytest.fixture(scope="module")
+def small_cache(make_server):
+    # room for 3 sequences of 64 tokens; at most ~5 long requests' tokens may wait
+    return make_server(max_batch=8, max_model_len=64, kv_cache_memory=3 * 64 * BYTES_PER_TOKEN,
+                       max_queue=64, max_queue_tokens=300)
+
+
+def _assert_cache_free(srv) -> None:
+    dec = srv.engine.backend.decoder
+    wait_until(lambda: srv.engine.num_running == 0 and srv.engine.num_waiting == 0, 30, "engine idle")
+    assert dec.cache.num_free_pages == srv.engine.backend.kv_plan.num_pages
+    assert dec.num_free_slots == 8 and srv.engine.scheduler.waiting_tokens == 0
+
+
+def test_long_requests_filling_the_cache_complete_or_get_a_reason(small_cache):
+    url = small_cache.url
+
+    def long_request(i: int) -> httpx.Response:
+        return httpx.post(url + "/v1/completions", json={"prompt": f"{i}+1=", "max_tokens": 56, "ignore_eos": True,
+                                                         "strategy": "static", "steps": 4}, timeout=300)
+
+    with ThreadPoolExecutor(12) as pool:
+        responses = list(pool.map(long_request, range(12)))
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 429, 503}, [r.text for r in responses if r.status_code not in (200, 429, 503)]
+    assert codes.count(200) >= 3 and codes.count(429) >= 1, codes  # the cache ran full, the token bound refused
+    for r in responses:
+        if r.status_code == 200:
+            assert len(r.json()["choices"][0]["text"]) > 0 and r.json()["usage"]["completion_tokens"] == 56
+        else:
+            err = r.json()["error"]
+            assert "max_queue_tokens" in err["message"] or "deadline" in err["message"], err
+            assert int(r.headers["Retry-After"]) >= 1
+    _assert_cache_free(small_cache)
+
+
+def test_deadlines_abort_waiting_and_running_requests_and_free_the_cache(small_cache):
+    url = small_cache.url
+    body = {"max_tokens": 56, "ignore_eos": True, "strategy": "static", "steps": 4}
+    with ThreadPoolExecutor(6) as pool:  # 3 fill the cache; the rest wait for pages with a short deadline
+        slow = [pool.submit(httpx.post, url + "/generate", json={"prompt": "1+1=", **body}, timeout=300)
+                for _ in range(3)]
+        wait_until(lambda: small_cache.engine.num_running == 3, 30, "cache full")
+        t0 = time.monotonic()
+        waiting = httpx.post(url + "/generate", json={"prompt": "2+2=", **body, "timeout": 0.3}, timeout=60)
+        assert time.monotonic() - t0 < 10
+        assert waiting.status_code == 408 and "waiting for KV cache pages" in waiting.json()["error"]["message"]
+        assert all(f.result().status_code == 200 for f in slow)
+    running = httpx.post(url + "/generate", json={"prompt": "3+3=", **body, "timeout": 0.2}, timeout=60)
+    assert running.status_code in (200, 408)  # a fast box may finish 56 tokens (56 forwards) in 0.2 s
+    if running.status_code == 408:
+        assert "deadline exceeded" in running.json()["error"]["message"]
+    bad = httpx.post(url + "/generate", json={"prompt": "1+1=", "timeout": -1}, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "timeout"
+    _assert_cache_free(small_cache)
+
+
+def test_server_max_request_s_caps_every_request(make_server):
+    srv = make_server(max_batch=1, max_model_len=64, max_request_s=0.3)
+    body = {"prompt": "1+1=", "max_tokens": 56, "ignore_eos": True, "strategy": "static", "steps": 4,
+            "timeout": 3600}
+    with ThreadPoolExecutor(3) as pool:
+        codes = [r.status_code for r in pool.map(lambda _: httpx.post(srv.url + "/generate", json=body, timeout=60),
+                                                  range(3))]
+    assert 503 in codes and set(codes) <= {200, 503}
+    wait_until(lambda: srv.engine.num_running == 0 and srv.engine.num_waiting == 0, 30, "engine idle")
+    assert srv.engine.backend.decoder.num_free_slots == 1
+
+
+def _req(n: int, tokens: int = 10) -> Request:
+    seqs = [SimpleNamespace(seq_id=i + 1000 * tokens, prompt_ids=[1] * (tokens - 5), params=SimpleNamespace(max_tokens=5),
+                            is_finished=False, finish_reason=None) for i in range(n)]
+    return Request("r", seqs, loop=None, events=None)
+
+
+def test_retry_after_follows_recent_throughput(monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr("server.scheduler.time.monotonic", lambda: clock[0])
+    sched = Scheduler(max_queue=4, max_queue_tokens=40)
+    sched.enqueue(_req(4))
+    with pytest.raises(QueueFull) as e:
+        sched.enqueue(_req(2))
+    assert e.value.retry_after == 1  # no history, nothing running
+    first = sched.admit(4)
+    for seq in first:  # 4 sequences (40 tokens) finish in the 8 s up to now: 0.5 sequences/s, 5 tokens/s
+        clock[0] += 2.0
+        seq.finish_reason = "stop"
+        sched.finish(seq)
+    clock[0] += 2.0
+    sched.enqueue(_req(4, tokens=9))
+    with pytest.raises(QueueFull, match="max_queue=4") as e:  # 3 sequences too many: 3 / 0.5 = 6 s
+        sched.enqueue(_req(3, tokens=8))
+    assert e.value.retry_after == 6
+    sched2 = Scheduler(max_queue=100, max_queue_tokens=40)
+    sched2._finished, sched2.waiting_tokens = sched._finished, 0
+    sched2.enqueue(_req(3, tokens=12))     # 36 tokens waiting
+    with pytest.raises(QueueFull, match="max_queue_tokens=40") as e:  # 36 + 30 - 40 = 26 tokens at 5/s: 6 s
+        sched2.enqueue(_req(3, tokens=10))
+    assert e.value.retry_after == 6
