@@ -77,7 +77,7 @@ def _traffic(url: str, model_dir: str) -> dict:
     assert httpx.post(url + "/v1/feedback", json={"id": rid, "label": "accept"}, headers=fb, timeout=10).is_success
     assert httpx.post(url + "/v1/feedback", json={"id": rid, "label": "nope"}, headers=fb, timeout=10).status_code == 400
     model = load_pretrained(model_dir)
-    push([url], model.named_parameters(), 1, transport="http", token=ADMIN)
+    push([url], model.hf_named_tensors(), 1, transport="http", token=ADMIN)
     stale = httpx.post(url + "/weights/begin", json={"version": 1, "transport": "http", "manifest": {}},
                        headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10)
     assert 400 <= stale.status_code < 500, stale.text  # version 1 is served already: refused
