@@ -131,7 +131,7 @@ async def _client(i: int, base: str, stop_at: float, stats: Stats, disconnect: f
 
 
 def _pusher(base: str, model_dir: str, transports: list[str], every: float, stop_at: float, stats: Stats) -> None:
-    named = list(load_pretrained(model_dir).named_parameters())
+    named = list(load_pretrained(model_dir).hf_named_tensors())
     version = 0
     while time.monotonic() + every < stop_at:
         time.sleep(every)
