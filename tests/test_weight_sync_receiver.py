@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from weight_sync import UpdateConflict, UpdateFailed, WeightReceiver, weights_digest
+from weight_sync import NotOwner, UpdateConflict, UpdateFailed, WeightReceiver, weights_digest
 from weight_sync.bucket import pack_stream, plan_buckets, specs_of
 from weight_sync.checksum import checksum as crc32
 from weight_sync.errors import ManifestError
@@ -185,7 +185,9 @@ def test_abort_states_and_queryable_outcome(served):
     m, bufs = packed(tensors(1), 1)
     served.rx.begin(1, "http", m, run_id="run-a")
     assert served.rx.abort(version=2) is False  # another version: nothing to abort
-    assert served.rx.abort(version=1, run_id="run-b") is False  # another run's abort: ignored
+    with pytest.raises(NotOwner, match="belongs to run 'run-a', not to run 'run-b'"):
+        served.rx.abort(version=1, run_id="run-b")  # another run's abort: refused, nothing changes
+    assert served.rx.state(1)["state"] == "receiving"
     assert served.rx.abort(version=1, reason="test") is True
     assert "aborted: test" in served.rx.status()["last_failure"]
     assert served.rx.state(1)["state"] == "failed" and served.rx.state(1)["reason"] == "test"
