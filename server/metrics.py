@@ -12,7 +12,9 @@ dlrl_queue_depth, dlrl_running_sequences, dlrl_policy_version, dlrl_paused,
 dlrl_aborted_sequences; continuous alignment (issue 19): dlrl_served_version (= the policy
 version), dlrl_records_total (samples written to the feedback store), dlrl_feedback_total
 (new feedback accepted), dlrl_rollbacks_total, dlrl_store_errors_total (records dropped or
-not written, feedback the store could not take).
+not written, feedback the store could not take); dlrl_connections_refused_total{reason}
+(limit, header_timeout, read_timeout: server.connections), dlrl_auth_failures_total{what,status}
+(failed admin/feedback token checks, 401/403/429: server.auth).
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ class ServerMetrics:
         self.rollbacks = Counter("dlrl_rollbacks", "rollbacks to a kept weight version", registry=r)
         self.store_errors = Counter("dlrl_store_errors", "feedback store failures (record dropped or not "
                                     "written, feedback not stored)", registry=r)
+        self.connections_refused = Counter(  # server.connections: caps reached, header/read timeouts
+            "dlrl_connections_refused", "connections refused or closed by the server's bounds", ["reason"], registry=r)
+        self.auth_failures = Counter("dlrl_auth_failures", "failed bearer-token checks (server.auth)",
+                                     ["what", "status"], registry=r)
         self._max_batch = 0
         if engine is not None:
             self.bind_engine(engine)
