@@ -13,7 +13,7 @@ disabled (403 "admin disabled"), never open. A missing/malformed header is 401,
 a wrong token 403. Tokens are compared in constant time. Failures are counted
 (`dlrl_auth_failures_total{what,status}`), logged at most once per
 `server.resource_log_interval_s` with a count, and a client address with
-`server.auth_max_failures` failures within `server.auth_failure_window_s` gets 429 with
+`server.auth_max_failures` wrong tokens (403) within `server.auth_failure_window_s` gets 429 with
 Retry-After for `server.auth_throttle_s`, before its token is compared (AuthGuard; the
 feedback token of server.routes_feedback goes through the same check).
 """
@@ -103,8 +103,13 @@ class AuthGuard:
                                                     f"{math.ceil(left)}s", headers={"Retry-After": str(math.ceil(left))})
 
     def failed(self, what: str, ip: str, status: int) -> None:
+        """Count and log a failed check; a wrong token (403) also counts toward throttling `ip`
+        (a missing or malformed header, 401, tries no token)."""
         key, now = (what, ip), time.monotonic()
         self._count(what, status)
+        self.limiter.event(f"auth-{what}", "%s authentication failed (HTTP %d) from %s", what, status, ip)
+        if status != 403:
+            return
         times = self._failures.pop(key, None) or deque()
         times.append(now)
         while times and now - times[0] > self.window_s:
@@ -112,7 +117,6 @@ class AuthGuard:
         self._failures[key] = times
         while len(self._failures) > self.max_clients:
             self._failures.popitem(last=False)
-        self.limiter.event(f"auth-{what}", "%s authentication failed (HTTP %d) from %s", what, status, ip)
         if len(times) >= self.max_failures:
             self._blocked[key] = now + self.throttle_s
             times.clear()
