@@ -179,7 +179,7 @@ class WeightReceiver:
             stale = self._claimable(run_id)  # another run's live update: 409 (the sender waits for its lease)
             device = check_against(m, self._params())
             self._check_options(transport, options, m)
-            self._take_over(stale, run_id)  # everything checked: only now drop the same run's update
+            self._take_over(stale, run_id, "connect")  # everything checked: only now drop the same run's update
             if transport == "shm":
                 sweep()
                 self._shm.buckets(options, m)
@@ -237,11 +237,11 @@ class WeightReceiver:
         raise UpdateConflict(f"an update to version {u.version}{who} is already {u.phase} (lease "
                              f"{u.lease_left():.1f}s left); abort it, wait for the lease, or begin from the same run")
 
-    def _take_over(self, u: StagedUpdate | None, run_id: str) -> int | None:
+    def _take_over(self, u: StagedUpdate | None, run_id: str, call: str = "begin") -> int | None:
         """Drop the same run's update `u` (from _claimable) once the new call was checked in full."""
         if u is None or self._update is not u:
             return None
-        self._drop(u, f"superseded by a new begin of run {run_id!r}")
+        self._drop(u, f"superseded by a new {call} of run {run_id!r}")
         return u.version
 
     def _check_options(self, transport: str, options: dict[str, Any], m: Manifest) -> None:
