@@ -226,3 +226,22 @@ def test_out_of_descriptors_is_logged_once_per_interval():
     assert 2 <= len(lines) <= 5, out[-3000:]  # ~3 s at one line per second, not one per failed accept
     assert any(re.search(r"\((\d+) times in the last 1s", ln) for ln in lines), lines
     assert "Traceback" not in out
+
+
+def test_limits_fit_the_file_limit_and_bad_keys_are_named():
+    from dllm.configlib import ConfigError
+    from server.config import ServerConfig
+    from server.connections import ConnectionLimits
+
+    config = ServerConfig(max_connections=1000, fd_reserve=100, reserved_connections=8)
+    assert ConnectionLimits.from_config(config, nofile=4096).max_connections == 1000
+    assert ConnectionLimits.from_config(config, nofile=300).max_connections == 192
+    with pytest.raises(ConfigError, match="server.fd_reserve: the file limit"):
+        ConnectionLimits.from_config(config, nofile=100)
+    with pytest.raises(ValueError, match="server.listen_backlog: 200 must be below server.fd_reserve"):
+        ServerConfig(listen_backlog=200, fd_reserve=100)
+    limits = ConnectionLimits(3, 2, 4, 1.0, 1.0)
+    slots = [limits.admit(ip) for ip in ("a", "a", "a", "a", "a", "b", "b", "c", "c")]
+    assert slots == ["normal", "normal", "reserve", None, None, "normal", "reserve", "reserve", None]
+    limits.release("a", "normal")
+    assert limits.admit("c") == "normal"
