@@ -125,6 +125,10 @@ def test_caps_reserve_and_header_timeout(srv):
     assert r.status_code == 200
     r = httpx.post(srv.url + "/generate", json={"prompt": "1+2=", "max_tokens": 2}, timeout=5)
     assert r.status_code == 503 and "too many connections" in r.json()["error"]["message"]
+    with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=5) as flooder:
+        r = flooder.post(srv.url + "/generate", json={"prompt": "1+2=", "max_tokens": 2})  # no slot left at all
+        assert r.status_code == 503 and "too many connections" in r.json()["error"]["message"]
+        assert r.headers["retry-after"] == "1" and r.headers["connection"] == "close"
     admitted = flood2[:32] + flood3[:12]
     for s in admitted:  # closed with a 408 once the header timeout (2 s) passed
         data = read_all(s, max(0.1, t0 + 4 - time.monotonic()))
