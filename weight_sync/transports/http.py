@@ -6,9 +6,10 @@ Receiver: n = await read_body_into(request.stream(), staging_bucket, renew)   # 
 The body is the bucket's raw bytes (`application/octet-stream`, Content-Length set);
 headers carry the update version, the pushing run (X-Weights-Run-Id: only the run that
 began the update may write its buckets; absent = the anonymous run "") and the bucket's
-xxh3_64 so the server can reject a bad bucket at once (the commit carries the checksums again). The body is streamed straight
-into the receiver's staging tensor (no pickle, no intermediate `bytes` of the whole
-bucket); `renew` is called every few MiB: the data plane keeps the update's lease alive.
+xxh3_64 so the server can reject a bad bucket at once (the commit carries the checksums
+again). The body is streamed straight into the receiver's staging tensor (no pickle, no
+intermediate `bytes` of the whole bucket); `renew` is called every few MiB: the data
+plane keeps the update's lease alive.
 The sender packs bucket k+1 while bucket k is on the wire (weight_sync/sender.py).
 """
 
