@@ -467,7 +467,9 @@ class HealthResponse(BaseModel):
     is_draining: bool = False
     num_running: int = 0
     num_waiting: int = 0
-    num_free_slots: int | None = None
+    num_free_slots: int | None = None  # free sequence slots (max_batch less running), kept for compatibility
+    num_kv_pages_used: int | None = None   # KV-cache pages in use (pages of block_size tokens)
+    num_kv_pages_total: int | None = None  # KV-cache pages in all (None: the backend has no paged cache)
 
 
 class PauseRequest(_Request):

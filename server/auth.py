@@ -10,19 +10,30 @@ environment variable, else `ServerConfig.admin_token_file` (a file holding the t
 created with a random token, mode 0600, when missing, so a trainer on the same host can
 read it), resolved once by `server.app.create_app` into `app.state.admin_token`. With no token configured the admin endpoints are
 disabled (403 "admin disabled"), never open. A missing/malformed header is 401,
-a wrong token 403. Tokens are compared in constant time.
+a wrong token 403. Tokens are compared in constant time. Failures are counted
+(`dlrl_auth_failures_total{what,status}`), logged at most once per
+`server.resource_log_interval_s` with a count, and a client address with
+`server.auth_max_failures` wrong tokens (403) within `server.auth_failure_window_s` gets 429 with
+Retry-After for `server.auth_throttle_s`, before its token is compared (AuthGuard; the
+feedback token of server.routes_feedback goes through the same check).
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
+import math
 import os
 import secrets
+import time
+from collections import OrderedDict, deque
 from pathlib import Path
+from typing import Any
 
 from fastapi import HTTPException, Request
 
 ENV_VAR = "DLRL_ADMIN_TOKEN"
+log = logging.getLogger("dlrl.server")
 
 
 def resolve_admin_token(configured: str | None, token_file: str | None = None) -> str:
@@ -49,9 +60,80 @@ def _app_token(request: Request) -> str:
     return token
 
 
-def check_bearer(expected: str, authorization: str | None, what: str = "admin",
-                 disabled_hint: str = f"set server.admin_token or {ENV_VAR}") -> None:
-    """Raise HTTPException unless `authorization` is `Bearer <expected>` (`what`: whose token)."""
+class AuthGuard:
+    """Failed token checks per (token kind, client address): counted, logged (rate-limited), throttled.
+
+    A client with `max_failures` failures within `window_s` gets 429 with Retry-After for
+    `throttle_s`, before its token is even compared; a success clears its failures.
+    At most `max_clients` addresses are tracked (the least recently failing are forgotten).
+    """
+
+    def __init__(self, max_failures: int = 10, window_s: float = 60.0, throttle_s: float = 60.0,
+                 log_interval_s: float = 10.0, metrics: Any = None, max_clients: int = 10_000):
+        from server.connections import RateLimitedLog
+
+        self.max_failures, self.window_s, self.throttle_s = max_failures, window_s, throttle_s
+        self.metrics, self.max_clients = metrics, max_clients
+        self.limiter = RateLimitedLog(log_interval_s)
+        self._failures: OrderedDict[tuple[str, str], deque[float]] = OrderedDict()
+        self._blocked: dict[tuple[str, str], float] = {}
+
+    @classmethod
+    def from_app(cls, app: Any) -> AuthGuard:
+        guard = getattr(app.state, "auth_guard", None)
+        if guard is None:
+            config = getattr(app.state, "config", None)
+            guard = app.state.auth_guard = cls(
+                int(getattr(config, "auth_max_failures", 10)), float(getattr(config, "auth_failure_window_s", 60.0)),
+                float(getattr(config, "auth_throttle_s", 60.0)), float(getattr(config, "resource_log_interval_s", 10.0)),
+                getattr(app.state, "metrics", None))
+        return guard
+
+    def check(self, what: str, ip: str) -> None:
+        """429 with Retry-After while (what, ip) is throttled."""
+        until = self._blocked.get((what, ip))
+        if until is None:
+            return
+        left = until - time.monotonic()
+        if left <= 0:
+            del self._blocked[(what, ip)]
+            return
+        self._count(what, 429)
+        raise HTTPException(status_code=429, detail=f"too many failed {what} token checks from {ip}; retry in "
+                                                    f"{math.ceil(left)}s", headers={"Retry-After": str(math.ceil(left))})
+
+    def failed(self, what: str, ip: str, status: int) -> None:
+        """Count and log a failed check; a wrong token (403) also counts toward throttling `ip`
+        (a missing or malformed header, 401, tries no token)."""
+        key, now = (what, ip), time.monotonic()
+        self._count(what, status)
+        self.limiter.event(f"auth-{what}", "%s authentication failed (HTTP %d) from %s", what, status, ip)
+        if status != 403:
+            return
+        times = self._failures.pop(key, None) or deque()
+        times.append(now)
+        while times and now - times[0] > self.window_s:
+            times.popleft()
+        self._failures[key] = times
+        while len(self._failures) > self.max_clients:
+            self._failures.popitem(last=False)
+        if len(times) >= self.max_failures:
+            self._blocked[key] = now + self.throttle_s
+            times.clear()
+            log.warning("%s authentication: %s failed %d times within %gs: throttled (429) for %gs", what, ip,
+                        self.max_failures, self.window_s, self.throttle_s)
+            while len(self._blocked) > self.max_clients:
+                self._blocked.pop(next(iter(self._blocked)))
+
+    def succeeded(self, what: str, ip: str) -> None:
+        self._failures.pop((what, ip), None)
+
+    def _count(self, what: str, status: int) -> None:
+        if self.metrics is not None:
+            self.metrics.auth_failures.labels(what=what, status=str(status)).inc()
+
+
+def _compare(expected: str, authorization: str | None, what: str, disabled_hint: str) -> None:
     if not expected:
         raise HTTPException(status_code=403, detail=f"{what} disabled: no {what} token configured ({disabled_hint})")
     if not authorization:
@@ -65,6 +147,23 @@ def check_bearer(expected: str, authorization: str | None, what: str = "admin",
         raise HTTPException(status_code=403, detail=f"invalid {what} token")
 
 
+def check_bearer(expected: str, authorization: str | None, what: str = "admin",
+                 disabled_hint: str = f"set server.admin_token or {ENV_VAR}", request: Request | None = None) -> None:
+    """Raise HTTPException unless `authorization` is `Bearer <expected>` (`what`: whose token).
+    With `request`, failures are counted, logged and throttled per client (AuthGuard of the app)."""
+    if request is None:
+        return _compare(expected, authorization, what, disabled_hint)
+    guard, ip = AuthGuard.from_app(request.app), request.client.host if request.client else ""
+    guard.check(what, ip)
+    try:
+        _compare(expected, authorization, what, disabled_hint)
+    except HTTPException as e:
+        if expected:  # "disabled" is the server's state, not the client's failure
+            guard.failed(what, ip, e.status_code)
+        raise
+    guard.succeeded(what, ip)
+
+
 async def require_admin(request: Request) -> None:
-    """FastAPI dependency: 403 when admin is disabled, 401 missing token, 403 wrong token."""
-    check_bearer(_app_token(request), request.headers.get("authorization"))
+    """FastAPI dependency: 403 when admin is disabled, 401 missing token, 403 wrong token, 429 throttled."""
+    check_bearer(_app_token(request), request.headers.get("authorization"), request=request)

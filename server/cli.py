@@ -8,6 +8,8 @@ by `dllm.tiny.ensure_default_model`. Binds 127.0.0.1 unless told otherwise. The 
 token comes from `server.admin_token` or the DLRL_ADMIN_TOKEN environment variable.
 SIGTERM / SIGINT shut down gracefully (server.lifecycle): new requests get 503, requests
 in flight get up to `server.shutdown_timeout` seconds, then the process exits 0.
+Connections are bounded (server.connections: header/read/keep-alive timeouts, caps per
+client and in total, a reserve for probes and admin, rate-limited resource errors).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from server.app import create_app
+    from server.connections import ConnectionLimits, bounded_protocol
     from server.lifecycle import GracefulServer
 
     model_path = resolve_model(config, config_path, args.overrides)
@@ -97,9 +100,15 @@ def main(argv: list[str] | None = None) -> int:
     log.info("listening on http://%s:%d (admin endpoints %s)", config.host, config.port,
              "enabled" if app.state.admin_token else "disabled: no admin token")
     json_logs = {"log_config": None, "access_log": False} if config.log_format == "json" else {}  # server.logs
-    server = GracefulServer(uvicorn.Config(app, host=config.host, port=config.port, **json_logs,
+    try:
+        limits = ConnectionLimits.from_config(config, app.state.metrics)
+    except ConfigError as e:  # the file limit leaves no room for connections
+        parser.exit(2, f"dlrl serve: error: {e}\n")
+    server = GracefulServer(uvicorn.Config(app, host=config.host, port=config.port, http=bounded_protocol(limits),
+                                           timeout_keep_alive=config.keepalive_timeout_s, backlog=config.listen_backlog,
+                                           **json_logs,
                                            log_level=config.log_level.lower(), timeout_graceful_shutdown=5),
-                            app, shutdown_timeout=config.shutdown_timeout)
+                            app, shutdown_timeout=config.shutdown_timeout, limiter=limits.limiter)
     server.run()
     log.info("server stopped")
     return 0

@@ -60,6 +60,19 @@ class ServerConfig(Config):
     log_format: Literal["text", "json"] = "text"  # json: one JSON event per line (request id, version, timing)
     max_body_bytes: int = Field(4 << 20, ge=1)  # request bodies over this are a 413 before being read (weights exempt)
     shutdown_timeout: float = Field(20.0, ge=0)  # SIGTERM: seconds in-flight requests get before they are aborted
+    # connection bounds (server/connections.py) and admin-auth throttling (server/auth.py)
+    header_timeout_s: float = Field(10.0, gt=0, le=3600)  # request line + headers must arrive within this: else 408
+    read_timeout_s: float = Field(60.0, gt=0, le=3600)    # a request body stalled this long: 408, closed
+    keepalive_timeout_s: float = Field(5.0, gt=0, le=3600)  # an idle kept-alive connection is closed after this
+    max_connections: int = Field(1024, ge=1)  # open connections (lowered to fit ulimit -n less the reserves)
+    max_connections_per_ip: int = Field(256, ge=1)  # open connections of one client address
+    reserved_connections: int = Field(16, ge=0)  # extra slots past the caps for /health, /ready, /metrics, admin
+    fd_reserve: int = Field(256, ge=16)  # file descriptors kept free of connections (files, stores, accept bursts)
+    listen_backlog: int = Field(64, ge=1)  # kernel accept queue; also the most connections accepted in one burst
+    resource_log_interval_s: float = Field(10.0, gt=0)  # refusals, resource errors, auth failures: one line per interval
+    auth_max_failures: int = Field(10, ge=1)  # failed admin/feedback token checks of a client within the window ...
+    auth_failure_window_s: float = Field(60.0, gt=0)  # ... after which it gets 429 with Retry-After ...
+    auth_throttle_s: float = Field(60.0, gt=0)  # ... for this long
     # defaults for requests that leave these unset
     default_max_tokens: int = Field(64, ge=1)
     default_strategy: Strategy = "dynamic"
@@ -84,6 +97,9 @@ class ServerConfig(Config):
     feedback_labels: dict[Label, Reward] = Field(default_factory=lambda: {"accept": 1.0, "reject": 0.0})
 
     def check(self) -> None:
+        if self.listen_backlog >= self.fd_reserve:
+            raise ValueError(f"server.listen_backlog: {self.listen_backlog} must be below server.fd_reserve "
+                             f"({self.fd_reserve}): a burst of accepted connections needs free descriptors")
         if (self.record != "none" or self.resolved_feedback_token()) and not self.store:
             raise ValueError("server.store: a path is needed when recording or feedback is on")
         token = self.resolved_feedback_token()

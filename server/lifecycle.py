@@ -9,7 +9,8 @@ already in flight run to the end.
 When none is left -- or `server.shutdown_timeout` seconds have passed, after which the
 remaining sequences are aborted (their responses end with finish_reason "abort") -- uvicorn
 closes the listeners and the process exits with status 0, as Kubernetes expects. A
-second signal stops at once.
+second signal stops at once. With a `limiter` (server.connections.RateLimitedLog) the event
+loop's resource errors (accept() out of file descriptors) are logged once per interval.
 """
 
 from __future__ import annotations
@@ -51,11 +52,19 @@ async def drain(app: Any, timeout: float) -> None:
 class GracefulServer(uvicorn.Server):
     """uvicorn.Server whose first SIGTERM/SIGINT drains (see module doc) instead of stopping."""
 
-    def __init__(self, config: uvicorn.Config, app: Any, shutdown_timeout: float):
+    def __init__(self, config: uvicorn.Config, app: Any, shutdown_timeout: float, limiter: Any = None):
         super().__init__(config)
         self.app, self.shutdown_timeout = app, shutdown_timeout
+        self.limiter = limiter  # server.connections.RateLimitedLog: resource errors once per interval
         self._drain_signal: int | None = None
         self._drain_task: asyncio.Task | None = None
+
+    async def startup(self, sockets: Any = None) -> None:
+        if self.limiter is not None:
+            from server.connections import install_resource_log
+
+            install_resource_log(asyncio.get_running_loop(), self.limiter)
+        await super().startup(sockets=sockets)
 
     def handle_exit(self, sig: int, frame: Any) -> None:  # signal handler: only set flags
         if self._drain_signal is None:
@@ -64,6 +73,11 @@ class GracefulServer(uvicorn.Server):
             self.should_exit = self.force_exit = True
 
     async def on_tick(self, counter: int) -> bool:
+        if self.limiter is not None and counter % 10 == 0:
+            self.limiter.flush()  # counts held back by the once-per-interval logs
+            guard = getattr(self.app.state, "auth_guard", None)
+            if guard is not None:
+                guard.limiter.flush()
         if self._drain_signal is not None and self._drain_task is None:
             log.info("received %s: shutting down gracefully", signal.Signals(self._drain_signal).name)
             self._drain_task = asyncio.create_task(self._drain())

@@ -24,7 +24,10 @@ dlrl_records_total, dlrl_store_records / dlrl_store_feedback / dlrl_store_bytes 
 The store: dlrl_store_errors_total{op,cause} (failed store operations), dlrl_store_up,
 dlrl_records_dropped_total{reason} (never written), dlrl_record_ids_withheld_total{reason}
 (answered without an id), dlrl_record_write_seconds, dlrl_record_queue (records waiting for the
-writer). Older names kept: dlrl_queue_depth, dlrl_running_sequences, dlrl_policy_version, dlrl_paused, dlrl_aborted_sequences, dlrl_max_batch_size.
+writer). Connections and auth: dlrl_connections_refused_total{reason} (limit, header_timeout,
+read_timeout: server.connections), dlrl_auth_failures_total{what,status} (failed admin/feedback
+token checks, 401/403/429: server.auth). Older names kept: dlrl_queue_depth,
+dlrl_running_sequences, dlrl_policy_version, dlrl_paused, dlrl_aborted_sequences, dlrl_max_batch_size.
 """
 
 from __future__ import annotations
@@ -149,6 +152,10 @@ class ServerMetrics:
                                        registry=r)
         for outcome in ("applied", "failed"):
             self.updates.labels(outcome=outcome)
+        self.connections_refused = Counter(  # server.connections: caps reached, header/read timeouts
+            "dlrl_connections_refused", "connections refused or closed by the server's bounds", ["reason"], registry=r)
+        self.auth_failures = Counter("dlrl_auth_failures", "failed bearer-token checks (server.auth)",
+                                     ["what", "status"], registry=r)
         self._max_batch = 0
         self._forward_times: deque[float] = deque()
         self._lock = threading.Lock()

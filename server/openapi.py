@@ -5,7 +5,7 @@
 On top of FastAPI's generated document it:
 - replaces FastAPI's 422 (this server answers validation errors with 400) and adds the
   `ErrorResponse` body to every error status a route can answer: 400 for a malformed body
-  or parameter, 413 for a body over `server.max_body_bytes`, 401/403 and a bearer security
+  or parameter, 413 for a body over `server.max_body_bytes`, 401/403/429 and a bearer security
   scheme on admin routes (the feedback token's on `/v1/feedback`), 503 on generation routes
   while the server drains;
 - writes the served model's limits into the request schemas, so that a schema-valid request
@@ -39,7 +39,8 @@ DESCRIPTIONS = {
     409: "Conflict (weight update version or state)",
     413: "Does not fit this server: body over server.max_body_bytes, prompt or prompt + max_tokens over "
          "max_model_len, or prompts x n over max_queue",
-    429: "Queue full (sequences or tokens) or an API key over its quota; retry after the Retry-After header",
+    429: "Queue full (sequences or tokens), an API key over its quota, or too many wrong tokens from this client "
+         "(server.auth_max_failures); retry after the Retry-After header",
     503: "Not ready, stopped, or shutting down (draining), or past server.max_request_s (aborted)",
 }
 
@@ -66,7 +67,7 @@ def _document_errors(schema: dict[str, Any], is_feedback_on: bool = True) -> Non
             if op.get("requestBody"):
                 codes.append(413)
             if path.startswith(ADMIN_PREFIXES):
-                codes += [401, 403]
+                codes += [401, 403, 429]
                 op["security"] = [{"bearerAuth": []}]
                 if path.startswith("/weights/"):
                     codes += [400, 404, 409, 413, 503]
@@ -75,7 +76,7 @@ def _document_errors(schema: dict[str, Any], is_feedback_on: bool = True) -> Non
             if path in FEEDBACK_PATHS:
                 codes.append(403)
                 if is_feedback_on:  # else disabled: 403 whatever the request carries
-                    codes.append(401)
+                    codes += [401, 429]
                     op["security"] = [{"feedbackAuth": []}]
             _add_errors(op, sorted(set(codes)))
     comps = schema.setdefault("components", {})

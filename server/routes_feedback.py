@@ -30,10 +30,10 @@ log = logging.getLogger("dlrl.server")
 
 
 async def require_feedback(request: Request) -> None:
-    """FastAPI dependency: 403 disabled (no feedback token), 401 missing, 403 wrong token."""
+    """FastAPI dependency: 403 disabled (no feedback token), 401 missing, 403 wrong token, 429 throttled."""
     token = getattr(request.app.state, "feedback_token", "")
     check_bearer(token, request.headers.get("authorization"), what="feedback",
-                 disabled_hint=f"set server.feedback_token or {FEEDBACK_ENV_VAR}")
+                 disabled_hint=f"set server.feedback_token or {FEEDBACK_ENV_VAR}", request=request)
 
 
 router = APIRouter(tags=["feedback"], dependencies=[Depends(require_feedback)])

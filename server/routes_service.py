@@ -1,7 +1,7 @@
 """Service routes: health, readiness, Prometheus metrics, and admin pause/resume.
 
     GET  /health          always 200 while the process serves (model, version, paused, draining,
-                          running / waiting sequences, free KV-cache slots)
+                          running / waiting sequences, free sequence slots, KV-cache pages used / total)
     GET  /ready           200 when the engine runs and admits requests, else 503
     GET  /metrics         Prometheus text format (per-app registry)
     POST /admin/pause     {"abort_inflight": false}  (bearer token)  -> EngineStatus
@@ -23,11 +23,22 @@ router = APIRouter(tags=["service"])
 admin = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
 
 
+def _kv_pages(engine) -> tuple[int | None, int | None]:
+    """(used, total) pages of the backend's paged KV cache (dllm.kv_cache.KVCache), or (None, None)."""
+    cache = getattr(getattr(engine.backend, "decoder", None), "cache", None)
+    total, free = getattr(cache, "num_pages", None), getattr(cache, "num_free_pages", None)
+    if not isinstance(total, int) or not isinstance(free, int):
+        return None, None
+    return total - free, total
+
+
 def _health(engine, is_draining: bool = False) -> P.HealthResponse:
     status = "ok" if engine.is_running else "stopped"
+    used, total = _kv_pages(engine)
     return P.HealthResponse(status=status, model=engine.model_name, version=engine.version,
                             is_paused=engine.is_paused, is_draining=is_draining, num_running=engine.num_running,
-                            num_waiting=engine.num_waiting, num_free_slots=engine.backend.num_free_slots)
+                            num_waiting=engine.num_waiting, num_free_slots=engine.backend.num_free_slots,
+                            num_kv_pages_used=used, num_kv_pages_total=total)
 
 
 def _status(engine) -> P.EngineStatus:

@@ -3,7 +3,7 @@
     POST /weights/connect      ConnectRequest -> ConnectResponse  (one-time: region, staging, dist group)
     POST /weights/begin        BeginRequest   -> BeginResponse
     PUT  /weights/bucket/{i}   raw bucket bytes (http transport), headers X-Weights-Version,
-                               X-Bucket-Checksum (xxh3_64)          -> {index, nbytes}
+                               X-Weights-Run-Id, X-Bucket-Checksum (xxh3_64) -> {index, nbytes}
     POST /weights/commit       CommitRequest  -> CommitResponse (200 applied, 202 pending drain)
     POST /weights/abort        AbortRequest   -> AbortResponse
     GET  /weights/version      -> VersionResponse
@@ -12,8 +12,11 @@
     POST /weights/rollback     RollbackRequest -> RollbackResponse (404 not kept, 409 update in progress)
     GET  /weights/kept         -> KeptResponse (versions kept in host memory, server.keep_versions)
 
-Bodies are the pydantic models of weight_sync.protocol, which the sender uses too. Errors
-are 4xx JSON naming the problem: 409 stale version / update already running / no update,
+Bodies are the pydantic models of weight_sync.protocol, which the sender uses too. Every
+call about an update names its run (`run_id` in the body, the X-Weights-Run-Id header of a
+bucket; absent = the anonymous run ""): a bucket, commit or abort of an update another run
+began is a 409 naming the owner, before anything is read or changed (docs/SECURITY.md).
+Errors are 4xx JSON naming the problem: 409 stale version / update already running / no update,
 400 bad manifest or data (truncated bucket, checksum mismatch, NaN/inf weights), 400 for a
 malformed body (the app's validation mapping). The WeightUpdates glue lives in
 `app.state.weight_updates`, created on first use from `app.state.engine` / `.config`.
@@ -48,7 +51,7 @@ from weight_sync.protocol import (
     UpdateState,
     VersionResponse,
 )
-from weight_sync.transports.http import CHECKSUM_HEADER, VERSION_HEADER, parse_int_header
+from weight_sync.transports.http import CHECKSUM_HEADER, VERSION_HEADER, parse_int_header, parse_run_id_header
 
 log = logging.getLogger("dlrl.server")
 router = APIRouter(prefix="/weights", tags=["weights"], dependencies=[Depends(require_admin)])
@@ -96,14 +99,16 @@ async def put_bucket(index: int, request: Request) -> dict[str, Any]:
     async def run() -> dict[str, Any]:
         version = parse_int_header(request.headers, VERSION_HEADER)
         checksum = parse_int_header(request.headers, CHECKSUM_HEADER)
-        return await updates.put_bucket(index, request.stream(), version, checksum)
+        run_id = parse_run_id_header(request.headers)
+        return await updates.put_bucket(index, request.stream(), version, checksum, run_id)
 
     return await _call("bucket upload", run())
 
 
 @router.post("/commit", response_model=CommitResponse, responses={202: {"model": CommitResponse}})
 async def commit(body: CommitRequest, request: Request) -> Any:
-    result = await _call("commit", get_updates(request).commit(body.version, body.checksums, body.abort_inflight))
+    result = await _call("commit", get_updates(request).commit(body.version, body.checksums, body.abort_inflight,
+                                                               body.run_id))
     if result["state"] == "pending":
         return JSONResponse(CommitResponse.model_validate(result).model_dump(), status_code=202)
     return result

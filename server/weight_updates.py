@@ -2,7 +2,11 @@
 
     updates = make_updates(engine, config)            # one per app (routes_weights creates it)
     await updates.begin(BeginRequest(...))            # validate against engine.model, stage
-    await updates.commit(7, checksums)                # verify -> drain -> apply -> version -> resume
+    await updates.commit(7, checksums, run_id="r")    # verify -> drain -> apply -> version -> resume
+
+Every call names its run (`run_id`, "" = the anonymous run): a bucket, commit or abort for
+an update another run began is weight_sync.NotOwner (409 naming the owner), checked
+before anything is read, verified, drained or dropped (weight_sync/receiver.py).
 
 Commit = verify the staged bytes (in a worker thread: checksums and NaN/inf), then the
 drain: admission stops and in-flight sequences get `drain_timeout_s` to finish. Past that
@@ -108,29 +112,31 @@ class WeightUpdates:
         return out
 
     async def put_bucket(
-        self, index: int, stream: AsyncIterator[bytes], version: int | None, checksum: int | None,
+        self, index: int, stream: AsyncIterator[bytes], version: int | None, checksum: int | None, run_id: str = "",
     ) -> dict[str, Any]:
-        """http data plane: stream one request body into the staging bucket, then verify it."""
-        buf = self.receiver.bucket_buffer(index, version)
+        """http data plane: stream one request body into the staging bucket (owner only), then verify it."""
+        buf = self.receiver.bucket_buffer(index, version, run_id)  # NotOwner before a byte is read
         try:
             nbytes = await read_body_into(stream, buf, self.receiver.touch)
         except BaseException:
-            self.receiver.bucket_written(index, None, None, version)  # releases the bucket
+            self.receiver.bucket_written(index, None, None, version, run_id)  # releases the bucket
             raise
-        await asyncio.to_thread(self.receiver.bucket_written, index, nbytes, checksum, version)
+        await asyncio.to_thread(self.receiver.bucket_written, index, nbytes, checksum, version, run_id)
         return {"index": index, "nbytes": nbytes}
 
     async def commit(self, version: int, checksums: list[int | None] | None = None,
-                     abort_inflight: bool | None = None) -> dict[str, Any]:
-        """Verify, drain (bounded), apply. Returns {"state": "applied" | "pending", ...}."""
+                     abort_inflight: bool | None = None, run_id: str = "") -> dict[str, Any]:
+        """Verify, drain (bounded), apply. Returns {"state": "applied" | "pending", ...}.
+        NotOwner (409) when `version` (in progress, pending or applied) belongs to another run."""
         abort = self.abort_inflight if abort_inflight is None else abort_inflight
+        self.receiver.check_owner(version, run_id)  # before anything: a foreign commit changes nothing
         task = self._commits.get(version)
         if task is None:
             if self.receiver.committed(version) and version <= self.version:  # above: applied, then rolled back
                 return {"version": version, "state": "applied", "served_version": self.version}
             t0 = time.perf_counter()
             try:
-                await asyncio.to_thread(self.receiver.verify, version, checksums)
+                await asyncio.to_thread(self.receiver.verify, version, checksums, run_id)
             except Exception:
                 self._refused("commit")
                 raise
@@ -205,7 +211,8 @@ class WeightUpdates:
                 continue
 
     async def abort(self, version: int | None = None, reason: str = "aborted by the sender",
-                    run_id: str | None = None) -> dict[str, Any]:
+                    run_id: str | None = "") -> dict[str, Any]:
+        """Abort the update of `run_id` (NotOwner: another run's); aborted False when none matches."""
         aborted = await asyncio.to_thread(self.receiver.abort, version, reason, run_id)
         if aborted and self.metrics is not None:
             self.metrics.update_aborts.inc()

@@ -76,6 +76,7 @@ def start_server(model_dir: str, port: int | None = None, **overrides) -> Runnin
     from server.config import ServerConfig
     from server.engine import Engine
 
+    overrides.setdefault("auth_max_failures", 10_000)  # session servers: many tests send wrong tokens on purpose
     config = ServerConfig(model=model_dir, port=port or _free_port(), device="cpu", dtype="float32", **overrides)
     backend = NativeBackend.from_pretrained(model_dir, device="cpu", dtype="float32", max_batch=config.max_batch,
                                             max_model_len=config.max_model_len, kv_cache_memory=config.kv_cache_memory,

@@ -173,10 +173,10 @@ def test_resumed_run_takes_over_its_own_update(server):
     assert rc == -signal.SIGKILL
     assert get(server.url, "/weights/version")["update"]["run_id"] == "run-resume"
     t0 = time.monotonic()
-    named = push_in_process(server, "http", v, "run-resume")  # same run: takes over, no wait for the lease
+    named = push_in_process(server, "http", v, "run-resume")  # same run: its connect takes over, no wait
     assert time.monotonic() - t0 < 60
     assert get(server.url, "/weights/checksum") == {"version": v, "digest": weights_digest(named)}
-    assert "superseded by a new begin of run 'run-resume'" in get(server.url, "/weights/version")["last_failure"]
+    assert "superseded by a new connect of run 'run-resume'" in get(server.url, "/weights/version")["last_failure"]
 
 
 def test_commit_is_idempotent_and_queryable(server):

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from weight_sync import UpdateConflict, UpdateFailed, WeightReceiver, weights_digest
+from weight_sync import NotOwner, UpdateConflict, UpdateFailed, WeightReceiver, weights_digest
 from weight_sync.bucket import pack_stream, plan_buckets, specs_of
 from weight_sync.checksum import checksum as crc32
 from weight_sync.errors import ManifestError
@@ -185,7 +185,9 @@ def test_abort_states_and_queryable_outcome(served):
     m, bufs = packed(tensors(1), 1)
     served.rx.begin(1, "http", m, run_id="run-a")
     assert served.rx.abort(version=2) is False  # another version: nothing to abort
-    assert served.rx.abort(version=1, run_id="run-b") is False  # another run's abort: ignored
+    with pytest.raises(NotOwner, match="belongs to run 'run-a', not to run 'run-b'"):
+        served.rx.abort(version=1, run_id="run-b")  # another run's abort: refused, nothing changes
+    assert served.rx.state(1)["state"] == "receiving"
     assert served.rx.abort(version=1, reason="test") is True
     assert "aborted: test" in served.rx.status()["last_failure"]
     assert served.rx.state(1)["state"] == "failed" and served.rx.state(1)["reason"] == "test"
@@ -278,3 +280,45 @@ def test_begin_refuses_buckets_larger_than_their_tensors(served):
     with pytest.raises(ManifestError, match="beyond the tensors"):
         served.rx.begin(1, "http", d)
     assert served.rx.status()["update"] is None
+
+
+def test_refused_begin_or_connect_of_the_same_run_changes_nothing(served):
+    """A begin/connect of the run owning the open shm update that fails a check (stale version,
+    bad manifest, missing region, bad dist options) leaves that update receiving; a valid one takes over."""
+    new, region = tensors(2), ShmRegion("run-a")
+    try:
+        m = plan_buckets(specs_of(new.items()), 512, 1)
+        opts = region.prepare(m)
+        served.rx.begin(1, "shm", m.to_dict(), opts, run_id="run-a")
+        bad, _ = packed({k: v for k, v in new.items() if k != "n"}, 2)
+        gone = {**opts, "name": "dlrl_ws_no_such_region"}
+        refusals = [
+            (lambda: served.rx.begin(0, "shm", plan_buckets(specs_of(new.items()), 512, 0), opts, run_id="run-a"),
+             "not greater than the current version 0"),
+            (lambda: served.rx.begin(2, "shm", bad, opts, run_id="run-a"), "missing 1 tensor"),
+            (lambda: served.rx.begin(2, "shm", plan_buckets(specs_of(new.items()), 512, 2), gone, run_id="run-a"),
+             "does not exist"),
+            (lambda: served.rx.begin(2, "dist", plan_buckets(specs_of(new.items()), 512, 2), {}, run_id="run-a"),
+             "options.addr"),
+            (lambda: served.rx.connect("shm", bad, opts, run_id="run-a"), "missing 1 tensor"),
+            (lambda: served.rx.begin(2, "shm", plan_buckets(specs_of(new.items()), 512, 2), opts, run_id="run-b"),
+             "by run 'run-a' is already receiving"),
+        ]
+        for call, match in refusals:
+            with pytest.raises((ManifestError, UpdateConflict), match=match):
+                call()
+            assert served.rx.state(1)["state"] == "receiving" and served.rx.state(1)["run_id"] == "run-a"
+        with pytest.raises(NotOwner, match="belongs to run 'run-a'"):
+            served.rx.commit(1, run_id="run-b")
+        assert served.rx.status()["update"]["phase"] == "receiving"
+        m2 = plan_buckets(specs_of(new.items()), 512, 2)
+        bufs = [b for _, b, _ in pack_stream(m2, iter(new.items()), region.bucket)]
+        assert served.rx.begin(2, "shm", m2.to_dict(), opts, run_id="run-a")["took_over"] == 1
+        for i in range(len(bufs)):
+            region.mark_ready(i, 2)
+        served.rx.commit(2, [crc32(b) for b in bufs], run_id="run-a")
+        assert served.rx.version == 2 and served.digest() == weights_digest(new)
+        assert served.rx.state(1)["reason"] == "superseded by a new begin of run 'run-a'"
+    finally:
+        served.rx.close()
+        region.close()

@@ -68,8 +68,8 @@ def packed(model: torch.nn.Module, version: int) -> tuple[dict, list[torch.Tenso
     return m.to_dict(), bufs
 
 
-def put(client: TestClient, i: int, data: bytes, version: int = 1, crc: int | str | None = None):
-    headers = {**AUTH, "X-Weights-Version": str(version)}
+def put(client: TestClient, i: int, data: bytes, version: int = 1, crc: int | str | None = None, run_id: str = ""):
+    headers = {**AUTH, "X-Weights-Version": str(version), "X-Weights-Run-Id": run_id}
     if crc is not None:
         headers["X-Bucket-Checksum"] = str(crc)
     return client.put(f"/weights/bucket/{i}", content=data, headers=headers)
@@ -133,8 +133,10 @@ def test_commit_pending_while_sequences_drain_then_applied():
         assert client.post("/weights/begin", json={"version": 1, "transport": "http", "manifest": manifest,
                                                    "run_id": "r1"}, headers=AUTH).status_code == 200
         for i, b in enumerate(bufs):
-            assert put(client, i, b.numpy().tobytes(), 1, crc32(b)).status_code == 200
-        r = client.post("/weights/commit", json={"version": 1}, headers=AUTH)
+            assert put(client, i, b.numpy().tobytes(), 1, crc32(b), run_id="r1").status_code == 200
+        r = client.post("/weights/commit", json={"version": 1}, headers=AUTH)  # the anonymous run: not the owner
+        assert r.status_code == 409 and "belongs to run 'r1'" in r.json()["detail"]
+        r = client.post("/weights/commit", json={"version": 1, "run_id": "r1"}, headers=AUTH)
         assert r.status_code == 202 and r.json() == {"version": 1, "state": "pending", "served_version": 0}
         assert client.get("/weights/updates/1", headers=AUTH).json()["state"] == "draining"
         assert engine.version == 0  # in-flight sequences still run on the old weights
@@ -144,8 +146,10 @@ def test_commit_pending_while_sequences_drain_then_applied():
             assert time.monotonic() < deadline
             time.sleep(0.02)
         assert engine.version == 1 and not engine.is_paused
-        r = client.post("/weights/commit", json={"version": 1}, headers=AUTH)  # a retried commit
+        r = client.post("/weights/commit", json={"version": 1, "run_id": "r1"}, headers=AUTH)  # a retried commit
         assert r.status_code == 200 and r.json()["state"] == "applied"
+        r = client.post("/weights/commit", json={"version": 1, "run_id": "r2"}, headers=AUTH)
+        assert r.status_code == 409 and "belongs to run 'r1'" in r.json()["detail"]
         assert client.get("/weights/checksum", headers=AUTH).json()["digest"] == weights_digest(
             src.named_parameters())
         assert client.get("/weights/updates/7", headers=AUTH).json()["state"] == "unknown"

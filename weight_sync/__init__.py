@@ -16,6 +16,7 @@ transports/{shm,dist,http}.py (data planes). Imports neither server, trainer nor
 from weight_sync.errors import (
     ManifestError,
     NonFiniteWeights,
+    NotOwner,
     UpdateConflict,
     UpdateFailed,
     WeightSyncError,
@@ -26,7 +27,7 @@ from weight_sync.sender import WeightSender, close_all, connect, push
 from weight_sync.sources import drain, iter_deepspeed_params
 
 __all__ = [
-    "Manifest", "ManifestError", "NonFiniteWeights", "UpdateConflict", "UpdateFailed", "WeightReceiver",
+    "Manifest", "ManifestError", "NonFiniteWeights", "NotOwner", "UpdateConflict", "UpdateFailed", "WeightReceiver",
     "WeightSender", "WeightSyncError", "close_all", "connect", "drain", "iter_deepspeed_params", "push",
     "weights_digest",
 ]

@@ -121,6 +121,9 @@ class ControlClient:
                         raise
                     # 409: a commit of this version is already running (a retry raced it): ask
             state = self._state_or_none(body.version)
+            if state is not None and state.run_id != body.run_id and state.state != "unknown":
+                raise WeightSyncError(f"{self.url}: commit of version {body.version} refused: that update "
+                                      f"belongs to run {state.run_id!r}, not to this run {body.run_id!r}")
             if state is not None and state.state == "applied":
                 return CommitResponse(version=body.version, state="applied", served_version=state.served_version)
             if state is not None and state.state in ("failed", "unknown"):

@@ -7,6 +7,7 @@
 
 `ManifestError` (400, also a ValueError) : the manifest or a bucket does not match the model.
 `UpdateConflict` (409)                    : stale version, an update already running, no update.
+`NotOwner` (409, an UpdateConflict)       : the call names another run than the one owning the update.
 `UpdateFailed` (400)                      : bad data: truncated bucket, checksum mismatch, ...
 `NonFiniteWeights` (400)                  : the update holds NaN/inf values; nothing was applied.
 `WeightSyncError`                         : base class; the sender raises it for any failed push.
@@ -31,6 +32,15 @@ class UpdateConflict(WeightSyncError):
     """The request conflicts with the receiver's state: version, concurrency (HTTP 409)."""
 
     http_status = 409
+
+
+class NotOwner(UpdateConflict):
+    """The call names a run (run_id) other than the one that began the update (HTTP 409, names the owner)."""
+
+    def __init__(self, version: int, owner: str, caller: str):
+        super().__init__(f"run_id: update {version} belongs to run {owner!r}, not to run {caller!r}; "
+                         "only the run that began an update may send its data, commit or abort it")
+        self.version, self.owner, self.caller = version, owner, caller
 
 
 class UpdateFailed(WeightSyncError):

@@ -4,6 +4,10 @@
     client.post("/weights/begin", json=body.model_dump())          # weight_sync/sender.py
     async def begin(body: BeginRequest) -> BeginResponse: ...       # server/routes_weights.py
 
+Ownership: every request about an update names its run (`run_id`; the http data plane's
+X-Weights-Run-Id header); only the run that began an update may send its buckets, commit or
+abort it: another run gets 409 naming the owner, and nothing changes (docs/SECURITY.md).
+
 Endpoints (admin bearer token):
     POST /weights/connect        ConnectRequest -> ConnectResponse   (size region / staging, join dist group)
     POST /weights/begin          BeginRequest   -> BeginResponse
@@ -25,7 +29,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 Transport = Literal["shm", "dist", "http"]
-RUN_ID_PATTERN = r"^[A-Za-z0-9._:@/+-]*$"
+RUN_ID_PATTERN = r"^[A-Za-z0-9._:@/+-]*$"  # run_id: names the pushing run ("" = the anonymous run)
+RUN_ID_MAX_LENGTH = 128
 Phase = Literal["receiving", "verifying", "verified", "draining", "applying"]
 State = Literal["receiving", "verifying", "verified", "draining", "applying", "applied", "failed", "unknown"]
 Checksum = Annotated[int, Field(ge=0, lt=1 << 64)]  # xxh3_64
@@ -41,7 +46,7 @@ class ConnectRequest(_Request):
     transport: Transport
     manifest: dict[str, Any]
     options: dict[str, Any] = Field(default_factory=dict)
-    run_id: str = Field(default="", max_length=128, pattern=RUN_ID_PATTERN)
+    run_id: str = Field(default="", max_length=RUN_ID_MAX_LENGTH, pattern=RUN_ID_PATTERN)
 
 
 class ConnectResponse(BaseModel):
@@ -56,7 +61,7 @@ class BeginRequest(_Request):
     transport: Transport
     manifest: dict[str, Any]
     options: dict[str, Any] = Field(default_factory=dict)
-    run_id: str = Field(default="", max_length=128, pattern=RUN_ID_PATTERN)
+    run_id: str = Field(default="", max_length=RUN_ID_MAX_LENGTH, pattern=RUN_ID_PATTERN)
     lease_s: float | None = Field(default=None, gt=0, le=3600)  # None: the server's weight_sync_lease_s
 
 
@@ -74,7 +79,7 @@ class CommitRequest(_Request):
     version: int = Field(ge=1)
     checksums: list[Checksum | None] | None = Field(default=None, max_length=1 << 20)
     abort_inflight: bool | None = None  # None: the server's weight_sync_abort_inflight
-    run_id: str = Field(default="", max_length=128, pattern=RUN_ID_PATTERN)
+    run_id: str = Field(default="", max_length=RUN_ID_MAX_LENGTH, pattern=RUN_ID_PATTERN)
 
 
 class CommitResponse(BaseModel):
@@ -86,7 +91,7 @@ class CommitResponse(BaseModel):
 class AbortRequest(_Request):
     version: int | None = None
     reason: str = Field(default="aborted by the sender", max_length=1000)
-    run_id: str | None = Field(default=None, max_length=128, pattern=RUN_ID_PATTERN)
+    run_id: str = Field(default="", max_length=RUN_ID_MAX_LENGTH, pattern=RUN_ID_PATTERN)  # must own it
 
 
 class AbortResponse(BaseModel):

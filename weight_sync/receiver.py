@@ -16,8 +16,15 @@ unchanged. Outcomes of recent versions are kept, so a retried commit of an appli
 succeeds and `state(v)` tells the sender what happened.
 
 Lease: an update lives while its data plane makes progress (http chunks, dist buckets,
-the shm heartbeat); `lease_s` without progress while receiving aborts it. A begin from
-the same `run_id` as the update in progress takes it over at once (a resumed trainer).
+the shm heartbeat); `lease_s` without progress while receiving aborts it.
+Ownership: the update belongs to the `run_id` of its begin ("" is the anonymous run).
+Every call about it -- bucket data (http), commit (verify), abort -- names its run and is
+checked before it touches anything: another run's call is `NotOwner` (409 naming the
+owner). A begin or connect is checked in full (other run's live update, stale version,
+manifest, transport options) before it changes anything; only then does a begin from the
+same run as the update in progress (still receiving) take it over (a resumed trainer),
+and another run waits for that update's lease to lapse. `abort(run_id=None)` (the
+server's own calls) ignores the owner.
 Staging: every transport stages into private per-bucket buffers (on the model's device for
 NCCL), allocated at connect/first begin and kept for the next update of the same layout;
 verification hashes exactly those bytes, and NaN/inf are refused (`check_finite`). shm
@@ -35,7 +42,7 @@ from typing import Any
 
 import torch
 
-from weight_sync.errors import ManifestError, UpdateConflict, UpdateFailed
+from weight_sync.errors import ManifestError, NotOwner, UpdateConflict, UpdateFailed
 from weight_sync.manifest import Manifest, check_against, served_dtype, weights_digest
 from weight_sync.staging import Outcomes, StagedUpdate, StagingPool
 from weight_sync.transports import TRANSPORTS
@@ -101,6 +108,18 @@ class WeightReceiver:
                 out = self._outcomes.get(version)
             return {"version": version, **out, "served_version": self._version}
 
+    def check_owner(self, version: int, run_id: str) -> None:
+        """NotOwner unless `version` (in progress, or its recorded outcome) belongs to `run_id`."""
+        with self._lock:
+            u = self._update
+            if u is not None and u.version == version:
+                owner = u.run_id
+            else:
+                out = self._outcomes.get(version)
+                owner = None if out["state"] == "unknown" else out["run_id"]
+            if owner is not None and owner != run_id:
+                raise NotOwner(version, owner, run_id)
+
     def committed(self, version: int) -> bool:
         """True when `version` was applied here (a retried commit of it is a success)."""
         with self._lock:
@@ -114,11 +133,13 @@ class WeightReceiver:
         p = self._params_fn()
         return dict(p.items() if isinstance(p, dict) else p)
 
-    def _current(self, version: int | None, *phases: str) -> StagedUpdate:
+    def _current(self, version: int | None, *phases: str, run_id: str | None = None) -> StagedUpdate:
         u = self._update
         if u is None:
             last = f" (last failure: {self.last_failure})" if self.last_failure else ""
             raise UpdateConflict(f"no weight update in progress; call begin first{last}")
+        if run_id is not None and run_id != u.run_id:
+            raise NotOwner(u.version, u.run_id, run_id)
         if version is not None and version != u.version:
             raise UpdateConflict(f"version: the update in progress is {u.version}, request says {version}")
         if phases and u.phase not in phases:
@@ -155,8 +176,10 @@ class WeightReceiver:
         if transport not in TRANSPORTS:
             raise ManifestError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
         with self._lock:
-            self._take_over(run_id)  # another run's live update: 409 (the sender waits for its lease)
+            stale = self._claimable(run_id)  # another run's live update: 409 (the sender waits for its lease)
             device = check_against(m, self._params())
+            self._check_options(transport, options, m)
+            self._take_over(stale, run_id, "connect")  # everything checked: only now drop the same run's update
             if transport == "shm":
                 sweep()
                 self._shm.buckets(options, m)
@@ -176,16 +199,20 @@ class WeightReceiver:
         if m.version != version:
             raise ManifestError(f"manifest.version: {m.version} != request version {version}")
         with self._lock:
-            took_over = self._take_over(run_id)
+            stale = self._claimable(run_id)  # another run's live update: 409, nothing changed
             if version <= self._version:
                 raise UpdateConflict(f"version: {version} is not greater than the current version {self._version}")
             device = check_against(m, self._params())
+            self._check_options(transport, options, m)
+            if transport == "dist":
+                self._dist.check(options)
+            took_over = self._take_over(stale, run_id)  # a valid begin: only now replace the same run's update
             sources = None
             if transport == "shm":
                 sweep()
                 sources = self._shm.buckets(options, m)
-            elif transport == "dist":
-                self._dist.check(options)
+            elif transport == "dist" and took_over is not None:
+                self._dist.check(options)  # a dropped dist update broke the collective sequence: reconnect (409)
             staging = self._stage(transport, m, options, device)
             u = StagedUpdate(version, transport, m, staging, float(lease_s or self.lease_s), run_id, sources)
             u.heartbeat = self._shm.heartbeat() if sources is not None else 0
@@ -198,17 +225,31 @@ class WeightReceiver:
             return {"version": version, "transport": transport, "num_buckets": len(staging),
                     "total_bytes": m.total_bytes, "run_id": run_id, "lease_s": u.lease_s, "took_over": took_over}
 
-    def _take_over(self, run_id: str) -> int | None:
-        """A begin while an update runs: the same run takes over (aborting it); others get 409."""
+    def _claimable(self, run_id: str) -> StagedUpdate | None:
+        """The update a begin/connect of `run_id` may take over (None: none runs); 409 if it may not:
+        another run's (it waits for the lease), or one past receiving. Changes nothing."""
         u = self._update
         if u is None:
             return None
         if run_id and u.run_id == run_id and u.phase == "receiving":
-            self._drop(u, f"superseded by a new begin of run {run_id!r}")
-            return u.version
-        who = f" by run {u.run_id!r}" if u.run_id else ""
+            return u
+        who = f" by run {u.run_id!r}" if u.run_id else " by the anonymous run ''"
         raise UpdateConflict(f"an update to version {u.version}{who} is already {u.phase} (lease "
                              f"{u.lease_left():.1f}s left); abort it, wait for the lease, or begin from the same run")
+
+    def _take_over(self, u: StagedUpdate | None, run_id: str, call: str = "begin") -> int | None:
+        """Drop the same run's update `u` (from _claimable) once the new call was checked in full."""
+        if u is None or self._update is not u:
+            return None
+        self._drop(u, f"superseded by a new {call} of run {run_id!r}")
+        return u.version
+
+    def _check_options(self, transport: str, options: dict[str, Any], m: Manifest) -> None:
+        """Transport options, checked without side effects (ManifestError naming the option)."""
+        if transport == "shm":
+            self._shm.check(options, m)
+        elif transport == "dist":
+            DistReceiver.validate(options)
 
     # ------------------------------------------------------------------ lease
     def _arm(self, u: StagedUpdate) -> None:
@@ -273,10 +314,10 @@ class WeightReceiver:
                 self._drop(u, f"dist receive failed: {error}")
             u.done.set()
 
-    def bucket_buffer(self, index: int, version: int | None = None) -> torch.Tensor:
-        """Staging tensor ([nbytes] uint8) the http route streams bucket `index` into."""
+    def bucket_buffer(self, index: int, version: int | None = None, run_id: str | None = "") -> torch.Tensor:
+        """Staging tensor ([nbytes] uint8) the http route streams bucket `index` into (owner: `run_id`)."""
         with self._lock:
-            u = self._current(version, "receiving")
+            u = self._current(version, "receiving", run_id=run_id)
             if u.transport != "http":
                 raise UpdateConflict(f"transport: update {u.version} uses {u.transport!r}, not 'http'")
             if not 0 <= index < len(u.staging):
@@ -289,10 +330,11 @@ class WeightReceiver:
             u.renew()
             return u.staging[index]
 
-    def bucket_written(self, index: int, nbytes: int | None, checksum: int | None, version: int | None = None) -> None:
+    def bucket_written(self, index: int, nbytes: int | None, checksum: int | None, version: int | None = None,
+                       run_id: str | None = "") -> None:
         """Finish bucket `index` (nbytes=None: the transfer failed, just release it). Bad data raises."""
         with self._lock:
-            u = self._current(version, "receiving")
+            u = self._current(version, "receiving", run_id=run_id)
             u.writing.discard(index)
             buf = u.staging[index]
         if nbytes is None:
@@ -311,10 +353,10 @@ class WeightReceiver:
                 u.renew()
 
     # ------------------------------------------------------------------ commit
-    def verify(self, version: int, checksums: list[int | None] | None = None) -> None:
+    def verify(self, version: int, checksums: list[int | None] | None = None, run_id: str | None = "") -> None:
         """Commit, phase 1: wait for the data, stage and check completeness, checksums, finiteness."""
         with self._lock:
-            u = self._current(version, "receiving")
+            u = self._current(version, "receiving", run_id=run_id)
             if u.writing:
                 raise UpdateConflict(f"buckets {sorted(u.writing)} are still being written")
             u.phase = "verifying"  # the lease no longer applies: the server is doing the work
@@ -363,21 +405,23 @@ class WeightReceiver:
             self._outcomes.record(u.version, "applied", run_id=u.run_id)
             self._drop(u, None)
 
-    def commit(self, version: int, checksums: list[int | None] | None = None) -> None:
+    def commit(self, version: int, checksums: list[int | None] | None = None, run_id: str = "") -> None:
+        self.check_owner(version, run_id)
         if self.committed(version):
             return
-        self.verify(version, checksums)
+        self.verify(version, checksums, run_id)
         self.apply(version)
 
     def abort(self, version: int | None = None, reason: str = "aborted by the sender",
               run_id: str | None = None) -> bool:
-        """Drop the update in progress (any version when `version` is None); False if none matches."""
+        """Drop the update in progress (any version when `version` is None); False if none matches.
+        NotOwner if it belongs to another run than `run_id` (None: the server itself, any run)."""
         with self._lock:
             u = self._update
             if u is None or (version is not None and version != u.version):
                 return False
             if run_id is not None and run_id != u.run_id:
-                return False
+                raise NotOwner(u.version, u.run_id, run_id)
             if u.phase == "applying":
                 raise UpdateConflict(f"update {u.version} is applying; it can no longer be aborted")
             self._drop(u, reason)

@@ -15,8 +15,10 @@ hashed (xxh3) chunk by chunk while packing; dist and http pack bucket k+1 while 
 is on the wire -- then `POST /weights/commit` with the checksums, which succeeds exactly
 when the server applied the version (weight_sync/control.py). Every failure, from the
 first begin on and including KeyboardInterrupt, aborts the update on every server that
-may have begun it. `run_id` names the pushing run: a resumed run (same id) takes over its
-own stale update at once; another run waits for that update's lease to lapse.
+may have begun it. `run_id` names the pushing run and goes with every call (connect, begin,
+each http bucket, commit, abort): the server refuses a call about an update another run
+began (409 naming the owner). A resumed run (same id) takes over its own stale update at
+once; another run waits for that update's lease to lapse.
 `dtype` casts floating tensors before sending ("auto": what the server serves, e.g. bf16,
 which halves the bytes; checksums cover what is sent).
 """
@@ -187,7 +189,8 @@ class WeightSender:
         with ThreadPoolExecutor(1, thread_name_prefix="weight-sync-put") as pool:
             def put(i: int, buf: torch.Tensor, crc: int) -> Future:
                 return pool.submit(self._parallel, lambda c, _k: c.check(
-                    put_bucket(c.http, c.url, i, buf, crc, manifest.version), f"PUT /weights/bucket/{i}"))
+                    put_bucket(c.http, c.url, i, buf, crc, manifest.version, run_id=self.run_id),
+                    f"PUT /weights/bucket/{i}"))
             return self._pipelined(manifest, named, torch.device("cpu"), put)
 
     def _pipelined(self, manifest: Manifest, named: Any, device: torch.device,

@@ -196,13 +196,21 @@ class ShmReader:
         self.data: torch.Tensor | None = None
         self.stamps: torch.Tensor | None = None
 
-    def buckets(self, options: dict[str, Any], manifest: Manifest) -> list[torch.Tensor]:
-        """Views of every bucket in the region (read only by convention): list of [nbytes_i] uint8."""
-        name, size, offsets = options.get("name"), options.get("size"), options.get("offsets")
+    @staticmethod
+    def check(options: dict[str, Any], manifest: Manifest) -> None:
+        """The options name an existing weight-sync region with one offset per bucket (no side effect)."""
+        name, offsets = options.get("name"), options.get("offsets")
         if not isinstance(name, str) or not isinstance(offsets, list) or len(offsets) != len(manifest.buckets):
             raise ManifestError("options: shm transport needs 'name' and one 'offsets' entry per bucket")
         if not name.lstrip("/").startswith(PREFIX + "_") or "/" in name.lstrip("/"):
             raise ManifestError(f"options.name: {name!r} is not a weight-sync region ({PREFIX}_*)")
+        if SHM_DIR.is_dir() and not (SHM_DIR / name.lstrip("/")).exists():
+            raise ManifestError(f"options.name: shared-memory region {name!r} does not exist")
+
+    def buckets(self, options: dict[str, Any], manifest: Manifest) -> list[torch.Tensor]:
+        """Views of every bucket in the region (read only by convention): list of [nbytes_i] uint8."""
+        self.check(options, manifest)
+        name, size, offsets = options["name"], options.get("size"), options["offsets"]
         if self.shm is None or self.shm.name.lstrip("/") != name.lstrip("/"):
             self.close()
             try:
