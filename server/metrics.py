@@ -71,7 +71,7 @@ class _Dynamic:
                                      labels=["model_name", "version"])
             info.add_metric([str(engine.model_name), str(engine.version)], 1.0)
             yield info
-            pages = _pages(engine)
+            pages = kv_pages(engine)
             if pages is not None:
                 used, total = pages
                 yield GaugeMetricFamily("dlrl_kv_cache_pages_used", "KV-cache pages held by running sequences",
@@ -87,7 +87,9 @@ class _Dynamic:
                 yield GaugeMetricFamily(name, text, value=float(stats.get(key) or 0))
 
 
-def _pages(engine: Any) -> tuple[int, int] | None:
+def kv_pages(engine: Any) -> tuple[int, int] | None:
+    """(used, total) pages of the backend's paged KV cache (dllm.kv_cache.KVCache), None without one
+    (the one reading of it: /metrics and /health)."""
     cache = getattr(getattr(engine.backend, "decoder", None), "cache", None)
     if cache is None or not hasattr(cache, "num_free_pages"):
         return None

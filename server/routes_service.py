@@ -16,25 +16,16 @@ from fastapi import APIRouter, Depends, Request, Response
 from rollout_client import protocol as P
 from server.auth import require_admin
 from server.errors import error_response
-from server.metrics import CONTENT_TYPE
+from server.metrics import CONTENT_TYPE, kv_pages
 from server.openapi import error_responses
 
 router = APIRouter(tags=["service"])
 admin = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
 
 
-def _kv_pages(engine) -> tuple[int | None, int | None]:
-    """(used, total) pages of the backend's paged KV cache (dllm.kv_cache.KVCache), or (None, None)."""
-    cache = getattr(getattr(engine.backend, "decoder", None), "cache", None)
-    total, free = getattr(cache, "num_pages", None), getattr(cache, "num_free_pages", None)
-    if not isinstance(total, int) or not isinstance(free, int):
-        return None, None
-    return total - free, total
-
-
 def _health(engine, is_draining: bool = False) -> P.HealthResponse:
     status = "ok" if engine.is_running else "stopped"
-    used, total = _kv_pages(engine)
+    used, total = kv_pages(engine) or (None, None)
     return P.HealthResponse(status=status, model=engine.model_name, version=engine.version,
                             is_paused=engine.is_paused, is_draining=is_draining, num_running=engine.num_running,
                             num_waiting=engine.num_waiting, num_free_slots=engine.backend.num_free_slots,
