@@ -48,7 +48,7 @@ class HeldPush:
 
     def __init__(self, srv, run_id: str = "run-a"):
         self.version = status(srv)["version"] + 1
-        self.named = {n: t.detach() + 0.01 * self.version for n, t in srv.engine.model.named_parameters()}
+        self.named = {n: t.detach() + 0.01 * self.version for n, t in srv.engine.model.hf_named_tensors()}
         self.sender = WeightSender([srv.url], transport="http", token=TOKEN, run_id=run_id, bucket_bytes=1 << 14,
                                    timeout=60)
         self.inside, self._go, self.error = threading.Event(), threading.Event(), None
