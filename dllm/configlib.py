@@ -12,11 +12,14 @@ It is read once per command (`load_sections`) and the typed sections are handed 
 Overrides are `section.key=value`, or `key=value` for the command's own (`primary`) section;
 values are YAML scalars, and a comma-separated string fills a list field
 (`servers=http://h1:8000,http://h2:8000`). Unknown sections, unknown keys, wrong types and
-broken rules raise `ConfigError` naming the key (`train.num_steps: ...`).
+broken rules raise `ConfigError` naming the key (`train.num_steps: ...`); an unknown section
+or key in a file also names the file, the line and the nearest known name
+(`configs/x.yaml:41: unknown section 'trian' (did you mean 'train'?)`).
 """
 
 from __future__ import annotations
 
+import difflib
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
@@ -51,17 +54,64 @@ class Config(BaseModel):
         return build(type(self), {**self.model_dump(), **changes})
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
+# Every section any dlrl command reads from a config file (a file may hold the sections of several
+# commands: configs/tiny.yaml feeds sft, serve, train and eval). Anything else is a typo.
+KNOWN_SECTIONS = ("model", "task", "sft", "server", "train", "eval", "align", "users")
+
+
+class ConfigFile(dict):
+    """The sections of one YAML file, with where each section and key is (`where("train", "lr")`
+    -> "configs/tiny.yaml:47")."""
+
+    def __init__(self, data: dict[str, Any], path: Path, lines: dict[tuple[str, ...], int]):
+        super().__init__(data)
+        self.path, self.lines = path, lines
+
+    def where(self, *keys: str) -> str:
+        line = self.lines.get(tuple(keys))
+        return f"{self.path}:{line}" if line else str(self.path)
+
+
+def nearest(name: str, known: typing.Iterable[str]) -> str:
+    """' (did you mean 'x'?)' for the closest known name, or ''."""
+    close = difflib.get_close_matches(str(name), [str(k) for k in known], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _key_lines(text: str) -> dict[tuple[str, ...], int]:
+    """1-based line of every top-level key and of every key inside a top-level mapping."""
+    node = yaml.compose(text, Loader=yaml.SafeLoader)
+    lines: dict[tuple[str, ...], int] = {}
+    if not isinstance(node, yaml.MappingNode):
+        return lines
+    for key, value in node.value:
+        lines[(str(key.value),)] = key.start_mark.line + 1
+        if isinstance(value, yaml.MappingNode):
+            for sub, _ in value.value:
+                lines[(str(key.value), str(sub.value))] = sub.start_mark.line + 1
+    return lines
+
+
+def read_yaml(path: str | Path) -> ConfigFile:
+    """The file's sections; an unknown section is an error naming the file, the line and the
+    nearest known section."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
+        text = p.read_text()
+        data = yaml.safe_load(text) or {}
+        lines = _key_lines(text) if data else {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {p} is not valid YAML: {e}") from e
     if not isinstance(data, dict):
         raise ConfigError(f"config file {p} must hold a mapping of sections")
-    return data
+    doc = ConfigFile(data, p, lines)
+    for section in data:
+        if section not in KNOWN_SECTIONS:
+            raise ConfigError(f"{doc.where(str(section))}: unknown section {section!r}"
+                              f"{nearest(section, KNOWN_SECTIONS)} (known: {', '.join(KNOWN_SECTIONS)})")
+    return doc
 
 
 def parse_overrides(overrides: list[str] | None) -> list[tuple[str, Any]]:
@@ -125,8 +175,14 @@ def load_section(cls: type[T], path: str | Path | None, section: str,
 def _section(cls: type[T], data: dict[str, Any], section: str, overrides: list[str] | None,
              bare_keys: bool) -> T:
     raw = data.get(section) or {}
+    where = data.where if isinstance(data, ConfigFile) else (lambda *k: "config")
     if not isinstance(raw, dict):
-        raise ConfigError(f"config section {section!r} must be a mapping")
+        raise ConfigError(f"{where(section)}: config section {section!r} must be a mapping")
+    if cls.model_config.get("extra") != "ignore":  # views (extra="ignore") read a few keys of another's section
+        for key in raw:
+            if key not in cls.model_fields:
+                raise ConfigError(f"{where(section, str(key))}: unknown config key '{section}.{key}'"
+                                  f"{nearest(key, cls.model_fields)}")
     values = dict(raw)
     for key, value in parse_overrides(overrides):
         if "." in key:
@@ -158,9 +214,10 @@ def check_overrides(overrides: list[str] | None, sections: dict[str, type], prim
         sec, sub = key.split(".", 1) if "." in key else (primary, key)
         cls = sections.get(sec)
         if cls is None:
-            raise ConfigError(f"override {key!r}: unknown section {sec!r} (known: {', '.join(sections)})")
+            raise ConfigError(f"override {key!r}: unknown section {sec!r}{nearest(sec, sections)} "
+                              f"(known: {', '.join(sections)})")
         if sub not in cls.model_fields and cls.model_config.get("extra") != "ignore":
-            raise ConfigError(f"unknown config key {sec}.{sub!r}")
+            raise ConfigError(f"unknown config key '{sec}.{sub}'{nearest(sub, cls.model_fields)}")
 
 
 def print_check(command: str, *sections: Any) -> int:

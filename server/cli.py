@@ -37,11 +37,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_model(config: ServerConfig, config_path: str | None, overrides: list[str] | None = None) -> str:
-    """The model folder to serve: `config.model`, or the embedded default (trained if missing)."""
+    """The model folder to serve: `config.model` (a folder or a hub repo id, dllm.hub), or the
+    embedded default (trained if missing)."""
     if config.model:
-        if not Path(config.model).is_dir():
-            raise SystemExit(f"server.model: {config.model!r} is not a directory")
-        return config.model
+        from dllm.hub import ModelNotFound
+        from dllm.hub import resolve_model as resolve_ref
+
+        try:
+            return str(resolve_ref(config.model, "server.model"))
+        except ModelNotFound as e:
+            raise SystemExit(f"dlrl serve: error: {e}") from None
     from dllm.tiny import ensure_default_model, load_tiny_sections
 
     log.info("no server.model given: using the embedded tiny default (trains it first if missing)")

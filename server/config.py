@@ -84,10 +84,9 @@ class ServerConfig(Config):
         return (self.feedback_token or os.environ.get(FEEDBACK_ENV_VAR, "")).strip()
 
     def model_name(self, model_path: str | Path | None = None) -> str:
-        if self.served_model_name:
-            return self.served_model_name
-        path = model_path or self.model
-        return Path(str(path)).name if path else "dlrl-tiny"
+        from dllm.hub import served_name
+
+        return served_name(str(self.model or model_path or ""), self.served_model_name)  # a repo id: its name
 
 
 def load_server_config(path: str | Path | None, overrides: list[str] | None = None) -> ServerConfig:

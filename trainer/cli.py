@@ -77,9 +77,26 @@ def parse(argv: list[str]):
     return args, root, overrides
 
 
+def _previous_run_refusal(cfg) -> str:
+    """An error when output_dir holds an earlier run and neither --resume nor overwrite=true was given."""
+    from pathlib import Path
+
+    from trainer.run import previous_run
+
+    found = previous_run(Path(cfg.output_dir))
+    if not found or cfg.resume or cfg.overwrite:
+        return ""
+    return (f"train.output_dir={cfg.output_dir} holds a previous run ({', '.join(found)}): continue it with "
+            "--resume, replace it with overwrite=true, or choose another output_dir=...")
+
+
 def main(argv: list[str]) -> int:
     args, root, overrides = parse(argv)
     cfg = root["train"]
+    refusal = _previous_run_refusal(cfg)
+    if refusal:
+        print(f"dlrl train: error: {refusal}", file=sys.stderr)
+        return 2
     if args.check:
         return print_check("train", cfg)
     from trainer.launch import launch_local, under_launcher

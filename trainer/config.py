@@ -27,6 +27,7 @@ class ServerKeys(Config, extra="ignore"):
 
     admin_token: str = ""
     admin_token_file: str = ""
+    served_model_name: str = ""  # the name servers started for this run report (else the model folder's)
 
 
 class TrainConfig(Config):
@@ -36,11 +37,13 @@ class TrainConfig(Config):
     server_start_timeout: float = Field(600.0, gt=0)
     server_wait_s: float = Field(120.0, ge=0)  # a server down before a step is waited for this long, then an error
     admin_token: str = ""  # empty: env DLRL_ADMIN_TOKEN, then the config's server.admin_token(_file)
-    model: str = ""  # policy to train; empty = the embedded default (trained by SFT if missing)
+    model: str = ""  # policy to train: a folder or a hub repo id (org/name[@rev]); empty = the embedded default
+    take_over_servers: bool = False  # train servers that serve another model (renamed to this one); else an error
     trust_remote_code: bool = False  # run the model folder's own Python code (tokenizer); never asked on stdin
     block_size: int = Field(0, ge=0)  # for folders whose config.json lacks it (0 = from the folder)
     mask_token_id: int = Field(-1, ge=-1)  # for folders that lack it (-1 = from the folder / the tokenizer)
     output_dir: str = "runs/tiny-rl"
+    overwrite: bool = False  # replace a previous run in output_dir (else: an error, or --resume to continue it)
     # data
     data: str = ""  # JSONL of prompts; empty = the embedded arithmetic task
     prompt_field: str = ""

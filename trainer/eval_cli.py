@@ -6,7 +6,11 @@
     dlrl eval data=gsm8k.jsonl servers=[http://h1:8000,http://h2:8000] start_server=false
 
 Talks to the servers at `eval.servers`; when none answers (and `eval.start_server`), starts
-`dlrl serve` with `eval.model` (and any `server.*` overrides) and stops it at the end.
+`dlrl serve` with `eval.model` (and any `server.*` overrides) and stops it at the end;
+`eval.own_server=true` always starts a private one on a free local port. Before evaluating it
+reads what every server holds (model name, weight version, checksum: trainer.eval_check) and,
+when `eval.model` is set, refuses a server holding other weights (`eval.verify`); what was
+evaluated is recorded in results.json (`served`).
 `eval.block_sizes` decodes with each block size in turn (a started server is restarted with
 `server.block_size=B`; running servers must already decode with it). Prints one table row per
 decoding setting and writes every metric and generation to `eval.output` (JSON).
@@ -18,7 +22,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -31,7 +35,10 @@ class EvalConfig(Config):
     servers: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"], min_length=1)
     start_server: bool = True  # start a local `dlrl serve` when no server answers
     server_start_timeout: float = Field(600.0, gt=0)
-    model: str = ""  # folder of the model: tokenizer for chat_template, model of a started server
+    model: str = ""  # folder or hub repo id: the model to evaluate (servers are checked), tokenizer, started server
+    own_server: bool = False  # start a private server with eval.model on a free local port (ignores eval.servers)
+    verify: Literal["checksum", "name", "none"] = "checksum"  # how servers are checked against eval.model
+    admin_token: str = ""  # to read served weights' checksum; empty: env DLRL_ADMIN_TOKEN, server.admin_token(_file)
     data: str = ""  # JSONL; empty = the embedded arithmetic task's held-out split
     prompt_field: str = ""
     answer_field: str = ""
@@ -61,6 +68,14 @@ class EvalConfig(Config):
             raise ValueError("eval.prompt_template: must contain {prompt}")
 
 
+def free_url() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
 def load_examples(cfg: EvalConfig, task) -> list[dict]:
     if not cfg.data:
         return task.split("heldout", cfg.limit or 200)
@@ -68,29 +83,39 @@ def load_examples(cfg: EvalConfig, task) -> list[dict]:
 
     tokenizer = None
     if cfg.chat_template:
+        from dllm.hub import resolve_model
         from dllm.tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(cfg.model)
+        tokenizer = load_tokenizer(resolve_model(cfg.model, "eval.model"))
     return load_eval_examples(cfg.data, cfg.prompt_field, cfg.answer_field, tokenizer, cfg.prompt_template,
                               cfg.system_prompt, cfg.limit)
 
 
-def run(cfg: EvalConfig, task, config_path: str | None, overrides: list[str]) -> list:
+def run(cfg: EvalConfig, task, config_path: str | None, overrides: list[str], server_keys=None) -> tuple[list, dict]:
     """Evaluate against `cfg.servers`, starting local ones where none answers (once per block
-    size: a started server is restarted with each)."""
+    size: a started server is restarted with each). -> (results, what each server held)."""
+    from dllm.hub import resolve_model
+    from trainer.eval_check import check_served
     from trainer.evaluate import evaluate, make_settings
     from trainer.fleet import ServerFleet
     from trainer.rewards import build_reward
+    from trainer.run import resolve_token
     from trainer.servers import LocalServer, new_token
 
+    model_dir = resolve_model(cfg.model, "eval.model") if cfg.model else None
+    if cfg.own_server:
+        if not cfg.model:
+            raise ValueError("eval.own_server: needs eval.model (the model the private server loads)")
+        cfg = cfg.replace(servers=[free_url()], start_server=True)
     examples = load_examples(cfg, task)
     reward = build_reward(cfg.reward or ("math" if cfg.data else "exact_match"))
     server_overrides = [o for o in overrides if o.startswith("server.")]
     out_dir = Path(cfg.output).parent
-    results = []
+    results, served = [], {}
+    token = resolve_token(cfg, server_keys) if server_keys is not None else cfg.admin_token
     for block_size in cfg.block_sizes or [None]:
         extra = [f"server.block_size={block_size}"] if block_size is not None else []
-        token = new_token()
+        token = token or new_token()
 
         def launch(url: str, i: int, extra=extra, token=token):
             return LocalServer(url, config_path, cfg.model, server_overrides + extra, token, out_dir / f"server{i}.log")
@@ -99,6 +124,8 @@ def run(cfg: EvalConfig, task, config_path: str | None, overrides: list[str]) ->
         try:
             fleet.start_missing(cfg.start_server, launch)
             fleet.wait_ready(cfg.server_start_timeout)
+            served = check_served(fleet, cfg.model, model_dir, cfg.verify, [s.url.rstrip("/") for s in fleet.local],
+                                  getattr(server_keys, "served_model_name", ""))
             settings = make_settings(cfg.static_steps, cfg.dynamic_thresholds, [block_size] if block_size else [])
             results += evaluate(cfg.servers, examples, reward, settings, num_samples=cfg.num_samples,
                                 max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
@@ -106,7 +133,7 @@ def run(cfg: EvalConfig, task, config_path: str | None, overrides: list[str]) ->
                                 generate_fn=fleet.generate)
         finally:
             fleet.close()  # stops the servers it started
-    return results
+    return results, served
 
 
 def main(argv: list[str]) -> int:
@@ -133,12 +160,13 @@ def main(argv: list[str]) -> int:
     from trainer.evaluate import format_table, write_results
 
     try:
-        results = run(cfg, root["task"], config_path, args.overrides)
+        results, served = run(cfg, root["task"], config_path, args.overrides, root["server"])
     except (RuntimeError, ValueError, FileNotFoundError, RolloutError) as e:
         print(f"dlrl eval: error: {e}", file=sys.stderr)
         return 1
     print(format_table(results))
-    path = write_results(cfg.output, results, config=cfg.model_dump(), servers=cfg.servers)
+    path = write_results(cfg.output, results, config=cfg.model_dump(exclude={"admin_token"}), servers=cfg.servers,
+                         served=served)
     log.info("wrote %s", path)
     print(f"results: {path}")
     return 0
