@@ -25,6 +25,8 @@ COMMANDS = {
     "versions": ("trainer.align_cli", "versions_main"),
 }
 
+PREFLIGHT_COMMANDS = ("serve", "train", "eval")  # --check also checks files, imports, ports, tokens
+
 
 def _strip_local_rank(argv: list[str]) -> list[str]:
     """The DeepSpeed launcher adds `--local_rank=N` (before the command): LOCAL_RANK carries it."""
@@ -53,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    if argv[0] not in PREFLIGHT_COMMANDS:  # their --check is the config check
+        argv = [("--check" if a == "--check-config" else a) for a in argv]
     module, func = COMMANDS[argv[0]]
     import importlib
 

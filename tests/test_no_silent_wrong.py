@@ -52,7 +52,7 @@ def test_eval_refuses_other_weights_and_records_what_it_evaluated(other_server, 
     assert TOKEN not in out.read_text()
     # without the admin token: checksum cannot be verified -> error naming the keys; verify=name compares names
     rc, io, _ = _eval(tmp_path, capsys, f"servers=[{url}]", f"model={same}")
-    assert rc == 1 and "eval.admin_token" in io.err and "eval.verify=name" in io.err
+    assert rc == 2 and "eval.admin_token" in io.err and "eval.verify=name" in io.err
     rc, io, _ = _eval(tmp_path, capsys, f"servers=[{url}]", f"model={same}", "verify=name")
     assert rc == 1 and "'other-model'" in io.err and "served as 'held'" in io.err
 

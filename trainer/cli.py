@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 
@@ -64,8 +65,10 @@ def parse(argv: list[str]):
     ap = argparse.ArgumentParser(prog="dlrl train", description="online RL for block-diffusion LMs")
     ap.add_argument("--config", default="configs/tiny.yaml")
     ap.add_argument("--resume", action="store_true", help="continue from output_dir/checkpoint")
-    ap.add_argument("--check", action="store_true", help="only parse the command line and the config; exit 0 "
-                                                        "(or 2 with the error)")
+    ap.add_argument("--check", action="store_true", help="parse the command line and the config and check data "
+                    "files, the reward import, the model, the servers' ports and admin token; exit 0 (or 2 with "
+                    "the errors)")
+    ap.add_argument("--check-config", action="store_true", help="only parse the command line and the config")
     ap.add_argument("overrides", nargs="*", help="key=value overrides (e.g. num_steps=5 nproc=2)")
     args = ap.parse_args(argv)
     overrides = list(args.overrides) + (["train.resume=true"] if args.resume else [])
@@ -93,10 +96,16 @@ def _previous_run_refusal(cfg) -> str:
 def main(argv: list[str]) -> int:
     args, root, overrides = parse(argv)
     cfg = root["train"]
-    refusal = _previous_run_refusal(cfg)
-    if refusal:
-        print(f"dlrl train: error: {refusal}", file=sys.stderr)
-        return 2
+    if args.check_config:
+        return print_check("train", cfg)
+    if os.environ.get("RANK", "0") == "0":  # before loading anything (other ranks wait for rank 0's errors)
+        from trainer.preflight import train_problems
+
+        problems = train_problems(cfg, root["server"])
+        refusal = _previous_run_refusal(cfg)
+        if problems or refusal:
+            print(f"dlrl train: error: {'; '.join(problems + ([refusal] if refusal else []))}", file=sys.stderr)
+            return 2
     if args.check:
         return print_check("train", cfg)
     from trainer.launch import launch_local, under_launcher

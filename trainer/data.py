@@ -93,6 +93,16 @@ def load_prompts(path: str | Path, prompt_field: str | None = None, answer_field
     return examples
 
 
+def source_problem(spec: str) -> str:
+    """"" when `spec` names readable prompt data, else what is wrong (no loading)."""
+    path = Path(spec)
+    if path.is_file():
+        return ""
+    if path.exists():
+        return f"{spec!r} is not a file"
+    return f"no such file {spec!r}"
+
+
 class PromptSampler:
     """Infinite seeded sampler over examples; epoch e uses permutation rng([seed, e])."""
 

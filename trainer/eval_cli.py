@@ -143,8 +143,9 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="dlrl eval", description="evaluate a served block-diffusion LM")
     ap.add_argument("--config", default=None, help="YAML config with an `eval` section (default "
                                                    "configs/tiny.yaml when it exists)")
-    ap.add_argument("--check", action="store_true", help="only parse the command line and the config; exit 0 "
-                                                        "(or 2 with the error)")
+    ap.add_argument("--check", action="store_true", help="parse the command line and the config and check the "
+                    "data file, the reward import, the model, the servers' ports and admin token; exit 0 (or 2)")
+    ap.add_argument("--check-config", action="store_true", help="only parse the command line and the config")
     ap.add_argument("overrides", nargs="*", help="key=value overrides (e.g. data=math500.jsonl num_samples=4)")
     args = ap.parse_args(argv)
     config_path = args.config or ("configs/tiny.yaml" if Path("configs/tiny.yaml").is_file() else None)
@@ -154,7 +155,14 @@ def main(argv: list[str]) -> int:
         cfg = root["eval"]
     except (ConfigError, ValueError) as e:
         ap.error(str(e))
-    if args.check:
+    if not args.check_config:  # before loading anything
+        from trainer.preflight import eval_problems
+
+        problems = eval_problems(cfg, root["server"])
+        if problems:
+            print(f"dlrl eval: error: {'; '.join(problems)}", file=sys.stderr)
+            return 2
+    if args.check or args.check_config:
         return print_check("eval", cfg)
     from rollout_client.client import RolloutError
     from trainer.evaluate import format_table, write_results

@@ -76,7 +76,11 @@ def load_reward_fn(spec: str) -> RewardFn:
         else:
             module = importlib.import_module(mod_name)
     except ImportError as e:
-        raise ValueError(f"reward: cannot import {mod_name!r} for {spec!r}: {e}") from e
+        if mod_name.endswith(".py"):
+            raise ValueError(f"reward: cannot load {mod_name!r} for {spec!r}: {e}") from e
+        raise ValueError(f"reward: cannot import {mod_name!r} for {spec!r}: {e}. A module must be importable: "
+                         f"add the folder holding it to PYTHONPATH (now {os.environ.get('PYTHONPATH') or 'unset'}), "
+                         "install it, or name the file instead: train.reward=path/to/file.py:function") from e
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise ValueError(f"reward: {spec!r}: module {mod_name!r} has no function {fn_name!r}")
