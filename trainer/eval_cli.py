@@ -32,34 +32,34 @@ log = logging.getLogger("dlrl.eval")
 
 
 class EvalConfig(Config):
-    servers: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"], min_length=1)
+    servers: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"], min_length=1)  # servers to evaluate (URLs)
     start_server: bool = True  # start a local `dlrl serve` when no server answers
-    server_start_timeout: float = Field(600.0, gt=0)
+    server_start_timeout: float = Field(600.0, gt=0)  # seconds a started server may take to become ready
     model: str = ""  # folder or hub repo id: the model to evaluate (servers are checked), tokenizer, started server
     own_server: bool = False  # start a private server with eval.model on a free local port (ignores eval.servers)
     verify: Literal["checksum", "name", "none"] = "checksum"  # how servers are checked against eval.model
     admin_token: str = ""  # to read served weights' checksum; empty: env DLRL_ADMIN_TOKEN, server.admin_token(_file)
     data: str = ""  # JSONL; empty = the embedded arithmetic task's held-out split
-    prompt_field: str = ""
-    answer_field: str = ""
-    prompt_template: str = "{prompt}"
-    system_prompt: str = ""
-    chat_template: bool = False
+    prompt_field: str = ""  # record field holding the prompt (empty: question / prompt / problem)
+    answer_field: str = ""  # record field holding the answer (empty: ground_truth_answer / answer / boxed solution)
+    prompt_template: str = "{prompt}"  # format of the prompt ({prompt} is the record's)
+    system_prompt: str = ""  # system turn (chat_template only)
+    chat_template: bool = False  # wrap prompts in eval.model's chat template
     reward: str = ""  # empty: math for a data file, exact_match for the embedded task
     limit: int = Field(0, ge=0)  # first N problems; 0 = all
     num_samples: int = Field(1, ge=1)  # samples per problem (pass@k for k up to this)
-    max_tokens: int = Field(512, ge=1)
-    temperature: float = Field(0.0, ge=0)
-    top_k: int = Field(0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int = 0
-    stop: list[str] = Field(default_factory=list)
-    static_steps: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)
-    dynamic_thresholds: list[Annotated[float, Field(ge=0, le=1)]] = Field(default_factory=list)
-    block_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)
+    max_tokens: int = Field(512, ge=1)  # completion length limit
+    temperature: float = Field(0.0, ge=0)  # sampling temperature (0 = greedy)
+    top_k: int = Field(0, ge=0)  # top-k (0 = off)
+    top_p: float = Field(1.0, gt=0, le=1)  # nucleus p (1 = off)
+    seed: int = 0  # sampling seed
+    stop: list[str] = Field(default_factory=list)  # stop strings
+    static_steps: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)  # static strategy settings to evaluate: denoising steps per block
+    dynamic_thresholds: list[Annotated[float, Field(ge=0, le=1)]] = Field(default_factory=list)  # dynamic strategy settings to evaluate: confidence thresholds
+    block_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)  # decode with each block size (started servers are restarted with each)
     batch_size: int = Field(64, ge=1)  # prompts per request batch
     request_timeout: float = Field(600.0, gt=0)  # seconds per generation request
-    output: str = "runs/eval/results.json"
+    output: str = "runs/eval/results.json"  # results JSON (metrics, what was served, every generation)
 
     def check(self) -> None:
         if self.chat_template and not self.model:
