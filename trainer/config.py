@@ -45,7 +45,9 @@ class TrainConfig(Config):
     output_dir: str = "runs/tiny-rl"  # metrics.jsonl, tb/, curves.png, checkpoint/, final/ (HF export) go here
     overwrite: bool = False  # replace a previous run in output_dir (else: an error, or --resume to continue it)
     # data
-    data: str = ""  # JSONL of prompts; empty = the embedded arithmetic task
+    data: str = ""  # prompts: .jsonl/.json/.parquet/.csv, a save_to_disk folder or a hub dataset id; empty = embedded task
+    data_split: str = "train"  # split of a datasets folder / hub dataset (files are one split)
+    data_limit: int = Field(0, ge=0)  # first N records of train.data (0 = all)
     prompt_field: str = ""  # record field holding the prompt (empty: question / prompt / problem)
     answer_field: str = ""  # record field holding the reference answer (empty: ground_truth_answer / answer)
     chat_template: bool = False  # wrap prompts in the tokenizer's chat template (chat models)
@@ -106,7 +108,8 @@ class TrainConfig(Config):
     # eval, checkpoints, logging
     eval_every: int = Field(5, ge=0)  # held-out greedy evaluation every N steps (0 = off)
     eval_size: int = Field(200, ge=1)  # held-out prompts per evaluation
-    eval_data: str = ""  # held-out JSONL for the periodic evaluation (as `dlrl eval` reads it); empty = split
+    eval_split: str = "test"  # split of train.eval_data when it is a datasets folder / hub dataset
+    eval_data: str = ""  # held-out prompts for the periodic evaluation (any train.data source); empty = split
     checkpoint_every: int = Field(0, ge=0)  # checkpoint every N steps for --resume (0 = only on SIGTERM)
     resume: bool = False  # continue from output_dir/checkpoint (same as --resume)
     seed: int = 0  # seed of prompt sampling, rollouts and initialisation

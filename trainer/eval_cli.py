@@ -39,7 +39,8 @@ class EvalConfig(Config):
     own_server: bool = False  # start a private server with eval.model on a free local port (ignores eval.servers)
     verify: Literal["checksum", "name", "none"] = "checksum"  # how servers are checked against eval.model
     admin_token: str = ""  # to read served weights' checksum; empty: env DLRL_ADMIN_TOKEN, server.admin_token(_file)
-    data: str = ""  # JSONL; empty = the embedded arithmetic task's held-out split
+    split: str = "test"  # split of a datasets folder / hub dataset (files are one split)
+    data: str = ""  # .jsonl/.json/.parquet/.csv, save_to_disk folder or hub dataset id; empty = the task's held-out split
     prompt_field: str = ""  # record field holding the prompt (empty: question / prompt / problem)
     answer_field: str = ""  # record field holding the answer (empty: ground_truth_answer / answer / boxed solution)
     prompt_template: str = "{prompt}"  # format of the prompt ({prompt} is the record's)
@@ -87,8 +88,12 @@ def load_examples(cfg: EvalConfig, task) -> list[dict]:
         from dllm.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(resolve_model(cfg.model, "eval.model"))
-    return load_eval_examples(cfg.data, cfg.prompt_field, cfg.answer_field, tokenizer, cfg.prompt_template,
-                              cfg.system_prompt, cfg.limit)
+    from trainer.data import report
+
+    examples = load_eval_examples(cfg.data, cfg.prompt_field, cfg.answer_field, tokenizer, cfg.prompt_template,
+                                  cfg.system_prompt, cfg.limit, split=cfg.split, require_answer=True)
+    report("eval.data", cfg.data, examples, f"split {cfg.split}" + (f", limit {cfg.limit}" if cfg.limit else ""))
+    return examples
 
 
 def run(cfg: EvalConfig, task, config_path: str | None, overrides: list[str], server_keys=None) -> tuple[list, dict]:

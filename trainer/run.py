@@ -153,23 +153,31 @@ def resolve_token(cfg, server) -> str:
 
 def load_examples(cfg, task, tokenizer) -> tuple[list[dict], list[dict]]:
     """-> (train examples, held-out examples); each has `prompt` and `answer`. Held out:
-    `train.eval_data` when given, else the first tenth of `train.data` (at most eval_size)."""
-    from trainer.data import load_prompts
+    `train.eval_data` when given, else the first tenth of `train.data` (at most eval_size).
+    Counts and the first example of each are logged."""
+    from trainer.data import report
     from trainer.evaluate import load_eval_examples
 
     chat = tokenizer if cfg.chat_template else None
+    fields = {"prompt_field": cfg.prompt_field, "answer_field": cfg.answer_field, "tokenizer": chat}
     held_out = None
     if cfg.eval_data:
-        held_out = load_eval_examples(cfg.eval_data, cfg.prompt_field, cfg.answer_field, tokenizer=chat,
-                                      limit=cfg.eval_size)
+        held_out = load_eval_examples(cfg.eval_data, limit=cfg.eval_size, split=cfg.eval_split, **fields)
+        report("train.eval_data", cfg.eval_data, held_out, f"split {cfg.eval_split}, first {cfg.eval_size}")
     if cfg.data:
-        ex = load_prompts(cfg.data, prompt_field=cfg.prompt_field or None, answer_field=cfg.answer_field or None,
-                          tokenizer=chat)
-        if held_out is not None:
-            return ex, held_out
-        n_eval = min(cfg.eval_size, max(1, len(ex) // 10))
-        return ex[n_eval:] or ex, ex[:n_eval]
-    return task.split("train", 20_000, seed=task.seed + 1), held_out or task.split("heldout", cfg.eval_size)
+        ex = load_eval_examples(cfg.data, limit=cfg.data_limit, split=cfg.data_split,
+                                require_answer=cfg.reward not in ("code", "code_strict"), **fields)
+        if held_out is None:
+            n_eval = min(cfg.eval_size, max(1, len(ex) // 10))
+            ex, held_out = ex[n_eval:] or ex, ex[:n_eval]
+            report("held out", cfg.data, held_out, f"the first {n_eval} records of train.data")
+        report("train.data", cfg.data, ex, f"split {cfg.data_split}" + (f", limit {cfg.data_limit}"
+                                                                          if cfg.data_limit else ""))
+        return ex, held_out
+    train = task.split("train", 20_000, seed=task.seed + 1)
+    held_out = held_out or task.split("heldout", cfg.eval_size)
+    report("train", "", train)
+    return train, held_out
 
 
 def run_id(out: Path) -> str:
