@@ -95,8 +95,14 @@ def test_train_refuses_another_model_unless_taking_over(other_server, tiny_model
     assert "holds a previous run (metrics.jsonl)" in capsys.readouterr().err
     name = tiny_model_dir.rstrip("/").rsplit("/", 1)[-1]
     rc = train_main(["--config", _train_config(tmp_path, url, tiny_model_dir), "take_over_servers=true",
-                     "overwrite=true"])
+                     "overwrite=true", "eval_every=1", "eval_size=4", "num_steps=2"])
     assert rc == 0
+    out = capsys.readouterr().out  # each held-out evaluation, then one summary line
+    assert [line.split(":")[0] for line in out.splitlines() if "held-out greedy accuracy" in line][:3] == [
+        "step 0", "step 1", "step 2"]
+    summary = out.strip().splitlines()[-1]
+    assert summary.startswith("done: held-out greedy accuracy ") and " over 2 steps in " in summary
+    assert f"outputs in {tmp_path / 'run'}/ (metrics.jsonl, curves.png, final)" in summary
     health = httpx.get(url + "/health").json()
     assert health["model"] == name
     assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == name

@@ -18,6 +18,7 @@ from rollout_client.protocol import Strategy
 from trainer.correction import Level, Mode
 from trainer.objectives import Objective
 from trainer.rewards.sandbox import SandboxMode
+from trainer.trackers import Tracker
 from weight_sync.protocol import Transport
 
 
@@ -114,4 +115,5 @@ class TrainConfig(Config):
     resume: bool = False  # continue from output_dir/checkpoint (same as --resume)
     seed: int = 0  # seed of prompt sampling, rollouts and initialisation
     num_threads: int = Field(0, ge=0)  # torch CPU threads (0 = torch's default)
-    tensorboard: bool = True  # write TensorBoard logs to output_dir/tb
+    tensorboard: bool = True  # write TensorBoard logs to output_dir/tb (false: drops tensorboard from report_to)
+    report_to: list[Tracker] = Field(default_factory=lambda: ["tensorboard"])  # tensorboard, wandb, mlflow, trackio

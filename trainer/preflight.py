@@ -83,6 +83,9 @@ def train_problems(cfg, server_keys) -> list[str]:
                 data_problem(cfg.eval_data, "train.eval_data")]
     if cfg.reward not in ("code", "code_strict"):  # a code reward's sandbox is checked when built
         problems.append(reward_problem(cfg.reward, "train.reward"))
+    from trainer.trackers import missing_trackers
+
+    problems.append(missing_trackers([t for t in cfg.report_to if t != "tensorboard" or cfg.tensorboard]))
     problems += server_problems(cfg.servers, resolve_token(cfg, server_keys), cfg.start_server, "train",
                                 needs_token=True)
     return [p for p in problems if p]

@@ -315,8 +315,12 @@ def build_run(root: dict, config_path: str | None, overrides: list[str], sampler
         if not cfg.resume:  # a fresh run starts fresh logs
             (out / "metrics.jsonl").unlink(missing_ok=True)
             shutil.rmtree(out / "tb", ignore_errors=True)
+        from trainer.trackers import open_trackers
+
+        trackers = open_trackers(cfg.report_to, out, out.resolve().name, cfg.model_dump(exclude={"admin_token"}))
         run.logger = MetricsLogger(out, total_steps=cfg.num_steps + (1 if cfg.eval_every else 0),
-                                   tensorboard=cfg.tensorboard)
+                                   tensorboard=cfg.tensorboard and "tensorboard" in cfg.report_to,
+                                   trackers=trackers, final_step=cfg.num_steps)
         if run.resumed_metrics and run.logger.next_step <= run.start_step:  # logged with the checkpoint
             run.logger.log(run.start_step, run.resumed_metrics)
     return run
