@@ -52,6 +52,8 @@ class TrainConfig(Config):
     prompt_field: str = ""  # record field holding the prompt (empty: question / prompt / problem)
     answer_field: str = ""  # record field holding the reference answer (empty: ground_truth_answer / answer)
     chat_template: bool = False  # wrap prompts in the tokenizer's chat template (chat models)
+    prompt_template: str = "{prompt}"  # format of the prompt ({prompt} is the record's), before the chat template
+    system_prompt: str = ""  # system turn (chat_template only)
     reward: str = "exact_match"  # exact_match | math | code | module:function
     overlong_buffer: int = Field(0, ge=0)  # DAPO overlong penalty over the last N tokens before max_tokens (0 = off)
     reward_sandbox: SandboxMode = "bwrap"  # code rewards: bwrap | unsafe_local (plain subprocess, trusted code only)
@@ -117,3 +119,7 @@ class TrainConfig(Config):
     num_threads: int = Field(0, ge=0)  # torch CPU threads (0 = torch's default)
     tensorboard: bool = True  # write TensorBoard logs to output_dir/tb (false: drops tensorboard from report_to)
     report_to: list[Tracker] = Field(default_factory=lambda: ["tensorboard"])  # tensorboard, wandb, mlflow, trackio
+
+    def check(self) -> None:
+        if "{prompt}" not in self.prompt_template:
+            raise ValueError("train.prompt_template: must contain {prompt}")

@@ -8,7 +8,7 @@ the prompt comes from the first of `question`, `prompt`, `problem` and the answe
 `ground_truth_answer`, `answer` (so MATH500-style files load as is). A chat record (`messages`:
 a list of {role, content}) is a prompt too: the turns up to the last user turn, and a final
 assistant turn is the default answer. `prompt_template` formats the raw prompt
-(`"{prompt}\\nPut the final answer in \\\\boxed{{}}."`); given a tokenizer with
+(`"{prompt}\\nPut the final answer in \\\\boxed{}."`); given a tokenizer with
 `apply_chat_template`, the result is wrapped as a user turn (+ optional system) with the
 generation prompt appended. The raw question stays in `example["question_text"]`.
 
@@ -47,7 +47,7 @@ def _pick(record: dict, field: str | None, defaults: Sequence[str], what: str, w
 def format_prompt(text: str, prompt_template: str = "{prompt}", tokenizer=None,
                   system_prompt: str | None = None) -> str:
     """The text the policy generates from; chat-templated when a tokenizer is given."""
-    text = prompt_template.format(prompt=text)
+    text = prompt_template.replace("{prompt}", text)  # not str.format: `\boxed{}` stays as written
     if tokenizer is None:
         return text
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
@@ -83,7 +83,7 @@ def example_from_record(record, where: str, prompt_field: str | None = None, ans
         turns, chat_answer = _chat(question, where)
         question = turns[-1]["content"]
         example["prompt"] = (tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-                             if tokenizer is not None else prompt_template.format(prompt=question))
+                             if tokenizer is not None else prompt_template.replace("{prompt}", question))
     else:
         example["prompt"] = format_prompt(str(question), prompt_template, tokenizer, system_prompt)
     defaults = DEFAULT_ANSWER_FIELDS

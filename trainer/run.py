@@ -159,7 +159,8 @@ def load_examples(cfg, task, tokenizer) -> tuple[list[dict], list[dict]]:
     from trainer.evaluate import load_eval_examples
 
     chat = tokenizer if cfg.chat_template else None
-    fields = {"prompt_field": cfg.prompt_field, "answer_field": cfg.answer_field, "tokenizer": chat}
+    fields = {"prompt_field": cfg.prompt_field, "answer_field": cfg.answer_field, "tokenizer": chat,
+              "prompt_template": cfg.prompt_template, "system_prompt": cfg.system_prompt}
     held_out = None
     if cfg.eval_data:
         held_out = load_eval_examples(cfg.eval_data, limit=cfg.eval_size, split=cfg.eval_split, **fields)
