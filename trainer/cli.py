@@ -84,7 +84,7 @@ def _previous_run_refusal(cfg) -> str:
     """An error when output_dir holds an earlier run and neither --resume nor overwrite=true was given."""
     from pathlib import Path
 
-    from trainer.run import previous_run
+    from trainer.guards import previous_run
 
     found = previous_run(Path(cfg.output_dir))
     if not found or cfg.resume or cfg.overwrite:

@@ -30,6 +30,7 @@ import torch
 from trainer.checkpointer import Checkpointer
 from trainer.dist import Ranks
 from trainer.fleet import ServerFleet
+from trainer.guards import check_served_model, clear_previous_run, previous_run
 from trainer.learner import Learner
 from trainer.publish import Publisher
 from trainer.rollouts import RolloutSource
@@ -190,23 +191,6 @@ def run_id(out: Path) -> str:
     return path.read_text().strip()
 
 
-PREVIOUS_RUN = ("metrics.jsonl", "checkpoint", "final", "curves.png")  # what marks a run that trained
-RUN_FILES = (*PREVIOUS_RUN, "versions.jsonl", "tb", "run_id")
-
-
-def previous_run(out: Path, names: tuple[str, ...] = PREVIOUS_RUN) -> list[str]:
-    """What of an earlier run `out` holds (empty: a fresh folder)."""
-    return [name for name in names if (out / name).exists()]
-
-
-def clear_previous_run(out: Path) -> None:
-    """train.overwrite=true: remove an earlier run's outputs (only those dlrl writes)."""
-    for name in previous_run(out, RUN_FILES):
-        path = out / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
-    log.warning("train.overwrite=true: removed the previous run in %s", out)
-
-
 def _model_dir(cfg, ranks: Ranks, root: dict) -> Path:
     if cfg.model:
         from dllm.hub import resolve_model
@@ -281,7 +265,7 @@ def build_run(root: dict, config_path: str | None, overrides: list[str], sampler
         torch.set_num_threads(cfg.num_threads)
     out = Path(cfg.output_dir)
     if ranks.is_main and cfg.overwrite and not cfg.resume and previous_run(out):
-        clear_previous_run(out)
+        clear_previous_run(out)  # trainer.guards
     out.mkdir(parents=True, exist_ok=True)
     model_dir = _model_dir(cfg, ranks, root)
     tokenizer = load_tokenizer(model_dir, trust_remote_code=cfg.trust_remote_code)
@@ -291,7 +275,7 @@ def build_run(root: dict, config_path: str | None, overrides: list[str], sampler
     fleet = _start_fleet(cfg, root["server"], ranks, config_path, overrides, out)
     try:
         name = served_name(cfg.model or str(model_dir), root["server"].served_model_name)
-        others = ranks.on_main(lambda: _check_served_model(fleet, cfg, name))
+        others = ranks.on_main(lambda: check_served_model(fleet, cfg, name))
         learner = _build_learner(cfg, ranks, policy)
         reward_fn = build_reward(cfg.reward, overlong_buffer=cfg.overlong_buffer, max_tokens=cfg.max_tokens,
                                  sandbox=cfg.reward_sandbox)
@@ -325,24 +309,6 @@ def build_run(root: dict, config_path: str | None, overrides: list[str], sampler
         if run.resumed_metrics and run.logger.next_step <= run.start_step:  # logged with the checkpoint
             run.logger.log(run.start_step, run.resumed_metrics)
     return run
-
-
-def _check_served_model(fleet: ServerFleet, cfg, name: str) -> list[str]:
-    """The servers that serve another model than `name` (rank 0). An error unless
-    train.take_over_servers=true; then a warning, and they are renamed after the first push."""
-    from trainer.fleet import FleetError
-
-    others = {u: n for u, n in fleet.names().items() if n is not None and n != name}
-    if not others:
-        return []
-    held = ", ".join(f"{u} serves {n!r}" for u, n in others.items())
-    if not cfg.take_over_servers:
-        raise FleetError(f"{held}, not the model being trained ({name!r}, train.model={cfg.model or '<default>'}): "
-                         "refusing to overwrite its weights. Point train.servers at servers of this model, or "
-                         "set train.take_over_servers=true to train them anyway (they are renamed to "
-                         f"{name!r})")
-    log.warning("train.take_over_servers=true: %s; overwriting their weights with %r and renaming them", held, name)
-    return list(others)
 
 
 def _resume_or_sync(run: Run) -> None:
