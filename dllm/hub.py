@@ -65,8 +65,8 @@ def resolve_model(ref: str | Path, key: str = "model") -> Path:
         raise ModelNotFound(f"{key}: {ref!r} is not a directory, and the Hugging Face cache has no snapshot of it "
                             f"(offline: HF_HUB_OFFLINE=1, or no network): {e}") from None
     except (HfHubHTTPError, OSError, ValueError) as e:
-        raise ModelNotFound(f"{key}: could not download {ref!r} from the Hugging Face hub: "
-                            f"{type(e).__name__}: {e}") from None
+        raise ModelNotFound(f"{key}: {ref!r} is not a directory, and as a Hugging Face repo id it could not be "
+                            f"fetched: {type(e).__name__}: {e}") from None
     files = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
     log.info("%s: %s resolved to %s (revision %s): %s", key, ref, path, path.name, ", ".join(files))
     return path
