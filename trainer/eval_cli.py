@@ -63,6 +63,8 @@ class EvalConfig(Config):
     output: str = "runs/eval/results.json"  # results JSON (metrics, what was served, every generation)
 
     def check(self) -> None:
+        if self.own_server and not self.model:
+            raise ValueError("eval.own_server: needs eval.model (the model the private server loads)")
         if self.chat_template and not self.model:
             raise ValueError("eval.chat_template: needs eval.model (the folder whose tokenizer holds the template)")
         if "{prompt}" not in self.prompt_template:
@@ -109,8 +111,6 @@ def run(cfg: EvalConfig, task, config_path: str | None, overrides: list[str], se
 
     model_dir = resolve_model(cfg.model, "eval.model") if cfg.model else None
     if cfg.own_server:
-        if not cfg.model:
-            raise ValueError("eval.own_server: needs eval.model (the model the private server loads)")
         cfg = cfg.replace(servers=[free_url()], start_server=True)
     examples = load_examples(cfg, task)
     reward = build_reward(cfg.reward or ("math" if cfg.data else "exact_match"))
