@@ -1,9 +1,7 @@
 """`dlrl <command> --help` lists every config key (type, default, help) generated from the pydantic
 models; `dlrl config show` prints the resolved config as YAML that loads back."""
 
-import subprocess
-import sys
-
+import pytest
 import yaml
 
 from dllm.configlib import load_sections
@@ -11,13 +9,17 @@ from trainer.config import TrainConfig
 from trainer.eval_cli import EvalConfig
 
 
-def _dlrl(*argv: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "dlrl.cli", *argv], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    return out.stdout
+@pytest.fixture
+def _dlrl(capsys):
+    from dlrl.cli import main
+
+    def run(*argv: str) -> str:
+        assert main(list(argv)) == 0
+        return capsys.readouterr().out
+    return run
 
 
-def test_help_lists_every_key_with_type_default_and_help():
+def test_help_lists_every_key_with_type_default_and_help(_dlrl):
     text = _dlrl("train", "--help")
     assert "usage: dlrl train" in text and "--check" in text
     lines = {line.split()[0]: line for line in text.splitlines() if line.startswith("  train.")}
@@ -31,7 +33,7 @@ def test_help_lists_every_key_with_type_default_and_help():
                                                                for line in text.splitlines() if line.strip()}
 
 
-def test_config_show_prints_the_resolved_config(tmp_path):
+def test_config_show_prints_the_resolved_config(_dlrl, tmp_path):
     text = _dlrl("config", "show", "--command", "train", "num_steps=7", "server.admin_token=s3cret")
     assert "s3cret" not in text
     data = yaml.safe_load(text)
