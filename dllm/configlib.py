@@ -20,6 +20,7 @@ or key in a file also names the file, the line and the nearest known name
 from __future__ import annotations
 
 import difflib
+import types
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
@@ -239,7 +240,7 @@ def _type_name(annotation: Any) -> str:
         return "|".join(str(a) for a in args)
     if origin is typing.Annotated:
         return _type_name(args[0])
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in args)
     if origin in (list, tuple, dict):
         return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
