@@ -10,7 +10,8 @@
     dlrl config show [--command train] [--config FILE] [key=value ...]  the resolved config as YAML
 
 `dlrl <command> --help` lists every config key of the command (type, default, help);
-`--check` validates a command line, its config, files, imports, ports and tokens without running.
+`--check` validates a command line, its config, files, imports, ports and tokens without running;
+`--check-config` only the command line and the config.
 """
 
 from __future__ import annotations
