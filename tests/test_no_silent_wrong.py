@@ -100,7 +100,8 @@ def test_train_refuses_another_model_unless_taking_over(other_server, tiny_model
     out = capsys.readouterr().out  # each held-out evaluation, then one summary line
     assert [line.split(":")[0] for line in out.splitlines() if "held-out greedy accuracy" in line][:3] == [
         "step 0", "step 1", "step 2"]
-    summary = out.strip().splitlines()[-1]
+    summary = json.loads(out[out.index("{"):])["summary"]
+    assert summary in out.splitlines()  # printed as a line of its own, before the JSON
     assert summary.startswith("done: held-out greedy accuracy ") and " over 2 steps in " in summary
     assert f"outputs in {tmp_path / 'run'}/ (metrics.jsonl, curves.png, final)" in summary
     health = httpx.get(url + "/health").json()

@@ -96,7 +96,8 @@ def test_the_readme_recipe_runs(small_sdar_dir, tmp_path):
             if argv[0] == "train" and "--check" not in argv:
                 assert "train.data: 8 examples from DigitalLearningGmbH/MATH-lighteval" in out.stderr
                 assert "train.eval_data: 2 examples from HuggingFaceH4/MATH-500" in out.stderr
-                assert out.stdout.strip().splitlines()[-1].startswith("done: held-out greedy accuracy")
+                assert json.loads(out.stdout[out.stdout.index("{"):])["summary"].startswith(
+                    "done: held-out greedy accuracy")
         served_log = (tmp_path / "serve.log").read_text()
         assert "JetLM/SDAR-1.7B-Chat resolved to" in served_log and f"(revision {REV})" in served_log
         assert httpx.get(url + "/health").json()["model"] == "SDAR-1.7B-Chat"

@@ -156,10 +156,11 @@ def _train(run, cfg, stopper: Stopper) -> int:
     final = run.export()
     png = run.finish()
     if run.ranks.is_main:
+        line = summary_line(run.out, cfg.num_steps - run.start_step, time.monotonic() - t0)
+        print(line, flush=True)  # for people; the JSON after it for programs (stdout from its "{" on)
         summary = {"final_model": str(final), "curves": str(png), "version": run.version,
-                   "eval_accuracy": last.get("eval_accuracy"), "num_ranks": run.ranks.world_size}
+                   "eval_accuracy": last.get("eval_accuracy"), "num_ranks": run.ranks.world_size, "summary": line}
         print(json.dumps(summary, indent=2))
-        print(summary_line(run.out, cfg.num_steps - run.start_step, time.monotonic() - t0), flush=True)
     return 0
 
 
