@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[server,train,postgres,dev]'
+	$(PIP) install -q -e '.[server,train,postgres,data,dev]'
 	$(PY) -m tests.browser  # headless Chromium for the align console test (apt-get as root when missing)
 	touch $(STAMP)
 

@@ -43,7 +43,8 @@ def generate_main(argv: list[str]) -> int:
     from dllm.weights import load_pretrained
 
     ap = argparse.ArgumentParser(prog="dlrl generate", description="generate with block diffusion")
-    ap.add_argument("--model", required=True, help="model folder (config.json, safetensors, tokenizer)")
+    ap.add_argument("--model", required=True, help="model folder (config.json, safetensors, tokenizer) or hub repo "
+                                                   "id org/name[@revision]")
     ap.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -60,8 +61,11 @@ def generate_main(argv: list[str]) -> int:
     ap.add_argument("--trace", action="store_true", help="print the decoding trace as JSON")
     args = ap.parse_args(argv)
     try:
-        model = load_pretrained(args.model, device=args.device, dtype=args.dtype)
-        tok = load_tokenizer(args.model)
+        from dllm.hub import resolve_model
+
+        folder = resolve_model(args.model, "--model")
+        model = load_pretrained(folder, device=args.device, dtype=args.dtype)
+        tok = load_tokenizer(folder)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, strategy=args.strategy, steps=args.steps,
                                 threshold=args.threshold, seed=args.seed, stop=args.stop)

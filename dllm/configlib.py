@@ -12,11 +12,15 @@ It is read once per command (`load_sections`) and the typed sections are handed 
 Overrides are `section.key=value`, or `key=value` for the command's own (`primary`) section;
 values are YAML scalars, and a comma-separated string fills a list field
 (`servers=http://h1:8000,http://h2:8000`). Unknown sections, unknown keys, wrong types and
-broken rules raise `ConfigError` naming the key (`train.num_steps: ...`).
+broken rules raise `ConfigError` naming the key (`train.num_steps: ...`); an unknown section
+or key in a file also names the file, the line and the nearest known name
+(`configs/x.yaml:41: unknown section 'trian' (did you mean 'train'?)`).
 """
 
 from __future__ import annotations
 
+import difflib
+import types
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
@@ -51,17 +55,64 @@ class Config(BaseModel):
         return build(type(self), {**self.model_dump(), **changes})
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
+# Every section any dlrl command reads from a config file (a file may hold the sections of several
+# commands: configs/tiny.yaml feeds sft, serve, train and eval). Anything else is a typo.
+KNOWN_SECTIONS = ("model", "task", "sft", "server", "train", "eval", "align", "users")
+
+
+class ConfigFile(dict):
+    """The sections of one YAML file, with where each section and key is (`where("train", "lr")`
+    -> "configs/tiny.yaml:47")."""
+
+    def __init__(self, data: dict[str, Any], path: Path, lines: dict[tuple[str, ...], int]):
+        super().__init__(data)
+        self.path, self.lines = path, lines
+
+    def where(self, *keys: str) -> str:
+        line = self.lines.get(tuple(keys))
+        return f"{self.path}:{line}" if line else str(self.path)
+
+
+def nearest(name: str, known: typing.Iterable[str]) -> str:
+    """' (did you mean 'x'?)' for the closest known name, or ''."""
+    close = difflib.get_close_matches(str(name), [str(k) for k in known], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _key_lines(text: str) -> dict[tuple[str, ...], int]:
+    """1-based line of every top-level key and of every key inside a top-level mapping."""
+    node = yaml.compose(text, Loader=yaml.SafeLoader)
+    lines: dict[tuple[str, ...], int] = {}
+    if not isinstance(node, yaml.MappingNode):
+        return lines
+    for key, value in node.value:
+        lines[(str(key.value),)] = key.start_mark.line + 1
+        if isinstance(value, yaml.MappingNode):
+            for sub, _ in value.value:
+                lines[(str(key.value), str(sub.value))] = sub.start_mark.line + 1
+    return lines
+
+
+def read_yaml(path: str | Path) -> ConfigFile:
+    """The file's sections; an unknown section is an error naming the file, the line and the
+    nearest known section."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
+        text = p.read_text()
+        data = yaml.safe_load(text) or {}
+        lines = _key_lines(text) if data else {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {p} is not valid YAML: {e}") from e
     if not isinstance(data, dict):
         raise ConfigError(f"config file {p} must hold a mapping of sections")
-    return data
+    doc = ConfigFile(data, p, lines)
+    for section in data:
+        if section not in KNOWN_SECTIONS:
+            raise ConfigError(f"{doc.where(str(section))}: unknown section {section!r}"
+                              f"{nearest(section, KNOWN_SECTIONS)} (known: {', '.join(KNOWN_SECTIONS)})")
+    return doc
 
 
 def parse_overrides(overrides: list[str] | None) -> list[tuple[str, Any]]:
@@ -125,8 +176,14 @@ def load_section(cls: type[T], path: str | Path | None, section: str,
 def _section(cls: type[T], data: dict[str, Any], section: str, overrides: list[str] | None,
              bare_keys: bool) -> T:
     raw = data.get(section) or {}
+    where = data.where if isinstance(data, ConfigFile) else (lambda *k: "config")
     if not isinstance(raw, dict):
-        raise ConfigError(f"config section {section!r} must be a mapping")
+        raise ConfigError(f"{where(section)}: config section {section!r} must be a mapping")
+    if cls.model_config.get("extra") != "ignore":  # views (extra="ignore") read a few keys of another's section
+        for key in raw:
+            if key not in cls.model_fields:
+                raise ConfigError(f"{where(section, str(key))}: unknown config key '{section}.{key}'"
+                                  f"{nearest(key, cls.model_fields)}")
     values = dict(raw)
     for key, value in parse_overrides(overrides):
         if "." in key:
@@ -158,9 +215,10 @@ def check_overrides(overrides: list[str] | None, sections: dict[str, type], prim
         sec, sub = key.split(".", 1) if "." in key else (primary, key)
         cls = sections.get(sec)
         if cls is None:
-            raise ConfigError(f"override {key!r}: unknown section {sec!r} (known: {', '.join(sections)})")
+            raise ConfigError(f"override {key!r}: unknown section {sec!r}{nearest(sec, sections)} "
+                              f"(known: {', '.join(sections)})")
         if sub not in cls.model_fields and cls.model_config.get("extra") != "ignore":
-            raise ConfigError(f"unknown config key {sec}.{sub!r}")
+            raise ConfigError(f"unknown config key '{sec}.{sub}'{nearest(sub, cls.model_fields)}")
 
 
 def print_check(command: str, *sections: Any) -> int:
@@ -173,3 +231,73 @@ def print_check(command: str, *sections: Any) -> int:
         out[type(sec).__name__] = sec.model_dump() if isinstance(sec, BaseModel) else str(sec)
     print(json.dumps(out, default=str))
     return 0
+
+
+# ---------------------------------------------------------------------------------- help
+def _type_name(annotation: Any) -> str:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return "|".join(str(a) for a in args)
+    if origin is typing.Annotated:
+        return _type_name(args[0])
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in args)
+    if origin in (list, tuple, dict):
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
+    if annotation is type(None):
+        return "none"
+    return getattr(annotation, "__name__", str(annotation).replace("typing.", ""))
+
+
+def _comments(cls: type) -> dict[str, str]:
+    """Trailing `# comment` of each field's line in the class bodies (the help of fields without
+    a Field(description=...))."""
+    import inspect
+    import re
+
+    out: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not (isinstance(klass, type) and issubclass(klass, BaseModel)) or klass in (BaseModel, Config):
+            continue
+        try:
+            lines = inspect.getsourcelines(klass)[0]
+        except (OSError, TypeError):
+            continue
+        for line in lines:
+            m = re.match(r"^\s{4}(\w+)\s*:[^#]*#\s*(.+?)\s*$", line)
+            if m:
+                out[m.group(1)] = m.group(2)
+    return out
+
+
+def describe(cls: type[BaseModel], section: str) -> list[str]:
+    """One line per key of a section: `section.key  TYPE = DEFAULT  help` (help: the field's
+    description, else its comment in the source, else the class docstring's first line for none)."""
+    notes = _comments(cls)
+    rows = []
+    for name, field in cls.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        text = field.description or notes.get(name, "")
+        rows.append((f"{section}.{name}", _type_name(field.annotation), json_default(default), text))
+    width = max((len(r[0]) for r in rows), default=0)
+    return [f"  {k:<{width}}  {t} = {d}" + (f"  # {h}" if h else "") for k, t, d, h in rows]
+
+
+def json_default(value: Any) -> str:
+    import json
+
+    try:
+        return json.dumps(value, default=str)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def dump_yaml(sections: dict[str, BaseModel]) -> str:
+    """The resolved sections as a YAML config file (loads back through load_sections); secrets
+    (keys ending in `token`) are shown as "<set>"."""
+    data = {name: sec.model_dump(mode="json") for name, sec in sections.items()}
+    for values in data.values():
+        for key in values:
+            if key.endswith("token") and values[key]:
+                values[key] = "<set>"
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=120)

@@ -34,12 +34,12 @@ SPLITS = ("train", "heldout")
 class ArithmeticTask(Config):
     """Section `task`: the synthetic addition task."""
 
-    min_digits: int = Field(2, ge=1, le=9)
-    max_digits: int = Field(2, ge=1, le=9)
-    heldout_fraction: float = Field(0.1, gt=0, lt=1)
+    min_digits: int = Field(2, ge=1, le=9)  # fewest digits per operand
+    max_digits: int = Field(2, ge=1, le=9)  # most digits per operand
+    heldout_fraction: float = Field(0.1, gt=0, lt=1)  # share of problems held out from SFT and RL
     fixed_width: bool = True  # zero-pad operands to max_digits and the answer to max_digits + 1
     teacher_carry_error: float = Field(0.6, ge=0, le=1)  # SFT demos drop the carries with this probability
-    seed: int = 0
+    seed: int = 0  # seed of the train/held-out split
 
     def check(self) -> None:
         if self.min_digits > self.max_digits:

@@ -1,4 +1,4 @@
-"""The decoding Trace: how each generated token was committed (DESIGN.md contract).
+"""The decoding Trace: how each generated token was committed (docs/DESIGN.md contract).
 
 For completion token j: `steps[j]` is the 1-based index, within its block, of the
 denoising forward that committed it, and `logprobs[j]` the log-probability of that

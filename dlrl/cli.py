@@ -7,6 +7,11 @@
     dlrl eval     --config configs/tiny.yaml [data=math500.jsonl num_samples=4 ...]
     dlrl align    --config configs/align.yaml [key=value ...]        continuous alignment (make align)
     dlrl versions --store runs/feedback.db [--events] [--rollback V]  the version registry
+    dlrl config show [--command train] [--config FILE] [key=value ...]  the resolved config as YAML
+
+`dlrl <command> --help` lists every config key of the command (type, default, help);
+`--check` validates a command line, its config, files, imports, ports and tokens without running;
+`--check-config` only the command line and the config.
 """
 
 from __future__ import annotations
@@ -24,6 +29,66 @@ COMMANDS = {
     "align": ("trainer.align_cli", "main"),
     "versions": ("trainer.align_cli", "versions_main"),
 }
+
+PREFLIGHT_COMMANDS = ("serve", "train", "eval")  # --check also checks files, imports, ports, tokens
+SECTION_CLASSES = {
+    "model": "dllm.sft:TinyModelConfig", "task": "dllm.task:ArithmeticTask", "sft": "dllm.sft:SFTConfig",
+    "server": "server.config:ServerConfig", "train": "trainer.config:TrainConfig",
+    "eval": "trainer.eval_cli:EvalConfig", "align": "trainer.align_config:AlignConfig",
+    "users": "trainer.align_users:UsersConfig"}
+COMMAND_SECTIONS = {  # command -> (its own section: bare key=value overrides, the sections it reads)
+    "sft": ("sft", ["sft", "model", "task"]),
+    "serve": ("server", ["server", "model", "task", "sft"]),
+    "train": ("train", ["train", "model", "task", "sft", "server"]),
+    "eval": ("eval", ["eval", "task", "server"]),
+    "align": ("align", ["align", "users", "train", "model", "task", "sft", "server"]),
+}
+
+
+def _section_class(name: str):
+    import importlib
+
+    module, attr = SECTION_CLASSES[name].split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def print_keys(command: str) -> None:
+    """Every config key the command reads: `section.key  TYPE = DEFAULT  # help`."""
+    from dllm.configlib import describe
+
+    primary, names = COMMAND_SECTIONS[command]
+    print(f"\nconfig keys (YAML section.key, or key=value / section.key=value on the command line; bare keys "
+          f"are {primary}.*):")
+    for name in names:
+        cls = _section_class(name)
+        doc = (cls.__doc__ or "").strip().splitlines()
+        print(f"\n[{name}] {doc[0] if doc else ''}".rstrip())
+        print("\n".join(describe(cls, name)))
+
+
+def config_main(argv: list[str]) -> int:
+    """`dlrl config show [--command C] [--config FILE] [key=value ...]`: the resolved config as YAML."""
+    import argparse
+
+    from dllm.configlib import ConfigError, dump_yaml, load_sections
+
+    ap = argparse.ArgumentParser(prog="dlrl config", description="print the resolved config as YAML")
+    ap.add_argument("action", choices=["show"])
+    ap.add_argument("--command", choices=sorted(COMMAND_SECTIONS), default=None,
+                    help="only the sections this command reads (bare key=value overrides are its own section's)")
+    ap.add_argument("--config", default=None, help="YAML config (default configs/tiny.yaml when it exists)")
+    ap.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    args = ap.parse_intermixed_args(argv)
+    path = args.config or ("configs/tiny.yaml" if os.path.isfile("configs/tiny.yaml") else None)
+    primary, names = COMMAND_SECTIONS[args.command] if args.command else (None, list(SECTION_CLASSES))
+    try:
+        sections = load_sections(path, args.overrides, {n: _section_class(n) for n in names},
+                                 primary=primary or "")
+    except (ConfigError, ValueError) as e:
+        ap.error(str(e))
+    print(f"# resolved config{f' of dlrl {args.command}' if args.command else ''} (from {path or 'defaults'})")
+    print(dump_yaml(sections), end="")
+    return 0
 
 
 def _strip_local_rank(argv: list[str]) -> list[str]:
@@ -45,6 +110,18 @@ def _strip_local_rank(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = _strip_local_rank(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "config":
+        return config_main(argv[1:])
+    if argv and argv[0] in COMMAND_SECTIONS and any(a in ("-h", "--help") for a in argv[1:]):
+        import importlib
+
+        module, func = COMMANDS[argv[0]]
+        try:
+            importlib.import_module(module).__dict__[func](["--help"])
+        except SystemExit:
+            pass
+        print_keys(argv[0])
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print(__doc__.strip())
         if argv and argv[0] not in ("-h", "--help"):
@@ -53,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    if argv[0] not in PREFLIGHT_COMMANDS:  # their --check is the config check
+        argv = [("--check" if a == "--check-config" else a) for a in argv]
     module, func = COMMANDS[argv[0]]
     import importlib
 

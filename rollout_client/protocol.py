@@ -161,7 +161,7 @@ class GenerateRequest(DecodingOptions):
 
 
 class TraceModel(BaseModel):
-    """dllm.trace.Trace on the wire (see DESIGN.md: steps are 1-based within each block), and
+    """dllm.trace.Trace on the wire (see docs/DESIGN.md: steps are 1-based within each block), and
     the one home of its block/step arithmetic (used by replay, advantages and metrics)."""
 
     prompt_len: int

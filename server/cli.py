@@ -32,18 +32,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="TCP port (default 8000)")
     p.add_argument("--model", default=None, help="model folder (HF layout); default: the embedded tiny model")
-    p.add_argument("--check", action="store_true", help="only parse the command line and the config; exit 0 "
-                                                       "(or 2 with the error)")
+    p.add_argument("--check", action="store_true", help="parse the command line and the config, check the model "
+                                                       "and that the port is free; exit 0 (or 2 with the error)")
+    p.add_argument("--check-config", action="store_true", help="only parse the command line and the config")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. server.max_batch=32")
     return p
 
 
 def resolve_model(config: ServerConfig, config_path: str | None, overrides: list[str] | None = None) -> str:
-    """The model folder to serve: `config.model`, or the embedded default (trained if missing)."""
+    """The model folder to serve: `config.model` (a folder or a hub repo id, dllm.hub), or the
+    embedded default (trained if missing)."""
     if config.model:
-        if not Path(config.model).is_dir():
-            raise SystemExit(f"server.model: {config.model!r} is not a directory")
-        return config.model
+        from dllm.hub import ModelNotFound
+        from dllm.hub import resolve_model as resolve_ref
+
+        try:
+            return str(resolve_ref(config.model, "server.model"))
+        except ModelNotFound as e:
+            raise SystemExit(f"dlrl serve: error: {e}") from None
     from dllm.tiny import ensure_default_model, load_tiny_sections
 
     log.info("no server.model given: using the embedded tiny default (trains it first if missing)")
@@ -73,7 +79,15 @@ def main(argv: list[str] | None = None) -> int:
         config = config.replace(**changes)
     except ConfigError as e:
         parser.error(str(e))
-    if args.check:
+    if not args.check_config:  # before loading anything: the port is free, the model exists
+        from dllm.preflight import fail_early, model_problem, port_problem
+
+        try:
+            fail_early([port_problem(config.host, config.port, "server.port / --port"),
+                        model_problem(config.model, "server.model / --model")])
+        except ValueError as e:
+            parser.exit(2, f"dlrl serve: error: {e}\n")
+    if args.check or args.check_config:
         return print_check("serve", config)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 

@@ -33,8 +33,8 @@ Reward = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # a finite n
 
 
 class ServerConfig(Config):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, lt=65536)
+    host: str = "127.0.0.1"  # bind address
+    port: int = Field(8000, ge=0, lt=65536)  # TCP port
     model: str = ""                  # HF-style folder; "" = embedded tiny default
     served_model_name: str = ""      # name in /v1/models; "" = the folder name
     backend: Backend = "native"
@@ -54,7 +54,7 @@ class ServerConfig(Config):
     trust_remote_code: bool = False  # run the model folder's own Python code (tokenizer/config); never asked
     block_size: int = Field(0, ge=0)  # 0 = config.json's; set it for folders that lack it (or to decode with another)
     mask_token_id: int = Field(-1, ge=-1)  # -1 = config.json's, else the tokenizer's <|MASK|>
-    admin_token: str = ""
+    admin_token: str = ""  # bearer token of the admin endpoints (else env DLRL_ADMIN_TOKEN, else admin_token_file)
     admin_token_file: str = ""       # read (or create) the token here when none is set otherwise
     log_level: LogLevel = "info"
     log_format: Literal["text", "json"] = "text"  # json: one JSON event per line (request id, version, timing)
@@ -74,10 +74,10 @@ class ServerConfig(Config):
     auth_failure_window_s: float = Field(60.0, gt=0)  # ... after which it gets 429 with Retry-After ...
     auth_throttle_s: float = Field(60.0, gt=0)  # ... for this long
     # defaults for requests that leave these unset
-    default_max_tokens: int = Field(64, ge=1)
-    default_strategy: Strategy = "dynamic"
-    default_threshold: float = Field(0.9, ge=0, le=1)
-    default_temperature: float = Field(1.0, ge=0)
+    default_max_tokens: int = Field(64, ge=1)  # max_tokens of requests that leave it unset
+    default_strategy: Strategy = "dynamic"  # strategy of requests that leave it unset
+    default_threshold: float = Field(0.9, ge=0, le=1)  # threshold of requests that leave it unset
+    default_temperature: float = Field(1.0, ge=0)  # temperature of requests that leave it unset
     # weight sync (server side of weight_sync; see server/weight_updates.py)
     weight_sync_lease_s: float = Field(30.0, gt=0, le=3600)  # an update with no data-plane progress is aborted
     weight_sync_drain_timeout_s: float = Field(30.0, ge=0, le=3600)  # commit waits this long for in-flight...
@@ -94,7 +94,7 @@ class ServerConfig(Config):
     record_max_pending: int = Field(10_000, ge=1)    # records queued for the store writer; beyond: dropped
     store_error_log_s: float = Field(30.0, gt=0)     # while the store fails: one log line per this many s
     feedback_token: str = ""         # bearer token of POST /v1/feedback; "" = env DLRL_FEEDBACK_TOKEN, else disabled
-    feedback_labels: dict[Label, Reward] = Field(default_factory=lambda: {"accept": 1.0, "reject": 0.0})
+    feedback_labels: dict[Label, Reward] = Field(default_factory=lambda: {"accept": 1.0, "reject": 0.0})  # feedback label -> reward
 
     def check(self) -> None:
         if self.listen_backlog >= self.fd_reserve:
@@ -112,10 +112,9 @@ class ServerConfig(Config):
         return (self.feedback_token or os.environ.get(FEEDBACK_ENV_VAR, "")).strip()
 
     def model_name(self, model_path: str | Path | None = None) -> str:
-        if self.served_model_name:
-            return self.served_model_name
-        path = model_path or self.model
-        return Path(str(path)).name if path else "dlrl-tiny"
+        from dllm.hub import served_name
+
+        return served_name(str(self.model or model_path or ""), self.served_model_name)  # a repo id: its name
 
 
 def load_server_config(path: str | Path | None, overrides: list[str] | None = None) -> ServerConfig:

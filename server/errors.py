@@ -97,10 +97,19 @@ def _message(err: dict, param: str | None) -> str:
     return f"{param}: {msg}" if param else msg
 
 
+NOT_AN_OBJECT = ("model_attributes_type", "dict_type", "model_type")
+
+
 def validation_error_response(exc: RequestValidationError) -> JSONResponse:
     errors = sorted(exc.errors(), key=_rank)
     if not errors:
         return error_response(400, "invalid request")
+    whole = [e for e in errors if tuple(e.get("loc", ())) == ("body",) and e.get("type") in NOT_AN_OBJECT]
+    if whole:  # e.g. curl -d without -H "Content-Type: application/json": the body arrives as text
+        got = whole[0].get("input")
+        kind = "text (no Content-Type: application/json?)" if isinstance(got, (str, bytes)) else type(got).__name__
+        return error_response(400, f"body: JSON object expected (send it with Content-Type: application/json), "
+                                   f"got {kind}", "body")
     param = _param_of(errors[0])
     message = _message(errors[0], param)
     others = {_param_of(e) for e in errors if not _rank(e)[0]} - {param}

@@ -7,11 +7,15 @@
     POST /admin/pause     {"abort_inflight": false}  (bearer token)  -> EngineStatus
     POST /admin/resume                                (bearer token)  -> EngineStatus
     GET  /admin/status                                (bearer token)  -> EngineStatus
+    POST /admin/model_name {"name": "SDAR-1.7B-rl"}   (bearer token)  -> HealthResponse
+                          the name /health, /v1/models and responses report (a trainer that took
+                          the server over with train.take_over_servers=true renames it)
 """
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request, Response
+from pydantic import BaseModel, ConfigDict, Field
 
 from rollout_client import protocol as P
 from server.auth import require_admin
@@ -72,6 +76,18 @@ async def resume(request: Request) -> P.EngineStatus:
     engine = request.app.state.engine
     await engine.resume()
     return _status(engine)
+
+
+class ModelNameRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=256, pattern=r"^[\w.\-/:@+]+$")
+
+
+@admin.post("/model_name", response_model=P.HealthResponse)
+async def model_name(body: ModelNameRequest, request: Request) -> P.HealthResponse:
+    engine = request.app.state.engine
+    engine.model_name = body.name
+    return _health(engine, request.app.state.is_draining)
 
 
 @admin.get("/status", response_model=P.EngineStatus)

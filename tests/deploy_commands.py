@@ -1,5 +1,5 @@
 """Find every `dlrl` command line in the deploy/ manifests and scripts, and run it through the
-real CLI with `--check` (tests/test_deploy_*.py).
+real CLI with `--check-config` (tests/test_deploy_*.py).
 
     for cmd in shell_commands(Path("deploy/local/run.sh").read_text(), env, "run.sh"):
         code, out, err = run_check(cmd.argv)           # 0 and one JSON line, or 2 naming the key
@@ -171,7 +171,7 @@ def run_check(argv: list[str]) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            code = main([*argv, "--check"])
+            code = main([*argv, "--check-config"])
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 2
     return code, out.getvalue(), err.getvalue()

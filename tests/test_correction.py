@@ -61,15 +61,16 @@ def test_rollout_requests_carry_the_stop_settings():
 
 
 @pytest.mark.parametrize("argv,code", [
-    (["train", "--check", "nproc=2", "objective=dipo"], 0),
-    (["serve", "--check", "server.max_batch=4"], 0),
-    (["eval", "--check", "num_samples=2"], 0),
-    (["sft", "--check", "steps=5"], 0),
-    (["train", "--check", "no_such_key=1"], 2),
-    (["serve", "--check", "server.port=99999"], 2),
+    (["train", "--check-config", "nproc=2", "objective=dipo"], 0),
+    (["serve", "--check-config", "server.max_batch=4"], 0),
+    (["eval", "--check-config", "num_samples=2"], 0),
+    (["sft", "--check-config", "steps=5"], 0),
+    (["train", "--check-config", "no_such_key=1"], 2),
+    (["serve", "--check-config", "server.port=99999"], 2),
 ])
 def test_check_mode_parses_command_and_config_only(argv, code, capsys):
-    """`dlrl <cmd> --check`: what deploy manifests are validated with (exit 0, or 2 naming the error)."""
+    """`dlrl <cmd> --check-config`: what deploy manifests are validated with (exit 0, or 2 naming the
+    error); `--check` also checks files, imports, ports and tokens (tests/test_fail_early.py)."""
     from dlrl.cli import main
 
     try:

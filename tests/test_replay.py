@@ -1,4 +1,4 @@
-"""Replay invariant (DESIGN.md): replayed logprobs == the trace's behaviour logprobs."""
+"""Replay invariant (docs/DESIGN.md): replayed logprobs == the trace's behaviour logprobs."""
 
 import pytest
 import torch

@@ -73,6 +73,19 @@ def test_malformed_bodies(server, content):
         assert r.json()["error"]["message"]
 
 
+def test_a_body_without_json_content_type_says_a_json_object_is_expected(server):
+    """curl -d '{...}' without -H 'Content-Type: application/json' (the README's examples send it)."""
+    for endpoint in ("/generate", "/v1/completions", "/v1/chat/completions"):
+        r = httpx.post(server.url + endpoint, content=b'{"prompt": "1+2=", "max_tokens": 2}',
+                       headers={"content-type": "application/x-www-form-urlencoded"})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "body" and "JSON object expected" in err["message"]
+        assert "Content-Type: application/json" in err["message"]
+    r = httpx.post(server.url + "/v1/completions", content=b"[1, 2]", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON object expected" in r.json()["error"]["message"]
+
+
 def test_unknown_route_and_method(server):
     assert httpx.get(server.url + "/nope").status_code == 404
     r = httpx.get(server.url + "/generate")

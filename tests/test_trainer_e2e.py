@@ -123,8 +123,8 @@ def test_bad_config_names_the_cause(served, tiny_model_dir, tmp_path, capsys, ov
 
 def test_unreachable_server_is_an_error(tiny_model_dir, tmp_path, capsys):
     url = f"http://127.0.0.1:{free_port()}"
-    assert run_train(write_config(tmp_path, url, tiny_model_dir)) == 1
-    assert url in capsys.readouterr().err
+    assert run_train(write_config(tmp_path, url, tiny_model_dir)) == 2  # found before loading (trainer.preflight)
+    assert f"train.servers: {url} does not answer" in capsys.readouterr().err
 
 
 def test_version_conflict_is_refused(served, tiny_model_dir, tmp_path):

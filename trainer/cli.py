@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 
@@ -64,8 +65,10 @@ def parse(argv: list[str]):
     ap = argparse.ArgumentParser(prog="dlrl train", description="online RL for block-diffusion LMs")
     ap.add_argument("--config", default="configs/tiny.yaml")
     ap.add_argument("--resume", action="store_true", help="continue from output_dir/checkpoint")
-    ap.add_argument("--check", action="store_true", help="only parse the command line and the config; exit 0 "
-                                                        "(or 2 with the error)")
+    ap.add_argument("--check", action="store_true", help="parse the command line and the config and check data "
+                    "files, the reward import, the model, the servers' ports and admin token; exit 0 (or 2 with "
+                    "the errors)")
+    ap.add_argument("--check-config", action="store_true", help="only parse the command line and the config")
     ap.add_argument("overrides", nargs="*", help="key=value overrides (e.g. num_steps=5 nproc=2)")
     args = ap.parse_args(argv)
     overrides = list(args.overrides) + (["train.resume=true"] if args.resume else [])
@@ -77,9 +80,32 @@ def parse(argv: list[str]):
     return args, root, overrides
 
 
+def _previous_run_refusal(cfg) -> str:
+    """An error when output_dir holds an earlier run and neither --resume nor overwrite=true was given."""
+    from pathlib import Path
+
+    from trainer.guards import previous_run
+
+    found = previous_run(Path(cfg.output_dir))
+    if not found or cfg.resume or cfg.overwrite:
+        return ""
+    return (f"train.output_dir={cfg.output_dir} holds a previous run ({', '.join(found)}): continue it with "
+            "--resume, replace it with overwrite=true, or choose another output_dir=...")
+
+
 def main(argv: list[str]) -> int:
     args, root, overrides = parse(argv)
     cfg = root["train"]
+    if args.check_config:
+        return print_check("train", cfg)
+    if os.environ.get("RANK", "0") == "0":  # before loading anything (other ranks wait for rank 0's errors)
+        from trainer.preflight import train_problems
+
+        problems = train_problems(cfg, root["server"])
+        refusal = _previous_run_refusal(cfg)
+        if problems or refusal:
+            print(f"dlrl train: error: {'; '.join(problems + ([refusal] if refusal else []))}", file=sys.stderr)
+            return 2
     if args.check:
         return print_check("train", cfg)
     from trainer.dist import select_device
@@ -120,8 +146,11 @@ def main(argv: list[str]) -> int:
 
 
 def _train(run, cfg, stopper: Stopper) -> int:
+    import time
+
     from trainer.loop import train_loop
 
+    t0 = time.monotonic()
     if run.ranks.is_main:
         log.info("training %s on %s from version %d (%s, %s, %d rank(s), ZeRO-%d)", run.model_dir,
                  ", ".join(cfg.servers), run.version, cfg.objective, cfg.mode, run.ranks.world_size, cfg.zero_stage)
@@ -129,12 +158,26 @@ def _train(run, cfg, stopper: Stopper) -> int:
         scores = run.evaluate()
         if scores is not None:
             run.log(0, {"version": run.version, **scores})
-            log.info("step 0: held-out greedy accuracy %.1f%%", 100 * scores["eval_accuracy"])
     last = train_loop(run, should_stop=lambda: stopper.requested)
     final = run.export()
     png = run.finish()
     if run.ranks.is_main:
+        line = summary_line(run.out, cfg.num_steps - run.start_step, time.monotonic() - t0)
+        print(line, flush=True)  # for people; the JSON after it for programs (stdout from its "{" on)
         summary = {"final_model": str(final), "curves": str(png), "version": run.version,
-                   "eval_accuracy": last.get("eval_accuracy"), "num_ranks": run.ranks.world_size}
+                   "eval_accuracy": last.get("eval_accuracy"), "num_ranks": run.ranks.world_size, "summary": line}
         print(json.dumps(summary, indent=2))
     return 0
+
+
+def summary_line(out, steps: int, seconds: float) -> str:
+    """`done: held-out greedy accuracy 31.5% -> 84.5% over 60 steps in 2 min 40 s; outputs in ...`
+    (the first and last evaluations of output_dir/metrics.jsonl)."""
+    from trainer.metrics_log import read_jsonl
+
+    evals = [r["eval_accuracy"] for r in read_jsonl(out / "metrics.jsonl") if "eval_accuracy" in r]
+    acc = (f"held-out greedy accuracy {100 * evals[0]:.1f}% -> {100 * evals[-1]:.1f}%" if evals
+           else "no held-out evaluation (train.eval_every=0)")
+    wall = f"{int(seconds // 60)} min {int(seconds % 60)} s" if seconds >= 60 else f"{seconds:.1f} s"
+    made = [n for n in ("metrics.jsonl", "curves.png", "final", "tb", "checkpoint") if (out / n).exists()]
+    return f"done: {acc} over {steps} steps in {wall}; outputs in {out}/ ({', '.join(made)})"

@@ -1,13 +1,16 @@
-"""Prompt data for RL: JSONL loading and a resumable, seeded, epoch-based prompt sampler.
+"""Prompt data for RL: loading and a resumable, seeded, epoch-based prompt sampler.
 
-`load_prompts(path)` reads one JSON object per line and returns examples
-`{**record, "prompt": <text to generate from>, "answer": <str>}` (rewards read
+`load_prompts(spec)` reads the records of a JSONL / JSON / Parquet / CSV file, a `datasets`
+save_to_disk folder or a hub dataset id (`trainer.data_sources`; `split`, `limit`) and returns
+examples `{**record, "prompt": <text to generate from>, "answer": <str>}` (rewards read
 `example["answer"]`, code rewards `example["tests"]`). Field names are configurable; by default
 the prompt comes from the first of `question`, `prompt`, `problem` and the answer from
-`ground_truth_answer`, `answer` (so MATH500-style files load as is). `prompt_template`
-formats the raw prompt (`"{prompt}\\nPut the final answer in \\\\boxed{{}}."`); given a
-tokenizer with `apply_chat_template`, the result is wrapped as a user turn (+ optional system)
-with the generation prompt appended. The raw question stays in `example["question_text"]`.
+`ground_truth_answer`, `answer` (so MATH500-style files load as is). A chat record (`messages`:
+a list of {role, content}) is a prompt too: the turns up to the last user turn, and a final
+assistant turn is the default answer. `prompt_template` formats the raw prompt
+(`"{prompt}\\nPut the final answer in \\\\boxed{}."`); given a tokenizer with
+`apply_chat_template`, the result is wrapped as a user turn (+ optional system) with the
+generation prompt appended. The raw question stays in `example["question_text"]`.
 
 `PromptSampler(examples, batch_size, seed)` yields batches forever: each epoch is a fresh
 permutation drawn from (seed, epoch); a batch may straddle two epochs. `state_dict()` /
@@ -20,7 +23,7 @@ permutation drawn from (seed, epoch); a batch may straddle two epochs. `state_di
 
 from __future__ import annotations
 
-import json
+import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -28,6 +31,8 @@ import numpy as np
 
 DEFAULT_PROMPT_FIELDS = ("question", "prompt", "problem")
 DEFAULT_ANSWER_FIELDS = ("ground_truth_answer", "answer")
+MESSAGES_FIELD = "messages"
+log = logging.getLogger("dlrl.data")
 
 
 def _pick(record: dict, field: str | None, defaults: Sequence[str], what: str, where: str):
@@ -42,7 +47,7 @@ def _pick(record: dict, field: str | None, defaults: Sequence[str], what: str, w
 def format_prompt(text: str, prompt_template: str = "{prompt}", tokenizer=None,
                   system_prompt: str | None = None) -> str:
     """The text the policy generates from; chat-templated when a tokenizer is given."""
-    text = prompt_template.format(prompt=text)
+    text = prompt_template.replace("{prompt}", text)  # not str.format: `\boxed{}` stays as written
     if tokenizer is None:
         return text
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
@@ -50,47 +55,78 @@ def format_prompt(text: str, prompt_template: str = "{prompt}", tokenizer=None,
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+def _chat(messages, where: str) -> tuple[list[dict], str | None]:
+    """(prompt turns, answer of a final assistant turn or None) of a chat record."""
+    if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+        raise ValueError(f"{where}: `{MESSAGES_FIELD}` must be a non-empty list of {{role, content}} turns")
+    turns = [{"role": str(m["role"]), "content": str(m["content"])} for m in messages]
+    answer = None
+    if turns[-1]["role"] == "assistant":
+        answer, turns = turns[-1]["content"], turns[:-1]
+    if not turns or turns[-1]["role"] != "user":
+        raise ValueError(f"{where}: `{MESSAGES_FIELD}` needs a user turn to answer")
+    return turns, answer
+
+
 def example_from_record(record, where: str, prompt_field: str | None = None, answer_field: str | None = None,
                         require_answer: bool = True, prompt_template: str = "{prompt}", tokenizer=None,
                         system_prompt: str | None = None) -> dict:
-    """One parsed JSONL record -> an example; errors name `where` (file:line) and the field."""
+    """One parsed record -> an example; errors name `where` (file:line / row) and the field."""
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    chat_answer = None
+    if not prompt_field and MESSAGES_FIELD in record and not any(k in record for k in DEFAULT_PROMPT_FIELDS):
+        prompt_field = MESSAGES_FIELD
     question = _pick(record, prompt_field, DEFAULT_PROMPT_FIELDS, "prompt", where)
     example = dict(record)
-    if require_answer or answer_field:
-        example["answer"] = str(_pick(record, answer_field, DEFAULT_ANSWER_FIELDS, "answer", where))
-    elif any(k in record for k in DEFAULT_ANSWER_FIELDS):
-        example["answer"] = str(_pick(record, None, DEFAULT_ANSWER_FIELDS, "answer", where))
+    if isinstance(question, list):  # chat turns
+        turns, chat_answer = _chat(question, where)
+        question = turns[-1]["content"]
+        example["prompt"] = (tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+                             if tokenizer is not None else prompt_template.replace("{prompt}", question))
+    else:
+        example["prompt"] = format_prompt(str(question), prompt_template, tokenizer, system_prompt)
+    defaults = DEFAULT_ANSWER_FIELDS
+    if chat_answer is not None and not answer_field and not any(k in record for k in defaults):
+        example["answer"] = chat_answer
+    elif require_answer or answer_field:
+        example["answer"] = str(_pick(record, answer_field, defaults, "answer", where))
+    elif any(k in record for k in defaults):
+        example["answer"] = str(_pick(record, None, defaults, "answer", where))
     example["question_text"] = str(question)
-    example["prompt"] = format_prompt(str(question), prompt_template, tokenizer, system_prompt)
     return example
 
 
 def load_prompts(path: str | Path, prompt_field: str | None = None, answer_field: str | None = None,
                  require_answer: bool = True, prompt_template: str = "{prompt}", tokenizer=None,
-                 system_prompt: str | None = None, limit: int | None = None) -> list[dict]:
-    """JSONL -> examples. Errors name the file, the line number and the missing field."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompts: no such file {str(path)!r}")
+                 system_prompt: str | None = None, limit: int | None = None, split: str = "train") -> list[dict]:
+    """Records of `path` (any source of trainer.data_sources; `split` for datasets / hub ids) ->
+    examples, the first `limit`. Errors name the file, the line / row and the missing field."""
+    from trainer.data_sources import read_records
+
     examples: list[dict] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: bad JSON: {e.msg} (column {e.colno})") from e
-            examples.append(example_from_record(record, where, prompt_field, answer_field, require_answer,
-                                                prompt_template, tokenizer, system_prompt))
-            if limit is not None and len(examples) >= limit:
-                break
+    for where, record in read_records(str(path), split):
+        if limit and len(examples) >= limit:
+            break
+        examples.append(example_from_record(record, where, prompt_field, answer_field, require_answer,
+                                            prompt_template, tokenizer, system_prompt))
     if not examples:
         raise ValueError(f"prompts: {str(path)!r} holds no examples")
     return examples
+
+
+def report(key: str, spec: str, examples: list[dict], note: str = "") -> None:
+    """Log how many examples `key` gave and the first one (prompt and answer), at start."""
+    first = examples[0] if examples else {}
+    log.info("%s: %d examples from %s%s; first: prompt=%r answer=%r", key, len(examples), spec or "the embedded task",
+             f" ({note})" if note else "", str(first.get("prompt", ""))[:200], str(first.get("answer", ""))[:100])
+
+
+def source_problem(spec: str) -> str:
+    """"" when `spec` names readable prompt data (nothing is loaded), else what is wrong."""
+    from trainer.data_sources import source_problem as problem
+
+    return problem(spec)
 
 
 class PromptSampler:

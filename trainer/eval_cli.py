@@ -6,7 +6,11 @@
     dlrl eval data=gsm8k.jsonl servers=[http://h1:8000,http://h2:8000] start_server=false
 
 Talks to the servers at `eval.servers`; when none answers (and `eval.start_server`), starts
-`dlrl serve` with `eval.model` (and any `server.*` overrides) and stops it at the end.
+`dlrl serve` with `eval.model` (and any `server.*` overrides) and stops it at the end;
+`eval.own_server=true` always starts a private one on a free local port. Before evaluating it
+reads what every server holds (model name, weight version, checksum: trainer.eval_check) and,
+when `eval.model` is set, refuses a server holding other weights (`eval.verify`); what was
+evaluated is recorded in results.json (`served`).
 `eval.block_sizes` decodes with each block size in turn (a started server is restarted with
 `server.block_size=B`; running servers must already decode with it). Prints one table row per
 decoding setting and writes every metric and generation to `eval.output` (JSON).
@@ -18,7 +22,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -28,37 +32,51 @@ log = logging.getLogger("dlrl.eval")
 
 
 class EvalConfig(Config):
-    servers: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"], min_length=1)
+    servers: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"], min_length=1)  # servers to evaluate (URLs)
     start_server: bool = True  # start a local `dlrl serve` when no server answers
-    server_start_timeout: float = Field(600.0, gt=0)
-    model: str = ""  # folder of the model: tokenizer for chat_template, model of a started server
-    data: str = ""  # JSONL; empty = the embedded arithmetic task's held-out split
-    prompt_field: str = ""
-    answer_field: str = ""
-    prompt_template: str = "{prompt}"
-    system_prompt: str = ""
-    chat_template: bool = False
+    server_start_timeout: float = Field(600.0, gt=0)  # seconds a started server may take to become ready
+    model: str = ""  # folder or hub repo id: the model to evaluate (servers are checked), tokenizer, started server
+    own_server: bool = False  # start a private server with eval.model on a free local port (ignores eval.servers)
+    verify: Literal["checksum", "name", "none"] = "checksum"  # how servers are checked against eval.model
+    admin_token: str = ""  # to read served weights' checksum; empty: env DLRL_ADMIN_TOKEN, server.admin_token(_file)
+    split: str = "test"  # split of a datasets folder / hub dataset (files are one split)
+    data: str = ""  # .jsonl/.json/.parquet/.csv, save_to_disk folder or hub dataset id; empty = the task's held-out split
+    prompt_field: str = ""  # record field holding the prompt (empty: question / prompt / problem)
+    answer_field: str = ""  # record field holding the answer (empty: ground_truth_answer / answer / boxed solution)
+    prompt_template: str = "{prompt}"  # format of the prompt ({prompt} is the record's)
+    system_prompt: str = ""  # system turn (chat_template only)
+    chat_template: bool = False  # wrap prompts in eval.model's chat template
     reward: str = ""  # empty: math for a data file, exact_match for the embedded task
     limit: int = Field(0, ge=0)  # first N problems; 0 = all
     num_samples: int = Field(1, ge=1)  # samples per problem (pass@k for k up to this)
-    max_tokens: int = Field(512, ge=1)
-    temperature: float = Field(0.0, ge=0)
-    top_k: int = Field(0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int = 0
-    stop: list[str] = Field(default_factory=list)
-    static_steps: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)
-    dynamic_thresholds: list[Annotated[float, Field(ge=0, le=1)]] = Field(default_factory=list)
-    block_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)
+    max_tokens: int = Field(512, ge=1)  # completion length limit
+    temperature: float = Field(0.0, ge=0)  # sampling temperature (0 = greedy)
+    top_k: int = Field(0, ge=0)  # top-k (0 = off)
+    top_p: float = Field(1.0, gt=0, le=1)  # nucleus p (1 = off)
+    seed: int = 0  # sampling seed
+    stop: list[str] = Field(default_factory=list)  # stop strings
+    static_steps: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)  # static strategy settings to evaluate: denoising steps per block
+    dynamic_thresholds: list[Annotated[float, Field(ge=0, le=1)]] = Field(default_factory=list)  # dynamic strategy settings to evaluate: confidence thresholds
+    block_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)  # decode with each block size (started servers are restarted with each)
     batch_size: int = Field(64, ge=1)  # prompts per request batch
     request_timeout: float = Field(600.0, gt=0)  # seconds per generation request
-    output: str = "runs/eval/results.json"
+    output: str = "runs/eval/results.json"  # results JSON (metrics, what was served, every generation)
 
     def check(self) -> None:
+        if self.own_server and not self.model:
+            raise ValueError("eval.own_server: needs eval.model (the model the private server loads)")
         if self.chat_template and not self.model:
             raise ValueError("eval.chat_template: needs eval.model (the folder whose tokenizer holds the template)")
         if "{prompt}" not in self.prompt_template:
             raise ValueError("eval.prompt_template: must contain {prompt}")
+
+
+def free_url() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
 def load_examples(cfg: EvalConfig, task) -> list[dict]:
@@ -68,29 +86,41 @@ def load_examples(cfg: EvalConfig, task) -> list[dict]:
 
     tokenizer = None
     if cfg.chat_template:
+        from dllm.hub import resolve_model
         from dllm.tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(cfg.model)
-    return load_eval_examples(cfg.data, cfg.prompt_field, cfg.answer_field, tokenizer, cfg.prompt_template,
-                              cfg.system_prompt, cfg.limit)
+        tokenizer = load_tokenizer(resolve_model(cfg.model, "eval.model"))
+    from trainer.data import report
+
+    examples = load_eval_examples(cfg.data, cfg.prompt_field, cfg.answer_field, tokenizer, cfg.prompt_template,
+                                  cfg.system_prompt, cfg.limit, split=cfg.split, require_answer=True)
+    report("eval.data", cfg.data, examples, f"split {cfg.split}" + (f", limit {cfg.limit}" if cfg.limit else ""))
+    return examples
 
 
-def run(cfg: EvalConfig, task, config_path: str | None, overrides: list[str]) -> list:
+def run(cfg: EvalConfig, task, config_path: str | None, overrides: list[str], server_keys=None) -> tuple[list, dict]:
     """Evaluate against `cfg.servers`, starting local ones where none answers (once per block
-    size: a started server is restarted with each)."""
+    size: a started server is restarted with each). -> (results, what each server held)."""
+    from dllm.hub import resolve_model
+    from trainer.eval_check import check_served
     from trainer.evaluate import evaluate, make_settings
     from trainer.fleet import ServerFleet
     from trainer.rewards import build_reward
+    from trainer.run import resolve_token
     from trainer.servers import LocalServer, new_token
 
+    model_dir = resolve_model(cfg.model, "eval.model") if cfg.model else None
+    if cfg.own_server:
+        cfg = cfg.replace(servers=[free_url()], start_server=True)
     examples = load_examples(cfg, task)
     reward = build_reward(cfg.reward or ("math" if cfg.data else "exact_match"))
     server_overrides = [o for o in overrides if o.startswith("server.")]
     out_dir = Path(cfg.output).parent
-    results = []
+    results, served = [], {}
+    token = resolve_token(cfg, server_keys) if server_keys is not None else cfg.admin_token
     for block_size in cfg.block_sizes or [None]:
         extra = [f"server.block_size={block_size}"] if block_size is not None else []
-        token = new_token()
+        token = token or new_token()
 
         def launch(url: str, i: int, extra=extra, token=token):
             return LocalServer(url, config_path, cfg.model, server_overrides + extra, token, out_dir / f"server{i}.log")
@@ -99,6 +129,8 @@ def run(cfg: EvalConfig, task, config_path: str | None, overrides: list[str]) ->
         try:
             fleet.start_missing(cfg.start_server, launch)
             fleet.wait_ready(cfg.server_start_timeout)
+            served = check_served(fleet, cfg.model, model_dir, cfg.verify, [s.url.rstrip("/") for s in fleet.local],
+                                  getattr(server_keys, "served_model_name", ""))
             settings = make_settings(cfg.static_steps, cfg.dynamic_thresholds, [block_size] if block_size else [])
             results += evaluate(cfg.servers, examples, reward, settings, num_samples=cfg.num_samples,
                                 max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
@@ -106,7 +138,7 @@ def run(cfg: EvalConfig, task, config_path: str | None, overrides: list[str]) ->
                                 generate_fn=fleet.generate)
         finally:
             fleet.close()  # stops the servers it started
-    return results
+    return results, served
 
 
 def main(argv: list[str]) -> int:
@@ -116,8 +148,9 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="dlrl eval", description="evaluate a served block-diffusion LM")
     ap.add_argument("--config", default=None, help="YAML config with an `eval` section (default "
                                                    "configs/tiny.yaml when it exists)")
-    ap.add_argument("--check", action="store_true", help="only parse the command line and the config; exit 0 "
-                                                        "(or 2 with the error)")
+    ap.add_argument("--check", action="store_true", help="parse the command line and the config and check the "
+                    "data file, the reward import, the model, the servers' ports and admin token; exit 0 (or 2)")
+    ap.add_argument("--check-config", action="store_true", help="only parse the command line and the config")
     ap.add_argument("overrides", nargs="*", help="key=value overrides (e.g. data=math500.jsonl num_samples=4)")
     args = ap.parse_args(argv)
     config_path = args.config or ("configs/tiny.yaml" if Path("configs/tiny.yaml").is_file() else None)
@@ -127,18 +160,26 @@ def main(argv: list[str]) -> int:
         cfg = root["eval"]
     except (ConfigError, ValueError) as e:
         ap.error(str(e))
-    if args.check:
+    if not args.check_config:  # before loading anything
+        from trainer.preflight import eval_problems
+
+        problems = eval_problems(cfg, root["server"])
+        if problems:
+            print(f"dlrl eval: error: {'; '.join(problems)}", file=sys.stderr)
+            return 2
+    if args.check or args.check_config:
         return print_check("eval", cfg)
     from rollout_client.client import RolloutError
     from trainer.evaluate import format_table, write_results
 
     try:
-        results = run(cfg, root["task"], config_path, args.overrides)
+        results, served = run(cfg, root["task"], config_path, args.overrides, root["server"])
     except (RuntimeError, ValueError, FileNotFoundError, RolloutError) as e:
         print(f"dlrl eval: error: {e}", file=sys.stderr)
         return 1
     print(format_table(results))
-    path = write_results(cfg.output, results, config=cfg.model_dump(), servers=cfg.servers)
+    path = write_results(cfg.output, results, config=cfg.model_dump(exclude={"admin_token"}), servers=cfg.servers,
+                         served=served)
     log.info("wrote %s", path)
     print(f"results: {path}")
     return 0

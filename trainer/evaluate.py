@@ -105,14 +105,20 @@ def gold_answer(record: dict, where: str) -> str:
 
 
 def load_eval_examples(path: str | Path, prompt_field: str = "", answer_field: str = "", tokenizer=None,
-                       prompt_template: str = "{prompt}", system_prompt: str = "", limit: int = 0) -> list[dict]:
-    """JSONL -> examples with `prompt` (chat-templated when a tokenizer is given) and `answer`."""
+                       prompt_template: str = "{prompt}", system_prompt: str = "", limit: int = 0,
+                       split: str = "train", require_answer: bool = True) -> list[dict]:
+    """Records of any source (trainer.data_sources) -> examples with `prompt` (chat-templated when a
+    tokenizer is given) and `answer` (GSM8K's `#### 72` tail, or MATH's \\boxed{} of `solution`)."""
     examples = load_prompts(path, prompt_field=prompt_field or None, answer_field=answer_field or None,
                             require_answer=False, prompt_template=prompt_template, tokenizer=tokenizer,
-                            system_prompt=system_prompt or None, limit=limit or None)
+                            system_prompt=system_prompt or None, limit=limit or None, split=split)
     for i, ex in enumerate(examples):
         if not answer_field:
-            ex["answer"] = gold_answer(ex, f"{path}: record {i + 1}")
+            try:
+                ex["answer"] = gold_answer(ex, f"{path}: record {i + 1}")
+            except EvalError:
+                if require_answer:
+                    raise
     return examples
 
 

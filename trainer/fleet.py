@@ -4,7 +4,7 @@
     fleet.start_missing(start_server=True, launch=lambda url, i: LocalServer(...))  # local only
     fleet.wait_ready(timeout=600)
     rollouts = fleet.generate(prompt_ids, n=8, seed=7, max_tokens=64)   # least-loaded over servers
-    fleet.versions()  -> {url: version}        fleet.digests() -> {url: digest}
+    fleet.versions()  -> {url: version}        fleet.digests() -> {url: digest}     fleet.names() -> {url: model}
     fleet.push(source, version=8, transport="shm")   # every server, or an error naming the failed one
     fleet.close()
 
@@ -144,6 +144,16 @@ class ServerFleet:
 
     def digests(self, urls: list[str] | None = None) -> dict[str, str]:
         return self._each("/weights/checksum", "digest", urls)
+
+    def names(self) -> dict[str, str | None]:
+        """The model name each server reports in /health (None: unreachable)."""
+        health = self._loop.run(self.client.health())
+        return {u: (h.model if h is not None else None) for u, h in health.items()}
+
+    def rename(self, name: str, urls: list[str]) -> None:
+        """Make `urls` report the model as `name` (/health, /v1/models; POST /admin/model_name)."""
+        for url in urls:
+            self.admin(url, "POST", "/admin/model_name", {"name": name})
 
     def served_dtype(self) -> str | None:
         return self.admin(self.urls[0], "GET", "/weights/version").get("dtype")

@@ -1,4 +1,4 @@
-"""Per-step training metrics: JSONL file, TensorBoard, a console progress bar, and PNG curves.
+"""Per-step training metrics: JSONL file, TensorBoard and other trackers, the console, PNG curves.
 
     with MetricsLogger("runs/x", total_steps=200) as log:
         for step in range(log.next_step, 200 + 1):     # resumes after the last logged step
@@ -10,13 +10,19 @@
 and flushed as each step is logged. On restart the file is read back: a torn last line is cut
 off and steps at or below the last logged one are skipped, so re-running a step after a crash
 never duplicates it. TensorBoard (`tb/`) is optional: without the `tensorboard` package only
-the JSONL and the bar are written. Non-numeric values go to the JSONL only.
+the JSONL and the console are written; `trackers` (trainer.trackers: wandb, mlflow, trackio)
+get every numeric value too. Non-numeric values go to the JSONL only.
+
+Console: on a terminal a progress bar; when stdout is not one (nohup, Slurm, Kubernetes logs)
+plain lines instead, one every `console_every_s` seconds (and at the last step). Every held-out
+evaluation (`eval_accuracy`) is printed as a line of its own in both cases.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -56,7 +62,8 @@ def _is_number(v: Any) -> bool:
 
 class MetricsLogger:
     def __init__(self, run_dir: str | Path, total_steps: int | None = None, tensorboard: bool = True,
-                 console: bool = True, jsonl_name: str = JSONL_NAME):
+                 console: bool = True, jsonl_name: str = JSONL_NAME, trackers: list | None = None,
+                 console_every_s: float = 10.0, final_step: int | None = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / jsonl_name
@@ -66,8 +73,11 @@ class MetricsLogger:
         self.last_step: int | None = max((int(r["step"]) for r in done), default=None)
         self._file = self.path.open("a")
         self._tb = self._open_tensorboard() if tensorboard else None
+        self.trackers = list(trackers or [])
         self._bar = None
-        if console:
+        self.console, self.final_step, self.console_every_s = console, final_step, console_every_s
+        self._last_line = time.monotonic()
+        if console and sys.stdout.isatty():
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total_steps, initial=self.next_step - 1 if done else 0,
@@ -97,15 +107,37 @@ class MetricsLogger:
         self._file.write(json.dumps(record, default=float) + "\n")
         self._file.flush()
         self.last_step = step
+        numbers = {k: float(v) for k, v in record.items() if k not in ("step", "time") and _is_number(v)}
         if self._tb is not None:
-            for k, v in record.items():
-                if k not in ("step", "time") and _is_number(v):
-                    self._tb.add_scalar(k, v, step)
+            for k, v in numbers.items():
+                self._tb.add_scalar(k, v, step)
             self._tb.flush()
+        for tracker in self.trackers:
+            tracker.log(step, numbers)
+        self._console(step, record)
+        return True
+
+    def _write(self, line: str) -> None:
+        if self._bar is not None:
+            self._bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def _console(self, step: int, record: dict[str, Any]) -> None:
+        if not self.console:
+            return
+        if _is_number(record.get("eval_accuracy")):
+            extra = (f", reward {record['eval_reward']:.3g}" if _is_number(record.get("eval_reward")) else "")
+            self._write(f"step {step}: held-out greedy accuracy {100 * record['eval_accuracy']:.1f}%{extra}")
         if self._bar is not None:
             self._bar.set_postfix_str(self._postfix(record), refresh=False)
             self._bar.update(1)
-        return True
+            return
+        last = self.final_step is not None and step >= self.final_step
+        postfix = self._postfix(record)
+        if postfix and (time.monotonic() - self._last_line >= self.console_every_s or last):
+            self._write(f"step {step}{f'/{self.final_step}' if self.final_step else ''}: {postfix}")
+            self._last_line = time.monotonic()
 
     @staticmethod
     def _postfix(record: dict[str, Any]) -> str:
@@ -126,6 +158,9 @@ class MetricsLogger:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
         if self._bar is not None:
             self._bar.close()
 
@@ -136,26 +171,43 @@ class MetricsLogger:
         self.close()
 
 
-def plot_curves(jsonl_path: str | Path, png_path: str | Path,
-                keys: tuple[str, ...] = ("reward_mean", "accuracy")) -> Path:
-    """PNG of `keys` over steps (one panel each), plus `eval_accuracy` (at the steps that have
-    it) in the accuracy panel when present. Returns the PNG path."""
+# curves.png panels: (y label, [(metric key, legend label, style)]); a panel is drawn when a key has data
+PANELS = (
+    ("reward", [("reward_mean", "training reward (sampled rollouts)", "-")]),
+    ("accuracy", [("accuracy", "training accuracy (sampled rollouts)", "-"),
+                  ("eval_accuracy", "held-out accuracy (greedy)", "o-")]),
+    ("loss", [("pg_loss", "policy loss", "-"), ("value_loss", "value loss", "-")]),
+    ("KL", [("kl_ref", "KL to the reference", "-"), ("approx_kl", "approx. KL to the behaviour policy", "-")]),
+    ("entropy", [("entropy", "token entropy", "-")]),
+    ("clip fraction", [("clip_frac", "clipped ratio fraction", "-")]),
+    ("response length", [("response_length", "training (sampled), tokens", "-"),
+                         ("eval_response_length", "held-out (greedy), tokens", "o-")]),
+)
+
+
+def plot_curves(jsonl_path: str | Path, png_path: str | Path, panels=PANELS) -> Path:
+    """PNG of the metrics over steps: reward and accuracy panels always (training accuracy of the
+    sampled rollouts and held-out greedy accuracy labelled apart), then one panel each for loss,
+    KL, entropy, clip fraction and response length when the run logged them. -> the PNG path."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     records = read_jsonl(jsonl_path)
-    fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.6 * len(keys)), sharex=True, squeeze=False)
-    for ax, key in zip(axes[:, 0], keys):
-        pts = [(r["step"], r[key]) for r in records if _is_number(r.get(key))]
-        if pts:
-            ax.plot(*zip(*pts), label=key, lw=1.5)
-        if key == "accuracy":
-            ev = [(r["step"], r["eval_accuracy"]) for r in records if _is_number(r.get("eval_accuracy"))]
-            if ev:
-                ax.plot(*zip(*ev), "o-", label="eval_accuracy", lw=1.5, ms=4)
-        ax.set_ylabel(key)
+
+    def points(key):
+        return [(r["step"], r[key]) for r in records if _is_number(r.get(key))]
+
+    shown = [(title, lines) for i, (title, lines) in enumerate(panels)
+             if i < 2 or any(points(key) for key, _, _ in lines)]
+    fig, axes = plt.subplots(len(shown), 1, figsize=(7, 2.3 * len(shown)), sharex=True, squeeze=False)
+    for ax, (title, lines) in zip(axes[:, 0], shown):
+        for key, label, style in lines:
+            pts = points(key)
+            if pts:
+                ax.plot(*zip(*pts), style, label=label, lw=1.5, ms=4)
+        ax.set_ylabel(title)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="best", fontsize=8)

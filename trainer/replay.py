@@ -7,7 +7,7 @@ of the noisy-copy + clean-copy layout: a sequence costs at most max-steps-per-bl
 Shrinkage `s` merges s neighbouring steps (row r holds steps r*s+1..(r+1)*s, scored
 under the state before step r*s+1); s=1 is exact.
 
-Replay invariant (DESIGN.md): under the same weights, `token_logprobs` of row targets
+Replay invariant (docs/DESIGN.md): under the same weights, `token_logprobs` of row targets
 equals the trace's behaviour logprobs (fp32, temperature 1, no top-k/top-p).
 
 A sample is anything with `prompt_ids`, `completion_ids` and a `trace` (`steps`, `tail_ids`,

@@ -30,6 +30,7 @@ import torch
 from trainer.checkpointer import Checkpointer
 from trainer.dist import Ranks, select_device
 from trainer.fleet import ServerFleet
+from trainer.guards import check_served_model, clear_previous_run, previous_run
 from trainer.learner import Learner
 from trainer.publish import Publisher
 from trainer.rollouts import RolloutSource
@@ -159,23 +160,32 @@ def resolve_token(cfg, server) -> str:
 
 def load_examples(cfg, task, tokenizer) -> tuple[list[dict], list[dict]]:
     """-> (train examples, held-out examples); each has `prompt` and `answer`. Held out:
-    `train.eval_data` when given, else the first tenth of `train.data` (at most eval_size)."""
-    from trainer.data import load_prompts
+    `train.eval_data` when given, else the first tenth of `train.data` (at most eval_size).
+    Counts and the first example of each are logged."""
+    from trainer.data import report
     from trainer.evaluate import load_eval_examples
 
     chat = tokenizer if cfg.chat_template else None
+    fields = {"prompt_field": cfg.prompt_field, "answer_field": cfg.answer_field, "tokenizer": chat,
+              "prompt_template": cfg.prompt_template, "system_prompt": cfg.system_prompt}
     held_out = None
     if cfg.eval_data:
-        held_out = load_eval_examples(cfg.eval_data, cfg.prompt_field, cfg.answer_field, tokenizer=chat,
-                                      limit=cfg.eval_size)
+        held_out = load_eval_examples(cfg.eval_data, limit=cfg.eval_size, split=cfg.eval_split, **fields)
+        report("train.eval_data", cfg.eval_data, held_out, f"split {cfg.eval_split}, first {cfg.eval_size}")
     if cfg.data:
-        ex = load_prompts(cfg.data, prompt_field=cfg.prompt_field or None, answer_field=cfg.answer_field or None,
-                          tokenizer=chat)
-        if held_out is not None:
-            return ex, held_out
-        n_eval = min(cfg.eval_size, max(1, len(ex) // 10))
-        return ex[n_eval:] or ex, ex[:n_eval]
-    return task.split("train", 20_000, seed=task.seed + 1), held_out or task.split("heldout", cfg.eval_size)
+        ex = load_eval_examples(cfg.data, limit=cfg.data_limit, split=cfg.data_split,
+                                require_answer=cfg.reward not in ("code", "code_strict"), **fields)
+        if held_out is None:
+            n_eval = min(cfg.eval_size, max(1, len(ex) // 10))
+            ex, held_out = ex[n_eval:] or ex, ex[:n_eval]
+            report("held out", cfg.data, held_out, f"the first {n_eval} records of train.data")
+        report("train.data", cfg.data, ex, f"split {cfg.data_split}" + (f", limit {cfg.data_limit}"
+                                                                          if cfg.data_limit else ""))
+        return ex, held_out
+    train = task.split("train", 20_000, seed=task.seed + 1)
+    held_out = held_out or task.split("heldout", cfg.eval_size)
+    report("train", "", train)
+    return train, held_out
 
 
 def run_id(out: Path) -> str:
@@ -189,7 +199,9 @@ def run_id(out: Path) -> str:
 
 def _model_dir(cfg, ranks: Ranks, root: dict) -> Path:
     if cfg.model:
-        return Path(cfg.model)
+        from dllm.hub import resolve_model
+
+        return Path(ranks.on_main(lambda: str(resolve_model(cfg.model, "train.model"))))
     from dllm.tiny import ensure_default_model
 
     return Path(ranks.on_main(lambda: str(ensure_default_model(root["model"], root["task"], root["sft"]))))
@@ -246,6 +258,7 @@ def build_run(root: dict, config_path: str | None, overrides: list[str], sampler
     config_path / overrides are handed on to servers the run starts. `sampler_factory(train_examples,
     tokenizer)`: the prompt sampler (next_batch, state_dict, load_state_dict) instead of `PromptSampler`
     over the training examples (dlrl align's growing sources)."""
+    from dllm.hub import served_name
     from dllm.tokenizer import encode, load_tokenizer
     from dllm.weights import load_pretrained
     from trainer.data import PromptSampler
@@ -259,6 +272,8 @@ def build_run(root: dict, config_path: str | None, overrides: list[str], sampler
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     out = Path(cfg.output_dir)
+    if ranks.is_main and cfg.overwrite and not cfg.resume and previous_run(out):
+        clear_previous_run(out)  # trainer.guards
     out.mkdir(parents=True, exist_ok=True)
     model_dir = _model_dir(cfg, ranks, root)
     tokenizer = load_tokenizer(model_dir, trust_remote_code=cfg.trust_remote_code)
@@ -267,6 +282,8 @@ def build_run(root: dict, config_path: str | None, overrides: list[str], sampler
     policy.gradient_checkpointing = cfg.gradient_checkpointing
     fleet = _start_fleet(cfg, root["server"], ranks, config_path, overrides, out)
     try:
+        name = served_name(cfg.model or str(model_dir), root["server"].served_model_name)
+        others = ranks.on_main(lambda: check_served_model(fleet, cfg, name))
         learner = _build_learner(cfg, ranks, policy)
         reward_fn = build_reward(cfg.reward, overlong_buffer=cfg.overlong_buffer, max_tokens=cfg.max_tokens,
                                  sandbox=cfg.reward_sandbox)
@@ -282,6 +299,8 @@ def build_run(root: dict, config_path: str | None, overrides: list[str], sampler
         run = Run(cfg, ranks, fleet, publisher, learner, rollouts, checkpointer, model_dir, tokenizer, reward_fn,
                   sampler, eval_ex, out, generator=torch.Generator().manual_seed(cfg.seed + ranks.rank))
         _resume_or_sync(run)
+        if others:
+            ranks.on_main(lambda: fleet.rename(name, others))
     except BaseException:
         fleet.close()
         raise
@@ -289,8 +308,12 @@ def build_run(root: dict, config_path: str | None, overrides: list[str], sampler
         if not cfg.resume:  # a fresh run starts fresh logs
             (out / "metrics.jsonl").unlink(missing_ok=True)
             shutil.rmtree(out / "tb", ignore_errors=True)
+        from trainer.trackers import open_trackers
+
+        trackers = open_trackers(cfg.report_to, out, out.resolve().name, cfg.model_dump(exclude={"admin_token"}))
         run.logger = MetricsLogger(out, total_steps=cfg.num_steps + (1 if cfg.eval_every else 0),
-                                   tensorboard=cfg.tensorboard)
+                                   tensorboard=cfg.tensorboard and "tensorboard" in cfg.report_to,
+                                   trackers=trackers, final_step=cfg.num_steps)
         if cfg.metrics_port:
             from trainer.train_metrics import TrainMetrics
 

@@ -17,15 +17,17 @@ from trainer.rewards.registry import (
     BUILTIN_REWARDS,
     DEFAULT_RANGE,
     Reward,
+    batch_reward,
     build_reward,
     exact_match,
     load_reward_fn,
     overlong_penalty,
     reward_range,
+    reward_timeout,
     score_batch,
 )
 from trainer.rewards.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
 
 __all__ = ["BUILTIN_REWARDS", "DEFAULT_RANGE", "Reward", "Sandbox", "SandboxLimits", "SandboxUnavailable",
-           "build_reward", "code", "code_strict", "exact_match", "extract_boxed", "extract_code", "load_reward_fn",
-           "math", "overlong_penalty", "reward_range", "run_code_tests", "score_batch", "split_tests"]
+           "batch_reward", "build_reward", "code", "code_strict", "exact_match", "extract_boxed", "extract_code", "load_reward_fn",
+           "math", "overlong_penalty", "reward_range", "reward_timeout", "run_code_tests", "score_batch", "split_tests"]

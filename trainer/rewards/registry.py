@@ -4,22 +4,28 @@ penalty, clamping to a declared range, and batch scoring.
     reward = build_reward("math", overlong_buffer=256, max_tokens=2048)
     rewards = score_batch(reward, texts, examples, num_tokens=lengths)
 
-A reward function is `fn(completion_text, example) -> float`. Its declared range is its
-`reward_range` attribute (`@reward_range(lo, hi)`); the built-ins declare [0, 1]; a user function
-that declares none gets `DEFAULT_RANGE`. A `Reward` never raises: an exception or a non-finite
-value scores 0.0 (with a warning), anything else is clamped to the range before the overlong
-penalty is added. `build_reward` checks that a code reward's sandbox can start (see
+A reward function is `fn(completion_text, example) -> float`, or `async def` the same; a batch
+function (`@batch_reward`) is `fn(texts, examples) -> list[float]` (sync or async), called once per
+batch. Its declared range is its `reward_range` attribute (`@reward_range(lo, hi)`); the
+built-ins declare [0, 1]; a user function that declares none gets `DEFAULT_RANGE`.
+`@reward_timeout(seconds)` bounds one call (an async function is cancelled; a sync one is
+abandoned in its thread). A `Reward` never raises: an exception, a timeout or a non-finite value
+scores 0.0 (with a warning), anything else is clamped to the range before the overlong penalty is
+added. The contract for users is in README.md ("Custom rewards"). `build_reward` checks that a code reward's sandbox can start (see
 `trainer.rewards.sandbox`) and fails with an error naming the unsafe option otherwise.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib
 import importlib.util
+import inspect
 import logging
 import math as _math
 import os
+import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,6 +49,50 @@ def reward_range(lo: float, hi: float) -> Callable[[RewardFn], RewardFn]:
         return fn
 
     return mark
+
+
+def batch_reward(fn):
+    """Mark `fn(texts, examples) -> list[float]` as scoring a whole batch in one call."""
+    fn.batched = True
+    return fn
+
+
+def reward_timeout(seconds: float) -> Callable[[RewardFn], RewardFn]:
+    """Bound one call of the reward function (a call past it scores 0.0 with a warning)."""
+    if not seconds > 0:
+        raise ValueError(f"reward_timeout: need seconds > 0, got {seconds}")
+
+    def mark(fn: RewardFn) -> RewardFn:
+        fn.reward_timeout = float(seconds)
+        return fn
+
+    return mark
+
+
+def _is_async(fn) -> bool:
+    return inspect.iscoroutinefunction(fn)  # also sees through functools.partial
+
+
+def invoke(fn, *args):
+    """fn(*args), awaiting an async function, within fn's `reward_timeout` (TimeoutError past it)."""
+    timeout = getattr(fn, "reward_timeout", None)
+    if _is_async(fn):
+        async def run():
+            return await asyncio.wait_for(fn(*args), timeout)
+
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(run())
+        with ThreadPoolExecutor(1) as pool:  # called from inside an event loop: a loop of its own
+            return pool.submit(asyncio.run, run()).result()
+    if timeout is None:
+        return fn(*args)
+    pool = ThreadPoolExecutor(1)
+    try:
+        return pool.submit(fn, *args).result(timeout)
+    finally:
+        pool.shutdown(wait=False)  # a sync call past its timeout is abandoned, not killed
 
 
 @reward_range(0.0, 1.0)
@@ -72,11 +122,20 @@ def load_reward_fn(spec: str) -> RewardFn:
             if file_spec is None or not os.path.isfile(mod_name):
                 raise ImportError(f"no such file {mod_name!r}")
             module = importlib.util.module_from_spec(file_spec)
-            file_spec.loader.exec_module(module)
+            folder = os.path.dirname(os.path.abspath(mod_name))
+            sys.path.insert(0, folder)  # the file may import its neighbours
+            try:
+                file_spec.loader.exec_module(module)
+            finally:
+                sys.path.remove(folder)
         else:
             module = importlib.import_module(mod_name)
     except ImportError as e:
-        raise ValueError(f"reward: cannot import {mod_name!r} for {spec!r}: {e}") from e
+        if mod_name.endswith(".py"):
+            raise ValueError(f"reward: cannot load {mod_name!r} for {spec!r}: {e}") from e
+        raise ValueError(f"reward: cannot import {mod_name!r} for {spec!r}: {e}. A module must be importable: "
+                         f"add the folder holding it to PYTHONPATH (now {os.environ.get('PYTHONPATH') or 'unset'}), "
+                         "install it, or name the file instead: train.reward=path/to/file.py:function") from e
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise ValueError(f"reward: {spec!r}: module {mod_name!r} has no function {fn_name!r}")
@@ -103,11 +162,20 @@ def _declared_range(fn) -> tuple[float, float]:
 
 def safe_score(fn, name: str, *args) -> float:
     """fn(*args) as a finite float, clamped to fn's declared range; 0.0 (and a warning) for an
-    exception or a non-finite value. Never raises."""
+    exception, a timeout or a non-finite value. Never raises."""
     try:
-        r = float(fn(*args))
+        r = float(invoke(fn, *args))
     except Exception as e:
         logger.warning("reward %s raised %s: %s; reward 0", name, type(e).__name__, e)
+        return 0.0
+    return _clamped(fn, name, r)
+
+
+def _clamped(fn, name: str, r) -> float:
+    try:
+        r = float(r)
+    except (TypeError, ValueError):
+        logger.warning("reward %s returned %r, not a number; reward 0", name, r)
         return 0.0
     if not _math.isfinite(r):
         logger.warning("reward %s returned %r; reward 0", name, r)
@@ -128,10 +196,30 @@ class Reward:
     overlong_factor: float = 1.0
 
     def __call__(self, completion_text: str, example: dict, num_tokens: int | None = None) -> float:
+        if getattr(self.fn, "batched", False):
+            return self.score_many([completion_text], [example], None if num_tokens is None else [num_tokens])[0]
         r = safe_score(self.fn, self.name, completion_text, example)
-        if num_tokens is not None and self.overlong_buffer > 0:
-            r += overlong_penalty(num_tokens, self.max_tokens, self.overlong_buffer, self.overlong_factor)
-        return r
+        return r + self._penalty(num_tokens)
+
+    def _penalty(self, num_tokens: int | None) -> float:
+        if num_tokens is None or self.overlong_buffer <= 0:
+            return 0.0
+        return overlong_penalty(num_tokens, self.max_tokens, self.overlong_buffer, self.overlong_factor)
+
+    def score_many(self, texts: Sequence[str], examples: Sequence[dict],
+                   num_tokens: Sequence[int] | None = None) -> list[float]:
+        """A batch function's scores for the batch (one call); all 0.0 if it raises, times out or
+        returns the wrong number of scores."""
+        try:
+            raw = list(invoke(self.fn, list(texts), list(examples)))
+            if len(raw) != len(texts):
+                raise ValueError(f"returned {len(raw)} scores for {len(texts)} completions")
+        except Exception as e:
+            logger.warning("batch reward %s raised %s: %s; rewards 0", self.name, type(e).__name__, e)
+            raw = [0.0] * len(texts)
+        lengths = list(num_tokens) if num_tokens is not None else [None] * len(texts)
+        return [_clamped(self.fn, f"{self.name} on sample {i}", r) + self._penalty(n)
+                for i, (r, n) in enumerate(zip(raw, lengths))]
 
 
 def build_reward(name_or_path: str, overlong_buffer: int = 0, max_tokens: int | None = None,
@@ -168,6 +256,8 @@ def score_batch(fn: RewardFn | Reward, texts: Sequence[str], examples: Sequence[
         raise ValueError(f"score_batch: {len(texts)} texts, {len(examples)} examples, "
                          f"{None if num_tokens is None else len(num_tokens)} lengths")
     name = getattr(fn, "name", None) or getattr(fn, "__name__", repr(fn))
+    if isinstance(fn, Reward) and getattr(fn.fn, "batched", False):
+        return fn.score_many(texts, examples, num_tokens)
 
     def one(i: int) -> float:
         args = (texts[i], examples[i]) if num_tokens is None else (texts[i], examples[i], num_tokens[i])

@@ -1,0 +1,72 @@
+"""Model references: a local folder, or a Hugging Face repo id (`org/name`, `org/name@revision`).
+
+    path = resolve_model("JetLM/SDAR-1.7B-Chat")          # -> the snapshot folder in the HF cache
+    path = resolve_model("runs/tiny-sft")                  # a folder stays a folder
+    served_name("JetLM/SDAR-1.7B-Chat@v1")                 # -> "SDAR-1.7B-Chat" (the name servers report)
+
+A repo id is resolved through `huggingface_hub.snapshot_download` with its usual cache
+(`HF_HOME`, `HF_HUB_CACHE`), offline mode (`HF_HUB_OFFLINE=1`: the cache only) and token
+(`HF_TOKEN` or `huggingface-cli login`); the files and the revision used are logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+log = logging.getLogger("dlrl.hub")
+DEFAULT_MODEL_NAME = "dlrl-tiny"  # the name the embedded default is served under
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+(@[\w.\-/]+)?$")
+WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+
+
+class ModelNotFound(ValueError):
+    """Neither a folder nor a resolvable hub repo id; the message says which was tried."""
+
+
+def is_repo_id(ref: str) -> bool:
+    """`org/name` or `org/name@rev` that is not an existing path (a folder always wins)."""
+    return bool(ref) and not Path(ref).exists() and bool(_REPO_ID.match(ref)) and not ref.startswith((".", "/"))
+
+
+def split_revision(ref: str) -> tuple[str, str | None]:
+    repo, _, rev = ref.partition("@")
+    return repo, rev or None
+
+
+def served_name(model: str, served_model_name: str = "") -> str:
+    """The model name a server reports (/health, /v1/models) for `server.model=model` (the
+    folder's name, a repo id's name; the embedded default is served from runs/tiny-sft: "tiny-sft")."""
+    if served_model_name:
+        return served_model_name
+    if not model:
+        return DEFAULT_MODEL_NAME
+    return Path(split_revision(str(model))[0] if is_repo_id(str(model)) else str(model)).name
+
+
+def resolve_model(ref: str | Path, key: str = "model") -> Path:
+    """A local folder for `ref`: the folder itself, or the hub snapshot of a repo id. `key`
+    names the config key in errors."""
+    ref = str(ref)
+    if Path(ref).is_dir():
+        return Path(ref)
+    if not is_repo_id(ref):
+        raise ModelNotFound(f"{key}: {ref!r} is not a directory (nor a Hugging Face repo id org/name[@revision])")
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    except ImportError as e:  # pragma: no cover - huggingface_hub comes with transformers
+        raise ModelNotFound(f"{key}: {ref!r} looks like a hub repo id but huggingface_hub is missing: {e}") from None
+    repo, revision = split_revision(ref)
+    try:
+        path = Path(snapshot_download(repo, revision=revision, allow_patterns=WEIGHT_PATTERNS))
+    except LocalEntryNotFoundError as e:
+        raise ModelNotFound(f"{key}: {ref!r} is not a directory, and the Hugging Face cache has no snapshot of it "
+                            f"(offline: HF_HUB_OFFLINE=1, or no network): {e}") from None
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        raise ModelNotFound(f"{key}: {ref!r} is not a directory, and as a Hugging Face repo id it could not be "
+                            f"fetched: {type(e).__name__}: {e}") from None
+    files = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
+    log.info("%s: %s resolved to %s (revision %s): %s", key, ref, path, path.name, ", ".join(files))
+    return path
