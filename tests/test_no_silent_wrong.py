@@ -30,7 +30,7 @@ def _eval(tmp_path, capsys, *overrides):
 
 
 def _folder(srv, path, tiny_model_dir, scale=1.0):
-    params = {n: p.detach().clone() * scale for n, p in srv.engine.model.named_parameters()}
+    params = {n: p.detach().clone() * scale for n, p in srv.engine.model.hf_named_tensors()}
     return export_pretrained(params.items(), srv.engine.model.config, path, source_dir=tiny_model_dir)
 
 

@@ -31,7 +31,7 @@ def folder_digest(model_dir: str | Path, dtype: str | None) -> str:
     from weight_sync import weights_digest
 
     model = load_pretrained(model_dir, dtype=parse_dtype(dtype) if dtype else None)
-    return weights_digest(dict(model.named_parameters()))
+    return weights_digest(dict(model.hf_named_tensors()))
 
 
 def _read(fleet, url: str) -> dict[str, Any]:
