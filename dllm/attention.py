@@ -56,6 +56,16 @@ class MaskSpec:
         self.__dict__["_dense"] = allowed[:, None]
         return self.__dict__["_dense"]
 
+    def additive(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dense mask as SDPA's float form [B, 1, Lq, Lk] (0 may attend, -inf not), built once per
+        forward: a bool mask costs SDPA a conversion (six aten ops) in every layer. Same values as
+        SDPA's own conversion, so the same results."""
+        cached = self.__dict__.get("_additive")
+        if cached is None or cached.dtype != dtype:
+            cached = torch.zeros((), dtype=dtype, device=self.q_pos.device).masked_fill(~self.dense(), float("-inf"))
+            self.__dict__["_additive"] = cached
+        return cached
+
 
 def _backend(device: torch.device) -> str:
     forced = os.environ.get("DLRL_ATTN", "").lower()
@@ -116,4 +126,4 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec) ->
     if (spec.backend or _backend(q.device)) == "flex":
         return _flex(q, k, v, spec)
     # grouped-query attention without materialising repeated K/V (same result, several times faster)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=spec.dense(), enable_gqa=k.shape[1] != q.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=spec.additive(q.dtype), enable_gqa=k.shape[1] != q.shape[1])
