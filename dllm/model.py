@@ -85,15 +85,33 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [N, in] -> [N, out] (a 2-D matmul: fewer aten ops than F.linear on 3-D input)."""
-    wt = weight.transpose(0, 1)  # (one op fewer than .t())
-    return torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
+    return linear_t(x, weight.transpose(0, 1), bias)  # (transpose: one op fewer than .t())
+
+
+def linear_t(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [N, in], weight_t: [in, out] (the weight transposed) -> [N, out]."""
+    return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
 
 
 class Linear(nn.Linear):
     """nn.Linear on 2-D input [N, in] as one mm/addmm (called as a module: ZeRO-3 hooks gather it)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear_t(x, self.weight_t(), self.bias)
+
+    def weight_t(self) -> torch.Tensor:
+        """The weight transposed [in, out], a view. Outside autograd and compilation it is made once
+        and reused (two aten ops fewer per matmul) while it still aliases the weight: in-place updates
+        (weight sync, load_state_dict) show through it; a replaced weight (`.to()`, ZeRO-3
+        gathering, `.data = ...`) has another address or layout and gets a fresh view."""
+        w = self.weight
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return w.transpose(0, 1)
+        wt = self.__dict__.get("_weight_t")
+        if (wt is None or wt.data_ptr() != w.data_ptr() or wt.dtype != w.dtype or wt.device != w.device
+                or wt.shape != w.shape[::-1] or wt.stride() != w.stride()[::-1]):
+            wt = self.__dict__["_weight_t"] = w.detach().transpose(0, 1)
+        return wt
 
 
 class FusedLinear(Linear):
