@@ -9,7 +9,7 @@ Every query and key token carries its absolute position, whether it is in the
 
 The KV-cache decode path, the dense block-causal forward and the SFT/RL training
 layout (noisy copy + clean copy) are all instances of this rule.
-The mask (dense boolean for SDPA, a BlockMask for FlexAttention) is built once per forward
+The mask (dense: additive float for SDPA; a BlockMask for FlexAttention) is built once per forward
 and cached on the MaskSpec that every layer receives. FlexAttention is compiled once with
 dynamic shapes, so one kernel serves every batch size and length (it also runs on CPU).
 Backend: env DLRL_ATTN=sdpa|flex overrides the automatic choice (flex on CUDA) of the dense

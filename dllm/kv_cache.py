@@ -5,12 +5,15 @@
     logits = model(ids, pos, cache=cache, slots=slots, kv_len=...)   # writes + reads through the tables
     cache.free(slot)                        # its pages go back to the pool
 
-K and V live in one pool per layer, `cache.kv[layer]`: `[(num_pages + 1) * page_size, 2, num_kv_heads,
-head_dim]` (token rows, page p's at [p * page_size, (p + 1) * page_size)), so a layer writes its keys and values with ONE index_copy_ and reads them with
-one gather. The layers' pools are separate tensors, not views of one: under torch.compile a
-write through a view of a shared base is functionalised into a copy of the whole base
-(O(pool) per step); a write into a tensor of its own stays in place. Page 0 is a scratch page that unallocated table entries point at (padding writes land there and
-are never attended to). A sequence holds only the pages its own length needs, so memory
+K and V live in one pool per layer, `cache.kv[layer]`: `[(num_pages + 1) * page_size, 2,
+num_kv_heads, head_dim]` (token rows; page p holds rows [p * page_size, (p + 1) * page_size)),
+so a layer writes its keys and values with ONE index_copy_ (the model hands it each token's
+K|V row as a view of its qkv projection) and reads them with one gather. The layers' pools
+are separate tensors, not views of one: under torch.compile a write through a view of a
+shared base is functionalised into a copy of the whole base (O(pool) per step); a write into
+a tensor of its own stays in place. Page 0 is a scratch page that unallocated table entries
+point at (padding writes land there and are
+never attended to). A sequence holds only the pages its own length needs, so memory
 follows real sequence lengths, not `num_slots x max_len`. With `num_pages=None` every slot
 gets its `max_len` pages up front (the simple fixed layout, for direct use of the model).
 

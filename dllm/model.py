@@ -102,10 +102,12 @@ class Linear(nn.Linear):
     def weight_t(self) -> torch.Tensor:
         """The weight transposed [in, out], a view. Outside autograd and compilation it is made once
         and reused (two aten ops fewer per matmul) while it still aliases the weight: in-place updates
-        (weight sync, load_state_dict) show through it; a replaced weight (`.to()`, ZeRO-3
-        gathering, `.data = ...`) has another address or layout and gets a fresh view."""
+        (weight sync, load_state_dict) show through it; a replaced weight (`.to()`, `.data = ...`)
+        has another address or layout and gets a fresh view at the next inference forward (the old
+        storage lives until then). Not for ZeRO-3 parameters (`ds_id`): a kept view would keep
+        every gathered weight alive."""
         w = self.weight
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or hasattr(w, "ds_id"):
             return w.transpose(0, 1)
         wt = self.__dict__.get("_weight_t")
         if (wt is None or wt.data_ptr() != w.data_ptr() or wt.dtype != w.dtype or wt.device != w.device
