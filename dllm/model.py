@@ -39,9 +39,9 @@ class RMSNorm(nn.Module):
         self._eps: torch.Tensor | None = None  # fp32 0-d tensor on the input's device, made once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self._eps_on(x.device))
+        return rms_norm(x, self.weight, self.eps_on(x.device))
 
-    def _eps_on(self, device: torch.device) -> torch.Tensor:
+    def eps_on(self, device: torch.device) -> torch.Tensor:
         if self._eps is None or self._eps.device != device:
             self._eps = torch.tensor(self.eps, dtype=torch.float32, device=device)
         return self._eps
@@ -83,13 +83,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch
     return torch.addcmul(x * cos, swapped, sin, out=out)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [N, in] -> [N, out] (a 2-D matmul: fewer aten ops than F.linear on 3-D input)."""
-    return linear_t(x, weight.transpose(0, 1), bias)  # (transpose: one op fewer than .t())
-
-
 def linear_t(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [N, in], weight_t: [in, out] (the weight transposed) -> [N, out]."""
+    """x: [N, in], weight_t: [in, out] (the weight transposed) -> [N, out] (a 2-D matmul: fewer aten
+    ops than F.linear on 3-D input)."""
     return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
 
 
@@ -108,7 +104,7 @@ class Linear(nn.Linear):
         every gathered weight alive."""
         w = self.weight
         if torch.is_grad_enabled() or torch.compiler.is_compiling() or hasattr(w, "ds_id"):
-            return w.transpose(0, 1)
+            return w.transpose(0, 1)  # (one aten op fewer than .t())
         wt = self.__dict__.get("_weight_t")
         if (wt is None or wt.data_ptr() != w.data_ptr() or wt.dtype != w.dtype or wt.device != w.device
                 or wt.shape != w.shape[::-1] or wt.stride() != w.stride()[::-1]):
@@ -186,7 +182,7 @@ class Attention(nn.Module):
         cache's [2, Hkv, D] row, written with one index_copy_."""
         H, Hkv = self.num_heads, self.num_kv_heads
         qk = qkv[:, :, :H + Hkv]
-        y = rms_normalize(qk, self.q_norm._eps_on(qkv.device))  # q_norm and k_norm share eps
+        y = rms_normalize(qk, self.q_norm.eps_on(qkv.device))  # q_norm and k_norm share eps
         yq, yk = y.split([H, Hkv], 2)
         yq.mul_(self.q_norm.weight)
         yk.mul_(self.k_norm.weight)
