@@ -9,7 +9,7 @@ Every query and key token carries its absolute position, whether it is in the
 
 The KV-cache decode path, the dense block-causal forward and the SFT/RL training
 layout (noisy copy + clean copy) are all instances of this rule.
-The mask (dense boolean for SDPA, a BlockMask for FlexAttention) is built once per forward
+The mask (dense: additive float for SDPA; a BlockMask for FlexAttention) is built once per forward
 and cached on the MaskSpec that every layer receives. FlexAttention is compiled once with
 dynamic shapes, so one kernel serves every batch size and length (it also runs on CPU).
 Backend: env DLRL_ATTN=sdpa|flex overrides the automatic choice (flex on CUDA) of the dense
@@ -55,6 +55,16 @@ class MaskSpec:
         allowed = allowed | ~allowed.any(-1, keepdim=True)
         self.__dict__["_dense"] = allowed[:, None]
         return self.__dict__["_dense"]
+
+    def additive(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dense mask as SDPA's float form [B, 1, Lq, Lk] (0 may attend, -inf not), built once per
+        forward: a bool mask costs SDPA a conversion (six aten ops) in every layer. Same values as
+        SDPA's own conversion, so the same results."""
+        cached = self.__dict__.get("_additive")
+        if cached is None or cached.dtype != dtype:
+            cached = torch.zeros((), dtype=dtype, device=self.q_pos.device).masked_fill(~self.dense(), float("-inf"))
+            self.__dict__["_additive"] = cached
+        return cached
 
 
 def _backend(device: torch.device) -> str:
@@ -116,4 +126,4 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec) ->
     if (spec.backend or _backend(q.device)) == "flex":
         return _flex(q, k, v, spec)
     # grouped-query attention without materialising repeated K/V (same result, several times faster)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=spec.dense(), enable_gqa=k.shape[1] != q.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=spec.additive(q.dtype), enable_gqa=k.shape[1] != q.shape[1])

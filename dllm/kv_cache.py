@@ -5,12 +5,15 @@
     logits = model(ids, pos, cache=cache, slots=slots, kv_len=...)   # writes + reads through the tables
     cache.free(slot)                        # its pages go back to the pool
 
-K and V live in one pool per layer, `cache.kv[layer]`: `[num_pages + 1, page_size, 2, num_kv_heads,
-head_dim]`, so a layer writes its keys and values with ONE index_copy_ and reads them with
-one gather. The layers' pools are separate tensors, not views of one: under torch.compile a
-write through a view of a shared base is functionalised into a copy of the whole base
-(O(pool) per step); a write into a tensor of its own stays in place. Page 0 is a scratch page that unallocated table entries point at (padding writes land there and
-are never attended to). A sequence holds only the pages its own length needs, so memory
+K and V live in one pool per layer, `cache.kv[layer]`: `[(num_pages + 1) * page_size, 2,
+num_kv_heads, head_dim]` (token rows; page p holds rows [p * page_size, (p + 1) * page_size)),
+so a layer writes its keys and values with ONE index_copy_ (the model hands it each token's
+K|V row as a view of its qkv projection) and reads them with one gather. The layers' pools
+are separate tensors, not views of one: under torch.compile a write through a view of a
+shared base is functionalised into a copy of the whole base (O(pool) per step); a write into
+a tensor of its own stays in place. Page 0 is a scratch page that unallocated table entries
+point at (padding writes land there and are
+never attended to). A sequence holds only the pages its own length needs, so memory
 follows real sequence lengths, not `num_slots x max_len`. With `num_pages=None` every slot
 gets its `max_len` pages up front (the simple fixed layout, for direct use of the model).
 
@@ -37,7 +40,7 @@ class KVCache:
         self.max_len = self.max_pages * ps
         fixed = num_pages is None
         self.num_pages = num_slots * self.max_pages if fixed else int(num_pages)
-        shape = (self.num_pages + 1, ps, 2, cfg.num_key_value_heads, cfg.head_dim)  # K and V of a page
+        shape = ((self.num_pages + 1) * ps, 2, cfg.num_key_value_heads, cfg.head_dim)  # K and V of a token
         self.kv = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
         # a power of two of columns, the entries past max_pages scratch: the decode step reads keys in
         # buckets of 1, 2, 4, ... pages, whatever max_len (so its results do not depend on max_len)
@@ -108,12 +111,14 @@ class CacheView:
         k_pos = torch.arange(kv_len, device=q_pos.device) if isinstance(kv_len, int) else kv_len
         self.read_idx = table[:, k_pos // ps] * ps + k_pos % ps  # [N, kv_len]
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v: [N, Hkv, L, D] new keys/values -> all cached ones [N, Hkv, kv_len, D] (after writing):
-        one write (keys and values together) and one read per layer."""
-        pool = self.cache.kv[layer]
-        flat = pool.view(-1, *pool.shape[2:])  # [(P + 1) * page_size, 2, Hkv, D]
-        new = torch.stack([k, v], 2).transpose(1, 3)  # [N, L, 2, Hkv, D]
-        flat.index_copy_(0, self.write_idx, new.reshape(-1, *flat.shape[1:]).to(flat.dtype))
-        kv = flat[self.read_idx].to(k.dtype)  # [N, kv_len, 2, Hkv, D]
-        return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+    def update(self, layer: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv: [N, L, 2 Hkv, D] this forward's keys then values per token -> all cached keys and
+        values [N, Hkv, kv_len, D] each (views, after writing): one write and one read per layer."""
+        flat = self.cache.kv[layer]  # [(P + 1) * page_size, 2, Hkv, D]
+        new = kv.view(-1, *flat.shape[1:])  # [N * L, 2, Hkv, D]
+        flat.index_copy_(0, self.write_idx, new if new.dtype == flat.dtype else new.to(flat.dtype))
+        got = flat[self.read_idx]  # [N, kv_len, 2, Hkv, D]
+        if got.dtype != kv.dtype:
+            got = got.to(kv.dtype)
+        got = got.permute(2, 0, 3, 1, 4)  # [2, N, Hkv, kv_len, D]
+        return got[0], got[1]

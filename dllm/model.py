@@ -39,9 +39,9 @@ class RMSNorm(nn.Module):
         self._eps: torch.Tensor | None = None  # fp32 0-d tensor on the input's device, made once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self._eps_on(x.device))
+        return rms_norm(x, self.weight, self.eps_on(x.device))
 
-    def _eps_on(self, device: torch.device) -> torch.Tensor:
+    def eps_on(self, device: torch.device) -> torch.Tensor:
         if self._eps is None or self._eps.device != device:
             self._eps = torch.tensor(self.eps, dtype=torch.float32, device=device)
         return self._eps
@@ -49,10 +49,15 @@ class RMSNorm(nn.Module):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     """x: [..., D] -> weight * (x / sqrt(mean(x^2) + eps)) (the norm in fp32, HF's rounding)."""
+    return weight * rms_normalize(x, eps)
+
+
+def rms_normalize(x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """x: [..., D] -> x / sqrt(mean(x^2) + eps) in fp32, cast back to x's dtype (no weight)."""
     xf = x if x.dtype == torch.float32 else x.float()
     scale = torch.rsqrt(torch.add(eps, (xf * xf).sum(-1, keepdim=True), alpha=1.0 / x.shape[-1]))
     y = xf * scale
-    return weight * (y if x.dtype == torch.float32 else y.to(x.dtype))
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -66,23 +71,45 @@ def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dt
     return emb.cos().to(dtype)[:, :, None], sin.to(dtype)[:, :, None]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, L, H, D] -> x * cos + rotate_half(x) * sin (sin from rope_cos_sin, signs folded in)."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [B, L, H, D] -> x * cos + rotate_half(x) * sin (sin from rope_cos_sin, signs folded in),
+    written into `out` when given (no autograd there)."""
     *lead, d = x.shape
     swapped = x.view(*lead, 2, d // 2).flip(-2).view(*lead, d)  # [x2, x1]
-    return torch.addcmul(x * cos, swapped, sin)
+    if out is None:
+        return torch.addcmul(x * cos, swapped, sin)
+    if torch.compiler.is_compiling():  # dynamo takes no non-contiguous out= (compiled, a copy is free)
+        return out.copy_(torch.addcmul(x * cos, swapped, sin))
+    return torch.addcmul(x * cos, swapped, sin, out=out)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [N, in] -> [N, out] (a 2-D matmul: fewer aten ops than F.linear on 3-D input)."""
-    return torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
+def linear_t(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [N, in], weight_t: [in, out] (the weight transposed) -> [N, out] (a 2-D matmul: fewer aten
+    ops than F.linear on 3-D input)."""
+    return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
 
 
 class Linear(nn.Linear):
     """nn.Linear on 2-D input [N, in] as one mm/addmm (called as a module: ZeRO-3 hooks gather it)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear_t(x, self.weight_t(), self.bias)
+
+    def weight_t(self) -> torch.Tensor:
+        """The weight transposed [in, out], a view. Outside autograd and compilation it is made once
+        and reused (two aten ops fewer per matmul) while it still aliases the weight: in-place updates
+        (weight sync, load_state_dict) show through it; a replaced weight (`.to()`, `.data = ...`)
+        has another address or layout and gets a fresh view at the next inference forward (the old
+        storage lives until then). Not for ZeRO-3 parameters (`ds_id`): a kept view would keep
+        every gathered weight alive."""
+        w = self.weight
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or hasattr(w, "ds_id"):
+            return w.transpose(0, 1)  # (one aten op fewer than .t())
+        wt = self.__dict__.get("_weight_t")
+        if (wt is None or wt.data_ptr() != w.data_ptr() or wt.dtype != w.dtype or wt.device != w.device
+                or wt.shape != w.shape[::-1] or wt.stride() != w.stride()[::-1]):
+            wt = self.__dict__["_weight_t"] = w.detach().transpose(0, 1)
+        return wt
 
 
 class FusedLinear(Linear):
@@ -128,16 +155,39 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, spec: MaskSpec, cache: CacheView | None):
-        B, L, _ = x.shape  # x: [B, L, hidden]; cos/sin: [B, L, 1, D]
-        qkv = self.qkv_proj(x.view(B * L, -1))  # [B * L, (H + 2 Hkv) D]
-        q, k, v = qkv.view(B, L, -1, self.head_dim).split([self.num_heads, self.num_kv_heads, self.num_kv_heads], 2)
-        q = apply_rope(self.q_norm(q), cos, sin).transpose(1, 2)  # [B, H, L, D]
-        k = apply_rope(self.k_norm(k), cos, sin).transpose(1, 2)  # [B, Hkv, L, D]
-        v = v.transpose(1, 2)
+        B, L = cos.shape[:2]  # x: [B * L, hidden]; cos/sin: [B, L, 1, D]
+        H, Hkv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(B, L, -1, self.head_dim)  # [B, L, H + 2 Hkv, D]
+        if torch.is_grad_enabled():  # training: out of place
+            q, k, v = qkv.split([H, Hkv, Hkv], 2)
+            q = apply_rope(self.q_norm(q), cos, sin)  # [B, L, H, D]
+            k = apply_rope(self.k_norm(k), cos, sin)  # [B, L, Hkv, D]
+            kv = torch.cat([k, v], 2) if cache is not None else None
+        else:
+            q, kv = self._qk_in_place(qkv, cos, sin)
+            if cache is None:
+                k, v = kv.split([Hkv, Hkv], 2)
         if cache is not None:  # write this forward's K/V into the pages, attend over [0, kv_len)
-            k, v = cache.update(self.layer_idx, k, v)  # [B, Hkv, kv_len, D]
-        out = attend(q, k, v, spec)  # [B, H, L, D]
-        return self.o_proj(out.transpose(1, 2).reshape(B * L, -1)).view(B, L, -1)
+            k, v = cache.update(self.layer_idx, kv)  # [B, Hkv, kv_len, D] each
+        else:
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+        out = attend(q.transpose(1, 2), k, v, spec).transpose(1, 2)  # [B, L, H, D]
+        out = out.view(B * L, -1) if out.is_contiguous() else out.reshape(B * L, -1)
+        return self.o_proj(out)  # [B * L, hidden]
+
+    def _qk_in_place(self, qkv: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inference: q_norm / k_norm and rope on the queries and keys together, written over the
+        raw ones in qkv [B, L, H + 2 Hkv, D] -> q [B, L, H, D], kv [B, L, 2 Hkv, D] (views of qkv).
+        Same values as one by one (every op is per head); each token's K|V row then is the
+        cache's [2, Hkv, D] row, written with one index_copy_."""
+        H, Hkv = self.num_heads, self.num_kv_heads
+        qk = qkv[:, :, :H + Hkv]
+        y = rms_normalize(qk, self.q_norm.eps_on(qkv.device))  # q_norm and k_norm share eps
+        yq, yk = y.split([H, Hkv], 2)
+        yq.mul_(self.q_norm.weight)
+        yk.mul_(self.k_norm.weight)
+        apply_rope(y, cos, sin, out=qk)
+        return qkv.split([H, 2 * Hkv], 2)
 
 
 class MLP(nn.Module):
@@ -149,11 +199,10 @@ class MLP(nn.Module):
                                           fused_name="gate_up_proj")
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x):
-        shape = x.shape  # x: [..., hidden] (contiguous)
+    def forward(self, x):  # x: [N, hidden]
         i = self.intermediate_size
-        gate, up = self.gate_up_proj(x.view(-1, shape[-1])).split([i, i], -1)
-        return self.down_proj(F.silu(gate) * up).view(shape)
+        gate, up = self.gate_up_proj(x).split([i, i], -1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -164,7 +213,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, spec, cache):
+    def forward(self, x, cos, sin, spec, cache):  # x: [B * L, hidden] (cos: [B, L, 1, D])
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, spec, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -253,13 +302,15 @@ class SDARForCausalLM(nn.Module):
     def hidden_states(self, ids, spec: MaskSpec, cache: CacheView | None = None) -> torch.Tensor:
         """ids: [B, L] -> final normed hidden states [B, L, hidden] (spec's mask built once, used by all layers)."""
         x = self.model.embed_tokens(ids)
+        B, L, _ = x.shape
+        x = x.view(B * L, -1)  # the layers work on [B * L, hidden] (2-D matmuls, no per-layer reshapes)
         cos, sin = rope_cos_sin(spec.q_pos, self.config.head_dim, self.config.rope_theta, x.dtype)
         for layer in self.model.layers:
             if self.gradient_checkpointing and self.training:
                 x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, spec, cache, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, spec, cache)
-        return self.model.norm(x)
+        return self.model.norm(x).view(B, L, -1)
 
     def forward(self, input_ids, position_ids=None, cache: KVCache | None = None, slots=None,
                 k_valid=None, kv_len: int | None = None, write_mask=None, num_logits: int | None = None,

@@ -98,6 +98,36 @@ def test_fused_model_equals_separate_projections(dtype, tol, bias):
     assert (ours - ref).abs().max() <= tol * max(1.0, ref.abs().max().item())
 
 
+def test_inference_forward_follows_weight_updates_and_replacements():
+    """Inference reuses each projection's transposed weight view (and rotates q/k in place): an
+    in-place update, a replaced `.data` and a dtype change all show in the next forward, which
+    stays equal to the autograd path's (fresh views, out of place) and to the reference."""
+    torch.manual_seed(0)
+    model = SDARForCausalLM(small_cfg(attention_bias=True)).eval()
+    ids = torch.randint(0, 60, (2, 8))
+    pos = torch.arange(8).expand(2, 8)
+
+    def check(tol=0.0):
+        with torch.no_grad():
+            ours = model(ids, pos)
+            ref = reference_logits(dict(model.hf_named_tensors()), model.config, ids, pos)
+        grad_path = model(ids, pos).detach()
+        assert torch.equal(ours, grad_path)
+        assert (ours.float() - ref.float()).abs().max() <= max(tol, 2e-5) * max(1.0, ref.abs().max().item())
+
+    check()
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)  # in place (what weight sync does)
+    check()
+    qkv.weight.data = torch.randn_like(qkv.weight)  # replaced storage
+    model.model.layers[1].mlp.down_proj.weight.data = torch.randn(32, 48).t().contiguous().t()  # other layout
+    check()
+    model.to(torch.bfloat16)
+    check(tol=0.05)
+
+
 def real_layout_folder(tmp_path: Path, dtype: torch.dtype) -> tuple[Path, dict[str, torch.Tensor]]:
     """The SDAR-1.7B fixture config shrunk, with random weights in the HF layout, sharded."""
     data = json.loads(FIXTURE.read_text())
