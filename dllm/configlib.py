@@ -7,7 +7,8 @@
                          {"train": TrainConfig, "task": ArithmeticTask}, primary="train")
     root["train"].num_steps      # 5
 
-A YAML file holds one mapping per section (`model`, `task`, `sft`, `server`, `train`, `eval`).
+A YAML file holds one mapping per section (`model`, `task`, `sft`, `server`, `train`, `eval`,
+`align`, `users`, `generate`).
 It is read once per command (`load_sections`) and the typed sections are handed down.
 Overrides are `section.key=value`, or `key=value` for the command's own (`primary`) section;
 values are YAML scalars, and a comma-separated string fills a list field
@@ -57,7 +58,7 @@ class Config(BaseModel):
 
 # Every section any dlrl command reads from a config file (a file may hold the sections of several
 # commands: configs/tiny.yaml feeds sft, serve, train and eval). Anything else is a typo.
-KNOWN_SECTIONS = ("model", "task", "sft", "server", "train", "eval", "align", "users")
+KNOWN_SECTIONS = ("model", "task", "sft", "server", "train", "eval", "align", "users", "generate")
 
 
 class ConfigFile(dict):

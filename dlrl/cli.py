@@ -1,17 +1,19 @@
 """The `dlrl` command: dispatches to each package's CLI, importing it lazily.
 
     dlrl sft      --config configs/tiny.yaml [key=value ...]   train the embedded default
-    dlrl generate --model DIR --prompt TEXT [--trace]          print completions
-    dlrl serve    --config configs/tiny.yaml [--host H --port P key=value ...]
+    dlrl generate model=DIR prompt=TEXT [max_tokens=64 trace=true ...]  print completions
+    dlrl serve    --config configs/tiny.yaml [server.port=P key=value ...]
     dlrl train    --config configs/tiny.yaml [nproc=N] [key=value ...]
     dlrl eval     --config configs/tiny.yaml [data=math500.jsonl num_samples=4 ...]
     dlrl align    --config configs/align.yaml [key=value ...]        continuous alignment (make align)
-    dlrl versions --store runs/feedback.db [--events] [--rollback V]  the version registry
+    dlrl versions store=runs/feedback.db [--events] [--rollback V]  the version registry
     dlrl config show [--command train] [--config FILE] [key=value ...]  the resolved config as YAML
 
 `dlrl <command> --help` lists every config key of the command (type, default, help);
 `--check` validates a command line, its config, files, imports, ports and tokens without running;
-`--check-config` only the command line and the config.
+`--check-config` only the command line and the config. Options are `key=value` overrides
+everywhere; the older `--max-tokens`-style flags (`dlrl generate`), `--host`/`--port`/`--model`
+(`dlrl serve`) and `--store` (`dlrl versions`) are aliases of config keys.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import sys
 
 COMMANDS = {
     "sft": ("dllm.cli", "sft_main"),
-    "generate": ("dllm.cli", "generate_main"),
+    "generate": ("dllm.generate_cli", "generate_main"),
     "serve": ("server.cli", "main"),
     "train": ("trainer.cli", "main"),
     "eval": ("trainer.eval_cli", "main"),
@@ -35,13 +37,15 @@ SECTION_CLASSES = {
     "model": "dllm.sft:TinyModelConfig", "task": "dllm.task:ArithmeticTask", "sft": "dllm.sft:SFTConfig",
     "server": "server.config:ServerConfig", "train": "trainer.config:TrainConfig",
     "eval": "trainer.eval_cli:EvalConfig", "align": "trainer.align_config:AlignConfig",
-    "users": "trainer.align_users:UsersConfig"}
+    "users": "trainer.align_users:UsersConfig", "generate": "dllm.generate_cli:GenerateConfig"}
 COMMAND_SECTIONS = {  # command -> (its own section: bare key=value overrides, the sections it reads)
     "sft": ("sft", ["sft", "model", "task"]),
     "serve": ("server", ["server", "model", "task", "sft"]),
     "train": ("train", ["train", "model", "task", "sft", "server"]),
     "eval": ("eval", ["eval", "task", "server"]),
     "align": ("align", ["align", "users", "train", "model", "task", "sft", "server"]),
+    "generate": ("generate", ["generate"]),
+    "versions": ("align", ["align"]),  # store, serving replicas, admin token (server.* fallbacks)
 }
 
 

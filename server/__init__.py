@@ -1,6 +1,6 @@
 """server: the dlrl generation server (FastAPI + a continuous-batching block-diffusion engine).
 
-    dlrl serve --config configs/tiny.yaml [--host H] [--port P] [server.max_batch=32 ...]
+    dlrl serve --config configs/tiny.yaml [server.host=H server.port=P server.max_batch=32 ...]  # --host/--port: aliases
 
 Files: config.py (ServerConfig), engine.py + scheduler.py (continuous batching in a
 background thread), backends/ (native dllm decoder; LMDeploy placeholder), app.py

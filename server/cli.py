@@ -1,7 +1,7 @@
 """`dlrl serve`: load a model and serve the generation API with uvicorn.
 
-    dlrl serve --config configs/tiny.yaml [--host 127.0.0.1] [--port 8000] [--model DIR] \
-        [server.max_batch=32 server.admin_token=... ...]
+    dlrl serve --config configs/tiny.yaml [server.host=127.0.0.1 server.port=8000 server.model=DIR] \
+        [server.max_batch=32 server.admin_token=... ...]     # --host/--port/--model: aliases
 
 `server.model` empty (the default) serves the embedded tiny default, trained on first use
 by `dllm.tiny.ensure_default_model`. Binds 127.0.0.1 unless told otherwise. The admin
@@ -29,14 +29,26 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dlrl serve", description="Serve a block-diffusion LM over HTTP.")
     p.add_argument("--config", default=None, help=f"YAML config with a `server` section (default {DEFAULT_CONFIG} "
                                                    "when it exists)")
-    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="TCP port (default 8000)")
-    p.add_argument("--model", default=None, help="model folder (HF layout); default: the embedded tiny model")
+    p.add_argument("--host", default=None, help="alias of server.host=HOST (bind address, default 127.0.0.1)")
+    p.add_argument("--port", default=None, help="alias of server.port=PORT (TCP port, default 8000)")
+    p.add_argument("--model", default=None, help="alias of server.model=DIR (model folder or hub id; default: the "
+                                                 "embedded tiny model)")
     p.add_argument("--check", action="store_true", help="parse the command line and the config, check the model "
                                                        "and that the port is free; exit 0 (or 2 with the error)")
     p.add_argument("--check-config", action="store_true", help="only parse the command line and the config")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. server.max_batch=32")
     return p
+
+
+def apply_aliases(config: ServerConfig, args: argparse.Namespace) -> ServerConfig:
+    """--host/--port/--model onto server.host/port/model; a key given both ways is refused."""
+    from dllm.configlib import build, parse_overrides
+
+    changes = {k: v for k, v in (("host", args.host), ("port", args.port), ("model", args.model)) if v is not None}
+    given = {k.removeprefix("server.") for k, _ in parse_overrides(args.overrides)}
+    for key in changes.keys() & given:
+        raise ConfigError(f"config key server.{key}: given both as --{key} and as server.{key}=...; use one")
+    return build(ServerConfig, {**config.model_dump(), **changes}, "server") if changes else config
 
 
 def resolve_model(config: ServerConfig, config_path: str | None, overrides: list[str] | None = None) -> str:
@@ -74,9 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config_path = args.config or (DEFAULT_CONFIG if Path(DEFAULT_CONFIG).is_file() else None)
     try:
-        config = load_server_config(config_path, args.overrides)
-        changes = {k: v for k, v in (("host", args.host), ("port", args.port), ("model", args.model)) if v is not None}
-        config = config.replace(**changes)
+        config = apply_aliases(load_server_config(config_path, args.overrides), args)
     except ConfigError as e:
         parser.error(str(e))
     if not args.check_config:  # before loading anything: the port is free, the model exists

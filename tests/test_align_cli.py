@@ -50,6 +50,8 @@ def test_versions_lists_the_registry_and_events(tmp_path, capsys):
     assert dlrl(["versions", "--store", str(tmp_path / "fb.db")]) == 0
     out = capsys.readouterr().out
     assert "gated_out" in out and "31.0%" in out and "serving version: 0" in out
+    assert dlrl(["versions", f"store={tmp_path / 'fb.db'}"]) == 0  # --store is an alias of align.store
+    assert capsys.readouterr().out == out
     assert dlrl(["versions", "--store", str(tmp_path / "fb.db"), "--events", "--json"]) == 0
     events = json.loads(capsys.readouterr().out)
     assert [e["kind"] for e in events] == ["gate_failed"] and events[0]["time"] <= time.time()
@@ -58,7 +60,10 @@ def test_versions_lists_the_registry_and_events(tmp_path, capsys):
 def test_versions_refuses_bad_input(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         dlrl(["versions", "--store", str(tmp_path / "missing.db")])
-    assert e.value.code == 2 and "--store" in capsys.readouterr().err
+    assert e.value.code == 2 and "align.store (--store): no feedback store" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        dlrl(["versions", "--store", str(tmp_path / "a.db"), f"align.store={tmp_path / 'b.db'}"])
+    assert e.value.code == 2 and "align.store: given both as --store and as store=" in capsys.readouterr().err
     _registry(tmp_path / "fb.db")
     assert dlrl(["versions", "--store", str(tmp_path / "fb.db"), "--rollback", "3"]) == 2
     assert "never served" in capsys.readouterr().err

@@ -33,6 +33,15 @@ def test_help_lists_every_key_with_type_default_and_help(_dlrl):
                                                                for line in text.splitlines() if line.strip()}
 
 
+def test_versions_help_lists_the_align_keys_and_its_alias(_dlrl):
+    from trainer.align_config import AlignConfig
+
+    text = _dlrl("versions", "--help")
+    assert "usage: dlrl versions" in text and "alias of align.store=PATH" in text and "--rollback VERSION" in text
+    assert {line.split()[0] for line in text.splitlines() if line.startswith("  align.")} == {
+        f"align.{k}" for k in AlignConfig.model_fields}
+
+
 def test_config_show_prints_the_resolved_config(_dlrl, tmp_path):
     text = _dlrl("config", "show", "--command", "train", "num_steps=7", "server.admin_token=s3cret")
     assert "s3cret" not in text

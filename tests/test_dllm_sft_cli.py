@@ -84,7 +84,30 @@ def test_sft_and_generate_commands(tmp_path):
     assert len(trace["trace"]["steps"]) == len(trace["completion_ids"]) == len(trace["trace"]["logprobs"])
     bad = subprocess.run([sys.executable, "-m", "dlrl.cli", "generate", "--model", str(out), "--prompt", "1",
                           "--top-p", "0"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "--top-p" in bad.stderr
+    assert bad.returncode == 2 and "generate.top_p (--top-p)" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_generate_key_value_and_old_flags_give_the_same_output(tiny_model_dir, capsys):
+    """The key=value style and the --flag aliases of `dlrl generate` decode the same: sampled, traced, two prompts."""
+    from dlrl.cli import main
+
+    flags = ["--model", tiny_model_dir, "--prompt", "12+34=", "--prompt", "7+8=", "--max-tokens", "8",
+             "--temperature", "0.8", "--top-k", "5", "--top-p", "0.9", "--strategy", "static", "--steps", "2",
+             "--seed", "7", "--stop", "\n", "--dtype", "float32", "--device", "cpu", "--trace"]
+    keys = [f"model={tiny_model_dir}", "prompt=12+34=", "prompt=7+8=", "max_tokens=8", "temperature=0.8",
+            "top_k=5", "top_p=0.9", "strategy=static", "steps=2", "seed=7", "stop=\n", "dtype=float32",
+            "device=cpu", "trace=true"]
+    assert main(["generate", *flags]) == 0
+    by_flags = capsys.readouterr().out
+    assert main(["generate", *keys]) == 0
+    by_keys = capsys.readouterr().out
+    lines = by_keys.strip().splitlines()
+    assert by_keys == by_flags and len(lines) == 4 and lines[0].startswith("12+34=") and lines[2].startswith("7+8=")
+    assert json.loads(lines[1])["trace"]["steps"]
+    with pytest.raises(SystemExit) as e:  # steps > the model's block size: refused naming the key, after loading
+        main(["generate", f"model={tiny_model_dir}", "prompt=1", "steps=10000"])
+    assert e.value.code == 2 and "generate.steps (--steps): must be an integer in [1, block_size=" in \
+        capsys.readouterr().err
 
 
 def test_config_errors_name_the_key(tmp_path):

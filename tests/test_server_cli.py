@@ -22,6 +22,17 @@ def test_parser_and_overrides(tmp_path):
     assert (config.max_batch, config.port, config.max_queue, config.host) == (3, 9001, 5, "127.0.0.1")
     with pytest.raises(ValueError, match="server.bogus"):
         load_server_config(str(cfg), ["server.bogus=1"])
+    from server.cli import apply_aliases  # --host/--port/--model are aliases of server.host/port/model
+
+    assert apply_aliases(config, args).port == 9002
+    args = build_parser().parse_args(["--port", "x", "--model", "m"])
+    with pytest.raises(ValueError, match="config key server.port: Input should be a valid integer"):
+        apply_aliases(config, args)
+    args = build_parser().parse_args(["--port", "9003", "server.port=9004"])
+    with pytest.raises(ValueError, match="server.port: given both as --port and as server.port="):
+        apply_aliases(load_server_config(None, args.overrides), args)
+    args = build_parser().parse_args(["--host", "0.0.0.0", "--model", "m", "server.max_batch=2"])
+    assert apply_aliases(config, args).model_dump(include={"host", "model"}) == {"host": "0.0.0.0", "model": "m"}
 
 
 def test_serve_subprocess(serve_process, tiny_model_dir):

@@ -4,7 +4,7 @@
     dlrl align --config configs/align.yaml max_steps=12 promote_every=3 train.lr=2e-4
     dlrl align --config configs/align.yaml --resume               # continue after a stop
     dlrl align --config configs/align.yaml --check                # parse and validate only
-    dlrl versions --store runs/feedback.db [--events] [--json]
+    dlrl versions store=runs/feedback.db [--events] [--json]    # --store PATH: an alias
     dlrl versions --config configs/align.yaml --rollback 12       # every serving replica back to 12
 
 Bare `key=value` overrides go to the `align` section (`trainer.align_config.AlignConfig`),
@@ -137,25 +137,30 @@ def main(argv: list[str]) -> int:
 def versions_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="dlrl versions", description="the version registry of dlrl align")
     ap.add_argument("--config", default=None, help="align config (store, serving replicas, admin token)")
-    ap.add_argument("--store", default=None, help="feedback store path (default: align.store of --config)")
+    ap.add_argument("--store", default=None, help="alias of align.store=PATH (the feedback store path or URL)")
     ap.add_argument("--events", action="store_true", help="list the events (promotions, rollbacks, ...)")
     ap.add_argument("--json", action="store_true", help="print JSON")
     ap.add_argument("--rollback", type=int, default=None, metavar="VERSION",
                     help="roll every serving replica back to VERSION (a version that served before)")
-    ap.add_argument("overrides", nargs="*", help="align key=value overrides")
-    args = ap.parse_args(argv)
-    from trainer.align_config import align_sections
+    ap.add_argument("overrides", nargs="*", help="align key=value overrides (e.g. store=runs/feedback.db)")
+    args = ap.parse_intermixed_args(argv)
+    from dllm.configlib import build, parse_overrides
+    from trainer.align_config import AlignConfig, align_sections
 
     try:
         root = load_sections(args.config, args.overrides, align_sections(), primary="align")
+        if args.store is not None:  # the alias of align.store
+            if any(k in ("store", "align.store") for k, _ in parse_overrides(args.overrides)):
+                raise ConfigError("config key align.store: given both as --store and as store=...; use one")
+            root["align"] = build(AlignConfig, {**root["align"].model_dump(), "store": args.store}, "align")
     except (ConfigError, ValueError) as e:
         ap.error(str(e))
     cfg = root["align"]
-    path = args.store or cfg.store
+    path = cfg.store
     import os
 
     if "://" not in path and not os.path.isfile(path):  # a postgresql:// URL is checked by open_store
-        ap.error(f"--store: no feedback store at {path!r}")
+        ap.error(f"align.store (--store): no feedback store at {path!r}")
     from store import open_store
 
     with open_store(path, **NO_PRUNE) as st:
