@@ -7,6 +7,7 @@ import socket
 
 import pytest
 
+from tests.helpers import ADMIN_TOKEN
 from trainer.eval_cli import main as eval_main
 from trainer.evaluate import EvalError, load_eval_examples, make_settings, pass_at_k
 
@@ -99,7 +100,7 @@ def test_eval_errors_name_the_key(server, tmp_path, capsys):
     rc = eval_main([f"data={tmp_path}/missing.jsonl", f"servers=[{server.url}]", "start_server=false"])
     assert rc == 2 and "eval.data: no such file" in capsys.readouterr().err  # before anything runs
     rc = eval_main([f"servers=[{server.url}]", "start_server=false", "block_sizes=[8]", "limit=2",
-                    f"output={tmp_path}/r.json"])
+                    f"admin_token={ADMIN_TOKEN}", f"output={tmp_path}/r.json"])  # (not a runs/admin_token left here)
     assert rc == 1 and "block_sizes: asked for block size 8" in capsys.readouterr().err
 
 

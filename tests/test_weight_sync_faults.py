@@ -232,3 +232,25 @@ def test_aborted_dist_updates_leak_no_threads(server):
         assert get(server.url, "/weights/checksum")["digest"] == weights_digest(named)
     finally:
         sender.close()
+
+
+def test_commit_to_a_server_that_died_fails_soon_naming_it(monkeypatch):
+    """A server killed while the sender commits refuses connections: the commit gives up after
+    control.UNREACHABLE_S (naming the server) instead of polling until the whole commit timeout."""
+    import socket
+    import time
+
+    from weight_sync import control
+    from weight_sync.errors import WeightSyncError
+    from weight_sync.protocol import CommitRequest
+
+    with socket.socket() as s:  # a port nobody listens on: connection refused, as after a SIGKILL
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setattr(control, "UNREACHABLE_S", 0.5)
+    client = control.ControlClient(url, "token", timeout=120)
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match="unreachable") as e:
+        client.commit(CommitRequest(version=3, run_id="run-a"))
+    assert time.monotonic() - t0 < 10 and url in str(e.value)
+    client.close()

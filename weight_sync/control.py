@@ -32,6 +32,7 @@ from weight_sync.protocol import (
 )
 
 POLL_S = 0.1
+UNREACHABLE_S = 10.0  # a commit whose server refuses connections this long: the server is gone
 
 
 class HTTPStatusError(WeightSyncError):
@@ -49,6 +50,7 @@ class ControlClient:
         import httpx  # lazy: only senders need it
 
         self.url, self.timeout = url.rstrip("/"), timeout
+        self._down_since: float | None = None  # since when the server refuses connections (commit)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)))
 
@@ -107,6 +109,7 @@ class ControlClient:
         import httpx
 
         deadline, send = time.monotonic() + self.timeout, True
+        self._down_since = None
         while time.monotonic() < deadline:
             if send:  # (re)send: commit is idempotent on the server
                 send = False
@@ -114,8 +117,8 @@ class ControlClient:
                     resp = CommitResponse.model_validate(self.post("/weights/commit", body))
                     if resp.state == "applied":
                         return resp
-                except httpx.TransportError:  # timed out or connection lost: the server may still apply
-                    pass
+                except httpx.TransportError as e:  # timed out or connection lost: the server may still apply
+                    self._note_transport_error(e)
                 except HTTPStatusError as e:
                     if e.status != 409:  # bad data, non-finite weights, ...: the update failed
                         raise
@@ -130,6 +133,10 @@ class ControlClient:
                 raise WeightSyncError(f"{self.url}: commit of version {body.version} failed: "
                                       f"{state.reason or state.state}")
             send = state is not None and state.state == "receiving"  # the commit never arrived
+            if self._down_since is not None and time.monotonic() - self._down_since > min(UNREACHABLE_S, self.timeout):
+                raise WeightSyncError(f"{self.url}: unreachable (connection refused) for "
+                                      f"{time.monotonic() - self._down_since:.0f}s during the commit of version "
+                                      f"{body.version}: the server is down")
             time.sleep(POLL_S)
         try:  # give up: abort (refused with 409 once applying), then take the server's word
             self.abort(AbortRequest(version=body.version, reason="commit timed out at the sender",
@@ -146,9 +153,22 @@ class ControlClient:
         import httpx
 
         try:
-            return self.state(version)
-        except httpx.TransportError:
+            state = self.state(version)
+        except httpx.TransportError as e:
+            self._note_transport_error(e)
             return None
+        self._down_since = None
+        return state
+
+    def _note_transport_error(self, error: Exception) -> None:
+        """Remember since when the server refuses connections (a dead process), not a slow answer."""
+        import httpx
+
+        if isinstance(error, httpx.ConnectError):
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+        else:
+            self._down_since = None
 
     def close(self) -> None:
         self.http.close()
