@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import signal
 import socket
@@ -44,8 +45,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.soak_report import check_store, report  # noqa: E402
-from benchmarks.soak_traffic import Stats, client, feedback_worker, flood  # noqa: E402
+from benchmarks.soak_report import check_store, report, server_counters  # noqa: E402
+from benchmarks.soak_traffic import Stats, client, feedback_worker, flood_process  # noqa: E402
 from dllm.weights import load_pretrained  # noqa: E402
 from tests.postgres import PostgresServer  # noqa: E402
 from weight_sync import push  # noqa: E402
@@ -156,15 +157,15 @@ def _start_server(model_dir: str, port: int, tmp: Path, args: argparse.Namespace
 
 
 async def _traffic(base: str, args: argparse.Namespace, stop_at: float, stats: Stats,
-                   keys: tuple[list[str], str, str]) -> None:
-    normal, long_key, flood_key = keys
+                   keys: tuple[list[str], str]) -> None:
+    normal, long_key = keys
     stats.feedback_queue = asyncio.Queue()
     workers = [asyncio.create_task(feedback_worker(base, FEEDBACK_TOKEN, stats.feedback_queue, stats,
                                                    args.feedback_share)) for _ in range(4)]
     clients = [client(i, base, normal[i % len(normal)], stop_at, stats, args.disconnect) for i in range(args.clients)]
     clients += [client(i, base, long_key, stop_at, stats, 0.0, cls="long", max_tokens=(300, 480), n=(1, 3),
                        deadline_s=args.long_timeout) for i in range(args.long_clients)]
-    await asyncio.gather(*clients, flood(base, flood_key, stop_at, stats, args.flood_rps, args.flood_window))
+    await asyncio.gather(*clients)
     for _ in workers:
         stats.feedback_queue.put_nowait(None)  # after the queued ids: workers finish them, then stop
     await asyncio.wait_for(asyncio.gather(*workers), timeout=300)
@@ -239,13 +240,24 @@ def _run(args: argparse.Namespace, tmp: Path, pg) -> dict:
     print(f"soak: {args.clients} clients + {args.long_clients} long + a flood for {args.duration:.0f}s against "
           f"{base} ({model_dir}), push every {args.push_every:.0f}s over {'/'.join(transports)}, "
           f"recording all into PostgreSQL", flush=True)
+    recv, send = multiprocessing.Pipe(duplex=False)
+    flooder = multiprocessing.get_context("spawn").Process(
+        target=flood_process, args=(base, flood_key, t_start, stop_at, args.flood_rps, args.flood_window, send))
+    flooder.start()
     try:
-        asyncio.run(_traffic(base, args, stop_at, stats, (normal, long_key, flood_key)))
+        asyncio.run(_traffic(base, args, stop_at, stats, (normal, long_key)))
+        if recv.poll(120):
+            records, stats.flood_windows, acked, nulls = recv.recv()
+            stats.records += records
+            stats.acked |= acked
+            stats.null_ids += nulls
+        flooder.join(timeout=30)
         pusher.join(timeout=180)
         restarter.join(timeout=180)
         close_all()  # the pusher's cached senders (shm region, http clients)
         health = _drain(base, args.max_batch)
         end_rss = _rss(proc.pid)
+        counters = server_counters(httpx.get(base + "/metrics", timeout=10).text)
     finally:
         stop.set()
         proc.send_signal(signal.SIGTERM)
@@ -254,7 +266,8 @@ def _run(args: argparse.Namespace, tmp: Path, pg) -> dict:
         except subprocess.TimeoutExpired:
             proc.kill()
             exit_code = None
-    return report(stats, t_start, t_start + args.warmup, end_rss, health, exit_code, check_store(store_url, stats))
+    return report(stats, t_start, t_start + args.warmup, end_rss, health, exit_code,
+                  check_store(store_url, stats), counters)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,22 @@ def _overlaps(rec: tuple, windows: list[tuple]) -> bool:
     return any(rec[0] < w[1] and w[0] < rec[1] for w in windows)
 
 
+def _ratio(a: dict, b: dict) -> float | None:
+    return round(a["p99_s"] / b["p99_s"], 3) if "p99_s" in a and "p99_s" in b else None
+
+
+def server_counters(metrics_text: str) -> dict:
+    """The server's own counts of KV-cache refusals, dropped/withheld records, deadlines."""
+    wanted = ("dlrl_kv_cache_refusals_total", "dlrl_records_dropped_total", "dlrl_record_ids_withheld_total",
+              "dlrl_aborted_sequences_total", "dlrl_store_errors_total", "dlrl_records_total")
+    out = {}
+    for line in metrics_text.splitlines():
+        if line.startswith(wanted) and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
 def check_store(url: str, stats: Stats) -> dict:
     """Every acknowledged record id must be in the store, every feedback answered 200 with its reward."""
     import psycopg
@@ -54,7 +70,7 @@ def _outcomes(stats: Stats) -> dict:
 
 
 def report(stats: Stats, t_start: float, warmup_end: float, end_rss: int, health: dict,
-           exit_code: int | None, store: dict) -> dict:
+           exit_code: int | None, store: dict, counters: dict) -> dict:
     fivexx = [r[4] for r in stats.records if r[4].startswith("5xx:")]
     errors = [r[4] for r in stats.records if r[4].startswith("error:")]
     normal = [r for r in stats.records if r[2] == "normal" and r[4] == "200" and r[0] >= warmup_end
@@ -62,10 +78,11 @@ def report(stats: Stats, t_start: float, warmup_end: float, end_rss: int, health
     quiet = [(w1, t_start + 10**9) for _, w1 in stats.flood_windows[-1:]]  # after the last flood window
     quiet += [(a[1], b[0]) for a, b in zip(stats.flood_windows, stats.flood_windows[1:])]
     quiet += [(t_start, stats.flood_windows[0][0])] if stats.flood_windows else [(t_start, t_start + 10**9)]
-    flood_lat = _q([r[1] - r[0] for r in normal if _inside(r, stats.flood_windows)])
-    quiet_lat = _q([r[1] - r[0] for r in normal if _inside(r, quiet)])
-    ratio = (round(flood_lat["p99_s"] / quiet_lat["p99_s"], 3)
-             if "p99_s" in flood_lat and "p99_s" in quiet_lat else None)
+    calm = [r for r in normal if not _overlaps(r, stats.pushes)]  # the flood's effect alone
+    flood_lat = _q([r[1] - r[0] for r in calm if _inside(r, stats.flood_windows)])
+    quiet_lat = _q([r[1] - r[0] for r in calm if _inside(r, quiet)])
+    flood_all = _q([r[1] - r[0] for r in normal if _inside(r, stats.flood_windows)])
+    quiet_all = _q([r[1] - r[0] for r in normal if _inside(r, quiet)])
     flood_s = sum(w1 - w0 for w0, w1 in stats.flood_windows)
     flood_reqs = [r for r in stats.records if r[2] == "flood"]
     done = [r for r in stats.records if r[2] == "normal" and r[4] == "200"]
@@ -80,13 +97,15 @@ def report(stats: Stats, t_start: float, warmup_end: float, end_rss: int, health
         "flood": {"seconds": round(flood_s, 1), "requests": len(flood_reqs),
                   "requests_per_s": round(len(flood_reqs) / max(flood_s, 1e-9), 1)},
         "normal_keys_latency_flood_on": flood_lat, "normal_keys_latency_flood_off": quiet_lat,
-        "normal_keys_p99_ratio_flood_on_over_off": ratio,
+        "normal_keys_p99_ratio_flood_on_over_off": _ratio(flood_lat, quiet_lat),
+        "normal_keys_latency_flood_on_incl_pushes": flood_all, "normal_keys_latency_flood_off_incl_pushes": quiet_all,
+        "normal_keys_p99_ratio_incl_pushes": _ratio(flood_all, quiet_all),
         "normal_latency_with_push": _q([r[1] - r[0] for r in done if _overlaps(r, stats.pushes)]),
         "normal_latency_without_push": _q([r[1] - r[0] for r in done if not _overlaps(r, stats.pushes)]),
         "pushes": len(stats.pushes), "push_errors": stats.push_errors[:5],
         "push_seconds": _q([p[1] - p[0] for p in stats.pushes]),
         "postgres_down_s": [round(b - a, 1) for a, b in stats.pg_down],
-        "store": store,
+        "store": store, "server_counters": counters,
         "rss_after_warmup_mb": round(start_rss / 2**20, 1), "rss_end_mb": round(end_rss / 2**20, 1),
         "rss_growth_pct": round(100 * (end_rss - start_rss) / max(start_rss, 1), 1),
         "rss_max_mb": round(max((r for _, r in stats.rss), default=end_rss) / 2**20, 1),

@@ -50,9 +50,12 @@ def _body(kind: str, rng: random.Random, max_tokens: tuple[int, int], n: tuple[i
 
 
 def _record_ids(obj, stats: Stats) -> None:
-    """Collect every `record_id` in a response (or stream chunk) body."""
+    """Collect every `record_id` in a response (or stream chunk) body; in a stream only a
+    choice's last chunk (with its finish_reason) carries one."""
     if isinstance(obj, dict):
         for k, v in obj.items():
+            if k == "record_id" and obj.get("finish_reason", "") is None:
+                continue  # a stream chunk before the choice's last
             if k == "record_id":
                 if isinstance(v, str):
                     stats.acked.add(v)
@@ -134,12 +137,21 @@ async def client(i: int, base: str, key: str, stop_at: float, stats: Stats, disc
                 await asyncio.sleep(rng.uniform(0.2, 1.0))  # a polite client backs off
 
 
-async def flood(base: str, key: str, stop_at: float, stats: Stats, rps: float, window: float) -> None:
+def flood_process(base: str, key: str, t_start: float, stop_at: float, rps: float, window: float, conn) -> None:
+    """`flood` in a process of its own (so its client-side work does not slow the other
+    clients' event loop); sends its records, windows and acknowledged ids back over `conn`."""
+    stats = Stats()
+    asyncio.run(flood(base, key, t_start, stop_at, stats, rps, window))
+    conn.send((stats.records, stats.flood_windows, stats.acked, stats.null_ids))
+    conn.close()
+
+
+async def flood(base: str, key: str, t_start: float, stop_at: float, stats: Stats, rps: float,
+                window: float) -> None:
     """One API key over its quota: `rps` requests/s (not waiting for answers, ignoring
-    Retry-After) during every other `window` seconds, starting with a quiet window."""
+    Retry-After) during every other `window` seconds from `t_start`, starting with a quiet one."""
     rng = random.Random("flood")
     headers = {"Authorization": f"Bearer {key}"}
-    t_start = time.monotonic()
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=60, limits=limits) as http:
         async def fire() -> None:
