@@ -183,7 +183,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--kv-cache", default="4MiB", help="server.kv_cache_memory (4MiB: 1024 pages of the tiny "
                    "model, 8 max-length sequences, so the long requests exhaust it)")
     p.add_argument("--long-clients", type=int, default=6, help="clients of long requests (300-480 tokens, n 1-3)")
-    p.add_argument("--long-timeout", type=float, default=20.0, help="half the long requests carry this `timeout`")
+    p.add_argument("--long-timeout", type=float, default=8.0, help="half the long requests carry this `timeout`")
     p.add_argument("--flood-rps", type=float, default=100.0, help="the flooding key's request rate")
     p.add_argument("--flood-quota", type=float, default=2.0, help="the flooding key's requests_per_s quota")
     p.add_argument("--flood-window", type=float, default=30.0, help="flood on every other window of this length")
@@ -258,6 +258,10 @@ def _run(args: argparse.Namespace, tmp: Path, pg) -> dict:
         health = _drain(base, args.max_batch)
         end_rss = _rss(proc.pid)
         counters = server_counters(httpx.get(base + "/metrics", timeout=10).text)
+        log = (tmp / "server.log").read_text(errors="replace")
+        counters["server_log_tracebacks"] = log.count("Traceback")
+        if "Traceback" in log:
+            counters["server_log_first_traceback"] = log[log.index("Traceback"):][:600]
     finally:
         stop.set()
         proc.send_signal(signal.SIGTERM)

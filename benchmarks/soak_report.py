@@ -61,7 +61,7 @@ def check_store(url: str, stats: Stats) -> dict:
 def _outcomes(stats: Stats) -> dict:
     out: dict[str, dict[str, int]] = {}
     for _, _, cls, _, outcome in stats.records:
-        key = outcome.split(" ")[0] if outcome[:4] in ("5xx:", "erro") else outcome
+        key = outcome.split(" ")[0]
         if key.startswith("error:"):
             key = "error"
         out.setdefault(cls, {})
@@ -71,7 +71,7 @@ def _outcomes(stats: Stats) -> dict:
 
 def report(stats: Stats, t_start: float, warmup_end: float, end_rss: int, health: dict,
            exit_code: int | None, store: dict, counters: dict) -> dict:
-    fivexx = [r[4] for r in stats.records if r[4].startswith("5xx:")]
+    fivexx = [r[4] for r in stats.records if r[4].startswith(("5xx:", "stream_5xx:"))]
     errors = [r[4] for r in stats.records if r[4].startswith("error:")]
     normal = [r for r in stats.records if r[2] == "normal" and r[4] == "200" and r[0] >= warmup_end
               and not _overlaps(r, stats.pg_down)]
@@ -102,6 +102,7 @@ def report(stats: Stats, t_start: float, warmup_end: float, end_rss: int, health
         "normal_keys_p99_ratio_incl_pushes": _ratio(flood_all, quiet_all),
         "normal_latency_with_push": _q([r[1] - r[0] for r in done if _overlaps(r, stats.pushes)]),
         "normal_latency_without_push": _q([r[1] - r[0] for r in done if not _overlaps(r, stats.pushes)]),
+        "long_latency": _q([r[1] - r[0] for r in stats.records if r[2] == "long" and r[4] == "200"]),
         "pushes": len(stats.pushes), "push_errors": stats.push_errors[:5],
         "push_seconds": _q([p[1] - p[0] for p in stats.pushes]),
         "postgres_down_s": [round(b - a, 1) for a, b in stats.pg_down],

@@ -92,7 +92,13 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, headers: dict, s
                 lines.append(line)
                 if cut_after and len(lines) >= cut_after:
                     return "disconnect_mid_stream"  # leaving the block closes the connection
-            if not lines or lines[-1] != "data: [DONE]" or any('"error"' in line for line in lines):
+            errors = [line for line in lines if '"error"' in line]
+            if errors:  # a status after the 200 went out: a 4xx/5xx in the stream
+                err = json.loads(errors[0][6:]).get("error", {})
+                code = err.get("code") or 0
+                code = code if isinstance(code, int) else 0
+                return f"stream_{_status(code, err.get('message', ''))}" if code else f"error:stream {errors[0][:160]}"
+            if not lines or lines[-1] != "data: [DONE]":
                 return f"error:bad stream ({lines[-1][:80] if lines else 'empty'})"
             for line in lines[:-1]:
                 if line.startswith("data: "):
