@@ -109,6 +109,7 @@ def report(stats: Stats, t_start: float, warmup_end: float, end_rss: int, health
         "store": store, "server_counters": counters,
         "rss_after_warmup_mb": round(start_rss / 2**20, 1), "rss_end_mb": round(end_rss / 2**20, 1),
         "rss_growth_pct": round(100 * (end_rss - start_rss) / max(start_rss, 1), 1),
+        "rss_mb_per_minute": [round(rss / 2**20) for t, rss in stats.rss if int(t - t_start) % 60 < 5],
         "rss_max_mb": round(max((r for _, r in stats.rss), default=end_rss) / 2**20, 1),
         "kv_slots_free_end": f"{health.get('num_free_slots')}/{health.get('max_batch')}",
         "kv_pages_free_end": f"{total - used}/{total}" if used is not None and total is not None else None,
