@@ -3,17 +3,24 @@
     .venv/bin/python benchmarks/soak.py                       # 64 clients, 10 minutes, a push every 20 s
     .venv/bin/python benchmarks/soak.py --duration 120 --clients 32 --transport http
 
-Starts `dlrl serve --config configs/tiny.yaml` (the trained embedded default if
-runs/tiny-sft exists, else random weights of its architecture) as a subprocess, then for
-`--duration` seconds (bounded) runs `--clients` closed-loop clients, each sending a random
-mix of /v1/completions, /v1/chat/completions (streaming and not) and /generate; 10% of
-requests hang up part-way (client disconnect). Meanwhile a pusher calls
-`weight_sync.push` every `--push-every` seconds (http and shm alternating by default),
-so the engine pauses, applies and resumes under load. Reports: requests by outcome,
-errors (anything but 2xx, a 4xx or an intended disconnect; goal 0), p50/p99 latency of
-requests that overlapped a push and of those that did not, server RSS after warm-up
-and at the end (goal: growth < 10%), KV-cache slots free at the end (goal: all), and
-the exit status of the server after SIGTERM (goal: 0).
+Starts a throwaway PostgreSQL server (tests/postgres.py: initdb + pg_ctl) and `dlrl serve
+--config configs/tiny.yaml` (the trained embedded default if runs/tiny-sft exists, else random
+weights of its architecture) recording `all` into it, with API keys and a small KV cache
+(`--kv-cache`). For `--duration` seconds (bounded): `--clients` closed-loop clients on
+`--keys` API keys send a random mix of /v1/completions, /v1/chat/completions (streaming and
+not) and /generate, 10% hanging up (half mid-stream after 1-3 chunks, half after 10-500 ms);
+`--long-clients` send cache-exhausting long requests (300-480 tokens, n 1-3, half with a
+`timeout`); one more key floods at `--flood-rps` over its quota during every other
+`--flood-window`; feedback workers post feedback on a share of the acknowledged records
+(retrying 503s). A pusher calls `weight_sync.push` every `--push-every` seconds (http and
+shm alternating), and PostgreSQL is stopped for `--pg-down` seconds at mid-run.
+
+Reports (goals): 5xx (0), transport/stream errors (0), requests by client and outcome, the
+normal keys' p50/p99 latency with the flood on vs off in the same run (p99 within 20%),
+latency with/without a push, lost acknowledged records and feedback (every record_id a
+client got, every feedback answered 200, must be in the store at the end: 0), server RSS
+after warm-up and at the end (bounded), KV slots and pages free at the end (all), and
+the server's exit status after SIGTERM (0).
 """
 
 from __future__ import annotations
@@ -21,17 +28,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
-import random
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -40,20 +45,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.soak_report import check_store, report, server_counters  # noqa: E402
+from benchmarks.soak_traffic import Stats, client, feedback_worker, flood_process  # noqa: E402
 from dllm.weights import load_pretrained  # noqa: E402
+from tests.postgres import PostgresServer  # noqa: E402
 from weight_sync import push  # noqa: E402
 from weight_sync.sender import close_all  # noqa: E402
 
 TOKEN = "soak-token"
-KINDS = ["completions", "completions_stream", "chat", "chat_stream", "generate"]
-
-
-@dataclass
-class Stats:
-    records: list[tuple[float, float, str, str]] = field(default_factory=list)  # (start, end, kind, outcome)
-    pushes: list[tuple[float, float, int, str]] = field(default_factory=list)   # (start, end, version, transport)
-    push_errors: list[str] = field(default_factory=list)
-    rss: list[tuple[float, int]] = field(default_factory=list)
+FEEDBACK_TOKEN = "soak-feedback-token"
 
 
 def _model(tmp: Path) -> str:
@@ -73,61 +73,6 @@ def _model(tmp: Path) -> str:
     torch.manual_seed(0)
     save_pretrained(SDARForCausalLM(make_model_config(arch, tok)), out)
     return str(out)
-
-
-def _body(kind: str, rng: random.Random) -> tuple[str, dict]:
-    a, b = rng.randint(10, 99), rng.randint(10, 99)
-    common = {"max_tokens": rng.randint(4, 24), "temperature": rng.choice([0.0, 0.7, 1.0]),
-              "strategy": rng.choice(["static", "dynamic", "sequential"]), "seed": rng.randint(0, 1 << 30)}
-    if rng.random() < 0.2:
-        common["stop"] = [str(rng.randint(0, 9))]
-    if kind.startswith("completions"):
-        return "/v1/completions", {"prompt": f"{a}+{b}=", "stream": kind.endswith("stream"),
-                                   "logprobs": rng.choice([None, 2]), **common}
-    if kind.startswith("chat"):
-        return "/v1/chat/completions", {"messages": [{"role": "user", "content": f"{a}+{b}"}],
-                                        "stream": kind.endswith("stream"), **common}
-    return "/generate", {"prompt": [f"{a}+{b}="], "n": rng.choice([1, 2]), **common}
-
-
-async def _one(client: httpx.AsyncClient, url: str, kind: str, body: dict) -> str:
-    """Send one request; returns its outcome ("200", "4xx:<code>", "error:<what>")."""
-    if body.get("stream"):
-        async with client.stream("POST", url, json=body) as r:
-            if r.status_code != 200:
-                await r.aread()
-                return _status(r.status_code, r.text)
-            lines = [line async for line in r.aiter_lines() if line]
-            if not lines or lines[-1] != "data: [DONE]" or any('"error"' in line for line in lines):
-                return f"error:bad stream ({lines[-1][:80] if lines else 'empty'})"
-            return "200"
-    r = await client.post(url, json=body)
-    return _status(r.status_code, r.text) if r.status_code != 200 else "200"
-
-
-def _status(code: int, text: str) -> str:
-    return f"4xx:{code}" if 400 <= code < 500 else f"error:{code} {text[:120]}"
-
-
-async def _client(i: int, base: str, stop_at: float, stats: Stats, disconnect: float) -> None:
-    rng = random.Random(i)
-    async with httpx.AsyncClient(timeout=120) as client:
-        while time.monotonic() < stop_at:
-            kind = rng.choice(KINDS)
-            path, body = _body(kind, rng)
-            t0 = time.monotonic()
-            hang_up = rng.random() < disconnect
-            try:
-                if hang_up:
-                    await asyncio.wait_for(_one(client, base + path, kind, body), timeout=rng.uniform(0.01, 0.5))
-                    outcome = "200"  # finished before the client hung up
-                else:
-                    outcome = await _one(client, base + path, kind, body)
-            except asyncio.TimeoutError:
-                outcome = "disconnect"
-            except httpx.HTTPError as e:
-                outcome = f"error:{type(e).__name__}"
-            stats.records.append((t0, time.monotonic(), kind, outcome))
 
 
 def _pusher(base: str, model_dir: str, transports: list[str], every: float, stop_at: float, stats: Stats) -> None:
@@ -152,61 +97,49 @@ def _rss(pid: int) -> int:
     return 0
 
 
-def _sample_rss(pid: int, stats: Stats, stop: threading.Event) -> None:
-    while not stop.wait(5.0):
-        stats.rss.append((time.monotonic(), _rss(pid)))
-
-
-def _percentiles(values: list[float]) -> str:
-    if len(values) < 2:
-        return f"n={len(values)}"
-    q = statistics.quantiles(values, n=100)
-    return f"n={len(values)} p50={q[49]:.2f}s p99={q[98]:.2f}s"
-
-
-def _overlaps(rec: tuple, pushes: list[tuple]) -> bool:
-    return any(rec[0] < p_end and p_start < rec[1] for p_start, p_end, _, _ in pushes)
-
-
-def report(stats: Stats, t_start: float, warmup_end: float, end_rss: int, health: dict, exit_code: int | None) -> dict:
-    outcomes: dict[str, int] = {}
-    for *_, outcome in stats.records:
-        key = outcome if not outcome.startswith("error:") else "error"
-        outcomes[key] = outcomes.get(key, 0) + 1
-    errors = [r[3] for r in stats.records if r[3].startswith("error:")]
-    done = [r for r in stats.records if r[3] == "200"]
-    during = [r[1] - r[0] for r in done if _overlaps(r, stats.pushes)]
-    without = [r[1] - r[0] for r in done if not _overlaps(r, stats.pushes)]
-    warm = [rss for t, rss in stats.rss if t >= warmup_end]
-    start_rss = warm[0] if warm else end_rss
-    push_s = [p[1] - p[0] for p in stats.pushes]
-    out = {
-        "duration_s": round(time.monotonic() - t_start, 1), "requests": len(stats.records), "outcomes": outcomes,
-        "errors": len(errors), "error_examples": sorted(set(errors))[:5],
-        "latency_with_push": _percentiles(during), "latency_without_push": _percentiles(without),
-        "pushes": len(stats.pushes), "push_errors": stats.push_errors[:5],
-        "push_seconds": _percentiles(push_s),
-        "rss_after_warmup_mb": round(start_rss / 2**20, 1), "rss_end_mb": round(end_rss / 2**20, 1),
-        "rss_growth_pct": round(100 * (end_rss - start_rss) / max(start_rss, 1), 1),
-        "rss_max_mb": round(max((r for _, r in stats.rss), default=end_rss) / 2**20, 1),
-        "kv_slots_free_end": f"{health.get('num_free_slots')}/{health.get('max_batch')}",
-        "running_end": health.get("num_running"), "waiting_end": health.get("num_waiting"),
-        "server_exit_code_after_sigterm": exit_code,
-    }
-    return out
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _start_server(model_dir: str, port: int, log_path: Path, max_batch: int) -> subprocess.Popen:
+def _sample_rss(pid: int, stats: Stats, stop: threading.Event) -> None:
+    while not stop.wait(5.0):
+        stats.rss.append((time.monotonic(), _rss(pid)))
+
+
+def _pg_restart(pg, at: float, down_s: float, stats: Stats) -> None:
+    """Stop the PostgreSQL server at `at` (monotonic), start it again `down_s` later."""
+    time.sleep(max(0.0, at - time.monotonic()))
+    t0 = time.monotonic()
+    print(f"soak: stopping PostgreSQL for {down_s:.0f}s", flush=True)
+    pg.stop("fast")
+    time.sleep(down_s)
+    pg.restart()
+    stats.pg_down.append((t0, time.monotonic()))
+    print("soak: PostgreSQL is back", flush=True)
+
+
+def _keys_file(tmp: Path, args: argparse.Namespace) -> tuple[Path, list[str], str, str]:
+    normal = [f"sk-soak-normal-{i:02d}-{'x' * 8}" for i in range(args.keys)]
+    long_key, flood_key = "sk-soak-long-xxxxxxxx", "sk-soak-flood-xxxxxxx"
+    keys = {f"normal{i}": {"key": k} for i, k in enumerate(normal)}
+    keys["long"] = {"key": long_key}
+    keys["flood"] = {"key": flood_key, "requests_per_s": args.flood_quota, "max_concurrent": 2}
+    path = tmp / "keys.yaml"
+    path.write_text(json.dumps({"keys": keys}))  # JSON is YAML
+    return path, normal, long_key, flood_key
+
+
+def _start_server(model_dir: str, port: int, tmp: Path, args: argparse.Namespace, store_url: str,
+                  keys_file: Path) -> subprocess.Popen:
+    log_path = tmp / "server.log"
     cmd = [sys.executable, "-m", "server.cli", "--config", str(ROOT / "configs/tiny.yaml"), "--model", model_dir,
-           "--port", str(port), f"server.max_batch={max_batch}", "server.admin_token_file=",
-           "server.log_level=warning", "server.shutdown_timeout=30"]
-    env = {**os.environ, "DLRL_ADMIN_TOKEN": TOKEN}
+           "--port", str(port), f"server.max_batch={args.max_batch}", "server.admin_token_file=",
+           "server.log_level=warning", "server.shutdown_timeout=30", "server.record=all",
+           f"server.store={store_url}", "server.store_max_records=10000000",
+           f"server.kv_cache_memory={args.kv_cache}", f"server.api_keys_file={keys_file}"]
+    env = {**os.environ, "DLRL_ADMIN_TOKEN": TOKEN, "DLRL_FEEDBACK_TOKEN": FEEDBACK_TOKEN}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     deadline = time.monotonic() + 120
@@ -223,63 +156,122 @@ def _start_server(model_dir: str, port: int, log_path: Path, max_batch: int) -> 
     raise SystemExit("server not ready after 120 s")
 
 
-async def _traffic(base: str, args: argparse.Namespace, stop_at: float, stats: Stats) -> None:
-    await asyncio.gather(*(_client(i, base, stop_at, stats, args.disconnect) for i in range(args.clients)))
+async def _traffic(base: str, args: argparse.Namespace, stop_at: float, stats: Stats,
+                   keys: tuple[list[str], str]) -> None:
+    normal, long_key = keys
+    stats.feedback_queue = asyncio.Queue()
+    workers = [asyncio.create_task(feedback_worker(base, FEEDBACK_TOKEN, stats.feedback_queue, stats,
+                                                   args.feedback_share)) for _ in range(4)]
+    clients = [client(i, base, normal[i % len(normal)], stop_at, stats, args.disconnect) for i in range(args.clients)]
+    clients += [client(i, base, long_key, stop_at, stats, 0.0, cls="long", max_tokens=(300, 480), n=(1, 3),
+                       deadline_s=args.long_timeout) for i in range(args.long_clients)]
+    await asyncio.gather(*clients)
+    for _ in workers:
+        stats.feedback_queue.put_nowait(None)  # after the queued ids: workers finish them, then stop
+    await asyncio.wait_for(asyncio.gather(*workers), timeout=300)
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=600.0, help="seconds of traffic (bounded)")
-    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--clients", type=int, default=64, help="closed-loop clients of short mixed requests")
+    p.add_argument("--keys", type=int, default=4, help="API keys the normal clients share")
     p.add_argument("--push-every", type=float, default=20.0)
     p.add_argument("--transport", choices=["http", "shm", "both"], default="both")
     p.add_argument("--disconnect", type=float, default=0.1, help="fraction of requests the client abandons")
     p.add_argument("--max-batch", type=int, default=64)
-    p.add_argument("--warmup", type=float, default=30.0, help="RSS growth is measured from this point on")
+    p.add_argument("--kv-cache", default="4MiB", help="server.kv_cache_memory (4MiB: 1024 pages of the tiny "
+                   "model, 8 max-length sequences, so the long requests exhaust it)")
+    p.add_argument("--long-clients", type=int, default=6, help="clients of long requests (300-480 tokens, n 1-3)")
+    p.add_argument("--long-timeout", type=float, default=8.0, help="half the long requests carry this `timeout`")
+    p.add_argument("--flood-rps", type=float, default=100.0, help="the flooding key's request rate")
+    p.add_argument("--flood-quota", type=float, default=2.0, help="the flooding key's requests_per_s quota")
+    p.add_argument("--flood-window", type=float, default=30.0, help="flood on every other window of this length")
+    p.add_argument("--feedback-share", type=float, default=0.5, help="share of acknowledged records given feedback")
+    p.add_argument("--pg-down", type=float, default=30.0, help="seconds PostgreSQL is stopped, mid-run")
+    p.add_argument("--warmup", type=float, default=30.0, help="RSS growth and latencies are measured from here on")
     p.add_argument("--json", default="", help="also write the report here")
-    args = p.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = _model(Path(tmp))
-        port = _free_port()
-        base = f"http://127.0.0.1:{port}"
-        proc = _start_server(model_dir, port, Path(tmp) / "server.log", args.max_batch)
-        stats = Stats()
-        stop = threading.Event()
-        sampler = threading.Thread(target=_sample_rss, args=(proc.pid, stats, stop), daemon=True)
-        sampler.start()
-        t_start = time.monotonic()
-        stop_at = t_start + args.duration
-        transports = ["http", "shm"] if args.transport == "both" else [args.transport]
-        pusher = threading.Thread(target=_pusher, args=(base, model_dir, transports, args.push_every, stop_at, stats),
-                                  daemon=True)
-        pusher.start()
-        print(f"soak: {args.clients} clients for {args.duration:.0f}s against {base} ({model_dir}), "
-              f"push every {args.push_every:.0f}s over {'/'.join(transports)}", flush=True)
-        try:
-            asyncio.run(_traffic(base, args, stop_at, stats))
-            pusher.join(timeout=180)
-            close_all()  # the pusher's cached senders (shm region, http clients)
-            deadline = time.monotonic() + 60
-            health = httpx.get(base + "/health", timeout=10).json()
-            while health["num_running"] or health["num_waiting"]:  # disconnected sequences are released
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.2)
-                health = httpx.get(base + "/health", timeout=10).json()
-            health["max_batch"] = args.max_batch
-            end_rss = _rss(proc.pid)
-        finally:
-            stop.set()
-            proc.send_signal(signal.SIGTERM)
-            try:
-                exit_code = proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                exit_code = None
-        result = report(stats, t_start, t_start + args.warmup, end_rss, health, exit_code)
+    return p.parse_args()
+
+
+def _drain(base: str, max_batch: int) -> dict:
+    """/health once nothing runs or waits (disconnected sequences are released), at most 60 s."""
+    deadline = time.monotonic() + 60
+    health = httpx.get(base + "/health", timeout=10).json()
+    while (health["num_running"] or health["num_waiting"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        health = httpx.get(base + "/health", timeout=10).json()
+    health["max_batch"] = max_batch
+    return health
+
+
+def main() -> None:
+    args = _args()
+    pg = PostgresServer.start()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = _run(args, Path(tmp), pg)
+    finally:
+        pg.destroy()
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _run(args: argparse.Namespace, tmp: Path, pg) -> dict:
+    model_dir = _model(tmp)
+    store_url = pg.new_database("soak")
+    keys_file, normal, long_key, flood_key = _keys_file(tmp, args)
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = _start_server(model_dir, port, tmp, args, store_url, keys_file)
+    stats = Stats()
+    stop = threading.Event()
+    threading.Thread(target=_sample_rss, args=(proc.pid, stats, stop), daemon=True).start()
+    t_start = time.monotonic()
+    stop_at = t_start + args.duration
+    transports = ["http", "shm"] if args.transport == "both" else [args.transport]
+    pusher = threading.Thread(target=_pusher, args=(base, model_dir, transports, args.push_every, stop_at, stats),
+                              daemon=True)
+    pusher.start()
+    restarter = threading.Thread(target=_pg_restart, args=(pg, t_start + args.duration / 2, args.pg_down, stats),
+                                 daemon=True)
+    restarter.start()
+    print(f"soak: {args.clients} clients + {args.long_clients} long + a flood for {args.duration:.0f}s against "
+          f"{base} ({model_dir}), push every {args.push_every:.0f}s over {'/'.join(transports)}, "
+          f"recording all into PostgreSQL", flush=True)
+    recv, send = multiprocessing.Pipe(duplex=False)
+    flooder = multiprocessing.get_context("spawn").Process(
+        target=flood_process, args=(base, flood_key, t_start, stop_at, args.flood_rps, args.flood_window, send))
+    flooder.start()
+    try:
+        asyncio.run(_traffic(base, args, stop_at, stats, (normal, long_key)))
+        if recv.poll(120):
+            records, stats.flood_windows, acked, nulls = recv.recv()
+            stats.records += records
+            stats.acked |= acked
+            stats.null_ids += nulls
+        flooder.join(timeout=30)
+        pusher.join(timeout=180)
+        restarter.join(timeout=180)
+        close_all()  # the pusher's cached senders (shm region, http clients)
+        health = _drain(base, args.max_batch)
+        end_rss = _rss(proc.pid)
+        counters = server_counters(httpx.get(base + "/metrics", timeout=10).text)
+        log = (tmp / "server.log").read_text(errors="replace")
+        counters["server_log_tracebacks"] = log.count("Traceback")
+        if "Traceback" in log:
+            counters["server_log_first_traceback"] = log[log.index("Traceback"):][:600]
+    finally:
+        stop.set()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            exit_code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            exit_code = None
+    return report(stats, t_start, t_start + args.warmup, end_rss, health, exit_code,
+                  check_store(store_url, stats), counters)
 
 
 if __name__ == "__main__":

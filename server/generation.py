@@ -181,9 +181,12 @@ async def run_to_completion(engine: Engine, request: Request, seqs: list[Any], n
 
 async def stream_events(engine: Engine, req: Any):
     """Yield (kind, index, payload) events of a request submitted with `submit(..., stream=True)`;
-    closing the generator early (client gone) aborts the request."""
+    closing the generator early (client gone) aborts the request. A request past its deadline
+    raises APIError (408 its own `timeout`, 503 `server.max_request_s`), another failure RuntimeError."""
     try:
         async for event in engine.events(req):
+            if event[0] == "error" and getattr(req, "expired", None):
+                raise APIError(req.deadline_status, req.expired)
             if event[0] == "error":
                 raise RuntimeError(event[2])
             yield event

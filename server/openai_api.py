@@ -206,6 +206,8 @@ def _stream(request: Request, endpoint: str, body: P._OpenAIBase, seqs: list[Any
                     if done:
                         out.choices[0].record_id = await record_one(st, seqs[i], prompts[i // body.n] if prompts else None)
                     yield _sse(out)
+        except APIError as e:  # past the request's deadline: its status, in the stream (the 200 went out)
+            yield _sse(error_body(e.status, e.message))
         except RuntimeError as e:
             yield _sse(error_body(500, str(e)))
         if body.include_usage():

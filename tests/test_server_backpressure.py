@@ -10,6 +10,7 @@ admission (wait for pages, bounded by the queue's token bound and the deadline).
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -83,6 +84,10 @@ def test_deadlines_abort_waiting_and_running_requests_and_free_the_cache(long_ca
     running = httpx.post(url + "/generate", json={"prompt": "3+3=", **LONG, "timeout": 0.2}, timeout=60)
     assert running.status_code == 408, running.text  # admitted at once, expires while it runs
     assert "deadline exceeded" in running.json()["error"]["message"]
+    streamed = httpx.post(url + "/v1/completions", json={"prompt": "3+3=", **LONG, "timeout": 0.2, "stream": True},
+                          timeout=60)  # the 200 went out first: the deadline's 408 is the stream's error event
+    errors = [json.loads(line[6:])["error"] for line in streamed.text.splitlines() if '"error"' in line]
+    assert errors and errors[0]["code"] == 408 and "deadline exceeded" in errors[0]["message"], streamed.text
     bad = httpx.post(url + "/generate", json={"prompt": "1+1=", "timeout": -1}, timeout=10)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "timeout"
     dec = long_cache.engine.backend.decoder
