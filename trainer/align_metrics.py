@@ -26,7 +26,9 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from trainer.train_metrics import MetricsEndpoint
 
 _LATENCY_BUCKETS = (10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400, 43200, 86400)
 
@@ -54,7 +56,9 @@ class CountedStore:
         return getattr(self._store, name)
 
 
-class AlignMetrics:
+class AlignMetrics(MetricsEndpoint):
+    port_key = "align.metrics_port"
+
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.trainer_version = Gauge("dlrl_align_trainer_version", "policy version on the rollout servers",
@@ -105,16 +109,3 @@ class AlignMetrics:
         while self._arrivals and self._arrivals[0][0] < now - window_s:
             self._arrivals.popleft()
         return sum(n for _, n in self._arrivals) / window_s
-
-    def serve(self, host: str, port: int) -> None:
-        from prometheus_client import start_http_server
-
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server = None

@@ -36,7 +36,32 @@ GAUGES = {
 }
 
 
-class TrainMetrics:
+class MetricsEndpoint:
+    """GET /metrics of `self.registry` on a port of its own (the trainer's and the align controller's)."""
+
+    registry: CollectorRegistry
+    _server: Any = None
+    port_key = "train.metrics_port"  # the config key named when the port cannot be served
+
+    def serve(self, host: str, port: int) -> None:
+        """Serve GET /metrics on host:port (a thread); ValueError naming `port_key` when it cannot listen."""
+        from prometheus_client import start_http_server
+
+        try:
+            self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as e:
+            raise ValueError(f"{self.port_key}: cannot serve metrics on {host}:{port}: {e}") from None
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server = None
+
+
+class TrainMetrics(MetricsEndpoint):
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = r = registry or CollectorRegistry(auto_describe=True)
         self.steps = Counter("dlrl_train_steps", "training steps logged", registry=r)
@@ -74,24 +99,6 @@ class TrainMetrics:
             value = next((metrics[k] for k in keys if _is_number(metrics.get(k))), None)
             if value is not None:
                 self.gauges[name].set(value)
-
-    def serve(self, host: str, port: int, key: str = "train.metrics_port") -> None:
-        """Serve GET /metrics on host:port (a thread); ValueError naming `key` when it cannot listen."""
-        from prometheus_client import start_http_server
-
-        try:
-            self._server, _ = start_http_server(port, addr=host, registry=self.registry)
-        except OSError as e:
-            raise ValueError(f"{key}: cannot serve metrics on {host}:{port}: {e}") from None
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server = None
-
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
