@@ -13,67 +13,15 @@
 # DRY=1: this CPU box -- wheels into a temp dir, a tiny CPU benchmark, the suite subset $SUITE.
 # Files back (8 at most): session.log gpu_tests.log decode.json decode.kernels-eager.txt
 # decode.kernels-graphs.txt compile.log suite.log suite.xml
-set -u
-OUT=${OUT:-/tmp/gpu-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/torch_ext HF_HUB_OFFLINE=1
-PY=${PY:-python3}
-DRY=${DRY:-0}
 BUDGET=${BUDGET:-420}
-START=$(date +%s)
-left() { echo $((BUDGET - ($(date +%s) - START))); }
-pin() {  # pin CPUS CMD...: taskset where there is one
-    local cpus=$1; shift
-    if command -v taskset >/dev/null && [ "$(nproc)" -ge 8 ]; then taskset -c "$cpus" "$@"; else "$@"; fi
-}
-exec > >(tee -a "$OUT/session.log") 2>&1
-if [ -d .gpu/overlay ]; then  # a branch's changed files over the lead's checkout (the device copy is disposable)
-    cp -r .gpu/overlay/. .
-    echo "overlay: $(cd .gpu/overlay && find . -type f | sort | tr '\n' ' ')"
-fi
-echo "== 1. setup $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null) dirty=$(git status --porcelain 2>/dev/null | grep -vc '^??')"
-SITE=/tmp/site
-PLAT=()
-if [ "$DRY" = 1 ]; then  # unpack only (cp312 wheels for the device's python), never imported here
-    SITE=$(mktemp -d)
-    PLAT=(--python-version 3.12 --implementation cp --only-binary=:all: --platform manylinux2014_x86_64
-          --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any)
-fi
-if ls .whl/*.whl >/dev/null 2>&1; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "${PLAT[@]}" --target "$SITE" \
-        .whl/*.whl || { echo "wheel install FAILED"; exit 1; }
-    ls "$SITE" | wc -l
-fi
-export PYTHONPATH=$PWD
-[ "$DRY" = 1 ] || export PYTHONPATH=$SITE:$PWD
-if [ "$DRY" != 1 ]; then  # tests start `dlrl` next to sys.executable (the console script pip would install)
-    EXE=$($PY -c 'import sys; print(sys.executable)')
-    BIN=$(dirname "$EXE")
-    [ -x "$BIN/dlrl" ] || printf '#!%s\nimport sys\nfrom dlrl.cli import main\nsys.exit(main())\n' "$EXE" >"$BIN/dlrl"
-    chmod +x "$BIN/dlrl"
-    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
-fi
-nproc; command -v taskset || echo "no taskset"
-$PY - <<'EOF'
-import importlib, torch
-print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available(),
-      torch.cuda.get_device_name() if torch.cuda.is_available() else "")
-for m in ("fastapi", "uvicorn", "pydantic", "deepspeed", "openai", "math_verify", "stamina", "pebble", "transformers",
-          "triton"):
-    try:
-        mod = importlib.import_module(m)
-        print(m, getattr(mod, "__version__", "?"))
-    except Exception as e:  # report and go on: the tests will say what breaks
-        print(m, "IMPORT FAILED", repr(e))
-EOF
-
+source "$(dirname "$0")/gpu_setup.sh"
 echo "== 4. full suite in the background (first: the longest step) ($(left)s left)"
 SUITE=${SUITE:-tests}
 SUITE_T=$(($(left) - 25))
 XDIST=()
 $PY -c "import xdist" 2>/dev/null && XDIST=(-n 8)
 OMP_NUM_THREADS=2 pin 4-15 timeout -s INT -k 20 $SUITE_T $PY -m pytest -q "${XDIST[@]}" -m "not gpu" --timeout 180 \
-    -p no:cacheprovider --tb=short -rfE --durations=15 --junitxml="$OUT/suite.xml" $SUITE >"$OUT/suite.log" 2>&1 &
+    --tb=short -rfE --durations=15 --junitxml="$OUT/suite.xml" $SUITE >"$OUT/suite.log" 2>&1 &
 SUITE_PID=$!
 
 echo "== 2. CUDA tests ($(left)s left)"  # their files' other tests run in the suite (step 4)
