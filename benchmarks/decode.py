@@ -74,15 +74,20 @@ def decode(engine, model, prompts, params, **kw) -> tuple[int, float, float, lis
             m, cache, rows, k_pos, out_rows, filtered)
     seqs = [dec.new_sequence(p, params) for p in prompts]
     t0, c0 = time.perf_counter(), time.process_time()
+    run_to_end(dec, seqs)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    hook.remove()
+    return sum(len(s.completion_ids) for s in seqs), wall, cpu, calls
+
+
+def run_to_end(dec, seqs) -> None:
+    """Add `seqs` to the decoder and step until every one has finished."""
     with torch.no_grad():
         dec.add(seqs)
         running = list(seqs)
         while running:
             dec.step(running)
             running = [s for s in running if not s.is_finished]
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    hook.remove()
-    return sum(len(s.completion_ids) for s in seqs), wall, cpu, calls
 
 
 def static_forward(model, cache, rows, k_pos, out_rows) -> tuple[tuple, dict]:

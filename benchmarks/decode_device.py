@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.decode import replay  # noqa: E402
+from benchmarks.decode import replay, run_to_end  # noqa: E402
 from dllm.config import SDARConfig  # noqa: E402
 from dllm.decoding import BlockDecoder  # noqa: E402
 from dllm.model import SDARForCausalLM  # noqa: E402
@@ -73,12 +73,7 @@ def run_once(dec: BlockDecoder, prompts, params, device: str, record: list | Non
     seqs = [dec.new_sequence(p, params) for p in prompts]
     sync(device)
     t0 = time.perf_counter()
-    with torch.no_grad():
-        dec.add(seqs)
-        running = list(seqs)
-        while running:
-            dec.step(running)
-            running = [s for s in running if not s.is_finished]
+    run_to_end(dec, seqs)
     sync(device)
     wall = time.perf_counter() - t0
     step.run, step.fn = run, fn
