@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/decode.py --quick         # tiny only, batch 1/8
     .venv/bin/python benchmarks/decode.py --old-ref main  # compare with another git ref
     .venv/bin/python benchmarks/decode.py --static-only   # today's engine vs the static step (eager, compiled)
+    python benchmarks/decode.py --device cuda --json out.json  # SDAR-1.7B shape, random bf16 (benchmarks/decode_device.py)
 
 For each model, strategy (static, dynamic) and batch size, both engines decode the same
 prompts with the same parameters (seeded sampling at temperature 1, max_tokens new
@@ -73,15 +74,20 @@ def decode(engine, model, prompts, params, **kw) -> tuple[int, float, float, lis
             m, cache, rows, k_pos, out_rows, filtered)
     seqs = [dec.new_sequence(p, params) for p in prompts]
     t0, c0 = time.perf_counter(), time.process_time()
+    run_to_end(dec, seqs)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    hook.remove()
+    return sum(len(s.completion_ids) for s in seqs), wall, cpu, calls
+
+
+def run_to_end(dec, seqs) -> None:
+    """Add `seqs` to the decoder and step until every one has finished."""
     with torch.no_grad():
         dec.add(seqs)
         running = list(seqs)
         while running:
             dec.step(running)
             running = [s for s in running if not s.is_finished]
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    hook.remove()
-    return sum(len(s.completion_ids) for s in seqs), wall, cpu, calls
 
 
 def static_forward(model, cache, rows, k_pos, out_rows) -> tuple[tuple, dict]:
@@ -91,7 +97,7 @@ def static_forward(model, cache, rows, k_pos, out_rows) -> tuple[tuple, dict]:
 
     B = model.config.block_size
     col = columns(B)
-    pos = rows[:, col["block_start"], None].long() + torch.arange(B)
+    pos = rows[:, col["block_start"], None].long() + torch.arange(B, device=rows.device)
     write = (rows[:, col["write"], None] > 0).expand_as(pos)
     return (rows[:, :B].long(), pos), dict(cache=cache, slots=rows[:, col["slot"]].long(), kv_len=k_pos.shape[0],
                                            write_mask=write, num_logit_rows=out_rows.shape[0])
@@ -100,10 +106,15 @@ def static_forward(model, cache, rows, k_pos, out_rows) -> tuple[tuple, dict]:
 def replay(model, calls) -> tuple[float, float]:
     """Run the recorded forwards again, in order, without the engine -> (wall s, CPU s)."""
     calls = [static_forward(model, *c) if len(c) == 4 else c for c in calls]
+    cuda = model.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
     t0, c0 = time.perf_counter(), time.process_time()
     with torch.no_grad():
         for args, kwargs in calls:
             model(*args, **kwargs)
+    if cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - t0, time.process_time() - c0
 
 
@@ -212,7 +223,14 @@ def main():
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--today-ref", default=TODAY_REF, help="git ref of today's engine (the static step's baseline)")
     ap.add_argument("--static-only", action="store_true", help="only the static-step table")
-    args = ap.parse_args()
+    ap.add_argument("--device", default="", help="cuda | cpu: the real-shape table of benchmarks/decode_device.py "
+                    "instead of the CPU tables (its own flags follow)")
+    args, rest = ap.parse_known_args()
+    if args.device:
+        from benchmarks.decode_device import main as device_main
+        return device_main(["--device", args.device, "--repeats", str(args.repeats), *rest])
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device cpu")

@@ -12,7 +12,8 @@ layout (noisy copy + clean copy) are all instances of this rule.
 The mask (dense: additive float for SDPA; a BlockMask for FlexAttention) is built once per forward
 and cached on the MaskSpec that every layer receives. FlexAttention is compiled once with
 dynamic shapes, so one kernel serves every batch size and length (it also runs on CPU).
-Backend: env DLRL_ATTN=sdpa|flex overrides the automatic choice (flex on CUDA) of the dense
+Backend: env DLRL_ATTN=sdpa|flex overrides the automatic choice (flex on CUDA for heads of 16+ dims,
+which torch's flex kernels need; else SDPA) of the dense
 and training forwards; KV-cache decode forwards always use SDPA (`MaskSpec.backend`): one
 fused kernel over the bucketed keys with the step's dense mask, no compilation per shape.
 """
@@ -67,11 +68,14 @@ class MaskSpec:
         return cached
 
 
-def _backend(device: torch.device) -> str:
+FLEX_MIN_HEAD_DIM = 16  # torch's flex kernels refuse smaller heads ("NYI: embedding dimension ... at least 16")
+
+
+def _backend(device: torch.device, head_dim: int) -> str:
     forced = os.environ.get("DLRL_ATTN", "").lower()
     if forced in ("sdpa", "flex"):
         return forced
-    return "flex" if device.type == "cuda" else "sdpa"
+    return "flex" if device.type == "cuda" and head_dim >= FLEX_MIN_HEAD_DIM else "sdpa"
 
 
 _flex_compiled = None
@@ -123,7 +127,7 @@ def _flex(q, k, v, spec: MaskSpec) -> torch.Tensor:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec) -> torch.Tensor:
     """q: [B, H, Lq, D], k/v: [B, Hkv, Lk, D] -> [B, H, Lq, D]."""
-    if (spec.backend or _backend(q.device)) == "flex":
+    if (spec.backend or _backend(q.device, q.shape[-1])) == "flex":
         return _flex(q, k, v, spec)
     # grouped-query attention without materialising repeated K/V (same result, several times faster)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=spec.additive(q.dtype), enable_gqa=k.shape[1] != q.shape[1])

@@ -55,12 +55,16 @@ def resolve_model(ref: str | Path, key: str = "model") -> Path:
         raise ModelNotFound(f"{key}: {ref!r} is not a directory (nor a Hugging Face repo id org/name[@revision])")
     try:
         from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
     except ImportError as e:  # pragma: no cover - huggingface_hub comes with transformers
         raise ModelNotFound(f"{key}: {ref!r} looks like a hub repo id but huggingface_hub is missing: {e}") from None
     repo, revision = split_revision(ref)
     try:
-        path = Path(snapshot_download(repo, revision=revision, allow_patterns=WEIGHT_PATTERNS))
+        try:
+            path = Path(snapshot_download(repo, revision=revision, allow_patterns=WEIGHT_PATTERNS))
+        except OfflineModeIsEnabled:  # huggingface_hub 1.x, offline, a commit revision: it asks the API first
+            path = Path(snapshot_download(repo, revision=revision, allow_patterns=WEIGHT_PATTERNS,
+                                          local_files_only=True))
     except LocalEntryNotFoundError as e:
         raise ModelNotFound(f"{key}: {ref!r} is not a directory, and the Hugging Face cache has no snapshot of it "
                             f"(offline: HF_HUB_OFFLINE=1, or no network): {e}") from None

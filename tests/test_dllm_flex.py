@@ -52,6 +52,17 @@ def test_block_mask_is_built_once_and_follows_the_mask_rule():
     assert torch.equal(rule[real_rows], dense[real_rows]) and rule.any()
 
 
+def test_flex_only_where_its_kernels_run(monkeypatch):
+    """Flex by default on CUDA, but not for heads under 16 dims (torch's flex kernels refuse them:
+    seen on an H200, torch 2.11: a head_dim-8 model crashed in its first forward); SDPA on CPU."""
+    monkeypatch.delenv("DLRL_ATTN", raising=False)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert [attention._backend(cuda, d) for d in (8, 15, 16, 128)] == ["sdpa", "sdpa", "flex", "flex"]
+    assert attention._backend(cpu, 128) == "sdpa"
+    monkeypatch.setenv("DLRL_ATTN", "flex")
+    assert attention._backend(cpu, 8) == "flex"  # forced: the caller's choice
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: torch 2.13's CPU (C++) flex template "
                     "miscompiles dynamic key lengths beyond one 128-token block; the CPU test above covers 17..112")

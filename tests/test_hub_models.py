@@ -50,6 +50,26 @@ def test_a_hub_id_resolves_from_the_offline_cache_and_says_what_it_used(offline_
         resolve_model("no/such/dir")
 
 
+def test_an_offline_commit_revision_under_huggingface_hub_1x(offline_cache, monkeypatch):
+    """huggingface_hub 1.x (1.33, transformers 5.17's, seen on a GPU image) raises OfflineModeIsEnabled
+    for an offline commit revision before it looks in the cache: resolve_model then reads the cache."""
+    import huggingface_hub
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    from dllm.hub import resolve_model
+
+    real = huggingface_hub.snapshot_download
+
+    def hub_1x(*args, local_files_only=False, **kwargs):
+        if not local_files_only:
+            raise OfflineModeIsEnabled("Cannot reach https://huggingface.co/api/models/...: offline mode is enabled.")
+        return real(*args, local_files_only=True, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", hub_1x)
+    snap = offline_cache / "hub" / "models--acme--tiny-sdar" / "snapshots" / REV
+    assert resolve_model(f"acme/tiny-sdar@{REV}") == snap
+
+
 def test_serve_a_hub_id_with_hf_home_and_offline_mode(hub_home, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(hub_home))  # the server subprocess reads the real environment
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

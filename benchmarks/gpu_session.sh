@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One GPU check session on a lent CUDA machine (no network there), everything under $OUT early:
+#   1. install carried wheels (.whl/*.whl: what the machine's image lacks) into /tmp/site, versions, nvidia-smi
+#   2. the CUDA-marked tests (tests/test_dllm_step.py, test_dllm_flex.py, test_fused_layout.py) on CUDA
+#   3. decode at the SDAR-1.7B shape, random bf16: eager vs CUDA graphs (+ kernels per step), then compiled
+#   4. (started first, in the background) the whole suite minus the gpu-marked tests of step 2, under xdist,
+#      pinned to cores 4-15 (steps 2-3 to 0-3), junit xml; SIGINT (reports still written) before the budget ends
+#
+#   bash .gpu/gpu_session.sh                           # on the device (a copy of this file; BUDGET s in all)
+#       .gpu/overlay/ (optional): files copied over the checkout first (a branch's changes; run sends main)
+#   DRY=1 OUT=/tmp/gpu-dry PY=.venv/bin/python SUITE="tests/test_cli_help.py" bash benchmarks/gpu_session.sh
+#
+# DRY=1: this CPU box -- wheels into a temp dir, a tiny CPU benchmark, the suite subset $SUITE.
+# Files back (8 at most): session.log gpu_tests.log decode.json decode.kernels-eager.txt
+# decode.kernels-graphs.txt compile.log suite.log suite.xml
+BUDGET=${BUDGET:-420}
+source "$(dirname "$0")/gpu_setup.sh"
+echo "== 4. full suite in the background (first: the longest step) ($(left)s left)"
+SUITE=${SUITE:-tests}
+SUITE_T=$(($(left) - 25))
+XDIST=()
+$PY -c "import xdist" 2>/dev/null && XDIST=(-n 8)
+OMP_NUM_THREADS=2 pin 4-15 timeout -s INT -k 20 $SUITE_T $PY -m pytest -q "${XDIST[@]}" -m "not gpu" --timeout 180 \
+    --tb=short -rfE --durations=15 --junitxml="$OUT/suite.xml" $SUITE >"$OUT/suite.log" 2>&1 &
+SUITE_PID=$!
+
+echo "== 2. CUDA tests ($(left)s left)"  # their files' other tests run in the suite (step 4)
+pin 0-3 timeout -s INT -k 10 200 $PY -m pytest -v -rfEs -p no:cacheprovider --timeout 150 -m gpu tests/test_dllm_step.py \
+    tests/test_dllm_flex.py tests/test_fused_layout.py >"$OUT/gpu_tests.log" 2>&1
+echo "rc=$?"; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/gpu_tests.log" | grep -E "gpu|cuda|passed|failed|ERROR" | tail -15
+
+echo "== 3. decode benchmark, SDAR-1.7B shape ($(left)s left; suite running on other cores)"
+if [ "$DRY" = 1 ]; then
+    SMALL=(--layers 1 --batches 1 2 --max-tokens 8 --repeats 1 --set hidden_size=256 intermediate_size=512
+           vocab_size=4096 num_attention_heads=4 num_key_value_heads=2 head_dim=64 mask_token_id=4000)
+    pin 0-3 timeout 300 $PY benchmarks/decode.py --device cpu "${SMALL[@]}" --modes eager --profile --json "$OUT/decode.json"
+    echo "rc=$?"
+    pin 0-3 timeout 300 $PY benchmarks/decode_device.py --device cpu "${SMALL[@]}" --modes compile \
+        --strategies static >"$OUT/compile.log" 2>&1
+    echo "rc=$?"; tail -4 "$OUT/compile.log"
+else
+    pin 0-3 timeout 200 $PY benchmarks/decode.py --device cuda --repeats 2 --profile --json "$OUT/decode.json"
+    echo "rc=$?"
+    CT=$(($(left) - 60))
+    if [ "$CT" -gt 60 ]; then
+        pin 0-3 timeout $CT $PY benchmarks/decode_device.py --device cuda --modes compile --batches 32 128 \
+            --strategies static --repeats 2 >"$OUT/compile.log" 2>&1
+        echo "compile rc=$?"; tail -5 "$OUT/compile.log"
+    else
+        echo "compile skipped: ${CT}s left for it"
+    fi
+fi
+
+echo "== waiting for the suite ($(left)s left)"
+wait $SUITE_PID
+echo "suite rc=$?"
+tail -40 "$OUT/suite.log"
+$PY - "$OUT/suite.xml" <<'EOF'
+import sys
+import xml.etree.ElementTree as ET
+try:
+    root = ET.parse(sys.argv[1]).getroot()
+except Exception as e:
+    sys.exit(f"no junit xml: {e!r}")
+cases = root.iter("testcase")
+bad = [(c.get("classname"), c.get("name"), k.tag, (k.get("message") or "")[:150]) for c in cases for k in c
+       if k.tag in ("failure", "error")]
+suite = root if root.tag == "testsuite" else root.find("testsuite")
+print({k: suite.get(k) for k in ("tests", "failures", "errors", "skipped", "time")})
+for b in bad:
+    print(" | ".join(b))
+EOF
+echo "== done ($(left)s left)"
