@@ -5,9 +5,10 @@ import torch
 
 from dllm.decoding import generate
 from dllm.model import SDARForCausalLM
+from dllm.replay import build_rows, token_logprobs
 from dllm.sampling import SamplingParams
 from tests.helpers import tiny_config
-from trainer.replay import build_rows, completion_rows, token_logprobs
+from trainer.replay import completion_rows
 
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16], [30]]
 
