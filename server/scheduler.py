@@ -144,9 +144,6 @@ class Scheduler:
 
     # ------------------------------------------------------------------ transitions
     def enqueue(self, req: Request) -> None:
-        again = [s.seq_id for s in req.seqs if s.seq_id in self._owner]
-        if again:
-            raise InvalidTransition(f"enqueue: sequences {again} are already scheduled")
         excess = len(self._waiting) + len(req.seqs) - self.max_queue
         if excess > 0:
             raise QueueFull(f"queue full: {len(self._waiting)} sequences waiting, request adds {len(req.seqs)} "
@@ -157,6 +154,9 @@ class Scheduler:
                             f"request adds {req.num_tokens} (prompt + max_tokens; max_queue_tokens="
                             f"{self.max_queue_tokens}); retry later or lower max_tokens",
                             self.retry_after(0, excess_tokens))
+        again = [s.seq_id for s in req.seqs if s.seq_id in self._owner]
+        if again:
+            raise InvalidTransition(f"enqueue: sequences {again} are already scheduled")
         for seq in req.seqs:
             self._owner[seq.seq_id] = req
             self._waiting.append(seq)

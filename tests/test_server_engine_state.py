@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+import server.engine
 from dllm.sampling import SamplingParams
 from dllm.trace import FinishReason
 from server.engine import Engine, EngineEvent, EngineState
@@ -28,6 +29,17 @@ class GatedBackend(FakeBackend):
         self.in_step.set()
         assert self.gate.wait(30), "the test never opened the gate"
         return super().step(seqs)
+
+
+class NoSleep:
+    """`asyncio` for the engine module, without `sleep`: a pause() that polled would fail."""
+
+    def __getattr__(self, name):
+        return getattr(asyncio, name)
+
+    @staticmethod
+    async def sleep(*args, **kwargs):
+        raise AssertionError("pause() polled with asyncio.sleep")
 
 
 def make_request(backend, loop, *max_tokens):
@@ -77,10 +89,7 @@ def test_pause_waits_on_the_drain_without_polling(monkeypatch):
         req = engine.submit(engine.make_sequences([[2]], SamplingParams(max_tokens=2)))
         assert await asyncio.to_thread(engine.backend.in_step.wait, 30)  # a forward is in flight
 
-        async def no_polling(*args, **kwargs):
-            raise AssertionError("pause() polled with asyncio.sleep")
-
-        monkeypatch.setattr(asyncio, "sleep", no_polling)
+        monkeypatch.setattr(server.engine, "asyncio", NoSleep())  # the engine module's asyncio only
         with pytest.raises(TimeoutError, match="did not drain within 0.05s"):
             await engine.pause(timeout=0.05)  # the forward is still running
         assert engine.state is EngineState.PAUSED and not engine.is_drained and not engine._drain_waiters
