@@ -12,7 +12,7 @@ dLLM options (strategy, steps, threshold, top_k, seed, return_trace, ...) are ex
 request fields; with `return_trace` each choice also carries its `trace`,
 `completion_ids` and `version`. Logprobs: completions `logprobs=k` gives `tokens`,
 `token_logprobs`, `top_logprobs` (k most likely + the sampled token) and `text_offset`;
-chat `logprobs=true, top_logprobs=k` gives k alternatives per token (server.logprobs).
+chat `logprobs=true, top_logprobs=k` gives k alternatives per token (Backend.top_logprobs).
 """
 
 from __future__ import annotations
