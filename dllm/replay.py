@@ -20,7 +20,7 @@ A sample is anything with `prompt_ids`, `completion_ids` and a `trace` (`steps`,
     hidden = replay_hidden(model, rows)                     # [R, L, D] noisy copy (the replay forward)
     lp = token_logprobs(model.lm_head(hidden), rows.clean, mask_id)   # [R, L]
     old = rows.gather(behaviour_logprobs_per_sample)        # [R, L], zeros off-target
-    logits = trace_logits(model, seq)                       # [C, V]: each completion token's logits
+    logits = model.lm_head(trace_hidden(model, seq))        # [C, V]: each completion token's logits
 """
 
 from __future__ import annotations
@@ -122,15 +122,15 @@ def replay_hidden(model: Any, rows: Rows, device: torch.device | None = None) ->
 
 
 @torch.no_grad()
-def trace_logits(model: Any, sample: Sample) -> torch.Tensor:
-    """Logits [C, V] (fp32) of each of the sample's C completion tokens at the denoising state
-    that committed it: what the decoder sampled from, before temperature / top-k / top-p."""
+def trace_hidden(model: Any, sample: Sample) -> torch.Tensor:
+    """Hidden states [C, D] of each of the sample's C completion tokens at the denoising state that
+    committed it, in completion order: `model.lm_head` of them gives the logits the decoder sampled
+    from (before temperature / top-k / top-p). Apply it to a chunk at a time to bound memory."""
     rows = build_rows([sample], model.config.block_size, model.config.mask_token_id, pad_id=0)
     hidden = replay_hidden(model, rows)
-    target = rows.target.to(hidden.device)
-    logits = model.lm_head(hidden[target]).float()  # [C, V], rows' targets in row-major order
-    out = torch.empty_like(logits)
-    out[rows.token_idx[rows.target].to(logits.device)] = logits  # completion order
+    picked = hidden[rows.target.to(hidden.device)]  # [C, D], the rows' targets in row-major order
+    out = torch.empty_like(picked)
+    out[rows.token_idx[rows.target].to(out.device)] = picked
     return out
 
 

@@ -5,7 +5,7 @@ import torch
 
 from dllm.decoding import generate
 from dllm.model import SDARForCausalLM
-from dllm.replay import build_rows, token_logprobs, trace_logits
+from dllm.replay import build_rows, token_logprobs, trace_hidden
 from dllm.sampling import SamplingParams, sampling_logprobs
 from tests.helpers import tiny_config
 from trainer.replay import completion_rows
@@ -41,7 +41,7 @@ def test_replay_reproduces_behaviour_logprobs(model, strategy, steps):
 
 @pytest.mark.parametrize("strategy,steps,sampling", [
     ("static", 2, {}), ("dynamic", None, {"temperature": 0.7, "top_k": 20}), ("sequential", 4, {"top_p": 0.8})])
-def test_trace_logits_reproduce_the_sampling_distribution(model, strategy, steps, sampling):
+def test_trace_hidden_reproduces_the_sampling_distribution(model, strategy, steps, sampling):
     """The server's top logprobs (server.backends.native) go through the same replay: each
     completion token's logits, under the request's temperature / top-k / top-p, give its behaviour
     logprob, and the replay forward is the trainer's (same rows, same values)."""
@@ -52,7 +52,8 @@ def test_trace_logits_reproduce_the_sampling_distribution(model, strategy, steps
     with torch.no_grad():
         trained = token_logprobs(model.forward_train(rows.noisy, rows.clean, rows.pos, rows.valid), rows.clean, mask)
     for i, o in enumerate(outs):
-        logits = trace_logits(model, o)
+        with torch.no_grad():
+            logits = model.lm_head(trace_hidden(model, o))
         assert logits.shape == (len(o.completion_ids), model.config.vocab_size)
         lp = sampling_logprobs(logits, params, mask).gather(-1, torch.tensor(o.completion_ids)[:, None])[:, 0]
         assert (lp - torch.tensor(o.trace.logprobs)).abs().max().item() < 1e-4
