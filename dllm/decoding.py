@@ -40,6 +40,7 @@ from dllm.model import SDARForCausalLM
 from dllm.sampling import SamplingParams, counter_uniforms, needs_filter
 from dllm.sequence import GenerationOutput, Sequence, step_inputs, to_output
 from dllm.step import DecodeStep, columns, padding_row, sample_and_commit
+from dllm.trace import FinishReason
 
 __all__ = ["BlockDecoder", "CacheFull", "GenerationOutput", "Sequence", "generate", "to_output",
            "transfer_schedule"]
@@ -123,7 +124,7 @@ class BlockDecoder:
             self.free_slots.append(seq.slot)
             seq.slot = None
         if seq.finish_reason is None:
-            seq.finish_reason = "abort"
+            seq.finish_reason = FinishReason.ABORT
 
     def _logits_no_cache(self, seqs: list[Sequence]) -> torch.Tensor:
         """Baseline without a cache: recompute the whole prefix every forward -> logits [N, B, V]."""
@@ -201,7 +202,7 @@ class BlockDecoder:
         p = s.params
         s.error = (f"sampling failed: the model's probabilities for this sequence are not finite "
                    f"(temperature={p.temperature}, top_k={p.top_k}, top_p={p.top_p})")
-        s.finish_reason = s.trace.finish_reason = "error"
+        s.finish_reason = s.trace.finish_reason = FinishReason.ERROR
         self.release(s)
 
     def _complete_blocks(self, seqs: list[Sequence]) -> list[Sequence]:
@@ -246,21 +247,21 @@ class BlockDecoder:
         keep, reason = len(new_ids), None
         stop_ids = self._eos_set if p.stop_token_ids is None else set(p.stop_token_ids)
         if not p.ignore_eos and not stop_ids.isdisjoint(new_ids):
-            keep, reason = next(i for i, t in enumerate(new_ids) if t in stop_ids) + 1, "stop"
+            keep, reason = next(i for i, t in enumerate(new_ids) if t in stop_ids) + 1, FinishReason.STOP
         room = p.max_tokens - len(s.completion_ids)
         if s.text_stream is not None:
             n = s.text_stream.push(new_ids[:min(keep, room)])  # decodes only the new tokens
             s.text = s.text_stream.text
             if n is not None:
-                keep, reason = n, "stop"
+                keep, reason = n, FinishReason.STOP
         if keep > room or (keep == room and reason is None):
-            keep, reason = room, "length"
+            keep, reason = room, FinishReason.LENGTH
         s.completion_ids += new_ids[:keep]
         s.trace.steps += new_steps[:keep]
         s.trace.logprobs += new_lp[:keep]
         self.num_tokens += keep
         if reason is None and s.end_pos + self.block_size > self.max_len:
-            reason = "length"
+            reason = FinishReason.LENGTH
         if reason is not None:
             s.trace.tail_ids = new_ids[keep:]
             s.trace.tail_steps = new_steps[keep:]

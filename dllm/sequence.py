@@ -21,7 +21,7 @@ import torch
 from dllm.commit import STRATEGY_CODES, transfer_schedule
 from dllm.detokenize import TextStream
 from dllm.sampling import SamplingParams, param_row
-from dllm.trace import Trace
+from dllm.trace import FinishReason, Trace
 
 _ids = itertools.count()
 
@@ -38,7 +38,7 @@ class Sequence:
         self.mask_id = mask_id
         self.completion_ids: list[int] = []
         self.trace = Trace(prompt_len=len(prompt_ids), block_size=block_size)
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.error: str | None = None  # why the sequence failed (finish_reason "error")
         self.num_forwards = 0
         self.slot: int | None = None

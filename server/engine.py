@@ -20,7 +20,11 @@ failed alone (`seq.error`, e.g. non-finite probabilities) fails only its own req
 (with `abort_inflight=True` it aborts the running ones first); while paused and drained
 nothing touches `engine.model`, so the weight-sync receiver can copy weights into it.
 Every sequence is stamped with `version` when admitted; pausing drains before an update,
-so a sequence never mixes versions.
+so a sequence never mixes versions. The engine is in one `EngineState` (running, paused,
+stopped); a forward only runs over the scheduler's running sequences, which the engine
+thread drops only once it is over, so "drained" is: nothing running or releasing. A
+pause() waits on a future that the engine thread resolves when it drains (no polling).
+Events of a request are (`EngineEvent`, sequence index, payload).
 """
 
 from __future__ import annotations
@@ -32,15 +36,29 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from enum import StrEnum
 from typing import Any
 
+from dllm.trace import FinishReason
 from server.backends.base import Backend
 from server.errors import APIError
-from server.logprobs import top_logprobs
 from server.scheduler import QueueFull, Request, Scheduler
 
 log = logging.getLogger("dlrl.server")
-__all__ = ["Engine", "EngineStopped", "QueueFull", "Request", "RequestFailed", "StepStats"]
+__all__ = ["Engine", "EngineEvent", "EngineState", "EngineStopped", "QueueFull", "Request", "RequestFailed",
+           "StepStats"]
+
+
+class EngineState(StrEnum):
+    RUNNING = "running"  # admitting and decoding
+    PAUSED = "paused"    # admission stopped; running sequences finish (or are aborted), then drained
+    STOPPED = "stopped"  # shut down (or the engine thread died): no new requests; pause/resume are no-ops
+
+
+class EngineEvent(StrEnum):
+    UPDATE = "update"    # streams only: payload (completion ids, text) after a block committed
+    DONE = "done"        # payload None: read the Sequence
+    ERROR = "error"      # payload: the message
 
 
 class EngineStopped(RuntimeError):
@@ -75,11 +93,12 @@ class Engine:
         self.num_steps = 0
         self.num_aborted = 0
         self._cond = threading.Condition()
-        self._is_paused = self._is_busy = self._stop = False
+        self._state = EngineState.RUNNING
+        self._drain_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []  # pause() calls
         self._thread: threading.Thread | None = None
         self._listeners: list[Callable[[StepStats], None]] = []
         self._emitted: dict[int, int] = {}  # seq_id -> completion tokens already streamed
-        self._top_k: dict[int, int] = {}    # seq_id -> top logprobs asked for (server.logprobs)
+        self._top_k: dict[int, int] = {}    # seq_id -> top logprobs asked for (backend.top_logprobs)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -96,11 +115,15 @@ class Engine:
 
     @property
     def is_paused(self) -> bool:
-        return self._is_paused
+        return self._state is EngineState.PAUSED
+
+    @property
+    def state(self) -> EngineState:
+        return self._state
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stop
+        return self._thread is not None and self._thread.is_alive() and self._state is not EngineState.STOPPED
 
     @property
     def num_waiting(self) -> int:
@@ -122,15 +145,15 @@ class Engine:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._cond:
-            self._stop = True
+            self._state = EngineState.STOPPED
             self._cond.notify_all()
+            self._wake_drained()
         if self._thread is not None:
             self._thread.join(timeout)
         with self._cond:
-            for seq in list(self.scheduler.waiting) + self.scheduler.running:
+            for seq in self.scheduler.take_all():
                 self.backend.release(seq)
                 self._finish(seq)
-            self.scheduler.waiting.clear()
         self.backend.close()
 
     # ------------------------------------------------------------------ requests
@@ -146,7 +169,7 @@ class Engine:
     def submit(self, seqs: list[Any], stream: bool = False, num_top_logprobs: int = 0) -> Request:
         """Queue the sequences of one request (call from the event loop). Raises QueueFull.
         With `num_top_logprobs` k > 0 each finished sequence gets `seq.top_logprobs`
-        (per completion token the k most likely (id, logprob); see server.logprobs)."""
+        (per completion token the k most likely (id, logprob); see Backend.top_logprobs)."""
         req = Request(uuid.uuid4().hex, seqs, asyncio.get_running_loop(), stream=stream)
         for seq in seqs:
             seq.arrived_at = req.arrival  # server.metrics: queue time, TTFT, end-to-end latency
@@ -162,7 +185,7 @@ class Engine:
     def abort_all(self) -> int:
         """Abort every queued and running request (shutdown deadline); returns how many."""
         with self._cond:
-            reqs = list({id(r): r for r in self.scheduler.owner.values()}.values())
+            reqs = self.scheduler.requests()
             for req in reqs:
                 for seq in self.scheduler.abort(req):
                     self._finish(seq)
@@ -181,49 +204,74 @@ class Engine:
     async def wait(self, req: Request) -> list[Any]:
         """Wait for every sequence of `req`; returns them in request order."""
         async for kind, index, payload in self.events(req):
-            if kind == "error" and req.expired:
+            if kind == EngineEvent.ERROR and req.expired:
                 raise APIError(req.deadline_status, req.expired, None,
                                {"Retry-After": "1"} if req.deadline_status == 503 else None)
-            if kind == "error":
+            if kind == EngineEvent.ERROR:
                 raise RequestFailed(f"sample {index}: {payload}" if len(req.seqs) > 1 else payload)
         return req.seqs
 
     async def events(self, req: Request):
         """Yield (kind, seq index, payload) events until every sequence is done or failed.
 
-        kinds: "update" (streams only; payload = (completion ids, text) after a block
-        committed), "done" (payload None; read the Sequence), "error" (payload = message).
+        kinds (EngineEvent): UPDATE (streams only; payload = (completion ids, text) after a block
+        committed), DONE (payload None; read the Sequence), ERROR (payload = message).
         """
         num_left = len(req.seqs)
         while num_left:
             event = await req.events.get()
-            num_left -= event[0] != "update"
+            num_left -= event[0] != EngineEvent.UPDATE
             yield event
 
     # ------------------------------------------------------------------ pause / resume
     async def pause(self, abort_inflight: bool = False, timeout: float | None = None) -> None:
-        """Stop admission and wait until nothing runs (aborting running sequences if asked)."""
+        """Stop admission and wait until nothing runs (aborting running sequences if asked):
+        on a future the engine thread resolves once drained. TimeoutError after `timeout` s."""
+        loop = asyncio.get_running_loop()
         with self._cond:
-            self._is_paused = True
+            if self._state is EngineState.RUNNING:
+                self._state = EngineState.PAUSED
             if abort_inflight:
                 self.scheduler.abort_running()
             self._cond.notify_all()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.is_drained:
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"engine did not drain within {timeout}s")
-            await asyncio.sleep(0.002)
+            if self._is_drained():
+                return
+            drained = loop.create_future()
+            self._drain_waiters.append((loop, drained))
+        try:
+            await asyncio.wait_for(drained, timeout)
+        except TimeoutError:
+            raise TimeoutError(f"engine did not drain within {timeout}s") from None
+        finally:
+            with self._cond:
+                if (loop, drained) in self._drain_waiters:
+                    self._drain_waiters.remove((loop, drained))
 
     async def resume(self) -> None:
         with self._cond:
-            self._is_paused = False
+            if self._state is EngineState.PAUSED:
+                self._state = EngineState.RUNNING
             self._cond.notify_all()
 
     @property
     def is_drained(self) -> bool:
         with self._cond:
-            s = self.scheduler
-            return not (s.running or s.to_release or self._is_busy) or not self.is_running
+            return self._is_drained()
+
+    def _is_drained(self) -> bool:
+        """(lock held) Nothing runs, nothing waits to be released -- so no forward is in flight."""
+        return self.scheduler.is_idle or not self.is_running
+
+    def _wake_drained(self) -> None:
+        """(lock held) Resolve the pause() calls waiting for the drain, if it is drained now."""
+        if not self._drain_waiters or not self._is_drained():
+            return
+        for loop, drained in self._drain_waiters:
+            try:
+                loop.call_soon_threadsafe(_resolve, drained)
+            except RuntimeError:  # that event loop is closed: its pause() is gone
+                pass
+        self._drain_waiters.clear()
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -232,31 +280,31 @@ class Engine:
                 pass
         except Exception as e:  # pragma: no cover - a bug; fail loudly, fail pending requests, stop
             log.exception("engine loop crashed")
-            self._stop = True
             with self._cond:
-                pending = list(self.scheduler.waiting) + self.scheduler.running
-                self.scheduler.waiting.clear()
+                self._state = EngineState.STOPPED
+                pending = self.scheduler.take_all()
             self._fail(pending, f"engine stopped: {type(e).__name__}: {e}")
 
     def _iterate(self) -> bool:
         with self._cond:
-            while not self._stop and not self.scheduler.has_work(self._is_paused):
+            while self._state is not EngineState.STOPPED and not self.scheduler.has_work(self.is_paused):
                 self._cond.wait()
-            if self._stop:
+            if self._state is EngineState.STOPPED:
                 return False
             self._expire()
             for seq in self.scheduler.take_releases():
                 self.backend.release(seq)
                 self._finish(seq)
-            num = 0 if self._is_paused else self.backend.num_admissible(self.scheduler.waiting)
-            admitted = [] if self._is_paused else self.scheduler.admit(num)
-            refused = 0 if self._is_paused else min(self.scheduler.num_waiting, self.backend.num_free_slots - num)
+            paused = self.is_paused
+            num = 0 if paused else self.backend.num_admissible(self.scheduler.waiting)
+            admitted = [] if paused else self.scheduler.admit(num)
+            refused = 0 if paused else min(self.scheduler.num_waiting, self.backend.num_free_slots - num)
             now = time.monotonic()
             for seq in admitted:
                 seq.trace.version = self.version
                 seq.admitted_at = now
             batch = list(self.scheduler.running)
-            self._is_busy = bool(batch)
+            self._wake_drained()
         if not batch:
             return True
         t0 = time.perf_counter()
@@ -286,7 +334,7 @@ class Engine:
             k = self._top_k.pop(seq.seq_id, 0)
             if k and seq.completion_ids:
                 try:
-                    seq.top_logprobs = top_logprobs(self.backend.model, seq, k)
+                    seq.top_logprobs = self.backend.top_logprobs(seq, k)
                 except Exception:  # one request's scoring must not fail the batch
                     log.exception("top logprobs of sequence %s failed", seq.seq_id)
 
@@ -297,22 +345,22 @@ class Engine:
 
     def _after_step(self, batch: list[Any], finished: list[Any]) -> None:
         with self._cond:
-            self._is_busy = False
             self.num_steps += 1
             self.max_batch_seen = max(self.max_batch_seen, len(batch))
             for seq in finished:
                 self._finish(seq)
             for seq in batch:
-                req = self.scheduler.owner.get(seq.seq_id)
+                req = self.scheduler.request_of(seq)
                 if req is not None and req.stream and not seq.is_finished:
                     self._emit_update(req, seq)
             self._cond.notify_all()
+            self._wake_drained()
 
     def _emit_update(self, req: Request, seq: Any) -> None:
         num = len(seq.completion_ids)
         if num > self._emitted.get(seq.seq_id, 0):
             self._emitted[seq.seq_id] = num
-            req.emit(("update", req.index_of[seq.seq_id], (list(seq.completion_ids), seq.text)))
+            req.emit((EngineEvent.UPDATE, req.index_of[seq.seq_id], (list(seq.completion_ids), seq.text)))
 
     def _expire(self) -> None:
         """Abort the requests past their deadline (lock held): waiting sequences are dropped,
@@ -332,26 +380,29 @@ class Engine:
 
     def _finish(self, seq: Any) -> None:
         """Hand a finished/aborted sequence back to its request (lock held)."""
-        if seq in self.scheduler.to_release:
-            self.scheduler.to_release.remove(seq)
         self._emitted.pop(seq.seq_id, None)
         self._top_k.pop(seq.seq_id, None)
         if seq.trace.finish_reason is None:
             seq.trace.finish_reason = seq.finish_reason
-        self.num_aborted += seq.finish_reason == "abort"
+        self.num_aborted += seq.finish_reason == FinishReason.ABORT
         req = self.scheduler.finish(seq)
         if req is not None:  # a sequence the decoder failed alone (seq.error) fails its own request only
             error = getattr(seq, "error", None)
-            req.emit(("error", req.index_of[seq.seq_id], error) if error else ("done", req.index_of[seq.seq_id], None))
+            index = req.index_of[seq.seq_id]
+            req.emit((EngineEvent.ERROR, index, error) if error else (EngineEvent.DONE, index, None))
 
     def _fail(self, batch: list[Any], message: str) -> None:
         with self._cond:
-            self._is_busy = False
-            self.scheduler.to_release = [s for s in self.scheduler.to_release if s not in batch]
             for seq in batch:
                 self.backend.release(seq)
                 self._top_k.pop(seq.seq_id, None)
-                req = self.scheduler.finish(seq)
-                if req is not None:
-                    req.emit(("error", req.index_of[seq.seq_id], message))
+            for seq, req in self.scheduler.fail(batch):
+                req.emit((EngineEvent.ERROR, req.index_of[seq.seq_id], message))
             self._cond.notify_all()
+            self._wake_drained()
+
+
+def _resolve(drained: asyncio.Future) -> None:
+    """(on the pause() caller's event loop) the engine drained."""
+    if not drained.done():
+        drained.set_result(None)

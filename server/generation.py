@@ -27,7 +27,7 @@ from fastapi import Request
 from dllm.sampling import SamplingParams
 from dllm.tokenizer import encode
 from rollout_client.protocol import DecodingOptions, Sample, TraceModel
-from server.engine import Engine, EngineStopped, QueueFull
+from server.engine import Engine, EngineEvent, EngineStopped, QueueFull
 from server.errors import APIError
 from server.quotas import charge_tokens
 from server.scheduler import seq_tokens
@@ -185,9 +185,9 @@ async def stream_events(engine: Engine, req: Any):
     raises APIError (408 its own `timeout`, 503 `server.max_request_s`), another failure RuntimeError."""
     try:
         async for event in engine.events(req):
-            if event[0] == "error" and getattr(req, "expired", None):
+            if event[0] == EngineEvent.ERROR and getattr(req, "expired", None):
                 raise APIError(req.deadline_status, req.expired)
-            if event[0] == "error":
+            if event[0] == EngineEvent.ERROR:
                 raise RuntimeError(event[2])
             yield event
     finally:

@@ -12,7 +12,7 @@ dLLM options (strategy, steps, threshold, top_k, seed, return_trace, ...) are ex
 request fields; with `return_trace` each choice also carries its `trace`,
 `completion_ids` and `version`. Logprobs: completions `logprobs=k` gives `tokens`,
 `token_logprobs`, `top_logprobs` (k most likely + the sampled token) and `text_offset`;
-chat `logprobs=true, top_logprobs=k` gives k alternatives per token (server.logprobs).
+chat `logprobs=true, top_logprobs=k` gives k alternatives per token (Backend.top_logprobs).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from rollout_client import protocol as P
+from server.engine import EngineEvent
 from server.errors import APIError, error_body
 from server.generation import prepare, run_to_completion, stream_events, submit, trace_model
 from server.recording import record_ids, record_one
@@ -194,7 +195,7 @@ def _stream(request: Request, endpoint: str, body: P._OpenAIBase, seqs: list[Any
             yield _sse(first)
         try:
             async for kind, i, payload in events:
-                done = kind == "done"
+                done = kind == EngineEvent.DONE
                 text = seqs[i].text if done else hold_back(payload[1].rstrip("\ufffd"), stops)
                 delta = text[len(sent[i]):] if text.startswith(sent[i]) else ""
                 if delta or done:

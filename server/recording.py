@@ -37,6 +37,7 @@ from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 from dllm.configlib import ConfigError
+from dllm.trace import FinishReason
 from server.store_health import StoreHealth
 from store import FeedbackStore, Record, new_record_id, open_store
 
@@ -95,7 +96,7 @@ class Recorder:
         ids: list[str | None] = [None] * len(items)
         chosen: list[tuple[int, Record]] = []
         for i, (seq, prompt) in enumerate(items):
-            if seq.finish_reason == "abort" or not self.is_chosen():
+            if seq.finish_reason == FinishReason.ABORT or not self.is_chosen():
                 continue
             try:
                 chosen.append((i, self._to_record(seq, prompt)))

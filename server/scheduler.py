@@ -1,12 +1,22 @@
 """Scheduler: which sequences wait, which run, which must be aborted (pure bookkeeping).
 
-Not thread-safe by itself: the engine calls it only while holding its lock.
+Not thread-safe by itself: the engine calls it only while holding its lock. The scheduler
+owns its state: a sequence moves waiting -> running -> (releasing ->) done only through
+these transitions (the engine reads `waiting`, `running`, `is_idle`, never edits them):
 
     sched = Scheduler(max_queue=256, max_queue_tokens=0)
-    sched.enqueue(request)                    # QueueFull (with retry_after) when the queue is full
-    admitted = sched.admit(num_free_slots)    # FIFO: oldest waiting sequences first
-    sched.abort(request)                      # drop waiting sequences; running ones -> to_release
-    sched.finish(seq)                         # a running sequence is done
+    sched.enqueue(request)                    # -> waiting; QueueFull (with retry_after) when the queue is full
+    admitted = sched.admit(num_free_slots)    # waiting -> running, FIFO: oldest waiting sequences first
+    dropped = sched.abort(request)            # waiting -> done (returned); running -> releasing
+    sched.abort_running()                     # every running sequence -> releasing (pause with abort)
+    reqs = sched.expired(now)                 # requests past their deadline (the engine aborts them)
+    released = sched.take_releases()          # releasing -> out of the batch (the backend frees them)
+    req = sched.finish(seq)                   # running / releasing / dropped -> done; returns its request
+    pairs = sched.fail(batch)                 # a failed forward: its sequences -> done, with their requests
+    left = sched.take_all()                   # shutdown: every waiting and running sequence, queue emptied
+
+An invalid transition (enqueueing a sequence twice, finishing one that still waits) raises
+`InvalidTransition`: a bug in the caller, never a client's doing.
 
 A `Request` groups the sequences of one HTTP request (prompts x n) and carries the
 asyncio queue its handler reads events from (filled from the engine thread).
@@ -32,7 +42,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from dllm.trace import FinishReason
+
 THROUGHPUT_WINDOW_S = 60.0
+
+
+class InvalidTransition(RuntimeError):
+    """A scheduler transition that the sequence's state does not allow (a bug in the caller)."""
 
 
 class QueueFull(RuntimeError):
@@ -85,36 +101,66 @@ class Scheduler:
         self.waiting_tokens = 0
         self._finished: deque[tuple[float, int]] = deque()  # (time, tokens) of recently finished sequences
         self._with_deadline: list[Request] = []
-        self.waiting: deque[Any] = deque()
-        self.running: list[Any] = []
-        self.to_release: list[Any] = []    # running sequences aborted by a client or pause
-        self.owner: dict[int, Request] = {}  # seq_id -> request
+        self._waiting: deque[Any] = deque()
+        self._waiting_ids: set[int] = set()
+        self._running: list[Any] = []
+        self._releasing: list[Any] = []     # running sequences aborted by a client, a deadline or pause
+        self._owner: dict[int, Request] = {}  # seq_id -> request, until the sequence is done
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def waiting(self) -> tuple[Any, ...]:
+        """The waiting sequences, oldest first (a snapshot)."""
+        return tuple(self._waiting)
+
+    @property
+    def running(self) -> tuple[Any, ...]:
+        """The running sequences: the next forward's batch (a snapshot)."""
+        return tuple(self._running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self._waiting)
 
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        return len(self._running)
+
+    @property
+    def is_idle(self) -> bool:
+        """Nothing runs and nothing waits to be released (a paused engine is then drained)."""
+        return not (self._running or self._releasing)
 
     def has_work(self, is_paused: bool) -> bool:
-        return bool(self.running or self.to_release or (self.waiting and not is_paused))
+        return bool(self._running or self._releasing or (self._waiting and not is_paused))
 
+    def request_of(self, seq: Any) -> Request | None:
+        """The request of a sequence not done yet (None once it is)."""
+        return self._owner.get(seq.seq_id)
+
+    def requests(self) -> list[Request]:
+        """Every request with a sequence not done yet, in arrival order."""
+        return list({id(r): r for r in self._owner.values()}.values())
+
+    # ------------------------------------------------------------------ transitions
     def enqueue(self, req: Request) -> None:
-        excess = len(self.waiting) + len(req.seqs) - self.max_queue
+        excess = len(self._waiting) + len(req.seqs) - self.max_queue
         if excess > 0:
-            raise QueueFull(f"queue full: {len(self.waiting)} sequences waiting, request adds {len(req.seqs)} "
+            raise QueueFull(f"queue full: {len(self._waiting)} sequences waiting, request adds {len(req.seqs)} "
                             f"(max_queue={self.max_queue}); retry later", self.retry_after(excess, 0))
         excess_tokens = self.waiting_tokens + req.num_tokens - self.max_queue_tokens
-        if self.max_queue_tokens and self.waiting and excess_tokens > 0:
+        if self.max_queue_tokens and self._waiting and excess_tokens > 0:
             raise QueueFull(f"queue full: the waiting sequences need {self.waiting_tokens} tokens of KV cache, the "
                             f"request adds {req.num_tokens} (prompt + max_tokens; max_queue_tokens="
                             f"{self.max_queue_tokens}); retry later or lower max_tokens",
                             self.retry_after(0, excess_tokens))
+        again = [s.seq_id for s in req.seqs if s.seq_id in self._owner]
+        if again:
+            raise InvalidTransition(f"enqueue: sequences {again} are already scheduled")
         for seq in req.seqs:
-            self.owner[seq.seq_id] = req
-            self.waiting.append(seq)
+            self._owner[seq.seq_id] = req
+            self._waiting.append(seq)
+            self._waiting_ids.add(seq.seq_id)
         self.waiting_tokens += req.num_tokens
         if req.deadline is not None:
             self._with_deadline.append(req)
@@ -125,7 +171,7 @@ class Scheduler:
         while self._finished and self._finished[0][0] < now - THROUGHPUT_WINDOW_S:
             self._finished.popleft()
         if not self._finished:
-            return 1 if not self.running else 10  # nothing finished lately: long sequences are running
+            return 1 if not self._running else 10  # nothing finished lately: long sequences are running
         span = max(now - self._finished[0][0], 1.0)
         seqs_per_s = len(self._finished) / span
         tokens_per_s = sum(t for _, t in self._finished) / span
@@ -133,11 +179,13 @@ class Scheduler:
         return int(min(120, max(1, math.ceil(wait))))
 
     def admit(self, num_admissible: int) -> list[Any]:
+        """waiting -> running: the `num_admissible` oldest waiting sequences (returned)."""
         admitted = []
-        while self.waiting and len(admitted) < num_admissible:
-            admitted.append(self.waiting.popleft())
+        while self._waiting and len(admitted) < num_admissible:
+            admitted.append(self._waiting.popleft())
+        self._waiting_ids.difference_update(s.seq_id for s in admitted)
         self.waiting_tokens -= sum(seq_tokens(s) for s in admitted)
-        self.running.extend(admitted)
+        self._running.extend(admitted)
         return admitted
 
     def expired(self, now: float) -> list[Request]:
@@ -147,35 +195,63 @@ class Scheduler:
         return out
 
     def abort(self, req: Request) -> list[Any]:
-        """Abort every unfinished sequence of `req`; returns the waiting ones dropped (finished now)."""
+        """Abort every unfinished sequence of `req`: the waiting ones are dropped (returned, to be
+        finished by the caller: waiting -> done), the running ones released by the next iteration."""
         req.is_aborted = True
         ids = {s.seq_id for s in req.seqs if not s.is_finished}
-        dropped = [s for s in self.waiting if s.seq_id in ids]
-        self.waiting = deque(s for s in self.waiting if s.seq_id not in ids)
+        dropped = [s for s in self._waiting if s.seq_id in ids]
+        self._waiting = deque(s for s in self._waiting if s.seq_id not in ids)
+        self._waiting_ids.difference_update(s.seq_id for s in dropped)
         self.waiting_tokens -= sum(seq_tokens(s) for s in dropped)
-        self.to_release += [s for s in self.running if s.seq_id in ids and s not in self.to_release]
+        self._releasing += [s for s in self._running if s.seq_id in ids and s not in self._releasing]
         for s in dropped:
-            s.finish_reason = s.trace.finish_reason = "abort"
+            s.finish_reason = s.trace.finish_reason = FinishReason.ABORT
         return dropped
 
     def abort_running(self) -> None:
-        self.to_release += [s for s in self.running if s not in self.to_release]
+        """running -> releasing, every running sequence (pause with abort_inflight)."""
+        self._releasing += [s for s in self._running if s not in self._releasing]
 
     def take_releases(self) -> list[Any]:
-        out, self.to_release = self.to_release, []
-        self.running = [s for s in self.running if s not in out]
+        """releasing -> out of the batch: the caller frees their slots, then finishes them."""
+        out, self._releasing = self._releasing, []
+        self._running = [s for s in self._running if s not in out]
         return out
 
     def finish(self, seq: Any) -> Request | None:
-        """Mark a sequence done (finished, aborted or failed); returns its request."""
-        if seq in self.running:
-            self.running.remove(seq)
-            if seq.finish_reason != "abort" and not getattr(seq, "error", None):
+        """-> done: a sequence finished, aborted or failed; returns its request (None when it was
+        done already). A sequence still waiting must be aborted or taken first."""
+        if seq.seq_id in self._waiting_ids:
+            raise InvalidTransition(f"finish: sequence {seq.seq_id} is still waiting (abort its request first)")
+        if seq in self._releasing:
+            self._releasing.remove(seq)
+        if seq in self._running:
+            self._running.remove(seq)
+            if seq.finish_reason != FinishReason.ABORT and not getattr(seq, "error", None):
                 now = time.monotonic()
                 self._finished.append((now, seq_tokens(seq)))
                 while self._finished[0][0] < now - THROUGHPUT_WINDOW_S:
                     self._finished.popleft()
-        req = self.owner.pop(seq.seq_id, None)
+        req = self._owner.pop(seq.seq_id, None)
         if req is not None:
             req.num_done += 1
         return req
+
+    def fail(self, batch: list[Any]) -> list[tuple[Any, Request]]:
+        """-> done: the sequences of a failed forward; returns (sequence, request) for those whose
+        request still waits for them."""
+        out = []
+        for seq in batch:
+            req = self.finish(seq)
+            if req is not None:
+                out.append((seq, req))
+        return out
+
+    def take_all(self) -> list[Any]:
+        """Every waiting and running sequence (shutdown, a crashed engine): the queue is emptied,
+        the caller releases and finishes them."""
+        out = list(self._waiting) + self._running
+        self._waiting.clear()
+        self._waiting_ids.clear()
+        self.waiting_tokens = 0
+        return out

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dllm.decoding import SamplingParams, generate
+from dllm.replay import build_rows
 from dllm.tokenizer import encode, load_tokenizer
 from dllm.weights import load_pretrained
 from store import Record, new_record_id, open_store
@@ -25,7 +26,6 @@ from trainer.align_data import (
 )
 from trainer.align_gate import target_logprobs
 from trainer.loop import StopRequested, score, sequence_advantages
-from trainer.replay import build_rows
 from trainer.rewards import build_reward
 from trainer.rollouts import Batch
 

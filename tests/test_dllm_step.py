@@ -14,11 +14,11 @@ from torch._dynamo.utils import counters
 from benchmarks.oldref import load_package
 from dllm.decoding import BlockDecoder, generate
 from dllm.model import SDARForCausalLM
+from dllm.replay import build_rows, token_logprobs
 from dllm.sampling import SamplingParams
 from dllm.step import buckets
 from dllm.weights import copy_into_model
 from tests.helpers import tiny_config
-from trainer.replay import build_rows, token_logprobs
 
 PREVIOUS = "2bdf442"  # main before the static step: the engine it must reproduce
 

@@ -4,9 +4,9 @@ written out as loops: diffu-GRPO's random masking and coupled-GRPO's complementa
 
 import torch
 
+from dllm.replay import Rows
 from trainer.config import TrainConfig
 from trainer.learner import _policy_loss, baseline_rows
-from trainer.replay import Rows
 
 B, L, START = 3, 8, 3  # completions at positions 3..6 (row 2 one shorter)
 

@@ -5,9 +5,10 @@ import torch
 
 from dllm.decoding import generate
 from dllm.model import SDARForCausalLM
-from dllm.sampling import SamplingParams
+from dllm.replay import build_rows, token_logprobs, trace_hidden
+from dllm.sampling import SamplingParams, sampling_logprobs
 from tests.helpers import tiny_config
-from trainer.replay import build_rows, completion_rows, token_logprobs
+from trainer.replay import completion_rows
 
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16], [30]]
 
@@ -36,6 +37,29 @@ def test_replay_reproduces_behaviour_logprobs(model, strategy, steps):
     lp = token_logprobs(logits, rows.clean, model.config.mask_token_id)
     old = rows.gather([o.trace.logprobs for o in outs])
     assert (lp - old)[rows.target].abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("strategy,steps,sampling", [
+    ("static", 2, {}), ("dynamic", None, {"temperature": 0.7, "top_k": 20}), ("sequential", 4, {"top_p": 0.8})])
+def test_trace_hidden_reproduces_the_sampling_distribution(model, strategy, steps, sampling):
+    """The server's top logprobs (server.backends.native) go through the same replay: each
+    completion token's logits, under the request's temperature / top-k / top-p, give its behaviour
+    logprob, and the replay forward is the trainer's (same rows, same values)."""
+    params = SamplingParams(max_tokens=11, strategy=strategy, steps=steps, threshold=0.05, seed=4, **sampling)
+    outs = generate(model, PROMPTS, params, eos_ids=[7])
+    mask = model.config.mask_token_id
+    rows = build_rows(outs, 4, mask, pad_id=0)
+    with torch.no_grad():
+        trained = token_logprobs(model.forward_train(rows.noisy, rows.clean, rows.pos, rows.valid), rows.clean, mask)
+    for i, o in enumerate(outs):
+        with torch.no_grad():
+            logits = model.lm_head(trace_hidden(model, o))
+        assert logits.shape == (len(o.completion_ids), model.config.vocab_size)
+        lp = sampling_logprobs(logits, params, mask).gather(-1, torch.tensor(o.completion_ids)[:, None])[:, 0]
+        assert (lp - torch.tensor(o.trace.logprobs)).abs().max().item() < 1e-4
+        at = rows.target & (rows.sample_idx == i)
+        plain = token_logprobs(logits, torch.tensor(o.completion_ids), mask)[rows.token_idx[at]]
+        assert (plain - trained[at]).abs().max().item() < 1e-5
 
 
 def test_shrinkage_merges_steps(model):

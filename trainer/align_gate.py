@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dllm.replay import Rows, build_rows
 from trainer.evaluate import DecodingSetting, SettingResult, evaluate
-from trainer.replay import Rows, build_rows, chunked_token_logprobs
+from trainer.replay import chunked_token_logprobs
 from trainer.rollouts import sampling_kwargs
 
 _DEGENERATE = re.compile(r"(.{1,4}?)\1{3,}", re.DOTALL)

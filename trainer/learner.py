@@ -26,11 +26,12 @@ from collections.abc import Callable
 
 import torch
 
+from dllm.replay import Rows, replay_hidden
 from trainer import faults
 from trainer.correction import is_weights, mismatch_stats
 from trainer.dist import Ranks
 from trainer.objectives import complementary_masks, dipo_loss, random_mask, tracerl_loss, value_loss
-from trainer.replay import Rows, chunked_token_logprobs
+from trainer.replay import chunked_token_logprobs
 
 
 def _policy_loss(cfg, new_lp, old_lp, adv, mask, ref_lp, entropy, weights=None):
@@ -128,8 +129,7 @@ class Learner:
         reference). Full-vocabulary logits only for `logprob_chunk` scored tokens at a time."""
         dev, cfg = self.device, self.cfg
         module = getattr(model, "module", model)
-        hidden = model(rows.noisy.to(dev), position_ids=rows.pos.to(dev), clean_ids=rows.clean.to(dev),
-                       valid=rows.valid.to(dev), output="hidden")  # [R, L, D]
+        hidden = replay_hidden(model, rows, dev)  # [R, L, D]
         target = rows.target.to(dev)
         n = int(target.sum())
         step = cfg.logprob_chunk if cfg.logprob_chunk > 0 else max(n, 1)

@@ -17,12 +17,13 @@ from contextlib import contextmanager
 
 import torch
 
+from dllm.replay import Rows, build_rows
 from rollout_client.client import RolloutError
 from trainer import faults
 from trainer.advantages import filter_zero_variance_groups, group_advantages, trace_gae
 from trainer.dist import RankError
 from trainer.learner import baseline_rows
-from trainer.replay import Rows, build_rows, completion_rows
+from trainer.replay import completion_rows
 from trainer.rewards import score_batch
 
 log = logging.getLogger("dlrl.train")

@@ -7,6 +7,7 @@ The engine's one background thread drives a backend like nano-vllm's ModelRunner
     backend.add([seq, ...])                          # allocate slots, prefill prompt blocks
     finished = backend.step(running)                 # one batched denoising forward
     backend.release(seq)                             # free an aborted sequence's slot
+    top = backend.top_logprobs(seq, k)               # a finished sequence's top-k logprobs per token
 
 Sequences are `dllm.decoding.Sequence` objects: the backend fills their completion ids,
 text, trace (steps, logprobs) and finish_reason. `model` is the torch module whose
@@ -58,6 +59,12 @@ class Backend(ABC):
         """How many of the waiting sequences, taken in order, can start now (free slots by default;
         the native backend also counts the KV-cache pages each one needs)."""
         return min(len(waiting), self.num_free_slots)
+
+    def top_logprobs(self, seq: Any, k: int) -> list[list[tuple[int, float]]]:
+        """For every completion token of the finished `seq`: the k most likely (token id, logprob) of
+        the distribution it was sampled from, best first (OpenAI logprobs). Called in the engine
+        thread right after `seq` finished, while the weights it was generated with are served."""
+        raise NotImplementedError(f"backend {self.name}: top logprobs are not supported")
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Free device resources."""

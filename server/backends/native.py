@@ -20,6 +20,12 @@ tokenizer's eos ids (`backend.eos_ids`; chat checkpoints end turns with `<|im_en
 request's `stop_token_ids` add to them, as in vLLM. The folder's own Python code runs only
 with `trust_remote_code=True` (never a prompt on stdin).
 
+Top logprobs (`top_logprobs`, OpenAI `logprobs`) replay the finished sequence's trace
+(`dllm.replay.trace_hidden`: one forward row per denoising step of its blocks, the DESIGN's
+replay invariant) and apply the request's temperature / top-k / top-p
+(`dllm.sampling.sampling_logprobs`) to TOP_LOGPROBS_CHUNK tokens' logits at a time: only
+requests that ask for them pay that forward.
+
 The decoder gets its own tokenizer instance (it decodes text and applies stop strings in
 the engine thread) while `backend.tokenizer` is used by HTTP handlers on the event loop,
 so no tokenizer object is shared between threads.
@@ -38,11 +44,14 @@ import torch
 from dllm.configlib import ConfigError
 from dllm.decoding import BlockDecoder, Sequence
 from dllm.kv_cache import KVCache
+from dllm.replay import trace_hidden
+from dllm.sampling import sampling_logprobs
 from dllm.weights import load_pretrained, parse_dtype
 from server.backends.base import Backend
 
 log = logging.getLogger("dlrl.server")
 DEFAULT_MAX_LEN = 8192
+TOP_LOGPROBS_CHUNK = 64  # completion tokens whose full-vocabulary logits exist at once (top_logprobs)
 GIB = float(1 << 30)
 
 
@@ -185,6 +194,17 @@ class NativeBackend(Backend):
 
     def num_admissible(self, waiting) -> int:
         return self.decoder.num_admissible(waiting)
+
+    @torch.no_grad()
+    def top_logprobs(self, seq: Sequence, k: int) -> list[list[tuple[int, float]]]:
+        hidden, out = trace_hidden(self.model, seq), []  # [C, D]
+        for first in range(0, hidden.shape[0], TOP_LOGPROBS_CHUNK):
+            logits = self.model.lm_head(hidden[first:first + TOP_LOGPROBS_CHUNK])
+            logp = sampling_logprobs(logits, seq.params, self.mask_token_id)  # [chunk, V]
+            values, ids = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)  # [chunk, k]
+            out += [[(t, v) for t, v in zip(row_ids, row_values) if v > float("-inf")]
+                    for row_ids, row_values in zip(ids.tolist(), values.tolist())]
+        return out
 
     def close(self) -> None:
         self.decoder.cache = None

@@ -1,0 +1,145 @@
+"""Trace replay: rebuild every denoising state of a decoding trace and score its tokens again.
+
+For block models the state of step k of a block is: clean prefix (earlier blocks),
+the block's tokens committed at steps < k visible, the rest masked. Blocks only see
+clean earlier blocks, so the k-th states of all blocks of a sequence pack into ONE row
+of the noisy-copy + clean-copy layout: a sequence costs at most max-steps-per-block rows.
+Shrinkage `s` merges s neighbouring steps (row r holds steps r*s+1..(r+1)*s, scored
+under the state before step r*s+1); s=1 is exact.
+
+Replay invariant (docs/DESIGN.md): under the same weights, `token_logprobs` of row targets
+equals the trace's behaviour logprobs (fp32, temperature 1, no top-k/top-p). The one
+replay of the project: the trainer scores rollouts with it (trainer.learner, trainer.replay's
+chunked log-probs) and the server finds top-k logprobs with it (server.backends.native).
+
+A sample is anything with `prompt_ids`, `completion_ids` and a `trace` (`steps`, `tail_ids`,
+`tail_steps`): a `rollout_client.Rollout` straight off the wire, a
+`dllm.decoding.GenerationOutput` or a finished `dllm.sequence.Sequence`.
+
+    rows = build_rows(rollouts, block_size, mask_id, pad_id, shrink=1)
+    hidden = replay_hidden(model, rows)                     # [R, L, D] noisy copy (the replay forward)
+    lp = token_logprobs(model.lm_head(hidden), rows.clean, mask_id)   # [R, L]
+    old = rows.gather(behaviour_logprobs_per_sample)        # [R, L], zeros off-target
+    logits = model.lm_head(trace_hidden(model, seq))        # [C, V]: each completion token's logits
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+Sample = Any  # .prompt_ids, .completion_ids, .trace.{steps, tail_ids, tail_steps}
+
+
+@dataclass
+class Rows:
+    noisy: torch.Tensor  # [R, L] long
+    clean: torch.Tensor  # [R, L] long
+    pos: torch.Tensor  # [R, L] long
+    valid: torch.Tensor  # [R, L] bool
+    target: torch.Tensor  # [R, L] bool: tokens scored in this row
+    sample_idx: torch.Tensor  # [R, L] long: which sample a target belongs to (-1 elsewhere)
+    token_idx: torch.Tensor  # [R, L] long: completion index j of a target (-1 elsewhere)
+    row_sample: torch.Tensor  # [R] long
+
+    def gather(self, per_sample: list[list[float]] | list[torch.Tensor]) -> torch.Tensor:
+        """Per-sample per-token values (e.g. behaviour logprobs, advantages) -> [R, L] at targets."""
+        out = torch.zeros(self.target.shape, dtype=torch.float32)
+        r, c = self.target.nonzero(as_tuple=True)
+        vals = [torch.as_tensor(per_sample[int(s)], dtype=torch.float32)[int(j)]
+                for s, j in zip(self.sample_idx[r, c], self.token_idx[r, c])]
+        if vals:
+            out[r, c] = torch.stack(vals)
+        return out
+
+
+def _sample_rows(s: Sample, block_size: int, mask_id: int, shrink: int):
+    """-> list of (noisy ids, target flags, token idx) for one sample, plus its clean ids."""
+    P, tr = len(s.prompt_ids), s.trace
+    gen_ids = list(s.completion_ids) + list(tr.tail_ids)
+    gen_steps = list(tr.steps) + list(tr.tail_steps)
+    clean = list(s.prompt_ids) + gen_ids
+    L = math.ceil(len(clean) / block_size) * block_size
+    clean = clean + [mask_id] * (L - len(clean))  # never happens for complete blocks
+    max_step = max(tr.steps, default=0)
+    rows = []
+    for r in range(math.ceil(max_step / shrink)):
+        lo, hi = r * shrink + 1, (r + 1) * shrink  # steps scored in this row
+        noisy = list(clean)
+        target = [False] * L
+        tok = [-1] * L
+        for j, st in enumerate(gen_steps):
+            if st >= lo:
+                noisy[P + j] = mask_id
+            if j < len(s.completion_ids) and lo <= st <= hi:
+                target[P + j] = True
+                tok[P + j] = j
+        if any(target):
+            rows.append((noisy, target, tok))
+    return clean, len(s.prompt_ids) + len(gen_ids), rows
+
+
+def build_rows(samples: list[Sample], block_size: int, mask_id: int, pad_id: int,
+               shrink: int = 1) -> Rows:
+    if shrink < 1:
+        raise ValueError("shrink: must be >= 1")
+    per = [_sample_rows(s, block_size, mask_id, shrink) for s in samples]
+    R = sum(len(rows) for _, _, rows in per)
+    L = max((len(clean) for clean, _, _ in per), default=block_size)
+    noisy = torch.full((R, L), pad_id, dtype=torch.long)
+    clean_t = torch.full((R, L), pad_id, dtype=torch.long)
+    valid = torch.zeros(R, L, dtype=torch.bool)
+    target = torch.zeros(R, L, dtype=torch.bool)
+    sample_idx = torch.full((R, L), -1, dtype=torch.long)
+    token_idx = torch.full((R, L), -1, dtype=torch.long)
+    row_sample = torch.zeros(R, dtype=torch.long)
+    r = 0
+    for i, (clean, n, rows) in enumerate(per):
+        for nz, tg, tk in rows:
+            ln = len(clean)
+            noisy[r, :ln] = torch.tensor(nz)
+            clean_t[r, :ln] = torch.tensor(clean)
+            valid[r, :n] = True
+            target[r, :ln] = torch.tensor(tg)
+            token_idx[r, :ln] = torch.tensor(tk)
+            sample_idx[r, :ln] = torch.where(target[r, :ln], i, -1)
+            row_sample[r] = i
+            r += 1
+    pos = torch.arange(L).expand(R, L).contiguous()
+    return Rows(noisy, clean_t, pos, valid, target, sample_idx, token_idx, row_sample)
+
+
+def replay_hidden(model: Any, rows: Rows, device: torch.device | None = None) -> torch.Tensor:
+    """The replay forward: hidden states [R, L, D] of the rows' noisy copies. `model` is an
+    `SDARForCausalLM` or anything called like one with the training layout (a DeepSpeed engine
+    wrapping it, whose forward keeps ZeRO-3 gradient accumulation right)."""
+    dev = device if device is not None else getattr(model, "module", model).device
+    return model(rows.noisy.to(dev), position_ids=rows.pos.to(dev), clean_ids=rows.clean.to(dev),
+                 valid=rows.valid.to(dev), output="hidden")
+
+
+@torch.no_grad()
+def trace_hidden(model: Any, sample: Sample) -> torch.Tensor:
+    """Hidden states [C, D] of each of the sample's C completion tokens at the denoising state that
+    committed it, in completion order: `model.lm_head` of them gives the logits the decoder sampled
+    from (before temperature / top-k / top-p). Apply it to a chunk at a time to bound memory."""
+    rows = build_rows([sample], model.config.block_size, model.config.mask_token_id, pad_id=0)
+    hidden = replay_hidden(model, rows)
+    picked = hidden[rows.target.to(hidden.device)]  # [C, D], the rows' targets in row-major order
+    out = torch.empty_like(picked)
+    out[rows.token_idx[rows.target].to(out.device)] = picked
+    return out
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, mask_id: int,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """logits [R, L, V], ids [R, L] -> log p(ids) [R, L] under the sampling distribution
+    (mask token excluded, divided by temperature), fp32."""
+    logits = logits.float()
+    logits = logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) == mask_id, float("-inf"))
+    if temperature not in (0, 1.0):
+        logits = logits / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, ids[..., None]).squeeze(-1)
