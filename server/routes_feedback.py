@@ -24,6 +24,7 @@ from server.auth import check_bearer
 from server.config import FEEDBACK_ENV_VAR
 from server.errors import APIError
 from server.openapi import error_responses
+from server.state import server_state
 from store import FeedbackConflict, error_cause
 
 log = logging.getLogger("dlrl.server")
@@ -31,8 +32,7 @@ log = logging.getLogger("dlrl.server")
 
 async def require_feedback(request: Request) -> None:
     """FastAPI dependency: 403 disabled (no feedback token), 401 missing, 403 wrong token, 429 throttled."""
-    token = getattr(request.app.state, "feedback_token", "")
-    check_bearer(token, request.headers.get("authorization"), what="feedback",
+    check_bearer(server_state(request.app).feedback_token, request.headers.get("authorization"), what="feedback",
                  disabled_hint=f"set server.feedback_token or {FEEDBACK_ENV_VAR}", request=request)
 
 
@@ -49,8 +49,10 @@ RESPONSES = {**error_responses(400, 413, 503),
 
 @router.post("/v1/feedback", response_model=FeedbackResponse, responses=RESPONSES)
 async def feedback(body: FeedbackRequest, request: Request) -> FeedbackResponse:
-    st = request.app.state
+    st = server_state(request.app)
     recorder = st.recorder
+    if recorder is None:  # create_app opens the store whenever a feedback token is set (server.recording)
+        raise APIError(503, "feedback store unavailable (no server.store open); retry later")
     if body.label is not None:
         labels = st.config.feedback_labels
         if body.label not in labels:

@@ -11,7 +11,7 @@ Replay invariant (docs/DESIGN.md): under the same weights, `token_logprobs` of r
 equals the trace's behaviour logprobs (fp32, temperature 1, no top-k/top-p).
 
 A sample is anything with `prompt_ids`, `completion_ids` and a `trace` (`steps`, `tail_ids`,
-`tail_steps`): a `rollout_client.Rollout` straight off the wire, or a
+`tail_steps`), the `Sample` protocol: a `rollout_client.Rollout` straight off the wire, or a
 `dllm.decoding.GenerationOutput`.
 
     rows = build_rows(rollouts, block_size, mask_id, pad_id, shrink=1)
@@ -23,12 +23,40 @@ A sample is anything with `prompt_ids`, `completion_ids` and a `trace` (`steps`,
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import torch
 
-Sample = Any  # .prompt_ids, .completion_ids, .trace.{steps, tail_ids, tail_steps}
+
+class SampleTrace(Protocol):
+    """The part of a decoding trace replay reads (dllm.trace.Trace, rollout_client.protocol.TraceModel)."""
+
+    @property
+    def steps(self) -> Sequence[int]: ...  # per completion token: its 1-based step within its block
+    @property
+    def tail_ids(self) -> Sequence[int]: ...  # last block's tokens after the truncation point
+    @property
+    def tail_steps(self) -> Sequence[int]: ...
+
+
+class Sample(Protocol):
+    """What replay needs of a generated sample (rollout_client.Rollout, dllm.sequence.GenerationOutput)."""
+
+    @property
+    def prompt_ids(self) -> Sequence[int]: ...
+    @property
+    def completion_ids(self) -> Sequence[int]: ...
+    @property
+    def trace(self) -> SampleTrace | None: ...  # None: generated without return_trace, cannot be replayed
+
+
+def _trace(s: Sample) -> SampleTrace:
+    if s.trace is None:
+        raise ValueError("trace: a sample without its decoding trace cannot be replayed (generate it with "
+                         "return_trace=true)")
+    return s.trace
 
 
 @dataclass
@@ -53,9 +81,10 @@ class Rows:
         return out
 
 
-def _sample_rows(s: Sample, block_size: int, mask_id: int, shrink: int):
+def _sample_rows(s: Sample, block_size: int, mask_id: int,
+                 shrink: int) -> tuple[list[int], int, list[tuple[list[int], list[bool], list[int]]]]:
     """-> list of (noisy ids, target flags, token idx) for one sample, plus its clean ids."""
-    P, tr = len(s.prompt_ids), s.trace
+    P, tr = len(s.prompt_ids), _trace(s)
     gen_ids = list(s.completion_ids) + list(tr.tail_ids)
     gen_steps = list(tr.steps) + list(tr.tail_steps)
     clean = list(s.prompt_ids) + gen_ids
@@ -79,7 +108,7 @@ def _sample_rows(s: Sample, block_size: int, mask_id: int, shrink: int):
     return clean, len(s.prompt_ids) + len(gen_ids), rows
 
 
-def build_rows(samples: list[Sample], block_size: int, mask_id: int, pad_id: int,
+def build_rows(samples: Sequence[Sample], block_size: int, mask_id: int, pad_id: int,
                shrink: int = 1) -> Rows:
     if shrink < 1:
         raise ValueError("shrink: must be >= 1")
@@ -109,11 +138,11 @@ def build_rows(samples: list[Sample], block_size: int, mask_id: int, pad_id: int
     return Rows(noisy, clean_t, pos, valid, target, sample_idx, token_idx, row_sample)
 
 
-def completion_rows(samples: list[Sample], block_size: int, pad_id: int) -> Rows:
+def completion_rows(samples: Sequence[Sample], block_size: int, pad_id: int) -> Rows:
     """One clean row per sample whose targets are all its completion tokens (for the
     random-masking / coupled baselines, which draw their own masks)."""
     n = len(samples)
-    seqs = [list(s.prompt_ids) + list(s.completion_ids) + list(s.trace.tail_ids) for s in samples]
+    seqs = [list(s.prompt_ids) + list(s.completion_ids) + list(_trace(s).tail_ids) for s in samples]
     L = math.ceil(max(map(len, seqs), default=1) / block_size) * block_size
     clean = torch.full((n, L), pad_id, dtype=torch.long)
     valid = torch.zeros(n, L, dtype=torch.bool)
