@@ -24,6 +24,7 @@ import json
 import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import overload
 
 import torch
 from safetensors import safe_open
@@ -45,6 +46,10 @@ class WeightLoadError(ValueError):
     """Weights do not fit the model; the message names the tensor (or file) and the problem."""
 
 
+@overload
+def parse_dtype(name: str | torch.dtype) -> torch.dtype: ...
+@overload
+def parse_dtype(name: None) -> None: ...
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     if name is None or isinstance(name, torch.dtype):
         return name

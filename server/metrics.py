@@ -35,7 +35,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -46,6 +46,9 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from store import FeedbackStore
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _TPF_BUCKETS = (0.25, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 16, 32)
@@ -100,7 +103,7 @@ class ServerMetrics:
     def __init__(self, engine: Any | None = None):
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.engine = None
-        self.store = None  # set by server.recording when a store is open (store size gauges)
+        self.store: FeedbackStore | None = None  # set by server.recording when a store is open (store size gauges)
         self._store_stats: tuple[float, dict | None] = (0.0, None)
         self.requests = Counter("dlrl_requests", "HTTP generation requests", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("dlrl_prompt_tokens", "prompt tokens of finished sequences", registry=r)

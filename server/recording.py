@@ -129,6 +129,8 @@ class Recorder:
         return ids
 
     def _to_record(self, seq: Sequence, prompt: str | None) -> Record:
+        if seq.finish_reason is None:
+            raise ValueError("only a finished sequence is recorded")
         trace = {**seq.trace.to_dict(), "finish_reason": seq.finish_reason}
         return Record(id=new_record_id(), created=time.time(), server=self.server, version=int(seq.trace.version),
                       prompt=prompt, prompt_ids=list(seq.prompt_ids), completion_ids=list(seq.completion_ids),

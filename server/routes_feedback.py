@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
@@ -39,7 +40,7 @@ async def require_feedback(request: Request) -> None:
 router = APIRouter(tags=["feedback"], dependencies=[Depends(require_feedback)])
 
 
-RESPONSES = {**error_responses(400, 413, 503),
+RESPONSES: dict[int | str, dict[str, Any]] = {**error_responses(400, 413, 503),
              **{code: {"model": ErrorResponse, "description": text} for code, text in (
                  (403, "Wrong feedback token (the admin token is not one), or feedback disabled on this server "
                        "(no feedback token configured)"),
@@ -59,6 +60,7 @@ async def feedback(body: FeedbackRequest, request: Request) -> FeedbackResponse:
             raise APIError(400, f"label: {body.label!r} is not one of {sorted(labels)}", "label")
         reward = float(labels[body.label])
     else:
+        assert body.reward is not None  # FeedbackRequest: exactly one of reward and label
         reward = float(body.reward)
     try:
         is_new = await asyncio.to_thread(recorder.add_feedback, body.id, reward, body.label)
