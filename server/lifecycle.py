@@ -18,9 +18,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import time
 from types import FrameType
-from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
@@ -65,7 +65,7 @@ class GracefulServer(uvicorn.Server):
         self._drain_signal: int | None = None
         self._drain_task: asyncio.Task | None = None
 
-    async def startup(self, sockets: Any = None) -> None:
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         if self.limiter is not None:
             from server.connections import install_resource_log
 
