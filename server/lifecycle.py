@@ -25,7 +25,7 @@ from types import FrameType
 import uvicorn
 from starlette.applications import Starlette
 
-from server.connections import RateLimitedLog
+from server.connections import RateLimitedLog, install_resource_log
 from server.state import ServerState, server_state
 
 log = logging.getLogger("dlrl.server")
@@ -67,8 +67,6 @@ class GracefulServer(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         if self.limiter is not None:
-            from server.connections import install_resource_log
-
             install_resource_log(asyncio.get_running_loop(), self.limiter)
         await super().startup(sockets=sockets)
 
