@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
 ARGS ?=
 
-.PHONY: install test lint bench soak serve train sft align clean
+.PHONY: install test lint typecheck bench soak serve train sft align clean
 
 install: $(STAMP)
 
@@ -23,6 +23,10 @@ test: install
 
 lint: install
 	$(VENV)/bin/ruff check dlrl dllm server trainer weight_sync rollout_client store tests benchmarks
+	$(VENV)/bin/mypy
+
+typecheck: install  # mypy over the packages ([tool.mypy] in pyproject.toml; cache in .mypy_cache/)
+	$(VENV)/bin/mypy
 
 bench: install
 	$(PY) benchmarks/decode.py

@@ -46,6 +46,7 @@ def serve(size: str, port: int, dtype: str) -> None:
 
     from server import routes_weights
     from server.config import ServerConfig
+    from server.state import ServerState, attach
     from server.weight_updates import make_updates
 
     logging.basicConfig(level=logging.WARNING)
@@ -59,7 +60,7 @@ def serve(size: str, port: int, dtype: str) -> None:
         yield
 
     app = FastAPI(lifespan=lifespan)
-    app.state.engine, app.state.admin_token, app.state.weight_updates = engine, TOKEN, updates
+    attach(app, ServerState(engine, admin_token=TOKEN, weight_updates=updates))
     app.include_router(routes_weights.router)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 

@@ -100,13 +100,13 @@ def serve(size: str, port: int, dtype: str) -> None:
 
     from dllm.weights import copy_into_model
     from server import routes_weights
+    from server.state import ServerState, attach
     from server.weight_updates import make_updates
 
     served = {n: t.to(getattr(torch, dtype)) for n, t in sdar_like(size, seed=1).items()}
     engine = StubEngine(module_from(served))
     app = FastAPI()
-    app.state.engine, app.state.admin_token = engine, TOKEN
-    app.state.weight_updates = make_updates(engine)
+    attach(app, ServerState(engine, admin_token=TOKEN, weight_updates=make_updates(engine)))
     app.include_router(routes_weights.router)
 
     @app.post("/bench/load_checkpoint")

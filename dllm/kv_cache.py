@@ -39,7 +39,7 @@ class KVCache:
         self.max_pages = -(-max_len // ps)  # pages of one slot's longest sequence
         self.max_len = self.max_pages * ps
         fixed = num_pages is None
-        self.num_pages = num_slots * self.max_pages if fixed else int(num_pages)
+        self.num_pages = num_slots * self.max_pages if num_pages is None else int(num_pages)
         shape = ((self.num_pages + 1) * ps, 2, cfg.num_key_value_heads, cfg.head_dim)  # K and V of a token
         self.kv = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
         # a power of two of columns, the entries past max_pages scratch: the decode step reads keys in

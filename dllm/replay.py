@@ -26,12 +26,40 @@ A sample is anything with `prompt_ids`, `completion_ids` and a `trace` (`steps`,
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-Sample = Any  # .prompt_ids, .completion_ids, .trace.{steps, tail_ids, tail_steps}
+
+class SampleTrace(Protocol):
+    """The part of a decoding trace replay reads (dllm.trace.Trace, the wire's trace model)."""
+
+    @property
+    def steps(self) -> Sequence[int]: ...  # per completion token: its 1-based step within its block
+    @property
+    def tail_ids(self) -> Sequence[int]: ...  # last block's tokens after the truncation point
+    @property
+    def tail_steps(self) -> Sequence[int]: ...
+
+
+class Sample(Protocol):
+    """What replay needs of a generated sample (rollout_client.Rollout, dllm.sequence.GenerationOutput)."""
+
+    @property
+    def prompt_ids(self) -> Sequence[int]: ...
+    @property
+    def completion_ids(self) -> Sequence[int]: ...
+    @property
+    def trace(self) -> SampleTrace | None: ...  # None: generated without return_trace, cannot be replayed
+
+
+def _trace(s: Sample) -> SampleTrace:
+    if s.trace is None:
+        raise ValueError("trace: a sample without its decoding trace cannot be replayed (generate it with "
+                         "return_trace=true)")
+    return s.trace
 
 
 @dataclass
@@ -58,7 +86,7 @@ class Rows:
 
 def _sample_rows(s: Sample, block_size: int, mask_id: int, shrink: int):
     """-> list of (noisy ids, target flags, token idx) for one sample, plus its clean ids."""
-    P, tr = len(s.prompt_ids), s.trace
+    P, tr = len(s.prompt_ids), _trace(s)
     gen_ids = list(s.completion_ids) + list(tr.tail_ids)
     gen_steps = list(tr.steps) + list(tr.tail_steps)
     clean = list(s.prompt_ids) + gen_ids

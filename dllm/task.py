@@ -76,7 +76,7 @@ class ArithmeticTask(Config):
         if name not in SPLITS:
             raise ValueError(f"split: unknown {name!r} (known: {', '.join(SPLITS)})")
         rng = random.Random(f"{self.seed if seed is None else seed}-{name}")
-        out = []
+        out: list[dict] = []
         while len(out) < n:
             a, b = self._draw(rng)
             if self._split_of(a, b) == name:

@@ -23,7 +23,9 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from pathlib import Path
+from typing import overload
 
 import torch
 from safetensors import safe_open
@@ -45,6 +47,10 @@ class WeightLoadError(ValueError):
     """Weights do not fit the model; the message names the tensor (or file) and the problem."""
 
 
+@overload
+def parse_dtype(name: str | torch.dtype) -> torch.dtype: ...
+@overload
+def parse_dtype(name: None) -> None: ...
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     if name is None or isinstance(name, torch.dtype):
         return name
@@ -132,11 +138,11 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _keep(name: str, skip: set[str]) -> bool:
+def _keep(name: str, skip: AbstractSet[str]) -> bool:
     return name not in skip and not name.endswith(IGNORED_SUFFIXES)
 
 
-def checkpoint_specs(path: str | Path, skip: set[str] = frozenset()) -> list[Spec]:
+def checkpoint_specs(path: str | Path, skip: AbstractSet[str] = frozenset()) -> list[Spec]:
     """(name, shape) of every tensor in the folder's shards, from the headers only."""
     specs = []
     for f in weight_files(Path(path)):
@@ -163,7 +169,7 @@ class ChunkedTensor:
             dst[i:i + step].copy_(self.slice[i:i + step])
 
 
-def iter_checkpoint(path: str | Path, skip: set[str] = frozenset(),
+def iter_checkpoint(path: str | Path, skip: AbstractSet[str] = frozenset(),
                     chunked: bool = False) -> Iterable[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) one at a time, shard by shard (one shard mapped at a time). With
     `chunked`, tensors over CHUNK_BYTES come as ChunkedTensor (for copy_into_model)."""

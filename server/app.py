@@ -5,10 +5,9 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)    # see server/cli.py
 
 The app starts the engine thread on startup and stops it on shutdown. State reachable
-from handlers: `request.app.state.engine`, `.config`, `.metrics`, `.admin_token`,
-`.prompts` (the tokenizer worker, server.generation.PromptEncoder), `.is_draining`
-(server.lifecycle), `.num_inflight` (server.middleware), `.recorder` (server.recording, None
-without a store) and `.feedback_token`. Routers: generation (`/generate`, `/v1/*`), feedback
+from handlers: one typed `server.state.ServerState` (`server_state(request.app)`: the engine,
+config, metrics, admin and feedback tokens, the tokenizer worker, the recorder, the weight-update
+glue, the draining flag and the in-flight count). Routers: generation (`/generate`, `/v1/*`), feedback
 (`/v1/feedback`, server.routes_feedback), service
 (`/health`, `/ready`, `/metrics`, `/admin/*`) `server.routes_weights`
 (`/weights/*`). `server.middleware.RequestGuard` answers bodies over
@@ -30,13 +29,13 @@ from server.auth import resolve_admin_token
 from server.config import ServerConfig
 from server.engine import Engine
 from server.errors import install_error_handlers
-from server.generation import PromptEncoder
 from server.logs import use_json_logs
 from server.metrics import ServerMetrics
 from server.middleware import RequestGuard, RequestLog
 from server.openapi import install_openapi
 from server.quotas import install as install_quotas
 from server.recording import Recorder
+from server.state import ServerState, attach
 from server.weight_updates import make_updates
 
 log = logging.getLogger("dlrl.server")
@@ -59,35 +58,29 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
         sweep()  # shared-memory regions left by pushers that died
         engine.start()
-        updates = getattr(app.state, "weight_updates", None)
-        if updates is not None:
-            updates.start_capture()  # keep the starting version for rollback
+        if st.weight_updates is not None:
+            st.weight_updates.start_capture()  # keep the starting version for rollback
         yield
         engine.shutdown()
-        app.state.prompts.close()
-        if app.state.recorder is not None:
-            app.state.recorder.close()
-        updates = getattr(app.state, "weight_updates", None)
-        if updates is not None:
-            updates.close()
+        st.prompts.close()
+        if st.recorder is not None:
+            st.recorder.close()
+        if st.weight_updates is not None:
+            st.weight_updates.close()
 
     app = FastAPI(title="dlrl server", version="0.1.0", lifespan=lifespan,
                   description="Block-diffusion LM generation (native and OpenAI-compatible) and admin API.")
-    app.state.engine = engine
-    app.state.config = config
-    app.state.admin_token = resolve_admin_token(config.admin_token, config.admin_token_file)
-    app.state.metrics = ServerMetrics(engine)
-    app.state.prompts = PromptEncoder(engine.tokenizer, engine.max_model_len)
-    app.state.is_draining, app.state.num_inflight = False, 0
-    app.state.feedback_token = config.resolved_feedback_token()
-    if app.state.feedback_token and app.state.feedback_token == app.state.admin_token:
+    st = attach(app, ServerState(engine, config, metrics=ServerMetrics(engine),
+                                 admin_token=resolve_admin_token(config.admin_token, config.admin_token_file),
+                                 feedback_token=config.resolved_feedback_token()))
+    if st.feedback_token and st.feedback_token == st.admin_token:
         raise ConfigError("server.feedback_token: must differ from the admin token")
-    app.state.recorder = Recorder.from_config(config, engine, app.state.metrics)
+    st.recorder = Recorder.from_config(config, engine, st.metrics)
     engine.scheduler.max_queue_tokens = config.max_queue_tokens or 4 * kv_cache_tokens(engine.backend)
-    if app.state.recorder is not None:
-        app.state.metrics.store = app.state.recorder.store  # store size gauges
-    app.state.weight_updates = make_updates(engine, config)  # keep_versions=0: nothing kept
-    app.state.weight_updates.metrics = app.state.metrics
+    if st.recorder is not None:
+        st.metrics.store = st.recorder.store  # store size gauges
+    st.weight_updates = make_updates(engine, config)  # keep_versions=0: nothing kept
+    st.weight_updates.metrics = st.metrics
     install_error_handlers(app)
     install_quotas(app, config)  # inside RequestGuard: a draining server or a too large body is refused first
     app.add_middleware(RequestGuard, max_body_bytes=config.max_body_bytes)
@@ -100,6 +93,6 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     install_openapi(app)
     if config.log_format == "json":
         use_json_logs()
-    if not app.state.admin_token:
+    if not st.admin_token:
         log.info("no admin token configured: admin endpoints are disabled")
     return app

@@ -8,7 +8,7 @@
 The token comes from `ServerConfig.admin_token`, else the `DLRL_ADMIN_TOKEN`
 environment variable, else `ServerConfig.admin_token_file` (a file holding the token;
 created with a random token, mode 0600, when missing, so a trainer on the same host can
-read it), resolved once by `server.app.create_app` into `app.state.admin_token`. With no token configured the admin endpoints are
+read it), resolved once by `server.app.create_app` into `ServerState.admin_token`. With no token configured the admin endpoints are
 disabled (403 "admin disabled"), never open. A missing/malformed header is 401,
 a wrong token 403. Tokens are compared in constant time. Failures are counted
 (`dlrl_auth_failures_total{what,status}`), logged at most once per
@@ -28,9 +28,15 @@ import secrets
 import time
 from collections import OrderedDict, deque
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fastapi import HTTPException, Request
+from starlette.applications import Starlette
+
+from server.state import server_state
+
+if TYPE_CHECKING:
+    from server.metrics import ServerMetrics
 
 ENV_VAR = "DLRL_ADMIN_TOKEN"
 log = logging.getLogger("dlrl.server")
@@ -51,15 +57,6 @@ def resolve_admin_token(configured: str | None, token_file: str | None = None) -
     return path.read_text().strip()
 
 
-def _app_token(request: Request) -> str:
-    state = request.app.state
-    token = getattr(state, "admin_token", None)
-    if token is None:  # app built without create_app (e.g. a bare router in a test)
-        config = getattr(state, "config", None)
-        token = resolve_admin_token(getattr(config, "admin_token", None), getattr(config, "admin_token_file", None))
-    return token
-
-
 class AuthGuard:
     """Failed token checks per (token kind, client address): counted, logged (rate-limited), throttled.
 
@@ -69,7 +66,7 @@ class AuthGuard:
     """
 
     def __init__(self, max_failures: int = 10, window_s: float = 60.0, throttle_s: float = 60.0,
-                 log_interval_s: float = 10.0, metrics: Any = None, max_clients: int = 10_000):
+                 log_interval_s: float = 10.0, metrics: ServerMetrics | None = None, max_clients: int = 10_000):
         from server.connections import RateLimitedLog
 
         self.max_failures, self.window_s, self.throttle_s = max_failures, window_s, throttle_s
@@ -79,15 +76,13 @@ class AuthGuard:
         self._blocked: dict[tuple[str, str], float] = {}
 
     @classmethod
-    def from_app(cls, app: Any) -> AuthGuard:
-        guard = getattr(app.state, "auth_guard", None)
-        if guard is None:
-            config = getattr(app.state, "config", None)
-            guard = app.state.auth_guard = cls(
-                int(getattr(config, "auth_max_failures", 10)), float(getattr(config, "auth_failure_window_s", 60.0)),
-                float(getattr(config, "auth_throttle_s", 60.0)), float(getattr(config, "resource_log_interval_s", 10.0)),
-                getattr(app.state, "metrics", None))
-        return guard
+    def from_app(cls, app: Starlette) -> AuthGuard:
+        st = server_state(app)
+        if st.auth_guard is None:
+            c = st.config
+            st.auth_guard = cls(c.auth_max_failures, c.auth_failure_window_s, c.auth_throttle_s,
+                                c.resource_log_interval_s, st.metrics)
+        return st.auth_guard
 
     def check(self, what: str, ip: str) -> None:
         """429 with Retry-After while (what, ip) is throttled."""
@@ -166,4 +161,4 @@ def check_bearer(expected: str, authorization: str | None, what: str = "admin",
 
 async def require_admin(request: Request) -> None:
     """FastAPI dependency: 403 when admin is disabled, 401 missing token, 403 wrong token, 429 throttled."""
-    check_bearer(_app_token(request), request.headers.get("authorization"), request=request)
+    check_bearer(server_state(request.app).admin_token, request.headers.get("authorization"), request=request)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
+from typing import Any
 
 from dllm.configlib import ConfigError, print_check
 from server.config import ServerConfig, load_server_config
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     from server.app import create_app
     from server.connections import ConnectionLimits, bounded_protocol
     from server.lifecycle import GracefulServer
+    from server.state import server_state
 
     model_path = resolve_model(config, config_path, args.overrides)
     try:
@@ -122,14 +124,16 @@ def main(argv: list[str] | None = None) -> int:
              engine.model_name, getattr(engine.model, "dtype", "?"), model_path, config.backend,
              config.max_batch, engine.max_model_len)
     log.info("listening on http://%s:%d (admin endpoints %s)", config.host, config.port,
-             "enabled" if app.state.admin_token else "disabled: no admin token")
-    json_logs = {"log_config": None, "access_log": False} if config.log_format == "json" else {}  # server.logs
+             "enabled" if server_state(app).admin_token else "disabled: no admin token")
+    json_logs: dict[str, Any] = {"log_config": None, "access_log": False} if config.log_format == "json" else {}  # server.logs
     try:
-        limits = ConnectionLimits.from_config(config, app.state.metrics)
+        limits = ConnectionLimits.from_config(config, server_state(app).metrics)
     except ConfigError as e:  # the file limit leaves no room for connections
         parser.exit(2, f"dlrl serve: error: {e}\n")
     server = GracefulServer(uvicorn.Config(app, host=config.host, port=config.port, http=bounded_protocol(limits),
-                                           timeout_keep_alive=config.keepalive_timeout_s, backlog=config.listen_backlog,
+                                           # uvicorn annotates an int but hands it to loop.call_later: seconds as float
+                                           timeout_keep_alive=config.keepalive_timeout_s,  # type: ignore[arg-type]
+                                           backlog=config.listen_backlog,
                                            **json_logs,
                                            log_level=config.log_level.lower(), timeout_graceful_shutdown=5),
                             app, shutdown_timeout=config.shutdown_timeout, limiter=limits.limiter)

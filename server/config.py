@@ -47,7 +47,7 @@ class ServerConfig(Config):
     max_concurrent_feedback: int = Field(0, ge=0)  # POST /v1/feedback calls in flight (0 = unlimited)
     max_request_s: float = Field(0.0, ge=0)  # longest a request may take (0 = no limit; a client `timeout` is capped)
     max_model_len: int = Field(0, ge=0)  # prompt + completion limit; 0 = min(max_position_embeddings, 8192)
-    kv_cache_memory: ByteSize = Field(0, ge=0)  # KV-cache budget ("4GiB", "512MB", bytes); 0 = kv_cache_fraction
+    kv_cache_memory: ByteSize = Field(ByteSize(0), ge=0)  # KV-cache budget ("4GiB", "512MB", bytes); 0 = kv_cache_fraction
     kv_cache_fraction: float = Field(0.8, gt=0, le=1)  # share of free CUDA memory / available RAM after the weights
     compile: bool = False            # torch.compile the static decode step (dllm/step.py): faster steps, slow start
     cuda_graphs: bool = False        # CUDA only: capture each bucket's decode step once, replay it (ran on an H200)

@@ -32,12 +32,17 @@ import logging
 import resource
 import time
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING
 
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn._types import ASGI3Application, ASGIReceiveCallable, ASGISendCallable, Scope
+from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
 
 from dllm.configlib import ConfigError
 from server.errors import error_body
+
+if TYPE_CHECKING:
+    from server.config import ServerConfig
+    from server.metrics import ServerMetrics
 
 log = logging.getLogger("dlrl.server")
 RESERVED_PATHS = ("/health", "/ready", "/metrics")
@@ -57,7 +62,7 @@ class RateLimitedLog:
         self._last: dict[str, float] = {}
         self._pending: dict[str, tuple[int, str, tuple]] = {}
 
-    def event(self, key: str, msg: str, *args: Any) -> None:
+    def event(self, key: str, msg: str, *args: object) -> None:
         now = time.monotonic()
         count = self._pending.pop(key, (0, msg, args))[0] + 1
         if now - self._last.get(key, -1e18) >= self.interval_s:
@@ -101,7 +106,7 @@ class ConnectionLimits:
     """Open connections per client address and in total; `admit` decides a new one's slot."""
 
     def __init__(self, max_connections: int, max_per_ip: int, reserved: int, header_timeout_s: float,
-                 read_timeout_s: float, log_interval_s: float = 10.0, metrics: Any = None):
+                 read_timeout_s: float, log_interval_s: float = 10.0, metrics: ServerMetrics | None = None):
         self.max_connections, self.max_per_ip, self.reserved = max_connections, max_per_ip, reserved
         self.reserve_per_ip = max(1, reserved // 4)
         self.header_timeout_s, self.read_timeout_s = header_timeout_s, read_timeout_s
@@ -112,7 +117,8 @@ class ConnectionLimits:
         self._reserve_per_ip: Counter[str] = Counter()
 
     @classmethod
-    def from_config(cls, config: Any, metrics: Any = None, nofile: int | None = None) -> ConnectionLimits:
+    def from_config(cls, config: ServerConfig, metrics: ServerMetrics | None = None,
+                    nofile: int | None = None) -> ConnectionLimits:
         """Caps of `config` (server.*), max_connections lowered to fit the file limit (ConfigError if nothing fits)."""
         nofile = nofile or _nofile()
         room = nofile - config.fd_reserve - config.reserved_connections
@@ -174,10 +180,10 @@ def _is_reserved(path: str) -> bool:
     return path in RESERVED_PATHS or path.startswith(RESERVED_PREFIXES)
 
 
-def reserve_only(app: Any) -> Any:
+def reserve_only(app: ASGI3Application) -> ASGI3Application:
     """ASGI wrapper of a connection in a reserved slot: only probes and admin routes, else 503."""
 
-    async def wrapped(scope: dict, receive: Any, send: Any) -> None:
+    async def wrapped(scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
         if scope["type"] != "http" or _is_reserved(scope["path"]):
             return await app(scope, receive, send)
         body = error_body(503, "too many connections: this server's connection limit is reached "
@@ -204,7 +210,7 @@ class BoundedH11Protocol(H11Protocol):
         self._header_timer: asyncio.TimerHandle | None = None
         self._read_timer: asyncio.TimerHandle | None = None
         self._last_rx = self.loop.time()
-        self._seen_cycle: Any = None
+        self._seen_cycle: RequestResponseCycle | None = None
         self._slot = self.limits.admit(self._ip)
         if self._slot is None:
             self.limits.refused("limit", self._ip, f"too many connections ({self.limits.num_open} open, "

@@ -17,6 +17,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.state import server_state
+
 log = logging.getLogger("dlrl.server")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -122,9 +124,8 @@ COUNTED = ("/generate", "/v1/completions", "/v1/chat/completions")
 
 
 def _count(request: Request, status: int) -> None:
-    metrics = getattr(request.app.state, "metrics", None)
-    if metrics is not None and request.url.path in COUNTED:
-        metrics.observe_request(request.url.path, status)
+    if request.url.path in COUNTED:
+        server_state(request.app).metrics.observe_request(request.url.path, status)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -1,7 +1,7 @@
 """Request handling shared by every generation route: prompts -> Sequences -> results.
 
-    app.state.prompts = PromptEncoder(tokenizer, max_model_len)       # done by server.app
-    seqs = await prepare(app.state, prompts, options, max_tokens, n, field="prompt")   # texts or ids
+    st = server_state(request.app)                                  # server.state: st.prompts is a PromptEncoder
+    seqs = await prepare(st, prompts, options, max_tokens, n, field="prompt")   # texts or ids
     seqs = await run_to_completion(engine, http_request, seqs)     # aborts if the client leaves
     async for kind, index, payload in stream_events(engine, submit(engine, seqs, stream=True)): ...
     sample = to_sample(seq, index, n)
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
@@ -31,6 +31,12 @@ from server.engine import Engine, EngineEvent, EngineStopped, QueueFull
 from server.errors import APIError
 from server.quotas import charge_tokens
 from server.scheduler import seq_tokens
+
+if TYPE_CHECKING:
+    from dllm.sequence import Sequence
+    from server.config import ServerConfig
+    from server.scheduler import Request as EngineRequest
+    from server.state import ServerState
 
 
 class PromptEncoder:
@@ -75,7 +81,7 @@ class PromptEncoder:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def to_sampling_params(opts: DecodingOptions, max_tokens: int, config: Any) -> SamplingParams:
+def to_sampling_params(opts: DecodingOptions, max_tokens: int, config: ServerConfig) -> SamplingParams:
     """SamplingParams of a request; fields the client left unset take the server defaults."""
     given = opts.model_fields_set
 
@@ -89,7 +95,7 @@ def to_sampling_params(opts: DecodingOptions, max_tokens: int, config: Any) -> S
         stop=opts.stop_list(), stop_token_ids=opts.stop_token_ids, ignore_eos=opts.ignore_eos)
 
 
-async def encode_prompts(state: Any, prompts: list[str | list[int]], field: str) -> list[list[int]]:
+async def encode_prompts(state: ServerState, prompts: list[str | list[int]], field: str) -> list[list[int]]:
     """Token ids of each prompt (texts tokenised off the event loop); 413 when one cannot fit."""
     texts = [p for p in prompts if isinstance(p, str)]
     encoded = iter(await state.prompts.encode(texts, field) if texts else [])
@@ -106,8 +112,8 @@ async def encode_prompts(state: Any, prompts: list[str | list[int]], field: str)
     return out
 
 
-async def prepare(state: Any, prompts: list[str | list[int]], opts: DecodingOptions, max_tokens: int | None,
-                  n: int, field: str = "prompt") -> list[Any]:
+async def prepare(state: ServerState, prompts: list[str | list[int]], opts: DecodingOptions, max_tokens: int | None,
+                  n: int, field: str = "prompt") -> list[Sequence]:
     """Tokenise and validate the prompts; build n Sequences per prompt (prompt-major)."""
     engine: Engine = state.engine
     if not prompts:
@@ -137,7 +143,7 @@ async def prepare(state: Any, prompts: list[str | list[int]], opts: DecodingOpti
     return seqs
 
 
-def request_deadline(opts: DecodingOptions, config: Any) -> tuple[float | None, int]:
+def request_deadline(opts: DecodingOptions, config: ServerConfig) -> tuple[float | None, int]:
     """(time.monotonic() by which the request must finish, the status it gets past it): the
     client's `timeout` (408: the client's own choice), capped by `server.max_request_s`
     (503: the server's limit; 0 = none); (None, 0) = no deadline."""
@@ -149,7 +155,7 @@ def request_deadline(opts: DecodingOptions, config: Any) -> tuple[float | None, 
     return time.monotonic() + cap, 503
 
 
-def submit(engine: Engine, seqs: list[Any], stream: bool = False, num_top_logprobs: int = 0):
+def submit(engine: Engine, seqs: list[Sequence], stream: bool = False, num_top_logprobs: int = 0) -> EngineRequest:
     try:
         return engine.submit(seqs, stream=stream, num_top_logprobs=num_top_logprobs)
     except QueueFull as e:
@@ -163,7 +169,8 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-async def run_to_completion(engine: Engine, request: Request, seqs: list[Any], num_top_logprobs: int = 0) -> list[Any]:
+async def run_to_completion(engine: Engine, request: Request, seqs: list[Sequence],
+                            num_top_logprobs: int = 0) -> list[Sequence]:
     """Run the sequences to the end; a client disconnect aborts them (slots freed)."""
     req = submit(engine, seqs, num_top_logprobs=num_top_logprobs)
     waiter = asyncio.ensure_future(engine.wait(req))
@@ -179,7 +186,7 @@ async def run_to_completion(engine: Engine, request: Request, seqs: list[Any], n
         engine.abort(req)  # no-op when finished
 
 
-async def stream_events(engine: Engine, req: Any):
+async def stream_events(engine: Engine, req: EngineRequest) -> AsyncIterator[tuple[str, int, Any]]:
     """Yield (kind, index, payload) events of a request submitted with `submit(..., stream=True)`;
     closing the generator early (client gone) aborts the request. A request past its deadline
     raises APIError (408 its own `timeout`, 503 `server.max_request_s`), another failure RuntimeError."""
@@ -194,11 +201,11 @@ async def stream_events(engine: Engine, req: Any):
         engine.abort(req)
 
 
-def trace_model(seq: Any) -> TraceModel:
+def trace_model(seq: Sequence) -> TraceModel:
     return TraceModel.model_validate({**seq.trace.to_dict(), "finish_reason": seq.finish_reason})
 
 
-def to_sample(seq: Any, index: int, n: int, return_trace: bool = True) -> Sample:
+def to_sample(seq: Sequence, index: int, n: int, return_trace: bool = True) -> Sample:
     return Sample(index=index, prompt_index=index // n, prompt_ids=list(seq.prompt_ids),
                   completion_ids=list(seq.completion_ids), text=seq.text, finish_reason=seq.finish_reason,
                   version=seq.trace.version, num_forwards=seq.num_forwards,

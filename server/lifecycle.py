@@ -18,28 +18,33 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import time
-from typing import Any
+from types import FrameType
 
 import uvicorn
+from starlette.applications import Starlette
+
+from server.connections import RateLimitedLog, install_resource_log
+from server.state import ServerState, server_state
 
 log = logging.getLogger("dlrl.server")
 ABORT_GRACE_S = 5.0  # after aborting, how long responses may take to finish sending
 
 
-async def _wait_idle(state: Any, deadline: float) -> bool:
-    while getattr(state, "num_inflight", 0) > 0:
+async def _wait_idle(state: ServerState, deadline: float) -> bool:
+    while state.num_inflight > 0:
         if time.monotonic() >= deadline:
             return False
         await asyncio.sleep(0.05)
     return True
 
 
-async def drain(app: Any, timeout: float) -> None:
+async def drain(app: Starlette, timeout: float) -> None:
     """Stop admitting, let in-flight requests finish (at most `timeout` s), then abort the rest."""
-    state = app.state
+    state = server_state(app)
     state.is_draining = True
-    log.info("draining: %d request(s) in flight, waiting up to %gs", getattr(state, "num_inflight", 0), timeout)
+    log.info("draining: %d request(s) in flight, waiting up to %gs", state.num_inflight, timeout)
     if await _wait_idle(state, time.monotonic() + timeout):
         log.info("drained: no request in flight")
         return
@@ -52,21 +57,20 @@ async def drain(app: Any, timeout: float) -> None:
 class GracefulServer(uvicorn.Server):
     """uvicorn.Server whose first SIGTERM/SIGINT drains (see module doc) instead of stopping."""
 
-    def __init__(self, config: uvicorn.Config, app: Any, shutdown_timeout: float, limiter: Any = None):
+    def __init__(self, config: uvicorn.Config, app: Starlette, shutdown_timeout: float,
+                 limiter: RateLimitedLog | None = None):
         super().__init__(config)
         self.app, self.shutdown_timeout = app, shutdown_timeout
         self.limiter = limiter  # server.connections.RateLimitedLog: resource errors once per interval
         self._drain_signal: int | None = None
         self._drain_task: asyncio.Task | None = None
 
-    async def startup(self, sockets: Any = None) -> None:
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         if self.limiter is not None:
-            from server.connections import install_resource_log
-
             install_resource_log(asyncio.get_running_loop(), self.limiter)
         await super().startup(sockets=sockets)
 
-    def handle_exit(self, sig: int, frame: Any) -> None:  # signal handler: only set flags
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:  # signal handler: only set flags
         if self._drain_signal is None:
             self._drain_signal = sig
         else:
@@ -75,7 +79,7 @@ class GracefulServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         if self.limiter is not None and counter % 10 == 0:
             self.limiter.flush()  # counts held back by the once-per-interval logs
-            guard = getattr(self.app.state, "auth_guard", None)
+            guard = server_state(self.app).auth_guard
             if guard is not None:
                 guard.limiter.flush()
         if self._drain_signal is not None and self._drain_task is None:

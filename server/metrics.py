@@ -35,7 +35,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -46,6 +47,11 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from dllm.sequence import Sequence
+    from server.engine import Engine, StepStats
+    from store import FeedbackStore
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _TPF_BUCKETS = (0.25, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 16, 32)
@@ -87,7 +93,7 @@ class _Dynamic:
                 yield GaugeMetricFamily(name, text, value=float(stats.get(key) or 0))
 
 
-def kv_pages(engine: Any) -> tuple[int, int] | None:
+def kv_pages(engine: Engine) -> tuple[int, int] | None:
     """(used, total) pages of the backend's paged KV cache (dllm.kv_cache.KVCache), None without one
     (the one reading of it: /metrics and /health)."""
     cache = getattr(getattr(engine.backend, "decoder", None), "cache", None)
@@ -97,10 +103,10 @@ def kv_pages(engine: Any) -> tuple[int, int] | None:
 
 
 class ServerMetrics:
-    def __init__(self, engine: Any | None = None):
+    def __init__(self, engine: Engine | None = None):
         self.registry = r = CollectorRegistry(auto_describe=True)
-        self.engine = None
-        self.store = None  # set by server.recording when a store is open (store size gauges)
+        self.engine: Engine | None = None
+        self.store: FeedbackStore | None = None  # set by server.recording when a store is open (store size gauges)
         self._store_stats: tuple[float, dict | None] = (0.0, None)
         self.requests = Counter("dlrl_requests", "HTTP generation requests", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("dlrl_prompt_tokens", "prompt tokens of finished sequences", registry=r)
@@ -166,10 +172,10 @@ class ServerMetrics:
         if engine is not None:
             self.bind_engine(engine)
 
-    def register_record_queue(self, depth: Any) -> None:
+    def register_record_queue(self, depth: Callable[[], float]) -> None:
         Gauge("dlrl_record_queue", "records waiting for the store writer", registry=self.registry).set_function(depth)
 
-    def bind_engine(self, engine: Any) -> None:
+    def bind_engine(self, engine: Engine) -> None:
         r = self.registry
         self.engine = engine
         Gauge("dlrl_queue_depth", "sequences waiting for a slot", registry=r).set_function(
@@ -199,7 +205,7 @@ class ServerMetrics:
                 self._forward_times.popleft()
             return len(self._forward_times) / window_s
 
-    def observe_step(self, stats: Any) -> None:
+    def observe_step(self, stats: StepStats) -> None:
         """Called from the engine thread after every batched forward (stats: engine.StepStats)."""
         if stats.num_cache_refused:
             self.kv_refusals.inc()
@@ -226,7 +232,7 @@ class ServerMetrics:
             for seq_id in [k for k in self._seq_times if k not in live]:
                 del self._seq_times[seq_id]
 
-    def _observe_sequence(self, seq: Any, now: float) -> None:
+    def _observe_sequence(self, seq: Sequence, now: float) -> None:
         arrived = getattr(seq, "arrived_at", None)
         if arrived is None:
             return

@@ -9,9 +9,9 @@
   connection; beyond that the connection is closed. The weights data plane (`/weights/*`, behind the admin token) streams buckets as
   large as the largest tensor and is exempt. (Starlette's own limiter answers a plain-text
   413, which is not this API's error shape.)
-- While `app.state.is_draining` (server.lifecycle), new generation requests are answered 503
+- While `ServerState.is_draining` (server.lifecycle), new generation requests are answered 503
   with Retry-After and `Connection: close`.
-- `app.state.num_inflight` counts generation requests until their last byte is sent.
+- `ServerState.num_inflight` counts generation requests until their last byte is sent.
 
 RequestLog (below) is the outermost layer: `X-Request-Id`, one log event per request.
 """
@@ -23,18 +23,20 @@ import logging
 import re
 import time
 import uuid
-from typing import Any
+from collections.abc import Sequence
 
 from fastapi import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import error_body
+from server.state import server_state
 
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 UNLIMITED_PREFIXES = ("/weights/",)
 DISCARD_FACTOR = 16
 
 
-async def _send_json(send: Any, status: int, body: dict, headers: list[tuple[bytes, bytes]] = ()) -> None:
+async def _send_json(send: Send, status: int, body: dict, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     data = json.dumps(body).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
@@ -42,7 +44,7 @@ async def _send_json(send: Any, status: int, body: dict, headers: list[tuple[byt
     await send({"type": "http.response.body", "body": data})
 
 
-def _content_length(scope: dict) -> int | None:
+def _content_length(scope: Scope) -> int | None:
     for key, value in scope.get("headers", ()):
         if key == b"content-length":
             return int(value) if value.isdigit() else None
@@ -50,18 +52,18 @@ def _content_length(scope: dict) -> int | None:
 
 
 class RequestGuard:
-    def __init__(self, app: Any, max_body_bytes: int):
+    def __init__(self, app: ASGIApp, max_body_bytes: int):
         self.app, self.max_body_bytes = app, max_body_bytes
 
     def _too_large(self) -> str:
         return f"body: larger than the limit of {self.max_body_bytes} bytes (server.max_body_bytes)"
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path, state = scope["path"], scope["app"].state
+        path, state = scope["path"], server_state(scope["app"])
         is_generation = path in GENERATION_PATHS
-        if is_generation and getattr(state, "is_draining", False):
+        if is_generation and state.is_draining:
             return await _send_json(send, 503, error_body(503, "server is shutting down; retry on another replica"),
                                     [(b"retry-after", b"1")])
         if not path.startswith(UNLIMITED_PREFIXES):
@@ -74,13 +76,13 @@ class RequestGuard:
             receive = self._limited(receive)
         if not is_generation:
             return await self.app(scope, receive, send)
-        state.num_inflight = getattr(state, "num_inflight", 0) + 1
+        state.num_inflight += 1
         try:
             await self.app(scope, receive, send)
         finally:
             state.num_inflight -= 1
 
-    async def _discard(self, receive: Any, length: int) -> None:
+    async def _discard(self, receive: Receive, length: int) -> None:
         """Read and drop the rest of a refused body, unless it is (or grows) too large to bother."""
         cap = DISCARD_FACTOR * self.max_body_bytes
         if length > cap:
@@ -92,10 +94,10 @@ class RequestGuard:
             if message["type"] != "http.request" or not message.get("more_body"):
                 return
 
-    def _limited(self, receive: Any) -> Any:
+    def _limited(self, receive: Receive) -> Receive:
         num_bytes = 0
 
-        async def receive_limited() -> dict:
+        async def receive_limited() -> Message:
             nonlocal num_bytes
             message = await receive()
             if message["type"] == "http.request":
@@ -126,10 +128,10 @@ class RequestLog:
     - POST /v1/feedback answers feed dlrl_feedback_received_total / dlrl_feedback_rejected_total.
     """
 
-    def __init__(self, app: Any):
+    def __init__(self, app: ASGIApp):
         self.app = app
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         given = dict(scope.get("headers", ())).get(REQUEST_ID_HEADER, b"")
@@ -137,7 +139,7 @@ class RequestLog:
         scope.setdefault("state", {})["request_id"] = rid
         t0, status = time.perf_counter(), 500
 
-        async def send_with_id(message: dict) -> None:
+        async def send_with_id(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
@@ -150,17 +152,13 @@ class RequestLog:
             self._log(scope, rid, status, time.perf_counter() - t0)
 
     @staticmethod
-    def _log(scope: dict, rid: str, status: int, seconds: float) -> None:
-        state, path = scope["app"].state, scope["path"]
-        metrics = getattr(state, "metrics", None)
-        if path == "/v1/feedback" and metrics is not None:
-            metrics.observe_feedback_status(status)
-        config = getattr(state, "config", None)
-        level = logging.INFO if getattr(config, "log_format", "text") == "json" and path not in QUIET_PATHS \
-            else logging.DEBUG
+    def _log(scope: Scope, rid: str, status: int, seconds: float) -> None:
+        state, path = server_state(scope["app"]), scope["path"]
+        if path == "/v1/feedback":
+            state.metrics.observe_feedback_status(status)
+        level = logging.INFO if state.config.log_format == "json" and path not in QUIET_PATHS else logging.DEBUG
         if not request_log.isEnabledFor(level):
             return
-        engine = getattr(state, "engine", None)
         request_log.log(level, "%s %s %d %.3fs", scope["method"], path, status, seconds, extra={
             "request_id": rid, "method": scope["method"], "path": path, "status": status,
-            "duration_s": round(seconds, 6), "version": getattr(engine, "version", None)})
+            "duration_s": round(seconds, 6), "version": state.engine.version})

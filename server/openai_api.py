@@ -20,16 +20,22 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
 
+from dllm.sequence import Sequence
 from rollout_client import protocol as P
 from server.engine import EngineEvent
 from server.errors import APIError, error_body
 from server.generation import prepare, run_to_completion, stream_events, submit, trace_model
 from server.recording import record_ids, record_one
+from server.state import server_state
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _WINDOW = 8  # tokens of left context when measuring the text each token adds
@@ -40,21 +46,21 @@ def check_model(name: str | None, served: str) -> None:
         raise APIError(404, f"model: {name!r} is not served here (serving {served!r})", "model")
 
 
-def _usage(seqs: list[Any], n: int = 1) -> P.Usage:
+def _usage(seqs: list[Sequence], n: int = 1) -> P.Usage:
     """OpenAI usage: each prompt counted once (not once per sample), every completion counted."""
     prompt = sum(len(s.prompt_ids) for s in seqs[::n])
     completion = sum(len(s.completion_ids) for s in seqs)
     return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def _extras(seq: Any, body: P._OpenAIBase) -> dict:
+def _extras(seq: Sequence, body: P._OpenAIBase) -> dict:
     if not body.return_trace:
         return {}
     return {"trace": trace_model(seq), "completion_ids": list(seq.completion_ids), "version": seq.trace.version}
 
 
-def _sse(obj: Any) -> str:
-    data = obj.model_dump_json() if hasattr(obj, "model_dump_json") else json.dumps(obj)
+def _sse(obj: BaseModel | dict) -> str:
+    data = obj.model_dump_json() if isinstance(obj, BaseModel) else json.dumps(obj)
     return f"data: {data}\n\n"
 
 
@@ -71,7 +77,7 @@ def hold_back(text: str, stops: list[str]) -> str:
 
 # --------------------------------------------------------------------------- logprobs (tokenizer thread)
 
-def _token_texts(tok: Any, ids: list[int]) -> tuple[list[str], list[int]]:
+def _token_texts(tok: PreTrainedTokenizerBase, ids: list[int]) -> tuple[list[str], list[int]]:
     """Each token's own text (special tokens shown) and the characters it adds to the decoded text."""
     texts = tok.batch_decode([[i] for i in ids])
     added = []
@@ -83,7 +89,7 @@ def _token_texts(tok: Any, ids: list[int]) -> tuple[list[str], list[int]]:
     return texts, added
 
 
-def completion_logprobs(tok: Any, seq: Any, k: int) -> P.CompletionLogprobs:
+def completion_logprobs(tok: PreTrainedTokenizerBase, seq: Sequence, k: int) -> P.CompletionLogprobs:
     """`text_offset` counts from the start of the completion (echo is never combined with logprobs)."""
     texts, added = _token_texts(tok, seq.completion_ids)
     offsets, offset = [], 0
@@ -100,7 +106,7 @@ def completion_logprobs(tok: Any, seq: Any, k: int) -> P.CompletionLogprobs:
                                 text_offset=offsets)
 
 
-def chat_logprobs(tok: Any, seq: Any, k: int) -> P.ChatLogprobs:
+def chat_logprobs(tok: PreTrainedTokenizerBase, seq: Sequence, k: int) -> P.ChatLogprobs:
     def entry(i: int, lp: float) -> dict:
         text = tok.decode([i])
         return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", "replace"))}
@@ -114,7 +120,7 @@ def chat_logprobs(tok: Any, seq: Any, k: int) -> P.ChatLogprobs:
 # --------------------------------------------------------------------------- endpoints
 
 async def completions(body: P.CompletionRequest, request: Request):
-    st, t0 = request.app.state, time.perf_counter()
+    st, t0 = server_state(request.app), time.perf_counter()
     check_model(body.model, st.engine.model_name)
     prompts = body.prompt_list()
     seqs = await prepare(st, prompts, body, body.max_tokens, body.n)
@@ -124,7 +130,7 @@ async def completions(body: P.CompletionRequest, request: Request):
                                                  for p in prompts])
     k = body.logprobs
 
-    def logprobs(seq: Any) -> P.CompletionLogprobs | None:
+    def logprobs(seq: Sequence) -> P.CompletionLogprobs | None:
         return None if k is None else completion_logprobs(st.prompts.tokenizer, seq, k)
 
     if body.stream:
@@ -146,7 +152,7 @@ async def completions(body: P.CompletionRequest, request: Request):
 
 
 async def chat(body: P.ChatCompletionRequest, request: Request):
-    st, t0 = request.app.state, time.perf_counter()
+    st, t0 = server_state(request.app), time.perf_counter()
     check_model(body.model, st.engine.model_name)
     for name in ("max_tokens", "max_completion_tokens"):  # the one not used must be in range too
         if (getattr(body, name) or 0) >= st.engine.max_model_len:
@@ -156,7 +162,7 @@ async def chat(body: P.ChatCompletionRequest, request: Request):
     seqs = await prepare(st, [ids], body, body.max_completion_tokens or body.max_tokens, body.n, field="messages")
     k = (body.top_logprobs or 0) if body.logprobs else None
 
-    def logprobs(seq: Any) -> P.ChatLogprobs | None:
+    def logprobs(seq: Sequence) -> P.ChatLogprobs | None:
         return None if k is None else chat_logprobs(st.prompts.tokenizer, seq, k)
 
     if body.stream:
@@ -176,11 +182,11 @@ async def chat(body: P.ChatCompletionRequest, request: Request):
                                     usage=usage, version=max(s.trace.version for s in seqs))
 
 
-def _stream(request: Request, endpoint: str, body: P._OpenAIBase, seqs: list[Any], chunk: Callable[..., Any],
-            prefixes: list[str] | None, logprobs: Callable[[Any], Any], num_top: int,
-            prompts: list[Any] | None = None):
+def _stream(request: Request, endpoint: str, body: P._OpenAIBase, seqs: list[Sequence], chunk: Callable[..., Any],
+            prefixes: list[str] | None, logprobs: Callable[[Sequence], BaseModel | None], num_top: int,
+            prompts: list[str | list[int]] | None = None) -> StreamingResponse:
     """SSE response: per-block text deltas, a finish chunk per choice (with its record_id), usage, [DONE]."""
-    st = request.app.state
+    st = server_state(request.app)
     is_chat = endpoint.endswith("chat/completions")
     rid = P.new_id("chatcmpl" if is_chat else "cmpl")
     stops = body.stop_list()

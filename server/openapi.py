@@ -25,6 +25,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from rollout_client import protocol as P
+from server.state import server_state
 
 ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
@@ -105,9 +106,10 @@ def _limit_prompt(node: Any, limits: dict[str, int]) -> None:
 
 
 def _limit_requests(schema: dict[str, Any], app: FastAPI) -> None:
-    engine, backend = app.state.engine, app.state.engine.backend
+    st = server_state(app)
+    engine, backend = st.engine, st.engine.backend
     limits = {"vocab": backend.vocab_size, "mask": backend.mask_token_id, "ids": engine.max_model_len - 1,
-              "chars": app.state.prompts.max_chars, "prompts": engine.scheduler.max_queue}
+              "chars": st.prompts.max_chars, "prompts": engine.scheduler.max_queue}
     models = schema.get("components", {}).get("schemas", {})
     for name in ("GenerateRequest", "CompletionRequest", "ChatCompletionRequest"):
         props = models.get(name, {}).get("properties", {})
@@ -126,7 +128,7 @@ def _limit_requests(schema: dict[str, Any], app: FastAPI) -> None:
 def _limit_feedback(schema: dict[str, Any], app: FastAPI) -> None:
     """The labels a feedback may carry are the server's `feedback_labels`."""
     props = schema.get("components", {}).get("schemas", {}).get("FeedbackRequest", {}).get("properties", {})
-    labels = sorted(getattr(app.state.config, "feedback_labels", {}) or {})
+    labels = sorted(server_state(app).config.feedback_labels)
     for sub in props.get("label", {}).get("anyOf", []):
         if sub.get("type") == "string":
             sub["enum"] = labels
@@ -139,7 +141,7 @@ def install_openapi(app: FastAPI) -> None:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description,
                                  routes=app.routes)
-            _document_errors(schema, bool(getattr(app.state, "feedback_token", "")))
+            _document_errors(schema, bool(server_state(app).feedback_token))
             _limit_requests(schema, app)
             _limit_feedback(schema, app)
             app.openapi_schema = schema

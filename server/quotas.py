@@ -27,14 +27,20 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import yaml
+from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dllm.configlib import ConfigError
 from server.errors import APIError, error_body
 from server.middleware import GENERATION_PATHS, _send_json
+from server.state import server_state
+
+if TYPE_CHECKING:
+    from server.config import ServerConfig
 
 ENV_VAR = "DLRL_API_KEYS"
 _current: contextvars.ContextVar[KeyState | None] = contextvars.ContextVar("dlrl_api_key", default=None)
@@ -167,10 +173,10 @@ def charge_tokens(num_tokens: int) -> None:
 class QuotaGuard:
     """ASGI middleware: API keys and their limits on generation routes, the feedback cap."""
 
-    def __init__(self, app: Any, quotas: Quotas):
+    def __init__(self, app: ASGIApp, quotas: Quotas):
         self.app, self.quotas = app, quotas
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "") if scope["type"] == "http" else ""
         if path in GENERATION_PATHS and self.quotas.keys:
             return await self._generation(scope, receive, send)
@@ -178,15 +184,15 @@ class QuotaGuard:
             return await self._feedback(scope, receive, send)
         return await self.app(scope, receive, send)
 
-    async def _generation(self, scope: dict, receive: Any, send: Any) -> None:
+    async def _generation(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = dict(scope.get("headers", ()))
         try:
             key = self.quotas.identify(headers.get(b"authorization", b"").decode("latin-1"))
-            if key != "admin":
+            if not isinstance(key, str):  # "admin": the admin token has no limits
                 self.quotas.admit(key)
         except APIError as e:
             return await _refuse(send, e)
-        if key == "admin":
+        if isinstance(key, str):
             return await self.app(scope, receive, send)
         token = _current.set(key)
         try:
@@ -195,7 +201,7 @@ class QuotaGuard:
             _current.reset(token)
             self.quotas.release(key)
 
-    async def _feedback(self, scope: dict, receive: Any, send: Any) -> None:
+    async def _feedback(self, scope: Scope, receive: Receive, send: Send) -> None:
         q = self.quotas
         with q._lock:
             full = q.feedback_in_flight >= q.max_feedback
@@ -211,16 +217,17 @@ class QuotaGuard:
                 q.feedback_in_flight -= 1
 
 
-async def _refuse(send: Any, e: APIError) -> None:
+async def _refuse(send: Send, e: APIError) -> None:
     headers = [(k.lower().encode(), v.encode()) for k, v in (e.headers or {}).items()]
     await _send_json(send, e.status, error_body(e.status, e.message, e.param), headers)
 
 
-def install(app: Any, config: Any) -> None:
+def install(app: FastAPI, config: ServerConfig) -> None:
     """Add the QuotaGuard when keys or a feedback cap are configured (server.app)."""
     keys = load_keys(config.api_keys_file)
     if keys or config.max_concurrent_feedback:
-        app.add_middleware(QuotaGuard, quotas=Quotas(keys, app.state.admin_token, app.state.feedback_token,
+        st = server_state(app)
+        app.add_middleware(QuotaGuard, quotas=Quotas(keys, st.admin_token, st.feedback_token,
                                                      config.max_concurrent_feedback))
 
 

@@ -32,14 +32,21 @@ import logging
 import random
 import threading
 import time
-from collections import deque
+from collections import abc, deque
 from concurrent.futures import Future, InvalidStateError
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dllm.configlib import ConfigError
+from dllm.sequence import Sequence
 from dllm.trace import FinishReason
 from server.store_health import StoreHealth
 from store import FeedbackStore, Record, new_record_id, open_store
+
+if TYPE_CHECKING:
+    from server.config import ServerConfig
+    from server.engine import Engine
+    from server.metrics import ServerMetrics
+    from server.state import ServerState
 
 log = logging.getLogger("dlrl.server")
 MODES = ("none", "sample", "all")
@@ -48,7 +55,7 @@ _TRANSIENT = ("disk_full", "io_error", "unavailable", "locked")  # retried; any 
 
 class Recorder:
     def __init__(self, store: FeedbackStore, *, mode: str = "none", fraction: float = 0.1, server: str = "",
-                 metrics: Any = None, max_pending: int = 10_000, wait_s: float = 5.0, max_batch: int = 256,
+                 metrics: ServerMetrics | None = None, max_pending: int = 10_000, wait_s: float = 5.0, max_batch: int = 256,
                  error_log_s: float = 30.0, seed: int | None = None):
         if mode not in MODES:
             raise ValueError(f"server.record: must be one of {MODES}, got {mode!r}")
@@ -68,7 +75,7 @@ class Recorder:
         self._writer.start()
 
     @classmethod
-    def from_config(cls, config: Any, engine: Any, metrics: Any = None) -> Recorder | None:
+    def from_config(cls, config: ServerConfig, engine: Engine, metrics: ServerMetrics | None = None) -> Recorder | None:
         """The app's recorder: None when neither recording nor feedback needs the store."""
         if config.record == "none" and not config.resolved_feedback_token():
             return None
@@ -91,7 +98,7 @@ class Recorder:
             return True
         return self.mode == "sample" and self._rng.random() < self.fraction
 
-    async def record(self, items: list[tuple[Any, str | None]]) -> list[str | None]:
+    async def record(self, items: list[tuple[Sequence, str | None]]) -> list[str | None]:
         """Record the chosen finished samples of one request; their ids once committed (else None)."""
         ids: list[str | None] = [None] * len(items)
         chosen: list[tuple[int, Record]] = []
@@ -122,7 +129,9 @@ class Recorder:
             ids[i] = rec.id
         return ids
 
-    def _to_record(self, seq: Any, prompt: str | None) -> Record:
+    def _to_record(self, seq: Sequence, prompt: str | None) -> Record:
+        if seq.finish_reason is None:
+            raise ValueError("only a finished sequence is recorded")
         trace = {**seq.trace.to_dict(), "finish_reason": seq.finish_reason}
         return Record(id=new_record_id(), created=time.time(), server=self.server, version=int(seq.trace.version),
                       prompt=prompt, prompt_ids=list(seq.prompt_ids), completion_ids=list(seq.completion_ids),
@@ -255,10 +264,11 @@ def _redact(url: str) -> str:
     return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}" if ":" in creds else url
 
 
-async def record_ids(state: Any, seqs: list[Any], prompts: list[Any] | None = None, n: int = 1) -> list[str | None]:
+async def record_ids(state: ServerState, seqs: list[Sequence], prompts: abc.Sequence[object] | None = None,
+                     n: int = 1) -> list[str | None]:
     """The record_id of each finished sequence of a request (prompt-major, n per prompt; all
     None when the server records nothing). Text prompts are stored; token-id prompts as None."""
-    recorder = getattr(state, "recorder", None)
+    recorder = state.recorder
     if recorder is None or recorder.mode == "none":
         return [None] * len(seqs)
     items = [(seq, p if isinstance(p := (prompts[i // n] if prompts else None), str) else None)
@@ -266,5 +276,5 @@ async def record_ids(state: Any, seqs: list[Any], prompts: list[Any] | None = No
     return await recorder.record(items)
 
 
-async def record_one(state: Any, seq: Any, prompt: Any = None) -> str | None:
+async def record_one(state: ServerState, seq: Sequence, prompt: object = None) -> str | None:
     return (await record_ids(state, [seq], [prompt]))[0]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
@@ -24,6 +25,7 @@ from server.auth import check_bearer
 from server.config import FEEDBACK_ENV_VAR
 from server.errors import APIError
 from server.openapi import error_responses
+from server.state import server_state
 from store import FeedbackConflict, error_cause
 
 log = logging.getLogger("dlrl.server")
@@ -31,15 +33,14 @@ log = logging.getLogger("dlrl.server")
 
 async def require_feedback(request: Request) -> None:
     """FastAPI dependency: 403 disabled (no feedback token), 401 missing, 403 wrong token, 429 throttled."""
-    token = getattr(request.app.state, "feedback_token", "")
-    check_bearer(token, request.headers.get("authorization"), what="feedback",
+    check_bearer(server_state(request.app).feedback_token, request.headers.get("authorization"), what="feedback",
                  disabled_hint=f"set server.feedback_token or {FEEDBACK_ENV_VAR}", request=request)
 
 
 router = APIRouter(tags=["feedback"], dependencies=[Depends(require_feedback)])
 
 
-RESPONSES = {**error_responses(400, 413, 503),
+RESPONSES: dict[int | str, dict[str, Any]] = {**error_responses(400, 413, 503),
              **{code: {"model": ErrorResponse, "description": text} for code, text in (
                  (403, "Wrong feedback token (the admin token is not one), or feedback disabled on this server "
                        "(no feedback token configured)"),
@@ -49,14 +50,17 @@ RESPONSES = {**error_responses(400, 413, 503),
 
 @router.post("/v1/feedback", response_model=FeedbackResponse, responses=RESPONSES)
 async def feedback(body: FeedbackRequest, request: Request) -> FeedbackResponse:
-    st = request.app.state
+    st = server_state(request.app)
     recorder = st.recorder
+    if recorder is None:  # create_app opens the store whenever a feedback token is set (server.recording)
+        raise APIError(503, "feedback store unavailable (no server.store open); retry later")
     if body.label is not None:
         labels = st.config.feedback_labels
         if body.label not in labels:
             raise APIError(400, f"label: {body.label!r} is not one of {sorted(labels)}", "label")
         reward = float(labels[body.label])
     else:
+        assert body.reward is not None  # FeedbackRequest: exactly one of reward and label
         reward = float(body.reward)
     try:
         is_new = await asyncio.to_thread(recorder.add_feedback, body.id, reward, body.label)

@@ -18,6 +18,7 @@ from server import openai_api
 from server.generation import prepare, run_to_completion, to_sample
 from server.openapi import error_responses
 from server.recording import record_ids
+from server.state import server_state
 
 router = APIRouter(tags=["generation"])
 ERRORS = error_responses(400, 404, 408, 413, 429, 503)
@@ -34,7 +35,7 @@ def _json_or_sse(model: type) -> dict:
 
 @router.post("/generate", response_model=P.GenerateResponse, responses=ERRORS)
 async def generate(body: P.GenerateRequest, request: Request) -> P.GenerateResponse:
-    st, t0 = request.app.state, time.perf_counter()
+    st, t0 = server_state(request.app), time.perf_counter()
     openai_api.check_model(body.model, st.engine.model_name)
     field = "prompt" if body.prompt is not None else "prompt_ids"
     max_tokens = body.max_tokens if "max_tokens" in body.model_fields_set else None
@@ -62,6 +63,6 @@ async def chat_completions(body: P.ChatCompletionRequest, request: Request):
 
 @router.get("/v1/models", response_model=P.ModelList)
 async def models(request: Request) -> P.ModelList:
-    engine = request.app.state.engine
+    engine = server_state(request.app).engine
     return P.ModelList(data=[P.ModelCard(id=engine.model_name, max_model_len=engine.max_model_len,
                                          version=engine.version)])

@@ -19,15 +19,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rollout_client import protocol as P
 from server.auth import require_admin
+from server.engine import Engine
 from server.errors import error_response
 from server.metrics import CONTENT_TYPE, kv_pages
 from server.openapi import error_responses
+from server.state import server_state
 
 router = APIRouter(tags=["service"])
 admin = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
 
 
-def _health(engine, is_draining: bool = False) -> P.HealthResponse:
+def _health(engine: Engine, is_draining: bool = False) -> P.HealthResponse:
     status = "ok" if engine.is_running else "stopped"
     used, total = kv_pages(engine) or (None, None)
     return P.HealthResponse(status=status, model=engine.model_name, version=engine.version,
@@ -36,20 +38,22 @@ def _health(engine, is_draining: bool = False) -> P.HealthResponse:
                             num_kv_pages_used=used, num_kv_pages_total=total)
 
 
-def _status(engine) -> P.EngineStatus:
+def _status(engine: Engine) -> P.EngineStatus:
     return P.EngineStatus(is_paused=engine.is_paused, version=engine.version,
                           num_running=engine.num_running, num_waiting=engine.num_waiting)
 
 
 @router.get("/health", response_model=P.HealthResponse)
 async def health(request: Request) -> P.HealthResponse:
-    return _health(request.app.state.engine, request.app.state.is_draining)
+    st = server_state(request.app)
+    return _health(st.engine, st.is_draining)
 
 
 @router.get("/ready", response_model=P.HealthResponse, responses=error_responses(503))
 async def ready(request: Request):
-    engine = request.app.state.engine
-    if request.app.state.is_draining:
+    st = server_state(request.app)
+    engine = st.engine
+    if st.is_draining:
         return error_response(503, "not ready: shutting down")
     if not engine.is_running or engine.model is None:
         return error_response(503, "not ready: model not loaded or engine stopped")
@@ -61,19 +65,19 @@ async def ready(request: Request):
 @router.get("/metrics", response_class=Response, responses={200: {
     "description": "Prometheus text exposition format", "content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}})
 async def metrics(request: Request) -> Response:
-    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
+    return Response(server_state(request.app).metrics.render(), media_type=CONTENT_TYPE)
 
 
 @admin.post("/pause", response_model=P.EngineStatus)
 async def pause(request: Request, body: P.PauseRequest | None = None) -> P.EngineStatus:
-    engine = request.app.state.engine
+    engine = server_state(request.app).engine
     await engine.pause(abort_inflight=bool(body and body.abort_inflight))
     return _status(engine)
 
 
 @admin.post("/resume", response_model=P.EngineStatus)
 async def resume(request: Request) -> P.EngineStatus:
-    engine = request.app.state.engine
+    engine = server_state(request.app).engine
     await engine.resume()
     return _status(engine)
 
@@ -85,11 +89,11 @@ class ModelNameRequest(BaseModel):
 
 @admin.post("/model_name", response_model=P.HealthResponse)
 async def model_name(body: ModelNameRequest, request: Request) -> P.HealthResponse:
-    engine = request.app.state.engine
-    engine.model_name = body.name
-    return _health(engine, request.app.state.is_draining)
+    st = server_state(request.app)
+    st.engine.model_name = body.name
+    return _health(st.engine, st.is_draining)
 
 
 @admin.get("/status", response_model=P.EngineStatus)
 async def status(request: Request) -> P.EngineStatus:
-    return _status(request.app.state.engine)
+    return _status(server_state(request.app).engine)

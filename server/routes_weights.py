@@ -19,7 +19,7 @@ began is a 409 naming the owner, before anything is read or changed (docs/SECURI
 Errors are 4xx JSON naming the problem: 409 stale version / update already running / no update,
 400 bad manifest or data (truncated bucket, checksum mismatch, NaN/inf weights), 400 for a
 malformed body (the app's validation mapping). The WeightUpdates glue lives in
-`app.state.weight_updates`, created on first use from `app.state.engine` / `.config`.
+`ServerState.weight_updates` (server.state), created on first use from its engine and config.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse
 
 from rollout_client.protocol import ErrorResponse
 from server.auth import require_admin
+from server.state import server_state
 from server.weight_updates import WeightUpdates, make_updates
 from weight_sync.errors import WeightSyncError
 from weight_sync.protocol import (
@@ -58,11 +59,10 @@ router = APIRouter(prefix="/weights", tags=["weights"], dependencies=[Depends(re
 
 
 def get_updates(request: Request) -> WeightUpdates:
-    state = request.app.state
-    updates = getattr(state, "weight_updates", None)
-    if updates is None:
-        updates = state.weight_updates = make_updates(state.engine, getattr(state, "config", None))
-    return updates
+    state = server_state(request.app)
+    if state.weight_updates is None:
+        state.weight_updates = make_updates(state.engine, state.config)
+    return state.weight_updates
 
 
 async def _call(step: str, coro: Awaitable[dict[str, Any]]) -> dict[str, Any]:
@@ -141,9 +141,7 @@ async def checksum(request: Request) -> dict[str, Any]:
           "not finish within weight_sync_drain_timeout_s (retry, or pass abort_inflight)"}})
 async def rollback(body: RollbackRequest, request: Request) -> dict[str, Any]:
     result = await _call("rollback", get_updates(request).rollback(body.version, body.abort_inflight))
-    metrics = getattr(request.app.state, "metrics", None)
-    if metrics is not None:
-        metrics.rollbacks.inc()
+    server_state(request.app).metrics.rollbacks.inc()
     return result
 
 

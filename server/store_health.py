@@ -16,15 +16,18 @@ import logging
 import threading
 import time
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING
 
 from store import error_cause
+
+if TYPE_CHECKING:
+    from server.metrics import ServerMetrics
 
 log = logging.getLogger("dlrl.server")
 
 
 class StoreHealth:
-    def __init__(self, metrics: Any = None, *, log_every_s: float = 30.0):
+    def __init__(self, metrics: ServerMetrics | None = None, *, log_every_s: float = 30.0):
         self.metrics = metrics
         self.log_every_s = float(log_every_s)
         self._lock = threading.Lock()

@@ -30,8 +30,12 @@ from __future__ import annotations
 import json
 import math
 import time
+from typing import TYPE_CHECKING, Any
 
 from store.types import VERSION_STATUSES, FeedbackConflict, FeedbackStore, Labeled, Record
+
+if TYPE_CHECKING:
+    from psycopg import Cursor
 
 SCHEMA_VERSION = 1
 _MIGRATIONS = {
@@ -66,6 +70,14 @@ def _row(r: Record) -> tuple:
     return (r.id, float(r.created), r.server, int(r.version), r.prompt, json.dumps(list(r.prompt_ids)),
             json.dumps(list(r.completion_ids)), r.text, r.finish_reason, json.dumps(r.trace),
             json.dumps(r.sampling))
+
+
+def _one_row(cur: Cursor[Any]) -> tuple:
+    """The row of a query that always returns one (an aggregate, UPDATE ... RETURNING of a kept row)."""
+    row = cur.fetchone()
+    if row is None:
+        raise RuntimeError("feedback store: a query that returns one row returned none")
+    return row
 
 
 def _record(row: tuple) -> Record:
@@ -103,7 +115,7 @@ class PostgresStore(FeedbackStore):
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_MIGRATE,))
             conn.execute("CREATE TABLE IF NOT EXISTS dlrl_schema_version "
                          "(version INTEGER PRIMARY KEY, applied DOUBLE PRECISION NOT NULL)")
-            current = conn.execute("SELECT COALESCE(MAX(version), 0) FROM dlrl_schema_version").fetchone()[0]
+            current = _one_row(conn.execute("SELECT COALESCE(MAX(version), 0) FROM dlrl_schema_version"))[0]
             if current > SCHEMA_VERSION:
                 raise RuntimeError(f"store schema version {current} is newer than this dlrl's ({SCHEMA_VERSION}): "
                                    "upgrade dlrl")
@@ -116,7 +128,7 @@ class PostgresStore(FeedbackStore):
 
     def _one(self, sql: str, args: tuple = ()) -> tuple:
         with self._pool.connection() as conn:
-            return conn.execute(sql, args).fetchone()
+            return _one_row(conn.execute(sql, args))
 
     def _all(self, sql: str, args: tuple = ()) -> list[tuple]:
         with self._pool.connection() as conn:
@@ -255,12 +267,12 @@ class PostgresStore(FeedbackStore):
 
     def stats(self) -> dict:
         with self._pool.connection() as conn:
-            num_records = conn.execute("SELECT n FROM dlrl_counts WHERE name = 'records'").fetchone()[0]
-            oldest, newest = conn.execute("SELECT MIN(created), MAX(created) FROM dlrl_records").fetchone()
-            counts = [conn.execute(f"SELECT COUNT(*) FROM dlrl_{t}").fetchone()[0]
+            num_records = _one_row(conn.execute("SELECT n FROM dlrl_counts WHERE name = 'records'"))[0]
+            oldest, newest = _one_row(conn.execute("SELECT MIN(created), MAX(created) FROM dlrl_records"))
+            counts = [_one_row(conn.execute(f"SELECT COUNT(*) FROM dlrl_{t}"))[0]
                       for t in ("feedback", "versions", "events")]
-            num_bytes = conn.execute("SELECT SUM(pg_total_relation_size(c)) FROM unnest(ARRAY['dlrl_records', "
-                                     "'dlrl_feedback', 'dlrl_versions', 'dlrl_events']::regclass[]) c").fetchone()[0]
+            num_bytes = _one_row(conn.execute("SELECT SUM(pg_total_relation_size(c)) FROM unnest(ARRAY['dlrl_records', "
+                                          "'dlrl_feedback', 'dlrl_versions', 'dlrl_events']::regclass[]) c"))[0]
         return {"num_records": num_records, "num_feedback": counts[0], "num_versions": counts[1],
                 "num_events": counts[2], "bytes": int(num_bytes or 0), "oldest": oldest, "newest": newest,
                 "max_records": self.max_records, "max_age_s": self.max_age_s}

@@ -182,6 +182,7 @@ def test_hf_state_dict_loads_into_fused_parameters():
 @pytest.fixture()
 def served_fused_model():
     from server import routes_weights
+    from server.state import ServerState, attach
     from server.weight_updates import WeightUpdates
 
     torch.manual_seed(0)
@@ -189,8 +190,7 @@ def served_fused_model():
     from fastapi import FastAPI
 
     app = FastAPI()
-    app.state.engine, app.state.admin_token = engine, TOKEN
-    app.state.weight_updates = WeightUpdates(engine, keep_versions=2)
+    attach(app, ServerState(engine, admin_token=TOKEN, weight_updates=WeightUpdates(engine, keep_versions=2)))
     app.include_router(routes_weights.router)
     with ReceiverServer(app) as srv:
         srv.engine = engine

@@ -14,6 +14,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from server.state import server_state
 from store import open_store
 from tests.helpers import start_server_process, wait_until
 
@@ -38,7 +39,7 @@ def _sse_chunks(resp: httpx.Response) -> list[dict]:
 
 
 def _stored(srv, record_id: str):
-    srv.app.state.recorder.flush()
+    server_state(srv.app).recorder.flush()
     with open_store(srv.config.store) as st:
         return st.get_record(record_id)
 
@@ -156,7 +157,7 @@ def _metric(url: str, name: str) -> float:
 def test_store_failure_never_fails_a_request(rec_server):
     """A failing store: requests answer at once without ids; a transient cause (full disk) keeps
     the records queued and writes them when the store returns, any other cause drops them."""
-    url, recorder = rec_server.url, rec_server.app.state.recorder
+    url, recorder = rec_server.url, server_state(rec_server.app).recorder
     real = recorder.store.add_records
     written_before = _metric(url, "dlrl_records_total")
 
@@ -203,7 +204,7 @@ def test_sampled_fraction_and_bound_under_load(make_server, tmp_path):
         ids = [i for batch in pool.map(burst, range(10)) for i in batch]
     num_recorded = sum(i is not None for i in ids)
     assert 400 * 0.3 - 40 <= num_recorded <= 400 * 0.3 + 40, num_recorded  # binomial(400, 0.3): sd 9.2
-    srv.app.state.recorder.flush()
+    server_state(srv.app).recorder.flush()
     with open_store(srv.config.store) as st:
         assert st.stats()["num_records"] == 40  # the newest 40 of ~120 written
     assert f"dlrl_records_total {float(num_recorded)}" in httpx.get(srv.url + "/metrics").text

@@ -15,6 +15,8 @@ import time
 import httpx
 import pytest
 
+from server.state import server_state
+
 EIGHT_MIB = 8 << 20
 
 
@@ -138,7 +140,7 @@ class _SlowTokenizer:
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "1+2"}], "max_tokens": 2}),
 ])
 def test_tokenising_never_blocks_the_event_loop(roomy_server, path, body):
-    prompts = roomy_server.app.state.prompts
+    prompts = server_state(roomy_server.app).prompts
     inner = prompts.tokenizer
     prompts.tokenizer = _SlowTokenizer(inner, delay=1.5)
     try:

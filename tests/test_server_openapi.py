@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from server.metrics import CONTENT_TYPE
+from server.state import server_state
 
 CONFIG = """
 [generation]
@@ -88,7 +89,7 @@ def test_document_states_statuses_limits_and_types(fuzz_server):
     assert ids["items"]["maximum"] == engine.backend.vocab_size - 1
     assert ids["items"]["not"] == {"enum": [engine.backend.mask_token_id]}
     text = gen["properties"]["prompt"]["anyOf"][0]
-    assert text["minLength"] == 1 and text["maxLength"] == fuzz_server.app.state.prompts.max_chars
+    assert text["minLength"] == 1 and text["maxLength"] == server_state(fuzz_server.app).prompts.max_chars
     steps = [s for s in gen["properties"]["steps"]["anyOf"] if s.get("type") == "integer"][0]
     assert steps["maximum"] == engine.backend.block_size
     temperature = gen["properties"]["temperature"]["anyOf"]

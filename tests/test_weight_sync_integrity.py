@@ -27,6 +27,7 @@ import torch
 from fastapi import FastAPI
 
 from server import routes_weights
+from server.state import ServerState, attach
 from server.weight_updates import make_updates
 from weight_sync import NonFiniteWeights, UpdateFailed, WeightReceiver, WeightSender, protocol, weights_digest
 from weight_sync import control as control_module
@@ -206,8 +207,7 @@ def serve(app: FastAPI):
 
 def make_app(engine: Engine) -> FastAPI:
     app = FastAPI()
-    app.state.engine, app.state.admin_token = engine, TOKEN
-    app.state.weight_updates = make_updates(engine)
+    attach(app, ServerState(engine, admin_token=TOKEN, weight_updates=make_updates(engine)))
     app.include_router(routes_weights.router)
     return app
 

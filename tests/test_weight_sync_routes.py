@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient
 
 from dllm.weights import hf_tensors
 from server import routes_weights
+from server.state import ServerState, attach
 from server.weight_updates import WeightUpdates
 from weight_sync import weights_digest
 from weight_sync.bucket import pack_stream, plan_buckets, specs_of
@@ -56,9 +57,9 @@ def tiny_model(seed: int) -> torch.nn.Module:
 
 def make_client(model: torch.nn.Module) -> tuple[TestClient, Engine]:
     app = FastAPI()
-    app.state.engine, app.state.admin_token = Engine(model), TOKEN
+    st = attach(app, ServerState(Engine(model), admin_token=TOKEN))
     app.include_router(routes_weights.router)
-    return TestClient(app), app.state.engine
+    return TestClient(app), st.engine
 
 
 def packed(model: torch.nn.Module, version: int) -> tuple[dict, list[torch.Tensor]]:
@@ -107,8 +108,8 @@ def test_http_update_pauses_applies_resumes():
 def make_updates_app(model: torch.nn.Module, drain_timeout_s: float) -> tuple[FastAPI, Engine]:
     app = FastAPI()
     engine = Engine(model)
-    app.state.engine, app.state.admin_token = engine, TOKEN
-    app.state.weight_updates = WeightUpdates(engine, drain_timeout_s=drain_timeout_s)
+    attach(app, ServerState(engine, admin_token=TOKEN,
+                            weight_updates=WeightUpdates(engine, drain_timeout_s=drain_timeout_s)))
     app.include_router(routes_weights.router)
     return app, engine
 

@@ -32,6 +32,7 @@ import torch
 from fastapi import FastAPI
 
 from server import routes_weights
+from server.state import ServerState, attach
 from server.weight_updates import make_updates
 from weight_sync import WeightSyncError, close_all, push
 
@@ -105,9 +106,8 @@ class FakeEngine:
 
 def make_app(engine: FakeEngine, timeout_s: float = 30.0) -> FastAPI:
     app = FastAPI()
-    app.state.engine, app.state.admin_token = engine, TOKEN
-    app.state.weight_updates = make_updates(engine)
-    app.state.weight_updates.receiver.lease_s = timeout_s
+    st = attach(app, ServerState(engine, admin_token=TOKEN, weight_updates=make_updates(engine)))
+    st.weight_updates.receiver.lease_s = timeout_s
     app.include_router(routes_weights.router)
     return app
 

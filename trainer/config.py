@@ -21,6 +21,8 @@ from trainer.rewards.sandbox import SandboxMode
 from trainer.trackers import Tracker
 from weight_sync.protocol import Transport
 
+DEFAULT_TRACKERS: list[Tracker] = ["tensorboard"]  # train.report_to
+
 
 class ServerKeys(Config, extra="ignore"):
     """The keys of the `server` section the trainer reads (the admin token it pushes with); the
@@ -120,7 +122,7 @@ class TrainConfig(Config):
     seed: int = 0  # seed of prompt sampling, rollouts and initialisation
     num_threads: int = Field(0, ge=0)  # torch CPU threads (0 = torch's default)
     tensorboard: bool = True  # write TensorBoard logs to output_dir/tb (false: drops tensorboard from report_to)
-    report_to: list[Tracker] = Field(default_factory=lambda: ["tensorboard"])  # tensorboard, wandb, mlflow, trackio
+    report_to: list[Tracker] = Field(default_factory=DEFAULT_TRACKERS.copy)  # tensorboard, wandb, mlflow, trackio
     metrics_port: int = Field(0, ge=0, lt=65536)  # Prometheus /metrics of the run on this port (rank 0; 0: off)
     metrics_host: str = "127.0.0.1"  # bind address of train.metrics_port
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -129,6 +130,15 @@ def source_problem(spec: str) -> str:
     return problem(spec)
 
 
+class Sampler(Protocol):
+    """Where a run draws each step's prompts from: `PromptSampler`, or dlrl align's growing
+    sources (trainer.align_data). Its state is checkpointed with the run."""
+
+    def next_batch(self) -> list[dict]: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+
+
 class PromptSampler:
     """Infinite seeded sampler over examples; epoch e uses permutation rng([seed, e])."""
 
@@ -148,7 +158,7 @@ class PromptSampler:
         return np.random.default_rng([self.seed, epoch]).permutation(n)
 
     def next_batch(self) -> list[dict]:
-        batch = []
+        batch: list[dict] = []
         while len(batch) < self.batch_size:
             if self.index == len(self._order):
                 self.epoch, self.index = self.epoch + 1, 0

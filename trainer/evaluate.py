@@ -24,6 +24,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from trainer.data import load_prompts
 from trainer.rewards import extract_boxed, score_batch
@@ -177,7 +178,7 @@ def evaluate(servers: list[str], examples: list[dict], reward_fn, settings: list
     if num_samples < 1:
         raise EvalError(f"num_samples: must be >= 1, got {num_samples}")
     prompts = prompts if prompts is not None else [e["prompt"] for e in examples]
-    sampling = {"max_tokens": max_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
+    sampling: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
                 "seed": seed}
     if stop:
         sampling["stop"] = list(stop)

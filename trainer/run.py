@@ -21,9 +21,10 @@ import logging
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,12 +36,21 @@ from trainer.learner import Learner
 from trainer.publish import Publisher
 from trainer.rollouts import RolloutSource
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from trainer.config import TrainConfig
+    from trainer.data import Sampler
+    from trainer.metrics_log import MetricsLogger
+    from trainer.rewards.registry import Reward
+    from trainer.train_metrics import TrainMetrics
+
 log = logging.getLogger("dlrl.train")
 
 
 @dataclass
 class Run:
-    cfg: Any
+    cfg: TrainConfig
     ranks: Ranks
     fleet: ServerFleet
     publisher: Publisher
@@ -48,13 +58,13 @@ class Run:
     rollouts: RolloutSource
     checkpointer: Checkpointer
     model_dir: Path
-    tokenizer: Any
-    reward_fn: Any
-    sampler: Any
+    tokenizer: PreTrainedTokenizerBase
+    reward_fn: Reward
+    sampler: Sampler
     eval_examples: list[dict]
     out: Path
-    logger: Any = None
-    prom: Any = None  # trainer.train_metrics.TrainMetrics (rank 0, train.metrics_port or dlrl align's port)
+    logger: MetricsLogger | None = None  # rank 0 only
+    prom: TrainMetrics | None = None  # rank 0, train.metrics_port or dlrl align's port
     start_step: int = 0
     resumed_metrics: dict[str, Any] = field(default_factory=dict)
     resumed_extra: dict[str, Any] = field(default_factory=dict)  # the caller's own state (checkpoint(extra=...))
@@ -253,7 +263,8 @@ def _build_learner(cfg, ranks: Ranks, policy) -> Learner:
     return Learner(cfg, ranks, engine, policy.config.mask_token_id, ref, value)
 
 
-def build_run(root: dict, config_path: str | None, overrides: list[str], sampler_factory=None) -> Run:
+def build_run(root: dict, config_path: str | None, overrides: list[str],
+              sampler_factory: Callable[[list[dict], PreTrainedTokenizerBase], Sampler] | None = None) -> Run:
     """root: the config's sections, read once (`train`, `model`, `task`, `sft`, `server` view);
     config_path / overrides are handed on to servers the run starts. `sampler_factory(train_examples,
     tokenizer)`: the prompt sampler (next_batch, state_dict, load_state_dict) instead of `PromptSampler`

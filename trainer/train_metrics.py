@@ -18,7 +18,7 @@ import math
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, TypeGuard
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -100,5 +100,5 @@ class TrainMetrics(MetricsEndpoint):
             if value is not None:
                 self.gauges[name].set(value)
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -31,7 +31,7 @@ class Hasher:
 
     def update(self, buf: torch.Tensor) -> None:
         if buf.numel():
-            self._h.update(memoryview(buf.numpy()))
+            self._h.update(memoryview(buf.numpy()))  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
 
     def value(self) -> int:
         return self._h.intdigest()
@@ -39,7 +39,10 @@ class Hasher:
 
 def checksum(buf: torch.Tensor) -> int:
     """xxh3_64 of a flat uint8 CPU tensor, without copying it."""
-    return xxhash.xxh3_64_intdigest(memoryview(buf.numpy())) if buf.numel() else xxhash.xxh3_64_intdigest(b"")
+    if not buf.numel():
+        return xxhash.xxh3_64_intdigest(b"")
+    view = memoryview(buf.numpy())  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
+    return xxhash.xxh3_64_intdigest(view)
 
 
 def parallel_checksums(bufs: list[torch.Tensor], num_threads: int = 2) -> list[int]:

@@ -122,8 +122,9 @@ class SDARPreTrainedModel(PreTrainedModel):
         std = self.config.initializer_range
         if isinstance(module, (nn.Linear, nn.Embedding)):
             module.weight.data.normal_(0.0, std)
-            if getattr(module, "bias", None) is not None:
-                module.bias.data.zero_()
+            bias = getattr(module, "bias", None)
+            if bias is not None:
+                bias.data.zero_()
         elif isinstance(module, SDARRMSNorm):
             module.weight.data.fill_(1.0)
 

@@ -31,7 +31,8 @@ RUN_ID_HEADER = "X-Weights-Run-Id"
 
 
 def _chunks(buf: torch.Tensor, chunk: int = CHUNK_BYTES) -> Iterator[memoryview]:
-    mv = memoryview(buf.numpy())  # buf: [nbytes] uint8, contiguous CPU
+    mv = memoryview(buf.numpy())  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
+    # buf: [nbytes] uint8, contiguous CPU
     for start in range(0, len(mv), chunk):
         yield mv[start : start + chunk]
 
@@ -82,7 +83,8 @@ async def read_body_into(stream: AsyncIterator[bytes], dest: torch.Tensor,
     Raises UpdateFailed if the body is longer than `dest` (the caller checks for short).
     """
     cap, pos, next_renew = dest.numel(), 0, renew_bytes
-    view = memoryview(dest.numpy())  # writes go straight into the staging tensor
+    view = memoryview(dest.numpy())  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
+    # (the writes go straight into the staging tensor)
     async for chunk in stream:
         if renew is not None and pos >= next_renew:
             renew()

@@ -1,0 +1,71 @@
+"""ServerState: everything a dlrl server's handlers reach, one typed object on the app.
+
+    state = ServerState(engine, config, admin_token=token, metrics=ServerMetrics(engine))   # server.app
+    attach(app, state)
+    st = server_state(request.app)          # in a handler or a middleware (scope["app"])
+    st.engine, st.config, st.metrics, st.prompts, st.recorder, st.weight_updates, st.is_draining
+
+`server.app.create_app` builds the whole state; an app made of the weight routes alone (tests
+and benchmarks) attaches a ServerState of its engine with the rest left at the defaults: the
+default config, admin disabled unless `admin_token` is given, metrics of its own registry, no
+recorder, the weight-update glue and the tokenizer worker built on first use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+from starlette.applications import Starlette
+
+from server.config import ServerConfig
+from server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from server.auth import AuthGuard
+    from server.engine import Engine
+    from server.generation import PromptEncoder
+    from server.recording import Recorder
+    from server.weight_updates import WeightUpdates
+
+
+@dataclass(eq=False)
+class ServerState:
+    engine: Engine
+    config: ServerConfig = field(default_factory=ServerConfig)
+    admin_token: str = ""  # "" = admin endpoints disabled (server.auth)
+    feedback_token: str = ""  # "" = POST /v1/feedback disabled (server.routes_feedback)
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    recorder: Recorder | None = None  # server.recording, None without server.store
+    weight_updates: WeightUpdates | None = None  # server.routes_weights builds it on first use when None
+    auth_guard: AuthGuard | None = None  # server.auth.AuthGuard.from_app builds it on first use
+    is_draining: bool = False  # set by server.lifecycle.drain; read by server.middleware.RequestGuard
+    num_inflight: int = 0  # generation requests until their last byte is sent (server.middleware)
+
+    @cached_property
+    def prompts(self) -> PromptEncoder:
+        """The handlers' tokenizer worker (server.generation), built on first use: an app of the
+        weight routes alone (tests, benchmarks: an engine without a tokenizer) never needs one."""
+        # imported here, not at the top: server.generation -> quotas -> middleware -> this module
+        from server import generation
+
+        return generation.PromptEncoder(self.engine.tokenizer, self.engine.max_model_len)
+
+
+def attach(app: Starlette, state: ServerState) -> ServerState:
+    """Make `state` the one state of `app` (read back with `server_state`)."""
+    app.state.server = state
+    return state
+
+
+def server_state(app: Starlette) -> ServerState:
+    """The ServerState attached to `app` (a `Request.app`, or `scope["app"]` in a middleware)."""
+    state = getattr(app.state, "server", None)
+    if not isinstance(state, ServerState):
+        raise RuntimeError("this app has no ServerState: build it with server.app.create_app, or "
+                           "server.state.attach(app, ServerState(engine, ...))")
+    return state
+
+
+__all__ = ["ServerState", "attach", "server_state"]
