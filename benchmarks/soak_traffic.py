@@ -134,7 +134,7 @@ async def client(i: int, base: str, key: str, stop_at: float, stats: Stats, disc
                     outcome = "200"  # finished before the client hung up
                 else:
                     outcome = await _one(http, base + path, body, headers, stats)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 outcome = "disconnect"
             except httpx.HTTPError as e:
                 outcome = f"error:{type(e).__name__}"

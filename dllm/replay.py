@@ -55,7 +55,7 @@ class Sample(Protocol):
     def trace(self) -> SampleTrace | None: ...  # None: generated without return_trace, cannot be replayed
 
 
-def _trace(s: Sample) -> SampleTrace:
+def trace_of(s: Sample) -> SampleTrace:
     if s.trace is None:
         raise ValueError("trace: a sample without its decoding trace cannot be replayed (generate it with "
                          "return_trace=true)")
@@ -86,7 +86,7 @@ class Rows:
 
 def _sample_rows(s: Sample, block_size: int, mask_id: int, shrink: int):
     """-> list of (noisy ids, target flags, token idx) for one sample, plus its clean ids."""
-    P, tr = len(s.prompt_ids), _trace(s)
+    P, tr = len(s.prompt_ids), trace_of(s)
     gen_ids = list(s.completion_ids) + list(tr.tail_ids)
     gen_steps = list(tr.steps) + list(tr.tail_steps)
     clean = list(s.prompt_ids) + gen_ids

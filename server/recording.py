@@ -120,7 +120,7 @@ class Recorder:
             return ids
         try:
             written = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), self.wait_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             written = None
         if not written:
             self._withheld("store_failing" if written is False else "timeout", len(chosen))

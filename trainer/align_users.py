@@ -126,7 +126,7 @@ async def _user(i: int, cfg: UsersConfig, prompts: list[dict], token: str, stats
                 stats.error(f"{url}: {type(e).__name__}: {e}")
             try:
                 await asyncio.wait_for(stop.wait(), timeout=rng.uniform(0.5, 1.5) * cfg.think_time_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         if pending:
             await asyncio.wait(pending, timeout=cfg.feedback_delay_s + 10)
@@ -142,7 +142,7 @@ async def run_users(cfg: UsersConfig, prompts: list[dict], token: str) -> Stats:
     while not stop.is_set() and time.monotonic() < deadline:
         try:
             await asyncio.wait_for(stop.wait(), timeout=min(5.0, max(0.01, deadline - time.monotonic())))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             stats.write(path)
     stop.set()
     await asyncio.gather(*users)

@@ -17,14 +17,14 @@ import math
 
 import torch
 
-from dllm.replay import Rows, Sample, token_logprobs
+from dllm.replay import Rows, Sample, token_logprobs, trace_of
 
 
 def completion_rows(samples: list[Sample], block_size: int, pad_id: int) -> Rows:
     """One clean row per sample whose targets are all its completion tokens (for the
     random-masking / coupled baselines, which draw their own masks)."""
     n = len(samples)
-    seqs = [list(s.prompt_ids) + list(s.completion_ids) + list(s.trace.tail_ids) for s in samples]
+    seqs = [list(s.prompt_ids) + list(s.completion_ids) + list(trace_of(s).tail_ids) for s in samples]
     L = math.ceil(max(map(len, seqs), default=1) / block_size) * block_size
     clean = torch.full((n, L), pad_id, dtype=torch.long)
     valid = torch.zeros(n, L, dtype=torch.bool)
