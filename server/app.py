@@ -59,17 +59,13 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
         sweep()  # shared-memory regions left by pushers that died
         engine.start()
-        updates = getattr(app.state, "weight_updates", None)
-        if updates is not None:
-            updates.start_capture()  # keep the starting version for rollback
+        app.state.weight_updates.start_capture()  # keep the starting version for rollback
         yield
         engine.shutdown()
         app.state.prompts.close()
         if app.state.recorder is not None:
             app.state.recorder.close()
-        updates = getattr(app.state, "weight_updates", None)
-        if updates is not None:
-            updates.close()
+        app.state.weight_updates.close()
 
     app = FastAPI(title="dlrl server", version="0.1.0", lifespan=lifespan,
                   description="Block-diffusion LM generation (native and OpenAI-compatible) and admin API.")
@@ -86,7 +82,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     engine.scheduler.max_queue_tokens = config.max_queue_tokens or 4 * kv_cache_tokens(engine.backend)
     if app.state.recorder is not None:
         app.state.metrics.store = app.state.recorder.store  # store size gauges
-    app.state.weight_updates = make_updates(engine, config)  # keep_versions=0: nothing kept
+    app.state.weight_updates = make_updates(engine, config)  # the one WeightUpdates (routes_weights uses it)
     app.state.weight_updates.metrics = app.state.metrics
     install_error_handlers(app)
     install_quotas(app, config)  # inside RequestGuard: a draining server or a too large body is refused first

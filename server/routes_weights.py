@@ -18,8 +18,8 @@ bucket; absent = the anonymous run ""): a bucket, commit or abort of an update a
 began is a 409 naming the owner, before anything is read or changed (docs/SECURITY.md).
 Errors are 4xx JSON naming the problem: 409 stale version / update already running / no update,
 400 bad manifest or data (truncated bucket, checksum mismatch, NaN/inf weights), 400 for a
-malformed body (the app's validation mapping). The WeightUpdates glue lives in
-`app.state.weight_updates`, created on first use from `app.state.engine` / `.config`.
+malformed body (the app's validation mapping). The WeightUpdates glue is
+`app.state.weight_updates`, the one server.app.create_app builds (server.weight_updates.make_updates).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse
 
 from rollout_client.protocol import ErrorResponse
 from server.auth import require_admin
-from server.weight_updates import WeightUpdates, make_updates
+from server.weight_updates import WeightUpdates
 from weight_sync.errors import WeightSyncError
 from weight_sync.protocol import (
     AbortRequest,
@@ -58,11 +58,7 @@ router = APIRouter(prefix="/weights", tags=["weights"], dependencies=[Depends(re
 
 
 def get_updates(request: Request) -> WeightUpdates:
-    state = request.app.state
-    updates = getattr(state, "weight_updates", None)
-    if updates is None:
-        updates = state.weight_updates = make_updates(state.engine, getattr(state, "config", None))
-    return updates
+    return request.app.state.weight_updates
 
 
 async def _call(step: str, coro: Awaitable[dict[str, Any]]) -> dict[str, Any]:
