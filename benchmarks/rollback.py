@@ -30,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from sync import SIZES, StubEngine, free_port, module_from, sdar_like  # noqa: E402
+from sync import SIZES, free_port, idle_engine, module_from, sdar_like  # noqa: E402
 
 TOKEN = "bench"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -50,7 +50,7 @@ def serve(size: str, port: int, dtype: str) -> None:
 
     logging.basicConfig(level=logging.WARNING)
 
-    engine = StubEngine(module_from({n: t.to(getattr(torch, dtype)) for n, t in sdar_like(size, seed=1).items()}))
+    engine = idle_engine(module_from({n: t.to(getattr(torch, dtype)) for n, t in sdar_like(size, seed=1).items()}))
     updates = make_updates(engine, ServerConfig(keep_versions=2))
 
     @asynccontextmanager
