@@ -88,10 +88,10 @@ class WeightUpdates:
         return int(self.engine.version)
 
     def status(self) -> dict[str, Any]:
-        return {**self.receiver.status(), "version": self.version, "is_paused": bool(self.engine.is_paused)}
+        return {**self.receiver.status(), "is_paused": bool(self.engine.is_paused)}  # version: the engine's
 
     def state(self, version: int) -> dict[str, Any]:
-        return {**self.receiver.state(version), "served_version": self.version}
+        return self.receiver.state(version)  # served_version: the engine's
 
     async def connect(self, body: ConnectRequest) -> dict[str, Any]:
         return await asyncio.to_thread(self.receiver.connect, body.transport, body.manifest, body.options,

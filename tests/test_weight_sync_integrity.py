@@ -30,7 +30,8 @@ from fastapi import FastAPI
 from server import engine as engine_module
 from server import routes_weights
 from server.weight_updates import make_updates
-from weight_sync import NonFiniteWeights, UpdateFailed, WeightReceiver, WeightSender, protocol, weights_digest
+from tests.helpers import ServedTensors
+from weight_sync import NonFiniteWeights, UpdateFailed, WeightSender, protocol, weights_digest
 from weight_sync import control as control_module
 from weight_sync import sender as sender_module
 from weight_sync.bucket import pack_stream, plan_buckets, specs_of
@@ -46,29 +47,8 @@ def tensors(seed: int) -> dict[str, torch.Tensor]:
             "n": torch.randn(16, generator=g)}
 
 
-class Served:
-    """A served 'model' plus a receiver copying into it; it owns the served version (as the engine does)."""
-
-    def __init__(self, check_finite: bool = True):
-        self.params = tensors(0)
-        self.num_applied = 0
-        self.version = 0
-        self.rx = WeightReceiver(lambda: self.params, self.copy, served_version=lambda: self.version,
-                                 check_finite=check_finite)
-
-    def commit(self, version: int, checksums=None, run_id: str = "") -> None:
-        """What the server's engine does around the receiver: the copy, then it serves `version`."""
-        self.rx.commit(version, checksums, run_id)
-        self.version = version
-
-    def apply(self, version: int) -> None:
-        self.rx.apply(version)
-        self.version = version
-
-    def copy(self, named):
-        for name, t in named:
-            self.params[name].copy_(t)
-        self.num_applied += 1
+def Served(check_finite: bool = True) -> ServedTensors:  # noqa: N802 - the served model of these tests
+    return ServedTensors(tensors(0), check_finite=check_finite)
 
 
 @pytest.fixture

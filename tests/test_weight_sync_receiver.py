@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from tests.helpers import ServedTensors
 from weight_sync import NotOwner, UpdateConflict, UpdateFailed, WeightReceiver, weights_digest
 from weight_sync.bucket import pack_stream, plan_buckets, specs_of
 from weight_sync.checksum import checksum as crc32
@@ -25,36 +26,8 @@ def tensors(seed: int) -> dict[str, torch.Tensor]:
             "n": torch.randn(8, generator=g)}
 
 
-class Served:
-    """A served 'model' (dict of tensors) plus a receiver copying into it; it owns the served
-    version (as the server's engine does) and the receiver reads it."""
-
-    def __init__(self, lease_s: float = 30.0):
-        self.params = tensors(0)
-        self.applied = 0
-        self.fail_apply = False
-        self.version = 0
-        self.rx = WeightReceiver(lambda: self.params, self.copy, served_version=lambda: self.version,
-                                 lease_s=lease_s)
-
-    def commit(self, version: int, checksums=None, run_id: str = "") -> None:
-        """What the server's engine does around the receiver: the copy, then it serves `version`."""
-        self.rx.commit(version, checksums, run_id)
-        self.version = version
-
-    def apply(self, version: int) -> None:
-        self.rx.apply(version)
-        self.version = version
-
-    def copy(self, named):
-        if self.fail_apply:
-            raise ValueError("boom")
-        for name, t in named:
-            self.params[name].copy_(t)
-        self.applied += 1
-
-    def digest(self) -> str:
-        return weights_digest(self.params)
+def Served(lease_s: float = 30.0) -> ServedTensors:  # noqa: N802 - the served model of these tests
+    return ServedTensors(tensors(0), lease_s=lease_s)
 
 
 def packed(named: dict[str, torch.Tensor], version: int, bucket_bytes: int = 512) -> tuple[Manifest, list]:
@@ -159,7 +132,7 @@ def test_truncated_and_corrupt_buckets_leave_weights_unchanged(served):
         rx.bucket_written(0, bufs[0].numel(), crc32(bufs[0]) ^ 1, 1)
     with pytest.raises(UpdateFailed, match="incomplete"):
         served.commit(1)
-    assert rx.status()["update"] is None and served.digest() == before and served.version == 0 and not served.applied
+    assert rx.status()["update"] is None and served.digest() == before and served.version == 0 and not served.num_applied
 
 
 def test_bad_commit_checksum_aborts(served):
@@ -230,7 +203,7 @@ def test_abort_states_and_queryable_outcome(served):
     assert served.version == 1 and served.digest() == weights_digest(tensors(1))
     assert served.rx.state(1)["state"] == "applied" and served.rx.committed(1)
     served.commit(1)  # a retried commit of an applied version is a success (and a no-op)
-    assert served.applied == 1
+    assert served.num_applied == 1
 
 
 def test_stale_begin_times_out():
