@@ -69,7 +69,8 @@ class WeightReceiver:
                  lease_s: float = 30.0, staging_device: str | torch.device = "cpu", keep_staging: bool = True,
                  check_finite: bool = True):
         self._params_fn, self._apply_fn = named_params_fn, apply_fn
-        self.served_version, self.lease_s, self.staging_device = served_version, lease_s, torch.device(staging_device)
+        self._served_version = served_version  # the server's engine owns it; the receiver only reads it
+        self.lease_s, self.staging_device = lease_s, torch.device(staging_device)
         self.check_finite = check_finite
         self._lock = threading.RLock()
         self._apply_lock = threading.Lock()  # held while weights change (and while digesting)
@@ -88,7 +89,7 @@ class WeightReceiver:
                 "version": u.version, "transport": u.transport, "phase": u.phase, "run_id": u.run_id,
                 "buckets_received": sum(u.received), "num_buckets": len(u.received),
                 "lease_left_s": round(u.lease_left(), 3)}
-            return {"version": self.served_version(), "update": info, "last_failure": self.last_failure,
+            return {"version": self._served_version(), "update": info, "last_failure": self.last_failure,
                     "dtype": served_dtype(self._params())}
 
     def state(self, version: int) -> dict[str, Any]:
@@ -99,7 +100,7 @@ class WeightReceiver:
                 out = {"state": u.phase, "reason": "", "run_id": u.run_id}
             else:
                 out = self._outcomes.get(version)
-            return {"version": version, **out, "served_version": self.served_version()}
+            return {"version": version, **out, "served_version": self._served_version()}
 
     def check_owner(self, version: int, run_id: str) -> None:
         """NotOwner unless `version` (in progress, or its recorded outcome) belongs to `run_id`."""
@@ -193,7 +194,7 @@ class WeightReceiver:
             raise ManifestError(f"manifest.version: {m.version} != request version {version}")
         with self._lock:
             stale = self._claimable(run_id)  # another run's live update: 409, nothing changed
-            served = self.served_version()
+            served = self._served_version()
             if version <= served:
                 raise UpdateConflict(f"version: {version} is not greater than the current version {served}")
             device = check_against(m, self._params())
