@@ -5,7 +5,7 @@
 
 For each size (SDAR-shaped random tensors, benchmarks/sync.py `sdar_like`) it starts a
 receiver in ANOTHER process -- the real server.routes_weights + WeightUpdates glue with
-`keep_versions=2` over uvicorn and a no-op engine (its pause is instant, the same for both
+`keep_versions=2` over uvicorn and an idle engine (never started: its pause is instant, the same for both
 paths) -- and from this process, per transport: connects once, pushes versions 1..N
 (each with different weights), waits after each push until the server has copied it to host
 memory (the "keep" column: background work after every commit, off the request path), and
@@ -37,7 +37,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def serve(size: str, port: int, dtype: str) -> None:
-    """The receiver process: real weight routes with kept versions, a no-op engine."""
+    """The receiver process: real weight routes with kept versions, an idle engine."""
     import logging
     from contextlib import asynccontextmanager
 

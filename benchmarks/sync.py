@@ -7,7 +7,7 @@
 
 For each size it builds fp32 random tensors shaped like an SDAR/Qwen3 model (embeddings,
 q/k/v/o, gate/up/down, norms, untied lm_head), starts a receiver in ANOTHER process (the
-real server.routes_weights + WeightUpdates glue over uvicorn, with a no-op engine), and
+real server.routes_weights + WeightUpdates glue over uvicorn, with an idle engine), and
 from this process times, per transport: `WeightSender.connect` (one-time: shm region,
 dist group, server staging), the first push after it and the median of the following
 pushes. Baselines measured in the same run: a same-process memcpy of the same bytes
