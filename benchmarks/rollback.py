@@ -5,7 +5,7 @@
 
 For each size (SDAR-shaped random tensors, benchmarks/sync.py `sdar_like`) it starts a
 receiver in ANOTHER process -- the real server.routes_weights + WeightUpdates glue with
-`keep_versions=2` over uvicorn and a no-op engine (its pause is instant, the same for both
+`keep_versions=2` over uvicorn and an idle engine (never started: its pause is instant, the same for both
 paths) -- and from this process, per transport: connects once, pushes versions 1..N
 (each with different weights), waits after each push until the server has copied it to host
 memory (the "keep" column: background work after every commit, off the request path), and
@@ -30,14 +30,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from sync import SIZES, StubEngine, free_port, module_from, sdar_like  # noqa: E402
+from sync import SIZES, free_port, idle_engine, module_from, sdar_like  # noqa: E402
 
 TOKEN = "bench"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def serve(size: str, port: int, dtype: str) -> None:
-    """The receiver process: real weight routes with kept versions, a no-op engine."""
+    """The receiver process: real weight routes with kept versions, an idle engine."""
     import logging
     from contextlib import asynccontextmanager
 
@@ -51,7 +51,7 @@ def serve(size: str, port: int, dtype: str) -> None:
 
     logging.basicConfig(level=logging.WARNING)
 
-    engine = StubEngine(module_from({n: t.to(getattr(torch, dtype)) for n, t in sdar_like(size, seed=1).items()}))
+    engine = idle_engine(module_from({n: t.to(getattr(torch, dtype)) for n, t in sdar_like(size, seed=1).items()}))
     updates = make_updates(engine, ServerConfig(keep_versions=2))
 
     @asynccontextmanager

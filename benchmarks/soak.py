@@ -49,8 +49,7 @@ from benchmarks.soak_report import check_store, report, server_counters  # noqa:
 from benchmarks.soak_traffic import Stats, client, feedback_worker, flood_process  # noqa: E402
 from dllm.weights import load_pretrained  # noqa: E402
 from tests.postgres import PostgresServer  # noqa: E402
-from weight_sync import push  # noqa: E402
-from weight_sync.sender import close_all  # noqa: E402
+from weight_sync import WeightSender  # noqa: E402
 
 TOKEN = "soak-token"
 FEEDBACK_TOKEN = "soak-feedback-token"
@@ -77,17 +76,22 @@ def _model(tmp: Path) -> str:
 
 def _pusher(base: str, model_dir: str, transports: list[str], every: float, stop_at: float, stats: Stats) -> None:
     named = list(load_pretrained(model_dir).hf_named_tensors())
+    senders = {t: WeightSender([base], transport=t, token=TOKEN, timeout=120) for t in transports}  # kept open
     version = 0
-    while time.monotonic() + every < stop_at:
-        time.sleep(every)
-        version += 1
-        transport = transports[version % len(transports)]
-        t0 = time.monotonic()
-        try:
-            push([base], named, version=version, transport=transport, token=TOKEN, timeout=120)
-        except Exception as e:  # reported, never fatal
-            stats.push_errors.append(f"v{version} {transport}: {e}")
-        stats.pushes.append((t0, time.monotonic(), version, transport))
+    try:
+        while time.monotonic() + every < stop_at:
+            time.sleep(every)
+            version += 1
+            transport = transports[version % len(transports)]
+            t0 = time.monotonic()
+            try:
+                senders[transport].push(named, version=version)
+            except Exception as e:  # reported, never fatal
+                stats.push_errors.append(f"v{version} {transport}: {e}")
+            stats.pushes.append((t0, time.monotonic(), version, transport))
+    finally:
+        for sender in senders.values():  # shm region, dist group, http clients
+            sender.close()
 
 
 def _rss(pid: int) -> int:
@@ -254,7 +258,6 @@ def _run(args: argparse.Namespace, tmp: Path, pg) -> dict:
         flooder.join(timeout=30)
         pusher.join(timeout=180)
         restarter.join(timeout=180)
-        close_all()  # the pusher's cached senders (shm region, http clients)
         health = _drain(base, args.max_batch)
         end_rss = _rss(proc.pid)
         counters = server_counters(httpx.get(base + "/metrics", timeout=10).text)

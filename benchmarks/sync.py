@@ -7,7 +7,7 @@
 
 For each size it builds fp32 random tensors shaped like an SDAR/Qwen3 model (embeddings,
 q/k/v/o, gate/up/down, norms, untied lm_head), starts a receiver in ANOTHER process (the
-real server.routes_weights + WeightUpdates glue over uvicorn, with a no-op engine), and
+real server.routes_weights + WeightUpdates glue over uvicorn, with an idle engine), and
 from this process times, per transport: `WeightSender.connect` (one-time: shm region,
 dist group, server staging), the first push after it and the median of the following
 pushes. Baselines measured in the same run: a same-process memcpy of the same bytes
@@ -30,6 +30,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -74,18 +76,12 @@ def module_from(named: dict[str, torch.Tensor]) -> torch.nn.Module:
 
 
 # ---- receiver process -----------------------------------------------------------------------
-class StubEngine:
-    """What the weight routes need of an engine; a real server pauses its decode loop here."""
-    version, is_paused = 0, False
+def idle_engine(model: torch.nn.Module) -> Any:
+    """A real server.engine.Engine, never started (its backend only `model`): the weight window
+    (server.engine.Engine.apply_update) without a decode loop to pause."""
+    from server.engine import Engine
 
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
-
-    async def pause(self, abort_inflight: bool = False, timeout: float | None = None) -> None:
-        self.is_paused = True
-
-    async def resume(self) -> None:
-        self.is_paused = False
+    return Engine(SimpleNamespace(model=model))
 
 
 def serve(size: str, port: int, dtype: str) -> None:
@@ -104,7 +100,7 @@ def serve(size: str, port: int, dtype: str) -> None:
     from server.weight_updates import make_updates
 
     served = {n: t.to(getattr(torch, dtype)) for n, t in sdar_like(size, seed=1).items()}
-    engine = StubEngine(module_from(served))
+    engine = idle_engine(module_from(served))
     app = FastAPI()
     attach(app, ServerState(engine, admin_token=TOKEN, weight_updates=make_updates(engine)))
     app.include_router(routes_weights.router)

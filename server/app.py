@@ -79,7 +79,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     engine.scheduler.max_queue_tokens = config.max_queue_tokens or 4 * kv_cache_tokens(engine.backend)
     if st.recorder is not None:
         st.metrics.store = st.recorder.store  # store size gauges
-    st.weight_updates = make_updates(engine, config)  # keep_versions=0: nothing kept
+    st.weight_updates = make_updates(engine, config)  # the one WeightUpdates (routes_weights uses it)
     st.weight_updates.metrics = st.metrics
     install_error_handlers(app)
     install_quotas(app, config)  # inside RequestGuard: a draining server or a too large body is refused first

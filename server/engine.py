@@ -5,7 +5,7 @@
     seqs = engine.make_sequences([[5, 6, 7]], SamplingParams(max_tokens=32), n=4)
     req = engine.submit(seqs)              # from an asyncio handler; QueueFull -> 429
     await engine.wait(req)                 # -> the finished Sequences (completion, text, trace)
-    await engine.pause(); engine.version += 1; await engine.resume()   # weight update window
+    await engine.apply_update(7, copy)     # weight update window: pause -> copy -> version 7 -> resume
 
 Each loop iteration (the Runner side is the backend): release aborted sequences, admit
 the waiting ones that fit (`backend.num_admissible`: free slots and KV-cache pages), run
@@ -25,6 +25,9 @@ stopped); a forward only runs over the scheduler's running sequences, which the 
 thread drops only once it is over, so "drained" is: nothing running or releasing. A
 pause() waits on a future that the engine thread resolves when it drains (no polling).
 Events of a request are (`EngineEvent`, sequence index, payload).
+The engine owns the served version: only `apply_update` (pause -> copy in a worker
+thread -> set version -> resume) changes it, for a weight update and a rollback alike
+(server.weight_updates).
 """
 
 from __future__ import annotations
@@ -34,10 +37,10 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 from dllm.trace import FinishReason
 from server.backends.base import Backend
@@ -45,6 +48,7 @@ from server.errors import APIError
 from server.scheduler import QueueFull, Request, Scheduler
 
 log = logging.getLogger("dlrl.server")
+T = TypeVar("T")
 __all__ = ["Engine", "EngineEvent", "EngineState", "EngineStopped", "QueueFull", "Request", "RequestFailed",
            "StepStats"]
 
@@ -87,7 +91,7 @@ class StepStats:
 class Engine:
     def __init__(self, backend: Backend, *, max_queue: int = 256, model_name: str = "dlrl"):
         self.backend, self.model_name = backend, model_name
-        self.version = 0
+        self._version = 0  # the served weight version: written only by apply_update
         self.scheduler = Scheduler(max_queue)
         self.max_batch_seen = 0
         self.num_steps = 0
@@ -104,6 +108,11 @@ class Engine:
     @property
     def model(self) -> Any:
         return self.backend.model
+
+    @property
+    def version(self) -> int:
+        """The served weight version (read-only: `apply_update` changes it)."""
+        return self._version
 
     @property
     def tokenizer(self) -> Any:
@@ -252,6 +261,26 @@ class Engine:
             if self._state is EngineState.PAUSED:
                 self._state = EngineState.RUNNING
             self._cond.notify_all()
+
+    async def apply_update(self, version: int, copy: Callable[[], T],
+                           drain: Callable[[], Awaitable[None]] | None = None) -> T:
+        """The one way the served weights and version change: pause (drain) -> copy -> version -> resume.
+
+        `drain` pauses the engine under the caller's policy (bounded waits, aborting in-flight
+        sequences; default `pause()`); `copy()` then writes the weights in a worker thread
+        while nothing runs, and only once it returned is the version set. A failed drain or
+        copy leaves the version as it was. The engine resumes either way, unless it was
+        paused before (an admin's pause stays). Returns what `copy` returned.
+        """
+        was_paused = self.is_paused
+        try:
+            await (drain() if drain is not None else self.pause())
+            result = await asyncio.to_thread(copy)
+            self._version = version
+            return result
+        finally:
+            if not was_paused:
+                await self.resume()
 
     @property
     def is_drained(self) -> bool:

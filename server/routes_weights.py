@@ -18,8 +18,8 @@ bucket; absent = the anonymous run ""): a bucket, commit or abort of an update a
 began is a 409 naming the owner, before anything is read or changed (docs/SECURITY.md).
 Errors are 4xx JSON naming the problem: 409 stale version / update already running / no update,
 400 bad manifest or data (truncated bucket, checksum mismatch, NaN/inf weights), 400 for a
-malformed body (the app's validation mapping). The WeightUpdates glue lives in
-`ServerState.weight_updates` (server.state), created on first use from its engine and config.
+malformed body (the app's validation mapping). The WeightUpdates glue is
+`ServerState.weight_updates` (server.state), the one server.app.create_app builds.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse
 from rollout_client.protocol import ErrorResponse
 from server.auth import require_admin
 from server.state import server_state
-from server.weight_updates import WeightUpdates, make_updates
+from server.weight_updates import WeightUpdates
 from weight_sync.errors import WeightSyncError
 from weight_sync.protocol import (
     AbortRequest,
@@ -59,10 +59,10 @@ router = APIRouter(prefix="/weights", tags=["weights"], dependencies=[Depends(re
 
 
 def get_updates(request: Request) -> WeightUpdates:
-    state = server_state(request.app)
-    if state.weight_updates is None:
-        state.weight_updates = make_updates(state.engine, state.config)
-    return state.weight_updates
+    updates = server_state(request.app).weight_updates
+    if updates is None:  # an app without create_app must attach its own (server.state.attach)
+        raise RuntimeError("no WeightUpdates attached to this app")
+    return updates
 
 
 async def _call(step: str, coro: Awaitable[dict[str, Any]]) -> dict[str, Any]:

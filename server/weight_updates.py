@@ -1,6 +1,6 @@
 """Glue between weight_sync.WeightReceiver and the Engine: the server's update window.
 
-    updates = make_updates(engine, config)            # one per app (routes_weights creates it)
+    updates = make_updates(engine, config)            # one per app (server.app creates it)
     await updates.begin(BeginRequest(...))            # validate against engine.model, stage
     await updates.commit(7, checksums, run_id="r")    # verify -> drain -> apply -> version -> resume
 
@@ -13,16 +13,18 @@ drain: admission stops and in-flight sequences get `drain_timeout_s` to finish. 
 bound, with `abort_inflight` they are aborted (finish_reason "abort") and the update is
 applied; without it they finish on the old weights, the commit answers "pending" and the
 update is applied in the background as soon as they are done (the sender polls
-`GET /weights/updates/{v}`; an abort meanwhile cancels it). The copy into the model is
-`dllm.weights.copy_into_model` (the checkpoint-loading path); then `engine.version` is set
-and the engine resumes -- also on failure. An engine an admin had paused stays paused. A
-failed update leaves weights and version unchanged; a retried commit of an applied
-version answers "applied".
+`GET /weights/updates/{v}`; an abort meanwhile cancels it). The window is the engine's
+`apply_update` (drain -> copy -> version -> resume, the engine owning the served version;
+the receiver reads it from there): the copy into the model is `dllm.weights.copy_into_model`
+(the checkpoint-loading path), then the engine sets the version and resumes -- also on
+failure. An engine an admin had paused stays paused. A failed update leaves weights and
+version unchanged; a retried commit of an applied version answers "applied".
 
 Rollback (issue 19): after each applied update (and at start) the served weights are
 copied to host memory in a worker thread (server.weight_versions, the last
-`server.keep_versions`); `rollback(v)` pauses between sequences like a commit, re-checks
-the kept copy's digest, copies it back with `copy_into_model` and sets the version to v.
+`server.keep_versions`); `rollback(v)` goes through the same `engine.apply_update` window:
+it pauses between sequences like a commit, re-checks the kept copy's digest, copies it back
+with `copy_into_model`, and the engine serves v.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import torch
 
 from server.weight_versions import Kept, KeptVersions, NotKept
 from weight_sync import UpdateConflict, UpdateFailed, WeightReceiver
-from weight_sync.protocol import BeginRequest, ConnectRequest
+from weight_sync.protocol import BeginRequest, ConnectRequest, UpdatePhase
 from weight_sync.transports.http import read_body_into
 
 log = logging.getLogger("dlrl.server")
@@ -70,7 +72,7 @@ class WeightUpdates:
         self.abort_inflight, self.drain_timeout_s = abort_inflight, drain_timeout_s
         self.receiver = WeightReceiver(
             lambda: dict(_hf_tensors(engine.model)), apply_fn or _default_apply(engine),
-            version=int(engine.version), lease_s=lease_s, check_finite=check_finite,
+            served_version=lambda: int(engine.version), lease_s=lease_s, check_finite=check_finite,
         )
         self._commits: dict[int, asyncio.Task] = {}
         self._verify_s = 0.0
@@ -86,22 +88,16 @@ class WeightUpdates:
         return int(self.engine.version)
 
     def status(self) -> dict[str, Any]:
-        return {**self.receiver.status(), "version": self.version, "is_paused": bool(self.engine.is_paused)}
+        return {**self.receiver.status(), "is_paused": bool(self.engine.is_paused)}  # version: the engine's
 
     def state(self, version: int) -> dict[str, Any]:
-        return {**self.receiver.state(version), "served_version": self.version}
-
-    def _sync_version(self) -> None:
-        rx = self.receiver
-        if rx.status()["update"] is None and rx.version != self.version:
-            rx.version = self.version  # the engine is the source of truth for the served version
+        return self.receiver.state(version)  # served_version: the engine's
 
     async def connect(self, body: ConnectRequest) -> dict[str, Any]:
         return await asyncio.to_thread(self.receiver.connect, body.transport, body.manifest, body.options,
                                        body.run_id)
 
     async def begin(self, body: BeginRequest) -> dict[str, Any]:
-        self._sync_version()
         try:
             out = await asyncio.to_thread(self.receiver.begin, body.version, body.transport, body.manifest,
                                           body.options, body.lease_s, body.run_id)
@@ -157,27 +153,26 @@ class WeightUpdates:
         self.start_capture()  # keep the new version for rollback (reads the weights while serving)
 
     async def _drain_and_apply_locked(self, version: int, abort: bool) -> None:
-        engine, rx = self.engine, self.receiver
-        was_paused = bool(engine.is_paused)
+        rx = self.receiver
         rx.set_draining(version)
-        try:
-            t0 = time.perf_counter()
+        times = [time.perf_counter()]
+
+        async def drain() -> None:
             await self._drain(version, abort)
-            t1 = time.perf_counter()
-            await asyncio.to_thread(rx.apply, version)
-            engine.version = rx.version
-            self._observe_applied(version, t1 - t0, time.perf_counter() - t1)
-            log.info("weights updated to version %d (verify %.3fs, drain %.3fs, apply %.3fs)", rx.version,
-                     self._verify_s, t1 - t0, time.perf_counter() - t1)
+            times.append(time.perf_counter())
+
+        try:
+            await self.engine.apply_update(version, lambda: rx.apply(version), drain)
         except BaseException as e:
-            if rx.state(version)["state"] in ("draining", "verified"):
+            if rx.state(version)["state"] in (UpdatePhase.DRAINING, UpdatePhase.VERIFIED):
                 rx.abort(version, f"drain failed: {e!r}")
             if self.metrics is not None:
                 self.metrics.updates.labels(outcome="failed").inc()
             raise
-        finally:
-            if not was_paused:
-                await engine.resume()
+        drain_s, apply_s = times[1] - times[0], time.perf_counter() - times[1]
+        self._observe_applied(version, drain_s, apply_s)
+        log.info("weights updated to version %d (verify %.3fs, drain %.3fs, apply %.3fs)", self.version,
+                 self._verify_s, drain_s, apply_s)
 
     def _observe_applied(self, version: int, drain_s: float, apply_s: float) -> None:
         m = self.metrics
@@ -202,7 +197,7 @@ class WeightUpdates:
             return
         log.info("update %d pending: in-flight sequences finish on the old weights first", version)
         while True:
-            if self.receiver.state(version)["state"] != "draining":
+            if self.receiver.state(version)["state"] is not UpdatePhase.DRAINING:
                 raise UpdateFailed(f"update {version} was aborted while in-flight sequences drained")
             try:
                 await self.engine.pause(abort_inflight=False, timeout=1.0)
@@ -262,17 +257,10 @@ class WeightUpdates:
             raise UpdateConflict("a weight update is in progress; roll back after it (or abort it)")
         abort = self.abort_inflight if abort_inflight is None else abort_inflight
         async with self._write_lock:
-            t0, previous, engine = time.perf_counter(), self.version, self.engine
-            was_paused = bool(engine.is_paused)
-            try:
-                await self._pause_for_rollback(abort)
-                kept = await asyncio.to_thread(self._restore, version)
-                engine.version = version
-            finally:
-                if not was_paused:
-                    await engine.resume()
+            t0, previous = time.perf_counter(), self.version
+            kept = await self.engine.apply_update(version, lambda: self._restore(version),
+                                                  lambda: self._pause_for_rollback(abort))
             self.kept.touch(version)
-            self._sync_version()
         seconds = time.perf_counter() - t0
         log.info("rolled back from version %d to %d in %.3fs", previous, version, seconds)
         return {"version": version, "previous_version": previous, "digest": kept.digest, "seconds": seconds}

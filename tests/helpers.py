@@ -1,6 +1,6 @@
 """Helpers shared by test modules (tests never import each other): free ports, real `dlrl serve`
 subprocesses on loopback, admin calls, waiting on a condition with a deadline, the tiny
-random SDAR config of the dllm tests.
+random SDAR config of the dllm tests, a weight receiver serving a dict of tensors (ServedTensors).
 
     with served_process(model_dir, token="t", log_dir=tmp) as srv:   # a real server process
         admin_get(srv.url, "/weights/version", "t")
@@ -116,3 +116,35 @@ def served_process(model_dir: str, token: str, log_dir: Path, *overrides: str) -
 
 def admin_get(url: str, path: str, token: str) -> dict:
     return httpx.get(url + path, headers={"Authorization": f"Bearer {token}"}, timeout=30).json()
+
+
+class ServedTensors:
+    """A served 'model' (a dict of tensors) behind a weight_sync.WeightReceiver. Like the server's
+    engine it owns the served version, which the receiver reads: `commit` / `apply` copy through
+    the receiver, then serve `version`. `fail_apply` makes the copy raise before writing."""
+
+    def __init__(self, params: dict, **receiver_kw) -> None:
+        from weight_sync import WeightReceiver
+
+        self.params, self.version, self.num_applied, self.fail_apply = params, 0, 0, False
+        self.rx = WeightReceiver(lambda: self.params, self.copy, served_version=lambda: self.version, **receiver_kw)
+
+    def commit(self, version: int, checksums: list | None = None, run_id: str = "") -> None:
+        self.rx.commit(version, checksums, run_id)
+        self.version = version
+
+    def apply(self, version: int) -> None:
+        self.rx.apply(version)
+        self.version = version
+
+    def copy(self, named) -> None:
+        if self.fail_apply:
+            raise ValueError("boom")
+        for name, t in named:
+            self.params[name].copy_(t)
+        self.num_applied += 1
+
+    def digest(self) -> str:
+        from weight_sync import weights_digest
+
+        return weights_digest(self.params)

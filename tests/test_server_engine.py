@@ -93,7 +93,8 @@ def test_pause_waits_for_inflight_queues_new_and_resume(own_server, admin_header
             assert (await c.get(url + "/ready")).status_code == 503
             await asyncio.sleep(0.2)  # a negative check: nothing may move while paused
             assert not queued.done() and engine.num_waiting == 1
-            engine.version = 1  # what a weight update does while paused and drained
+            await engine.apply_update(1, lambda: None)  # a weight update while paused: it stays paused
+            assert engine.is_paused
             assert (await c.post(url + "/admin/resume", headers=admin_headers)).json()["is_paused"] is False
             later = (await queued).json()
             assert later["version"] == 1 and later["samples"][0]["trace"]["version"] == 1

@@ -78,7 +78,7 @@ def test_sequences_join_and_leave_the_running_batch():
 
 def test_version_stamped_at_admission_and_n_seeds():
     async def main(engine):
-        engine.version = 7
+        await engine.apply_update(7, lambda: None)  # the served version, set the one way it is
         s = engine.make_sequences([[2]], SamplingParams(max_tokens=1, seed=10), n=3)
         assert [x.params.seed for x in s] == [10, 11, 12]
         return await engine.wait(engine.submit(s))

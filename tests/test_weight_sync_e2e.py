@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from weight_sync import WeightSyncError, close_all, push, weights_digest
+from weight_sync import WeightSyncError, push, weights_digest
 
 TOKEN = "secret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -69,4 +69,3 @@ def test_push_into_real_server(make_server, tiny_model_dir):
         push([srv.url], trained.hf_named_tensors(), 3, transport="http", token=TOKEN)
     assert httpx.get(srv.url + "/weights/checksum", headers=AUTH, timeout=30).json()["version"] == 3
     assert httpx.get(srv.url + "/ready", timeout=10).status_code == 200  # resumed after every update
-    close_all()

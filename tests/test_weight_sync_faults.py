@@ -28,7 +28,7 @@ import httpx
 import pytest
 import torch
 
-from weight_sync import WeightSender, WeightSyncError, close_all, weights_digest
+from weight_sync import WeightSender, WeightSyncError, weights_digest
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "faults-token"
@@ -90,7 +90,6 @@ def server(tiny_model_dir, tmp_path_factory):
         proc.wait(20)
     except subprocess.TimeoutExpired:
         proc.kill()
-    close_all()
 
 
 def get(url: str, path: str) -> dict:

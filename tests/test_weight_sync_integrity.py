@@ -21,15 +21,18 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from fastapi import FastAPI
 
+from server import engine as engine_module
 from server import routes_weights
 from server.state import ServerState, attach
 from server.weight_updates import make_updates
-from weight_sync import NonFiniteWeights, UpdateFailed, WeightReceiver, WeightSender, protocol, weights_digest
+from tests.helpers import ServedTensors
+from weight_sync import NonFiniteWeights, UpdateFailed, WeightSender, protocol, weights_digest
 from weight_sync import control as control_module
 from weight_sync import sender as sender_module
 from weight_sync.bucket import pack_stream, plan_buckets, specs_of
@@ -45,16 +48,8 @@ def tensors(seed: int) -> dict[str, torch.Tensor]:
             "n": torch.randn(16, generator=g)}
 
 
-class Served:
-    def __init__(self, check_finite: bool = True):
-        self.params = tensors(0)
-        self.num_applied = 0
-        self.rx = WeightReceiver(lambda: self.params, self.apply, check_finite=check_finite)
-
-    def apply(self, named):
-        for name, t in named:
-            self.params[name].copy_(t)
-        self.num_applied += 1
+def Served(check_finite: bool = True) -> ServedTensors:  # noqa: N802 - the served model of these tests
+    return ServedTensors(tensors(0), check_finite=check_finite)
 
 
 @pytest.fixture
@@ -79,8 +74,8 @@ def test_bit_flipped_in_region_after_checksum_is_caught_before_apply(served):
         region.bucket(1, m.buckets[1].nbytes)[5] ^= 0x10  # one bit, after the sender hashed it
         served.rx.begin(1, "shm", m.to_dict(), opts)
         with pytest.raises(UpdateFailed, match=r"checksum mismatch in bucket\(s\) \[1\]"):
-            served.rx.commit(1, checksums)
-        assert served.num_applied == 0 and weights_digest(served.params) == before and served.rx.version == 0
+            served.commit(1, checksums)
+        assert served.num_applied == 0 and weights_digest(served.params) == before and served.version == 0
     finally:
         region.close()
 
@@ -95,8 +90,8 @@ def test_region_changed_after_verify_is_not_applied(served):
         served.rx.verify(1, checksums)
         for i, b in enumerate(m.buckets):
             region.bucket(i, b.nbytes).fill_(0xFF)  # NaN everywhere, after verification
-        served.rx.apply(1)
-        assert weights_digest(served.params) == weights_digest(new) and served.rx.version == 1
+        served.apply(1)
+        assert weights_digest(served.params) == weights_digest(new) and served.version == 1
     finally:
         region.close()
 
@@ -110,11 +105,11 @@ def test_non_finite_refused_by_default_and_allowed_when_disabled(served):
         m, opts, checksums = shm_packed(bad, 1, region)
         served.rx.begin(1, "shm", m.to_dict(), opts)
         with pytest.raises(NonFiniteWeights, match=r"non-finite .* in 2 tensor\(s\): \['w', 'b'\]") as e:
-            served.rx.commit(1, checksums)
+            served.commit(1, checksums)
         assert e.value.http_status == 400 and served.num_applied == 0
         lax = Served(check_finite=False)
         lax.rx.begin(1, "shm", m.to_dict(), opts)
-        lax.rx.commit(1, checksums)
+        lax.commit(1, checksums)
         assert torch.isinf(lax.params["w"][7, 3]) and torch.isnan(lax.params["b"][2])
         lax.rx.close()
     finally:
@@ -173,15 +168,11 @@ def test_sweep_unlinks_only_regions_of_dead_creators(monkeypatch):
         time.sleep(0.5)  # the live creator's resource tracker unlinks its region
 
 
-class Engine:
+class Engine(engine_module.Engine):
+    """The real server engine, never started, its backend only a model."""
+
     def __init__(self, model: torch.nn.Module):
-        self.model, self.version, self.is_paused = model, 0, False
-
-    async def pause(self, abort_inflight: bool = False, timeout: float | None = None) -> None:
-        self.is_paused = True
-
-    async def resume(self) -> None:
-        self.is_paused = False
+        super().__init__(SimpleNamespace(model=model))
 
 
 def module_of(named: dict[str, torch.Tensor]) -> torch.nn.Module:

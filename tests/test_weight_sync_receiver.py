@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from tests.helpers import ServedTensors
 from weight_sync import NotOwner, UpdateConflict, UpdateFailed, WeightReceiver, weights_digest
 from weight_sync.bucket import pack_stream, plan_buckets, specs_of
 from weight_sync.checksum import checksum as crc32
@@ -25,24 +26,8 @@ def tensors(seed: int) -> dict[str, torch.Tensor]:
             "n": torch.randn(8, generator=g)}
 
 
-class Served:
-    """A served 'model' (dict of tensors) plus a receiver applying into it."""
-
-    def __init__(self, lease_s: float = 30.0):
-        self.params = tensors(0)
-        self.applied = 0
-        self.fail_apply = False
-        self.rx = WeightReceiver(lambda: self.params, self.apply, lease_s=lease_s)
-
-    def apply(self, named):
-        if self.fail_apply:
-            raise ValueError("boom")
-        for name, t in named:
-            self.params[name].copy_(t)
-        self.applied += 1
-
-    def digest(self) -> str:
-        return weights_digest(self.params)
+def Served(lease_s: float = 30.0) -> ServedTensors:  # noqa: N802 - the served model of these tests
+    return ServedTensors(tensors(0), lease_s=lease_s)
 
 
 def packed(named: dict[str, torch.Tensor], version: int, bucket_bytes: int = 512) -> tuple[Manifest, list]:
@@ -72,8 +57,8 @@ def test_http_flow_applies_and_bumps_version(served):
     info = served.rx.begin(1, "http", m.to_json())
     assert info["num_buckets"] == len(bufs) > 1
     crcs = send_http(served.rx, 1, bufs, with_header=False)
-    served.rx.commit(1, crcs)
-    assert served.rx.version == 1 and served.digest() == weights_digest(new) == served.rx.digest()
+    served.commit(1, crcs)
+    assert served.version == 1 and served.digest() == weights_digest(new) == served.rx.digest()
     assert served.rx.status()["update"] is None
 
 
@@ -84,8 +69,8 @@ def test_shm_flow_in_process(served):
         opts = region.prepare(m)
         bufs = [b for _, b, _ in pack_stream(m, iter(new.items()), region.bucket)]
         served.rx.begin(4, "shm", m.to_dict(), opts)
-        served.rx.commit(4, [crc32(b) for b in bufs])
-        assert served.rx.version == 4 and served.digest() == weights_digest(new)
+        served.commit(4, [crc32(b) for b in bufs])
+        assert served.version == 4 and served.digest() == weights_digest(new)
     finally:
         served.rx.close()
         region.close()
@@ -107,7 +92,7 @@ def test_begin_rejects_mismatched_manifest(served, change, match):
     m, _ = packed(bad, 1)
     with pytest.raises(ManifestError, match=match):
         served.rx.begin(1, "http", m.to_dict())
-    assert served.rx.status()["update"] is None and served.digest() == before and served.rx.version == 0
+    assert served.rx.status()["update"] is None and served.digest() == before and served.version == 0
 
 
 def test_begin_conflicts(served):
@@ -127,11 +112,11 @@ def test_begin_conflicts(served):
 
 def test_commit_without_begin_and_wrong_version(served):
     with pytest.raises(UpdateConflict, match="no weight update in progress"):
-        served.rx.commit(1)
+        served.commit(1)
     m, bufs = packed(tensors(1), 1)
     served.rx.begin(1, "http", m)
     with pytest.raises(UpdateConflict, match="request says 2"):
-        served.rx.commit(2)
+        served.commit(2)
 
 
 def test_truncated_and_corrupt_buckets_leave_weights_unchanged(served):
@@ -146,8 +131,8 @@ def test_truncated_and_corrupt_buckets_leave_weights_unchanged(served):
     with pytest.raises(UpdateFailed, match="checksum mismatch"):
         rx.bucket_written(0, bufs[0].numel(), crc32(bufs[0]) ^ 1, 1)
     with pytest.raises(UpdateFailed, match="incomplete"):
-        rx.commit(1)
-    assert rx.status()["update"] is None and served.digest() == before and rx.version == 0 and not served.applied
+        served.commit(1)
+    assert rx.status()["update"] is None and served.digest() == before and served.version == 0 and not served.num_applied
 
 
 def test_bad_commit_checksum_aborts(served):
@@ -157,7 +142,7 @@ def test_bad_commit_checksum_aborts(served):
     crcs = send_http(served.rx, 1, bufs, with_header=False)
     crcs[-1] ^= 0xFF
     with pytest.raises(UpdateFailed, match=f"checksum mismatch in bucket\\(s\\) \\[{len(bufs) - 1}\\]"):
-        served.rx.commit(1, crcs)
+        served.commit(1, crcs)
     assert served.rx.status()["update"] is None and served.digest() == before
     assert "checksum mismatch" in served.rx.status()["last_failure"]
 
@@ -167,7 +152,7 @@ def test_missing_checksum_is_an_error(served):
     served.rx.begin(1, "http", m)
     send_http(served.rx, 1, bufs, with_header=False)
     with pytest.raises(UpdateFailed, match="no checksum"):
-        served.rx.commit(1)
+        served.commit(1)
 
 
 def test_apply_failure_keeps_version(served):
@@ -176,8 +161,8 @@ def test_apply_failure_keeps_version(served):
     send_http(served.rx, 1, bufs)
     served.fail_apply = True
     with pytest.raises(UpdateFailed, match="apply failed: boom"):
-        served.rx.commit(1)
-    assert served.rx.version == 0 and served.rx.status()["update"] is None
+        served.commit(1)
+    assert served.version == 0 and served.rx.status()["update"] is None
 
 
 def test_abort_states_and_queryable_outcome(served):
@@ -200,25 +185,25 @@ def test_abort_states_and_queryable_outcome(served):
     send_http(served.rx, 1, bufs)
     served.rx.verify(1)
     entered, release = threading.Event(), threading.Event()
-    apply = served.apply
+    copy = served.copy
 
-    def slow_apply(named):
+    def slow_copy(named):
         entered.set()
         release.wait(10)
-        apply(named)
+        copy(named)
 
-    served.rx._apply_fn = slow_apply
-    t = threading.Thread(target=served.rx.apply, args=(1,))
+    served.rx._apply_fn = slow_copy
+    t = threading.Thread(target=served.apply, args=(1,))
     t.start()
     assert entered.wait(10)
     with pytest.raises(UpdateConflict, match="applying"):
         served.rx.abort()
     release.set()
     t.join(10)
-    assert served.rx.version == 1 and served.digest() == weights_digest(tensors(1))
+    assert served.version == 1 and served.digest() == weights_digest(tensors(1))
     assert served.rx.state(1)["state"] == "applied" and served.rx.committed(1)
-    served.rx.commit(1)  # a retried commit of an applied version is a success (and a no-op)
-    assert served.applied == 1
+    served.commit(1)  # a retried commit of an applied version is a success (and a no-op)
+    assert served.num_applied == 1
 
 
 def test_stale_begin_times_out():
@@ -234,12 +219,12 @@ def test_stale_begin_times_out():
         time.sleep(0.05)
     assert "lease expired" in s.rx.status()["last_failure"]
     with pytest.raises(UpdateConflict, match="no weight update in progress.*lease expired"):
-        s.rx.commit(1)
-    assert s.digest() == before and s.rx.version == 0
+        s.commit(1)
+    assert s.digest() == before and s.version == 0
     s.rx.begin(1, "http", m)  # a new update can start
     send_http(s.rx, 1, bufs)
-    s.rx.commit(1)
-    assert s.rx.version == 1
+    s.commit(1)
+    assert s.version == 1
     s.rx.close()
 
 
@@ -262,13 +247,13 @@ def test_staging_reused_across_updates_but_not_after_an_interrupted_write(served
     assert second.data_ptr() != first.data_ptr()
     rx.bucket_written(0, None, None, 1)
     send_http(rx, 1, bufs)
-    rx.commit(1)
+    served.commit(1)
     m2, bufs2 = packed(tensors(2), 2)
     rx.begin(2, "http", m2)
     assert rx.bucket_buffer(0, 2).data_ptr() == second.data_ptr()  # same layout: no new allocation
     rx.bucket_written(0, None, None, 2)
     send_http(rx, 2, bufs2)
-    rx.commit(2)
+    served.commit(2)
     assert served.digest() == weights_digest(tensors(2))
 
 
@@ -309,15 +294,15 @@ def test_refused_begin_or_connect_of_the_same_run_changes_nothing(served):
                 call()
             assert served.rx.state(1)["state"] == "receiving" and served.rx.state(1)["run_id"] == "run-a"
         with pytest.raises(NotOwner, match="belongs to run 'run-a'"):
-            served.rx.commit(1, run_id="run-b")
+            served.commit(1, run_id="run-b")
         assert served.rx.status()["update"]["phase"] == "receiving"
         m2 = plan_buckets(specs_of(new.items()), 512, 2)
         bufs = [b for _, b, _ in pack_stream(m2, iter(new.items()), region.bucket)]
         assert served.rx.begin(2, "shm", m2.to_dict(), opts, run_id="run-a")["took_over"] == 1
         for i in range(len(bufs)):
             region.mark_ready(i, 2)
-        served.rx.commit(2, [crc32(b) for b in bufs], run_id="run-a")
-        assert served.rx.version == 2 and served.digest() == weights_digest(new)
+        served.commit(2, [crc32(b) for b in bufs], run_id="run-a")
+        assert served.version == 2 and served.digest() == weights_digest(new)
         assert served.rx.state(1)["reason"] == "superseded by a new begin of run 'run-a'"
     finally:
         served.rx.close()

@@ -2,14 +2,16 @@
 
     .venv/bin/python -m pytest -q tests/test_weight_sync_routes.py
 
-Uses FastAPI's TestClient on a minimal app with a fake engine, and once a real
-`dllm.model.SDARForCausalLM` (tied embeddings) with `dllm.weights.copy_into_model`.
+Uses FastAPI's TestClient on a minimal app with an idle real `server.engine.Engine` (its
+backend only a model; pause records its calls and can simulate a sequence in flight), and
+once a real `dllm.model.SDARForCausalLM` (tied embeddings) with `dllm.weights.copy_into_model`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,9 +19,10 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from dllm.weights import hf_tensors
+from server import engine as engine_module
 from server import routes_weights
 from server.state import ServerState, attach
-from server.weight_updates import WeightUpdates
+from server.weight_updates import WeightUpdates, make_updates
 from weight_sync import weights_digest
 from weight_sync.bucket import pack_stream, plan_buckets, specs_of
 from weight_sync.checksum import checksum as crc32
@@ -28,14 +31,16 @@ TOKEN = "tok"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
-class Engine:
-    """Fake engine; `busy` = a sequence in flight that only an abort (or clearing busy) ends."""
+class Engine(engine_module.Engine):
+    """The real engine, never started (its backend only a model): pause and resume are recorded;
+    `busy` = a sequence in flight that only an abort (or clearing busy) ends."""
 
     def __init__(self, model: torch.nn.Module):
-        self.model, self.version, self.is_paused, self.calls, self.busy = model, 0, False, [], False
+        super().__init__(SimpleNamespace(model=model))
+        self.calls, self.busy = [], False
 
     async def pause(self, abort_inflight: bool = False, timeout: float | None = None) -> None:
-        self.is_paused = True
+        await super().pause(abort_inflight, timeout)
         self.calls.append(("pause", abort_inflight))
         if abort_inflight:
             self.busy = False
@@ -46,7 +51,7 @@ class Engine:
             await asyncio.sleep(0.01)
 
     async def resume(self) -> None:
-        self.is_paused = False
+        await super().resume()
         self.calls.append(("resume",))
 
 
@@ -57,7 +62,8 @@ def tiny_model(seed: int) -> torch.nn.Module:
 
 def make_client(model: torch.nn.Module) -> tuple[TestClient, Engine]:
     app = FastAPI()
-    st = attach(app, ServerState(Engine(model), admin_token=TOKEN))
+    engine = Engine(model)
+    st = attach(app, ServerState(engine, admin_token=TOKEN, weight_updates=make_updates(engine)))
     app.include_router(routes_weights.router)
     return TestClient(app), st.engine
 
@@ -116,7 +122,9 @@ def make_updates_app(model: torch.nn.Module, drain_timeout_s: float) -> tuple[Fa
 
 def test_admin_paused_engine_stays_paused_and_abort_inflight_after_the_drain_bound():
     app, engine = make_updates_app(tiny_model(0), drain_timeout_s=0.2)
-    engine.is_paused, engine.busy = True, True
+    asyncio.run(engine.pause())  # an admin's pause
+    engine.calls.clear()
+    engine.busy = True
     with TestClient(app) as client:
         http_update(client, tiny_model(1), 1, abort_inflight=True)
     assert engine.is_paused and engine.calls == [("pause", False), ("pause", True)]  # drain, then abort
@@ -208,7 +216,7 @@ def test_error_statuses_and_messages():
     assert client.post("/weights/begin", json=begin, headers=AUTH).status_code == 200
     assert client.post("/weights/abort", json={"reason": "test"}, headers=AUTH).json()["aborted"] is True
     assert client.post("/weights/abort", headers=AUTH).json() == {"aborted": False, "version": 0}
-    engine.version = 5  # the engine's version is the source of truth
+    asyncio.run(engine.apply_update(5, lambda: None))  # e.g. a rollback: the receiver reads the engine's version
     r = client.post("/weights/begin", json=begin, headers=AUTH)
     assert r.status_code == 409 and "not greater than the current version 5" in r.json()["detail"]
 

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -32,9 +33,10 @@ import torch
 from fastapi import FastAPI
 
 from server import routes_weights
+from server.engine import Engine
 from server.state import ServerState, attach
 from server.weight_updates import make_updates
-from weight_sync import WeightSyncError, close_all, push
+from weight_sync import WeightSyncError, push
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "test-token"
@@ -54,9 +56,11 @@ def make(seed):
 '''
 SENDER = MAKE + '''
 import json, os, signal, sys
-from weight_sync import close_all, push, weights_digest
+from weight_sync import WeightSender, weights_digest
 urls, transport, die_after, timeout = sys.argv[1].split(","), sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
 versions = [int(v) for v in sys.argv[5].split(",")]
+sender = WeightSender(urls, transport=transport, token=os.environ["TOKEN"], bucket_bytes=4096,
+                      timeout=max(timeout, 30.0), lease_s=timeout)
 for v in versions:
     named, calls = make(v), []
     def source(named=named, calls=calls):
@@ -66,10 +70,9 @@ for v in versions:
                 print(json.dumps({"dying": v}), flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             yield n, t
-    timings = push(urls, source, v, transport=transport, token=os.environ["TOKEN"], bucket_bytes=4096,
-                   timeout=max(timeout, 30.0), lease_s=timeout)
+    timings = sender.push(source, v)  # one sender: the second push reuses its shm region / dist group
     print(json.dumps({"version": v, "digest": weights_digest(named), **timings}), flush=True)
-close_all()
+sender.close()
 '''
 _ns: dict = {}
 exec(MAKE, _ns)
@@ -89,19 +92,11 @@ class FakeModel(torch.nn.Module):
         self.norm.bias = torch.nn.Parameter(tensors["norm.bias"].clone())
 
 
-class FakeEngine:
-    """What the weight routes need from server.engine.Engine."""
+class FakeEngine(Engine):
+    """The real server.engine.Engine, never started, its backend only a model: what the weight routes use."""
 
     def __init__(self, model: torch.nn.Module):
-        self.model, self.version, self.is_paused = model, 0, False
-        self.num_pauses = 0
-
-    async def pause(self, abort_inflight: bool = False, timeout: float | None = None) -> None:
-        self.is_paused = True
-        self.num_pauses += 1
-
-    async def resume(self) -> None:
-        self.is_paused = False
+        super().__init__(SimpleNamespace(model=model))
 
 
 def make_app(engine: FakeEngine, timeout_s: float = 30.0) -> FastAPI:
@@ -200,7 +195,6 @@ def test_wrong_token_fails_cleanly():
     with ReceiverServer(make_app(FakeEngine(FakeModel(make(0))))) as srv:
         with pytest.raises(WeightSyncError, match="connect failed with HTTP 403.*invalid admin token"):
             push([srv.url], make(5), 99, transport="http", token="wrong")
-        close_all()
         assert srv.get("/weights/version")["update"] is None
 
 

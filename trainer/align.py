@@ -85,8 +85,7 @@ class Aligner:
             raise RuntimeError(f"align.output_dir: the registry's serving version {serving} has no saved weights "
                                f"in {self.bank.root} (was align.output_dir changed?)")
         top = max([v["version"] for v in store.versions()] + [v for v in self.pool.versions().values() if v])
-        if top > run.publisher.version:  # never reuse a version number a replica or the registry knows
-            run.publisher.version = top
+        if run.publisher.adopt(top):  # never reuse a version number a replica or the registry knows
             run.publisher.check_fleet()  # the rollout servers get the policy under that number
         self.bank.set_reference(serving)
         self.promoter = Promoter(self.cfg, store, self.pool, self.bank, self.metrics, self.tally,

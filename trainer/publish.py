@@ -5,6 +5,11 @@
     pub.ensure_in_sync()   # push if any server holds other weights than the trainer's policy
     pub.check_fleet()      # before rollouts: every server at `pub.version`, restarted ones re-synced
     pub.push()             # version + 1 into every server, in place
+    pub.adopt(12)          # a number known elsewhere (the registry, a resumed checkpoint): never reused
+
+`version` (read-only) is the version the trainer last pushed or adopted; only the Publisher
+changes it (start, push, adopt). The servers each own the version they serve
+(server.engine.Engine); `check_fleet` compares the two.
 
 With `record` (train.record_digests) the digest of every pushed version is appended to
 `versions.jsonl` before the push, so any server's `/weights/checksum` can be matched to the
@@ -71,8 +76,21 @@ class Publisher:
         self.ranks, self.fleet, self.engine = ranks, fleet, engine
         self.server_wait_s = server_wait_s
         self.record = record  # versions.jsonl: {version, digest} of every push, written before it
-        self.version = 0
+        self._version = 0
         self.pushing = False  # rank 0 is inside a push (a stop signal aborts it)
+
+    @property
+    def version(self) -> int:
+        """The version the trainer's policy was last pushed (or adopted) as."""
+        return self._version
+
+    def adopt(self, version: int) -> bool:
+        """Go on from `version` when it is past ours (a number the registry, a replica or a resumed
+        checkpoint knows is never reused); True when the version moved."""
+        if version <= self._version:
+            return False
+        self._version = version
+        return True
 
     # ------------------------------------------------------------------ helpers
     def _source(self):
@@ -99,7 +117,7 @@ class Publisher:
             if len(set(versions.values())) > 1:
                 log.warning("servers hold different versions %s: the next push brings them together", versions)
             return max(versions.values())
-        self.version = self.ranks.on_main(read)
+        self._version = self.ranks.on_main(read)
         self.ranks.on_main(lambda: self.fleet.connect(self._source()))  # the first push as fast as the rest
         return self.version
 
@@ -121,7 +139,7 @@ class Publisher:
                 self.pushing = False
 
         stats = self._collective(send)
-        self.version = max(self.version, new)
+        self.adopt(new)
         return stats
 
     def local_digest(self) -> str | None:

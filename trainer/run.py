@@ -345,7 +345,7 @@ def _resume_or_sync(run: Run) -> None:
     run.sampler.load_state_dict(state["sampler"])
     run.resumed_metrics = dict(state.get("metrics") or {})
     run.resumed_extra = dict(state.get("extra") or {})
-    run.publisher.version = max(run.publisher.version, int(state["version"]))
+    run.publisher.adopt(int(state["version"]))
     run.publisher.push()  # servers now hold the resumed weights, under a new version
     if run.ranks.is_main:
         log.info("resumed from step %d (version %d)", run.start_step, run.version)

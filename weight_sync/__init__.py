@@ -1,9 +1,10 @@
 """weight_sync: push trainer weights into running servers in place (torch + xxhash + pydantic only).
 
-    from weight_sync import connect, push, weights_digest
-    connect(["http://127.0.0.1:8000"], model.hf_named_tensors(), transport="shm", token=tok, run_id="run-1")
-    push(["http://127.0.0.1:8000"], model.hf_named_tensors(), version=1, transport="shm", token=tok,
-         run_id="run-1")
+    from weight_sync import WeightSender, push, weights_digest
+    with WeightSender(["http://127.0.0.1:8000"], transport="shm", token=tok, run_id="run-1") as sender:
+        sender.connect(model.hf_named_tensors())       # once, at startup
+        sender.push(model.hf_named_tensors(), version=1)
+    push(["http://127.0.0.1:8000"], model.hf_named_tensors(), version=2, token=tok)   # a one-off push
     assert weights_digest(model.hf_named_tensors()) == GET /weights/checksum
 
 Files: protocol.py (control-plane wire schemas, shared with the server), manifest.py
@@ -23,11 +24,11 @@ from weight_sync.errors import (
 )
 from weight_sync.manifest import Manifest, weights_digest
 from weight_sync.receiver import WeightReceiver
-from weight_sync.sender import WeightSender, close_all, connect, push
+from weight_sync.sender import WeightSender, push
 from weight_sync.sources import drain, iter_deepspeed_params
 
 __all__ = [
     "Manifest", "ManifestError", "NonFiniteWeights", "NotOwner", "UpdateConflict", "UpdateFailed", "WeightReceiver",
-    "WeightSender", "WeightSyncError", "close_all", "connect", "drain", "iter_deepspeed_params", "push",
+    "WeightSender", "WeightSyncError", "drain", "iter_deepspeed_params", "push",
     "weights_digest",
 ]

@@ -27,6 +27,7 @@ from weight_sync.protocol import (
     CommitResponse,
     ConnectRequest,
     ConnectResponse,
+    UpdatePhase,
     UpdateState,
     VersionResponse,
 )
@@ -95,7 +96,7 @@ class ControlClient:
                 if busy is None and idle_retry:  # the update that held the server may have just ended
                     idle_retry = False
                     continue
-                if busy is None or busy.run_id == body.run_id or busy.phase != "receiving" \
+                if busy is None or busy.run_id == body.run_id or busy.phase is not UpdatePhase.RECEIVING \
                         or time.monotonic() > deadline:
                     raise  # a stale version, or nothing to wait for
                 idle_retry = True
@@ -124,15 +125,15 @@ class ControlClient:
                         raise
                     # 409: a commit of this version is already running (a retry raced it): ask
             state = self._state_or_none(body.version)
-            if state is not None and state.run_id != body.run_id and state.state != "unknown":
+            if state is not None and state.run_id != body.run_id and state.state is not UpdatePhase.UNKNOWN:
                 raise WeightSyncError(f"{self.url}: commit of version {body.version} refused: that update "
                                       f"belongs to run {state.run_id!r}, not to this run {body.run_id!r}")
-            if state is not None and state.state == "applied":
+            if state is not None and state.state is UpdatePhase.APPLIED:
                 return CommitResponse(version=body.version, state="applied", served_version=state.served_version)
-            if state is not None and state.state in ("failed", "unknown"):
+            if state is not None and state.state in (UpdatePhase.FAILED, UpdatePhase.UNKNOWN):
                 raise WeightSyncError(f"{self.url}: commit of version {body.version} failed: "
                                       f"{state.reason or state.state}")
-            send = state is not None and state.state == "receiving"  # the commit never arrived
+            send = state is not None and state.state is UpdatePhase.RECEIVING  # the commit never arrived
             if self._down_since is not None and time.monotonic() - self._down_since > min(UNREACHABLE_S, self.timeout):
                 raise WeightSyncError(f"{self.url}: unreachable (connection refused) for "
                                       f"{time.monotonic() - self._down_since:.0f}s during the commit of version "
@@ -144,7 +145,7 @@ class ControlClient:
         except (WeightSyncError, httpx.TransportError):
             pass
         state = self._state_or_none(body.version)
-        if state is not None and state.state == "applied":
+        if state is not None and state.state is UpdatePhase.APPLIED:
             return CommitResponse(version=body.version, state="applied", served_version=state.served_version)
         raise WeightSyncError(f"{self.url}: commit of version {body.version} did not finish within "
                               f"{self.timeout:g}s (aborted)")

@@ -24,6 +24,7 @@ The manifest itself is validated by weight_sync.manifest.Manifest (field-naming 
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -31,8 +32,28 @@ from pydantic import BaseModel, ConfigDict, Field
 Transport = Literal["shm", "dist", "http"]
 RUN_ID_PATTERN = r"^[A-Za-z0-9._:@/+-]*$"  # run_id: names the pushing run ("" = the anonymous run)
 RUN_ID_MAX_LENGTH = 128
-Phase = Literal["receiving", "verifying", "verified", "draining", "applying"]
-State = Literal["receiving", "verifying", "verified", "draining", "applying", "applied", "failed", "unknown"]
+
+
+class UpdatePhase(str, Enum):
+    """Where an update stands (weight_sync/receiver.py's state machine); the values are the wire strings.
+
+    In progress: receiving -> verifying -> verified -> draining -> applying; outcomes: applied,
+    failed; unknown: a version this server never saw (or forgot).
+    """
+
+    RECEIVING = "receiving"
+    VERIFYING = "verifying"
+    VERIFIED = "verified"
+    DRAINING = "draining"
+    APPLYING = "applying"
+    APPLIED = "applied"
+    FAILED = "failed"
+    UNKNOWN = "unknown"
+
+    def __str__(self) -> str:  # the wire string in messages and logs, on every Python version
+        return self.value
+
+
 Checksum = Annotated[int, Field(ge=0, lt=1 << 64)]  # xxh3_64
 
 
@@ -102,7 +123,7 @@ class AbortResponse(BaseModel):
 class UpdateInfo(BaseModel):
     version: int
     transport: Transport
-    phase: Phase
+    phase: UpdatePhase  # one of the in-progress phases
     run_id: str
     buckets_received: int
     num_buckets: int
@@ -119,7 +140,7 @@ class VersionResponse(BaseModel):
 
 class UpdateState(BaseModel):
     version: int
-    state: State
+    state: UpdatePhase
     reason: str = ""
     run_id: str = ""
     served_version: int

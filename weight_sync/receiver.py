@@ -1,19 +1,23 @@
 """Server side of a weight update: validate, stage privately, verify, apply atomically, or leave untouched.
 
     rx = WeightReceiver(lambda: dict(model.hf_named_tensors()),
-                        functools.partial(copy_into_model, model), version=0, lease_s=30)
+                        functools.partial(copy_into_model, model), served_version=lambda: engine.version)
     rx.connect("shm", manifest, options)           # once: attach region / size staging / join group
     rx.begin(7, "http", manifest_json, run_id="tiny-rl")   # 409 stale/busy, 400 bad manifest
     buf = rx.bucket_buffer(0, 7); ...; rx.bucket_written(0, nbytes, checksum)   # http data plane
-    rx.commit(7, checksums)                        # = verify() + apply(): version becomes 7
+    rx.commit(7, checksums)                        # = verify() + apply(): the weights of 7 are in the model
     rx.state(7)                                    # {"state": "applied", ...}: commit is queryable
 
-State machine (one update at a time; weight_sync/staging.py holds its state):
-receiving (begin) -> verifying -> verified (verify) -> draining (the server waits for
-in-flight sequences) -> applying -> applied (apply); or failed (abort, bad data, lapsed
-lease, apply error; never once applying). A failed update leaves weights and version
-unchanged. Outcomes of recent versions are kept, so a retried commit of an applied version
-succeeds and `state(v)` tells the sender what happened.
+State machine (one update at a time; weight_sync/staging.py holds its state; the phases are
+`weight_sync.protocol.UpdatePhase`): receiving (begin) -> verifying -> verified (verify) ->
+draining (the server waits for in-flight sequences) -> applying -> applied (apply); or
+failed (abort, bad data, lapsed lease, apply error; never once applying). A failed update
+leaves the weights unchanged. Outcomes of recent versions are kept, so a retried commit of
+an applied version succeeds and `state(v)` tells the sender what happened.
+
+The served version is not the receiver's: it reads it from `served_version()` (the
+server's engine, which sets it once the copy of `apply` returned: server.weight_updates),
+for the stale-begin check and in what it reports.
 
 Lease: an update lives while its data plane makes progress (http chunks, dist buckets,
 the shm heartbeat); `lease_s` without progress while receiving aborts it.
@@ -44,6 +48,7 @@ import torch
 
 from weight_sync.errors import ManifestError, NotOwner, UpdateConflict, UpdateFailed
 from weight_sync.manifest import Manifest, check_against, served_dtype, weights_digest
+from weight_sync.protocol import UpdatePhase
 from weight_sync.staging import Outcomes, StagedUpdate, StagingPool
 from weight_sync.transports import TRANSPORTS
 from weight_sync.transports.dist import DistReceiver
@@ -60,11 +65,12 @@ def _parse(manifest: Manifest | dict | str | bytes) -> Manifest:
 
 class WeightReceiver:
     def __init__(self, named_params_fn: Callable[[], NamedTensors | dict[str, torch.Tensor]],
-                 apply_fn: Callable[[list[tuple[str, torch.Tensor]]], Any], *, version: int = 0,
+                 apply_fn: Callable[[list[tuple[str, torch.Tensor]]], Any], *, served_version: Callable[[], int],
                  lease_s: float = 30.0, staging_device: str | torch.device = "cpu", keep_staging: bool = True,
                  check_finite: bool = True):
         self._params_fn, self._apply_fn = named_params_fn, apply_fn
-        self._version, self.lease_s, self.staging_device = version, lease_s, torch.device(staging_device)
+        self._served_version = served_version  # the server's engine owns it; the receiver only reads it
+        self.lease_s, self.staging_device = lease_s, torch.device(staging_device)
         self.check_finite = check_finite
         self._lock = threading.RLock()
         self._apply_lock = threading.Lock()  # held while weights change (and while digesting)
@@ -76,18 +82,6 @@ class WeightReceiver:
         self._staging = StagingPool(keep=keep_staging)
 
     # ------------------------------------------------------------------ queries
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @version.setter
-    def version(self, value: int) -> None:
-        """Re-sync with the served version (e.g. the engine's); only while no update runs."""
-        with self._lock:
-            if self._update is not None:
-                raise UpdateConflict(f"cannot set the version while update {self._update.version} runs")
-            self._version = value
-
     def status(self) -> dict[str, Any]:
         with self._lock:
             u = self._update
@@ -95,7 +89,7 @@ class WeightReceiver:
                 "version": u.version, "transport": u.transport, "phase": u.phase, "run_id": u.run_id,
                 "buckets_received": sum(u.received), "num_buckets": len(u.received),
                 "lease_left_s": round(u.lease_left(), 3)}
-            return {"version": self._version, "update": info, "last_failure": self.last_failure,
+            return {"version": self._served_version(), "update": info, "last_failure": self.last_failure,
                     "dtype": served_dtype(self._params())}
 
     def state(self, version: int) -> dict[str, Any]:
@@ -106,7 +100,7 @@ class WeightReceiver:
                 out = {"state": u.phase, "reason": "", "run_id": u.run_id}
             else:
                 out = self._outcomes.get(version)
-            return {"version": version, **out, "served_version": self._version}
+            return {"version": version, **out, "served_version": self._served_version()}
 
     def check_owner(self, version: int, run_id: str) -> None:
         """NotOwner unless `version` (in progress, or its recorded outcome) belongs to `run_id`."""
@@ -116,14 +110,14 @@ class WeightReceiver:
                 owner = u.run_id
             else:
                 out = self._outcomes.get(version)
-                owner = None if out["state"] == "unknown" else out["run_id"]
+                owner = None if out["state"] is UpdatePhase.UNKNOWN else out["run_id"]
             if owner is not None and owner != run_id:
                 raise NotOwner(version, owner, run_id)
 
     def committed(self, version: int) -> bool:
         """True when `version` was applied here (a retried commit of it is a success)."""
         with self._lock:
-            return self._outcomes.get(version)["state"] == "applied"
+            return self._outcomes.get(version)["state"] is UpdatePhase.APPLIED
 
     def digest(self) -> str:
         with self._apply_lock:
@@ -133,7 +127,7 @@ class WeightReceiver:
         p = self._params_fn()
         return dict(p.items() if isinstance(p, dict) else p)
 
-    def _current(self, version: int | None, *phases: str, run_id: str | None = None) -> StagedUpdate:
+    def _current(self, version: int | None, *phases: UpdatePhase, run_id: str | None = None) -> StagedUpdate:
         u = self._update
         if u is None:
             last = f" (last failure: {self.last_failure})" if self.last_failure else ""
@@ -153,12 +147,12 @@ class WeightReceiver:
         self._update = None
         if reason:
             self.last_failure = f"update to version {u.version} aborted: {reason}"
-            self._outcomes.record(u.version, "failed", reason, u.run_id)
+            self._outcomes.record(u.version, UpdatePhase.FAILED, reason, u.run_id)
         u.stop.set()
         if u.transport == "dist" and not u.done.is_set():
             self._dist.drop()  # the collective sequence is broken: the next push reconnects
             self._staging.invalidate()  # a late broadcast may still land in this staging
-        if u.writing or u.phase == "verifying" or (u.sources is not None and not u.staged.is_set()):
+        if u.writing or u.phase == UpdatePhase.VERIFYING or (u.sources is not None and not u.staged.is_set()):
             self._staging.invalidate()  # an http body / an shm copy may still write into this staging
         u.named = []
         u.done.set()
@@ -200,8 +194,9 @@ class WeightReceiver:
             raise ManifestError(f"manifest.version: {m.version} != request version {version}")
         with self._lock:
             stale = self._claimable(run_id)  # another run's live update: 409, nothing changed
-            if version <= self._version:
-                raise UpdateConflict(f"version: {version} is not greater than the current version {self._version}")
+            served = self._served_version()
+            if version <= served:
+                raise UpdateConflict(f"version: {version} is not greater than the current version {served}")
             device = check_against(m, self._params())
             self._check_options(transport, options, m)
             if transport == "dist":
@@ -231,7 +226,7 @@ class WeightReceiver:
         u = self._update
         if u is None:
             return None
-        if run_id and u.run_id == run_id and u.phase == "receiving":
+        if run_id and u.run_id == run_id and u.phase == UpdatePhase.RECEIVING:
             return u
         who = f" by run {u.run_id!r}" if u.run_id else " by the anonymous run ''"
         raise UpdateConflict(f"an update to version {u.version}{who} is already {u.phase} (lease "
@@ -259,7 +254,7 @@ class WeightReceiver:
 
     def _on_timer(self, u: StagedUpdate) -> None:
         with self._lock:
-            if self._update is not u or u.phase != "receiving":
+            if self._update is not u or u.phase != UpdatePhase.RECEIVING:
                 return
             if u.sources is not None:  # shm: the sender's heartbeat is the data plane's progress
                 beat = self._shm.heartbeat()
@@ -279,7 +274,7 @@ class WeightReceiver:
             index = 0
             while index < len(u.staging) and not u.stop.is_set():
                 if self._shm.ready(index) != u.version:
-                    if u.phase != "receiving":
+                    if u.phase != UpdatePhase.RECEIVING:
                         break
                     time.sleep(0.001)
                     continue
@@ -296,7 +291,7 @@ class WeightReceiver:
     def touch(self) -> None:
         """Data-plane progress outside the receiver (a streaming http body): renew the lease."""
         with self._lock:
-            if self._update is not None and self._update.phase == "receiving":
+            if self._update is not None and self._update.phase == UpdatePhase.RECEIVING:
                 self._update.renew()
 
     # ------------------------------------------------------------------ data planes
@@ -310,14 +305,15 @@ class WeightReceiver:
     def _on_done(self, u: StagedUpdate, error: BaseException | None) -> None:
         with self._lock:
             u.error = error
-            if error is not None and self._update is u and u.phase in ("receiving", "verifying"):
+            if error is not None and self._update is u and u.phase in (UpdatePhase.RECEIVING,
+                                                                       UpdatePhase.VERIFYING):
                 self._drop(u, f"dist receive failed: {error}")
             u.done.set()
 
     def bucket_buffer(self, index: int, version: int | None = None, run_id: str | None = "") -> torch.Tensor:
         """Staging tensor ([nbytes] uint8) the http route streams bucket `index` into (owner: `run_id`)."""
         with self._lock:
-            u = self._current(version, "receiving", run_id=run_id)
+            u = self._current(version, UpdatePhase.RECEIVING, run_id=run_id)
             if u.transport != "http":
                 raise UpdateConflict(f"transport: update {u.version} uses {u.transport!r}, not 'http'")
             if not 0 <= index < len(u.staging):
@@ -334,7 +330,7 @@ class WeightReceiver:
                        run_id: str | None = "") -> None:
         """Finish bucket `index` (nbytes=None: the transfer failed, just release it). Bad data raises."""
         with self._lock:
-            u = self._current(version, "receiving", run_id=run_id)
+            u = self._current(version, UpdatePhase.RECEIVING, run_id=run_id)
             u.writing.discard(index)
             buf = u.staging[index]
         if nbytes is None:
@@ -356,10 +352,10 @@ class WeightReceiver:
     def verify(self, version: int, checksums: list[int | None] | None = None, run_id: str | None = "") -> None:
         """Commit, phase 1: wait for the data, stage and check completeness, checksums, finiteness."""
         with self._lock:
-            u = self._current(version, "receiving", run_id=run_id)
+            u = self._current(version, UpdatePhase.RECEIVING, run_id=run_id)
             if u.writing:
                 raise UpdateConflict(f"buckets {sorted(u.writing)} are still being written")
-            u.phase = "verifying"  # the lease no longer applies: the server is doing the work
+            u.phase = UpdatePhase.VERIFYING  # the lease no longer applies: the server is doing the work
         try:
             if u.transport == "dist":
                 self._wait_dist(u)
@@ -375,7 +371,7 @@ class WeightReceiver:
         with self._lock:
             if self._update is not u:  # aborted meanwhile
                 raise UpdateFailed(f"update {version} was aborted: {self.last_failure}")
-            u.phase = "verified"
+            u.phase = UpdatePhase.VERIFIED
             u.named = u.views()
 
     def _wait_dist(self, u: StagedUpdate) -> None:
@@ -386,13 +382,14 @@ class WeightReceiver:
     def set_draining(self, version: int) -> None:
         """The server is waiting for in-flight sequences before apply (still abortable)."""
         with self._lock:
-            self._current(version, "verified").phase = "draining"
+            self._current(version, UpdatePhase.VERIFIED).phase = UpdatePhase.DRAINING
 
     def apply(self, version: int) -> None:
-        """Commit, phase 2 (engine paused): apply_fn(named views of the staging), then bump the version."""
+        """Commit, phase 2 (engine paused): apply_fn(named views of the staging). The caller then serves
+        `version` (server.engine.Engine.apply_update sets it once this returned)."""
         with self._lock:
-            u = self._current(version, "verified", "draining")
-            u.phase = "applying"
+            u = self._current(version, UpdatePhase.VERIFIED, UpdatePhase.DRAINING)
+            u.phase = UpdatePhase.APPLYING
         try:
             with self._apply_lock:
                 self._apply_fn(u.named)
@@ -401,8 +398,7 @@ class WeightReceiver:
                 self._drop(u, f"apply failed: {e}")
             raise UpdateFailed(f"update {version}: apply failed: {e}") from e
         with self._lock:
-            self._version = version
-            self._outcomes.record(u.version, "applied", run_id=u.run_id)
+            self._outcomes.record(u.version, UpdatePhase.APPLIED, run_id=u.run_id)
             self._drop(u, None)
 
     def commit(self, version: int, checksums: list[int | None] | None = None, run_id: str = "") -> None:
@@ -422,7 +418,7 @@ class WeightReceiver:
                 return False
             if run_id is not None and run_id != u.run_id:
                 raise NotOwner(u.version, u.run_id, run_id)
-            if u.phase == "applying":
+            if u.phase == UpdatePhase.APPLYING:
                 raise UpdateConflict(f"update {u.version} is applying; it can no longer be aborted")
             self._drop(u, reason)
         if u.sources is not None:

@@ -1,10 +1,9 @@
 """Trainer side of a weight update: connect once, then begin -> data plane -> commit, or abort all.
 
-    connect(servers, model.hf_named_tensors(), transport="shm", token=tok, run_id="tiny-rl")  # at startup
-    timings = push(servers, model.hf_named_tensors(), version=3, transport="shm", token=tok,
-                   run_id="tiny-rl")            # {"total_s": ..., "gbps": ...}; WeightSyncError on failure
-    sender = WeightSender(servers, transport="dist", dist_addr="10.0.0.5", run_id="job-7")
-    sender.connect(src); sender.push(iter_deepspeed_params(engine), version=4); sender.close()
+    with WeightSender(servers, transport="dist", dist_addr="10.0.0.5", run_id="job-7") as sender:
+        sender.connect(src)                     # at startup: the one-time setup
+        timings = sender.push(iter_deepspeed_params(engine), version=4)   # {"total_s": ..., "gbps": ...}
+    push(servers, model.hf_named_tensors(), version=5, transport="http", token=tok)  # one push; WeightSyncError
 
 Connect (`POST /weights/connect`) does the one-time work: the shm region is created and its
 pages populated, the dist group built (the trainer hosts its store on `dist_addr`), and
@@ -25,7 +24,6 @@ which halves the bytes; checksums cover what is sent).
 
 from __future__ import annotations
 
-import atexit
 import os
 import socket
 import time
@@ -47,7 +45,7 @@ from weight_sync.transports.dist import DistSender
 from weight_sync.transports.http import put_bucket
 from weight_sync.transports.shm import ShmRegion
 
-__all__ = ["WeightSender", "push", "connect", "close_all", "iter_deepspeed_params", "drain", "WeightSyncError"]
+__all__ = ["WeightSender", "push", "iter_deepspeed_params", "drain", "WeightSyncError"]
 
 
 def default_run_id() -> str:
@@ -227,6 +225,12 @@ class WeightSender:
             except Exception:  # noqa: BLE001 - best effort; the server's lease ends it anyway
                 pass
 
+    def __enter__(self) -> WeightSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         if self.shm is not None:
             self.shm.close()
@@ -237,51 +241,21 @@ class WeightSender:
         self._buffers, self._layout = [], None
 
 
-_SENDERS: dict[tuple, WeightSender] = {}
-
-
-def _cached(servers: list[str] | str, **kwargs: Any) -> WeightSender:
-    servers = [servers] if isinstance(servers, str) else list(servers)
-    key = (tuple(servers), *sorted((k, str(v)) for k, v in kwargs.items()))
-    sender = _SENDERS.get(key)
-    if sender is None:
-        sender = _SENDERS[key] = WeightSender(servers, **kwargs)
-    return sender
-
-
 def push(
     servers: list[str] | str, named_tensors: Iterable | Callable, version: int, *, transport: str = "shm",
     token: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | str | None = None,
     timeout: float = 300.0, dist_addr: str = "127.0.0.1", run_id: str | None = None, lease_s: float | None = None,
     abort_inflight: bool | None = None,
 ) -> dict[str, Any]:
-    """Push `named_tensors` as `version` to every server (cached, connected sender; see module doc).
+    """Push `named_tensors` as `version` to every server once: a sender for this push, closed after.
 
+    A run that pushes again keeps one `WeightSender` open instead (trainer/fleet.py): its
+    connect (shm region, dist group, the servers' staging) is then done once.
     dtype: cast floating tensors to it before sending (None: as they are; "auto": the
     dtype the first server serves, from GET /weights/version). run_id: names the pushing run
     (default: host-pid-random; pass the run's name so a resumed run takes over its own update).
     """
-    sender = _cached(servers, transport=transport, token=token, bucket_bytes=bucket_bytes, dtype=dtype,
-                     timeout=timeout, dist_addr=dist_addr, run_id=run_id, lease_s=lease_s,
-                     abort_inflight=abort_inflight)
-    return sender.push(named_tensors, version)
-
-
-def connect(
-    servers: list[str] | str, named_tensors: Iterable | Callable, *, transport: str = "shm",
-    token: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | str | None = None,
-    timeout: float = 300.0, dist_addr: str = "127.0.0.1", run_id: str | None = None, lease_s: float | None = None,
-    abort_inflight: bool | None = None,
-) -> dict[str, Any]:
-    """Do the one-time setup now (at trainer startup) for the sender `push` with the same arguments uses."""
-    sender = _cached(servers, transport=transport, token=token, bucket_bytes=bucket_bytes, dtype=dtype,
-                     timeout=timeout, dist_addr=dist_addr, run_id=run_id, lease_s=lease_s,
-                     abort_inflight=abort_inflight)
-    return sender.connect(named_tensors)
-
-
-@atexit.register
-def close_all() -> None:
-    """Release every cached sender (unlinks shm regions, shuts dist groups)."""
-    while _SENDERS:
-        _SENDERS.popitem()[1].close()
+    with WeightSender([servers] if isinstance(servers, str) else list(servers), transport=transport, token=token,
+                      bucket_bytes=bucket_bytes, dtype=dtype, timeout=timeout, dist_addr=dist_addr, run_id=run_id,
+                      lease_s=lease_s, abort_inflight=abort_inflight) as sender:
+        return sender.push(named_tensors, version)

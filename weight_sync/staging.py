@@ -6,7 +6,7 @@
     u.verify(commit_checksums, True)  # complete? every checksum equal? every tensor finite?
     named = u.views()                 # [(name, typed view into private staging)] for apply_fn
     pool = StagingPool(keep=True); pool.get(device, manifest)   # buffers reused across updates
-    outcomes = Outcomes(); outcomes.record(7, "applied", run_id="r"); outcomes.get(7)
+    outcomes = Outcomes(); outcomes.record(7, UpdatePhase.APPLIED, run_id="r"); outcomes.get(7)
 
 Every byte that gets applied is hashed where it will be applied from: the private staging
 (dist and http receive into it; shm copies the region into it while hashing, chunk by
@@ -21,6 +21,7 @@ import dataclasses
 import threading
 import time
 from concurrent.futures import Executor, Future
+from typing import Any
 
 import torch
 
@@ -28,6 +29,7 @@ from weight_sync.bucket import pieces, unpack
 from weight_sync.checksum import Hasher, scan
 from weight_sync.errors import NonFiniteWeights, UpdateFailed
 from weight_sync.manifest import ALIGN, Manifest
+from weight_sync.protocol import UpdatePhase
 
 
 @dataclasses.dataclass(eq=False)
@@ -39,7 +41,7 @@ class StagedUpdate:
     lease_s: float
     run_id: str = ""
     sources: list[torch.Tensor] | None = None  # shm: the region's buckets, copied at commit
-    phase: str = "receiving"  # receiving | verifying | verified | draining | applying
+    phase: UpdatePhase = UpdatePhase.RECEIVING  # receiving | verifying | verified | draining | applying
     deadline: float = 0.0  # monotonic; data-plane progress pushes it back by lease_s
     received: list[bool] = dataclasses.field(default_factory=list)
     digests: list[int | None] = dataclasses.field(default_factory=list)  # of the staged bytes
@@ -65,7 +67,7 @@ class StagedUpdate:
         self.deadline = time.monotonic() + self.lease_s
 
     def lease_left(self) -> float:
-        return max(0.0, self.deadline - time.monotonic()) if self.phase == "receiving" else self.lease_s
+        return max(0.0, self.deadline - time.monotonic()) if self.phase is UpdatePhase.RECEIVING else self.lease_s
 
     def expect(self, index: int, checksum: int) -> None:
         """Record the expected checksum of bucket `index`; two different claims are an error."""
@@ -162,17 +164,17 @@ class StagingPool:
 
 
 class Outcomes:
-    """What became of the most recent versions: {"state": "applied" | "failed", "reason", "run_id"}."""
+    """What became of the most recent versions: {"state": APPLIED | FAILED (UNKNOWN: not here), "reason", "run_id"}."""
 
     def __init__(self, size: int = 64):
         self.size = size
-        self._items: collections.OrderedDict[int, dict[str, str]] = collections.OrderedDict()
+        self._items: collections.OrderedDict[int, dict[str, Any]] = collections.OrderedDict()
 
-    def record(self, version: int, state: str, reason: str = "", run_id: str = "") -> None:
+    def record(self, version: int, state: UpdatePhase, reason: str = "", run_id: str = "") -> None:
         self._items[version] = {"state": state, "reason": reason, "run_id": run_id}
         self._items.move_to_end(version)
         while len(self._items) > self.size:
             self._items.popitem(last=False)
 
-    def get(self, version: int) -> dict[str, str]:
-        return dict(self._items.get(version, {"state": "unknown", "reason": "", "run_id": ""}))
+    def get(self, version: int) -> dict[str, Any]:
+        return dict(self._items.get(version, {"state": UpdatePhase.UNKNOWN, "reason": "", "run_id": ""}))
