@@ -7,10 +7,11 @@
 `server.record` says which samples are recorded: `none`, `sample` (each finished sample
 with probability `server.record_fraction`) or `all`. Aborted samples are never recorded.
 
-An id returned to a client is always valid. A request's records go through a bounded queue
-(`server.record_max_pending` records) to one writer thread, which writes whatever is queued
-in ONE transaction (batched across concurrent requests, off the event loop); the request
-awaits that commit, at most `server.record_wait_s`, and only then answers with the ids.
+An id returned to a client is always valid. A request's chosen samples go through a bounded
+queue (`server.record_max_pending` records) to one writer thread, which builds their records
+and writes whatever is queued in ONE transaction (batched across concurrent requests, off the
+event loop) and wakes each waiting request with one `call_soon_threadsafe` (a single hop back
+onto a busy event loop, not a chain of wrapped futures); the request awaits that commit, at most `server.record_wait_s`, and only then answers with the ids.
 What is not written by then is answered with `record_id: null` (counted in
 `dlrl_record_ids_withheld_total{reason}`) and still written when it can be. While the store
 is failing (full disk, database down) requests do not wait at all: records stay queued and
