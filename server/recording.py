@@ -11,7 +11,8 @@ An id returned to a client is always valid. A request's chosen samples go throug
 queue (`server.record_max_pending` records) to one writer thread, which builds their records
 and writes whatever is queued in ONE transaction (batched across concurrent requests, off the
 event loop) and wakes each waiting request with one `call_soon_threadsafe` (a single hop back
-onto a busy event loop, not a chain of wrapped futures); the request awaits that commit, at most `server.record_wait_s`, and only then answers with the ids.
+onto a busy event loop, not a chain of wrapped futures); the request awaits that commit, at
+most `server.record_wait_s`, and only then answers with the ids.
 What is not written by then is answered with `record_id: null` (counted in
 `dlrl_record_ids_withheld_total{reason}`) and still written when it can be. While the store
 is failing (full disk, database down) requests do not wait at all: records stay queued and
@@ -124,15 +125,11 @@ class Recorder:
         out = []
         for _, seq, prompt, rid in pending.items:
             try:
-                trace = seq.trace
                 out.append(Record(
-                    id=rid, created=pending.created, server=self.server, version=int(trace.version), prompt=prompt,
+                    id=rid, created=pending.created, server=self.server, version=int(seq.trace.version), prompt=prompt,
                     prompt_ids=list(seq.prompt_ids), completion_ids=list(seq.completion_ids), text=seq.text,
                     finish_reason=seq.finish_reason, sampling=dataclasses.asdict(seq.params),
-                    trace={"prompt_len": trace.prompt_len, "block_size": trace.block_size,
-                           "steps": list(trace.steps), "logprobs": list(trace.logprobs), "version": trace.version,
-                           "finish_reason": seq.finish_reason, "tail_ids": list(trace.tail_ids),
-                           "tail_steps": list(trace.tail_steps)}))
+                    trace={**seq.trace.to_dict(), "finish_reason": seq.finish_reason}))
             except Exception as e:  # a record that cannot be built must not fail the request
                 log.error("cannot record a sample: %s: %s", type(e).__name__, e)
                 self._dropped("error", 1)
