@@ -74,14 +74,17 @@ def _model(tmp: Path) -> str:
     return str(out)
 
 
-def _pusher(base: str, model_dir: str, transports: list[str], every: float, stop_at: float, stats: Stats) -> None:
+def _pusher(base: str, model_dir: str, transports: list[str], every: float, t_start: float, stop_at: float,
+            stats: Stats) -> None:
+    """Push k starts at t_start + k x every (or when push k-1 ends, if later): a fixed schedule,
+    so that the flood's on and off windows (a multiple of `every`) hold as many pushes each."""
     named = list(load_pretrained(model_dir).hf_named_tensors())
     senders = {t: WeightSender([base], transport=t, token=TOKEN, timeout=120) for t in transports}  # kept open
     version = 0
     try:
-        while time.monotonic() + every < stop_at:
-            time.sleep(every)
+        while t_start + (version + 1) * every < stop_at:
             version += 1
+            time.sleep(max(0.0, t_start + version * every - time.monotonic()))
             transport = transports[version % len(transports)]
             t0 = time.monotonic()
             try:
@@ -190,7 +193,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--long-timeout", type=float, default=8.0, help="half the long requests carry this `timeout`")
     p.add_argument("--flood-rps", type=float, default=100.0, help="the flooding key's request rate")
     p.add_argument("--flood-quota", type=float, default=2.0, help="the flooding key's requests_per_s quota")
-    p.add_argument("--flood-window", type=float, default=30.0, help="flood on every other window of this length")
+    p.add_argument("--flood-window", type=float, default=40.0,
+                   help="flood on every other window of this length (a multiple of --push-every: as many pushes "
+                        "fall in the flood's on and off windows)")
     p.add_argument("--feedback-share", type=float, default=0.5, help="share of acknowledged records given feedback")
     p.add_argument("--pg-down", type=float, default=30.0, help="seconds PostgreSQL is stopped, mid-run")
     p.add_argument("--warmup", type=float, default=30.0, help="RSS growth and latencies are measured from here on")
@@ -235,7 +240,7 @@ def _run(args: argparse.Namespace, tmp: Path, pg) -> dict:
     t_start = time.monotonic()
     stop_at = t_start + args.duration
     transports = ["http", "shm"] if args.transport == "both" else [args.transport]
-    pusher = threading.Thread(target=_pusher, args=(base, model_dir, transports, args.push_every, stop_at, stats),
+    pusher = threading.Thread(target=_pusher, args=(base, model_dir, transports, args.push_every, t_start, stop_at, stats),
                               daemon=True)
     pusher.start()
     restarter = threading.Thread(target=_pg_restart, args=(pg, t_start + args.duration / 2, args.pg_down, stats),

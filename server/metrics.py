@@ -60,6 +60,8 @@ _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25,
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 STORE_STATS_TTL_S = 5.0  # the store is read at most this often by scrapes
 
+_FORWARDS_WINDOW_S = 10.0  # dlrl_forwards_per_second counts the forwards of this window
+
 
 class _Dynamic:
     """Families whose label values change (served version) or that read other objects at scrape time."""
@@ -198,12 +200,14 @@ class ServerMetrics:
             self.forwards_per_second)
         engine.add_step_listener(self.observe_step)
 
-    def forwards_per_second(self, window_s: float = 10.0) -> float:
+    def forwards_per_second(self, window_s: float = _FORWARDS_WINDOW_S) -> float:
         with self._lock:
-            now = time.monotonic()
-            while self._forward_times and self._forward_times[0] < now - window_s:
-                self._forward_times.popleft()
+            self._forget_forwards(time.monotonic() - window_s)
             return len(self._forward_times) / window_s
+
+    def _forget_forwards(self, before: float) -> None:
+        while self._forward_times and self._forward_times[0] < before:
+            self._forward_times.popleft()
 
     def observe_step(self, stats: StepStats) -> None:
         """Called from the engine thread after every batched forward (stats: engine.StepStats)."""
@@ -212,8 +216,9 @@ class ServerMetrics:
         if stats.batch_size <= 0:
             return
         now = time.monotonic()
-        with self._lock:
+        with self._lock:  # only the last window is kept, scraped or not (bounded memory)
             self._forward_times.append(now)
+            self._forget_forwards(now - _FORWARDS_WINDOW_S)
         self.forwards.inc()
         self.generation_tokens.inc(stats.num_tokens)
         self.tokens_per_forward.observe(stats.num_tokens / stats.batch_size)

@@ -7,10 +7,12 @@
 `server.record` says which samples are recorded: `none`, `sample` (each finished sample
 with probability `server.record_fraction`) or `all`. Aborted samples are never recorded.
 
-An id returned to a client is always valid. A request's records go through a bounded queue
-(`server.record_max_pending` records) to one writer thread, which writes whatever is queued
-in ONE transaction (batched across concurrent requests, off the event loop); the request
-awaits that commit, at most `server.record_wait_s`, and only then answers with the ids.
+An id returned to a client is always valid. A request's chosen samples go through a bounded
+queue (`server.record_max_pending` records) to one writer thread, which builds their records
+and writes whatever is queued in ONE transaction (batched across concurrent requests, off the
+event loop) and wakes each waiting request with one `call_soon_threadsafe` (a single hop back
+onto a busy event loop, not a chain of wrapped futures); the request awaits that commit, at
+most `server.record_wait_s`, and only then answers with the ids.
 What is not written by then is answered with `record_id: null` (counted in
 `dlrl_record_ids_withheld_total{reason}`) and still written when it can be. While the store
 is failing (full disk, database down) requests do not wait at all: records stay queued and
@@ -33,7 +35,6 @@ import random
 import threading
 import time
 from collections import abc, deque
-from concurrent.futures import Future, InvalidStateError
 from typing import TYPE_CHECKING
 
 from dllm.configlib import ConfigError
@@ -64,7 +65,7 @@ class Recorder:
         self.health = StoreHealth(metrics, log_every_s=error_log_s)
         self._rng = random.Random(seed)
         self._cv = threading.Condition()
-        self._queue: deque[tuple[list[Record], Future]] = deque()
+        self._queue: deque[_Pending] = deque()
         self._num_queued = 0          # records queued or being written
         self._closing = False
         self._store_down = False      # the last write failed for a transient cause (retrying)
@@ -101,58 +102,64 @@ class Recorder:
     async def record(self, items: list[tuple[Sequence, str | None]]) -> list[str | None]:
         """Record the chosen finished samples of one request; their ids once committed (else None)."""
         ids: list[str | None] = [None] * len(items)
-        chosen: list[tuple[int, Record]] = []
-        for i, (seq, prompt) in enumerate(items):
-            if seq.finish_reason == FinishReason.ABORT or not self.is_chosen():
-                continue
-            try:
-                chosen.append((i, self._to_record(seq, prompt)))
-            except Exception as e:  # a record that cannot be built must not fail the request
-                log.error("cannot record a sample: %s: %s", type(e).__name__, e)
-                self._dropped("error", 1)
+        chosen = [(i, seq, prompt, new_record_id()) for i, (seq, prompt) in enumerate(items)
+                  if seq.finish_reason != FinishReason.ABORT and self.is_chosen()]
         if not chosen:
             return ids
-        fut = self._enqueue([rec for _, rec in chosen])
-        if fut is None:
+        # the writer thread builds the records (off the event loop) and answers through the
+        # waiter with one call_soon_threadsafe: a single hop back onto a busy loop
+        loop = asyncio.get_running_loop()
+        pending = _Pending(chosen, time.time(), loop, loop.create_future())
+        if not self._enqueue(pending):
             return ids
         if self._store_down:  # do not hold requests on a failing store: written when it returns
             self._withheld("store_failing", len(chosen))
             return ids
-        try:
-            written = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), self.wait_s)
-        except TimeoutError:
-            written = None
+        timer = loop.call_later(self.wait_s, _wake, pending.waiter, None)
+        try:  # a cancelled request cancels only its waiter: the records are still written
+            written = await pending.waiter
+        finally:
+            timer.cancel()
         if not written:
             self._withheld("store_failing" if written is False else "timeout", len(chosen))
             return ids
-        for i, rec in chosen:
-            ids[i] = rec.id
+        committed = {rec.id for rec in pending.records}  # without those that could not be built
+        for i, *_, rid in chosen:
+            ids[i] = rid if rid in committed else None
         return ids
 
-    def _to_record(self, seq: Sequence, prompt: str | None) -> Record:
-        if seq.finish_reason is None:
-            raise ValueError("only a finished sequence is recorded")
-        trace = {**seq.trace.to_dict(), "finish_reason": seq.finish_reason}
-        return Record(id=new_record_id(), created=time.time(), server=self.server, version=int(seq.trace.version),
-                      prompt=prompt, prompt_ids=list(seq.prompt_ids), completion_ids=list(seq.completion_ids),
-                      text=seq.text, finish_reason=seq.finish_reason, trace=trace,
-                      sampling=dataclasses.asdict(seq.params))
+    def _build(self, pending: _Pending) -> list[Record]:
+        """The Records of a request (writer thread); one that cannot be built is dropped, counted."""
+        out = []
+        for _, seq, prompt, rid in pending.items:
+            try:
+                if seq.finish_reason is None:
+                    raise ValueError("only a finished sequence is recorded")
+                out.append(Record(
+                    id=rid, created=pending.created, server=self.server, version=int(seq.trace.version), prompt=prompt,
+                    prompt_ids=list(seq.prompt_ids), completion_ids=list(seq.completion_ids), text=seq.text,
+                    finish_reason=seq.finish_reason, sampling=dataclasses.asdict(seq.params),
+                    trace={**seq.trace.to_dict(), "finish_reason": seq.finish_reason}))
+            except Exception as e:  # a record that cannot be built must not fail the request
+                log.error("cannot record a sample: %s: %s", type(e).__name__, e)
+                self._dropped("error", 1)
+        return out
 
-    def _enqueue(self, records: list[Record]) -> Future | None:
+    def _enqueue(self, pending: _Pending) -> bool:
+        n = len(pending.items)
         with self._cv:
-            if self._closing or self._num_queued + len(records) > self.max_pending:
+            if self._closing or self._num_queued + n > self.max_pending:
                 full = not self._closing
             else:
-                fut: Future = Future()
-                self._queue.append((records, fut))
-                self._num_queued += len(records)
+                self._queue.append(pending)
+                self._num_queued += n
                 self._cv.notify()
-                return fut
-        self._dropped("queue_full" if full else "shutdown", len(records))
+                return True
+        self._dropped("queue_full" if full else "shutdown", n)
         if full:
             self.health.failed("record", OverflowError(f"recording queue full ({self.max_pending} records "
                                                        "waiting: the store cannot keep up)"), "queue_full")
-        return None
+        return False
 
     def _dropped(self, reason: str, n: int) -> None:
         if self.metrics is not None:
@@ -164,20 +171,27 @@ class Recorder:
 
     # -------------------------------------------------------------- writer thread
     def _write_loop(self) -> None:
-        batch: list[tuple[list[Record], Future]] = []
+        batch: list[_Pending] = []
         backoff = 0.05
         while True:
             with self._cv:
                 while not self._queue and not batch and not self._closing:
                     self._cv.wait()
-                while self._queue and sum(len(r) for r, _ in batch) < self.max_batch:
-                    batch.append(self._queue.popleft())
-                if not batch:
+                taken, n = [], sum(len(p.records) for p in batch)
+                while self._queue and n < self.max_batch:
+                    taken.append(self._queue.popleft())
+                    n += len(taken[-1].items)
+                if not batch and not taken:
                     return  # closing, nothing left
+            for pending in taken:  # built here, off the event loop and outside the lock
+                built = self._build(pending)
+                self._done(len(pending.items) - len(built))  # the ones that could not be built
+                pending.items, pending.records = [], built
+                batch.append(pending)
             if self._write(batch):
                 batch, backoff = [], 0.05
             elif time.monotonic() > self._close_deadline:
-                n = sum(len(r) for r, _ in batch) + sum(len(r) for r, _ in self._queue)
+                n = sum(len(p.records) for p in batch) + sum(len(p.items) for p in self._queue)
                 log.error("feedback store: %d queued records not written at shutdown", n)
                 self._dropped("shutdown", n)
                 return
@@ -186,10 +200,10 @@ class Recorder:
                     self._cv.wait(timeout=backoff)
                 backoff = min(2.0, backoff * 2)
 
-    def _write(self, batch: list[tuple[list[Record], Future]]) -> bool:
+    def _write(self, batch: list[_Pending]) -> bool:
         """Write a batch in one transaction: True when done with it (written, or dropped for a
         non-transient cause), False to retry it later (its requests are answered without ids)."""
-        records = [rec for recs, _ in batch for rec in recs]
+        records = [rec for p in batch for rec in p.records]
         t0 = time.perf_counter()
         try:
             self.store.add_records(records)
@@ -212,6 +226,8 @@ class Recorder:
         return True
 
     def _done(self, n: int) -> None:
+        if not n:
+            return
         with self._cv:
             self._num_queued -= n
             self._cv.notify_all()
@@ -246,12 +262,29 @@ class Recorder:
         self.store.close()
 
 
-def _resolve(batch: list[tuple[list[Record], Future]], ok: bool) -> None:
-    for _, fut in batch:
+class _Pending:
+    """One request's chosen samples on their way to the store: (index, seq, prompt, id) until
+    the writer builds their Records; `waiter` (a future of `loop`) gets True once committed,
+    False while the store fails."""
+    __slots__ = ("items", "created", "loop", "waiter", "records")
+
+    def __init__(self, items: list, created: float, loop: asyncio.AbstractEventLoop, waiter: asyncio.Future):
+        self.items, self.created, self.loop, self.waiter = items, created, loop, waiter
+        self.records: list[Record] = []
+
+
+def _wake(waiter: asyncio.Future, ok: bool | None) -> None:
+    if not waiter.done():
+        waiter.set_result(ok)
+
+
+def _resolve(batch: list[_Pending], ok: bool) -> None:
+    for p in batch:
+        if p.waiter.done():  # answered by an earlier try, or timed out: no wake-up needed
+            continue
         try:
-            if not fut.done():
-                fut.set_result(ok)
-        except InvalidStateError:  # resolved by an earlier try, or cancelled
+            p.loop.call_soon_threadsafe(_wake, p.waiter, ok)
+        except RuntimeError:  # the loop is closed (shutdown): nobody waits
             pass
 
 

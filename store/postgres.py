@@ -145,13 +145,16 @@ class PostgresStore(FeedbackStore):
         rows = [_row(r) for r in records]
         if not rows:
             return
-        with self._pool.connection() as conn:
-            with conn.cursor() as cur:  # one pipelined round trip for the batch; rowcount = rows inserted
-                cur.executemany(f"INSERT INTO dlrl_records ({_COLS}) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s) "
-                                "ON CONFLICT (id) DO NOTHING", rows)
-                added = max(cur.rowcount, 0)
-            if added:
-                self._bound(conn, added)
+        with self._pool.connection() as conn:  # one transaction
+            for i in range(0, len(rows), 1000):  # one statement (a round trip) inserts and counts 1000 rows
+                chunk = rows[i:i + 1000]
+                values = ",".join(["(%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)"] * len(chunk))
+                n = _one_row(conn.execute(f"WITH ins AS (INSERT INTO dlrl_records ({_COLS}) VALUES {values} "
+                                 "ON CONFLICT (id) DO NOTHING RETURNING 1) UPDATE dlrl_counts SET n = n + "
+                                 "(SELECT COUNT(*) FROM ins) WHERE name = 'records' RETURNING n",
+                                 [v for row in chunk for v in row]))[0]
+            if n > self.max_records:
+                self._bound(conn, 0)
         if time.monotonic() - self._last_prune >= self.prune_every_s:
             self.prune()
 
