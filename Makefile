@@ -44,7 +44,7 @@ train: install
 	$(VENV)/bin/dlrl train --config configs/tiny.yaml $(ARGS)
 
 align: install
-	$(PY) -m trainer.align_local --config configs/align.yaml $(ARGS)
+	$(PY) -m examples.align.local --config configs/align.yaml $(ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

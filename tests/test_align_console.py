@@ -22,8 +22,8 @@ import pytest
 from store import open_store
 from tests.helpers import admin_get, free_port, wait_until
 from tests.test_metrics_scrape import families, value
-from trainer.align_cli import NO_PRUNE
-from trainer.align_local import LocalAlign
+from trainer.align.cli import NO_PRUNE
+from examples.align.local import LocalAlign
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent

@@ -20,8 +20,8 @@ import pytest
 
 from store import open_store
 from tests.helpers import admin_get, free_port, wait_until
-from trainer.align_cli import NO_PRUNE, versions_main
-from trainer.align_local import LocalAlign
+from trainer.align.cli import NO_PRUNE, versions_main
+from examples.align.local import LocalAlign
 
 pytestmark = pytest.mark.slow
 SFT_STEPS = 900

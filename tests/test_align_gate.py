@@ -11,12 +11,12 @@ import torch
 from dllm.decoding import SamplingParams, generate
 from dllm.tokenizer import encode, load_tokenizer
 from dllm.weights import load_pretrained
-from trainer.align_bank import WeightBank
-from trainer.align_config import AlignConfig
-from trainer.align_gate import Gate, is_degenerate
-from trainer.align_metrics import AlignMetrics
-from trainer.align_pool import LiveStats, parse_live
-from trainer.align_promote import Canary, Candidate, FeedbackTally, Promoter
+from trainer.align.bank import WeightBank
+from trainer.align.config import AlignConfig
+from trainer.align.gate import Gate, is_degenerate
+from trainer.align.metrics import AlignMetrics
+from trainer.align.pool import LiveStats, parse_live
+from trainer.align.promote import Canary, Candidate, FeedbackTally, Promoter
 from trainer.config import TrainConfig
 from weight_sync import weights_digest
 

@@ -67,7 +67,7 @@ class AlignConfig(Config):
     admin_token: str = ""  # empty: train.admin_token, env DLRL_ADMIN_TOKEN, server.admin_token_file
     metrics_port: int = Field(0, ge=0, lt=65536)  # Prometheus metrics of the controller on this port (0: off)
     metrics_host: str = "127.0.0.1"
-    # the console (trainer.align_console): one web page; actions (rollback, pause) need the admin token
+    # the console (trainer.align.console): one web page; actions (rollback, pause) need the admin token
     console_port: int = Field(0, ge=0, lt=65536)  # 0: off
     console_host: str = "127.0.0.1"
     console_show_text: bool = False  # show the last recorded prompts/answers users rated (user text: opt in)

@@ -7,11 +7,11 @@
     dlrl versions store=runs/feedback.db [--events] [--json]    # --store PATH: an alias
     dlrl versions --config configs/align.yaml --rollback 12       # every serving replica back to 12
 
-Bare `key=value` overrides go to the `align` section (`trainer.align_config.AlignConfig`),
+Bare `key=value` overrides go to the `align` section (`trainer.align.config.AlignConfig`),
 `train.key=value` to the trainer's (`trainer.config.TrainConfig`; its `servers` are
 `align.rollout_servers`), `model.` / `task.` / `sft.` / `server.key=value` to theirs; the config
-file is read once (`trainer.align_config.align_sections`). The rollout servers and serving replicas must be running
-(`make align` starts them; see trainer/align_local.py). SIGTERM / SIGINT: the push in flight is
+file is read once (`trainer.align.config.align_sections`). The rollout servers and serving replicas must be running
+(`make align` starts them; see examples/align/local.py). SIGTERM / SIGINT: the push in flight is
 aborted, a canary in flight is rolled back, a checkpoint is saved, exit 0; a second signal
 stops at once. `dlrl align` runs one trainer rank.
 """
@@ -33,7 +33,7 @@ NO_PRUNE = {"max_records": 1 << 62, "max_age_s": 1e15}  # the servers own the st
 def parse(argv: list[str]):
     """-> (args, root sections, overrides): the config file read once, every section typed; the
     `train` section as `dlrl align` runs it (servers = align.rollout_servers, ...)."""
-    from trainer.align_config import align_sections, check_train
+    from trainer.align.config import align_sections, check_train
 
     ap = argparse.ArgumentParser(prog="dlrl align", description="continuous alignment from live traffic")
     ap.add_argument("--config", default="configs/align.yaml")
@@ -57,7 +57,7 @@ def parse(argv: list[str]):
 
 
 def make_sampler_factory(cfg, train, store, should_stop):
-    from trainer.align_data import PromptPool, StaticPrompts, StorePrompts, TailedJSONL
+    from trainer.align.data import PromptPool, StaticPrompts, StorePrompts, TailedJSONL
 
     def factory(train_examples, tokenizer):
         if cfg.prompt_source == "store":
@@ -80,9 +80,9 @@ def main(argv: list[str]) -> int:
         return print_check("align", cfg, train)
     from rollout_client.client import AdminError, RolloutError
     from store import open_store
-    from trainer.align import Aligner, align_loop
-    from trainer.align_data import NoData
-    from trainer.align_pool import ServingPool
+    from trainer.align.controller import Aligner, align_loop
+    from trainer.align.data import NoData
+    from trainer.align.pool import ServingPool
     from trainer.cli import Stopper
     from trainer.dist import RankError
     from trainer.fleet import FleetError
@@ -110,7 +110,7 @@ def main(argv: list[str]) -> int:
         al.prepare()
         log.info("controller ready in %.1fs", time.perf_counter() - t0)
         if cfg.console_port:
-            from trainer.align_console import Console
+            from trainer.align.console import Console
 
             console = Console(al, resolve_token(train, root["server"]))
             print(f"dlrl align console: {console.start()}", flush=True)
@@ -145,7 +145,7 @@ def versions_main(argv: list[str]) -> int:
     ap.add_argument("overrides", nargs="*", help="align key=value overrides (e.g. store=runs/feedback.db)")
     args = ap.parse_intermixed_args(argv)
     from dllm.configlib import build, parse_overrides
-    from trainer.align_config import AlignConfig, align_sections
+    from trainer.align.config import AlignConfig, align_sections
 
     try:
         root = load_sections(args.config, args.overrides, align_sections(), primary="align")
@@ -170,7 +170,7 @@ def versions_main(argv: list[str]) -> int:
         if args.json:
             print(json.dumps(data, indent=1, default=str))
         else:
-            from trainer.align_report import format_events, format_versions
+            from trainer.align.report import format_events, format_versions
 
             print(format_events(data) if args.events else format_versions(data))
             print(f"\nserving version: {st.serving_version()}")
@@ -196,7 +196,7 @@ def manual_rollback(cfg, server, st, version: int) -> int:
 def rollback_replicas(cfg, token: str, st, version: int) -> dict:
     """The manual rollback (`dlrl versions --rollback`, the console's button): registry first, then
     each serving replica. ValueError when `version` never served. -> {version, previous, replicas}."""
-    from trainer.align_pool import ServingPool
+    from trainer.align.pool import ServingPool
     from trainer.fleet import FleetError
 
     known = {v["version"]: v for v in st.versions()}

@@ -8,10 +8,10 @@ One step: new feedback read from the store -> the step's share of feedback recor
 than `align.max_staleness` versions) -> on-policy rollouts for the rest (`trainer.loop.collect`,
 prompts from the growing source) -> `trainer.loop.learn` on the mixed batch (feedback rewards
 are the users'; importance weights from the recorded behaviour log-probs, `trainer.correction`;
-advantages: see `trainer.align_data`) -> push to the rollout servers (`Publisher.push`) -> the
+advantages: see `trainer.align.data`) -> push to the rollout servers (`Publisher.push`) -> the
 new version in the registry (parent, step, data consumed). Every `align.promote_every` steps the
-policy is a candidate: the gate (`trainer.align_gate`) on the rollout servers, then the rolling
-promotion to the serving replicas (`trainer.align_promote`), watched between the next steps (the
+policy is a candidate: the gate (`trainer.align.gate`) on the rollout servers, then the rolling
+promotion to the serving replicas (`trainer.align.promote`), watched between the next steps (the
 gate runs when due even during a promotion; a candidate that passes then waits for it, and a
 newer one that passes replaces it: status `superseded`). A candidate stopped by the gate or rolled back on the canary sends the policy back to the serving
 weights (`align.on_gate_fail=revert`, Adam moments reset) or lets it train on (`continue`).
@@ -22,11 +22,11 @@ from __future__ import annotations
 import logging
 import time
 
-from trainer.align_bank import WeightBank
-from trainer.align_data import AlignReward, FeedbackBuffer, MixedBatch
-from trainer.align_gate import Gate
-from trainer.align_metrics import AlignMetrics, CountedStore
-from trainer.align_promote import Candidate, FeedbackTally, Promoter
+from trainer.align.bank import WeightBank
+from trainer.align.data import AlignReward, FeedbackBuffer, MixedBatch
+from trainer.align.gate import Gate
+from trainer.align.metrics import AlignMetrics, CountedStore
+from trainer.align.promote import Candidate, FeedbackTally, Promoter
 from trainer.loop import StopRequested, Timer, collect, learn
 
 log = logging.getLogger("dlrl.align")
@@ -397,7 +397,7 @@ def align_loop(al: Aligner) -> dict:
 
 
 def _plot(run) -> None:
-    from trainer.align_report import plot_serving
+    from trainer.align.report import plot_serving
     from trainer.metrics_log import plot_curves
 
     plot_curves(run.out / "metrics.jsonl", run.out / "curves.png")

@@ -1,6 +1,6 @@
 """Simulated users for `make align`: requests to the serving replicas, the task's exact-match reward as feedback.
 
-    python -m trainer.align_users --config configs/align.yaml [users.num_users=8 users.duration_s=60 ...]
+    python -m examples.align.users --config configs/align.yaml [users.num_users=8 users.duration_s=60 ...]
 
 Each of `num_users` users loops: a question of the embedded task (its training split, never the
 held-out split the gate evaluates on) -> `POST /v1/completions` on a replica (round robin, as a
@@ -153,7 +153,7 @@ async def run_users(cfg: UsersConfig, prompts: list[dict], token: str) -> Stats:
 def main(argv: list[str] | None = None) -> int:
     from dllm.task import ArithmeticTask
 
-    ap = argparse.ArgumentParser(prog="python -m trainer.align_users", description="simulated users of dlrl align")
+    ap = argparse.ArgumentParser(prog="python -m examples.align.users", description="simulated users of dlrl align")
     ap.add_argument("--config", default="configs/align.yaml")
     ap.add_argument("overrides", nargs="*", help="users.key=value (or key=value) and task.key=value overrides")
     args = ap.parse_args(argv)
