@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from store import open_store  # noqa: E402
-from trainer.align.cli import NO_PRUNE  # noqa: E402
 from examples.align.local import main as align_local  # noqa: E402
+from store import open_store  # noqa: E402
+from trainer.align.registry import NO_PRUNE  # noqa: E402
 from trainer.align.report import plot_serving  # noqa: E402
 from trainer.metrics_log import read_jsonl  # noqa: E402
 

@@ -37,7 +37,7 @@ SECTION_CLASSES = {
     "model": "dllm.sft:TinyModelConfig", "task": "dllm.task:ArithmeticTask", "sft": "dllm.sft:SFTConfig",
     "server": "server.config:ServerConfig", "train": "trainer.config:TrainConfig",
     "eval": "trainer.eval_cli:EvalConfig", "align": "trainer.align.config:AlignConfig",
-    "users": "examples.align.users:UsersConfig", "generate": "dllm.generate_cli:GenerateConfig"}
+    "users": "trainer.align.config:UsersConfig", "generate": "dllm.generate_cli:GenerateConfig"}
 COMMAND_SECTIONS = {  # command -> (its own section: bare key=value overrides, the sections it reads)
     "sft": ("sft", ["sft", "model", "task"]),
     "serve": ("server", ["server", "model", "task", "sft"]),

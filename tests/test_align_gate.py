@@ -146,10 +146,10 @@ class _Promoter:
 def _aligner(tmp_path, monkeypatch, scores: dict):
     """An Aligner with its collaborators stubbed: the rollout servers' scores come from `scores`."""
     from store import open_store
-    from trainer import align
+    from trainer.align import controller
 
-    monkeypatch.setattr(align, "policy_weights", lambda run: {})
-    al = object.__new__(align.Aligner)
+    monkeypatch.setattr(controller, "policy_weights", lambda run: {})
+    al = object.__new__(controller.Aligner)
     al.cfg = AlignConfig(promote_every=3, tolerance=0.02)
     al.run = SimpleNamespace(version=0)
     al.store = open_store(tmp_path / "reg.db")

@@ -38,8 +38,7 @@ import httpx
 class LocalAlign:
     def __init__(self, config: str, overrides: list[str] | None = None, env: dict[str, str] | None = None):
         from dllm.configlib import load_sections
-        from trainer.align.config import align_sections
-        from examples.align.users import UsersConfig
+        from trainer.align.config import UsersConfig, align_sections
 
         self.config, self.overrides = config, list(overrides or [])
         # every section checked before any process starts (ConfigError naming the key)
@@ -110,7 +109,7 @@ class LocalAlign:
     def start_users(self, *overrides: str) -> subprocess.Popen:
         replicas = "[" + ",".join(self.cfg.serving_replicas) + "]"
         keys = [o for o in self.overrides if o.startswith(("users.", "task."))]
-        cmd = [sys.executable, "-m", "examples.align.users", "--config", self.config, f"users.replicas={replicas}",
+        cmd = [sys.executable, str(Path(__file__).with_name("users.py")), "--config", self.config, f"users.replicas={replicas}",
                f"users.stats_path={self.out / 'users.json'}", *keys, *overrides]
         return self._spawn("users", cmd, {**self.env, "DLRL_FEEDBACK_TOKEN": self.feedback_token})
 
@@ -146,7 +145,7 @@ class LocalAlign:
         """Print a status line per registry event (gate verdicts, canaries, promotions, rollbacks)
         until `dlrl align` exits (True) or `duration` seconds pass (False)."""
         from store import open_store
-        from trainer.align.cli import NO_PRUNE
+        from trainer.align.registry import NO_PRUNE
         from trainer.align.report import event_line
 
         deadline = time.monotonic() + duration if duration else None

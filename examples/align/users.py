@@ -22,26 +22,9 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
 
-from pydantic import Field
-
-from dllm.configlib import Config, ConfigError, load_sections
-
-
-class UsersConfig(Config):
-    replicas: list[Annotated[str, Field(min_length=1)]] = Field(
-        default_factory=lambda: ["http://127.0.0.1:8101", "http://127.0.0.1:8102"], min_length=1)
-    num_users: int = Field(8, ge=1)
-    think_time_s: float = Field(0.2, ge=0)  # pause between one user's requests
-    feedback_prob: float = Field(1.0, ge=0, le=1)  # share of answers that get feedback
-    feedback_delay_s: float = Field(1.0, ge=0)  # feedback comes after a random delay up to this
-    temperature: float = Field(1.0, ge=0)
-    max_tokens: int = Field(8, ge=1)
-    request_timeout_s: float = Field(120.0, gt=0)
-    duration_s: float = Field(0.0, ge=0)  # 0: until stopped
-    seed: int = 1
-    stats_path: str = Field("runs/align/users.json", min_length=1)
+from dllm.configlib import ConfigError, load_sections
+from trainer.align.config import UsersConfig
 
 
 class Stats:

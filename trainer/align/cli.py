@@ -25,9 +25,9 @@ import sys
 import time
 
 from dllm.configlib import ConfigError, load_sections, print_check
+from trainer.align.registry import NO_PRUNE, rollback_replicas
 
 log = logging.getLogger("dlrl.align")
-NO_PRUNE = {"max_records": 1 << 62, "max_age_s": 1e15}  # the servers own the store's bounds
 
 
 def parse(argv: list[str]):
@@ -191,34 +191,3 @@ def manual_rollback(cfg, server, st, version: int) -> int:
         return 2
     print(json.dumps(result, indent=1))
     return 0 if not any(r.startswith("error") for r in result["replicas"].values()) else 1
-
-
-def rollback_replicas(cfg, token: str, st, version: int) -> dict:
-    """The manual rollback (`dlrl versions --rollback`, the console's button): registry first, then
-    each serving replica. ValueError when `version` never served. -> {version, previous, replicas}."""
-    from trainer.align.pool import ServingPool
-    from trainer.fleet import FleetError
-
-    known = {v["version"]: v for v in st.versions()}
-    status = known.get(version, {}).get("status")
-    if status not in ("serving", "retired"):
-        raise ValueError(f"version {version} never served (status {status or 'not registered'}); roll back "
-                         "to a retired or serving version")
-    current = st.serving_version()
-    if current is not None and current != version:  # the registry first: a running controller adopts it
-        st.update_version(current, status="rolled_back")  # and never "repairs" a rolled-back replica
-        st.update_version(version, status="serving")
-    pool = ServingPool(cfg.serving_replicas, token)
-    results: dict[str, str] = {}
-    try:
-        for url in pool.urls:  # one at a time: capacity drops by one replica at most
-            try:
-                pool.rollback(url, version)
-                results[url] = pool.checksum(url)
-            except FleetError as e:
-                results[url] = f"error: {e}"
-    finally:
-        pool.close()
-    st.log_event("rollback", current if current is not None else version,
-                 detail={"kind": "manual", "to": version, "replicas": results})
-    return {"version": version, "previous": current, "replicas": results}

@@ -88,6 +88,24 @@ class AlignConfig(Config):
         return self.feedback_ratio > 0
 
 
+class UsersConfig(Config):
+    """The simulated users of `make align` (section `users`, examples/align/users.py): kept beside
+    AlignConfig because configs/align.yaml carries the section and `dlrl align --help` lists it."""
+
+    replicas: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=lambda: ["http://127.0.0.1:8101", "http://127.0.0.1:8102"], min_length=1)
+    num_users: int = Field(8, ge=1)
+    think_time_s: float = Field(0.2, ge=0)  # pause between one user's requests
+    feedback_prob: float = Field(1.0, ge=0, le=1)  # share of answers that get feedback
+    feedback_delay_s: float = Field(1.0, ge=0)  # feedback comes after a random delay up to this
+    temperature: float = Field(1.0, ge=0)
+    max_tokens: int = Field(8, ge=1)
+    request_timeout_s: float = Field(120.0, gt=0)
+    duration_s: float = Field(0.0, ge=0)  # 0: until stopped
+    seed: int = 1
+    stats_path: str = Field("runs/align/users.json", min_length=1)
+
+
 def align_sections() -> dict[str, type[Config]]:
     """The sections `dlrl align` reads from its config file (once): its own, the trainer's, the
     embedded default's (model, task, sft) and the `server` keys the trainer needs (admin token)."""

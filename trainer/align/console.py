@@ -32,6 +32,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib.resources import files
 from typing import Any
 
+from trainer.align.registry import NO_PRUNE, rollback_replicas
+
 log = logging.getLogger("dlrl.align")
 STATIC = {"/": ("index.html", "text/html; charset=utf-8"), "/console.js": ("console.js", "text/javascript")}
 MAX_BODY = 4096
@@ -50,7 +52,6 @@ def _samples(metric) -> list:
 class Console:
     def __init__(self, aligner: Any, token: str):
         from store import open_store
-        from trainer.align.cli import NO_PRUNE
 
         self.al, self.cfg, self.token = aligner, aligner.cfg, token
         self.store = open_store(self.cfg.store, **NO_PRUNE)  # its own connection: reads, and a manual rollback
@@ -180,8 +181,6 @@ class Console:
         return hmac.compare_digest(header[7:].strip().encode(), self.token.encode())
 
     def rollback(self, version: int) -> tuple[int, dict]:
-        from trainer.align.cli import rollback_replicas
-
         if self.al.promoter.busy:  # it would land after the rollback and undo it
             return 409, {"error": "a promotion is in flight: pause promotion, wait until it is over, then roll back"}
         with self._rollback_lock:
