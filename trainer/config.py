@@ -16,10 +16,12 @@ from pydantic import Field
 from dllm.configlib import Config
 from rollout_client.protocol import Strategy
 from trainer.correction import Level, Mode
-from trainer.objectives import Objective
+from trainer.objectives import objective_names
 from trainer.rewards.sandbox import SandboxMode
 from trainer.trackers import Tracker
 from weight_sync.protocol import Transport
+
+Objective = Literal[objective_names()]  # the registered objectives (trainer.objectives.OBJECTIVES)
 
 
 class ServerKeys(Config, extra="ignore"):

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.dist import Ranks
+from trainer.faults import Faults
 from trainer.fleet import FleetError, ServerFleet
 
 log = logging.getLogger("dlrl.train")
@@ -52,9 +53,8 @@ class _Announced:
                 pass
 
 
-def _crash_mid_push(source: Any) -> Any:
+def _crash_mid_push(source: Any, faults: Faults) -> Any:
     """The source, wrapped so that DLRL_FAULT=push:N kills the pusher after its first tensor."""
-    from trainer import faults
 
     def make():
         for i, item in enumerate(source()):
@@ -67,12 +67,13 @@ def _crash_mid_push(source: Any) -> Any:
 
 class Publisher:
     def __init__(self, ranks: Ranks, fleet: ServerFleet, engine: Any, *, server_wait_s: float = 120.0,
-                 record: Path | None = None):
+                 record: Path | None = None, faults: Faults | None = None):
         self.ranks, self.fleet, self.engine = ranks, fleet, engine
         self.server_wait_s = server_wait_s
         self.record = record  # versions.jsonl: {version, digest} of every push, written before it
         self.version = 0
         self.pushing = False  # rank 0 is inside a push (a stop signal aborts it)
+        self.faults = faults or Faults()  # the run's fault hook (DLRL_FAULT=push:N)
 
     # ------------------------------------------------------------------ helpers
     def _source(self):
@@ -113,7 +114,7 @@ class Publisher:
                     f.write(json.dumps({"version": new, "digest": digest, "time": round(time.time(), 3)}) + "\n")
 
         def send(src):
-            src = _crash_mid_push(src)
+            src = _crash_mid_push(src, self.faults)
             self.pushing = True
             try:
                 return self._push_through_restarts(src, new, list(urls or self.fleet.urls))

@@ -29,6 +29,7 @@ import torch
 
 from trainer.checkpointer import Checkpointer
 from trainer.dist import Ranks, select_device
+from trainer.faults import Faults
 from trainer.fleet import ServerFleet
 from trainer.guards import check_served_model, clear_previous_run, previous_run
 from trainer.learner import Learner
@@ -45,6 +46,7 @@ class Run:
     fleet: ServerFleet
     publisher: Publisher
     learner: Learner
+    faults: Faults  # the crash tests' fault hook (DLRL_FAULT; a no-op when unset)
     rollouts: RolloutSource
     checkpointer: Checkpointer
     model_dir: Path
@@ -234,7 +236,7 @@ def _start_fleet(cfg, server, ranks: Ranks, config_path, overrides, out: Path) -
     return fleet
 
 
-def _build_learner(cfg, ranks: Ranks, policy) -> Learner:
+def _build_learner(cfg, ranks: Ranks, policy, faults: Faults) -> Learner:
     """Policy engine, frozen reference (KL) and value engine, all with the policy's sharding.
     The reference and the value model are copied from the plain policy BEFORE DeepSpeed
     partitions it (under ZeRO-3 its parameters are shards afterwards)."""
@@ -250,7 +252,7 @@ def _build_learner(cfg, ranks: Ranks, policy) -> Learner:
 
         value = build_engine(ValueModel(policy), DSConfig(**{**ds.__dict__, "lr": cfg.value_lr}))
     engine = build_engine(policy, ds)
-    return Learner(cfg, ranks, engine, policy.config.mask_token_id, ref, value)
+    return Learner(cfg, ranks, engine, policy.config.mask_token_id, ref, value, faults=faults)
 
 
 def build_run(root: dict, config_path: str | None, overrides: list[str], sampler_factory=None) -> Run:
@@ -284,19 +286,20 @@ def build_run(root: dict, config_path: str | None, overrides: list[str], sampler
     try:
         name = served_name(cfg.model or str(model_dir), root["server"].served_model_name)
         others = ranks.on_main(lambda: check_served_model(fleet, cfg, name))
-        learner = _build_learner(cfg, ranks, policy)
+        faults = Faults.from_env()
+        learner = _build_learner(cfg, ranks, policy, faults)
         reward_fn = build_reward(cfg.reward, overlong_buffer=cfg.overlong_buffer, max_tokens=cfg.max_tokens,
                                  sandbox=cfg.reward_sandbox)
         train_ex, eval_ex = load_examples(cfg, root["task"], tokenizer)
         sampler = (sampler_factory(train_ex, tokenizer) if sampler_factory is not None
                    else PromptSampler(train_ex, cfg.prompts_per_step, seed=cfg.seed))
         publisher = Publisher(ranks, fleet, learner.engine, server_wait_s=cfg.server_wait_s,
-                              record=out / "versions.jsonl" if cfg.record_digests else None)
+                              record=out / "versions.jsonl" if cfg.record_digests else None, faults=faults)
         publisher.start()
         checkpointer = Checkpointer(out / "checkpoint", ranks, learner.engine, learner.value,
                                     zero_stage=cfg.zero_stage)
         rollouts = RolloutSource(cfg, ranks, fleet, sampler, lambda e: encode(tokenizer, e["prompt"]), seed=cfg.seed)
-        run = Run(cfg, ranks, fleet, publisher, learner, rollouts, checkpointer, model_dir, tokenizer, reward_fn,
+        run = Run(cfg, ranks, fleet, publisher, learner, faults, rollouts, checkpointer, model_dir, tokenizer, reward_fn,
                   sampler, eval_ex, out, generator=torch.Generator().manual_seed(cfg.seed + ranks.rank))
         _resume_or_sync(run)
         if others:
