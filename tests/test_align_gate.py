@@ -15,8 +15,8 @@ from trainer.align.bank import WeightBank
 from trainer.align.config import AlignConfig
 from trainer.align.gate import Gate, is_degenerate
 from trainer.align.metrics import AlignMetrics
-from trainer.align.pool import LiveStats, parse_live
 from trainer.align.promote import Canary, Candidate, FeedbackTally, Promoter
+from trainer.align.replicas import LiveStats, parse_live
 from trainer.config import TrainConfig
 from weight_sync import weights_digest
 

@@ -19,8 +19,8 @@ from trainer.align.bank import WeightBank
 from trainer.align.cli import versions_main
 from trainer.align.config import AlignConfig
 from trainer.align.metrics import AlignMetrics
-from trainer.align.pool import ServingPool
 from trainer.align.promote import Candidate, FeedbackTally, Promoter
+from trainer.align.replicas import ServingPool
 
 TOKEN = "align-replicas-token"
 

@@ -29,6 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
+from trainer.data_sources import read_records
+from trainer.data_sources import source_problem as problem
+
 DEFAULT_PROMPT_FIELDS = ("question", "prompt", "problem")
 DEFAULT_ANSWER_FIELDS = ("ground_truth_answer", "answer")
 MESSAGES_FIELD = "messages"
@@ -102,8 +105,6 @@ def load_prompts(path: str | Path, prompt_field: str | None = None, answer_field
                  system_prompt: str | None = None, limit: int | None = None, split: str = "train") -> list[dict]:
     """Records of `path` (any source of trainer.data_sources; `split` for datasets / hub ids) ->
     examples, the first `limit`. Errors name the file, the line / row and the missing field."""
-    from trainer.data_sources import read_records
-
     examples: list[dict] = []
     for where, record in read_records(str(path), split):
         if limit and len(examples) >= limit:
@@ -124,8 +125,6 @@ def report(key: str, spec: str, examples: list[dict], note: str = "") -> None:
 
 def source_problem(spec: str) -> str:
     """"" when `spec` names readable prompt data (nothing is loaded), else what is wrong."""
-    from trainer.data_sources import source_problem as problem
-
     return problem(spec)
 
 

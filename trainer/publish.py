@@ -26,9 +26,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from dllm.weights import parse_dtype
 from trainer.dist import Ranks
+from trainer.ds_engine import named_full_params
 from trainer.faults import Faults
 from trainer.fleet import FleetError, ServerFleet
+from weight_sync import drain, iter_deepspeed_params, weights_digest
 
 log = logging.getLogger("dlrl.train")
 
@@ -77,8 +80,6 @@ class Publisher:
 
     # ------------------------------------------------------------------ helpers
     def _source(self):
-        from weight_sync import iter_deepspeed_params
-
         return iter_deepspeed_params(self.engine)
 
     def _is_zero3(self) -> bool:
@@ -86,8 +87,6 @@ class Publisher:
 
     def _collective(self, fn: Callable[[Any], Any]) -> Any:
         """Run fn(source) on rank 0, the other ranks joining every announced parameter pass."""
-        from weight_sync import drain
-
         source = self._source()
         shared = _Announced(source, self.ranks) if self._is_zero3() and self.ranks.world_size > 1 else source
         return self.ranks.on_main(lambda: fn(shared), while_waiting=lambda cmd: drain(source))
@@ -127,10 +126,6 @@ class Publisher:
 
     def local_digest(self) -> str | None:
         """Digest of the policy in the dtype the servers serve (collective under ZeRO-3)."""
-        from dllm.weights import parse_dtype
-        from trainer.ds_engine import named_full_params
-        from weight_sync import weights_digest
-
         served = self.ranks.on_main(self.fleet.served_dtype)
         if not (self.ranks.is_main or self._is_zero3()):
             return None

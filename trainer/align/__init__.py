@@ -9,7 +9,7 @@ trainer.fleet). Each module is one part of the controller:
     data.py        feedback records and prompt pools mixed into the trainer's batches
     gate.py        the held-out gate a candidate version must pass before it is served
     promote.py     canary and promotion of a passed candidate onto the serving replicas
-    pool.py        ServingPool: the serving replicas (receive only promoted versions) and their live stats
+    replicas.py    ServingPool: the serving replicas (receive only promoted versions) and their live stats
     bank.py        WeightBank: promoted weights kept on disk for rollback
     metrics.py     AlignMetrics: the controller's Prometheus metrics
     report.py      event lines and the serving plot

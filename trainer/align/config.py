@@ -18,6 +18,8 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from dllm.configlib import Config
+from dllm.tiny import TINY_SECTIONS
+from trainer.config import ServerKeys, TrainConfig
 
 Frac = Annotated[float, Field(ge=0, le=1)]
 Url = Annotated[str, Field(min_length=1)]
@@ -109,9 +111,6 @@ class UsersConfig(Config):
 def align_sections() -> dict[str, type[Config]]:
     """The sections `dlrl align` reads from its config file (once): its own, the trainer's, the
     embedded default's (model, task, sft) and the `server` keys the trainer needs (admin token)."""
-    from dllm.tiny import TINY_SECTIONS
-    from trainer.config import ServerKeys, TrainConfig
-
     return {"align": AlignConfig, "train": TrainConfig, **TINY_SECTIONS, "server": ServerKeys}
 
 

@@ -32,7 +32,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib.resources import files
 from typing import Any
 
+import httpx
+
+from store import open_store
 from trainer.align.registry import NO_PRUNE, rollback_replicas
+from trainer.align.report import event_line
 
 log = logging.getLogger("dlrl.align")
 STATIC = {"/": ("index.html", "text/html; charset=utf-8"), "/console.js": ("console.js", "text/javascript")}
@@ -51,8 +55,6 @@ def _samples(metric) -> list:
 
 class Console:
     def __init__(self, aligner: Any, token: str):
-        from store import open_store
-
         self.al, self.cfg, self.token = aligner, aligner.cfg, token
         self.store = open_store(self.cfg.store, **NO_PRUNE)  # its own connection: reads, and a manual rollback
         self._rollback_lock = threading.Lock()
@@ -105,8 +107,6 @@ class Console:
         f2s = {s.name: s.value for s in _samples(m.feedback_to_serving) if s.name.endswith(("_sum", "_count"))}
         count = f2s.get("dlrl_align_feedback_to_serving_seconds_count", 0)
         events = self._recent_events()
-        from trainer.align.report import event_line
-
         out = {
             "time": time.time(), "run_id": al.run_id, "trainer_version": int(al.run.version),
             "serving_version": serving, "promotion_paused": al.promotion_paused,
@@ -135,8 +135,6 @@ class Console:
 
     def _served(self) -> dict[str, int]:
         """What each serving replica serves now (its GET /health; -1: down), read at most every REPLICA_TTL_S."""
-        import httpx
-
         with self._lock:
             if time.monotonic() - self._served_at[0] > REPLICA_TTL_S:
                 out = {}

@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from trainer.align.pool import ServingPool
+from trainer.align.replicas import ServingPool
 from trainer.fleet import FleetError
 
 NO_PRUNE = {"max_records": 1 << 62, "max_age_s": 1e15}  # the servers own the store's bounds
