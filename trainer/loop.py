@@ -7,6 +7,10 @@ advantages (group z-score, or value model + step-wise GAE) -> optional zero-vari
 filter -> trace replay into training rows -> loss -> DeepSpeed step (gradients averaged over
 ranks, losses normalised by global token counts) -> push version+1 into every server in place
 (rank 0; weight_sync) -> metrics reduced over ranks (rank 0 logs).
+
+This module is what a run DOES (functions of a `trainer.run.Run`, which holds what it IS); the
+objective and the advantage estimator come from their registries (trainer.objectives,
+trainer.advantages), the fault hook from `run.faults`.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@
     run.close()
 
 The optimizer state lives in the engines for the whole run (no per-step re-initialisation).
+This module is what a run IS (its parts, built once); trainer/loop.py is what a run DOES each
+step; trainer/cli.py is the `dlrl train` command around both.
 """
 
 from __future__ import annotations
