@@ -22,7 +22,7 @@ test: install
 	$(PY) -m pytest -q -x tests $(ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check dlrl dllm server trainer weight_sync rollout_client store tests benchmarks
+	$(VENV)/bin/ruff check dlrl dllm server trainer weight_sync rollout_client store tests benchmarks examples
 	$(VENV)/bin/mypy
 
 typecheck: install  # mypy over the packages ([tool.mypy] in pyproject.toml; cache in .mypy_cache/)
@@ -48,7 +48,7 @@ train: install
 	$(VENV)/bin/dlrl train --config configs/tiny.yaml $(ARGS)
 
 align: install
-	$(PY) -m trainer.align_local --config configs/align.yaml $(ARGS)
+	$(PY) -m examples.align.local --config configs/align.yaml $(ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

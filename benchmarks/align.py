@@ -4,7 +4,7 @@ accuracy over time (PNG) and the feedback-to-serving latency (issue 19, benchmar
     .venv/bin/python benchmarks/align.py                      # 10 minutes, fresh runs/align-bench/
     .venv/bin/python benchmarks/align.py --duration 120 flip_reward_steps=[10,11,12]
 
-Runs `trainer.align_local` (one rollout server, two serving replicas, simulated users, `dlrl align`)
+Runs `examples.align.local` (one rollout server, two serving replicas, simulated users, `dlrl align`)
 for `--duration` seconds of `dlrl align` (then SIGTERM), with `align.output_dir` and `align.store`
 in a fresh `runs/align-bench/`, then prints a markdown report from the version registry, the
 metrics and the users' stats, and copies the serving-accuracy plot to `--png`.
@@ -21,10 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from examples.align.local import main as align_local  # noqa: E402
 from store import open_store  # noqa: E402
-from trainer.align_cli import NO_PRUNE  # noqa: E402
-from trainer.align_local import main as align_local  # noqa: E402
-from trainer.align_report import plot_serving  # noqa: E402
+from trainer.align.registry import NO_PRUNE  # noqa: E402
+from trainer.align.report import plot_serving  # noqa: E402
 from trainer.metrics_log import read_jsonl  # noqa: E402
 
 

@@ -86,7 +86,7 @@ def run_steps(model: Path, url: str, work: Path, steps: int, prompts: int) -> li
 def checkpoint_path(final: Path, work: Path) -> tuple[float, float]:
     """-> (save seconds, fresh-server-until-ready seconds) for the exported policy."""
     from dllm.weights import load_pretrained, save_pretrained
-    from trainer.servers import wait_ready
+    from trainer.local_servers import wait_ready
 
     model = load_pretrained(final)
     ckpt = work / "ckpt"
@@ -109,7 +109,7 @@ def checkpoint_path(final: Path, work: Path) -> tuple[float, float]:
 
 
 def bench(name: str, steps: int, prompts: int) -> dict:
-    from trainer.servers import wait_ready
+    from trainer.local_servers import wait_ready
 
     work = Path(tempfile.mkdtemp(prefix=f"dlrl-step-{name}-"))
     model = make_model(name, work / "model")

@@ -28,16 +28,16 @@ COMMANDS = {
     "serve": ("server.cli", "main"),
     "train": ("trainer.cli", "main"),
     "eval": ("trainer.eval_cli", "main"),
-    "align": ("trainer.align_cli", "main"),
-    "versions": ("trainer.align_cli", "versions_main"),
+    "align": ("trainer.align.cli", "main"),
+    "versions": ("trainer.align.cli", "versions_main"),
 }
 
 PREFLIGHT_COMMANDS = ("serve", "train", "eval")  # --check also checks files, imports, ports, tokens
 SECTION_CLASSES = {
     "model": "dllm.sft:TinyModelConfig", "task": "dllm.task:ArithmeticTask", "sft": "dllm.sft:SFTConfig",
     "server": "server.config:ServerConfig", "train": "trainer.config:TrainConfig",
-    "eval": "trainer.eval_cli:EvalConfig", "align": "trainer.align_config:AlignConfig",
-    "users": "trainer.align_users:UsersConfig", "generate": "dllm.generate_cli:GenerateConfig"}
+    "eval": "trainer.eval_cli:EvalConfig", "align": "trainer.align.config:AlignConfig",
+    "users": "trainer.align.config:UsersConfig", "generate": "dllm.generate_cli:GenerateConfig"}
 COMMAND_SECTIONS = {  # command -> (its own section: bare key=value overrides, the sections it reads)
     "sft": ("sft", ["sft", "model", "task"]),
     "serve": ("server", ["server", "model", "task", "sft"]),

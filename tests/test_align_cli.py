@@ -71,8 +71,8 @@ def test_versions_refuses_bad_input(tmp_path, capsys):
 
 def test_users_and_launcher_refuse_bad_keys_before_starting(capsys):
     from dllm.configlib import ConfigError
-    from trainer.align_local import LocalAlign
-    from trainer.align_users import main as users_main
+    from examples.align.local import LocalAlign
+    from examples.align.users import main as users_main
 
     with pytest.raises(SystemExit) as e:
         users_main(["--config", "configs/align.yaml", "feedback_prob=1.5"])

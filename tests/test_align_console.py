@@ -19,11 +19,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from examples.align.local import LocalAlign
 from store import open_store
 from tests.helpers import admin_get, free_port, wait_until
 from tests.test_metrics_scrape import families, value
-from trainer.align_cli import NO_PRUNE
-from trainer.align_local import LocalAlign
+from trainer.align.registry import NO_PRUNE
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,7 +14,7 @@ from dllm.replay import build_rows
 from dllm.tokenizer import encode, load_tokenizer
 from dllm.weights import load_pretrained
 from store import Record, new_record_id, open_store
-from trainer.align_data import (
+from trainer.align.data import (
     AlignReward,
     FeedbackBuffer,
     MixedBatch,
@@ -24,7 +24,7 @@ from trainer.align_data import (
     TailedJSONL,
     record_rollout,
 )
-from trainer.align_gate import target_logprobs
+from trainer.align.gate import target_logprobs
 from trainer.loop import StopRequested, score, sequence_advantages
 from trainer.rewards import build_reward
 from trainer.rollouts import Batch
@@ -157,7 +157,7 @@ def test_a_recorded_sample_replays_to_its_behaviour_logprobs(tiny_model_dir):
 
 def test_mixed_batch_scores_feedback_by_its_users_and_forms_pseudo_groups():
     from rollout_client.protocol import Rollout, TraceModel
-    from trainer.align_data import FeedbackSample
+    from trainer.align.data import FeedbackSample
 
     def roll(text, version):
         trace = TraceModel(prompt_len=1, block_size=4, steps=[1], logprobs=[-0.1], version=version)

@@ -18,10 +18,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from examples.align.local import LocalAlign
 from store import open_store
 from tests.helpers import admin_get, free_port, wait_until
-from trainer.align_cli import NO_PRUNE, versions_main
-from trainer.align_local import LocalAlign
+from trainer.align.cli import versions_main
+from trainer.align.registry import NO_PRUNE
 
 pytestmark = pytest.mark.slow
 SFT_STEPS = 900

@@ -11,12 +11,12 @@ import torch
 from dllm.decoding import SamplingParams, generate
 from dllm.tokenizer import encode, load_tokenizer
 from dllm.weights import load_pretrained
-from trainer.align_bank import WeightBank
-from trainer.align_config import AlignConfig
-from trainer.align_gate import Gate, is_degenerate
-from trainer.align_metrics import AlignMetrics
-from trainer.align_pool import LiveStats, parse_live
-from trainer.align_promote import Canary, Candidate, FeedbackTally, Promoter
+from trainer.align.bank import WeightBank
+from trainer.align.config import AlignConfig
+from trainer.align.gate import Gate, is_degenerate
+from trainer.align.metrics import AlignMetrics
+from trainer.align.promote import Canary, Candidate, FeedbackTally, Promoter
+from trainer.align.replicas import LiveStats, parse_live
 from trainer.config import TrainConfig
 from weight_sync import weights_digest
 
@@ -146,10 +146,10 @@ class _Promoter:
 def _aligner(tmp_path, monkeypatch, scores: dict):
     """An Aligner with its collaborators stubbed: the rollout servers' scores come from `scores`."""
     from store import open_store
-    from trainer import align
+    from trainer.align import controller
 
-    monkeypatch.setattr(align, "policy_weights", lambda run: {})
-    al = object.__new__(align.Aligner)
+    monkeypatch.setattr(controller, "policy_weights", lambda run: {})
+    al = object.__new__(controller.Aligner)
     al.cfg = AlignConfig(promote_every=3, tolerance=0.02)
     al.run = SimpleNamespace(version=0)
     al.store = open_store(tmp_path / "reg.db")

@@ -15,12 +15,12 @@ from dllm.weights import load_pretrained
 from store import open_store
 from tests.conftest import start_server
 from tests.helpers import admin_get
-from trainer.align_bank import WeightBank
-from trainer.align_cli import versions_main
-from trainer.align_config import AlignConfig
-from trainer.align_metrics import AlignMetrics
-from trainer.align_pool import ServingPool
-from trainer.align_promote import Candidate, FeedbackTally, Promoter
+from trainer.align.bank import WeightBank
+from trainer.align.cli import versions_main
+from trainer.align.config import AlignConfig
+from trainer.align.metrics import AlignMetrics
+from trainer.align.promote import Candidate, FeedbackTally, Promoter
+from trainer.align.replicas import ServingPool
 
 TOKEN = "align-replicas-token"
 

@@ -34,7 +34,7 @@ def test_help_lists_every_key_with_type_default_and_help(_dlrl):
 
 
 def test_versions_help_lists_the_align_keys_and_its_alias(_dlrl):
-    from trainer.align_config import AlignConfig
+    from trainer.align.config import AlignConfig
 
     text = _dlrl("versions", "--help")
     assert "usage: dlrl versions" in text and "alias of align.store=PATH" in text and "--rollback VERSION" in text

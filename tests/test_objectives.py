@@ -5,12 +5,17 @@ import math
 import pytest
 import torch
 
+from dllm.configlib import ConfigError, build
+from trainer.config import TrainConfig
+from trainer.learner import _policy_loss
 from trainer.objectives import (
     OBJECTIVES,
     complementary_masks,
     dipo_loss,
     k3_kl,
+    objective_names,
     random_mask,
+    register_objective,
     tracerl_loss,
     value_loss,
 )
@@ -218,4 +223,35 @@ def test_value_loss_clip_blocks_gradient_far_from_old():
 
 
 def test_objective_names():
-    assert OBJECTIVES == ("tracerl", "dipo", "random_masking", "coupled")
+    assert objective_names() == ("tracerl", "dipo", "random_masking", "coupled")
+
+
+def test_the_learner_takes_each_objective_from_the_registry():
+    lp = torch.randn(2, 5, dtype=DT, requires_grad=True)
+    old, adv, mask = lp.detach() + 0.3, torch.tensor([1.0, -1.0], dtype=DT), torch.ones(2, 5, dtype=torch.bool)
+    cfg = TrainConfig(objective="dipo", eps_low=0.1, eps_high=0.5)
+    got, _ = _policy_loss(cfg, lp, old, adv, mask, None, None)
+    want, _ = dipo_loss(lp, old, adv, mask, eps_low=0.1, eps_high=0.5, log_ratio_clip=cfg.log_ratio_clip)
+    assert got.item() == pytest.approx(want.item())
+    seen = []
+
+    @register_objective("test_only_objective")
+    def _loss(cfg, new_lp, old_lp, adv, mask, ref_lp=None, entropy=None, weights=None):
+        seen.append(cfg.kl_coef)
+        return new_lp.sum() * 0, {}
+
+    try:
+        assert OBJECTIVES["test_only_objective"].loss is _loss and OBJECTIVES["test_only_objective"].masks is None
+        _policy_loss(cfg.model_copy(update={"objective": "test_only_objective"}), lp, old, adv, mask, None, None)
+        assert seen == [cfg.kl_coef]
+        with pytest.raises(ValueError, match="already registered"):
+            register_objective("dipo")(_loss)
+    finally:
+        del OBJECTIVES["test_only_objective"]
+
+
+def test_an_unknown_objective_is_a_config_error_naming_the_registered_ones():
+    with pytest.raises(ConfigError) as e:
+        build(TrainConfig, {"objective": "ppo"}, "train")
+    assert "train.objective" in str(e.value)
+    assert all(name in str(e.value) for name in objective_names())

@@ -23,11 +23,38 @@
 `trace_gae` takes each sample's step ids from its trace (`TraceModel.global_steps(shrink)`:
 with shrinkage s, steps (k-1)s+1..ks of a block are one step of the shrunk trajectory, as in
 TraceRL) and puts the sequence reward on the tokens of the last step.
+
+`ADVANTAGE_ESTIMATORS`: the registry of the token-level estimators the loop uses
+(`@register_advantage(name)`; `advantage_estimator(cfg)` picks one: `gae` with
+`train.use_value_model`, else `group`; trainer.loop registers both).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+# (run, rows, samples, rewards [N], sequence advantages [N], row mini-batches [R], weights) -> (adv [R,L], metrics)
+AdvantageFn = Callable[..., tuple[torch.Tensor, dict]]
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
+
+
+def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Decorator: `@register_advantage("name")` adds a token-level advantage estimator."""
+
+    def deco(fn: AdvantageFn) -> AdvantageFn:
+        if name in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        ADVANTAGE_ESTIMATORS[name] = fn
+        return fn
+
+    return deco
+
+
+def advantage_estimator(cfg) -> str:
+    """The estimator a train config asks for: TraceRL's value model + step-wise GAE, or group z-scores."""
+    return "gae" if cfg.use_value_model else "group"
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6,

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.dist import Ranks
+from trainer.ds_engine import has_checkpoint, load_checkpoint, read_client_state, save_checkpoint
 
 log = logging.getLogger("dlrl.train")
 
@@ -30,14 +31,10 @@ class Checkpointer:
         self.zero_stage, self.keep_last = zero_stage, keep_last
 
     def exists(self) -> bool:
-        from trainer.ds_engine import has_checkpoint
-
         return has_checkpoint(self.root)
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Collective: every rank writes its part; `latest` moves once all is written."""
-        from trainer.ds_engine import save_checkpoint
-
         state = {**state, "step": step, "world_size": self.ranks.world_size, "zero_stage": self.zero_stage}
         if self.value_engine is not None:
             save_checkpoint(self.value_engine, self.root / "value", {"step": step}, keep_last=self.keep_last)
@@ -48,8 +45,6 @@ class Checkpointer:
 
     def load(self) -> dict[str, Any]:
         """Collective: restore engines and RNG; returns the run state saved with them."""
-        from trainer.ds_engine import load_checkpoint, read_client_state
-
         if not self.exists():
             raise RuntimeError(f"resume: no checkpoint in {self.root}")
         saved = read_client_state(self.root)

@@ -12,6 +12,10 @@ exists yet it trains it first. Rank 0 writes metrics.jsonl, TensorBoard logs, cu
 the final Hugging Face export (SDAR layout) under `train.output_dir`. SIGTERM / SIGINT: the
 push in flight is aborted, a checkpoint is saved, servers the trainer started are stopped,
 exit code 0 (`--resume` continues); a second signal stops at once.
+
+The trainer's modules, for a newcomer: this file is the command (arguments, signals, errors, the
+`nproc=N` local launch); trainer/run.py is what one run is made of (Run, built once by build_run);
+trainer/loop.py is what a run does, step by step (rl_step, train_loop).
 """
 
 from __future__ import annotations
@@ -21,9 +25,23 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 from dllm.configlib import ConfigError, load_sections, print_check
+from dllm.tiny import TINY_SECTIONS
+from rollout_client.client import AdminError, RolloutError
+from trainer.config import ServerKeys, TrainConfig
+from trainer.dist import RankError, select_device
+from trainer.fleet import FleetError
+from trainer.guards import previous_run
+from trainer.loop import StopRequested, train_loop
+from trainer.metrics_log import read_jsonl
+from trainer.preflight import train_problems
+from trainer.run import build_run
+from weight_sync import WeightSyncError
 
 log = logging.getLogger("dlrl.train")
 
@@ -46,8 +64,6 @@ class Stopper:
             signal.signal(sig, handler)
 
     def _handle(self, signum, _frame) -> None:
-        from trainer.loop import StopRequested
-
         if self.requested:
             raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping now")
         self.requested = True
@@ -59,9 +75,6 @@ class Stopper:
 
 def parse(argv: list[str]):
     """-> (args, root sections, overrides): the config file read once, every section typed."""
-    from dllm.tiny import TINY_SECTIONS
-    from trainer.config import ServerKeys, TrainConfig
-
     ap = argparse.ArgumentParser(prog="dlrl train", description="online RL for block-diffusion LMs")
     ap.add_argument("--config", default="configs/tiny.yaml")
     ap.add_argument("--resume", action="store_true", help="continue from output_dir/checkpoint")
@@ -82,10 +95,6 @@ def parse(argv: list[str]):
 
 def _previous_run_refusal(cfg) -> str:
     """An error when output_dir holds an earlier run and neither --resume nor overwrite=true was given."""
-    from pathlib import Path
-
-    from trainer.guards import previous_run
-
     found = previous_run(Path(cfg.output_dir))
     if not found or cfg.resume or cfg.overwrite:
         return ""
@@ -99,8 +108,6 @@ def main(argv: list[str]) -> int:
     if args.check_config:
         return print_check("train", cfg)
     if os.environ.get("RANK", "0") == "0":  # before loading anything (other ranks wait for rank 0's errors)
-        from trainer.preflight import train_problems
-
         problems = train_problems(cfg, root["server"])
         refusal = _previous_run_refusal(cfg)
         if problems or refusal:
@@ -108,9 +115,6 @@ def main(argv: list[str]) -> int:
             return 2
     if args.check:
         return print_check("train", cfg)
-    from trainer.dist import select_device
-    from trainer.launch import launch_local, under_launcher
-
     try:
         select_device(cfg.device)  # before any rank starts: torchrun's ranks inherit it
     except ValueError as e:
@@ -118,13 +122,6 @@ def main(argv: list[str]) -> int:
         return 2
     if cfg.nproc > 1 and not under_launcher():
         return launch_local(cfg.nproc, argv)
-    from rollout_client.client import AdminError, RolloutError
-    from trainer.dist import RankError
-    from trainer.fleet import FleetError
-    from trainer.loop import StopRequested
-    from trainer.run import build_run
-    from weight_sync import WeightSyncError
-
     stopper = Stopper().install()
     run = None
     try:
@@ -146,10 +143,6 @@ def main(argv: list[str]) -> int:
 
 
 def _train(run, cfg, stopper: Stopper) -> int:
-    import time
-
-    from trainer.loop import train_loop
-
     t0 = time.monotonic()
     if run.ranks.is_main:
         log.info("training %s on %s from version %d (%s, %s, %d rank(s), ZeRO-%d)", run.model_dir,
@@ -170,11 +163,37 @@ def _train(run, cfg, stopper: Stopper) -> int:
     return 0
 
 
+def under_launcher() -> bool:
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def launch_local(nproc: int, argv: list[str]) -> int:
+    """`dlrl train nproc=N`: run `dlrl train <argv>` as `nproc` local ranks with torch's own elastic
+    agent (`torch.distributed.run --standalone`: a rank that fails stops the others; SIGTERM /
+    SIGINT are forwarded to the ranks, which checkpoint and exit 0); returns the job's exit code.
+    Under a launcher (torchrun, the DeepSpeed launcher, a Kubernetes indexed Job or Slurm setting
+    RANK / WORLD_SIZE) `nproc` is not used: the launcher already started the ranks."""
+    argv = [a for a in argv if not a.split("=", 1)[0].removeprefix("train.") == "nproc"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "dlrl.cli", "train", *argv]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    log.info("starting %d local ranks: %s", nproc, " ".join(cmd))
+    proc = subprocess.Popen(cmd, env=env)
+
+    def forward(signum, _frame):
+        proc.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 def summary_line(out, steps: int, seconds: float) -> str:
     """`done: held-out greedy accuracy 31.5% -> 84.5% over 60 steps in 2 min 40 s; outputs in ...`
     (the first and last evaluations of output_dir/metrics.jsonl)."""
-    from trainer.metrics_log import read_jsonl
-
     evals = [r["eval_accuracy"] for r in read_jsonl(out / "metrics.jsonl") if "eval_accuracy" in r]
     acc = (f"held-out greedy accuracy {100 * evals[0]:.1f}% -> {100 * evals[-1]:.1f}%" if evals
            else "no held-out evaluation (train.eval_every=0)")

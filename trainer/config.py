@@ -9,19 +9,23 @@ strategies, corrections, sandbox modes), so one table serves the code and the co
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
 from dllm.configlib import Config
 from rollout_client.protocol import Strategy
 from trainer.correction import Level, Mode
-from trainer.objectives import Objective
+from trainer.objectives import objective_names
 from trainer.rewards.sandbox import SandboxMode
 from trainer.trackers import Tracker
 from weight_sync.protocol import Transport
 
 DEFAULT_TRACKERS: list[Tracker] = ["tensorboard"]  # train.report_to
+if TYPE_CHECKING:  # a Literal built at import time is not a static type
+    Objective = str
+else:
+    Objective = Literal[objective_names()]  # the registered objectives (trainer.objectives.OBJECTIVES)
 
 
 class ServerKeys(Config, extra="ignore"):

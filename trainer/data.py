@@ -30,6 +30,9 @@ from typing import Protocol
 
 import numpy as np
 
+from trainer.data_sources import read_records
+from trainer.data_sources import source_problem as problem
+
 DEFAULT_PROMPT_FIELDS = ("question", "prompt", "problem")
 DEFAULT_ANSWER_FIELDS = ("ground_truth_answer", "answer")
 MESSAGES_FIELD = "messages"
@@ -103,8 +106,6 @@ def load_prompts(path: str | Path, prompt_field: str | None = None, answer_field
                  system_prompt: str | None = None, limit: int | None = None, split: str = "train") -> list[dict]:
     """Records of `path` (any source of trainer.data_sources; `split` for datasets / hub ids) ->
     examples, the first `limit`. Errors name the file, the line / row and the missing field."""
-    from trainer.data_sources import read_records
-
     examples: list[dict] = []
     for where, record in read_records(str(path), split):
         if limit and len(examples) >= limit:
@@ -125,14 +126,12 @@ def report(key: str, spec: str, examples: list[dict], note: str = "") -> None:
 
 def source_problem(spec: str) -> str:
     """"" when `spec` names readable prompt data (nothing is loaded), else what is wrong."""
-    from trainer.data_sources import source_problem as problem
-
     return problem(spec)
 
 
 class Sampler(Protocol):
     """Where a run draws each step's prompts from: `PromptSampler`, or dlrl align's growing
-    sources (trainer.align_data). Its state is checkpointed with the run."""
+    sources (trainer.align.data). Its state is checkpointed with the run."""
 
     def next_batch(self) -> list[dict]: ...
     def state_dict(self) -> dict: ...

@@ -18,11 +18,14 @@ A source is
 from __future__ import annotations
 
 import csv
+import importlib
 import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from dllm.hub import is_repo_id, split_revision
 
 log = logging.getLogger("dlrl.data")
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
@@ -34,8 +37,6 @@ class DataError(ValueError):
 
 
 def _need(module: str):
-    import importlib
-
     try:
         return importlib.import_module(module)
     except ImportError as e:
@@ -45,8 +46,6 @@ def _need(module: str):
 
 def kind_of(spec: str) -> str:
     """file | datasets_folder | hub | "" (not a source)."""
-    from dllm.hub import is_repo_id
-
     path = Path(spec)
     if path.is_file():
         return "file"
@@ -112,8 +111,6 @@ def _split_of(dataset, split: str, name: str):
 
 
 def _hub(spec: str, split: str) -> Iterator[tuple[str, Any]]:
-    from dllm.hub import split_revision
-
     hub = _need("huggingface_hub")
     datasets = _need("datasets")
     repo, revision = split_revision(spec)

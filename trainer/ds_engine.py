@@ -31,7 +31,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from dllm.export import export_pretrained
 from trainer.dist import init_process_group
+from weight_sync.sources import module_layout, split_parts
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CLIENT_STATE = "client_state.json"
@@ -162,8 +164,6 @@ def named_full_params(engine_or_module, dtype: torch.dtype | None = None,
     fused parameter (q/k/v, gate/up) comes as its checkpoint tensors. Under ZeRO-3 parameters
     are gathered a bucket at a time with `deepspeed.zero.GatheredParameters`: every rank must
     consume the iterator."""
-    from weight_sync.sources import module_layout, split_parts
-
     layout = module_layout(_unwrap(engine_or_module))
 
     def emit(name, p, parts):
@@ -288,8 +288,6 @@ def export_hf(engine, model_config, out_dir: str | Path, dtype: str | torch.dtyp
     generation_config.json copied or shipped, dtype = the source's unless `dtype` is given).
     Without `source_dir` the weights keep the engine's dtype. Parameters stream out one
     ZeRO-3 bucket at a time. Collective: every rank iterates; rank 0 writes."""
-    from dllm.export import export_pretrained
-
     model_config = model_config or engine.module.config
     if dtype is None and source_dir is None:  # record the saved weights' dtype in config.json
         dtype = next(engine.module.parameters()).dtype

@@ -18,6 +18,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from dllm.hub import served_name
+from dllm.weights import load_pretrained, parse_dtype
+from rollout_client.client import AdminError
+from weight_sync import weights_digest
+
 log = logging.getLogger("dlrl.eval")
 
 
@@ -27,16 +32,11 @@ class EvalMismatch(RuntimeError):
 
 def folder_digest(model_dir: str | Path, dtype: str | None) -> str:
     """Digest of a model folder's weights in the served dtype (what GET /weights/checksum gives)."""
-    from dllm.weights import load_pretrained, parse_dtype
-    from weight_sync import weights_digest
-
     model = load_pretrained(model_dir, dtype=parse_dtype(dtype) if dtype else None)
     return weights_digest(dict(model.hf_named_tensors()))
 
 
 def _read(fleet, url: str) -> dict[str, Any]:
-    from rollout_client.client import AdminError
-
     try:
         version = fleet.admin(url, "GET", "/weights/version")
         digest = fleet.admin(url, "GET", "/weights/checksum")
@@ -48,8 +48,6 @@ def _read(fleet, url: str) -> dict[str, Any]:
 def check_served(fleet, model: str, model_dir: Path | None, verify: str, started: list[str],
                  served_model_name: str = "") -> dict[str, dict[str, Any]]:
     """Read and record what each server holds; raise EvalMismatch where it is not `model`."""
-    from dllm.hub import served_name
-
     names = fleet.names()
     served: dict[str, dict[str, Any]] = {}
     digests: dict[str | None, str] = {}

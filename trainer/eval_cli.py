@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 from pathlib import Path
 from typing import Annotated, Literal
@@ -27,6 +28,19 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from dllm.configlib import Config, ConfigError, load_sections, print_check
+from dllm.hub import resolve_model
+from dllm.task import ArithmeticTask
+from dllm.tokenizer import load_tokenizer
+from rollout_client.client import RolloutError
+from trainer.config import ServerKeys
+from trainer.data import report
+from trainer.eval_check import check_served
+from trainer.evaluate import evaluate, format_table, load_eval_examples, make_settings, write_results
+from trainer.fleet import ServerFleet
+from trainer.local_servers import LocalServer, new_token
+from trainer.preflight import eval_problems
+from trainer.rewards import build_reward
+from trainer.run import resolve_token
 
 log = logging.getLogger("dlrl.eval")
 
@@ -72,8 +86,6 @@ class EvalConfig(Config):
 
 
 def free_url() -> str:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"http://127.0.0.1:{s.getsockname()[1]}"
@@ -82,16 +94,9 @@ def free_url() -> str:
 def load_examples(cfg: EvalConfig, task) -> list[dict]:
     if not cfg.data:
         return task.split("heldout", cfg.limit or 200)
-    from trainer.evaluate import load_eval_examples
-
     tokenizer = None
     if cfg.chat_template:
-        from dllm.hub import resolve_model
-        from dllm.tokenizer import load_tokenizer
-
         tokenizer = load_tokenizer(resolve_model(cfg.model, "eval.model"))
-    from trainer.data import report
-
     examples = load_eval_examples(cfg.data, cfg.prompt_field, cfg.answer_field, tokenizer, cfg.prompt_template,
                                   cfg.system_prompt, cfg.limit, split=cfg.split, require_answer=True)
     report("eval.data", cfg.data, examples, f"split {cfg.split}" + (f", limit {cfg.limit}" if cfg.limit else ""))
@@ -101,14 +106,6 @@ def load_examples(cfg: EvalConfig, task) -> list[dict]:
 def run(cfg: EvalConfig, task, config_path: str | None, overrides: list[str], server_keys=None) -> tuple[list, dict]:
     """Evaluate against `cfg.servers`, starting local ones where none answers (once per block
     size: a started server is restarted with each). -> (results, what each server held)."""
-    from dllm.hub import resolve_model
-    from trainer.eval_check import check_served
-    from trainer.evaluate import evaluate, make_settings
-    from trainer.fleet import ServerFleet
-    from trainer.rewards import build_reward
-    from trainer.run import resolve_token
-    from trainer.servers import LocalServer, new_token
-
     model_dir = resolve_model(cfg.model, "eval.model") if cfg.model else None
     if cfg.own_server:
         cfg = cfg.replace(servers=[free_url()], start_server=True)
@@ -142,9 +139,6 @@ def run(cfg: EvalConfig, task, config_path: str | None, overrides: list[str], se
 
 
 def main(argv: list[str]) -> int:
-    from dllm.task import ArithmeticTask
-    from trainer.config import ServerKeys
-
     ap = argparse.ArgumentParser(prog="dlrl eval", description="evaluate a served block-diffusion LM")
     ap.add_argument("--config", default=None, help="YAML config with an `eval` section (default "
                                                    "configs/tiny.yaml when it exists)")
@@ -161,7 +155,6 @@ def main(argv: list[str]) -> int:
     except (ConfigError, ValueError) as e:
         ap.error(str(e))
     if not args.check_config:  # before loading anything
-        from trainer.preflight import eval_problems
 
         problems = eval_problems(cfg, root["server"])
         if problems:
@@ -169,9 +162,6 @@ def main(argv: list[str]) -> int:
             return 2
     if args.check or args.check_config:
         return print_check("eval", cfg)
-    from rollout_client.client import RolloutError
-    from trainer.evaluate import format_table, write_results
-
     try:
         results, served = run(cfg, root["task"], config_path, args.overrides, root["server"])
     except (RuntimeError, ValueError, FileNotFoundError, RolloutError) as e:

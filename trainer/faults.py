@@ -2,11 +2,15 @@
 
     DLRL_FAULT=push:3 dlrl train ...     # rank 0 kills itself in the middle of step 3's push
 
+    faults = Faults.from_env()           # build_run: run.faults, handed to the learner and the publisher
+    faults.set_step(step + 1)            # the loop, at the start of each step
+    faults.crash_at("push")              # a no-op unless DLRL_FAULT names this point and step
+
 Points: `rollout` (while step N's rollout requests are in flight), `optimizer` (between a
 backward and its optimizer step), `push` (after the first tensor of the push has been sent).
-Unset (the default) every call is a no-op. Used by tests/test_trainer_crash.py to prove that
-`--resume` after a real `kill -9` at each point loses no step, applies none twice, and leaves
-the servers holding exactly the trainer's weights.
+Unset (the default, and `Faults()`) every call is a no-op. Used by tests/test_trainer_crash.py
+to prove that `--resume` after a real `kill -9` at each point loses no step, applies none twice,
+and leaves the servers holding exactly the trainer's weights.
 """
 
 from __future__ import annotations
@@ -14,29 +18,33 @@ from __future__ import annotations
 import os
 import signal
 import threading
-
-_step = 0
-
-
-def set_step(step: int) -> None:
-    """The 1-based step the run is in (rank-agnostic: only rank 0 crashes)."""
-    global _step
-    _step = step
+from collections.abc import Mapping
 
 
-def _wanted(point: str) -> bool:
-    spec = os.environ.get("DLRL_FAULT", "")
-    if not spec or os.environ.get("RANK", "0") != "0":
-        return False
-    name, _, step = spec.partition(":")
-    return name == point and step.isdigit() and int(step) == _step
+class Faults:
+    """The fault hook of one run: `spec` is DLRL_FAULT (`point:step`), `rank` this process's RANK
+    (only rank 0 crashes). An empty or malformed spec never fires."""
 
+    def __init__(self, spec: str = "", rank: str = "0"):
+        point, _, step = spec.partition(":")
+        armed = bool(spec) and rank == "0" and step.isdigit()
+        self.point: str | None = point if armed else None
+        self.at_step = int(step) if armed else -1
+        self.step = 0
 
-def crash_at(point: str, delay_s: float = 0.0) -> None:
-    """SIGKILL this process now (or after `delay_s`, from a thread) if DLRL_FAULT names this point."""
-    if not _wanted(point):
-        return
-    if delay_s > 0:
-        threading.Timer(delay_s, os.kill, (os.getpid(), signal.SIGKILL)).start()
-    else:
-        os.kill(os.getpid(), signal.SIGKILL)
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> Faults:
+        return cls(environ.get("DLRL_FAULT", ""), environ.get("RANK", "0"))
+
+    def set_step(self, step: int) -> None:
+        """The 1-based step the run is in (rank-agnostic: only rank 0 crashes)."""
+        self.step = step
+
+    def crash_at(self, point: str, delay_s: float = 0.0) -> None:
+        """SIGKILL this process now (or after `delay_s`, from a thread) if the spec names this point."""
+        if point != self.point or self.step != self.at_step:
+            return
+        if delay_s > 0:
+            threading.Timer(delay_s, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        else:
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -12,6 +12,12 @@ Generation, readiness and admin calls all go through one `rollout_client.Rollout
 lives on one event loop (a thread owned by the fleet) for the whole run: no new loop or
 client per batch. The weight data plane is `weight_sync` (one sender per server set, kept
 open across pushes). Only rank 0 uses the control plane; every rank may generate.
+
+The three views of "the servers": this module is the CLIENT of the servers a run generates
+on (wherever they run); trainer/local_servers.py holds the PROCESSES the trainer starts itself
+on this machine when none answers (`start_missing` launches them); trainer/align/replicas.py is
+`dlrl align`'s SERVING replicas (a separate pool that only receives promoted versions), one
+ServerFleet per replica.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from typing import Any, TypeVar
 
 from rollout_client.client import AdminError, RolloutClient
 from rollout_client.protocol import Rollout
+from trainer.local_servers import is_local
+from weight_sync import WeightSender, WeightSyncError
 
 log = logging.getLogger("dlrl.train")
 T = TypeVar("T")
@@ -77,8 +85,6 @@ class ServerFleet:
     # ------------------------------------------------------------------ lifecycle
     def start_missing(self, start_server: bool, launch: Callable[[str, int], Any]) -> None:
         """Start a local server (`launch(url, index)`) for every configured one that does not answer."""
-        from trainer.servers import is_local
-
         health = self._loop.run(self.client.health())
         for i, url in enumerate(self.urls):
             if health[url] is not None:
@@ -166,8 +172,6 @@ class ServerFleet:
     def _sender(self, urls: list[str] | None):
         """One weight_sync sender per set of servers, kept for the run (its shm region, dist group
         and the servers' staging are set up once, at connect)."""
-        from weight_sync import WeightSender
-
         key = tuple(urls or self.urls)
         sender = self._senders.get(key)
         if sender is None:
@@ -181,8 +185,6 @@ class ServerFleet:
     def connect(self, source: Any) -> dict[str, Any]:
         """Set the data plane up for tensors shaped like `source` (so the first push is as fast as
         the rest): region / group created, server staging allocated."""
-        from weight_sync import WeightSyncError
-
         try:
             return self._sender(None).connect(source)
         except (WeightSyncError, AdminError) as e:
@@ -191,8 +193,6 @@ class ServerFleet:
     def push(self, source: Any, version: int, urls: list[str] | None = None) -> dict[str, Any]:
         """Push `source` (weight_sync source) as `version` into `urls` (default: all servers).
         Each server applies it whole or not at all; an error names the servers that failed."""
-        from weight_sync import WeightSyncError
-
         key = tuple(urls or self.urls)
         sender = self._sender(list(key))
         try:

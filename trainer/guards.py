@@ -12,6 +12,8 @@ import logging
 import shutil
 from pathlib import Path
 
+from trainer.fleet import FleetError
+
 log = logging.getLogger("dlrl.train")
 
 
@@ -35,8 +37,6 @@ def clear_previous_run(out: Path) -> None:
 def check_served_model(fleet, cfg, name: str) -> list[str]:
     """The servers that serve another model than `name` (rank 0). An error unless
     train.take_over_servers=true; then a warning, and they are renamed after the first push."""
-    from trainer.fleet import FleetError
-
     others = {u: n for u, n in fleet.names().items() if n is not None and n != name}
     if not others:
         return []

@@ -27,25 +27,20 @@ from collections.abc import Callable
 import torch
 
 from dllm.replay import Rows, replay_hidden
-from trainer import faults
 from trainer.correction import is_weights, mismatch_stats
 from trainer.dist import Ranks
-from trainer.objectives import complementary_masks, dipo_loss, random_mask, tracerl_loss, value_loss
+from trainer.faults import Faults
+from trainer.objectives import OBJECTIVES, value_loss
 from trainer.replay import chunked_token_logprobs
 
 
 def _policy_loss(cfg, new_lp, old_lp, adv, mask, ref_lp, entropy, weights=None):
-    """TraceRL's symmetric clip, or DiPO's asymmetric one. The random-masking / coupled
-    baselines also come here: on-policy (ratio 1) with their 1/t ELBO weights and
-    per-sequence normalisation folded into the advantages by `baseline_rows`, which gives
-    the same gradient as the masked-diffusion baseline losses but lets them share the
-    mini-batch token normalisation of `update`. `weights`: importance corrections."""
-    if cfg.objective == "dipo":
-        return dipo_loss(new_lp, old_lp, adv, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-                         ref_logprobs=ref_lp, kl_coef=cfg.kl_coef, log_ratio_clip=cfg.log_ratio_clip,
-                         entropy=entropy, weights=weights)
-    return tracerl_loss(new_lp, old_lp, adv, mask, eps_clip=cfg.eps_clip, ref_logprobs=ref_lp,
-                        kl_coef=cfg.kl_coef, log_ratio_clip=cfg.log_ratio_clip, entropy=entropy, weights=weights)
+    """The loss of `cfg.objective` from the registry (trainer.objectives.OBJECTIVES). The
+    random-masking / coupled baselines are on-policy (ratio 1) with their 1/t ELBO weights and
+    per-sequence normalisation folded into the advantages by `baseline_rows`, which gives the
+    same gradient as the masked-diffusion baseline losses but lets them share the mini-batch
+    token normalisation of `update`. `weights`: importance corrections."""
+    return OBJECTIVES[cfg.objective].loss(cfg, new_lp, old_lp, adv, mask, ref_lp, entropy, weights)
 
 
 def baseline_rows(rows_like: Rows, objective: str, mask_id: int, generator: torch.Generator,
@@ -54,12 +49,10 @@ def baseline_rows(rows_like: Rows, objective: str, mask_id: int, generator: torc
     over its completion tokens (instead of trace states). Returns rows and 1/t weights [R, L],
     which average over `num_sequences` (default: this batch's; give the global count)."""
     is_comp = rows_like.target
-    if objective == "random_masking":
-        mask, t = random_mask(is_comp, generator)
-        masks, ts = [mask], [t]
-    else:
-        mask, comp, t = complementary_masks(is_comp, generator)
-        masks, ts = [mask, comp], [t, 1 - t]
+    spec = OBJECTIVES[objective]
+    if spec.masks is None:
+        raise ValueError(f"train.objective: {objective!r} trains on trace rows, it has no random-mask rows")
+    masks, ts = spec.masks(is_comp, generator)
     num_seq = is_comp.shape[0] if num_sequences is None else num_sequences
     out, weights = [], []
     for m, tt in zip(masks, ts):
@@ -115,9 +108,10 @@ MicroFn = Callable[[Rows, torch.Tensor, float, int], tuple[torch.Tensor, dict[st
 
 
 class Learner:
-    def __init__(self, cfg, ranks: Ranks, engine, mask_id: int, ref=None, value=None):
+    def __init__(self, cfg, ranks: Ranks, engine, mask_id: int, ref=None, value=None, faults: Faults | None = None):
         self.cfg, self.ranks, self.engine, self.mask_id = cfg, ranks, engine, mask_id
         self.ref_model, self.value = ref, value
+        self.faults = faults or Faults()  # the run's fault hook (DLRL_FAULT=optimizer:N)
 
     @property
     def device(self) -> torch.device:
@@ -162,7 +156,7 @@ class Learner:
             sub = _select(rows, part) if len(part) else _dummy_rows(rows)
             loss, metrics = micro(sub, part, n_tok, k)
             engine.backward(loss * gas * world)  # DeepSpeed divides by gas and averages over ranks
-            faults.crash_at("optimizer")
+            self.faults.crash_at("optimizer")
             engine.step()
             sums.add(metrics, float(sub.target.sum()))
         return sums.reduce(self.ranks)

@@ -7,6 +7,10 @@ advantages (group z-score, or value model + step-wise GAE) -> optional zero-vari
 filter -> trace replay into training rows -> loss -> DeepSpeed step (gradients averaged over
 ranks, losses normalised by global token counts) -> push version+1 into every server in place
 (rank 0; weight_sync) -> metrics reduced over ranks (rank 0 logs).
+
+This module is what a run DOES (functions of a `trainer.run.Run`, which holds what it IS); the
+objective and the advantage estimator come from their registries (trainer.objectives,
+trainer.advantages), the fault hook from `run.faults`.
 """
 
 from __future__ import annotations
@@ -19,15 +23,21 @@ import torch
 
 from dllm.replay import Rows, build_rows
 from rollout_client.client import RolloutError
-from trainer import faults
-from trainer.advantages import filter_zero_variance_groups, group_advantages, trace_gae
+from trainer.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    advantage_estimator,
+    filter_zero_variance_groups,
+    group_advantages,
+    register_advantage,
+    trace_gae,
+)
 from trainer.dist import RankError
 from trainer.learner import baseline_rows
+from trainer.objectives import OBJECTIVES
 from trainer.replay import completion_rows
 from trainer.rewards import score_batch
 
 log = logging.getLogger("dlrl.train")
-BASELINES = ("random_masking", "coupled")
 
 
 class StopRequested(BaseException):
@@ -67,13 +77,23 @@ def row_minibatches(run, rows: Rows, sample_ids: torch.Tensor, num_samples: int,
 
 
 def token_advantages(run, rows, samples, rewards, seq_adv, row_mb) -> tuple[torch.Tensor, dict]:
-    """Advantages at every row target [R, L]; with a value model also trains it (step-wise GAE
-    on the trace's global step ids, shrunk like the replay rows)."""
+    """Advantages at every row target [R, L], from the run's estimator (trainer.advantages registry)."""
+    estimator = ADVANTAGE_ESTIMATORS[advantage_estimator(run.cfg)]
+    return estimator(run, rows, samples, rewards, seq_adv, row_mb, _sequence_weights(run, rows, samples))
+
+
+@register_advantage("group")
+def _group_advantages(run, rows, samples, rewards, seq_adv, row_mb, weights) -> tuple[torch.Tensor, dict]:
+    """Each sample's group z-score on every one of its tokens."""
+    per_sample = [torch.full((len(s.completion_ids),), float(seq_adv[i])) for i, s in enumerate(samples)]
+    return rows.gather(per_sample) * weights, {}
+
+
+@register_advantage("gae")
+def _value_gae(run, rows, samples, rewards, seq_adv, row_mb, weights) -> tuple[torch.Tensor, dict]:
+    """TraceRL's value model: step-wise GAE on the trace's global step ids (shrunk like the replay
+    rows); also trains the value model."""
     cfg = run.cfg
-    weights = _sequence_weights(run, rows, samples)
-    if not cfg.use_value_model:
-        per_sample = [torch.full((len(s.completion_ids),), float(seq_adv[i])) for i, s in enumerate(samples)]
-        return rows.gather(per_sample) * weights, {}
     values = run.learner.values(rows)  # [R, L]: V_j at the state that committed token j
     N, L = len(samples), max((len(s.completion_ids) for s in samples), default=0)
     tok_v = torch.zeros(N, L)
@@ -106,7 +126,7 @@ def score(run, batch) -> torch.Tensor:
 
 def replay(run, samples, num_samples: int):
     """Training rows of the kept samples (trace states, or random masks for the baselines)."""
-    if run.cfg.objective in BASELINES:
+    if OBJECTIVES[run.cfg.objective].masks is not None:
         return baseline_rows(completion_rows(samples, run.block_size, run.pad_id), run.cfg.objective,
                              run.mask_id, run.generator, num_sequences=num_samples)
     return build_rows(samples, run.block_size, run.mask_id, run.pad_id, run.cfg.shrink), None
@@ -115,9 +135,9 @@ def replay(run, samples, num_samples: int):
 def rl_step(run, step: int) -> dict:
     """One RL step on every rank; returns its metrics (global)."""
     t = Timer()
-    faults.set_step(step + 1)
+    run.faults.set_step(step + 1)
     with t("rollout"):
-        faults.crash_at("rollout", delay_s=0.05)  # lands while the requests are in flight
+        run.faults.crash_at("rollout", delay_s=0.05)  # lands while the requests are in flight
         batch = collect(run)
     metrics = learn(run, batch, step, t)
     with t("sync"):

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tqdm.auto import tqdm
+
 JSONL_NAME = "metrics.jsonl"
 # console bar: (metric key, short label); the first key present of each alias tuple is shown
 CONSOLE_KEYS = ((("reward_mean", "reward"), "rew"), (("accuracy",), "acc"),
@@ -78,8 +80,6 @@ class MetricsLogger:
         self.console, self.final_step, self.console_every_s = console, final_step, console_every_s
         self._last_line = time.monotonic()
         if console and sys.stdout.isatty():
-            from tqdm.auto import tqdm
-
             self._bar = tqdm(total=total_steps, initial=self.next_step - 1 if done else 0,
                              desc="rl", unit="step", dynamic_ncols=True)
 

@@ -8,6 +8,8 @@
   baselines (diffu-GRPO / coupled-GRPO); the learner scores them through the same surrogate
   with their 1/t ELBO weights folded into the advantages (`trainer.learner.baseline_rows`).
 - `value_loss`: PPO-style clipped value loss.
+- `OBJECTIVES`: the registry of `train.objective` (`@register_objective(name)` over a loss of the
+  train config; the learner and the loop look the objective up there, no branches on its name).
 
 Every loss is token-normalised (one sum over the mask / its count): the learner scales it to
 the global mini-batch, and `train.norm=sequence` is the same surrogate with advantages scaled
@@ -19,8 +21,8 @@ marks scored tokens; advantages [B,L] or [B]. Metrics are python floats.
 
 from __future__ import annotations
 
-import typing
-from typing import Literal
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -155,5 +157,67 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return loss, metrics
 
 
-Objective = Literal["tracerl", "dipo", "random_masking", "coupled"]  # train.objective
-OBJECTIVES = typing.get_args(Objective)
+# ---------------------------------------------------------------- the registry of train.objective
+LossFn = Callable[..., tuple[torch.Tensor, Metrics]]  # (cfg, new_lp, old_lp, adv, mask, ref_lp, entropy, weights)
+MaskFn = Callable[[torch.Tensor, "torch.Generator | None"], tuple[list[torch.Tensor], list[torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class ObjectiveSpec:
+    """One `train.objective`: its loss from the train config, and `masks` for the masked-diffusion
+    baselines (valid [B,L] -> (masks, ts): the rows are fresh random masks with 1/t ELBO weights,
+    `trainer.learner.baseline_rows`); None: the rows are the replayed trace steps."""
+
+    name: str
+    loss: LossFn
+    masks: MaskFn | None = None
+
+
+OBJECTIVES: dict[str, ObjectiveSpec] = {}
+
+
+def register_objective(name: str, masks: MaskFn | None = None) -> Callable[[LossFn], LossFn]:
+    """Decorator: `@register_objective("name")` over `loss(cfg, new_lp, old_lp, adv, mask, ref_lp,
+    entropy, weights) -> (loss, metrics)` makes `train.objective=name` valid (register before
+    trainer.config is imported: its choices are the names registered then)."""
+
+    def deco(fn: LossFn) -> LossFn:
+        if name in OBJECTIVES:
+            raise ValueError(f"objective {name!r} is already registered")
+        OBJECTIVES[name] = ObjectiveSpec(name, fn, masks)
+        return fn
+
+    return deco
+
+
+def _one_mask(valid: torch.Tensor, generator) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    mask, t = random_mask(valid, generator)
+    return [mask], [t]
+
+
+def _two_masks(valid: torch.Tensor, generator) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    mask, comp, t = complementary_masks(valid, generator)
+    return [mask, comp], [t, 1 - t]
+
+
+@register_objective("tracerl")
+@register_objective("random_masking", masks=_one_mask)  # on-policy (ratio 1): only the surrogate counts
+@register_objective("coupled", masks=_two_masks)
+def _tracerl(cfg, new_lp, old_lp, adv, mask, ref_lp=None, entropy=None, weights=None):
+    """TraceRL's symmetric clip; the random-masking / coupled baselines share it (on-policy, with
+    their 1/t ELBO weights and per-sequence normalisation folded into the advantages)."""
+    return tracerl_loss(new_lp, old_lp, adv, mask, eps_clip=cfg.eps_clip, ref_logprobs=ref_lp, kl_coef=cfg.kl_coef,
+                        log_ratio_clip=cfg.log_ratio_clip, entropy=entropy, weights=weights)
+
+
+@register_objective("dipo")
+def _dipo(cfg, new_lp, old_lp, adv, mask, ref_lp=None, entropy=None, weights=None):
+    """DiPO's asymmetric clip [1 - eps_low, 1 + eps_high]."""
+    return dipo_loss(new_lp, old_lp, adv, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high, ref_logprobs=ref_lp,
+                     kl_coef=cfg.kl_coef, log_ratio_clip=cfg.log_ratio_clip, entropy=entropy, weights=weights)
+
+
+def objective_names() -> tuple[str, ...]:
+    """The registered names, built-ins first (in the order of train.objective's help)."""
+    order = ("tracerl", "dipo", "random_masking", "coupled")
+    return tuple(n for n in order if n in OBJECTIVES) + tuple(n for n in OBJECTIVES if n not in order)

@@ -14,21 +14,23 @@ from urllib.parse import urlparse
 import httpx
 
 from dllm.preflight import model_problem, port_problem
+from trainer.data import source_problem
+from trainer.local_servers import is_local
+from trainer.rewards import load_reward_fn
+from trainer.run import resolve_token
+from trainer.trackers import missing_trackers
 
 
 def data_problem(spec: str, key: str) -> str:
     """"" when `spec` is a readable data source (see trainer.data), else a message naming `key`."""
     if not spec:
         return ""
-    from trainer.data import source_problem
 
     problem = source_problem(spec)
     return f"{key}: {problem}" if problem else ""
 
 
 def reward_problem(spec: str, key: str) -> str:
-    from trainer.rewards import load_reward_fn
-
     try:
         load_reward_fn(spec)
     except ValueError as e:
@@ -40,8 +42,6 @@ def server_problems(urls: list[str], token: str, start_server: bool, prefix: str
                     why: str = "") -> list[str]:
     """For each server: answering -> it must accept `token` (when `needs_token` or a token is given);
     not answering -> local and `start_server`, with its port free."""
-    from trainer.servers import is_local
-
     problems = []
     for url in urls:
         url = url.rstrip("/")
@@ -77,14 +77,10 @@ def server_problems(urls: list[str], token: str, start_server: bool, prefix: str
 
 
 def train_problems(cfg, server_keys) -> list[str]:
-    from trainer.run import resolve_token
-
     problems = [model_problem(cfg.model, "train.model"), data_problem(cfg.data, "train.data"),
                 data_problem(cfg.eval_data, "train.eval_data")]
     if cfg.reward not in ("code", "code_strict"):  # a code reward's sandbox is checked when built
         problems.append(reward_problem(cfg.reward, "train.reward"))
-    from trainer.trackers import missing_trackers
-
     problems.append(missing_trackers([t for t in cfg.report_to if t != "tensorboard" or cfg.tensorboard]))
     problems += server_problems(cfg.servers, resolve_token(cfg, server_keys), cfg.start_server, "train",
                                 needs_token=True)
@@ -92,8 +88,6 @@ def train_problems(cfg, server_keys) -> list[str]:
 
 
 def eval_problems(cfg, server_keys) -> list[str]:
-    from trainer.run import resolve_token
-
     problems = [model_problem(cfg.model, "eval.model"), data_problem(cfg.data, "eval.data")]
     if cfg.reward:
         problems.append(reward_problem(cfg.reward, "eval.reward"))

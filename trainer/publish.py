@@ -31,8 +31,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from dllm.weights import parse_dtype
 from trainer.dist import Ranks
+from trainer.ds_engine import named_full_params
+from trainer.faults import Faults
 from trainer.fleet import FleetError, ServerFleet
+from weight_sync import drain, iter_deepspeed_params, weights_digest
 
 log = logging.getLogger("dlrl.train")
 
@@ -57,9 +61,8 @@ class _Announced:
                 pass
 
 
-def _crash_mid_push(source: Any) -> Any:
+def _crash_mid_push(source: Any, faults: Faults) -> Any:
     """The source, wrapped so that DLRL_FAULT=push:N kills the pusher after its first tensor."""
-    from trainer import faults
 
     def make():
         for i, item in enumerate(source()):
@@ -72,12 +75,13 @@ def _crash_mid_push(source: Any) -> Any:
 
 class Publisher:
     def __init__(self, ranks: Ranks, fleet: ServerFleet, engine: Any, *, server_wait_s: float = 120.0,
-                 record: Path | None = None):
+                 record: Path | None = None, faults: Faults | None = None):
         self.ranks, self.fleet, self.engine = ranks, fleet, engine
         self.server_wait_s = server_wait_s
         self.record = record  # versions.jsonl: {version, digest} of every push, written before it
         self._version = 0
         self.pushing = False  # rank 0 is inside a push (a stop signal aborts it)
+        self.faults = faults or Faults()  # the run's fault hook (DLRL_FAULT=push:N)
 
     @property
     def version(self) -> int:
@@ -94,8 +98,6 @@ class Publisher:
 
     # ------------------------------------------------------------------ helpers
     def _source(self):
-        from weight_sync import iter_deepspeed_params
-
         return iter_deepspeed_params(self.engine)
 
     def _is_zero3(self) -> bool:
@@ -103,8 +105,6 @@ class Publisher:
 
     def _collective(self, fn: Callable[[Any], Any]) -> Any:
         """Run fn(source) on rank 0, the other ranks joining every announced parameter pass."""
-        from weight_sync import drain
-
         source = self._source()
         shared = _Announced(source, self.ranks) if self._is_zero3() and self.ranks.world_size > 1 else source
         return self.ranks.on_main(lambda: fn(shared), while_waiting=lambda cmd: drain(source))
@@ -131,7 +131,7 @@ class Publisher:
                     f.write(json.dumps({"version": new, "digest": digest, "time": round(time.time(), 3)}) + "\n")
 
         def send(src):
-            src = _crash_mid_push(src)
+            src = _crash_mid_push(src, self.faults)
             self.pushing = True
             try:
                 return self._push_through_restarts(src, new, list(urls or self.fleet.urls))
@@ -144,10 +144,6 @@ class Publisher:
 
     def local_digest(self) -> str | None:
         """Digest of the policy in the dtype the servers serve (collective under ZeRO-3)."""
-        from dllm.weights import parse_dtype
-        from trainer.ds_engine import named_full_params
-        from weight_sync import weights_digest
-
         served = self.ranks.on_main(self.fleet.served_dtype)
         if not (self.ranks.is_main or self._is_zero3()):
             return None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -69,8 +70,6 @@ class MlflowTracker:
         log.info("mlflow: run %s in %s", self.run_id, uri)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        import time
-
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)

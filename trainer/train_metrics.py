@@ -20,7 +20,7 @@ import time
 from collections import deque
 from typing import Any, TypeGuard
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
 PHASES = ("rollout", "reward", "replay", "train", "sync", "eval", "step")
 _STEP_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
@@ -45,8 +45,6 @@ class MetricsEndpoint:
 
     def serve(self, host: str, port: int) -> None:
         """Serve GET /metrics on host:port (a thread); ValueError naming `port_key` when it cannot listen."""
-        from prometheus_client import start_http_server
-
         try:
             self._server, _ = start_http_server(port, addr=host, registry=self.registry)
         except OSError as e:

@@ -30,6 +30,7 @@ from torch import nn
 from dllm.config import SDARConfig
 from dllm.model import RMSNorm, SDARForCausalLM
 from dllm.weights import copy_into_model
+from trainer.ds_engine import named_full_params
 
 
 class ValueModel(nn.Module):
@@ -50,8 +51,6 @@ class ValueModel(nn.Module):
         self.v_head = nn.Linear(cfg.hidden_size, 1, device=device, dtype=dtype)
         self.reset_head(head_init_std)
         if is_model:
-            from trainer.ds_engine import named_full_params  # gathers ZeRO-3 params; no-op otherwise
-
             self.load_backbone(named_full_params(policy))
         else:
             self.backbone.init_weights()

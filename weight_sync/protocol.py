@@ -24,7 +24,7 @@ The manifest itself is validated by weight_sync.manifest.Manifest (field-naming 
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -34,7 +34,7 @@ RUN_ID_PATTERN = r"^[A-Za-z0-9._:@/+-]*$"  # run_id: names the pushing run ("" =
 RUN_ID_MAX_LENGTH = 128
 
 
-class UpdatePhase(str, Enum):
+class UpdatePhase(StrEnum):
     """Where an update stands (weight_sync/receiver.py's state machine); the values are the wire strings.
 
     In progress: receiving -> verifying -> verified -> draining -> applying; outcomes: applied,
@@ -49,9 +49,6 @@ class UpdatePhase(str, Enum):
     APPLIED = "applied"
     FAILED = "failed"
     UNKNOWN = "unknown"
-
-    def __str__(self) -> str:  # the wire string in messages and logs, on every Python version
-        return self.value
 
 
 Checksum = Annotated[int, Field(ge=0, lt=1 << 64)]  # xxh3_64

@@ -18,6 +18,8 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from dllm.configlib import Config
+from dllm.tiny import TINY_SECTIONS
+from trainer.config import ServerKeys, TrainConfig
 
 Frac = Annotated[float, Field(ge=0, le=1)]
 Url = Annotated[str, Field(min_length=1)]
@@ -67,7 +69,7 @@ class AlignConfig(Config):
     admin_token: str = ""  # empty: train.admin_token, env DLRL_ADMIN_TOKEN, server.admin_token_file
     metrics_port: int = Field(0, ge=0, lt=65536)  # Prometheus metrics of the controller on this port (0: off)
     metrics_host: str = "127.0.0.1"
-    # the console (trainer.align_console): one web page; actions (rollback, pause) need the admin token
+    # the console (trainer.align.console): one web page; actions (rollback, pause) need the admin token
     console_port: int = Field(0, ge=0, lt=65536)  # 0: off
     console_host: str = "127.0.0.1"
     console_show_text: bool = False  # show the last recorded prompts/answers users rated (user text: opt in)
@@ -88,12 +90,27 @@ class AlignConfig(Config):
         return self.feedback_ratio > 0
 
 
+class UsersConfig(Config):
+    """The simulated users of `make align` (section `users`, examples/align/users.py): kept beside
+    AlignConfig because configs/align.yaml carries the section and `dlrl align --help` lists it."""
+
+    replicas: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=lambda: ["http://127.0.0.1:8101", "http://127.0.0.1:8102"], min_length=1)
+    num_users: int = Field(8, ge=1)
+    think_time_s: float = Field(0.2, ge=0)  # pause between one user's requests
+    feedback_prob: float = Field(1.0, ge=0, le=1)  # share of answers that get feedback
+    feedback_delay_s: float = Field(1.0, ge=0)  # feedback comes after a random delay up to this
+    temperature: float = Field(1.0, ge=0)
+    max_tokens: int = Field(8, ge=1)
+    request_timeout_s: float = Field(120.0, gt=0)
+    duration_s: float = Field(0.0, ge=0)  # 0: until stopped
+    seed: int = 1
+    stats_path: str = Field("runs/align/users.json", min_length=1)
+
+
 def align_sections() -> dict[str, type[Config]]:
     """The sections `dlrl align` reads from its config file (once): its own, the trainer's, the
     embedded default's (model, task, sft) and the `server` keys the trainer needs (admin token)."""
-    from dllm.tiny import TINY_SECTIONS
-    from trainer.config import ServerKeys, TrainConfig
-
     return {"align": AlignConfig, "train": TrainConfig, **TINY_SECTIONS, "server": ServerKeys}
 
 

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.align_pool import LiveStats
+from trainer.align.replicas import LiveStats
 from trainer.fleet import FleetError
 
 log = logging.getLogger("dlrl.align")

@@ -1,12 +1,12 @@
 """`make align`: continuous alignment of the embedded default, end to end on one machine.
 
-    python -m trainer.align_local --config configs/align.yaml [--duration 600] [key=value ...]
+    python -m examples.align.local --config configs/align.yaml [--duration 600] [key=value ...]
 
 Starts (all real processes, stopped together at the end or on Ctrl-C / SIGTERM):
 - one rollout server (`dlrl serve`, records nothing) at `align.rollout_servers[0]`,
 - the serving replicas (`dlrl serve server.record=all`, writing to `align.store`, a feedback token)
   at `align.serving_replicas`,
-- the simulated users (`python -m trainer.align_users`) on the replicas,
+- the simulated users (`python -m examples.align.users`) on the replicas,
 - `dlrl align` with the given overrides (bare keys: `align`; `train.*`, `users.*`, `server.*`).
 With `--duration S` `dlrl align` gets SIGTERM after S seconds (it checkpoints and exits 0);
 otherwise it runs until it stops by itself (`max_steps`, `max_seconds`) or is interrupted. The
@@ -38,8 +38,7 @@ import httpx
 class LocalAlign:
     def __init__(self, config: str, overrides: list[str] | None = None, env: dict[str, str] | None = None):
         from dllm.configlib import load_sections
-        from trainer.align_config import align_sections
-        from trainer.align_users import UsersConfig
+        from trainer.align.config import UsersConfig, align_sections
 
         self.config, self.overrides = config, list(overrides or [])
         # every section checked before any process starts (ConfigError naming the key)
@@ -58,7 +57,7 @@ class LocalAlign:
 
     # ------------------------------------------------------------------ processes
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        from trainer.servers import _die_with_parent
+        from trainer.local_servers import _die_with_parent
 
         log = open(self.logs / f"{name}.log", "ab")
         proc = subprocess.Popen(cmd, env=env or self.env, stdin=subprocess.DEVNULL, stdout=log,
@@ -110,7 +109,7 @@ class LocalAlign:
     def start_users(self, *overrides: str) -> subprocess.Popen:
         replicas = "[" + ",".join(self.cfg.serving_replicas) + "]"
         keys = [o for o in self.overrides if o.startswith(("users.", "task."))]
-        cmd = [sys.executable, "-m", "trainer.align_users", "--config", self.config, f"users.replicas={replicas}",
+        cmd = [sys.executable, str(Path(__file__).with_name("users.py")), "--config", self.config, f"users.replicas={replicas}",
                f"users.stats_path={self.out / 'users.json'}", *keys, *overrides]
         return self._spawn("users", cmd, {**self.env, "DLRL_FEEDBACK_TOKEN": self.feedback_token})
 
@@ -146,8 +145,8 @@ class LocalAlign:
         """Print a status line per registry event (gate verdicts, canaries, promotions, rollbacks)
         until `dlrl align` exits (True) or `duration` seconds pass (False)."""
         from store import open_store
-        from trainer.align_cli import NO_PRUNE
-        from trainer.align_report import event_line
+        from trainer.align.registry import NO_PRUNE
+        from trainer.align.report import event_line
 
         deadline = time.monotonic() + duration if duration else None
         last_id, store = 0, None
@@ -180,7 +179,7 @@ def _ready(url: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m trainer.align_local", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m examples.align.local", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/align.yaml")
     ap.add_argument("--duration", type=float, default=0.0, help="seconds before dlrl align gets SIGTERM (0: none)")
     ap.add_argument("overrides", nargs="*")
@@ -211,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         code = stack.stop("align", grace_s=300) or 0
     finally:
         stack.stop_all()
-    from trainer.align_cli import versions_main
+    from trainer.align.cli import versions_main
 
     versions_main(["--store", stack.cfg.store])
     print(json.dumps({k: v for k, v in stack.users_stats().items() if k != "accuracy_by_minute"}, indent=1))

@@ -1,6 +1,6 @@
 """Simulated users for `make align`: requests to the serving replicas, the task's exact-match reward as feedback.
 
-    python -m trainer.align_users --config configs/align.yaml [users.num_users=8 users.duration_s=60 ...]
+    python -m examples.align.users --config configs/align.yaml [users.num_users=8 users.duration_s=60 ...]
 
 Each of `num_users` users loops: a question of the embedded task (its training split, never the
 held-out split the gate evaluates on) -> `POST /v1/completions` on a replica (round robin, as a
@@ -22,26 +22,9 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
 
-from pydantic import Field
-
-from dllm.configlib import Config, ConfigError, load_sections
-
-
-class UsersConfig(Config):
-    replicas: list[Annotated[str, Field(min_length=1)]] = Field(
-        default_factory=lambda: ["http://127.0.0.1:8101", "http://127.0.0.1:8102"], min_length=1)
-    num_users: int = Field(8, ge=1)
-    think_time_s: float = Field(0.2, ge=0)  # pause between one user's requests
-    feedback_prob: float = Field(1.0, ge=0, le=1)  # share of answers that get feedback
-    feedback_delay_s: float = Field(1.0, ge=0)  # feedback comes after a random delay up to this
-    temperature: float = Field(1.0, ge=0)
-    max_tokens: int = Field(8, ge=1)
-    request_timeout_s: float = Field(120.0, gt=0)
-    duration_s: float = Field(0.0, ge=0)  # 0: until stopped
-    seed: int = 1
-    stats_path: str = Field("runs/align/users.json", min_length=1)
+from dllm.configlib import ConfigError, load_sections
+from trainer.align.config import UsersConfig
 
 
 class Stats:
@@ -153,7 +136,7 @@ async def run_users(cfg: UsersConfig, prompts: list[dict], token: str) -> Stats:
 def main(argv: list[str] | None = None) -> int:
     from dllm.task import ArithmeticTask
 
-    ap = argparse.ArgumentParser(prog="python -m trainer.align_users", description="simulated users of dlrl align")
+    ap = argparse.ArgumentParser(prog="python -m examples.align.users", description="simulated users of dlrl align")
     ap.add_argument("--config", default="configs/align.yaml")
     ap.add_argument("overrides", nargs="*", help="users.key=value (or key=value) and task.key=value overrides")
     args = ap.parse_args(argv)

@@ -17,6 +17,10 @@ from collections import OrderedDict
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
+
+from dllm.weights import copy_into_model
+from weight_sync import weights_digest
 
 
 class WeightBank:
@@ -30,8 +34,6 @@ class WeightBank:
         return self.root / f"v{int(version)}.safetensors"
 
     def put(self, version: int, weights: dict[str, torch.Tensor]) -> None:
-        from safetensors.torch import save_file
-
         weights = {n: t.detach().to("cpu").contiguous() for n, t in weights.items()}
         path = self.path(version)
         if not path.is_file():
@@ -53,7 +55,6 @@ class WeightBank:
         path = self.path(version)
         if not path.is_file():
             return None
-        from safetensors.torch import load_file
 
         weights = load_file(str(path))
         self._remember(version, weights)
@@ -64,8 +65,6 @@ class WeightBank:
 
     @torch.no_grad()
     def set_reference(self, version: int) -> None:
-        from dllm.weights import copy_into_model
-
         if self.reference_version == version:
             return
         weights = self.get(version)
@@ -75,8 +74,6 @@ class WeightBank:
         self.reference_version = version
 
     def digest(self, version: int, dtype: torch.dtype | None = None) -> str | None:
-        from weight_sync import weights_digest
-
         weights = self.get(version)
         if weights is None:
             return None

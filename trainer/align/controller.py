@@ -8,10 +8,10 @@ One step: new feedback read from the store -> the step's share of feedback recor
 than `align.max_staleness` versions) -> on-policy rollouts for the rest (`trainer.loop.collect`,
 prompts from the growing source) -> `trainer.loop.learn` on the mixed batch (feedback rewards
 are the users'; importance weights from the recorded behaviour log-probs, `trainer.correction`;
-advantages: see `trainer.align_data`) -> push to the rollout servers (`Publisher.push`) -> the
+advantages: see `trainer.align.data`) -> push to the rollout servers (`Publisher.push`) -> the
 new version in the registry (parent, step, data consumed). Every `align.promote_every` steps the
-policy is a candidate: the gate (`trainer.align_gate`) on the rollout servers, then the rolling
-promotion to the serving replicas (`trainer.align_promote`), watched between the next steps (the
+policy is a candidate: the gate (`trainer.align.gate`) on the rollout servers, then the rolling
+promotion to the serving replicas (`trainer.align.promote`), watched between the next steps (the
 gate runs when due even during a promotion; a candidate that passes then waits for it, and a
 newer one that passes replaces it: status `superseded`). A candidate stopped by the gate or rolled back on the canary sends the policy back to the serving
 weights (`align.on_gate_fail=revert`, Adam moments reset) or lets it train on (`continue`).
@@ -19,30 +19,32 @@ weights (`align.on_gate_fail=revert`, Adam moments reset) or lets it train on (`
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 
-from trainer.align_bank import WeightBank
-from trainer.align_data import AlignReward, FeedbackBuffer, MixedBatch
-from trainer.align_gate import Gate
-from trainer.align_metrics import AlignMetrics, CountedStore
-from trainer.align_promote import Candidate, FeedbackTally, Promoter
+from dllm.weights import copy_into_model, parse_dtype
+from trainer.align.bank import WeightBank
+from trainer.align.data import AlignReward, FeedbackBuffer, MixedBatch
+from trainer.align.gate import Gate
+from trainer.align.metrics import AlignMetrics, CountedStore
+from trainer.align.promote import Candidate, FeedbackTally, Promoter
+from trainer.align.report import plot_serving
+from trainer.ds_engine import named_full_params
 from trainer.loop import StopRequested, Timer, collect, learn
+from trainer.metrics_log import plot_curves
+from trainer.train_metrics import TrainMetrics
 
 log = logging.getLogger("dlrl.align")
 
 
 def policy_weights(run) -> dict:
     """CPU copies of the policy's parameters ({name: tensor})."""
-    from trainer.ds_engine import named_full_params
-
     return dict(named_full_params(run.learner.engine))
 
 
 class Aligner:
     def __init__(self, run, cfg, store, pool, should_stop=lambda: False):
-        import copy
-
         self.metrics = AlignMetrics()
         store = CountedStore(store, self.metrics)  # candidate outcomes counted from the registry's events
         self.run, self.cfg, self.store, self.pool, self.should_stop = run, cfg, store, pool, should_stop
@@ -70,8 +72,6 @@ class Aligner:
         self.counts = {"promotions": 0, "rollbacks": 0, "gate_failed": 0, "reverts": 0}
         self.promotion_paused = False  # the console's pause: candidates that pass the gate wait (newest kept)
         if run.prom is None:  # the training step metrics on the controller's port (trainer.train_metrics)
-            from trainer.train_metrics import TrainMetrics
-
             run.prom = TrainMetrics(self.metrics.registry)
 
     # ------------------------------------------------------------------ start
@@ -106,8 +106,6 @@ class Aligner:
     def _register_initial(self) -> int:
         """First run on this store: the replicas' version is the serving one; they must hold the
         trainer's starting weights (checked by digest)."""
-        from dllm.weights import parse_dtype
-
         versions = {u: v for u, v in self.pool.versions().items() if v is not None}
         if not versions:
             raise RuntimeError("align.serving_replicas: no serving replica answers")
@@ -311,8 +309,6 @@ class Aligner:
         when a promotion is in flight (it passed the gate; if the canary rolls it back, the policy
         goes back again, to the serving version), Adam moments reset; pushed to the rollout servers
         as a new version whose parent is that version."""
-        from dllm.weights import copy_into_model
-
         run, canary = self.run, self.promoter.canary
         to = canary.cand.version if canary is not None else self.promoter.serving_version
         copy_into_model(run.learner.engine.module, list(self.bank.get(to).items()))
@@ -396,8 +392,5 @@ def align_loop(al: Aligner) -> dict:
 
 
 def _plot(run) -> None:
-    from trainer.align_report import plot_serving
-    from trainer.metrics_log import plot_curves
-
     plot_curves(run.out / "metrics.jsonl", run.out / "curves.png")
     plot_serving(run.out / "metrics.jsonl", run.out / "serving.png")

@@ -50,6 +50,7 @@ import numpy as np
 
 from rollout_client.protocol import Rollout, TraceModel
 from trainer.data import example_from_record
+from trainer.loop import StopRequested
 from trainer.rollouts import Batch
 
 log = logging.getLogger("dlrl.align")
@@ -156,8 +157,6 @@ class PromptPool:
         return len(new)
 
     def next_batch(self) -> list[dict]:
-        from trainer.loop import StopRequested
-
         if self.batch_size <= 0:
             return []
         deadline = time.monotonic() + self.wait_s

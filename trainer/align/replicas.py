@@ -1,5 +1,8 @@
 """ServingPool: the serving replicas as `dlrl align` sees them, through one `ServerFleet` client.
 
+The serving replicas answer users and receive only promoted versions; the rollout servers the
+trainer generates on are `run.fleet` (trainer.fleet.ServerFleet), a disjoint set.
+
     pool = ServingPool(["http://127.0.0.1:8101", "http://127.0.0.1:8102"], token, sync_options)
     pool.version(url)            # int, or None while the replica is down
     pool.push(url, weights, 7)   # weight_sync push of a promoted version into ONE replica
@@ -18,6 +21,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from rollout_client.client import AdminError, RolloutError
 from trainer.fleet import FleetError, ServerFleet
@@ -53,8 +58,6 @@ class LiveStats:
 
 def parse_live(text: str) -> LiveStats:
     """The server's `dlrl_requests_total{status}` and `dlrl_request_latency_seconds` sums."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     out = LiveStats()
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:

@@ -1,10 +1,10 @@
 """The align console: one web page served by `dlrl align` on `align.console_port` (0: off).
 
-    console = Console(aligner, token)       # trainer.align_cli starts it after Aligner.prepare()
+    console = Console(aligner, token)       # trainer.align.cli starts it after Aligner.prepare()
     console.start()                          # http://<align.console_host>:<align.console_port>/
     console.close()
 
-    GET  /                 the page (trainer/console/index.html + console.js: no build step)
+    GET  /                 the page (trainer/align/static/index.html + console.js: no build step)
     GET  /api/state        JSON: replicas and the versions they serve, the candidate pipeline with each
                            gate's scores against its thresholds, accuracy / feedback over time,
                            feedback-to-serving latency, recent events, kept versions
@@ -32,6 +32,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib.resources import files
 from typing import Any
 
+import httpx
+
+from store import open_store
+from trainer.align.registry import NO_PRUNE, rollback_replicas
+from trainer.align.report import event_line
+
 log = logging.getLogger("dlrl.align")
 STATIC = {"/": ("index.html", "text/html; charset=utf-8"), "/console.js": ("console.js", "text/javascript")}
 MAX_BODY = 4096
@@ -49,9 +55,6 @@ def _samples(metric) -> list:
 
 class Console:
     def __init__(self, aligner: Any, token: str):
-        from store import open_store
-        from trainer.align_cli import NO_PRUNE
-
         self.al, self.cfg, self.token = aligner, aligner.cfg, token
         self.store = open_store(self.cfg.store, **NO_PRUNE)  # its own connection: reads, and a manual rollback
         self._rollback_lock = threading.Lock()
@@ -104,8 +107,6 @@ class Console:
         f2s = {s.name: s.value for s in _samples(m.feedback_to_serving) if s.name.endswith(("_sum", "_count"))}
         count = f2s.get("dlrl_align_feedback_to_serving_seconds_count", 0)
         events = self._recent_events()
-        from trainer.align_report import event_line
-
         out = {
             "time": time.time(), "run_id": al.run_id, "trainer_version": int(al.run.version),
             "serving_version": serving, "promotion_paused": al.promotion_paused,
@@ -134,8 +135,6 @@ class Console:
 
     def _served(self) -> dict[str, int]:
         """What each serving replica serves now (its GET /health; -1: down), read at most every REPLICA_TTL_S."""
-        import httpx
-
         with self._lock:
             if time.monotonic() - self._served_at[0] > REPLICA_TTL_S:
                 out = {}
@@ -180,8 +179,6 @@ class Console:
         return hmac.compare_digest(header[7:].strip().encode(), self.token.encode())
 
     def rollback(self, version: int) -> tuple[int, dict]:
-        from trainer.align_cli import rollback_replicas
-
         if self.al.promoter.busy:  # it would land after the rollback and undo it
             return 409, {"error": "a promotion is in flight: pause promotion, wait until it is over, then roll back"}
         with self._rollback_lock:
@@ -221,7 +218,7 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         if path in STATIC:
             name, ctype = STATIC[path]
-            return self._send(200, files("trainer.console").joinpath(name).read_bytes(), ctype)
+            return self._send(200, files("trainer.align.static").joinpath(name).read_bytes(), ctype)
         if path == "/api/state":
             try:
                 return self._json(200, self.console.state())

@@ -7,11 +7,11 @@
     dlrl versions store=runs/feedback.db [--events] [--json]    # --store PATH: an alias
     dlrl versions --config configs/align.yaml --rollback 12       # every serving replica back to 12
 
-Bare `key=value` overrides go to the `align` section (`trainer.align_config.AlignConfig`),
+Bare `key=value` overrides go to the `align` section (`trainer.align.config.AlignConfig`),
 `train.key=value` to the trainer's (`trainer.config.TrainConfig`; its `servers` are
 `align.rollout_servers`), `model.` / `task.` / `sft.` / `server.key=value` to theirs; the config
-file is read once (`trainer.align_config.align_sections`). The rollout servers and serving replicas must be running
-(`make align` starts them; see trainer/align_local.py). SIGTERM / SIGINT: the push in flight is
+file is read once (`trainer.align.config.align_sections`). The rollout servers and serving replicas must be running
+(`make align` starts them; see examples/align/local.py). SIGTERM / SIGINT: the push in flight is
 aborted, a canary in flight is rolled back, a checkpoint is saved, exit 0; a second signal
 stops at once. `dlrl align` runs one trainer rank.
 """
@@ -21,20 +21,33 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
-from dllm.configlib import ConfigError, load_sections, print_check
+from dllm.configlib import ConfigError, build, load_sections, parse_overrides, print_check
+from rollout_client.client import AdminError, RolloutError
+from store import open_store
+from trainer.align.config import AlignConfig, align_sections, check_train
+from trainer.align.console import Console
+from trainer.align.controller import Aligner, align_loop
+from trainer.align.data import NoData, PromptPool, StaticPrompts, StorePrompts, TailedJSONL
+from trainer.align.registry import NO_PRUNE, rollback_replicas
+from trainer.align.replicas import ServingPool
+from trainer.align.report import format_events, format_versions
+from trainer.cli import Stopper
+from trainer.dist import RankError
+from trainer.fleet import FleetError
+from trainer.loop import StopRequested
+from trainer.run import build_run, resolve_token
+from weight_sync import WeightSyncError
 
 log = logging.getLogger("dlrl.align")
-NO_PRUNE = {"max_records": 1 << 62, "max_age_s": 1e15}  # the servers own the store's bounds
 
 
 def parse(argv: list[str]):
     """-> (args, root sections, overrides): the config file read once, every section typed; the
     `train` section as `dlrl align` runs it (servers = align.rollout_servers, ...)."""
-    from trainer.align_config import align_sections, check_train
-
     ap = argparse.ArgumentParser(prog="dlrl align", description="continuous alignment from live traffic")
     ap.add_argument("--config", default="configs/align.yaml")
     ap.add_argument("--resume", action="store_true", help="continue from align.output_dir/checkpoint")
@@ -57,8 +70,6 @@ def parse(argv: list[str]):
 
 
 def make_sampler_factory(cfg, train, store, should_stop):
-    from trainer.align_data import PromptPool, StaticPrompts, StorePrompts, TailedJSONL
-
     def factory(train_examples, tokenizer):
         if cfg.prompt_source == "store":
             source = StorePrompts(store, cfg.accept_reward)
@@ -78,18 +89,6 @@ def main(argv: list[str]) -> int:
     cfg, train = root["align"], root["train"]
     if args.check:
         return print_check("align", cfg, train)
-    from rollout_client.client import AdminError, RolloutError
-    from store import open_store
-    from trainer.align import Aligner, align_loop
-    from trainer.align_data import NoData
-    from trainer.align_pool import ServingPool
-    from trainer.cli import Stopper
-    from trainer.dist import RankError
-    from trainer.fleet import FleetError
-    from trainer.loop import StopRequested
-    from trainer.run import build_run, resolve_token
-    from weight_sync import WeightSyncError
-
     stopper = Stopper().install()
     store = open_store(cfg.store, **NO_PRUNE)
     run = pool = al = console = None
@@ -110,8 +109,6 @@ def main(argv: list[str]) -> int:
         al.prepare()
         log.info("controller ready in %.1fs", time.perf_counter() - t0)
         if cfg.console_port:
-            from trainer.align_console import Console
-
             console = Console(al, resolve_token(train, root["server"]))
             print(f"dlrl align console: {console.start()}", flush=True)
         last = align_loop(al)
@@ -144,9 +141,6 @@ def versions_main(argv: list[str]) -> int:
                     help="roll every serving replica back to VERSION (a version that served before)")
     ap.add_argument("overrides", nargs="*", help="align key=value overrides (e.g. store=runs/feedback.db)")
     args = ap.parse_intermixed_args(argv)
-    from dllm.configlib import build, parse_overrides
-    from trainer.align_config import AlignConfig, align_sections
-
     try:
         root = load_sections(args.config, args.overrides, align_sections(), primary="align")
         if args.store is not None:  # the alias of align.store
@@ -157,12 +151,9 @@ def versions_main(argv: list[str]) -> int:
         ap.error(str(e))
     cfg = root["align"]
     path = cfg.store
-    import os
 
     if "://" not in path and not os.path.isfile(path):  # a postgresql:// URL is checked by open_store
         ap.error(f"align.store (--store): no feedback store at {path!r}")
-    from store import open_store
-
     with open_store(path, **NO_PRUNE) as st:
         if args.rollback is not None:
             return manual_rollback(cfg, root["server"], st, args.rollback)
@@ -170,8 +161,6 @@ def versions_main(argv: list[str]) -> int:
         if args.json:
             print(json.dumps(data, indent=1, default=str))
         else:
-            from trainer.align_report import format_events, format_versions
-
             print(format_events(data) if args.events else format_versions(data))
             print(f"\nserving version: {st.serving_version()}")
     return 0
@@ -182,8 +171,6 @@ def manual_rollback(cfg, server, st, version: int) -> int:
     any replica that fails here to it from its saved weights); then every serving replica goes
     back to it, one at a time, from the versions it keeps in host memory. `server`: the config's
     ServerKeys (admin token fallbacks after align.admin_token and env DLRL_ADMIN_TOKEN)."""
-    from trainer.run import resolve_token
-
     try:
         result = rollback_replicas(cfg, resolve_token(cfg, server), st, version)  # reads cfg.admin_token first
     except ValueError as e:
@@ -191,34 +178,3 @@ def manual_rollback(cfg, server, st, version: int) -> int:
         return 2
     print(json.dumps(result, indent=1))
     return 0 if not any(r.startswith("error") for r in result["replicas"].values()) else 1
-
-
-def rollback_replicas(cfg, token: str, st, version: int) -> dict:
-    """The manual rollback (`dlrl versions --rollback`, the console's button): registry first, then
-    each serving replica. ValueError when `version` never served. -> {version, previous, replicas}."""
-    from trainer.align_pool import ServingPool
-    from trainer.fleet import FleetError
-
-    known = {v["version"]: v for v in st.versions()}
-    status = known.get(version, {}).get("status")
-    if status not in ("serving", "retired"):
-        raise ValueError(f"version {version} never served (status {status or 'not registered'}); roll back "
-                         "to a retired or serving version")
-    current = st.serving_version()
-    if current is not None and current != version:  # the registry first: a running controller adopts it
-        st.update_version(current, status="rolled_back")  # and never "repairs" a rolled-back replica
-        st.update_version(version, status="serving")
-    pool = ServingPool(cfg.serving_replicas, token)
-    results: dict[str, str] = {}
-    try:
-        for url in pool.urls:  # one at a time: capacity drops by one replica at most
-            try:
-                pool.rollback(url, version)
-                results[url] = pool.checksum(url)
-            except FleetError as e:
-                results[url] = f"error: {e}"
-    finally:
-        pool.close()
-    st.log_event("rollback", current if current is not None else version,
-                 detail={"kind": "manual", "to": version, "replicas": results})
-    return {"version": version, "previous": current, "replicas": results}

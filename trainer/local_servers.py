@@ -1,4 +1,6 @@
-"""Local generation servers the trainer starts itself (when none answers at a local address).
+"""Local server PROCESSES: the `dlrl serve` processes the trainer (and `dlrl eval`) start themselves
+on this machine when none answers at a local address (trainer.fleet.ServerFleet is the client
+that talks to them, or to servers running anywhere else).
 
     srv = LocalServer("http://127.0.0.1:8000", "configs/tiny.yaml", model="", overrides=[...],
                       token=tok, log_path=Path("runs/x/server0.log"))

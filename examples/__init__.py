@@ -1,0 +1,1 @@
+"""Examples and demos that are not part of the product: see examples/README.md."""

@@ -1,1 +1,0 @@
-"""Static files of the align console (index.html, console.js), served by trainer.align_console."""
