@@ -14,6 +14,7 @@ the step.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shutil
@@ -83,11 +84,26 @@ def run_steps(model: Path, url: str, work: Path, steps: int, prompts: int) -> li
     return [json.loads(x) for x in (work / "run" / "metrics.jsonl").read_text().splitlines()]
 
 
+def wait_ready(url: str, timeout: float, proc: subprocess.Popen) -> None:
+    """Until the server at `url` answers /ready (SystemExit naming its log if it exits first)."""
+    from rollout_client.client import RolloutClient
+
+    async def ready_once() -> bool:
+        async with RolloutClient([url]) as client:
+            return await client.is_ready(url)
+
+    deadline = time.monotonic() + timeout
+    while not asyncio.run(ready_once()):
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode} before it was ready")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"server {url} not ready after {timeout:.0f}s")
+        time.sleep(0.5)
+
+
 def checkpoint_path(final: Path, work: Path) -> tuple[float, float]:
     """-> (save seconds, fresh-server-until-ready seconds) for the exported policy."""
     from dllm.weights import load_pretrained, save_pretrained
-    from trainer.local_servers import wait_ready
-
     model = load_pretrained(final)
     ckpt = work / "ckpt"
     t0 = time.perf_counter()
@@ -109,8 +125,6 @@ def checkpoint_path(final: Path, work: Path) -> tuple[float, float]:
 
 
 def bench(name: str, steps: int, prompts: int) -> dict:
-    from trainer.local_servers import wait_ready
-
     work = Path(tempfile.mkdtemp(prefix=f"dlrl-step-{name}-"))
     model = make_model(name, work / "model")
     port = free_port()
