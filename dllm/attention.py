@@ -47,6 +47,7 @@ class MaskSpec:
         if self.q_noisy is None:
             allowed = kb <= qb
         else:
+            assert self.k_noisy is not None, "MaskSpec: q_noisy needs k_noisy (the noisy copy is in queries and keys)"
             qn = self.q_noisy[:, :, None]
             kn = self.k_noisy[:, None, :]
             allowed = torch.where(qn, torch.where(kn, kb == qb, kb < qb), (~kn) & (kb <= qb))

@@ -26,7 +26,7 @@ class GraphedSteps:
     def __init__(self, fn, max_graphs: int = 64):
         self.fn, self.max_graphs = fn, max_graphs
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = None
+        self.pool: torch.cuda._POOL_HANDLE | None = None  # the memory pool all graphs share
         self._warned = False
 
     def run(self, key: tuple, args: tuple) -> torch.Tensor:

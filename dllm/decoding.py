@@ -94,7 +94,7 @@ class BlockDecoder:
 
     def num_admissible(self, seqs) -> int:
         """How many of `seqs`, taken in order, can be added now (free slots and free KV pages)."""
-        num, pages = 0, self.cache.num_free_pages if self.use_cache else 0
+        num, pages = 0, self.cache.num_free_pages if self.cache is not None else 0  # None: use_cache=False
         for s in seqs:
             need = self.num_pages_needed(s)
             if num == len(self.free_slots) or need > pages:
@@ -155,15 +155,15 @@ class BlockDecoder:
             self._write_pending(long)
         rows = self._pack(seqs)  # [N + P, width(B)]
         filtered = any(needs_filter(s.params) for s in seqs)
-        if self.use_cache:
+        if self.decode is not None:  # use_cache
             out = self.decode.run(rows, N, max(s.end_pos for s in seqs), filtered)
         else:
             rows_t = torch.from_numpy(rows[:N]).to(self.model.device)
             out = sample_and_commit(self._logits_no_cache(seqs), rows_t, self.mask_id, filtered)
         self.num_forwards += 1
         out = out.cpu()  # the one device-to-host copy
-        ids, steps, logprobs = out[:, :B].long().tolist(), out[:, B:2 * B].long().tolist(), out[:, 2 * B:3 * B]
-        logprobs, is_ok = logprobs.tolist(), out[:, 3 * B].bool().tolist()
+        ids, steps = out[:, :B].long().tolist(), out[:, B:2 * B].long().tolist()
+        logprobs, is_ok = out[:, 2 * B:3 * B].tolist(), out[:, 3 * B].bool().tolist()
         completed, failed = [], []
         for r, s in enumerate(seqs):
             s.num_forwards += 1
@@ -222,16 +222,18 @@ class BlockDecoder:
 
     def _write_pending(self, seqs: list[Sequence]) -> None:
         """One cache-filling forward (no logits) for prompts of more than one block (one row each)."""
-        L = max(len(s.pending) for s in seqs)
+        pending = [p for s in seqs if (p := s.pending) is not None]
+        assert len(pending) == len(seqs), "_write_pending: every sequence owes clean ids"
+        L = max(len(p) for p in pending)
         ids = torch.full((len(seqs), L), self.mask_id, dtype=torch.long)
         valid = torch.zeros(len(seqs), L, dtype=torch.bool)  # padding writes into the scratch page
-        for r, s in enumerate(seqs):
-            ids[r, :len(s.pending)] = torch.tensor(s.pending)
-            valid[r, :len(s.pending)] = True
-        starts = torch.tensor([s.block_start - len(s.pending) for s in seqs])
+        for r, p in enumerate(pending):
+            ids[r, :len(p)] = torch.tensor(p)
+            valid[r, :len(p)] = True
+        starts = torch.tensor([s.block_start - len(p) for s, p in zip(seqs, pending)])
         dev = self.model.device
         pos = (starts.to(dev)[:, None] + torch.arange(L, device=dev)).clamp_(max=self.max_len - 1)  # [N, L]
-        kv_len = min(self.max_len, max(s.block_start - len(s.pending) for s in seqs) + L)
+        kv_len = min(self.max_len, max(s.block_start - len(p) for s, p in zip(seqs, pending)) + L)
         self.model(ids.to(dev), pos, cache=self.cache, slots=torch.tensor([s.slot for s in seqs]).to(dev),
                    kv_len=kv_len, write_mask=valid.to(dev), num_logits=0)
         self.num_fill_forwards += 1

@@ -168,6 +168,7 @@ class Attention(nn.Module):
             if cache is None:
                 k, v = kv.split([Hkv, Hkv], 2)
         if cache is not None:  # write this forward's K/V into the pages, attend over [0, kv_len)
+            assert kv is not None  # both branches above set it when there is a cache
             k, v = cache.update(self.layer_idx, kv)  # [B, Hkv, kv_len, D] each
         else:
             k, v = k.transpose(1, 2), v.transpose(1, 2)
@@ -254,8 +255,8 @@ class SDARForCausalLM(nn.Module):
                     rows = m.row_slices() if isinstance(m, FusedLinear) else [("", 0, m.weight.shape[0])]
                     for _, a, b in rows:
                         nn.init.normal_(m.weight[a:b], std=std)
-                    if getattr(m, "bias", None) is not None:
-                        nn.init.zeros_(m.bias)
+                    if (bias := getattr(m, "bias", None)) is not None:
+                        nn.init.zeros_(bias)
 
     def compile_layers(self, **options) -> None:
         """torch.compile every decoder layer in place (forward and backward: the training step),
@@ -268,7 +269,7 @@ class SDARForCausalLM(nn.Module):
         """[(parameter name, parameter, parts)]: parts is None where the parameter is one HF tensor
         under its own name, else [(HF name, first row, end row)] of a fused parameter."""
         fused = {name: m for name, m in self.named_modules() if isinstance(m, FusedLinear)}
-        out = []
+        out: list[tuple[str, nn.Parameter, list[tuple[str, int, int]] | None]] = []
         for name, p in self.named_parameters(remove_duplicate=remove_duplicate):
             owner, _, attr = name.rpartition(".")
             m = fused.get(owner)

@@ -98,7 +98,11 @@ def sampling_logprobs(logits: torch.Tensor, params: SamplingParams, mask_token_i
 def sample_tokens(logprobs: torch.Tensor, params: SamplingParams,
                   uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """logprobs: [L, V], uniforms: [L] in (0, 1] -> (token ids [L], their logprobs [L])."""
-    ids = logprobs.argmax(-1) if params.is_greedy else _inverse_cdf(logprobs, uniforms)
+    if params.is_greedy:
+        ids = logprobs.argmax(-1)
+    else:
+        assert uniforms is not None, "sample_tokens: sampling (temperature > 0) needs uniforms"
+        ids = _inverse_cdf(logprobs, uniforms)
     return ids, logprobs.gather(-1, ids[..., None]).squeeze(-1)
 
 

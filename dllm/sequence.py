@@ -98,5 +98,6 @@ def step_inputs(s: Sequence) -> list:
 
 
 def to_output(s: Sequence, tokenizer=None) -> GenerationOutput:
+    assert s.finish_reason is not None, f"to_output: sequence {s.seq_id} is not finished"
     return GenerationOutput(s.prompt_ids, s.completion_ids, s.text, s.finish_reason, s.trace, s.num_forwards,
                             s.error)

@@ -89,7 +89,7 @@ def hf_tensors(model: torch.nn.Module, remove_duplicate: bool = True) -> Iterabl
         model.named_parameters(remove_duplicate=remove_duplicate)
 
 
-def copy_into_model(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]],
+def copy_into_model(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor | ChunkedTensor]],
                     strict: bool = True, specs: Sequence[Spec] | None = None) -> set[str]:
     """Validate every (name, tensor) against the model, then copy them in place.
 
@@ -170,7 +170,7 @@ class ChunkedTensor:
 
 
 def iter_checkpoint(path: str | Path, skip: AbstractSet[str] = frozenset(),
-                    chunked: bool = False) -> Iterable[tuple[str, torch.Tensor]]:
+                    chunked: bool = False) -> Iterable[tuple[str, torch.Tensor | ChunkedTensor]]:
     """Yield (name, tensor) one at a time, shard by shard (one shard mapped at a time). With
     `chunked`, tensors over CHUNK_BYTES come as ChunkedTensor (for copy_into_model)."""
     for f in weight_files(Path(path)):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +84,8 @@ class PromptEncoder:
 def to_sampling_params(opts: DecodingOptions, max_tokens: int, config: ServerConfig) -> SamplingParams:
     """SamplingParams of a request; fields the client left unset take the server defaults."""
     given = opts.model_fields_set
+    assert opts.top_k is not None and opts.top_p is not None and opts.ignore_eos is not None, \
+        "null means the default (_NullIsDefault)"
 
     def pick(name: str, default: Any) -> Any:
         return getattr(opts, name) if name in given else default
@@ -186,7 +188,7 @@ async def run_to_completion(engine: Engine, request: Request, seqs: list[Sequenc
         engine.abort(req)  # no-op when finished
 
 
-async def stream_events(engine: Engine, req: EngineRequest) -> AsyncIterator[tuple[str, int, Any]]:
+async def stream_events(engine: Engine, req: EngineRequest) -> AsyncGenerator[tuple[str, int, Any], None]:
     """Yield (kind, index, payload) events of a request submitted with `submit(..., stream=True)`;
     closing the generator early (client gone) aborts the request. A request past its deadline
     raises APIError (408 its own `timeout`, 503 `server.max_request_s`), another failure RuntimeError."""

@@ -122,6 +122,7 @@ def chat_logprobs(tok: PreTrainedTokenizerBase, seq: Sequence, k: int) -> P.Chat
 async def completions(body: P.CompletionRequest, request: Request):
     st, t0 = server_state(request.app), time.perf_counter()
     check_model(body.model, st.engine.model_name)
+    assert body.n is not None, "null means the default (_NullIsDefault)"
     prompts = body.prompt_list()
     seqs = await prepare(st, prompts, body, body.max_tokens, body.n)
     prefixes = None
@@ -154,6 +155,7 @@ async def completions(body: P.CompletionRequest, request: Request):
 async def chat(body: P.ChatCompletionRequest, request: Request):
     st, t0 = server_state(request.app), time.perf_counter()
     check_model(body.model, st.engine.model_name)
+    assert body.n is not None and body.add_generation_prompt is not None, "null means the default"
     for name in ("max_tokens", "max_completion_tokens"):  # the one not used must be in range too
         if (getattr(body, name) or 0) >= st.engine.max_model_len:
             raise APIError(413, f"{name}: {getattr(body, name)} is not below max_model_len={st.engine.max_model_len}",
@@ -172,10 +174,10 @@ async def chat(body: P.ChatCompletionRequest, request: Request):
                        None, logprobs, k or 0)
     seqs = await run_to_completion(st.engine, request, seqs, num_top_logprobs=k or 0)
     all_logprobs = await st.prompts.run(lambda: [logprobs(s) for s in seqs])
-    ids = await record_ids(st, seqs, n=body.n)
+    record_id_list = await record_ids(st, seqs, n=body.n)
     choices = [P.ChatChoice(index=i, message=P.ChatResponseMessage(content=s.text), finish_reason=s.finish_reason,
                             logprobs=all_logprobs[i], record_id=record_id, **_extras(s, body))
-               for i, (s, record_id) in enumerate(zip(seqs, ids))]
+               for i, (s, record_id) in enumerate(zip(seqs, record_id_list))]
     usage = _usage(seqs, body.n)
     st.metrics.observe_request("/v1/chat/completions", 200, time.perf_counter() - t0, usage.prompt_tokens)
     return P.ChatCompletionResponse(id=P.new_id("chatcmpl"), model=st.engine.model_name, choices=choices,
@@ -193,6 +195,7 @@ def _stream(request: Request, endpoint: str, body: P._OpenAIBase, seqs: list[Seq
     events = stream_events(st.engine, submit(st.engine, seqs, stream=True, num_top_logprobs=num_top))  # 429 now
 
     async def body_iter() -> AsyncIterator[str]:
+        assert body.n is not None, "null means the default (_NullIsDefault)"
         t0, sent = time.perf_counter(), [""] * len(seqs)
         for i in range(len(seqs)):
             first = chunk(rid, i, prefixes[i // body.n] if prefixes else "", None)

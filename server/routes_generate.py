@@ -37,6 +37,7 @@ def _json_or_sse(model: type) -> dict:
 async def generate(body: P.GenerateRequest, request: Request) -> P.GenerateResponse:
     st, t0 = server_state(request.app), time.perf_counter()
     openai_api.check_model(body.model, st.engine.model_name)
+    assert body.n is not None and body.return_trace is not None, "null means the default (_NullIsDefault)"
     field = "prompt" if body.prompt is not None else "prompt_ids"
     max_tokens = body.max_tokens if "max_tokens" in body.model_fields_set else None
     seqs = await prepare(st, body.prompt_list(), body, max_tokens, body.n, field)

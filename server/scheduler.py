@@ -79,7 +79,7 @@ class Request:
     def __post_init__(self) -> None:
         self.index_of = {s.seq_id: i for i, s in enumerate(self.seqs)}
         deadlines = [d for s in self.seqs if (d := getattr(s, "deadline", None)) is not None]
-        self.deadline = min(deadlines) if deadlines else None
+        self.deadline: float | None = min(deadlines) if deadlines else None
         self.deadline_status = max((getattr(s, "deadline_status", 0) for s in self.seqs), default=0) or 503
         self.num_tokens = sum(seq_tokens(s) for s in self.seqs)
 
@@ -100,7 +100,7 @@ class Scheduler:
         self.max_queue, self.max_queue_tokens = max_queue, max_queue_tokens
         self.waiting_tokens = 0
         self._finished: deque[tuple[float, int]] = deque()  # (time, tokens) of recently finished sequences
-        self._with_deadline: list[Request] = []
+        self._with_deadline: list[tuple[float, Request]] = []  # (its deadline, a request that has one)
         self._waiting: deque[Any] = deque()
         self._waiting_ids: set[int] = set()
         self._running: list[Any] = []
@@ -163,7 +163,7 @@ class Scheduler:
             self._waiting_ids.add(seq.seq_id)
         self.waiting_tokens += req.num_tokens
         if req.deadline is not None:
-            self._with_deadline.append(req)
+            self._with_deadline.append((req.deadline, req))
 
     def retry_after(self, excess_seqs: int, excess_tokens: int) -> int:
         """Seconds until the queue has drained by `excess` at the recent throughput (1..120)."""
@@ -180,7 +180,7 @@ class Scheduler:
 
     def admit(self, num_admissible: int) -> list[Any]:
         """waiting -> running: the `num_admissible` oldest waiting sequences (returned)."""
-        admitted = []
+        admitted: list[Any] = []
         while self._waiting and len(admitted) < num_admissible:
             admitted.append(self._waiting.popleft())
         self._waiting_ids.difference_update(s.seq_id for s in admitted)
@@ -190,8 +190,8 @@ class Scheduler:
 
     def expired(self, now: float) -> list[Request]:
         """Unfinished requests past their deadline (each returned once; the caller aborts them)."""
-        out = [r for r in self._with_deadline if r.deadline <= now and not r.is_finished]
-        self._with_deadline = [r for r in self._with_deadline if r.deadline > now and not r.is_finished]
+        out = [r for d, r in self._with_deadline if d <= now and not r.is_finished]
+        self._with_deadline = [(d, r) for d, r in self._with_deadline if d > now and not r.is_finished]
         return out
 
     def abort(self, req: Request) -> list[Any]:

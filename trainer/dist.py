@@ -19,7 +19,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -120,7 +120,7 @@ class Ranks:
         """Rank 0's (picklable, small) object on every rank."""
         if self.world_size == 1:
             return obj
-        box = [obj if self.is_main else None]
+        box: list[Any] = [obj if self.is_main else None]  # filled with rank 0's object on every rank
         torch.distributed.broadcast_object_list(box, src=0, device=self.device)
         return box[0]
 
@@ -151,7 +151,8 @@ class Ranks:
                 raise
             return self.broadcast(result)[1]
         while True:
-            kind, payload = self.broadcast(None)
+            message: tuple[str, Any] = self.broadcast(("", None))  # rank 0's; this placeholder is not sent
+            kind, payload = message
             if kind == "ok":
                 return payload
             if kind == "error":

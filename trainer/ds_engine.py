@@ -25,7 +25,7 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -104,6 +104,16 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
                         {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
 
 
+@runtime_checkable
+class _Checkpointable(Protocol):  # a model with a gradient_checkpointing switch (isinstance = hasattr)
+    gradient_checkpointing: bool
+
+
+@runtime_checkable
+class _LayerCompilable(Protocol):  # a model that can torch.compile its layers (isinstance = hasattr)
+    def compile_layers(self) -> None: ...
+
+
 def build_engine(model: nn.Module, cfg: DSConfig):
     """Wrap `model` in a DeepSpeed engine with a torch AdamW (and warmup LambdaLR). Build it
     once per run: the optimizer state (Adam moments, step) persists across RL steps. The
@@ -115,12 +125,12 @@ def build_engine(model: nn.Module, cfg: DSConfig):
     import deepspeed  # after the env: DS_ACCELERATOR is read on first use
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
-    if hasattr(model, "gradient_checkpointing"):
+    if isinstance(model, _Checkpointable):  # hasattr(model, "gradient_checkpointing")
         model.gradient_checkpointing = cfg.gradient_checkpointing
-    if cfg.compile_layers and hasattr(model, "compile_layers"):
+    if cfg.compile_layers and isinstance(model, _LayerCompilable):  # hasattr(model, "compile_layers")
         model.compile_layers()
     optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
-                                  betas=tuple(cfg.betas), eps=cfg.eps, fused=True)  # fused: ~10x faster on CPU
+                                  betas=(cfg.betas[0], cfg.betas[1]), eps=cfg.eps, fused=True)  # fused: ~10x faster on CPU
     scheduler = None
     if cfg.warmup_steps > 0:
         warm = cfg.warmup_steps
@@ -180,11 +190,16 @@ def named_full_params(engine_or_module, dtype: torch.dtype | None = None,
     bucket: list[tuple[str, nn.Parameter, Any]] = []
     for i, item in enumerate(layout):
         bucket.append(item)
-        if sum(int(q.ds_numel) for _, q, _ in bucket) >= bucket_numel or i == len(layout) - 1:
+        if sum(_full_numel(q) for _, q, _ in bucket) >= bucket_numel or i == len(layout) - 1:
             with deepspeed.zero.GatheredParameters([q for _, q, _ in bucket], modifier_rank=None):
                 out = [pair for n, q, parts in bucket for pair in emit(n, q, parts)]
             bucket = []
             yield from out
+
+
+def _full_numel(p: nn.Parameter) -> int:
+    """A ZeRO-3 parameter's full size (its local tensor is a shard)."""
+    return int(p.ds_numel)  # type: ignore[attr-defined]  # set by DeepSpeed, unknown to torch's stubs
 
 
 def optimizer_step_count(engine) -> int:
@@ -200,7 +215,9 @@ def optimizer_step_count(engine) -> int:
 def rng_state() -> dict[str, Any]:
     """JSON-able RNG state of python, numpy and torch (CPU and CUDA)."""
     version, state, gauss = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    np_state = np.random.get_state()
+    assert isinstance(np_state, tuple), "numpy's global generator is an MT19937: its legacy state is a tuple"
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np_state
     out = {"python": [version, list(state), gauss],
            "numpy": [np_name, np_keys.tolist(), int(np_pos), int(np_has_gauss), float(np_gauss)],
            "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}

@@ -42,11 +42,13 @@ class ValueModel(nn.Module):
         head_init_std: 0 zero-initialises `v_head`; > 0 draws its weight from N(0, std)."""
         super().__init__()
         is_model = isinstance(policy, nn.Module)
-        cfg = policy.config if is_model else policy
-        device = device or (next(policy.parameters()).device if is_model else "cpu")
+        if isinstance(policy, nn.Module):
+            cfg, device = policy.config, device or next(policy.parameters()).device
+        else:
+            cfg, device = policy, device or "cpu"
         with torch.device("meta"):
             backbone = SDARForCausalLM(cfg)
-        backbone.lm_head = None  # values are read from hidden states: no vocab projection
+        backbone.register_module("lm_head", None)  # values are read from hidden states: no vocab projection
         self.backbone = backbone.to_empty(device=device).to(dtype)
         self.v_head = nn.Linear(cfg.hidden_size, 1, device=device, dtype=dtype)
         self.reset_head(head_init_std)

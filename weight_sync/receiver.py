@@ -106,6 +106,7 @@ class WeightReceiver:
         """NotOwner unless `version` (in progress, or its recorded outcome) belongs to `run_id`."""
         with self._lock:
             u = self._update
+            owner: str | None
             if u is not None and u.version == version:
                 owner = u.run_id
             else:

@@ -81,6 +81,7 @@ class WeightSender:
         if self.dtype == "auto":  # cast floating tensors to what the (first) server serves
             served = self.clients[0].status().dtype
             self.dtype = DTYPES[served] if served else None
+        assert not isinstance(self.dtype, str), "dtype: 'auto' is resolved above, other names in __init__"
         return as_source(named_tensors, self.dtype)
 
     def connect(self, named_tensors: Iterable | Callable) -> dict[str, Any]:
@@ -133,7 +134,7 @@ class WeightSender:
                 t3 = time.perf_counter()
                 body = CommitRequest(version=version, checksums=checksums, abort_inflight=self.abort_inflight,
                                      run_id=self.run_id)
-                self._parallel(lambda c, i, body=body: c.commit(body))
+                self._commit_all(body)
                 break
             except BaseException as e:
                 self._abort(begun, version, f"sender failed: {e}")
@@ -159,6 +160,9 @@ class WeightSender:
         with ThreadPoolExecutor(len(self.clients)) as pool:
             return list(pool.map(fn, self.clients, range(len(self.clients))))
 
+    def _commit_all(self, body: CommitRequest) -> None:
+        self._parallel(lambda c, _i: c.commit(body))
+
     def _begin_all(self, manifest: Manifest, begun: list[ControlClient]) -> None:
         for client, opts in zip(self.clients, self._options):
             begun.append(client)  # before the call: a begin that timed out may still have begun
@@ -182,8 +186,8 @@ class WeightSender:
                 self.shm.mark_ready(index, manifest.version)  # the server copies it while we pack the next
                 checksums.append(crc)
             return checksums
-        if self.dist is not None:
-            return self._pipelined(manifest, named, device, lambda i, buf, crc: self.dist.broadcast(buf))
+        if (dist := self.dist) is not None:
+            return self._pipelined(manifest, named, device, lambda i, buf, crc: dist.broadcast(buf))
         with ThreadPoolExecutor(1, thread_name_prefix="weight-sync-put") as pool:
             def put(i: int, buf: torch.Tensor, crc: int) -> Future:
                 return pool.submit(self._parallel, lambda c, _k: c.check(

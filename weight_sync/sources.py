@@ -86,7 +86,7 @@ class DeepSpeedParams:
 
     @staticmethod
     def _shape(p: torch.Tensor) -> tuple[int, ...]:
-        return tuple(p.ds_shape) if hasattr(p, "ds_id") else tuple(p.shape)
+        return tuple(p.ds_shape) if hasattr(p, "ds_id") else tuple(p.shape)  # type: ignore[attr-defined]  # ZeRO-3 adds ds_shape
 
     def specs(self, dtype: torch.dtype | None = None) -> list[Spec]:
         out = []

@@ -21,8 +21,10 @@ import json
 import os
 import resource
 import sys
+from collections.abc import Callable
 
 _PLAIN_SCALARS = (type(None), bool, int, str)
+_COLLECTION_TAGS: dict[type, str] = {tuple: "t", set: "s", frozenset: "fs"}
 _MAX_DEPTH = 64
 
 
@@ -56,8 +58,8 @@ class Codec:
             return {"b": x.hex()}
         if t is list:
             return [self.encode(v, d) for v in x]
-        if t in (tuple, set, frozenset):
-            return {{tuple: "t", set: "s", frozenset: "fs"}[t]: [self.encode(v, d) for v in x]}
+        if t in _COLLECTION_TAGS:
+            return {_COLLECTION_TAGS[t]: [self.encode(v, d) for v in x]}
         if t is dict:
             return {"d": [[self.encode(k, d), self.encode(v, d)] for k, v in x.items()]}
         return {"h": self.to_handle(x)}
@@ -107,8 +109,8 @@ class Pipe:
 
 
 # ------------------------------------------------------------------ solution side (untrusted)
-_OPS = {"len": len, "iter": iter, "next": next, "str": str, "repr": repr,
-        "getitem": lambda o, k: o[k], "contains": lambda o, k: k in o}
+_OPS: dict[str, Callable[..., object]] = {"len": len, "iter": iter, "next": next, "str": str, "repr": repr,
+                                         "getitem": lambda o, k: o[k], "contains": lambda o, k: k in o}
 
 
 def _silence_stdio() -> None:

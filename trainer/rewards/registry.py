@@ -39,13 +39,19 @@ RewardFn = Callable[[str, dict], float]
 DEFAULT_RANGE = (-1.0, 1.0)
 
 
+def _set_marker(fn: Callable, name: str, value: object) -> None:
+    """The markers (reward_range, reward_timeout, batched) are attributes of the function or partial,
+    which mypy has no type for."""
+    setattr(fn, name, value)
+
+
 def reward_range(lo: float, hi: float) -> Callable[[RewardFn], RewardFn]:
     """Declare the range a reward function's scores are clamped to."""
     if not lo <= hi:
         raise ValueError(f"reward_range: need lo <= hi, got ({lo}, {hi})")
 
     def mark(fn: RewardFn) -> RewardFn:
-        fn.reward_range = (float(lo), float(hi))
+        _set_marker(fn, "reward_range", (float(lo), float(hi)))
         return fn
 
     return mark
@@ -53,7 +59,7 @@ def reward_range(lo: float, hi: float) -> Callable[[RewardFn], RewardFn]:
 
 def batch_reward(fn):
     """Mark `fn(texts, examples) -> list[float]` as scoring a whole batch in one call."""
-    fn.batched = True
+    _set_marker(fn, "batched", True)
     return fn
 
 
@@ -63,7 +69,7 @@ def reward_timeout(seconds: float) -> Callable[[RewardFn], RewardFn]:
         raise ValueError(f"reward_timeout: need seconds > 0, got {seconds}")
 
     def mark(fn: RewardFn) -> RewardFn:
-        fn.reward_timeout = float(seconds)
+        _set_marker(fn, "reward_timeout", float(seconds))
         return fn
 
     return mark
@@ -119,7 +125,7 @@ def load_reward_fn(spec: str) -> RewardFn:
     try:
         if mod_name.endswith(".py"):
             file_spec = importlib.util.spec_from_file_location(f"_dlrl_reward_{abs(hash(mod_name))}", mod_name)
-            if file_spec is None or not os.path.isfile(mod_name):
+            if file_spec is None or file_spec.loader is None or not os.path.isfile(mod_name):
                 raise ImportError(f"no such file {mod_name!r}")
             module = importlib.util.module_from_spec(file_spec)
             folder = os.path.dirname(os.path.abspath(mod_name))
@@ -154,7 +160,7 @@ def overlong_penalty(length: int, max_len: int, buffer: int, factor: float = 1.0
 
 def _declared_range(fn) -> tuple[float, float]:
     try:
-        lo, hi = (float(x) for x in getattr(fn, "reward_range", None))
+        lo, hi = (float(x) for x in getattr(fn, "reward_range", ()))
     except (TypeError, ValueError):
         return DEFAULT_RANGE
     return (lo, hi) if lo <= hi else DEFAULT_RANGE
@@ -204,6 +210,7 @@ class Reward:
     def _penalty(self, num_tokens: int | None) -> float:
         if num_tokens is None or self.overlong_buffer <= 0:
             return 0.0
+        assert self.max_tokens is not None, "overlong_buffer > 0 needs max_tokens (build_reward checks it)"
         return overlong_penalty(num_tokens, self.max_tokens, self.overlong_buffer, self.overlong_factor)
 
     def score_many(self, texts: Sequence[str], examples: Sequence[dict],
@@ -243,8 +250,8 @@ def build_reward(name_or_path: str, overlong_buffer: int = 0, max_tokens: int | 
             box.check()
         except SandboxUnavailable as e:
             raise ValueError(f"reward: {name_or_path!r} cannot run: {e}") from e
-        fn, base = functools.partial(fn, sandbox=box), fn
-        fn.reward_range = base.reward_range
+        base: Callable[..., float] = fn  # a code reward takes the sandbox as a keyword
+        fn = reward_range(*_declared_range(base))(functools.partial(base, sandbox=box))
     return Reward(fn, name_or_path, max_tokens, overlong_buffer, overlong_factor)
 
 

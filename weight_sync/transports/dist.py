@@ -77,7 +77,7 @@ def _make_group(store: Any, rank: int, world_size: int, backend: str, host: str,
         return pg
     if backend != "gloo":
         raise ManifestError(f"options.backend: expected 'gloo' or 'nccl', got {backend!r}")
-    opts = dist.ProcessGroupGloo._Options()
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # in torch, not in its stubs
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     opts._timeout = timeout
     return dist.ProcessGroupGloo(store, rank, world_size, opts)
