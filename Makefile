@@ -22,7 +22,7 @@ test: install
 	$(PY) -m pytest -q -x tests $(ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check dlrl dllm server trainer weight_sync rollout_client store tests benchmarks
+	$(VENV)/bin/ruff check dlrl dlrl_config dllm server trainer weight_sync rollout_client store tests benchmarks
 
 bench: install
 	$(PY) benchmarks/decode.py

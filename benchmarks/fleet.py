@@ -48,8 +48,8 @@ def free_port() -> int:
 def make_model(tmp: Path) -> str:
     import torch
 
+    from dllm.embedded.sft import TinyModelConfig, make_model_config
     from dllm.model import SDARForCausalLM
-    from dllm.sft import TinyModelConfig, make_model_config
     from dllm.tokenizer import build_char_tokenizer
     from dllm.weights import save_pretrained
 

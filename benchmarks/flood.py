@@ -44,8 +44,8 @@ uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="info"
 def tiny_model(path: Path) -> str:
     import torch
 
+    from dllm.embedded.sft import TinyModelConfig, make_model_config
     from dllm.model import SDARForCausalLM
-    from dllm.sft import TinyModelConfig, make_model_config
     from dllm.tokenizer import build_char_tokenizer
     from dllm.weights import save_pretrained
 

@@ -58,9 +58,9 @@ FEEDBACK_TOKEN = "soak-feedback-token"
 
 def _model(tmp: Path) -> str:
     """The trained embedded default if present, else random weights with its architecture."""
+    from dllm.embedded.sft import make_model_config
+    from dllm.embedded.tiny import load_tiny_sections
     from dllm.model import SDARForCausalLM
-    from dllm.sft import make_model_config
-    from dllm.tiny import load_tiny_sections
     from dllm.tokenizer import build_char_tokenizer
     from dllm.weights import save_pretrained
 

@@ -39,8 +39,8 @@ def parity_reward(text: str, example: dict) -> float:
 def make_model(name: str, out: Path) -> Path:
     import torch
 
+    from dllm.embedded.sft import TinyModelConfig, make_model_config
     from dllm.model import SDARForCausalLM
-    from dllm.sft import TinyModelConfig, make_model_config
     from dllm.tokenizer import build_char_tokenizer
     from dllm.weights import save_pretrained
 

@@ -18,7 +18,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from dllm.configlib import ConfigError, print_check
+from dlrl_config import ConfigError, print_check
 from server.config import ServerConfig, load_server_config
 
 log = logging.getLogger("dlrl.server")
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def apply_aliases(config: ServerConfig, args: argparse.Namespace) -> ServerConfig:
     """--host/--port/--model onto server.host/port/model; a key given both ways is refused."""
-    from dllm.configlib import build, parse_overrides
+    from dlrl_config import build, parse_overrides
 
     changes = {k: v for k, v in (("host", args.host), ("port", args.port), ("model", args.model)) if v is not None}
     given = {k.removeprefix("server.") for k, _ in parse_overrides(args.overrides)}
@@ -62,7 +62,7 @@ def resolve_model(config: ServerConfig, config_path: str | None, overrides: list
             return str(resolve_ref(config.model, "server.model"))
         except ModelNotFound as e:
             raise SystemExit(f"dlrl serve: error: {e}") from None
-    from dllm.tiny import ensure_default_model, load_tiny_sections
+    from dllm.embedded.tiny import ensure_default_model, load_tiny_sections
 
     log.info("no server.model given: using the embedded tiny default (trains it first if missing)")
     return str(ensure_default_model(*load_tiny_sections(config_path or DEFAULT_CONFIG, overrides)))

@@ -20,7 +20,7 @@ from typing import Annotated, Literal
 
 from pydantic import ByteSize, Field, StringConstraints
 
-from dllm.configlib import Config, load_section
+from dlrl_config import Config, load_section
 from rollout_client.protocol import Strategy
 
 Backend = Literal["native"]

@@ -36,7 +36,7 @@ from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from dllm.configlib import ConfigError
+from dlrl_config import ConfigError
 from server.errors import error_body
 
 log = logging.getLogger("dlrl.server")

@@ -32,7 +32,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dllm.configlib import ConfigError
+from dlrl_config import ConfigError
 from server.errors import APIError, error_body
 from server.middleware import GENERATION_PATHS, _send_json
 

@@ -36,7 +36,7 @@ from collections import deque
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
-from dllm.configlib import ConfigError
+from dlrl_config import ConfigError
 from server.store_health import StoreHealth
 from store import FeedbackStore, Record, new_record_id, open_store
 

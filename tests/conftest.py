@@ -27,8 +27,8 @@ import httpx
 import pytest
 import torch
 
+from dllm.embedded.sft import TinyModelConfig, make_model_config
 from dllm.model import SDARForCausalLM
-from dllm.sft import TinyModelConfig, make_model_config
 from dllm.tokenizer import build_char_tokenizer
 from dllm.weights import save_pretrained
 from tests.helpers import ADMIN_TOKEN, FIXTURE_CONFIG  # noqa: F401  (shared with test modules)
@@ -185,7 +185,7 @@ SMALL_SHAPES = {"hidden_size": 64, "intermediate_size": 128, "num_attention_head
 @pytest.fixture(scope="session")
 def qwen_tokenizer_dir(tmp_path_factory) -> str:
     """The Qwen2/Qwen3-style byte-level BPE stand-in tokenizer (dllm.standin), built once."""
-    from dllm.standin import build_qwen_tokenizer
+    from dllm.embedded.standin import build_qwen_tokenizer
 
     path = tmp_path_factory.mktemp("qwen-tok")
     build_qwen_tokenizer(path)
@@ -197,7 +197,7 @@ def small_sdar_dir(tmp_path_factory, qwen_tokenizer_dir) -> str:
     """Every field of the SDAR-1.7B-Chat config.json, small shapes (vocab kept: 151936), 2 layers,
     bf16 random weights whose <|im_end|> row makes turns end after a few tokens, the stand-in
     tokenizer and a generation_config.json (eos [<|im_end|>, <|endoftext|>])."""
-    from dllm.standin import build_real_shape_folder
+    from dllm.embedded.standin import build_real_shape_folder
 
     path = tmp_path_factory.mktemp("small-sdar")
     return str(build_real_shape_folder(path, FIXTURE_CONFIG, num_hidden_layers=2, overrides=SMALL_SHAPES,

@@ -24,7 +24,7 @@ import logging
 import sys
 import time
 
-from dllm.configlib import ConfigError, load_sections, print_check
+from dlrl_config import ConfigError, load_sections, print_check
 
 log = logging.getLogger("dlrl.align")
 NO_PRUNE = {"max_records": 1 << 62, "max_age_s": 1e15}  # the servers own the store's bounds
@@ -144,7 +144,7 @@ def versions_main(argv: list[str]) -> int:
                     help="roll every serving replica back to VERSION (a version that served before)")
     ap.add_argument("overrides", nargs="*", help="align key=value overrides (e.g. store=runs/feedback.db)")
     args = ap.parse_intermixed_args(argv)
-    from dllm.configlib import build, parse_overrides
+    from dlrl_config import build, parse_overrides
     from trainer.align_config import AlignConfig, align_sections
 
     try:

@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from dllm.configlib import Config
+from dlrl_config import Config
 
 Frac = Annotated[float, Field(ge=0, le=1)]
 Url = Annotated[str, Field(min_length=1)]
@@ -91,7 +91,7 @@ class AlignConfig(Config):
 def align_sections() -> dict[str, type[Config]]:
     """The sections `dlrl align` reads from its config file (once): its own, the trainer's, the
     embedded default's (model, task, sft) and the `server` keys the trainer needs (admin token)."""
-    from dllm.tiny import TINY_SECTIONS
+    from dllm.embedded.tiny import TINY_SECTIONS
     from trainer.config import ServerKeys, TrainConfig
 
     return {"align": AlignConfig, "train": TrainConfig, **TINY_SECTIONS, "server": ServerKeys}

@@ -26,7 +26,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from dllm.configlib import Config, ConfigError, load_sections
+from dlrl_config import Config, ConfigError, load_sections
 
 
 class UsersConfig(Config):
@@ -151,7 +151,7 @@ async def run_users(cfg: UsersConfig, prompts: list[dict], token: str) -> Stats:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dllm.task import ArithmeticTask
+    from dllm.embedded.task import ArithmeticTask
 
     ap = argparse.ArgumentParser(prog="python -m trainer.align_users", description="simulated users of dlrl align")
     ap.add_argument("--config", default="configs/align.yaml")

@@ -23,7 +23,7 @@ import os
 import signal
 import sys
 
-from dllm.configlib import ConfigError, load_sections, print_check
+from dlrl_config import ConfigError, load_sections, print_check
 
 log = logging.getLogger("dlrl.train")
 
@@ -59,7 +59,7 @@ class Stopper:
 
 def parse(argv: list[str]):
     """-> (args, root sections, overrides): the config file read once, every section typed."""
-    from dllm.tiny import TINY_SECTIONS
+    from dllm.embedded.tiny import TINY_SECTIONS
     from trainer.config import ServerKeys, TrainConfig
 
     ap = argparse.ArgumentParser(prog="dlrl train", description="online RL for block-diffusion LMs")

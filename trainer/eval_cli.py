@@ -26,7 +26,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from dllm.configlib import Config, ConfigError, load_sections, print_check
+from dlrl_config import Config, ConfigError, load_sections, print_check
 
 log = logging.getLogger("dlrl.eval")
 
@@ -142,7 +142,7 @@ def run(cfg: EvalConfig, task, config_path: str | None, overrides: list[str], se
 
 
 def main(argv: list[str]) -> int:
-    from dllm.task import ArithmeticTask
+    from dllm.embedded.task import ArithmeticTask
     from trainer.config import ServerKeys
 
     ap = argparse.ArgumentParser(prog="dlrl eval", description="evaluate a served block-diffusion LM")

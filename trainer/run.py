@@ -202,7 +202,7 @@ def _model_dir(cfg, ranks: Ranks, root: dict) -> Path:
         from dllm.hub import resolve_model
 
         return Path(ranks.on_main(lambda: str(resolve_model(cfg.model, "train.model"))))
-    from dllm.tiny import ensure_default_model
+    from dllm.embedded.tiny import ensure_default_model
 
     return Path(ranks.on_main(lambda: str(ensure_default_model(root["model"], root["task"], root["sft"]))))
 

@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from dllm.configlib import ConfigError
 from dllm.decoding import BlockDecoder, Sequence
 from dllm.kv_cache import KVCache
 from dllm.weights import load_pretrained, parse_dtype
+from dlrl_config import ConfigError
 from server.backends.base import Backend
 
 log = logging.getLogger("dlrl.server")

@@ -14,9 +14,9 @@ import fcntl
 import logging
 from pathlib import Path
 
-from dllm.configlib import load_sections
-from dllm.sft import SFTConfig, TinyModelConfig, run_sft
-from dllm.task import ArithmeticTask
+from dllm.embedded.sft import SFTConfig, TinyModelConfig, run_sft
+from dllm.embedded.task import ArithmeticTask
+from dlrl_config import load_sections
 
 log = logging.getLogger("dlrl.tiny")
 DEFAULT_CONFIG = "configs/tiny.yaml"
