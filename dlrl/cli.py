@@ -58,7 +58,7 @@ def _section_class(name: str):
 
 def print_keys(command: str) -> None:
     """Every config key the command reads: `section.key  TYPE = DEFAULT  # help`."""
-    from dlrl_config import describe
+    from dlrl_config.describe import describe
 
     primary, names = COMMAND_SECTIONS[command]
     print(f"\nconfig keys (YAML section.key, or key=value / section.key=value on the command line; bare keys "
@@ -74,7 +74,9 @@ def config_main(argv: list[str]) -> int:
     """`dlrl config show [--command C] [--config FILE] [key=value ...]`: the resolved config as YAML."""
     import argparse
 
-    from dlrl_config import ConfigError, dump_yaml, load_sections
+    from dlrl_config import ConfigError, load_sections
+    from dlrl_config.cli import config_file
+    from dlrl_config.describe import dump_yaml
 
     ap = argparse.ArgumentParser(prog="dlrl config", description="print the resolved config as YAML")
     ap.add_argument("action", choices=["show"])
@@ -83,7 +85,7 @@ def config_main(argv: list[str]) -> int:
     ap.add_argument("--config", default=None, help="YAML config (default configs/tiny.yaml when it exists)")
     ap.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = ap.parse_intermixed_args(argv)
-    path = args.config or ("configs/tiny.yaml" if os.path.isfile("configs/tiny.yaml") else None)
+    path = config_file(args.config)
     primary, names = COMMAND_SECTIONS[args.command] if args.command else (None, list(SECTION_CLASSES))
     try:
         sections = load_sections(path, args.overrides, {n: _section_class(n) for n in names},

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-from pathlib import Path
 
-from dlrl_config import ConfigError, print_check
+from dlrl_config import ConfigError
+from dlrl_config.cli import DEFAULT_CONFIG, add_check_args, config_file, print_check
 from server.config import ServerConfig, load_server_config
 
 log = logging.getLogger("dlrl.server")
-DEFAULT_CONFIG = "configs/tiny.yaml"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,10 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", default=None, help="alias of server.port=PORT (TCP port, default 8000)")
     p.add_argument("--model", default=None, help="alias of server.model=DIR (model folder or hub id; default: the "
                                                  "embedded tiny model)")
-    p.add_argument("--check", action="store_true", help="parse the command line and the config, check the model "
-                                                       "and that the port is free; exit 0 (or 2 with the error)")
-    p.add_argument("--check-config", action="store_true", help="only parse the command line and the config")
-    p.add_argument("overrides", nargs="*", help="config overrides, e.g. server.max_batch=32")
+    add_check_args(p, check_help="parse the command line and the config, check the model and that the port is "
+                   "free; exit 0 (or 2 with the error)", overrides_help="config overrides, e.g. server.max_batch=32")
     return p
 
 
@@ -84,13 +81,14 @@ def build_engine(config: ServerConfig, model_path: str):
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    config_path = args.config or (DEFAULT_CONFIG if Path(DEFAULT_CONFIG).is_file() else None)
+    config_path = config_file(args.config)
     try:
         config = apply_aliases(load_server_config(config_path, args.overrides), args)
     except ConfigError as e:
         parser.error(str(e))
     if not args.check_config:  # before loading anything: the port is free, the model exists
-        from dllm.preflight import fail_early, model_problem, port_problem
+        from dllm.hub import model_problem
+        from dlrl_config.cli import fail_early, port_problem
 
         try:
             fail_early([port_problem(config.host, config.port, "server.port / --port"),

@@ -24,7 +24,8 @@ import logging
 import sys
 import time
 
-from dlrl_config import ConfigError, load_sections, print_check
+from dlrl_config import ConfigError, load_sections
+from dlrl_config.cli import print_check
 
 log = logging.getLogger("dlrl.align")
 NO_PRUNE = {"max_records": 1 << 62, "max_age_s": 1e15}  # the servers own the store's bounds

@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from dlrl_config import ConfigError, print_check
+from dlrl_config import ConfigError
+from dlrl_config.cli import print_check
 
 
 def sft_main(argv: list[str]) -> int:
