@@ -4,7 +4,7 @@
         [server.max_batch=32 server.admin_token=... ...]     # --host/--port/--model: aliases
 
 `server.model` empty (the default) serves the embedded tiny default, trained on first use
-by `dllm.tiny.ensure_default_model`. Binds 127.0.0.1 unless told otherwise. The admin
+by `dllm.embedded.tiny.ensure_default_model`. Binds 127.0.0.1 unless told otherwise. The admin
 token comes from `server.admin_token` or the DLRL_ADMIN_TOKEN environment variable.
 SIGTERM / SIGINT shut down gracefully (server.lifecycle): new requests get 503, requests
 in flight get up to `server.shutdown_timeout` seconds, then the process exits 0.

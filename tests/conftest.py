@@ -184,7 +184,7 @@ SMALL_SHAPES = {"hidden_size": 64, "intermediate_size": 128, "num_attention_head
 
 @pytest.fixture(scope="session")
 def qwen_tokenizer_dir(tmp_path_factory) -> str:
-    """The Qwen2/Qwen3-style byte-level BPE stand-in tokenizer (dllm.standin), built once."""
+    """The Qwen2/Qwen3-style byte-level BPE stand-in tokenizer (dllm.embedded.standin), built once."""
     from dllm.embedded.standin import build_qwen_tokenizer
 
     path = tmp_path_factory.mktemp("qwen-tok")
