@@ -116,3 +116,27 @@ def served_process(model_dir: str, token: str, log_dir: Path, *overrides: str) -
 
 def admin_get(url: str, path: str, token: str) -> dict:
     return httpx.get(url + path, headers={"Authorization": f"Bearer {token}"}, timeout=30).json()
+
+
+def fake_zero3_gather(monkeypatch) -> list[list[int]]:
+    """Install a stand-in `deepspeed` module whose `zero.GatheredParameters` records the ids of
+    each group it gathers (into the returned list), for tests of the ZeRO-3 weight source on a
+    box without deepspeed's partitioning."""
+    import types
+
+    gathered: list[list[int]] = []
+
+    class GatheredParameters:
+        def __init__(self, params, modifier_rank=None):
+            self.params = params
+
+        def __enter__(self):
+            gathered.append([id(p) for p in self.params])
+
+        def __exit__(self, *exc):
+            return False
+
+    fake = types.ModuleType("deepspeed")
+    fake.zero = types.SimpleNamespace(GatheredParameters=GatheredParameters)
+    monkeypatch.setitem(sys.modules, "deepspeed", fake)
+    return gathered
