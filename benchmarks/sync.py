@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -185,12 +186,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_receiver(size: str, threads: int, dtype: str) -> tuple[subprocess.Popen, str]:
+def start_receiver(size: str, threads: int, dtype: str, script: str = __file__,
+                   ready: Callable[[str], bool] | None = None) -> tuple[subprocess.Popen, str]:
+    """`script --serve size` in another process (this file's receiver, or benchmarks/rollback.py's);
+    returns once `ready(url)` (default: /weights/version answers)."""
     import httpx
 
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, __file__, "--serve", size, "--port", str(port), "--threads", str(threads),
+    cmd = [sys.executable, script, "--serve", size, "--port", str(port), "--threads", str(threads),
            "--dtype", dtype]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
@@ -198,11 +202,31 @@ def start_receiver(size: str, threads: int, dtype: str) -> tuple[subprocess.Pope
     while time.monotonic() < deadline:
         assert proc.poll() is None, "receiver process died"
         try:
-            httpx.get(url + "/weights/version", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=2)
-            return proc, url
+            r = httpx.get(url + "/weights/version", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=2)
+            if ready is None or (r.status_code == 200 and ready(url)):
+                return proc, url
         except httpx.TransportError:
-            time.sleep(0.2)
+            pass
+        time.sleep(0.2)
     raise TimeoutError("receiver did not start")
+
+
+def add_receiver_args(ap: argparse.ArgumentParser, dtype_help: str) -> None:
+    """--dtype (what the receiver serves), --threads and the receiver process's hidden --serve/--port."""
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help=dtype_help)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads per process (sender and receiver share the cores)")
+    ap.add_argument("--serve", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+
+
+def parse_sizes(ap: argparse.ArgumentParser, text: str) -> list[str]:
+    """--sizes as a list of SIZES keys; an unknown one is an error naming the flag."""
+    sizes = [s.strip().lower() for s in text.split(",")]
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        ap.error(f"--sizes: unknown size {unknown[0]!r} (known: {', '.join(SIZES)})")
+    return sizes
 
 
 def time_memcpy(named: dict[str, torch.Tensor], repeats: int = 3) -> float:
@@ -318,20 +342,12 @@ def main() -> None:
     ap.add_argument("--sizes", default="100m,500m", help=f"comma list of {','.join(SIZES)}")
     ap.add_argument("--transports", default="shm,dist,http")
     ap.add_argument("--pushes", type=int, default=3, help="pushes per transport after connect (first + steady)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads per process (sender and receiver share the cores)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="dtype the receiver serves (the sender uses dtype='auto': bf16 halves the bytes)")
-    ap.add_argument("--serve", help=argparse.SUPPRESS)
-    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    add_receiver_args(ap, "dtype the receiver serves (the sender uses dtype='auto': bf16 halves the bytes)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.serve:
         return serve(args.serve, args.port, args.dtype)
-    sizes = [s.strip().lower() for s in args.sizes.split(",")]
-    unknown = [s for s in sizes if s not in SIZES]
-    if unknown:
-        ap.error(f"--sizes: unknown {unknown} (known: {list(SIZES)})")
+    sizes = parse_sizes(ap, args.sizes)
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch thread(s)/process, "
           f"load avg {os.getloadavg()[0]:.1f}, served dtype {args.dtype}; connect = one-time setup; "
           "push s = median steady push; /memcpy = push / memcpy of the trainer's bytes; "
