@@ -25,12 +25,8 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 
-from dllm.embedded.sft import TinyModelConfig, make_model_config
-from dllm.model import SDARForCausalLM
-from dllm.tokenizer import build_char_tokenizer
-from dllm.weights import save_pretrained
+from dllm.embedded.tiny import SMALL_ARCH, random_tiny_folder
 from tests.helpers import ADMIN_TOKEN, FIXTURE_CONFIG  # noqa: F401  (shared with test modules)
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # trainers on CPU even where a GPU is visible (see above)
@@ -39,13 +35,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")  # trainers on CPU even where a G
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A randomly initialised tiny SDAR model (block_size 4, char tokenizer) in HF layout."""
-    path = tmp_path_factory.mktemp("tiny-random")
-    tok = build_char_tokenizer(path)
-    torch.manual_seed(0)
-    arch = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
-    save_pretrained(SDARForCausalLM(make_model_config(arch, tok)), path)
-    return str(path)
+    return random_tiny_folder(tmp_path_factory.mktemp("tiny-random"), **SMALL_ARCH)
 
 
 @dataclass
