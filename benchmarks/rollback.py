@@ -17,7 +17,6 @@ rolled back to. "push/rollback" is how many times faster the rollback is.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import subprocess
 import sys
@@ -29,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from sync import SIZES, StubEngine, add_receiver_args, module_from, parse_sizes, sdar_like  # noqa: E402
+from sync import StubEngine, add_receiver_args, bench_parser, module_from, parse_or_serve, sdar_like  # noqa: E402
 from sync import start_receiver as start_sync_receiver  # noqa: E402
 
 TOKEN = "bench"
@@ -134,17 +133,13 @@ def print_row(r: dict) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes", default="100m", help=f"comma list of {','.join(SIZES)}")
-    ap.add_argument("--transports", default="shm,http")
-    ap.add_argument("--pushes", type=int, default=4)
+    ap = bench_parser(__doc__, "100m", "shm,http", 4)
     ap.add_argument("--rollbacks", type=int, default=6)
     add_receiver_args(ap, "dtype the receiver serves")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    if args.serve:
-        return serve(args.serve, args.port, args.dtype)
-    sizes = parse_sizes(ap, args.sizes)
+    parsed = parse_or_serve(ap, serve)
+    if parsed is None:
+        return
+    args, sizes = parsed
     if args.pushes < 2:
         ap.error("--pushes: at least 2 (a rollback needs an earlier version)")
     print(HEADER)

@@ -211,6 +211,17 @@ def start_receiver(size: str, threads: int, dtype: str, script: str = __file__,
     raise TimeoutError("receiver did not start")
 
 
+def bench_parser(doc: str, sizes: str, transports: str, pushes: int, pushes_help: str | None = None
+                 ) -> argparse.ArgumentParser:
+    """The flags this file and benchmarks/rollback.py share: --sizes, --transports, --pushes (more
+    may follow; add_receiver_args last)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--sizes", default=sizes, help=f"comma list of {','.join(SIZES)}")
+    ap.add_argument("--transports", default=transports)
+    ap.add_argument("--pushes", type=int, default=pushes, help=pushes_help)
+    return ap
+
+
 def add_receiver_args(ap: argparse.ArgumentParser, dtype_help: str) -> None:
     """--dtype (what the receiver serves), --threads and the receiver process's hidden --serve/--port."""
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help=dtype_help)
@@ -220,13 +231,20 @@ def add_receiver_args(ap: argparse.ArgumentParser, dtype_help: str) -> None:
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
 
 
-def parse_sizes(ap: argparse.ArgumentParser, text: str) -> list[str]:
-    """--sizes as a list of SIZES keys; an unknown one is an error naming the flag."""
-    sizes = [s.strip().lower() for s in text.split(",")]
+def parse_or_serve(ap: argparse.ArgumentParser, serve: Callable[[str, int, str], None]
+                   ) -> tuple[argparse.Namespace, list[str]] | None:
+    """Parse the command line and set torch's threads. In the receiver process (--serve) run
+    `serve(size, port, dtype)` and return None; else (args, the --sizes, checked against SIZES)."""
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.serve:
+        serve(args.serve, args.port, args.dtype)
+        return None
+    sizes = [s.strip().lower() for s in args.sizes.split(",")]
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:
         ap.error(f"--sizes: unknown size {unknown[0]!r} (known: {', '.join(SIZES)})")
-    return sizes
+    return args, sizes
 
 
 def time_memcpy(named: dict[str, torch.Tensor], repeats: int = 3) -> float:
@@ -338,16 +356,12 @@ def check(rows: list[dict]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes", default="100m,500m", help=f"comma list of {','.join(SIZES)}")
-    ap.add_argument("--transports", default="shm,dist,http")
-    ap.add_argument("--pushes", type=int, default=3, help="pushes per transport after connect (first + steady)")
+    ap = bench_parser(__doc__, "100m,500m", "shm,dist,http", 3, "pushes per transport after connect (first + steady)")
     add_receiver_args(ap, "dtype the receiver serves (the sender uses dtype='auto': bf16 halves the bytes)")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    if args.serve:
-        return serve(args.serve, args.port, args.dtype)
-    sizes = parse_sizes(ap, args.sizes)
+    parsed = parse_or_serve(ap, serve)
+    if parsed is None:
+        return
+    args, sizes = parsed
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch thread(s)/process, "
           f"load avg {os.getloadavg()[0]:.1f}, served dtype {args.dtype}; connect = one-time setup; "
           "push s = median steady push; /memcpy = push / memcpy of the trainer's bytes; "
