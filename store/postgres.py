@@ -28,10 +28,23 @@ a connection within `connect_timeout_s` raises psycopg_pool.PoolTimeout ("unavai
 from __future__ import annotations
 
 import json
-import math
 import time
 
-from store.types import VERSION_STATUSES, FeedbackConflict, FeedbackStore, Labeled, Record
+from store.rows import (
+    EVENT_COLS,
+    LABELED_COLS,
+    RECORD_COLS,
+    VERSION_COLS,
+    check_status,
+    event_of,
+    finite_reward,
+    labeled_of,
+    record_of,
+    record_row,
+    version_of,
+    version_row,
+)
+from store.types import FeedbackConflict, FeedbackStore, Labeled, Record
 
 SCHEMA_VERSION = 1
 _MIGRATIONS = {
@@ -58,20 +71,6 @@ INSERT INTO dlrl_counts VALUES ('records', 0);
 }
 # transaction-scoped advisory lock keys ("dlrl" + a number): migrations, feedback, registry+events
 _LOCK_MIGRATE, _LOCK_FEEDBACK, _LOCK_REGISTRY = 0x646C726C00, 0x646C726C01, 0x646C726C02
-_COLS = ("id, created, server, version, prompt, prompt_ids, completion_ids, text, finish_reason, trace, "
-         "sampling")
-
-
-def _row(r: Record) -> tuple:
-    return (r.id, float(r.created), r.server, int(r.version), r.prompt, json.dumps(list(r.prompt_ids)),
-            json.dumps(list(r.completion_ids)), r.text, r.finish_reason, json.dumps(r.trace),
-            json.dumps(r.sampling))
-
-
-def _record(row: tuple) -> Record:
-    return Record(id=row[0], created=row[1], server=row[2], version=row[3], prompt=row[4],
-                  prompt_ids=json.loads(row[5]), completion_ids=json.loads(row[6]), text=row[7],
-                  finish_reason=row[8], trace=json.loads(row[9]), sampling=json.loads(row[10]))
 
 
 class PostgresStore(FeedbackStore):
@@ -130,12 +129,12 @@ class PostgresStore(FeedbackStore):
         self.add_records([record])
 
     def add_records(self, records: list[Record]) -> None:
-        rows = [_row(r) for r in records]
+        rows = [record_row(r) for r in records]
         if not rows:
             return
         with self._pool.connection() as conn:
             with conn.cursor() as cur:  # one pipelined round trip for the batch; rowcount = rows inserted
-                cur.executemany(f"INSERT INTO dlrl_records ({_COLS}) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s) "
+                cur.executemany(f"INSERT INTO dlrl_records ({RECORD_COLS}) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s) "
                                 "ON CONFLICT (id) DO NOTHING", rows)
                 added = max(cur.rowcount, 0)
             if added:
@@ -155,9 +154,7 @@ class PostgresStore(FeedbackStore):
         return gone
 
     def add_feedback(self, record_id: str, reward: float, label: str | None = None) -> bool:
-        reward = float(reward)
-        if not math.isfinite(reward):
-            raise ValueError(f"reward: must be a finite number, got {reward}")
+        reward = finite_reward(reward)
         with self._pool.connection() as conn:
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_FEEDBACK,))
             # FOR SHARE: the record cannot be deleted (bound, prune) before this commits
@@ -173,39 +170,34 @@ class PostgresStore(FeedbackStore):
             return True
 
     def get_record(self, record_id: str) -> Record | None:
-        rows = self._all(f"SELECT {_COLS} FROM dlrl_records WHERE id = %s", (record_id,))
-        return _record(rows[0]) if rows else None
+        rows = self._all(f"SELECT {RECORD_COLS} FROM dlrl_records WHERE id = %s", (record_id,))
+        return record_of(rows[0]) if rows else None
 
     def labeled(self, after_seq: int = 0, min_version: int = 0, limit: int = 1000) -> list[Labeled]:
-        cols = ", ".join(f"r.{c.strip()}" for c in _COLS.split(","))
         rows = self._all(
-            f"SELECT {cols}, f.reward, f.label, f.time, f.seq FROM dlrl_feedback f JOIN dlrl_records r "
+            f"SELECT {LABELED_COLS} FROM dlrl_feedback f JOIN dlrl_records r "
             "ON r.id = f.record_id WHERE f.seq > %s AND r.version >= %s ORDER BY f.seq LIMIT %s",
             (int(after_seq), int(min_version), int(limit)))
-        return [Labeled(record=_record(row[:11]), reward=row[11], label=row[12], feedback_time=row[13],
-                        seq=row[14]) for row in rows]
+        return [labeled_of(row) for row in rows]
 
     def prompts(self, after: float = 0.0, limit: int = 1000) -> list[Record]:
-        rows = self._all(f"SELECT {_COLS} FROM dlrl_records WHERE created > %s ORDER BY created, rseq LIMIT %s",
-                         (float(after), int(limit)))
-        return [_record(row) for row in rows]
+        rows = self._all(f"SELECT {RECORD_COLS} FROM dlrl_records WHERE created > %s ORDER BY created, rseq "
+                         "LIMIT %s", (float(after), int(limit)))
+        return [record_of(row) for row in rows]
 
     # -- version registry and events --------------------------------------------------------
     def register_version(self, version: int, parent: int | None, step: int, run_id: str,
                          data: dict) -> None:
-        now = time.time()
         with self._pool.connection() as conn:
             conn.execute(
                 "INSERT INTO dlrl_versions (version, parent, step, run_id, data, status, created, updated) "
                 "VALUES (%s,%s,%s,%s,%s,'trained',%s,%s) ON CONFLICT (version) DO UPDATE SET "
                 "parent = excluded.parent, step = excluded.step, run_id = excluded.run_id, data = excluded.data, "
                 "updated = excluded.updated",
-                (int(version), None if parent is None else int(parent), int(step), str(run_id),
-                 json.dumps(data or {}), now, now))
+                version_row(version, parent, step, run_id, data, time.time()))
 
     def update_version(self, version: int, *, eval: dict | None = None, status: str | None = None) -> None:
-        if status is not None and status not in VERSION_STATUSES:
-            raise ValueError(f"status: must be one of {', '.join(VERSION_STATUSES)}, got {status!r}")
+        check_status(status)
         with self._pool.connection() as conn:
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_REGISTRY,))
             if conn.execute("SELECT 1 FROM dlrl_versions WHERE version = %s", (int(version),)).fetchone() is None:
@@ -226,17 +218,11 @@ class PostgresStore(FeedbackStore):
                          (time.time(), str(kind), int(version), replica, json.dumps(detail or {})))
 
     def versions(self) -> list[dict]:
-        rows = self._all("SELECT version, parent, step, run_id, data, eval, status, created, updated "
-                         "FROM dlrl_versions ORDER BY version")
-        return [{"version": r[0], "parent": r[1], "step": r[2], "run_id": r[3], "data": json.loads(r[4]),
-                 "eval": None if r[5] is None else json.loads(r[5]), "status": r[6], "created": r[7],
-                 "updated": r[8]} for r in rows]
+        return [version_of(r) for r in self._all(f"SELECT {VERSION_COLS} FROM dlrl_versions ORDER BY version")]
 
     def events(self, after_id: int = 0) -> list[dict]:
-        rows = self._all("SELECT id, time, kind, version, replica, detail FROM dlrl_events WHERE id > %s "
-                         "ORDER BY id", (int(after_id),))
-        return [{"id": r[0], "time": r[1], "kind": r[2], "version": r[3], "replica": r[4],
-                 "detail": json.loads(r[5])} for r in rows]
+        return [event_of(r) for r in self._all(f"SELECT {EVENT_COLS} FROM dlrl_events WHERE id > %s ORDER BY id",
+                                               (int(after_id),))]
 
     def serving_version(self) -> int | None:
         rows = self._all("SELECT version FROM dlrl_versions WHERE status = 'serving' "

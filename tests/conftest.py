@@ -90,18 +90,10 @@ def start_server(model_dir: str, port: int | None = None, **overrides) -> Runnin
 
 
 @pytest.fixture(scope="session")
-def make_server(tiny_model_dir):
-    started: list[RunningServer] = []
+def make_server(make_server_for, tiny_model_dir):
+    """Start a real server of the tiny random model (`make_server(max_batch=2, ...)`); all stop at the end."""
     saved = os.environ.pop("DLRL_ADMIN_TOKEN", None)  # tests decide the token explicitly
-
-    def make(**overrides) -> RunningServer:
-        srv = start_server(tiny_model_dir, **overrides)
-        started.append(srv)
-        return srv
-
-    yield make
-    for srv in started:
-        srv.stop()
+    yield lambda **overrides: make_server_for(tiny_model_dir, **overrides)
     if saved is not None:
         os.environ["DLRL_ADMIN_TOKEN"] = saved
 

@@ -140,3 +140,17 @@ def fake_zero3_gather(monkeypatch) -> list[list[int]]:
     fake.zero = types.SimpleNamespace(GatheredParameters=GatheredParameters)
     monkeypatch.setitem(sys.modules, "deepspeed", fake)
     return gathered
+
+
+def write_train_config(tmp: Path, servers: list[str], model: str, token: str, **train) -> Path:
+    """tmp/cfg.yaml with a short `train` section against running `servers` (2 steps of 4 prompts x 4,
+    6 tokens, the parity reward, no eval, no tensorboard); `train` overrides any key."""
+    import json
+
+    cfg = {"train": {"servers": servers, "model": model, "output_dir": str(tmp / "run"), "num_steps": 2,
+                     "prompts_per_step": 4, "group_size": 4, "max_tokens": 6, "eval_every": 0,
+                     "reward": "tests.helpers:parity_reward", "admin_token": token, "lr": 1e-3,
+                     "start_server": False, "tensorboard": False, **train}}
+    path = tmp / "cfg.yaml"
+    path.write_text(json.dumps(cfg))  # JSON is YAML
+    return path
