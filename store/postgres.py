@@ -27,24 +27,10 @@ a connection within `connect_timeout_s` raises psycopg_pool.PoolTimeout ("unavai
 
 from __future__ import annotations
 
-import json
 import time
 
-from store.rows import (
-    EVENT_COLS,
-    LABELED_COLS,
-    RECORD_COLS,
-    VERSION_COLS,
-    check_status,
-    event_of,
-    finite_reward,
-    labeled_of,
-    record_of,
-    record_row,
-    version_of,
-    version_row,
-)
-from store.types import FeedbackConflict, FeedbackStore, Labeled, Record
+from store.sql import RECORD_COLS, SQLStore, finite_reward, record_row
+from store.types import FeedbackConflict, Record
 
 SCHEMA_VERSION = 1
 _MIGRATIONS = {
@@ -73,8 +59,10 @@ INSERT INTO dlrl_counts VALUES ('records', 0);
 _LOCK_MIGRATE, _LOCK_FEEDBACK, _LOCK_REGISTRY = 0x646C726C00, 0x646C726C01, 0x646C726C02
 
 
-class PostgresStore(FeedbackStore):
+class PostgresStore(SQLStore):
     """FeedbackStore on PostgreSQL; thread-safe (a connection pool), shared by processes and hosts."""
+
+    PLACEHOLDER, TABLE_PREFIX, INSERT_ORDER = "%s", "dlrl_", "rseq"
 
     def __init__(self, url: str, *, max_records: int = 100_000, max_age_s: float = 7 * 86400.0,
                  pool_size: int = 4, connect_timeout_s: float = 5.0, prune_every_s: float = 60.0):
@@ -117,9 +105,15 @@ class PostgresStore(FeedbackStore):
         with self._pool.connection() as conn:
             return conn.execute(sql, args).fetchone()
 
-    def _all(self, sql: str, args: tuple = ()) -> list[tuple]:
+    def _read(self, sql: str, args: tuple = ()) -> list[tuple]:
         with self._pool.connection() as conn:
             return conn.execute(sql, args).fetchall()
+
+    def _write(self):
+        return self._pool.connection()  # one transaction: committed at the end of the block
+
+    def _lock_registry(self, conn) -> None:
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_REGISTRY,))
 
     def close(self) -> None:
         self._pool.close()
@@ -168,66 +162,6 @@ class PostgresStore(FeedbackStore):
             conn.execute("INSERT INTO dlrl_feedback (record_id, reward, label, time) VALUES (%s,%s,%s,%s)",
                          (record_id, reward, label, time.time()))
             return True
-
-    def get_record(self, record_id: str) -> Record | None:
-        rows = self._all(f"SELECT {RECORD_COLS} FROM dlrl_records WHERE id = %s", (record_id,))
-        return record_of(rows[0]) if rows else None
-
-    def labeled(self, after_seq: int = 0, min_version: int = 0, limit: int = 1000) -> list[Labeled]:
-        rows = self._all(
-            f"SELECT {LABELED_COLS} FROM dlrl_feedback f JOIN dlrl_records r "
-            "ON r.id = f.record_id WHERE f.seq > %s AND r.version >= %s ORDER BY f.seq LIMIT %s",
-            (int(after_seq), int(min_version), int(limit)))
-        return [labeled_of(row) for row in rows]
-
-    def prompts(self, after: float = 0.0, limit: int = 1000) -> list[Record]:
-        rows = self._all(f"SELECT {RECORD_COLS} FROM dlrl_records WHERE created > %s ORDER BY created, rseq "
-                         "LIMIT %s", (float(after), int(limit)))
-        return [record_of(row) for row in rows]
-
-    # -- version registry and events --------------------------------------------------------
-    def register_version(self, version: int, parent: int | None, step: int, run_id: str,
-                         data: dict) -> None:
-        with self._pool.connection() as conn:
-            conn.execute(
-                "INSERT INTO dlrl_versions (version, parent, step, run_id, data, status, created, updated) "
-                "VALUES (%s,%s,%s,%s,%s,'trained',%s,%s) ON CONFLICT (version) DO UPDATE SET "
-                "parent = excluded.parent, step = excluded.step, run_id = excluded.run_id, data = excluded.data, "
-                "updated = excluded.updated",
-                version_row(version, parent, step, run_id, data, time.time()))
-
-    def update_version(self, version: int, *, eval: dict | None = None, status: str | None = None) -> None:
-        check_status(status)
-        with self._pool.connection() as conn:
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_REGISTRY,))
-            if conn.execute("SELECT 1 FROM dlrl_versions WHERE version = %s", (int(version),)).fetchone() is None:
-                raise KeyError(f"version {version} is not registered")
-            if eval is not None:
-                conn.execute("UPDATE dlrl_versions SET eval = %s, updated = %s WHERE version = %s",
-                             (json.dumps(eval), time.time(), int(version)))
-            if status is not None:
-                conn.execute("UPDATE dlrl_versions SET status = %s, updated = %s, status_order = "
-                             "(SELECT COALESCE(MAX(status_order), 0) + 1 FROM dlrl_versions) WHERE version = %s",
-                             (status, time.time(), int(version)))
-
-    def log_event(self, kind: str, version: int, replica: str | None = None,
-                  detail: dict | None = None) -> None:
-        with self._pool.connection() as conn:
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_REGISTRY,))
-            conn.execute("INSERT INTO dlrl_events (time, kind, version, replica, detail) VALUES (%s,%s,%s,%s,%s)",
-                         (time.time(), str(kind), int(version), replica, json.dumps(detail or {})))
-
-    def versions(self) -> list[dict]:
-        return [version_of(r) for r in self._all(f"SELECT {VERSION_COLS} FROM dlrl_versions ORDER BY version")]
-
-    def events(self, after_id: int = 0) -> list[dict]:
-        return [event_of(r) for r in self._all(f"SELECT {EVENT_COLS} FROM dlrl_events WHERE id > %s ORDER BY id",
-                                               (int(after_id),))]
-
-    def serving_version(self) -> int | None:
-        rows = self._all("SELECT version FROM dlrl_versions WHERE status = 'serving' "
-                         "ORDER BY status_order DESC LIMIT 1")
-        return rows[0][0] if rows else None
 
     # -- bounds and stats -------------------------------------------------------------------
     def prune(self) -> int:

@@ -18,28 +18,14 @@ The version registry and the event log are small and never pruned.
 
 from __future__ import annotations
 
-import json
 import os
 import sqlite3
 import threading
 import time
 from pathlib import Path
 
-from store.rows import (
-    EVENT_COLS,
-    LABELED_COLS,
-    RECORD_COLS,
-    VERSION_COLS,
-    check_status,
-    event_of,
-    finite_reward,
-    labeled_of,
-    record_of,
-    record_row,
-    version_of,
-    version_row,
-)
-from store.types import FeedbackConflict, FeedbackStore, Labeled, Record
+from store.sql import RECORD_COLS, SQLStore, finite_reward, record_row
+from store.types import FeedbackConflict, FeedbackStore, Record
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS records (
@@ -67,7 +53,7 @@ CREATE TRIGGER IF NOT EXISTS records_del AFTER DELETE ON records
 """
 
 
-class SQLiteStore(FeedbackStore):
+class SQLiteStore(SQLStore):
     """FeedbackStore on an SQLite file; one connection per instance, shared by its threads."""
 
     def __init__(self, path: str | os.PathLike, *, max_records: int = 100_000,
@@ -195,63 +181,6 @@ class SQLiteStore(FeedbackStore):
             db.execute("INSERT INTO feedback (record_id, reward, label, time) VALUES (?,?,?,?)",
                        (record_id, reward, label, time.time()))
             return True
-
-    def get_record(self, record_id: str) -> Record | None:
-        rows = self._read(f"SELECT {RECORD_COLS} FROM records WHERE id = ?", (record_id,))
-        return record_of(rows[0]) if rows else None
-
-    def labeled(self, after_seq: int = 0, min_version: int = 0, limit: int = 1000) -> list[Labeled]:
-        rows = self._read(
-            f"SELECT {LABELED_COLS} FROM feedback f JOIN records r "
-            "ON r.id = f.record_id WHERE f.seq > ? AND r.version >= ? ORDER BY f.seq LIMIT ?",
-            (int(after_seq), int(min_version), int(limit)))
-        return [labeled_of(row) for row in rows]
-
-    def prompts(self, after: float = 0.0, limit: int = 1000) -> list[Record]:
-        rows = self._read(f"SELECT {RECORD_COLS} FROM records WHERE created > ? "
-                          "ORDER BY created, rowid LIMIT ?", (float(after), int(limit)))
-        return [record_of(row) for row in rows]
-
-    # -- version registry and events --------------------------------------------------------
-    def register_version(self, version: int, parent: int | None, step: int, run_id: str,
-                         data: dict) -> None:
-        with self._write() as db:
-            db.execute(
-                "INSERT INTO versions (version, parent, step, run_id, data, status, created, updated) "
-                "VALUES (?,?,?,?,?,'trained',?,?) ON CONFLICT(version) DO UPDATE SET parent = excluded.parent, "
-                "step = excluded.step, run_id = excluded.run_id, data = excluded.data, updated = excluded.updated",
-                version_row(version, parent, step, run_id, data, time.time()))
-
-    def update_version(self, version: int, *, eval: dict | None = None, status: str | None = None) -> None:
-        check_status(status)
-        with self._write() as db:
-            if db.execute("SELECT 1 FROM versions WHERE version = ?", (int(version),)).fetchone() is None:
-                raise KeyError(f"version {version} is not registered")
-            if eval is not None:
-                db.execute("UPDATE versions SET eval = ?, updated = ? WHERE version = ?",
-                           (json.dumps(eval), time.time(), int(version)))
-            if status is not None:
-                db.execute("UPDATE versions SET status = ?, updated = ?, status_order = "
-                           "(SELECT COALESCE(MAX(status_order), 0) + 1 FROM versions) WHERE version = ?",
-                           (status, time.time(), int(version)))
-
-    def log_event(self, kind: str, version: int, replica: str | None = None,
-                  detail: dict | None = None) -> None:
-        with self._write() as db:
-            db.execute("INSERT INTO events (time, kind, version, replica, detail) VALUES (?,?,?,?,?)",
-                       (time.time(), str(kind), int(version), replica, json.dumps(detail or {})))
-
-    def versions(self) -> list[dict]:
-        return [version_of(r) for r in self._read(f"SELECT {VERSION_COLS} FROM versions ORDER BY version")]
-
-    def events(self, after_id: int = 0) -> list[dict]:
-        return [event_of(r) for r in self._read(f"SELECT {EVENT_COLS} FROM events WHERE id > ? ORDER BY id",
-                                                (int(after_id),))]
-
-    def serving_version(self) -> int | None:
-        rows = self._read("SELECT version FROM versions WHERE status = 'serving' "
-                          "ORDER BY status_order DESC LIMIT 1")
-        return rows[0][0] if rows else None
 
     # -- bounds and stats -------------------------------------------------------------------
     def prune(self) -> int:
