@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import time
 
-from store.sql import RECORD_COLS, SQLStore, finite_reward, record_row
-from store.types import FeedbackConflict, Record
+from store.sql import RECORD_COLS, SQLStore, record_row
+from store.types import Record
 
 SCHEMA_VERSION = 1
 _MIGRATIONS = {
@@ -62,7 +62,7 @@ _LOCK_MIGRATE, _LOCK_FEEDBACK, _LOCK_REGISTRY = 0x646C726C00, 0x646C726C01, 0x64
 class PostgresStore(SQLStore):
     """FeedbackStore on PostgreSQL; thread-safe (a connection pool), shared by processes and hosts."""
 
-    PLACEHOLDER, TABLE_PREFIX, INSERT_ORDER = "%s", "dlrl_", "rseq"
+    PLACEHOLDER, TABLE_PREFIX, INSERT_ORDER, HOLD_RECORD = "%s", "dlrl_", "rseq", " FOR SHARE"
 
     def __init__(self, url: str, *, max_records: int = 100_000, max_age_s: float = 7 * 86400.0,
                  pool_size: int = 4, connect_timeout_s: float = 5.0, prune_every_s: float = 60.0):
@@ -112,6 +112,9 @@ class PostgresStore(SQLStore):
     def _write(self):
         return self._pool.connection()  # one transaction: committed at the end of the block
 
+    def _lock_feedback(self, conn) -> None:
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_FEEDBACK,))
+
     def _lock_registry(self, conn) -> None:
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_REGISTRY,))
 
@@ -119,9 +122,6 @@ class PostgresStore(SQLStore):
         self._pool.close()
 
     # -- records and feedback ---------------------------------------------------------------
-    def add_record(self, record: Record) -> None:
-        self.add_records([record])
-
     def add_records(self, records: list[Record]) -> None:
         rows = [record_row(r) for r in records]
         if not rows:
@@ -146,22 +146,6 @@ class PostgresStore(SQLStore):
                             "ORDER BY created, rseq LIMIT %s)", (n - self.max_records,)).rowcount
         conn.execute("UPDATE dlrl_counts SET n = n - %s WHERE name = 'records'", (gone,))
         return gone
-
-    def add_feedback(self, record_id: str, reward: float, label: str | None = None) -> bool:
-        reward = finite_reward(reward)
-        with self._pool.connection() as conn:
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_FEEDBACK,))
-            # FOR SHARE: the record cannot be deleted (bound, prune) before this commits
-            if conn.execute("SELECT 1 FROM dlrl_records WHERE id = %s FOR SHARE", (record_id,)).fetchone() is None:
-                raise KeyError(record_id)
-            old = conn.execute("SELECT reward FROM dlrl_feedback WHERE record_id = %s", (record_id,)).fetchone()
-            if old is not None:
-                if old[0] != reward:
-                    raise FeedbackConflict(f"record {record_id} already has reward {old[0]}, not {reward}")
-                return False
-            conn.execute("INSERT INTO dlrl_feedback (record_id, reward, label, time) VALUES (%s,%s,%s,%s)",
-                         (record_id, reward, label, time.time()))
-            return True
 
     # -- bounds and stats -------------------------------------------------------------------
     def prune(self) -> int:

@@ -19,7 +19,7 @@ import time
 from contextlib import AbstractContextManager
 from typing import Any
 
-from store.types import VERSION_STATUSES, FeedbackStore, Labeled, Record
+from store.types import VERSION_STATUSES, FeedbackConflict, FeedbackStore, Labeled, Record
 
 RECORD_COLS = ("id, created, server, version, prompt, prompt_ids, completion_ids, text, finish_reason, trace, "
                "sampling")
@@ -78,14 +78,24 @@ class SQLStore(FeedbackStore):
     PLACEHOLDER = "?"       # "%s" on PostgreSQL
     TABLE_PREFIX = ""       # "dlrl_" on PostgreSQL (a shared database)
     INSERT_ORDER = "rowid"  # the records' insertion order among equal `created` ("rseq" on PostgreSQL)
+    HOLD_RECORD = ""        # " FOR SHARE" on PostgreSQL: a record cannot be deleted (bound, prune) while
+                            # feedback on it commits (SQLite's one writer at a time already ensures it)
 
     @abc.abstractmethod
     def _read(self, sql: str, args: tuple = ()) -> list[tuple]:
         """All rows of one query, in the database's own dialect."""
 
     @abc.abstractmethod
+    def add_records(self, records: list[Record]) -> None:
+        """Insert in one transaction, keeping the bounds (the database's own way)."""
+
+    @abc.abstractmethod
     def _write(self) -> AbstractContextManager[Any]:
         """One write transaction: committed when the block ends, rolled back on an exception."""
+
+    def _lock_feedback(self, db: Any) -> None:
+        """Serialise feedback writers inside `db`'s transaction, so that `seq` follows commit order
+        (SQLite's write transaction already does)."""
 
     def _lock_registry(self, db: Any) -> None:
         """Serialise registry and event writers inside `db`'s transaction (SQLite's write
@@ -97,7 +107,26 @@ class SQLStore(FeedbackStore):
     def _q(self, sql: str, args: tuple = ()) -> list[tuple]:
         return self._read(self._sql(sql), args)
 
-    # -- records ----------------------------------------------------------------------------
+    # -- records and feedback ---------------------------------------------------------------
+    def add_record(self, record: Record) -> None:
+        self.add_records([record])  # the subclass's batch insert, which keeps the bounds
+
+    def add_feedback(self, record_id: str, reward: float, label: str | None = None) -> bool:
+        reward = finite_reward(reward)
+        with self._write() as db:
+            self._lock_feedback(db)
+            if db.execute(self._sql(f"SELECT 1 FROM {{t}}records WHERE id = ?{self.HOLD_RECORD}"),
+                          (record_id,)).fetchone() is None:
+                raise KeyError(record_id)
+            old = db.execute(self._sql("SELECT reward FROM {t}feedback WHERE record_id = ?"), (record_id,)).fetchone()
+            if old is not None:
+                if old[0] != reward:
+                    raise FeedbackConflict(f"record {record_id} already has reward {old[0]}, not {reward}")
+                return False
+            db.execute(self._sql("INSERT INTO {t}feedback (record_id, reward, label, time) VALUES (?,?,?,?)"),
+                       (record_id, reward, label, time.time()))
+            return True
+
     def get_record(self, record_id: str) -> Record | None:
         rows = self._q(f"SELECT {RECORD_COLS} FROM {{t}}records WHERE id = ?", (record_id,))
         return record_of(rows[0]) if rows else None

@@ -24,8 +24,8 @@ import threading
 import time
 from pathlib import Path
 
-from store.sql import RECORD_COLS, SQLStore, finite_reward, record_row
-from store.types import FeedbackConflict, FeedbackStore, Record
+from store.sql import RECORD_COLS, SQLStore, record_row
+from store.types import FeedbackStore, Record
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS records (
@@ -152,9 +152,6 @@ class SQLiteStore(SQLStore):
             self._db.close()
 
     # -- records and feedback ---------------------------------------------------------------
-    def add_record(self, record: Record) -> None:
-        self.add_records([record])
-
     def add_records(self, records: list[Record]) -> None:
         rows = [record_row(r) for r in records]
         if not rows:
@@ -167,20 +164,6 @@ class SQLiteStore(SQLStore):
                            "(SELECT rowid FROM records ORDER BY created, rowid LIMIT ?)", (excess,))
         if time.monotonic() - self._last_prune >= self.prune_every_s:
             self.prune()
-
-    def add_feedback(self, record_id: str, reward: float, label: str | None = None) -> bool:
-        reward = finite_reward(reward)
-        with self._write() as db:
-            if db.execute("SELECT 1 FROM records WHERE id = ?", (record_id,)).fetchone() is None:
-                raise KeyError(record_id)
-            old = db.execute("SELECT reward FROM feedback WHERE record_id = ?", (record_id,)).fetchone()
-            if old is not None:
-                if old[0] != reward:
-                    raise FeedbackConflict(f"record {record_id} already has reward {old[0]}, not {reward}")
-                return False
-            db.execute("INSERT INTO feedback (record_id, reward, label, time) VALUES (?,?,?,?)",
-                       (record_id, reward, label, time.time()))
-            return True
 
     # -- bounds and stats -------------------------------------------------------------------
     def prune(self) -> int:
