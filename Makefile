@@ -22,7 +22,7 @@ test: install
 	$(PY) -m pytest -q -x tests $(ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check dlrl dllm server trainer weight_sync rollout_client store tests benchmarks examples
+	$(VENV)/bin/ruff check dlrl dlrl_config dllm server trainer weight_sync rollout_client store tests benchmarks examples
 	$(VENV)/bin/mypy
 
 typecheck: install  # mypy over the packages ([tool.mypy] in pyproject.toml; cache in .mypy_cache/)

@@ -191,7 +191,7 @@ def static_table(batches, max_tokens, repeats, today_ref):
 def tpf_table(max_tokens):
     sft = Path("runs/tiny-sft")
     if (sft / "config.json").is_file():
-        from dllm.task import ArithmeticTask
+        from dllm.embedded.task import ArithmeticTask
         from dllm.tokenizer import encode, load_tokenizer
         from dllm.weights import load_pretrained
         model, tok = load_pretrained(sft), load_tokenizer(sft)

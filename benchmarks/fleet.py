@@ -46,19 +46,9 @@ def free_port() -> int:
 
 
 def make_model(tmp: Path) -> str:
-    import torch
+    from dllm.embedded.tiny import random_tiny_folder
 
-    from dllm.model import SDARForCausalLM
-    from dllm.sft import TinyModelConfig, make_model_config
-    from dllm.tokenizer import build_char_tokenizer
-    from dllm.weights import save_pretrained
-
-    path = tmp / "tiny"
-    tok = build_char_tokenizer(path)
-    torch.manual_seed(0)
-    model = SDARForCausalLM(make_model_config(TinyModelConfig(), tok))
-    save_pretrained(model, path)
-    return str(path)
+    return random_tiny_folder(tmp / "tiny")
 
 
 def start_servers(model: str, n: int, store: str | None, tmp: Path) -> list[tuple[str, subprocess.Popen]]:
@@ -72,17 +62,13 @@ def start_servers(model: str, n: int, store: str | None, tmp: Path) -> list[tupl
                *rec]
         log = open(tmp / f"server-{port}.log", "ab")
         out.append((f"http://127.0.0.1:{port}", subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)))
-    deadline = time.monotonic() + 300
-    for url, proc in out:
-        while True:
-            try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server {url} did not start (see {tmp})")
-            time.sleep(0.2)
+    from rollout_client.ready import ServerExited, wait_ready
+
+    procs = dict(out)
+    try:
+        wait_ready(list(procs), timeout=300, exited=lambda url: procs[url].poll() is not None)
+    except (ServerExited, TimeoutError) as e:
+        raise RuntimeError(f"{e} (logs in {tmp})") from None
     return out
 
 

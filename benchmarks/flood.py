@@ -42,19 +42,9 @@ uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="info"
 
 
 def tiny_model(path: Path) -> str:
-    import torch
+    from dllm.embedded.tiny import SMALL_ARCH, random_tiny_folder
 
-    from dllm.model import SDARForCausalLM
-    from dllm.sft import TinyModelConfig, make_model_config
-    from dllm.tokenizer import build_char_tokenizer
-    from dllm.weights import save_pretrained
-
-    tok = build_char_tokenizer(path)
-    torch.manual_seed(0)
-    arch = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
-    save_pretrained(SDARForCausalLM(make_model_config(arch, tok)), path)
-    return str(path)
+    return random_tiny_folder(path, **SMALL_ARCH)
 
 
 def free_port() -> int:

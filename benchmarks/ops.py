@@ -34,7 +34,7 @@ PARTS = ("cache.update", "attend")
 
 def _count(pkg, num_layers: int, dtype: torch.dtype, batch: int, prompt: int) -> dict[str, int]:
     """aten ops of one mid-decode forward of a `num_layers` model of package `pkg` (dllm or an old copy)."""
-    from dllm.sft import TinyModelConfig
+    from dllm.embedded.sft import TinyModelConfig
 
     arch = TinyModelConfig(num_hidden_layers=num_layers).model_dump()
     cfg = pkg.config.SDARConfig(vocab_size=96, mask_token_id=95, eos_token_id=[0], pad_token_id=0, **arch)
@@ -83,7 +83,7 @@ def _count(pkg, num_layers: int, dtype: torch.dtype, batch: int, prompt: int) ->
 
 def _decode_forward(pkg, dtype: torch.dtype, batch: int, prompt: int):
     """A closure running one mid-decode forward of the embedded default's model (2 layers) of `pkg`."""
-    from dllm.sft import TinyModelConfig
+    from dllm.embedded.sft import TinyModelConfig
 
     cfg = pkg.config.SDARConfig(vocab_size=96, mask_token_id=95, eos_token_id=[0], pad_token_id=0,
                                 **TinyModelConfig().model_dump())

@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    from dllm.standin import build_real_shape_folder
+    from dllm.embedded.standin import build_real_shape_folder
 
     t0 = time.perf_counter()
     model = work / "model"

@@ -17,8 +17,6 @@ rolled back to. "push/rollback" is how many times faster the rollback is.
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -30,7 +28,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from sync import SIZES, free_port, idle_engine, module_from, sdar_like  # noqa: E402
+from sync import add_receiver_args, bench_parser, idle_engine, module_from, parse_or_serve, sdar_like  # noqa: E402
+from sync import start_receiver as start_sync_receiver  # noqa: E402
 
 TOKEN = "bench"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -66,23 +65,13 @@ def serve(size: str, port: int, dtype: str) -> None:
 
 
 def start_receiver(size: str, dtype: str, threads: int) -> tuple[subprocess.Popen, str]:
+    """This file's receiver in another process, once it has kept version 0."""
     import httpx
 
-    port = free_port()
-    cmd = [sys.executable, __file__, "--serve", size, "--port", str(port), "--dtype", dtype, "--threads",
-           str(threads)]
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "receiver process died"
-        try:
-            if httpx.get(url + "/weights/kept", headers=AUTH, timeout=2).json()["versions"] == [0]:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError("receiver did not start")
+    def ready(url: str) -> bool:
+        return httpx.get(url + "/weights/kept", headers=AUTH, timeout=2).json()["versions"] == [0]
+
+    return start_sync_receiver(size, threads, dtype, script=__file__, ready=ready)
 
 
 def wait_kept(url: str, version: int) -> float:
@@ -145,23 +134,13 @@ def print_row(r: dict) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes", default="100m", help=f"comma list of {','.join(SIZES)}")
-    ap.add_argument("--transports", default="shm,http")
-    ap.add_argument("--pushes", type=int, default=4)
+    ap = bench_parser(__doc__, "100m", "shm,http", 4)
     ap.add_argument("--rollbacks", type=int, default=6)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype the receiver serves")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    ap.add_argument("--serve", help=argparse.SUPPRESS)
-    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    if args.serve:
-        return serve(args.serve, args.port, args.dtype)
-    sizes = [s.strip().lower() for s in args.sizes.split(",")]
-    unknown = [s for s in sizes if s not in SIZES]
-    if unknown:
-        ap.error(f"--sizes: unknown size {unknown[0]!r} (known: {', '.join(SIZES)})")
+    add_receiver_args(ap, "dtype the receiver serves")
+    parsed = parse_or_serve(ap, serve)
+    if parsed is None:
+        return
+    args, sizes = parsed
     if args.pushes < 2:
         ap.error("--pushes: at least 2 (a rollback needs an earlier version)")
     print(HEADER)

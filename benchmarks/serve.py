@@ -38,8 +38,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.oldref import OLD_ENGINE_REF, load_package  # noqa: E402
+from dllm.embedded.sft import TinyModelConfig, make_model_config  # noqa: E402
 from dllm.model import SDARForCausalLM  # noqa: E402
-from dllm.sft import TinyModelConfig, make_model_config  # noqa: E402
 from dllm.tokenizer import build_char_tokenizer  # noqa: E402
 from dllm.weights import save_pretrained  # noqa: E402
 
@@ -50,7 +50,7 @@ ARCH_100M = TinyModelConfig(hidden_size=768, intermediate_size=2048, num_hidden_
 def model_dir(kind: str, tmp: Path) -> tuple[str, str]:
     """(folder, description) of the benchmarked model."""
     if kind == "tiny":
-        from dllm.tiny import load_tiny_sections
+        from dllm.embedded.tiny import load_tiny_sections
 
         arch, _, sft = load_tiny_sections("configs/tiny.yaml") if Path("configs/tiny.yaml").is_file() else (
             TinyModelConfig(), None, None)

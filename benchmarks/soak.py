@@ -40,7 +40,6 @@ import time
 from pathlib import Path
 
 import httpx
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -57,21 +56,13 @@ FEEDBACK_TOKEN = "soak-feedback-token"
 
 def _model(tmp: Path) -> str:
     """The trained embedded default if present, else random weights with its architecture."""
-    from dllm.model import SDARForCausalLM
-    from dllm.sft import make_model_config
-    from dllm.tiny import load_tiny_sections
-    from dllm.tokenizer import build_char_tokenizer
-    from dllm.weights import save_pretrained
+    from dllm.embedded.tiny import load_tiny_sections, random_tiny_folder
 
     arch, _, sft = load_tiny_sections(str(ROOT / "configs/tiny.yaml"))
     trained = ROOT / sft.output_dir
     if (trained / "config.json").is_file():
         return str(trained)
-    out = tmp / "tiny-random"
-    tok = build_char_tokenizer(out)
-    torch.manual_seed(0)
-    save_pretrained(SDARForCausalLM(make_model_config(arch, tok)), out)
-    return str(out)
+    return random_tiny_folder(tmp / "tiny-random", arch)
 
 
 def _pusher(base: str, model_dir: str, transports: list[str], every: float, t_start: float, stop_at: float,

@@ -38,12 +38,8 @@ def parity_reward(text: str, example: dict) -> float:
 
 
 def make_model(name: str, out: Path) -> Path:
-    import torch
-
-    from dllm.model import SDARForCausalLM
-    from dllm.sft import TinyModelConfig, make_model_config
-    from dllm.tokenizer import build_char_tokenizer
-    from dllm.weights import save_pretrained
+    from dllm.embedded.sft import TinyModelConfig
+    from dllm.embedded.tiny import random_tiny_folder
 
     sft = ROOT / "runs" / "tiny-sft"
     if name == "tiny" and (sft / "config.json").is_file():
@@ -51,10 +47,7 @@ def make_model(name: str, out: Path) -> Path:
     arch = TinyModelConfig() if name == "tiny" else TinyModelConfig(
         hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
         num_key_value_heads=4, head_dim=64)
-    tok = build_char_tokenizer(out)
-    torch.manual_seed(0)
-    save_pretrained(SDARForCausalLM(make_model_config(arch, tok)), out)
-    return out
+    return Path(random_tiny_folder(out, arch))
 
 
 def free_port() -> int:

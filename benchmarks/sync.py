@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -181,12 +182,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_receiver(size: str, threads: int, dtype: str) -> tuple[subprocess.Popen, str]:
+def start_receiver(size: str, threads: int, dtype: str, script: str = __file__,
+                   ready: Callable[[str], bool] | None = None) -> tuple[subprocess.Popen, str]:
+    """`script --serve size` in another process (this file's receiver, or benchmarks/rollback.py's);
+    returns once `ready(url)` (default: /weights/version answers)."""
     import httpx
 
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, __file__, "--serve", size, "--port", str(port), "--threads", str(threads),
+    cmd = [sys.executable, script, "--serve", size, "--port", str(port), "--threads", str(threads),
            "--dtype", dtype]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
@@ -194,11 +198,49 @@ def start_receiver(size: str, threads: int, dtype: str) -> tuple[subprocess.Pope
     while time.monotonic() < deadline:
         assert proc.poll() is None, "receiver process died"
         try:
-            httpx.get(url + "/weights/version", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=2)
-            return proc, url
+            r = httpx.get(url + "/weights/version", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=2)
+            if ready is None or (r.status_code == 200 and ready(url)):
+                return proc, url
         except httpx.TransportError:
-            time.sleep(0.2)
+            pass
+        time.sleep(0.2)
     raise TimeoutError("receiver did not start")
+
+
+def bench_parser(doc: str, sizes: str, transports: str, pushes: int, pushes_help: str | None = None
+                 ) -> argparse.ArgumentParser:
+    """The flags this file and benchmarks/rollback.py share: --sizes, --transports, --pushes (more
+    may follow; add_receiver_args last)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--sizes", default=sizes, help=f"comma list of {','.join(SIZES)}")
+    ap.add_argument("--transports", default=transports)
+    ap.add_argument("--pushes", type=int, default=pushes, help=pushes_help)
+    return ap
+
+
+def add_receiver_args(ap: argparse.ArgumentParser, dtype_help: str) -> None:
+    """--dtype (what the receiver serves), --threads and the receiver process's hidden --serve/--port."""
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help=dtype_help)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads per process (sender and receiver share the cores)")
+    ap.add_argument("--serve", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+
+
+def parse_or_serve(ap: argparse.ArgumentParser, serve: Callable[[str, int, str], None]
+                   ) -> tuple[argparse.Namespace, list[str]] | None:
+    """Parse the command line and set torch's threads. In the receiver process (--serve) run
+    `serve(size, port, dtype)` and return None; else (args, the --sizes, checked against SIZES)."""
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.serve:
+        serve(args.serve, args.port, args.dtype)
+        return None
+    sizes = [s.strip().lower() for s in args.sizes.split(",")]
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        ap.error(f"--sizes: unknown size {unknown[0]!r} (known: {', '.join(SIZES)})")
+    return args, sizes
 
 
 def time_memcpy(named: dict[str, torch.Tensor], repeats: int = 3) -> float:
@@ -310,24 +352,12 @@ def check(rows: list[dict]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes", default="100m,500m", help=f"comma list of {','.join(SIZES)}")
-    ap.add_argument("--transports", default="shm,dist,http")
-    ap.add_argument("--pushes", type=int, default=3, help="pushes per transport after connect (first + steady)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads per process (sender and receiver share the cores)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="dtype the receiver serves (the sender uses dtype='auto': bf16 halves the bytes)")
-    ap.add_argument("--serve", help=argparse.SUPPRESS)
-    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    if args.serve:
-        return serve(args.serve, args.port, args.dtype)
-    sizes = [s.strip().lower() for s in args.sizes.split(",")]
-    unknown = [s for s in sizes if s not in SIZES]
-    if unknown:
-        ap.error(f"--sizes: unknown {unknown} (known: {list(SIZES)})")
+    ap = bench_parser(__doc__, "100m,500m", "shm,dist,http", 3, "pushes per transport after connect (first + steady)")
+    add_receiver_args(ap, "dtype the receiver serves (the sender uses dtype='auto': bf16 halves the bytes)")
+    parsed = parse_or_serve(ap, serve)
+    if parsed is None:
+        return
+    args, sizes = parsed
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch thread(s)/process, "
           f"load avg {os.getloadavg()[0]:.1f}, served dtype {args.dtype}; connect = one-time setup; "
           "push s = median steady push; /memcpy = push / memcpy of the trainer's bytes; "

@@ -1,5 +1,6 @@
 """dllm: the block-diffusion language model (SDAR / TraDo compatible).
 
-Config, model, attention masks, block decoding with exact traces, weights I/O,
-tokenizer and the embedded tiny default. Imports no sibling package.
+Config, model, attention masks, block decoding with exact traces, weights I/O, export,
+tokenizer and hub references; `dllm.embedded` is the tiny default trained here and the local
+stand-ins. Imports no sibling package but the leaf config library `dlrl_config`.
 """

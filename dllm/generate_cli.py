@@ -21,7 +21,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from dllm.configlib import Config, ConfigError, build, load_sections, print_check
+from dlrl_config import Config, ConfigError, build, load_sections
+from dlrl_config.cli import print_check
 
 STRATEGY = Literal["static", "dynamic", "sequential"]  # dllm.sampling.STRATEGIES (torch-free here)
 TEXT_KEYS = ("prompt", "stop")  # raw text, repeatable

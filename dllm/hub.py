@@ -30,6 +30,16 @@ def is_repo_id(ref: str) -> bool:
     return bool(ref) and not Path(ref).exists() and bool(_REPO_ID.match(ref)) and not ref.startswith((".", "/"))
 
 
+def model_problem(ref: str, key: str) -> str:
+    """"" for "" (the embedded default), an existing folder, or a hub repo id; else a message naming
+    `key` (a check the CLIs run before loading anything, dlrl_config.cli)."""
+    if not ref or Path(ref).is_dir() or is_repo_id(ref):
+        return ""
+    if Path(ref).exists():
+        return f"{key}: {ref!r} is not a directory (a Hugging Face model folder or a hub repo id org/name)"
+    return f"{key}: {ref!r} does not exist (a Hugging Face model folder or a hub repo id org/name[@revision])"
+
+
 def split_revision(ref: str) -> tuple[str, str | None]:
     repo, _, rev = ref.partition("@")
     return repo, rev or None

@@ -7,7 +7,7 @@
 
 The character tokenizer is made with the `tokenizers` library (one token per
 character, plus special tokens), loads with `transformers.AutoTokenizer`, and has a
-Qwen-style chat template. The Qwen byte-level BPE stand-in is in dllm/standin.py.
+Qwen-style chat template. The Qwen byte-level BPE stand-in is in dllm/embedded/standin.py.
 `find_token_id` reads a special token's id from the tokenizer files without loading it.
 """
 

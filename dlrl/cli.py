@@ -23,7 +23,7 @@ import os
 import sys
 
 COMMANDS = {
-    "sft": ("dllm.cli", "sft_main"),
+    "sft": ("dllm.embedded.cli", "sft_main"),
     "generate": ("dllm.generate_cli", "generate_main"),
     "serve": ("server.cli", "main"),
     "train": ("trainer.cli", "main"),
@@ -34,7 +34,7 @@ COMMANDS = {
 
 PREFLIGHT_COMMANDS = ("serve", "train", "eval")  # --check also checks files, imports, ports, tokens
 SECTION_CLASSES = {
-    "model": "dllm.sft:TinyModelConfig", "task": "dllm.task:ArithmeticTask", "sft": "dllm.sft:SFTConfig",
+    "model": "dllm.embedded.sft:TinyModelConfig", "task": "dllm.embedded.task:ArithmeticTask", "sft": "dllm.embedded.sft:SFTConfig",
     "server": "server.config:ServerConfig", "train": "trainer.config:TrainConfig",
     "eval": "trainer.eval_cli:EvalConfig", "align": "trainer.align.config:AlignConfig",
     "users": "trainer.align.config:UsersConfig", "generate": "dllm.generate_cli:GenerateConfig"}
@@ -58,7 +58,7 @@ def _section_class(name: str):
 
 def print_keys(command: str) -> None:
     """Every config key the command reads: `section.key  TYPE = DEFAULT  # help`."""
-    from dllm.configlib import describe
+    from dlrl_config.describe import describe
 
     primary, names = COMMAND_SECTIONS[command]
     print(f"\nconfig keys (YAML section.key, or key=value / section.key=value on the command line; bare keys "
@@ -74,7 +74,9 @@ def config_main(argv: list[str]) -> int:
     """`dlrl config show [--command C] [--config FILE] [key=value ...]`: the resolved config as YAML."""
     import argparse
 
-    from dllm.configlib import ConfigError, dump_yaml, load_sections
+    from dlrl_config import ConfigError, load_sections
+    from dlrl_config.cli import config_file
+    from dlrl_config.describe import dump_yaml
 
     ap = argparse.ArgumentParser(prog="dlrl config", description="print the resolved config as YAML")
     ap.add_argument("action", choices=["show"])
@@ -83,7 +85,7 @@ def config_main(argv: list[str]) -> int:
     ap.add_argument("--config", default=None, help="YAML config (default configs/tiny.yaml when it exists)")
     ap.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = ap.parse_intermixed_args(argv)
-    path = args.config or ("configs/tiny.yaml" if os.path.isfile("configs/tiny.yaml") else None)
+    path = config_file(args.config)
     primary, names = COMMAND_SECTIONS[args.command] if args.command else (None, list(SECTION_CLASSES))
     try:
         sections = load_sections(path, args.overrides, {n: _section_class(n) for n in names},

@@ -23,7 +23,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from dllm.configlib import ConfigError
+from dlrl_config import ConfigError
 from server import routes_feedback, routes_generate, routes_service, routes_weights
 from server.auth import resolve_admin_token
 from server.config import ServerConfig

@@ -4,7 +4,7 @@
         [server.max_batch=32 server.admin_token=... ...]     # --host/--port/--model: aliases
 
 `server.model` empty (the default) serves the embedded tiny default, trained on first use
-by `dllm.tiny.ensure_default_model`. Binds 127.0.0.1 unless told otherwise. The admin
+by `dllm.embedded.tiny.ensure_default_model`. Binds 127.0.0.1 unless told otherwise. The admin
 token comes from `server.admin_token` or the DLRL_ADMIN_TOKEN environment variable.
 SIGTERM / SIGINT shut down gracefully (server.lifecycle): new requests get 503, requests
 in flight get up to `server.shutdown_timeout` seconds, then the process exits 0.
@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-from pathlib import Path
 from typing import Any
 
-from dllm.configlib import ConfigError, print_check
+from dlrl_config import ConfigError
+from dlrl_config.cli import DEFAULT_CONFIG, add_check_args, config_file, print_check
 from server.config import ServerConfig, load_server_config
 
 log = logging.getLogger("dlrl.server")
-DEFAULT_CONFIG = "configs/tiny.yaml"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,16 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", default=None, help="alias of server.port=PORT (TCP port, default 8000)")
     p.add_argument("--model", default=None, help="alias of server.model=DIR (model folder or hub id; default: the "
                                                  "embedded tiny model)")
-    p.add_argument("--check", action="store_true", help="parse the command line and the config, check the model "
-                                                       "and that the port is free; exit 0 (or 2 with the error)")
-    p.add_argument("--check-config", action="store_true", help="only parse the command line and the config")
-    p.add_argument("overrides", nargs="*", help="config overrides, e.g. server.max_batch=32")
+    add_check_args(p, check_help="parse the command line and the config, check the model and that the port is "
+                   "free; exit 0 (or 2 with the error)", overrides_help="config overrides, e.g. server.max_batch=32")
     return p
 
 
 def apply_aliases(config: ServerConfig, args: argparse.Namespace) -> ServerConfig:
     """--host/--port/--model onto server.host/port/model; a key given both ways is refused."""
-    from dllm.configlib import build, parse_overrides
+    from dlrl_config import build, parse_overrides
 
     changes = {k: v for k, v in (("host", args.host), ("port", args.port), ("model", args.model)) if v is not None}
     given = {k.removeprefix("server.") for k, _ in parse_overrides(args.overrides)}
@@ -63,7 +60,7 @@ def resolve_model(config: ServerConfig, config_path: str | None, overrides: list
             return str(resolve_ref(config.model, "server.model"))
         except ModelNotFound as e:
             raise SystemExit(f"dlrl serve: error: {e}") from None
-    from dllm.tiny import ensure_default_model, load_tiny_sections
+    from dllm.embedded.tiny import ensure_default_model, load_tiny_sections
 
     log.info("no server.model given: using the embedded tiny default (trains it first if missing)")
     return str(ensure_default_model(*load_tiny_sections(config_path or DEFAULT_CONFIG, overrides)))
@@ -85,13 +82,14 @@ def build_engine(config: ServerConfig, model_path: str):
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    config_path = args.config or (DEFAULT_CONFIG if Path(DEFAULT_CONFIG).is_file() else None)
+    config_path = config_file(args.config)
     try:
         config = apply_aliases(load_server_config(config_path, args.overrides), args)
     except ConfigError as e:
         parser.error(str(e))
     if not args.check_config:  # before loading anything: the port is free, the model exists
-        from dllm.preflight import fail_early, model_problem, port_problem
+        from dllm.hub import model_problem
+        from dlrl_config.cli import fail_early, port_problem
 
         try:
             fail_early([port_problem(config.host, config.port, "server.port / --port"),

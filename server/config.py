@@ -2,7 +2,7 @@
 
     cfg = load_server_config("configs/tiny.yaml", ["server.port=8001", "max_batch=8"])
 
-`model=""` serves the embedded tiny default (`dllm.tiny.ensure_default_model`, trained on
+`model=""` serves the embedded tiny default (`dllm.embedded.tiny.ensure_default_model`, trained on
 first use). `admin_token=""` falls back to the `DLRL_ADMIN_TOKEN` env var; with neither,
 admin endpoints are disabled. `max_model_len=0` means min(max_position_embeddings, 8192).
 KV-cache memory: `kv_cache_memory` ("4GiB", "512MB", bytes) if not 0, else `kv_cache_fraction`
@@ -20,7 +20,7 @@ from typing import Annotated, Literal
 
 from pydantic import ByteSize, Field, StringConstraints
 
-from dllm.configlib import Config, load_section
+from dlrl_config import Config, load_section
 from rollout_client.protocol import Strategy
 
 Backend = Literal["native"]

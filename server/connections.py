@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 from uvicorn._types import ASGI3Application, ASGIReceiveCallable, ASGISendCallable, Scope
 from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
 
-from dllm.configlib import ConfigError
+from dlrl_config import ConfigError
 from server.errors import error_body
 
 if TYPE_CHECKING:

@@ -34,7 +34,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from dllm.configlib import ConfigError
+from dlrl_config import ConfigError
 from server.errors import APIError, error_body
 from server.middleware import GENERATION_PATHS, _send_json
 from server.state import server_state

@@ -37,9 +37,9 @@ import time
 from collections import abc, deque
 from typing import TYPE_CHECKING
 
-from dllm.configlib import ConfigError
 from dllm.sequence import Sequence
 from dllm.trace import FinishReason
+from dlrl_config import ConfigError
 from server.store_health import StoreHealth
 from store import FeedbackStore, Record, new_record_id, open_store
 

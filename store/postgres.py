@@ -27,12 +27,11 @@ a connection within `connect_timeout_s` raises psycopg_pool.PoolTimeout ("unavai
 
 from __future__ import annotations
 
-import json
-import math
 import time
 from typing import TYPE_CHECKING, Any
 
-from store.types import VERSION_STATUSES, FeedbackConflict, FeedbackStore, Labeled, Record
+from store.sql import RECORD_COLS, SQLStore, record_row
+from store.types import Record
 
 if TYPE_CHECKING:
     from psycopg import Cursor
@@ -62,14 +61,6 @@ INSERT INTO dlrl_counts VALUES ('records', 0);
 }
 # transaction-scoped advisory lock keys ("dlrl" + a number): migrations, feedback, registry+events
 _LOCK_MIGRATE, _LOCK_FEEDBACK, _LOCK_REGISTRY = 0x646C726C00, 0x646C726C01, 0x646C726C02
-_COLS = ("id, created, server, version, prompt, prompt_ids, completion_ids, text, finish_reason, trace, "
-         "sampling")
-
-
-def _row(r: Record) -> tuple:
-    return (r.id, float(r.created), r.server, int(r.version), r.prompt, json.dumps(list(r.prompt_ids)),
-            json.dumps(list(r.completion_ids)), r.text, r.finish_reason, json.dumps(r.trace),
-            json.dumps(r.sampling))
 
 
 def _one_row(cur: Cursor[Any]) -> tuple:
@@ -80,14 +71,10 @@ def _one_row(cur: Cursor[Any]) -> tuple:
     return row
 
 
-def _record(row: tuple) -> Record:
-    return Record(id=row[0], created=row[1], server=row[2], version=row[3], prompt=row[4],
-                  prompt_ids=json.loads(row[5]), completion_ids=json.loads(row[6]), text=row[7],
-                  finish_reason=row[8], trace=json.loads(row[9]), sampling=json.loads(row[10]))
-
-
-class PostgresStore(FeedbackStore):
+class PostgresStore(SQLStore):
     """FeedbackStore on PostgreSQL; thread-safe (a connection pool), shared by processes and hosts."""
+
+    PLACEHOLDER, TABLE_PREFIX, INSERT_ORDER, HOLD_RECORD = "%s", "dlrl_", "rseq", " FOR SHARE"
 
     def __init__(self, url: str, *, max_records: int = 100_000, max_age_s: float = 7 * 86400.0,
                  pool_size: int = 4, connect_timeout_s: float = 5.0, prune_every_s: float = 60.0):
@@ -130,26 +117,32 @@ class PostgresStore(FeedbackStore):
         with self._pool.connection() as conn:
             return _one_row(conn.execute(sql, args))
 
-    def _all(self, sql: str, args: tuple = ()) -> list[tuple]:
+    def _read(self, sql: str, args: tuple = ()) -> list[tuple]:
         with self._pool.connection() as conn:
             return conn.execute(sql, args).fetchall()
+
+    def _write(self):
+        return self._pool.connection()  # one transaction: committed at the end of the block
+
+    def _lock_feedback(self, conn) -> None:
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_FEEDBACK,))
+
+    def _lock_registry(self, conn) -> None:
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_REGISTRY,))
 
     def close(self) -> None:
         self._pool.close()
 
     # -- records and feedback ---------------------------------------------------------------
-    def add_record(self, record: Record) -> None:
-        self.add_records([record])
-
     def add_records(self, records: list[Record]) -> None:
-        rows = [_row(r) for r in records]
+        rows = [record_row(r) for r in records]
         if not rows:
             return
         with self._pool.connection() as conn:  # one transaction
             for i in range(0, len(rows), 1000):  # one statement (a round trip) inserts and counts 1000 rows
                 chunk = rows[i:i + 1000]
                 values = ",".join(["(%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)"] * len(chunk))
-                n = _one_row(conn.execute(f"WITH ins AS (INSERT INTO dlrl_records ({_COLS}) VALUES {values} "
+                n = _one_row(conn.execute(f"WITH ins AS (INSERT INTO dlrl_records ({RECORD_COLS}) VALUES {values} "
                                  "ON CONFLICT (id) DO NOTHING RETURNING 1) UPDATE dlrl_counts SET n = n + "
                                  "(SELECT COUNT(*) FROM ins) WHERE name = 'records' RETURNING n",
                                  [v for row in chunk for v in row]))[0]
@@ -168,95 +161,6 @@ class PostgresStore(FeedbackStore):
                             "ORDER BY created, rseq LIMIT %s)", (n - self.max_records,)).rowcount
         conn.execute("UPDATE dlrl_counts SET n = n - %s WHERE name = 'records'", (gone,))
         return gone
-
-    def add_feedback(self, record_id: str, reward: float, label: str | None = None) -> bool:
-        reward = float(reward)
-        if not math.isfinite(reward):
-            raise ValueError(f"reward: must be a finite number, got {reward}")
-        with self._pool.connection() as conn:
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_FEEDBACK,))
-            # FOR SHARE: the record cannot be deleted (bound, prune) before this commits
-            if conn.execute("SELECT 1 FROM dlrl_records WHERE id = %s FOR SHARE", (record_id,)).fetchone() is None:
-                raise KeyError(record_id)
-            old = conn.execute("SELECT reward FROM dlrl_feedback WHERE record_id = %s", (record_id,)).fetchone()
-            if old is not None:
-                if old[0] != reward:
-                    raise FeedbackConflict(f"record {record_id} already has reward {old[0]}, not {reward}")
-                return False
-            conn.execute("INSERT INTO dlrl_feedback (record_id, reward, label, time) VALUES (%s,%s,%s,%s)",
-                         (record_id, reward, label, time.time()))
-            return True
-
-    def get_record(self, record_id: str) -> Record | None:
-        rows = self._all(f"SELECT {_COLS} FROM dlrl_records WHERE id = %s", (record_id,))
-        return _record(rows[0]) if rows else None
-
-    def labeled(self, after_seq: int = 0, min_version: int = 0, limit: int = 1000) -> list[Labeled]:
-        cols = ", ".join(f"r.{c.strip()}" for c in _COLS.split(","))
-        rows = self._all(
-            f"SELECT {cols}, f.reward, f.label, f.time, f.seq FROM dlrl_feedback f JOIN dlrl_records r "
-            "ON r.id = f.record_id WHERE f.seq > %s AND r.version >= %s ORDER BY f.seq LIMIT %s",
-            (int(after_seq), int(min_version), int(limit)))
-        return [Labeled(record=_record(row[:11]), reward=row[11], label=row[12], feedback_time=row[13],
-                        seq=row[14]) for row in rows]
-
-    def prompts(self, after: float = 0.0, limit: int = 1000) -> list[Record]:
-        rows = self._all(f"SELECT {_COLS} FROM dlrl_records WHERE created > %s ORDER BY created, rseq LIMIT %s",
-                         (float(after), int(limit)))
-        return [_record(row) for row in rows]
-
-    # -- version registry and events --------------------------------------------------------
-    def register_version(self, version: int, parent: int | None, step: int, run_id: str,
-                         data: dict) -> None:
-        now = time.time()
-        with self._pool.connection() as conn:
-            conn.execute(
-                "INSERT INTO dlrl_versions (version, parent, step, run_id, data, status, created, updated) "
-                "VALUES (%s,%s,%s,%s,%s,'trained',%s,%s) ON CONFLICT (version) DO UPDATE SET "
-                "parent = excluded.parent, step = excluded.step, run_id = excluded.run_id, data = excluded.data, "
-                "updated = excluded.updated",
-                (int(version), None if parent is None else int(parent), int(step), str(run_id),
-                 json.dumps(data or {}), now, now))
-
-    def update_version(self, version: int, *, eval: dict | None = None, status: str | None = None) -> None:
-        if status is not None and status not in VERSION_STATUSES:
-            raise ValueError(f"status: must be one of {', '.join(VERSION_STATUSES)}, got {status!r}")
-        with self._pool.connection() as conn:
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_REGISTRY,))
-            if conn.execute("SELECT 1 FROM dlrl_versions WHERE version = %s", (int(version),)).fetchone() is None:
-                raise KeyError(f"version {version} is not registered")
-            if eval is not None:
-                conn.execute("UPDATE dlrl_versions SET eval = %s, updated = %s WHERE version = %s",
-                             (json.dumps(eval), time.time(), int(version)))
-            if status is not None:
-                conn.execute("UPDATE dlrl_versions SET status = %s, updated = %s, status_order = "
-                             "(SELECT COALESCE(MAX(status_order), 0) + 1 FROM dlrl_versions) WHERE version = %s",
-                             (status, time.time(), int(version)))
-
-    def log_event(self, kind: str, version: int, replica: str | None = None,
-                  detail: dict | None = None) -> None:
-        with self._pool.connection() as conn:
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_REGISTRY,))
-            conn.execute("INSERT INTO dlrl_events (time, kind, version, replica, detail) VALUES (%s,%s,%s,%s,%s)",
-                         (time.time(), str(kind), int(version), replica, json.dumps(detail or {})))
-
-    def versions(self) -> list[dict]:
-        rows = self._all("SELECT version, parent, step, run_id, data, eval, status, created, updated "
-                         "FROM dlrl_versions ORDER BY version")
-        return [{"version": r[0], "parent": r[1], "step": r[2], "run_id": r[3], "data": json.loads(r[4]),
-                 "eval": None if r[5] is None else json.loads(r[5]), "status": r[6], "created": r[7],
-                 "updated": r[8]} for r in rows]
-
-    def events(self, after_id: int = 0) -> list[dict]:
-        rows = self._all("SELECT id, time, kind, version, replica, detail FROM dlrl_events WHERE id > %s "
-                         "ORDER BY id", (int(after_id),))
-        return [{"id": r[0], "time": r[1], "kind": r[2], "version": r[3], "replica": r[4],
-                 "detail": json.loads(r[5])} for r in rows]
-
-    def serving_version(self) -> int | None:
-        rows = self._all("SELECT version FROM dlrl_versions WHERE status = 'serving' "
-                         "ORDER BY status_order DESC LIMIT 1")
-        return rows[0][0] if rows else None
 
     # -- bounds and stats -------------------------------------------------------------------
     def prune(self) -> int:

@@ -18,15 +18,14 @@ The version registry and the event log are small and never pruned.
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import sqlite3
 import threading
 import time
 from pathlib import Path
 
-from store.types import VERSION_STATUSES, FeedbackConflict, FeedbackStore, Labeled, Record
+from store.sql import RECORD_COLS, SQLStore, record_row
+from store.types import FeedbackStore, Record
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS records (
@@ -52,23 +51,9 @@ CREATE TRIGGER IF NOT EXISTS records_ins AFTER INSERT ON records
 CREATE TRIGGER IF NOT EXISTS records_del AFTER DELETE ON records
     BEGIN UPDATE counts SET n = n - 1 WHERE name = 'records'; END;
 """
-_RECORD_COLS = ("id, created, server, version, prompt, prompt_ids, completion_ids, text, "
-                "finish_reason, trace, sampling")
 
 
-def _record_row(r: Record) -> tuple:
-    return (r.id, float(r.created), r.server, int(r.version), r.prompt, json.dumps(list(r.prompt_ids)),
-            json.dumps(list(r.completion_ids)), r.text, r.finish_reason, json.dumps(r.trace),
-            json.dumps(r.sampling))
-
-
-def _record_of(row: tuple) -> Record:
-    return Record(id=row[0], created=row[1], server=row[2], version=row[3], prompt=row[4],
-                  prompt_ids=json.loads(row[5]), completion_ids=json.loads(row[6]), text=row[7],
-                  finish_reason=row[8], trace=json.loads(row[9]), sampling=json.loads(row[10]))
-
-
-class SQLiteStore(FeedbackStore):
+class SQLiteStore(SQLStore):
     """FeedbackStore on an SQLite file; one connection per instance, shared by its threads."""
 
     def __init__(self, path: str | os.PathLike, *, max_records: int = 100_000,
@@ -167,105 +152,18 @@ class SQLiteStore(FeedbackStore):
             self._db.close()
 
     # -- records and feedback ---------------------------------------------------------------
-    def add_record(self, record: Record) -> None:
-        self.add_records([record])
-
     def add_records(self, records: list[Record]) -> None:
-        rows = [_record_row(r) for r in records]
+        rows = [record_row(r) for r in records]
         if not rows:
             return
         with self._write() as db:
-            db.executemany(f"INSERT OR IGNORE INTO records ({_RECORD_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows)
+            db.executemany(f"INSERT OR IGNORE INTO records ({RECORD_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows)
             excess = db.execute("SELECT n FROM counts WHERE name = 'records'").fetchone()[0] - self.max_records
             if excess > 0:
                 db.execute("DELETE FROM records WHERE rowid IN "
                            "(SELECT rowid FROM records ORDER BY created, rowid LIMIT ?)", (excess,))
         if time.monotonic() - self._last_prune >= self.prune_every_s:
             self.prune()
-
-    def add_feedback(self, record_id: str, reward: float, label: str | None = None) -> bool:
-        reward = float(reward)
-        if not math.isfinite(reward):
-            raise ValueError(f"reward: must be a finite number, got {reward}")
-        with self._write() as db:
-            if db.execute("SELECT 1 FROM records WHERE id = ?", (record_id,)).fetchone() is None:
-                raise KeyError(record_id)
-            old = db.execute("SELECT reward FROM feedback WHERE record_id = ?", (record_id,)).fetchone()
-            if old is not None:
-                if old[0] != reward:
-                    raise FeedbackConflict(f"record {record_id} already has reward {old[0]}, not {reward}")
-                return False
-            db.execute("INSERT INTO feedback (record_id, reward, label, time) VALUES (?,?,?,?)",
-                       (record_id, reward, label, time.time()))
-            return True
-
-    def get_record(self, record_id: str) -> Record | None:
-        rows = self._read(f"SELECT {_RECORD_COLS} FROM records WHERE id = ?", (record_id,))
-        return _record_of(rows[0]) if rows else None
-
-    def labeled(self, after_seq: int = 0, min_version: int = 0, limit: int = 1000) -> list[Labeled]:
-        cols = ", ".join(f"r.{c.strip()}" for c in _RECORD_COLS.split(","))
-        rows = self._read(
-            f"SELECT {cols}, f.reward, f.label, f.time, f.seq FROM feedback f JOIN records r "
-            "ON r.id = f.record_id WHERE f.seq > ? AND r.version >= ? ORDER BY f.seq LIMIT ?",
-            (int(after_seq), int(min_version), int(limit)))
-        return [Labeled(record=_record_of(row[:11]), reward=row[11], label=row[12], feedback_time=row[13],
-                        seq=row[14]) for row in rows]
-
-    def prompts(self, after: float = 0.0, limit: int = 1000) -> list[Record]:
-        rows = self._read(f"SELECT {_RECORD_COLS} FROM records WHERE created > ? "
-                          "ORDER BY created, rowid LIMIT ?", (float(after), int(limit)))
-        return [_record_of(row) for row in rows]
-
-    # -- version registry and events --------------------------------------------------------
-    def register_version(self, version: int, parent: int | None, step: int, run_id: str,
-                         data: dict) -> None:
-        now = time.time()
-        with self._write() as db:
-            db.execute(
-                "INSERT INTO versions (version, parent, step, run_id, data, status, created, updated) "
-                "VALUES (?,?,?,?,?,'trained',?,?) ON CONFLICT(version) DO UPDATE SET parent = excluded.parent, "
-                "step = excluded.step, run_id = excluded.run_id, data = excluded.data, updated = excluded.updated",
-                (int(version), None if parent is None else int(parent), int(step), str(run_id),
-                 json.dumps(data or {}), now, now))
-
-    def update_version(self, version: int, *, eval: dict | None = None, status: str | None = None) -> None:
-        if status is not None and status not in VERSION_STATUSES:
-            raise ValueError(f"status: must be one of {', '.join(VERSION_STATUSES)}, got {status!r}")
-        with self._write() as db:
-            if db.execute("SELECT 1 FROM versions WHERE version = ?", (int(version),)).fetchone() is None:
-                raise KeyError(f"version {version} is not registered")
-            if eval is not None:
-                db.execute("UPDATE versions SET eval = ?, updated = ? WHERE version = ?",
-                           (json.dumps(eval), time.time(), int(version)))
-            if status is not None:
-                db.execute("UPDATE versions SET status = ?, updated = ?, status_order = "
-                           "(SELECT COALESCE(MAX(status_order), 0) + 1 FROM versions) WHERE version = ?",
-                           (status, time.time(), int(version)))
-
-    def log_event(self, kind: str, version: int, replica: str | None = None,
-                  detail: dict | None = None) -> None:
-        with self._write() as db:
-            db.execute("INSERT INTO events (time, kind, version, replica, detail) VALUES (?,?,?,?,?)",
-                       (time.time(), str(kind), int(version), replica, json.dumps(detail or {})))
-
-    def versions(self) -> list[dict]:
-        rows = self._read("SELECT version, parent, step, run_id, data, eval, status, created, updated "
-                          "FROM versions ORDER BY version")
-        return [{"version": r[0], "parent": r[1], "step": r[2], "run_id": r[3], "data": json.loads(r[4]),
-                 "eval": None if r[5] is None else json.loads(r[5]), "status": r[6], "created": r[7],
-                 "updated": r[8]} for r in rows]
-
-    def events(self, after_id: int = 0) -> list[dict]:
-        rows = self._read("SELECT id, time, kind, version, replica, detail FROM events WHERE id > ? "
-                          "ORDER BY id", (int(after_id),))
-        return [{"id": r[0], "time": r[1], "kind": r[2], "version": r[3], "replica": r[4],
-                 "detail": json.loads(r[5])} for r in rows]
-
-    def serving_version(self) -> int | None:
-        rows = self._read("SELECT version FROM versions WHERE status = 'serving' "
-                          "ORDER BY status_order DESC LIMIT 1")
-        return rows[0][0] if rows else None
 
     # -- bounds and stats -------------------------------------------------------------------
     def prune(self) -> int:

@@ -25,12 +25,8 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 
-from dllm.model import SDARForCausalLM
-from dllm.sft import TinyModelConfig, make_model_config
-from dllm.tokenizer import build_char_tokenizer
-from dllm.weights import save_pretrained
+from dllm.embedded.tiny import SMALL_ARCH, random_tiny_folder
 from tests.helpers import ADMIN_TOKEN, FIXTURE_CONFIG  # noqa: F401  (shared with test modules)
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # trainers on CPU even where a GPU is visible (see above)
@@ -39,13 +35,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")  # trainers on CPU even where a G
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A randomly initialised tiny SDAR model (block_size 4, char tokenizer) in HF layout."""
-    path = tmp_path_factory.mktemp("tiny-random")
-    tok = build_char_tokenizer(path)
-    torch.manual_seed(0)
-    arch = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
-    save_pretrained(SDARForCausalLM(make_model_config(arch, tok)), path)
-    return str(path)
+    return random_tiny_folder(tmp_path_factory.mktemp("tiny-random"), **SMALL_ARCH)
 
 
 @dataclass
@@ -100,18 +90,10 @@ def start_server(model_dir: str, port: int | None = None, **overrides) -> Runnin
 
 
 @pytest.fixture(scope="session")
-def make_server(tiny_model_dir):
-    started: list[RunningServer] = []
+def make_server(make_server_for, tiny_model_dir):
+    """Start a real server of the tiny random model (`make_server(max_batch=2, ...)`); all stop at the end."""
     saved = os.environ.pop("DLRL_ADMIN_TOKEN", None)  # tests decide the token explicitly
-
-    def make(**overrides) -> RunningServer:
-        srv = start_server(tiny_model_dir, **overrides)
-        started.append(srv)
-        return srv
-
-    yield make
-    for srv in started:
-        srv.stop()
+    yield lambda **overrides: make_server_for(tiny_model_dir, **overrides)
     if saved is not None:
         os.environ["DLRL_ADMIN_TOKEN"] = saved
 
@@ -184,8 +166,8 @@ SMALL_SHAPES = {"hidden_size": 64, "intermediate_size": 128, "num_attention_head
 
 @pytest.fixture(scope="session")
 def qwen_tokenizer_dir(tmp_path_factory) -> str:
-    """The Qwen2/Qwen3-style byte-level BPE stand-in tokenizer (dllm.standin), built once."""
-    from dllm.standin import build_qwen_tokenizer
+    """The Qwen2/Qwen3-style byte-level BPE stand-in tokenizer (dllm.embedded.standin), built once."""
+    from dllm.embedded.standin import build_qwen_tokenizer
 
     path = tmp_path_factory.mktemp("qwen-tok")
     build_qwen_tokenizer(path)
@@ -197,7 +179,7 @@ def small_sdar_dir(tmp_path_factory, qwen_tokenizer_dir) -> str:
     """Every field of the SDAR-1.7B-Chat config.json, small shapes (vocab kept: 151936), 2 layers,
     bf16 random weights whose <|im_end|> row makes turns end after a few tokens, the stand-in
     tokenizer and a generation_config.json (eos [<|im_end|>, <|endoftext|>])."""
-    from dllm.standin import build_real_shape_folder
+    from dllm.embedded.standin import build_real_shape_folder
 
     path = tmp_path_factory.mktemp("small-sdar")
     return str(build_real_shape_folder(path, FIXTURE_CONFIG, num_hidden_layers=2, overrides=SMALL_SHAPES,

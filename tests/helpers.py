@@ -148,3 +148,41 @@ class ServedTensors:
         from weight_sync import weights_digest
 
         return weights_digest(self.params)
+
+
+def fake_zero3_gather(monkeypatch) -> list[list[int]]:
+    """Install a stand-in `deepspeed` module whose `zero.GatheredParameters` records the ids of
+    each group it gathers (into the returned list), for tests of the ZeRO-3 weight source on a
+    box without deepspeed's partitioning."""
+    import types
+
+    gathered: list[list[int]] = []
+
+    class GatheredParameters:
+        def __init__(self, params, modifier_rank=None):
+            self.params = params
+
+        def __enter__(self):
+            gathered.append([id(p) for p in self.params])
+
+        def __exit__(self, *exc):
+            return False
+
+    fake = types.ModuleType("deepspeed")
+    fake.zero = types.SimpleNamespace(GatheredParameters=GatheredParameters)
+    monkeypatch.setitem(sys.modules, "deepspeed", fake)
+    return gathered
+
+
+def write_train_config(tmp: Path, servers: list[str], model: str, token: str, **train) -> Path:
+    """tmp/cfg.yaml with a short `train` section against running `servers` (2 steps of 4 prompts x 4,
+    6 tokens, the parity reward, no eval, no tensorboard); `train` overrides any key."""
+    import json
+
+    cfg = {"train": {"servers": servers, "model": model, "output_dir": str(tmp / "run"), "num_steps": 2,
+                     "prompts_per_step": 4, "group_size": 4, "max_tokens": 6, "eval_every": 0,
+                     "reward": "tests.helpers:parity_reward", "admin_token": token, "lr": 1e-3,
+                     "start_server": False, "tensorboard": False, **train}}
+    path = tmp / "cfg.yaml"
+    path.write_text(json.dumps(cfg))  # JSON is YAML
+    return path

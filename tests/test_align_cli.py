@@ -70,7 +70,7 @@ def test_versions_refuses_bad_input(tmp_path, capsys):
 
 
 def test_users_and_launcher_refuse_bad_keys_before_starting(capsys):
-    from dllm.configlib import ConfigError
+    from dlrl_config import ConfigError
     from examples.align.local import LocalAlign
     from examples.align.users import main as users_main
 

@@ -32,8 +32,8 @@ SFT_STEPS = 900
 def sft_model(request) -> str:
     """The embedded default's SFT starting point (~31% held-out accuracy), trained once and cached
     in pytest's cache directory (deterministic: the same config always gives the same weights)."""
-    from dllm.sft import run_sft
-    from dllm.tiny import load_tiny_sections
+    from dllm.embedded.sft import run_sft
+    from dllm.embedded.tiny import load_tiny_sections
 
     out = Path(request.config.cache.mkdir(f"dlrl-tiny-sft-{SFT_STEPS}"))
     if not (out / "config.json").is_file():

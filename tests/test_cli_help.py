@@ -4,7 +4,7 @@ models; `dlrl config show` prints the resolved config as YAML that loads back.""
 import pytest
 import yaml
 
-from dllm.configlib import load_sections
+from dlrl_config import load_sections
 from trainer.config import TrainConfig
 from trainer.eval_cli import EvalConfig
 

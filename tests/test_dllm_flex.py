@@ -16,6 +16,16 @@ from dllm.model import SDARForCausalLM
 from tests.helpers import tiny_config
 
 
+def max_flex_sdpa_diff(model, ids, monkeypatch) -> float:
+    """Largest |logit difference| of one forward under the FlexAttention and the SDPA backends."""
+    with torch.no_grad():
+        monkeypatch.setenv("DLRL_ATTN", "flex")
+        flex = model(ids)
+        monkeypatch.setenv("DLRL_ATTN", "sdpa")
+        sdpa = model(ids)
+    return (flex - sdpa).abs().max().item()
+
+
 def test_one_compilation_serves_twenty_lengths(monkeypatch):
     torch.manual_seed(0)
     model = SDARForCausalLM(tiny_config()).eval()
@@ -28,12 +38,7 @@ def test_one_compilation_serves_twenty_lengths(monkeypatch):
     lengths = [17 + 5 * i for i in range(20)]  # 17 .. 112: one flex block of keys (see the module docstring)
     for i, L in enumerate(lengths):
         ids = torch.randint(0, 63, (2 + i % 2, L))
-        with torch.no_grad():
-            monkeypatch.setenv("DLRL_ATTN", "flex")
-            flex = model(ids)
-            monkeypatch.setenv("DLRL_ATTN", "sdpa")
-            sdpa = model(ids)
-        assert (flex - sdpa).abs().max().item() < 1e-4, L
+        assert max_flex_sdpa_diff(model, ids, monkeypatch) < 1e-4, L
     compiled = counters["stats"]["unique_graphs"] - before
     assert 1 <= compiled <= 2, compiled
     assert built == [(L, L) for L in lengths]  # one block mask per forward, shared by both layers
@@ -72,10 +77,5 @@ def test_one_compilation_serves_long_lengths_on_cuda(monkeypatch):
     before = counters["stats"]["unique_graphs"]
     for i, L in enumerate([100 + 97 * i for i in range(20)]):  # 100 .. 1943: many 128-token blocks
         ids = torch.randint(0, 63, (1 + i % 3, L), device="cuda")
-        with torch.no_grad():
-            monkeypatch.setenv("DLRL_ATTN", "flex")
-            flex = model(ids)
-            monkeypatch.setenv("DLRL_ATTN", "sdpa")
-            sdpa = model(ids)
-        assert (flex - sdpa).abs().max().item() < 1e-3, L
+        assert max_flex_sdpa_diff(model, ids, monkeypatch) < 1e-3, L
     assert 1 <= counters["stats"]["unique_graphs"] - before <= 2

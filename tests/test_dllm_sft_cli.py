@@ -7,10 +7,10 @@ import sys
 import pytest
 import torch
 
-from dllm.configlib import ConfigError, load_section
-from dllm.sft import SFTConfig, TinyModelConfig, diffusion_loss, make_model_config, sft_batch
-from dllm.task import ArithmeticTask
+from dllm.embedded.sft import SFTConfig, TinyModelConfig, diffusion_loss, make_model_config, sft_batch
+from dllm.embedded.task import ArithmeticTask
 from dllm.tokenizer import build_char_tokenizer, load_tokenizer
+from dlrl_config import ConfigError, load_section
 
 
 def test_char_tokenizer_loads_with_autotokenizer(tmp_path):

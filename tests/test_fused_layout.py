@@ -14,7 +14,6 @@ parameter are sent under the HF names.
 from __future__ import annotations
 
 import json
-import sys
 import types
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from dllm.config import SDARConfig
 from dllm.export import export_pretrained
 from dllm.model import SDARForCausalLM
 from dllm.weights import load_pretrained, save_weights
+from tests.helpers import fake_zero3_gather
 from tests.test_weight_sync_transports import TOKEN, FakeEngine, ReceiverServer
 from weight_sync import iter_deepspeed_params, push, weights_digest
 
@@ -232,21 +232,7 @@ def test_zero3_source_sends_fused_parameters_under_hf_names(monkeypatch):
     model = _trained(0)
     fused = model.model.layers[0].self_attn.qkv_proj.weight
     fused.ds_id, fused.ds_shape = 7, fused.shape  # pretend it is a partitioned ZeRO-3 parameter
-    gathered = []
-
-    class GatheredParameters:
-        def __init__(self, params, modifier_rank=None):
-            self.params = params
-
-        def __enter__(self):
-            gathered.append([id(p) for p in self.params])
-
-        def __exit__(self, *exc):
-            return False
-
-    fake = types.ModuleType("deepspeed")
-    fake.zero = types.SimpleNamespace(GatheredParameters=GatheredParameters)
-    monkeypatch.setitem(sys.modules, "deepspeed", fake)
+    gathered = fake_zero3_gather(monkeypatch)
     source = iter_deepspeed_params(types.SimpleNamespace(module=model), gather_bytes=1 << 30)
     specs = source.specs(torch.bfloat16)
     assert [s[0] for s in specs] == [n for n, _ in model.hf_named_tensors()]

@@ -8,8 +8,8 @@ import json
 import httpx
 import pytest
 
-from dllm.configlib import ConfigError, load_sections
 from dllm.export import export_pretrained
+from dlrl_config import ConfigError, load_sections
 from trainer.config import TrainConfig
 from trainer.eval_cli import main as eval_main
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from dllm.configlib import ConfigError, build
+from dlrl_config import ConfigError, build
 from trainer.config import TrainConfig
 from trainer.learner import _policy_loss
 from trainer.objectives import (

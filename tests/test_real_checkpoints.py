@@ -171,7 +171,7 @@ RSS_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_streaming_load_peak_rss_of_a_500mb_model(tmp_path):
-    from dllm.standin import write_random_weights
+    from dllm.embedded.standin import write_random_weights
 
     cfg = SDARConfig(vocab_size=16384, hidden_size=1024, intermediate_size=3072, num_hidden_layers=7,
                      num_attention_heads=16, num_key_value_heads=8, head_dim=64, block_size=4, mask_token_id=1,

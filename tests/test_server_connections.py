@@ -233,7 +233,7 @@ def test_out_of_descriptors_is_logged_once_per_interval():
 
 
 def test_limits_fit_the_file_limit_and_bad_keys_are_named():
-    from dllm.configlib import ConfigError
+    from dlrl_config import ConfigError
     from server.config import ServerConfig
     from server.connections import ConnectionLimits
 

@@ -142,7 +142,7 @@ def test_feedback_token_boundary(rec_server, server):
     ("server.feedback_token=admin-tok", "server.feedback_token"),
 ])
 def test_alignment_keys_refused_with_the_key_named(override, named):
-    from dllm.configlib import ConfigError
+    from dlrl_config import ConfigError
     from server.config import load_server_config
 
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):

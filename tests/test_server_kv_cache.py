@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dllm.config import SDARConfig
-from dllm.configlib import ConfigError
+from dlrl_config import ConfigError
 from server.backends.native import GIB, NativeBackend, available_memory, plan_kv_cache
 from server.config import ServerConfig, load_server_config
 

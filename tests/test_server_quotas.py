@@ -14,7 +14,7 @@ import openai
 import pytest
 import yaml
 
-from dllm.configlib import ConfigError
+from dlrl_config import ConfigError
 from server.quotas import load_keys
 
 ADMIN, FEEDBACK = "quota-admin-token", "quota-feedback-token"

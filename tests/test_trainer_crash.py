@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dllm.weights import load_pretrained
-from tests.helpers import admin_get, start_server_process, wait_until
+from tests.helpers import admin_get, start_server_process, wait_until, write_train_config
 from weight_sync import weights_digest
 
 TOKEN = "crash-token"
@@ -22,13 +22,7 @@ pytestmark = pytest.mark.slow
 
 
 def write_config(tmp: Path, servers: list[str], model: str, **train) -> Path:
-    cfg = {"train": {"servers": servers, "model": model, "output_dir": str(tmp / "run"), "num_steps": 5,
-                     "prompts_per_step": 4, "group_size": 4, "max_tokens": 6, "eval_every": 0,
-                     "reward": "tests.helpers:parity_reward", "admin_token": TOKEN, "lr": 1e-3,
-                     "start_server": False, "tensorboard": False, "checkpoint_every": 1, **train}}
-    path = tmp / "cfg.yaml"
-    path.write_text(json.dumps(cfg))
-    return path
+    return write_train_config(tmp, servers, model, TOKEN, **{"num_steps": 5, "checkpoint_every": 1, **train})
 
 
 def train(config: Path, *overrides: str, fault: str = "", wait: bool = True):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dllm.weights import load_pretrained
-from tests.helpers import free_port, served_process
+from tests.helpers import free_port, served_process, write_train_config
 from weight_sync import weights_digest
 
 TOKEN = "e2e-token"
@@ -29,13 +29,7 @@ def admin(url: str, path: str) -> dict:
 
 
 def write_config(tmp: Path, url: str, model: str, **train) -> Path:
-    cfg = {"train": {"servers": [url], "model": model, "output_dir": str(tmp / "run"), "num_steps": 2,
-                     "prompts_per_step": 4, "group_size": 4, "max_tokens": 6, "eval_every": 0,
-                     "reward": "tests.helpers:parity_reward", "admin_token": TOKEN, "lr": 1e-3,
-                     "start_server": False, "tensorboard": False, **train}}
-    path = tmp / "cfg.yaml"
-    path.write_text(json.dumps(cfg))  # JSON is YAML
-    return path
+    return write_train_config(tmp, [url], model, TOKEN, **train)
 
 
 def run_train(config: Path, *overrides: str) -> int:

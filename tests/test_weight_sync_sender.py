@@ -5,13 +5,13 @@
 
 from __future__ import annotations
 
-import sys
 import types
 
 import pytest
 import torch
 from test_weight_sync_transports import FakeEngine, FakeModel, ReceiverServer, make, make_app
 
+from tests.helpers import fake_zero3_gather
 from weight_sync import WeightSender, WeightSyncError, weights_digest
 from weight_sync.sources import as_source, drain, iter_deepspeed_params
 
@@ -43,21 +43,7 @@ def test_deepspeed_source_gathers_partitioned_groups(monkeypatch):
     model = FakeModel(make(1))
     norm = model.norm.weight
     norm.ds_id, norm.ds_shape = 7, norm.shape  # pretend norm.weight is a ZeRO-3 partitioned param
-    gathered = []
-
-    class GatheredParameters:
-        def __init__(self, params, modifier_rank=None):
-            self.params = params
-
-        def __enter__(self):
-            gathered.append([id(p) for p in self.params])
-
-        def __exit__(self, *exc):
-            return False
-
-    fake = types.ModuleType("deepspeed")
-    fake.zero = types.SimpleNamespace(GatheredParameters=GatheredParameters)
-    monkeypatch.setitem(sys.modules, "deepspeed", fake)
+    gathered = fake_zero3_gather(monkeypatch)
     engine = types.SimpleNamespace(module=model)
     source = iter_deepspeed_params(engine, gather_bytes=4096)
     specs = source.specs(torch.float32)

@@ -30,8 +30,9 @@ import sys
 import time
 from pathlib import Path
 
-from dllm.configlib import ConfigError, load_sections, print_check
-from dllm.tiny import TINY_SECTIONS
+from dllm.embedded.tiny import TINY_SECTIONS
+from dlrl_config import ConfigError, load_sections
+from dlrl_config.cli import add_check_args, print_check
 from rollout_client.client import AdminError, RolloutError
 from trainer.config import ServerKeys, TrainConfig
 from trainer.dist import RankError, select_device
@@ -78,11 +79,9 @@ def parse(argv: list[str]):
     ap = argparse.ArgumentParser(prog="dlrl train", description="online RL for block-diffusion LMs")
     ap.add_argument("--config", default="configs/tiny.yaml")
     ap.add_argument("--resume", action="store_true", help="continue from output_dir/checkpoint")
-    ap.add_argument("--check", action="store_true", help="parse the command line and the config and check data "
-                    "files, the reward import, the model, the servers' ports and admin token; exit 0 (or 2 with "
-                    "the errors)")
-    ap.add_argument("--check-config", action="store_true", help="only parse the command line and the config")
-    ap.add_argument("overrides", nargs="*", help="key=value overrides (e.g. num_steps=5 nproc=2)")
+    add_check_args(ap, check_help="parse the command line and the config and check data files, the reward import, "
+                   "the model, the servers' ports and admin token; exit 0 (or 2 with the errors)",
+                   overrides_help="key=value overrides (e.g. num_steps=5 nproc=2)")
     args = ap.parse_args(argv)
     overrides = list(args.overrides) + (["train.resume=true"] if args.resume else [])
     try:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
-from dllm.configlib import Config
+from dlrl_config import Config
 from rollout_client.protocol import Strategy
 from trainer.correction import Level, Mode
 from trainer.objectives import objective_names

@@ -27,10 +27,11 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from dllm.configlib import Config, ConfigError, load_sections, print_check
+from dllm.embedded.task import ArithmeticTask
 from dllm.hub import resolve_model
-from dllm.task import ArithmeticTask
 from dllm.tokenizer import load_tokenizer
+from dlrl_config import Config, ConfigError, load_sections
+from dlrl_config.cli import add_check_args, config_file, print_check
 from rollout_client.client import RolloutError
 from trainer.config import ServerKeys
 from trainer.data import report
@@ -142,12 +143,11 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="dlrl eval", description="evaluate a served block-diffusion LM")
     ap.add_argument("--config", default=None, help="YAML config with an `eval` section (default "
                                                    "configs/tiny.yaml when it exists)")
-    ap.add_argument("--check", action="store_true", help="parse the command line and the config and check the "
-                    "data file, the reward import, the model, the servers' ports and admin token; exit 0 (or 2)")
-    ap.add_argument("--check-config", action="store_true", help="only parse the command line and the config")
-    ap.add_argument("overrides", nargs="*", help="key=value overrides (e.g. data=math500.jsonl num_samples=4)")
+    add_check_args(ap, check_help="parse the command line and the config and check the data file, the reward "
+                   "import, the model, the servers' ports and admin token; exit 0 (or 2)",
+                   overrides_help="key=value overrides (e.g. data=math500.jsonl num_samples=4)")
     args = ap.parse_args(argv)
-    config_path = args.config or ("configs/tiny.yaml" if Path("configs/tiny.yaml").is_file() else None)
+    config_path = config_file(args.config)
     try:
         root = load_sections(config_path, args.overrides, {"eval": EvalConfig, "task": ArithmeticTask,
                                                            "server": ServerKeys}, primary="eval")

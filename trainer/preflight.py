@@ -4,7 +4,7 @@
 (servers that answer must accept it).
 
     problems = train_problems(cfg, server_keys)   # [] or messages naming the config keys
-    fail_early(problems)                          # dllm.preflight: ValueError listing them all
+    fail_early(problems)                          # dlrl_config.cli: ValueError listing them all
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from urllib.parse import urlparse
 
 import httpx
 
-from dllm.preflight import model_problem, port_problem
+from dllm.hub import model_problem
+from dlrl_config.cli import port_problem
 from trainer.data import source_problem
 from trainer.local_servers import is_local
 from trainer.rewards import load_reward_fn

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dllm.embedded.tiny import ensure_default_model
 from dllm.hub import resolve_model, served_name
-from dllm.tiny import ensure_default_model
 from dllm.tokenizer import encode, load_tokenizer
 from dllm.weights import load_pretrained
 from trainer.checkpointer import Checkpointer

@@ -76,29 +76,9 @@ done
 SERVER_URLS="[$(IFS=,; echo "${urls[*]}")]"
 echo "run.sh: servers ${SERVER_URLS}, logs in $OUT/server-*.log"
 # wait (bounded) until every server answers /ready; a server that exits stops the script with its log
-python - "${pids[@]}" -- "${urls[@]}" <<'PY'
-import os, sys, time
-import httpx
-sep = sys.argv.index("--")
-pids, urls = [int(p) for p in sys.argv[1:sep]], sys.argv[sep + 1:]
-deadline = time.monotonic() + float(os.environ.get("READY_TIMEOUT", "600"))
-for pid, url in zip(pids, urls):
-    while True:
-        try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        try:  # exited = gone or a zombie (the shell reaps it later)
-            alive = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            alive = False
-        if not alive:
-            sys.exit(f"run.sh: the server for {url} exited (see its log)")
-        if time.monotonic() > deadline:
-            sys.exit(f"run.sh: {url} not ready in time")
-        time.sleep(0.2)
-PY
+ready=()
+for ((i = 0; i < NUM_SERVERS; i++)); do ready+=("${urls[i]}=${pids[i]}"); done
+python -m rollout_client.ready --name run.sh --timeout "${READY_TIMEOUT:-600}" "${ready[@]}"
 
 DLRL_ADMIN_TOKEN=$(<"$TOKEN_FILE")
 export DLRL_ADMIN_TOKEN

@@ -37,7 +37,7 @@ import httpx
 
 class LocalAlign:
     def __init__(self, config: str, overrides: list[str] | None = None, env: dict[str, str] | None = None):
-        from dllm.configlib import load_sections
+        from dlrl_config import load_sections
         from trainer.align.config import UsersConfig, align_sections
 
         self.config, self.overrides = config, list(overrides or [])
@@ -184,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=0.0, help="seconds before dlrl align gets SIGTERM (0: none)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
-    from dllm.configlib import ConfigError
-    from dllm.tiny import ensure_default_model
+    from dllm.embedded.tiny import ensure_default_model
+    from dlrl_config import ConfigError
 
     try:
         stack = LocalAlign(args.config, args.overrides)

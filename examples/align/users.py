@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from dllm.configlib import ConfigError, load_sections
+from dlrl_config import ConfigError, load_sections
 from trainer.align.config import UsersConfig
 
 
@@ -134,7 +134,7 @@ async def run_users(cfg: UsersConfig, prompts: list[dict], token: str) -> Stats:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dllm.task import ArithmeticTask
+    from dllm.embedded.task import ArithmeticTask
 
     ap = argparse.ArgumentParser(prog="python -m examples.align.users", description="simulated users of dlrl align")
     ap.add_argument("--config", default="configs/align.yaml")

@@ -41,12 +41,12 @@ from typing import Any
 
 import torch
 
-from dllm.configlib import ConfigError
 from dllm.decoding import BlockDecoder, Sequence
 from dllm.kv_cache import KVCache
 from dllm.replay import trace_hidden
 from dllm.sampling import sampling_logprobs
 from dllm.weights import load_pretrained, parse_dtype
+from dlrl_config import ConfigError
 from server.backends.base import Backend
 
 log = logging.getLogger("dlrl.server")

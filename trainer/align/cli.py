@@ -25,7 +25,8 @@ import os
 import sys
 import time
 
-from dllm.configlib import ConfigError, build, load_sections, parse_overrides, print_check
+from dlrl_config import ConfigError, build, load_sections, parse_overrides
+from dlrl_config.cli import print_check
 from rollout_client.client import AdminError, RolloutError
 from store import open_store
 from trainer.align.config import AlignConfig, align_sections, check_train

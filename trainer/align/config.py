@@ -17,8 +17,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from dllm.configlib import Config
-from dllm.tiny import TINY_SECTIONS
+from dllm.embedded.tiny import TINY_SECTIONS
+from dlrl_config import Config
 from trainer.config import ServerKeys, TrainConfig
 
 Frac = Annotated[float, Field(ge=0, le=1)]

@@ -16,13 +16,17 @@ values are YAML scalars, and a comma-separated string fills a list field
 broken rules raise `ConfigError` naming the key (`train.num_steps: ...`); an unknown section
 or key in a file also names the file, the line and the nearest known name
 (`configs/x.yaml:41: unknown section 'trian' (did you mean 'train'?)`).
+
+A leaf package (yaml and pydantic only; it imports no dlrl package): describe.py lists a
+section's keys for `--help` and dumps the resolved config (`dlrl config show`); cli.py holds
+what every command line shares (`--check`, the default config file, the pre-load checks).
 """
 
 from __future__ import annotations
 
 import difflib
-import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -209,7 +213,7 @@ def load_sections(path: str | Path | None, overrides: list[str] | None, sections
             for name, cls in sections.items()}
 
 
-def check_overrides(overrides: list[str] | None, sections: dict[str, type], primary: str) -> None:
+def check_overrides(overrides: list[str] | None, sections: Mapping[str, type[BaseModel]], primary: str) -> None:
     """Raise unless every override names a field: `section.key` of a known section, or a
     bare `key` of the `primary` section (views with extra="ignore" take any key)."""
     for key, _ in parse_overrides(overrides):
@@ -220,85 +224,3 @@ def check_overrides(overrides: list[str] | None, sections: dict[str, type], prim
                               f"(known: {', '.join(sections)})")
         if sub not in cls.model_fields and cls.model_config.get("extra") != "ignore":
             raise ConfigError(f"unknown config key '{sec}.{sub}'{nearest(sub, cls.model_fields)}")
-
-
-def print_check(command: str, *sections: Any) -> int:
-    """`dlrl <command> --check`: the command line and config parsed and validated; print the
-    resolved sections as one JSON line and return exit code 0 (errors exit 2 before this)."""
-    import json
-
-    out: dict[str, Any] = {"command": command, "ok": True}
-    for sec in sections:
-        out[type(sec).__name__] = sec.model_dump() if isinstance(sec, BaseModel) else str(sec)
-    print(json.dumps(out, default=str))
-    return 0
-
-
-# ---------------------------------------------------------------------------------- help
-def _type_name(annotation: Any) -> str:
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is typing.Literal:
-        return "|".join(str(a) for a in args)
-    if origin is typing.Annotated:
-        return _type_name(args[0])
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in args)
-    if origin in (list, tuple, dict):
-        return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
-    if annotation is type(None):
-        return "none"
-    return getattr(annotation, "__name__", str(annotation).replace("typing.", ""))
-
-
-def _comments(cls: type) -> dict[str, str]:
-    """Trailing `# comment` of each field's line in the class bodies (the help of fields without
-    a Field(description=...))."""
-    import inspect
-    import re
-
-    out: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        if not (isinstance(klass, type) and issubclass(klass, BaseModel)) or klass in (BaseModel, Config):
-            continue
-        try:
-            lines = inspect.getsourcelines(klass)[0]
-        except (OSError, TypeError):
-            continue
-        for line in lines:
-            m = re.match(r"^\s{4}(\w+)\s*:[^#]*#\s*(.+?)\s*$", line)
-            if m:
-                out[m.group(1)] = m.group(2)
-    return out
-
-
-def describe(cls: type[BaseModel], section: str) -> list[str]:
-    """One line per key of a section: `section.key  TYPE = DEFAULT  help` (help: the field's
-    description, else its comment in the source, else the class docstring's first line for none)."""
-    notes = _comments(cls)
-    rows = []
-    for name, field in cls.model_fields.items():
-        default = field.get_default(call_default_factory=True)
-        text = field.description or notes.get(name, "")
-        rows.append((f"{section}.{name}", _type_name(field.annotation), json_default(default), text))
-    width = max((len(r[0]) for r in rows), default=0)
-    return [f"  {k:<{width}}  {t} = {d}" + (f"  # {h}" if h else "") for k, t, d, h in rows]
-
-
-def json_default(value: Any) -> str:
-    import json
-
-    try:
-        return json.dumps(value, default=str)
-    except (TypeError, ValueError):
-        return repr(value)
-
-
-def dump_yaml(sections: dict[str, BaseModel]) -> str:
-    """The resolved sections as a YAML config file (loads back through load_sections); secrets
-    (keys ending in `token`) are shown as "<set>"."""
-    data = {name: sec.model_dump(mode="json") for name, sec in sections.items()}
-    for values in data.values():
-        for key in values:
-            if key.endswith("token") and values[key]:
-                values[key] = "<set>"
-    return yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=120)

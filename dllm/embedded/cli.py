@@ -8,12 +8,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from dllm.configlib import ConfigError, print_check
+from dlrl_config import ConfigError
+from dlrl_config.cli import print_check
 
 
 def sft_main(argv: list[str]) -> int:
-    from dllm.sft import run_sft
-    from dllm.tiny import load_tiny_sections
+    from dllm.embedded.sft import run_sft
+    from dllm.embedded.tiny import load_tiny_sections
 
     ap = argparse.ArgumentParser(prog="dlrl sft", description="block-diffusion SFT of the embedded default")
     ap.add_argument("--config", default="configs/tiny.yaml")

@@ -26,7 +26,7 @@ import random
 
 from pydantic import Field
 
-from dllm.configlib import Config
+from dlrl_config import Config
 
 SPLITS = ("train", "heldout")
 

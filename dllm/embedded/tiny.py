@@ -2,6 +2,7 @@
 
     arch, task, sft = load_tiny_sections("configs/tiny.yaml")
     path = ensure_default_model(arch, task, sft)        # trains it first if missing
+    random_tiny_folder("runs/x", **SMALL_ARCH)          # random weights (tests, benchmarks)
 
 Sections of configs/tiny.yaml used here: `model` (TinyModelConfig), `task`
 (ArithmeticTask) and `sft` (SFTConfig). A file lock makes concurrent callers (a server
@@ -14,15 +15,15 @@ import fcntl
 import logging
 from pathlib import Path
 
-from dllm.configlib import load_sections
-from dllm.sft import SFTConfig, TinyModelConfig, run_sft
-from dllm.task import ArithmeticTask
+from dllm.embedded.sft import SFTConfig, TinyModelConfig, make_model_config, run_sft
+from dllm.embedded.task import ArithmeticTask
+from dlrl_config import Config, load_sections
 
 log = logging.getLogger("dlrl.tiny")
 DEFAULT_CONFIG = "configs/tiny.yaml"
 
 
-TINY_SECTIONS = {"model": TinyModelConfig, "task": ArithmeticTask, "sft": SFTConfig}
+TINY_SECTIONS: dict[str, type[Config]] = {"model": TinyModelConfig, "task": ArithmeticTask, "sft": SFTConfig}
 
 
 def load_tiny_sections(config_path: str | Path | None = DEFAULT_CONFIG, overrides: list[str] | None = None,
@@ -50,3 +51,24 @@ def ensure_default_model(arch: TinyModelConfig, task: ArithmeticTask, sft: SFTCo
             log.info("no model at %s yet: training the embedded default (SFT, ~1-2 min on CPU)", out)
             run_sft(arch, task, sft)
     return out
+
+
+# the small architecture of the test suite's random model (and benchmarks/flood.py's)
+SMALL_ARCH = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512}
+
+
+def random_tiny_folder(path: str | Path, arch: TinyModelConfig | None = None, seed: int = 0, **fields) -> str:
+    """A model folder (HF layout, char tokenizer) with random weights (`torch.manual_seed(seed)`) of
+    `arch`, default TinyModelConfig(**fields): what tests and benchmarks serve when they need no
+    trained model. `random_tiny_folder(tmp, **SMALL_ARCH)` is the test suite's."""
+    import torch
+
+    from dllm.model import SDARForCausalLM
+    from dllm.tokenizer import build_char_tokenizer
+    from dllm.weights import save_pretrained
+
+    tok = build_char_tokenizer(path)
+    torch.manual_seed(seed)
+    save_pretrained(SDARForCausalLM(make_model_config(arch or TinyModelConfig(**fields), tok)), path)
+    return str(path)

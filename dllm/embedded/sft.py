@@ -22,13 +22,13 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from dllm.config import SDARConfig
-from dllm.configlib import Config
 from dllm.decoding import generate
+from dllm.embedded.task import ArithmeticTask
 from dllm.model import SDARForCausalLM
 from dllm.sampling import SamplingParams
-from dllm.task import ArithmeticTask
 from dllm.tokenizer import IM_END, build_char_tokenizer, encode
 from dllm.weights import save_pretrained
+from dlrl_config import Config
 
 log = logging.getLogger("dlrl.sft")
 

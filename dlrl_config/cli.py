@@ -1,0 +1,68 @@
+"""What every dlrl command line shares: the `--check` / `--check-config` / overrides arguments,
+the default config file, the `--check` report, and the checks run before loading weights.
+
+    add_check_args(ap, check_help="... check the model and the port", overrides_help="e.g. port=8001")
+    path = config_file(args.config)                    # configs/tiny.yaml when none given and it exists
+    problems = [port_problem("127.0.0.1", 8000, "server.port / --port"), model_problem(ref, "server.model")]
+    fail_early(problems)                              # ValueError listing them all
+    return print_check("serve", cfg)                  # one JSON line, exit code 0
+
+Each check returns a message naming the config key, or "" when all is well (`model_problem`,
+the model-reference check, is dllm.hub's). `--check-config` skips them (only the command line
+and the config: what deploy manifests are validated with on a machine that lacks the
+containers' files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+DEFAULT_CONFIG = "configs/tiny.yaml"
+
+
+def config_file(given: str | None, default: str = DEFAULT_CONFIG) -> str | None:
+    """`--config` as given, else `default` when that file exists (run from the repository), else None."""
+    return given or (default if Path(default).is_file() else None)
+
+
+def add_check_args(ap: argparse.ArgumentParser, check_help: str, overrides_help: str) -> None:
+    """`--check` (with its help), `--check-config` and the positional `key=value` overrides."""
+    ap.add_argument("--check", action="store_true", help=check_help)
+    ap.add_argument("--check-config", action="store_true", help="only parse the command line and the config")
+    ap.add_argument("overrides", nargs="*", help=overrides_help)
+
+
+def print_check(command: str, *sections: Any) -> int:
+    """`dlrl <command> --check`: the command line and config parsed and validated; print the
+    resolved sections as one JSON line and return exit code 0 (errors exit 2 before this)."""
+    out: dict[str, Any] = {"command": command, "ok": True}
+    for sec in sections:
+        out[type(sec).__name__] = sec.model_dump() if isinstance(sec, BaseModel) else str(sec)
+    print(json.dumps(out, default=str))
+    return 0
+
+
+def port_problem(host: str, port: int, key: str) -> str:
+    """"" when `host:port` can be bound now, else a message naming `key`."""
+    if port == 0:
+        return ""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return f"{key}: {host}:{port} is already in use ({e.strerror}); stop what listens there or choose another port"
+    return ""
+
+
+def fail_early(problems: list[str]) -> None:
+    problems = [p for p in problems if p]
+    if problems:
+        raise ValueError("; ".join(problems))
