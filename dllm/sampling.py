@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-STRATEGIES = ("static", "dynamic", "sequential")
+from dllm.strategy import Strategy
+
 GREEDY_BELOW = 1e-5  # temperatures under this floor decode greedily (logits / 1e-38 overflow to inf)
 
 
@@ -43,7 +44,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
-    strategy: str = "dynamic"
+    strategy: Strategy | str = Strategy.dynamic
     steps: int | None = None
     threshold: float = 0.9
     seed: int | None = None
@@ -63,8 +64,8 @@ class SamplingParams:
             bad("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if self.strategy not in STRATEGIES:
-            bad("strategy", f"unknown {self.strategy!r} (known: {', '.join(STRATEGIES)})")
+        if self.strategy not in list(Strategy):
+            bad("strategy", f"unknown {self.strategy!r} (known: {', '.join(Strategy)})")
         if self.steps is not None and (not isinstance(self.steps, int) or not 1 <= self.steps <= block_size):
             bad("steps", f"must be an integer in [1, block_size={block_size}], got {self.steps!r}")
         if not isinstance(self.threshold, (int, float)) or not 0 <= self.threshold <= 1:

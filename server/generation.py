@@ -26,7 +26,9 @@ from fastapi import Request
 
 from dllm.sampling import SamplingParams
 from dllm.tokenizer import encode
-from rollout_client.protocol import DecodingOptions, Sample, TraceModel
+from dllm.trace import Trace
+from rollout_client.protocol.common import DecodingOptions
+from rollout_client.protocol.native import Sample
 from server.engine import Engine, EngineStopped, QueueFull
 from server.errors import APIError
 from server.quotas import charge_tokens
@@ -194,8 +196,8 @@ async def stream_events(engine: Engine, req: Any):
         engine.abort(req)
 
 
-def trace_model(seq: Any) -> TraceModel:
-    return TraceModel.model_validate({**seq.trace.to_dict(), "finish_reason": seq.finish_reason})
+def trace_model(seq: Any) -> Trace:
+    return seq.trace.model_copy(update={"finish_reason": seq.finish_reason}, deep=True)
 
 
 def to_sample(seq: Any, index: int, n: int, return_trace: bool = True) -> Sample:

@@ -25,7 +25,26 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from rollout_client import protocol as P
+from rollout_client.protocol.chat import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    TokenLogprob,
+    TopLogprob,
+)
+from rollout_client.protocol.common import Usage, new_id
+from rollout_client.protocol.openai import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    OpenAIBase,
+)
 from server.errors import APIError, error_body
 from server.generation import prepare, run_to_completion, stream_events, submit, trace_model
 from server.recording import record_ids, record_one
@@ -39,14 +58,14 @@ def check_model(name: str | None, served: str) -> None:
         raise APIError(404, f"model: {name!r} is not served here (serving {served!r})", "model")
 
 
-def _usage(seqs: list[Any], n: int = 1) -> P.Usage:
+def _usage(seqs: list[Any], n: int = 1) -> Usage:
     """OpenAI usage: each prompt counted once (not once per sample), every completion counted."""
     prompt = sum(len(s.prompt_ids) for s in seqs[::n])
     completion = sum(len(s.completion_ids) for s in seqs)
-    return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def _extras(seq: Any, body: P._OpenAIBase) -> dict:
+def _extras(seq: Any, body: OpenAIBase) -> dict:
     if not body.return_trace:
         return {}
     return {"trace": trace_model(seq), "completion_ids": list(seq.completion_ids), "version": seq.trace.version}
@@ -82,7 +101,7 @@ def _token_texts(tok: Any, ids: list[int]) -> tuple[list[str], list[int]]:
     return texts, added
 
 
-def completion_logprobs(tok: Any, seq: Any, k: int) -> P.CompletionLogprobs:
+def completion_logprobs(tok: Any, seq: Any, k: int) -> CompletionLogprobs:
     """`text_offset` counts from the start of the completion (echo is never combined with logprobs)."""
     texts, added = _token_texts(tok, seq.completion_ids)
     offsets, offset = [], 0
@@ -95,24 +114,24 @@ def completion_logprobs(tok: Any, seq: Any, k: int) -> P.CompletionLogprobs:
         alts = {tok.decode([i]): v for i, v in (top[j] if top else [])}
         alts.setdefault(text, lp)
         tops.append(alts)
-    return P.CompletionLogprobs(tokens=texts, token_logprobs=list(seq.trace.logprobs), top_logprobs=tops,
+    return CompletionLogprobs(tokens=texts, token_logprobs=list(seq.trace.logprobs), top_logprobs=tops,
                                 text_offset=offsets)
 
 
-def chat_logprobs(tok: Any, seq: Any, k: int) -> P.ChatLogprobs:
+def chat_logprobs(tok: Any, seq: Any, k: int) -> ChatLogprobs:
     def entry(i: int, lp: float) -> dict:
         text = tok.decode([i])
         return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", "replace"))}
 
     top = getattr(seq, "top_logprobs", None) if k else None
-    return P.ChatLogprobs(content=[
-        P.TokenLogprob(**entry(i, lp), top_logprobs=[P.TopLogprob(**entry(a, v)) for a, v in (top[j] if top else [])])
+    return ChatLogprobs(content=[
+        TokenLogprob(**entry(i, lp), top_logprobs=[TopLogprob(**entry(a, v)) for a, v in (top[j] if top else [])])
         for j, (i, lp) in enumerate(zip(seq.completion_ids, seq.trace.logprobs))])
 
 
 # --------------------------------------------------------------------------- endpoints
 
-async def completions(body: P.CompletionRequest, request: Request):
+async def completions(body: CompletionRequest, request: Request):
     st, t0 = request.app.state, time.perf_counter()
     check_model(body.model, st.engine.model_name)
     prompts = body.prompt_list()
@@ -123,28 +142,28 @@ async def completions(body: P.CompletionRequest, request: Request):
                                                  for p in prompts])
     k = body.logprobs
 
-    def logprobs(seq: Any) -> P.CompletionLogprobs | None:
+    def logprobs(seq: Any) -> CompletionLogprobs | None:
         return None if k is None else completion_logprobs(st.prompts.tokenizer, seq, k)
 
     if body.stream:
-        return _stream(request, "/v1/completions", body, seqs, lambda rid, i, text, reason, lp=None: P.CompletionResponse(
+        return _stream(request, "/v1/completions", body, seqs, lambda rid, i, text, reason, lp=None: CompletionResponse(
             id=rid, model=st.engine.model_name,
-            choices=[P.CompletionChoice(index=i, text=text, finish_reason=reason, logprobs=lp)]),
+            choices=[CompletionChoice(index=i, text=text, finish_reason=reason, logprobs=lp)]),
             prefixes, logprobs, k or 0, prompts)
     seqs = await run_to_completion(st.engine, request, seqs, num_top_logprobs=k or 0)
     all_logprobs = await st.prompts.run(lambda: [logprobs(s) for s in seqs])
     choices = []
     for i, (s, record_id) in enumerate(zip(seqs, await record_ids(st, seqs, prompts, body.n))):
         prefix = prefixes[i // body.n] if prefixes else ""
-        choices.append(P.CompletionChoice(index=i, text=prefix + s.text, finish_reason=s.finish_reason,
+        choices.append(CompletionChoice(index=i, text=prefix + s.text, finish_reason=s.finish_reason,
                                           logprobs=all_logprobs[i], record_id=record_id, **_extras(s, body)))
     usage = _usage(seqs, body.n)
     st.metrics.observe_request("/v1/completions", 200, time.perf_counter() - t0, usage.prompt_tokens)
-    return P.CompletionResponse(id=P.new_id("cmpl"), model=st.engine.model_name, choices=choices,
+    return CompletionResponse(id=new_id("cmpl"), model=st.engine.model_name, choices=choices,
                                 usage=usage, version=max(s.trace.version for s in seqs))
 
 
-async def chat(body: P.ChatCompletionRequest, request: Request):
+async def chat(body: ChatCompletionRequest, request: Request):
     st, t0 = request.app.state, time.perf_counter()
     check_model(body.model, st.engine.model_name)
     for name in ("max_tokens", "max_completion_tokens"):  # the one not used must be in range too
@@ -155,33 +174,33 @@ async def chat(body: P.ChatCompletionRequest, request: Request):
     seqs = await prepare(st, [ids], body, body.max_completion_tokens or body.max_tokens, body.n, field="messages")
     k = (body.top_logprobs or 0) if body.logprobs else None
 
-    def logprobs(seq: Any) -> P.ChatLogprobs | None:
+    def logprobs(seq: Any) -> ChatLogprobs | None:
         return None if k is None else chat_logprobs(st.prompts.tokenizer, seq, k)
 
     if body.stream:
         return _stream(request, "/v1/chat/completions", body, seqs, lambda rid, i, delta, reason, lp=None:
-                       P.ChatCompletionChunk(id=rid, model=st.engine.model_name, choices=[P.ChatChunkChoice(
-                           index=i, delta=P.ChatDelta(content=delta), finish_reason=reason, logprobs=lp)]),
+                       ChatCompletionChunk(id=rid, model=st.engine.model_name, choices=[ChatChunkChoice(
+                           index=i, delta=ChatDelta(content=delta), finish_reason=reason, logprobs=lp)]),
                        None, logprobs, k or 0)
     seqs = await run_to_completion(st.engine, request, seqs, num_top_logprobs=k or 0)
     all_logprobs = await st.prompts.run(lambda: [logprobs(s) for s in seqs])
     ids = await record_ids(st, seqs, n=body.n)
-    choices = [P.ChatChoice(index=i, message=P.ChatResponseMessage(content=s.text), finish_reason=s.finish_reason,
+    choices = [ChatChoice(index=i, message=ChatResponseMessage(content=s.text), finish_reason=s.finish_reason,
                             logprobs=all_logprobs[i], record_id=record_id, **_extras(s, body))
                for i, (s, record_id) in enumerate(zip(seqs, ids))]
     usage = _usage(seqs, body.n)
     st.metrics.observe_request("/v1/chat/completions", 200, time.perf_counter() - t0, usage.prompt_tokens)
-    return P.ChatCompletionResponse(id=P.new_id("chatcmpl"), model=st.engine.model_name, choices=choices,
+    return ChatCompletionResponse(id=new_id("chatcmpl"), model=st.engine.model_name, choices=choices,
                                     usage=usage, version=max(s.trace.version for s in seqs))
 
 
-def _stream(request: Request, endpoint: str, body: P._OpenAIBase, seqs: list[Any], chunk: Callable[..., Any],
+def _stream(request: Request, endpoint: str, body: OpenAIBase, seqs: list[Any], chunk: Callable[..., Any],
             prefixes: list[str] | None, logprobs: Callable[[Any], Any], num_top: int,
             prompts: list[Any] | None = None):
     """SSE response: per-block text deltas, a finish chunk per choice (with its record_id), usage, [DONE]."""
     st = request.app.state
     is_chat = endpoint.endswith("chat/completions")
-    rid = P.new_id("chatcmpl" if is_chat else "cmpl")
+    rid = new_id("chatcmpl" if is_chat else "cmpl")
     stops = body.stop_list()
     events = stream_events(st.engine, submit(st.engine, seqs, stream=True, num_top_logprobs=num_top))  # 429 now
 

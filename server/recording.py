@@ -122,7 +122,7 @@ class Recorder:
         return ids
 
     def _to_record(self, seq: Any, prompt: str | None) -> Record:
-        trace = {**seq.trace.to_dict(), "finish_reason": seq.finish_reason}
+        trace = {**seq.trace.model_dump(), "finish_reason": seq.finish_reason}
         return Record(id=new_record_id(), created=time.time(), server=self.server, version=int(seq.trace.version),
                       prompt=prompt, prompt_ids=list(seq.prompt_ids), completion_ids=list(seq.completion_ids),
                       text=seq.text, finish_reason=seq.finish_reason, trace=trace,

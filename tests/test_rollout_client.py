@@ -9,8 +9,10 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
+from dllm.trace import Trace
 from rollout_client import Rollout, RolloutClient, RolloutError
-from rollout_client.protocol import GenerateResponse, Sample, TraceModel, Usage
+from rollout_client.protocol.common import Usage
+from rollout_client.protocol.native import GenerateResponse, Sample
 
 DEAD = "http://127.0.0.1:9"  # discard port: connection refused
 
@@ -90,7 +92,7 @@ def test_retries_503_then_succeeds():
     calls = []
     ok = GenerateResponse(id="g", model="m", version=3, usage=Usage(), samples=[Sample(
         index=0, prompt_index=0, prompt_ids=[5], completion_ids=[6, 0], text="1", finish_reason="stop", version=3,
-        trace=TraceModel(prompt_len=1, block_size=4, steps=[1, 1], logprobs=[-0.5, -0.1], version=3))])
+        trace=Trace(prompt_len=1, block_size=4, steps=[1, 1], logprobs=[-0.5, -0.1], version=3))])
 
     def handler(request: httpx.Request) -> httpx.Response:
         calls.append(json.loads(request.content))

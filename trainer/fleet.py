@@ -24,7 +24,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from rollout_client.client import AdminError, RolloutClient
-from rollout_client.protocol import Rollout
+from rollout_client.protocol.rollout import Rollout
 
 log = logging.getLogger("dlrl.train")
 T = TypeVar("T")

@@ -1,0 +1,43 @@
+"""The decoding strategies of block diffusion: which masked positions a denoising forward commits.
+
+Torch-free (the wire schemas of `rollout_client` and the configs use it without the model stack).
+A `str` enum: a member equals, hashes and prints as its value, so `"static"` and
+`Strategy.static` are interchangeable and the JSON wire carries the plain string.
+
+    Strategy("dynamic").code        # 1: its number in the batched commit rule (dllm.commit)
+    StrategyField                   # the pydantic field type: takes "static" even in strict models
+
+The rules themselves are in `dllm.commit`.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated
+
+from pydantic import Strict
+
+
+class Strategy(str, Enum):
+    """static: the k most confident; dynamic: above a confidence threshold (at least k);
+    sequential: the k leftmost. Member names are their values (so hashes match the strings)."""
+
+    static = "static"
+    dynamic = "dynamic"
+    sequential = "sequential"
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+    @property
+    def code(self) -> int:
+        """Its number in the batched commit rule (a tensor of codes, one per sequence)."""
+        return _CODES[self]
+
+
+_CODES = {s: i for i, s in enumerate(Strategy)}
+
+# strict pydantic models refuse a plain string for an enum (Python input): this field takes the value
+StrategyField = Annotated[Strategy, Strict(False)]
