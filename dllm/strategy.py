@@ -19,9 +19,10 @@ from pydantic import Strict
 
 
 class Strategy(str, Enum):
-    """static: the k most confident; dynamic: above a confidence threshold (at least k);
-    sequential: the k leftmost. Member names are their values (so hashes match the strings)."""
+    """Which masked positions a denoising step commits. static: the k most confident; dynamic: every one
+    above the confidence threshold (at least the k most confident); sequential: the k leftmost."""
 
+    # member names are their values: an Enum hashes by name, so the member and its string hash alike
     static = "static"
     dynamic = "dynamic"
     sequential = "sequential"

@@ -19,6 +19,9 @@ from pydantic import BaseModel, Field
 
 
 class Trace(BaseModel):
+    """How each generated token was committed (docs/DESIGN.md: steps are 1-based within each block);
+    the one home of its block/step arithmetic (used by replay, advantages and metrics)."""
+
     prompt_len: int
     block_size: int
     steps: list[int] = Field(default_factory=list)

@@ -25,9 +25,7 @@ import time
 import uuid
 from typing import Any
 
-from fastapi import HTTPException
-
-from server.errors import error_body
+from server.errors import BodyTooLarge, error_body
 
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 UNLIMITED_PREFIXES = ("/weights/",)
@@ -100,10 +98,10 @@ class RequestGuard:
             message = await receive()
             if message["type"] == "http.request":
                 num_bytes += len(message.get("body", b""))
-                if num_bytes > self.max_body_bytes:  # FastAPI re-raises an HTTPException met while reading
+                if num_bytes > self.max_body_bytes:  # FastAPI re-raises an HTTP error met while reading
                     if message.get("more_body"):
                         await self._discard(receive, 0)
-                    raise HTTPException(413, self._too_large())
+                    raise BodyTooLarge(self._too_large())
             return message
 
         return receive_limited

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from dllm.ranges import TEMPERATURE, THRESHOLD, TOP_P
 from dllm.strategy import Strategy, StrategyField
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -87,13 +88,13 @@ class StrictRequest(NullIsDefault):
 class DecodingOptions(StrictRequest):
     """Block-diffusion sampling options shared by every generation endpoint."""
 
-    temperature: float | None = Field(1.0, ge=0.0, le=100.0, description="0 = greedy")
+    temperature: float | None = Field(1.0, **TEMPERATURE.bounds, description="0 = greedy")
     top_k: int_range(ge=0, lt=1 << 31) | None = Field(0, description="0 = off")
-    top_p: float | None = Field(1.0, gt=0.0, le=1.0)
+    top_p: float | None = Field(1.0, **TOP_P.bounds)
     strategy: StrategyField | None = Strategy.dynamic
     steps: int_range(ge=1) | None = Field(None, description="denoising steps per block (static/sequential); "
                                                       "at most the model's block size")
-    threshold: float | None = Field(0.9, ge=0.0, le=1.0, description="confidence threshold (dynamic)")
+    threshold: float | None = Field(0.9, **THRESHOLD.bounds, description="confidence threshold (dynamic)")
     seed: int_range(ge=0, lt=1 << 53) | None = Field(None, description="below 2**53: exact in every JSON parser")
     stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOP)] | None = None
     stop_token_ids: Annotated[list[int_range(ge=0, lt=1 << 31)], Field(max_length=1024)] | None = None

@@ -10,6 +10,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from dllm.errors import FieldError
 from rollout_client.protocol.common import RECORD_ID_PATTERN, StrictRequest, valid_unicode
 
 
@@ -33,7 +34,7 @@ class FeedbackRequest(StrictRequest):
     @model_validator(mode="after")
     def _reward_or_label(self) -> FeedbackRequest:
         if (self.reward is None) == (self.label is None):
-            raise ValueError("reward: exactly one of 'reward' or 'label' is required")
+            raise FieldError("reward", "exactly one of 'reward' or 'label' is required")
         return self
 
 

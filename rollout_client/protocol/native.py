@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from dllm.errors import FieldError
 from dllm.trace import Trace
 from rollout_client.protocol.common import (
     MAX_N,
@@ -52,7 +53,7 @@ class GenerateRequest(DecodingOptions):
     @model_validator(mode="after")
     def _one_prompt_kind(self) -> GenerateRequest:
         if (self.prompt is None) == (self.prompt_ids is None):
-            raise ValueError("prompt: exactly one of 'prompt' or 'prompt_ids' is required")
+            raise FieldError("prompt", "exactly one of 'prompt' or 'prompt_ids' is required")
         return self
 
     def prompt_list(self) -> list[str | list[int]]:

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from dllm.errors import FieldError
 from dllm.trace import Trace
 from rollout_client.protocol.common import (
     MAX_COMPLETION_LOGPROBS,
@@ -77,7 +78,7 @@ class CompletionRequest(OpenAIBase):
     @model_validator(mode="after")
     def _echo_needs_no_prompt_logprobs(self) -> CompletionRequest:
         if self.echo and self.logprobs is not None:
-            raise ValueError("echo: echo with logprobs asks for prompt log-likelihoods, which a "
+            raise FieldError("echo", "echo with logprobs asks for prompt log-likelihoods, which a "
                              "block-diffusion model does not compute; drop echo or logprobs")
         return self
 
