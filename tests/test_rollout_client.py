@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -121,3 +123,12 @@ def test_health_and_wait_ready(server):
             await client.wait_ready(timeout=10)
 
     run(main())
+
+
+def test_the_client_and_every_schema_import_without_torch():
+    """Trainers and tools use the client without the model stack: no module it imports pulls torch in."""
+    code = ("import sys, pkgutil, importlib, rollout_client, rollout_client.protocol as p\n"
+            "for m in pkgutil.iter_modules(p.__path__): importlib.import_module(f'rollout_client.protocol.{m.name}')\n"
+            "assert 'torch' not in sys.modules, sorted(n for n in sys.modules if n.startswith(('torch', 'dllm')))\n"
+            "assert 'dllm.trace' in sys.modules and 'dllm.strategy' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -15,10 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dllm.errors import FieldError
 from dllm.trace import Trace
+from rollout_client.protocol import common
 from rollout_client.protocol.common import (
-    MAX_N,
-    MAX_TOKENS_CAP,
-    RECORD_ID_DOC,
     DecodingOptions,
     FinishReason,
     NonEmptyText,
@@ -45,8 +43,8 @@ class GenerateRequest(DecodingOptions):
     model_config = ConfigDict(json_schema_extra=_exactly_one_prompt)
     prompt: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
     prompt_ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1)] | None = None
-    n: int_range(ge=1, le=MAX_N) | None = 1
-    max_tokens: int_range(ge=1, le=MAX_TOKENS_CAP) | None = Field(64, description="default: the server's "
+    n: int_range(ge=1, le=common.MAX_N) | None = 1
+    max_tokens: int_range(ge=1, le=common.MAX_TOKENS_CAP) | None = Field(64, description="default: the server's "
                                    "server.default_max_tokens (capped by the room left after the prompt)")
     model: Text | None = None
 
@@ -76,7 +74,7 @@ class Sample(BaseModel):
     version: int
     num_forwards: int = 0
     trace: Trace | None = None
-    record_id: str | None = Field(None, description=RECORD_ID_DOC)
+    record_id: str | None = Field(None, description=common.RECORD_ID_DOC)
 
 
 class GenerateResponse(BaseModel):
