@@ -11,9 +11,10 @@ the field; a request that does not fit the server -> 413 (prompt at or over
 `max_model_len`, prompt + max_tokens over it, prompts x n over `max_queue`); full queue
 -> 429; engine stopped -> 503. The decoder checks prompts and sampling values itself
 (`dllm.errors.FieldError`, `TooLong` when it does not fit): they pass through here, named
-after the request's prompt field, and become HTTP errors in `server.errors`. Tokenising and chat templates run on one worker thread,
-never on the event loop, after a cheap bound: a text longer than `max_model_len` x the
-longest token (in characters) cannot fit, so it is a 413 without being tokenised.
+after the request's prompt field, and become HTTP errors in `server.errors`. Tokenising
+and chat templates run on one worker thread, never on the event loop, after a cheap
+bound: a text longer than `max_model_len` x the longest token (in characters) cannot fit,
+so it is a 413 without being tokenised.
 """
 
 from __future__ import annotations
