@@ -50,7 +50,8 @@ def synthetic_rollouts(vocab: int) -> list:
     """Trace-shaped rollouts: every block's 4 tokens committed over 2 steps (static, 2 per step)."""
     import torch
 
-    from rollout_client.protocol import Rollout, TraceModel
+    from dllm.trace import Trace
+    from rollout_client.protocol.rollout import Rollout
 
     g = torch.Generator().manual_seed(0)
     out = []
@@ -58,7 +59,7 @@ def synthetic_rollouts(vocab: int) -> list:
         prompt = torch.randint(1, vocab - 1, (PROMPT_LEN,), generator=g).tolist()
         comp = torch.randint(1, vocab - 1, (COMPLETION_LEN,), generator=g).tolist()
         steps = [1 + (j % BLOCK) // 2 for j in range(COMPLETION_LEN)]
-        trace = TraceModel(prompt_len=PROMPT_LEN, block_size=BLOCK, steps=steps,
+        trace = Trace(prompt_len=PROMPT_LEN, block_size=BLOCK, steps=steps,
                            logprobs=(-torch.rand(COMPLETION_LEN, generator=g) * 3).tolist())
         out.append(Rollout(prompt_index=k // GROUP, sample_index=k % GROUP, prompt_ids=prompt, completion_ids=comp,
                            text=" ".join(map(str, comp)), finish_reason="length", version=0, trace=trace))

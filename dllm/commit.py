@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-STRATEGY_CODES = {"static": 0, "dynamic": 1, "sequential": 2}
+from dllm.strategy import Strategy
 
 
 def transfer_schedule(num_masked: int, steps: int) -> list[int]:
@@ -30,10 +30,10 @@ def transfer_schedule(num_masked: int, steps: int) -> list[int]:
 def commit_mask(conf: torch.Tensor, masked: torch.Tensor, k: torch.Tensor, threshold: torch.Tensor,
                 strategy: torch.Tensor, used: set[str] | None = None) -> torch.Tensor:
     """conf: [N, B] probability of each sampled token, masked: [N, B] bool, k / threshold /
-    strategy (STRATEGY_CODES): [N] -> positions to commit [N, B] bool (always masked ones).
+    strategy (`Strategy.code`): [N] -> positions to commit [N, B] bool (always masked ones).
     `used`: the strategies present, when the caller knows (the others are not computed)."""
     N, B = conf.shape
-    used = set(STRATEGY_CODES) if used is None else used
+    used = set(Strategy) if used is None else used
     k = torch.minimum(k, masked.sum(-1))[:, None]  # [N, 1]
     rules = {}
     if "sequential" in used:
@@ -46,10 +46,10 @@ def commit_mask(conf: torch.Tensor, masked: torch.Tensor, k: torch.Tensor, thres
         if "dynamic" in used:
             above = masked & (conf > threshold[:, None])
             rules["dynamic"] = torch.where(above.sum(-1, keepdim=True) >= k, above, top)
-    names = [name for name in STRATEGY_CODES if name in used]
+    names = [name for name in Strategy if name in used]
     out = rules[names[0]]
     for name in names[1:]:
-        out = torch.where(strategy[:, None] == STRATEGY_CODES[name], rules[name], out)
+        out = torch.where(strategy[:, None] == name.code, rules[name], out)
     return out
 
 

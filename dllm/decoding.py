@@ -35,6 +35,7 @@ import torch
 from dllm.attention import MaskSpec
 from dllm.commit import transfer_schedule
 from dllm.detokenize import TextStream
+from dllm.errors import FieldError, TooLong
 from dllm.kv_cache import CacheFull, KVCache
 from dllm.model import SDARForCausalLM
 from dllm.sampling import SamplingParams, counter_uniforms, needs_filter
@@ -42,8 +43,20 @@ from dllm.sequence import GenerationOutput, Sequence, step_inputs, to_output
 from dllm.step import DecodeStep, columns, padding_row, sample_and_commit
 from dllm.trace import FinishReason
 
-__all__ = ["BlockDecoder", "CacheFull", "GenerationOutput", "Sequence", "generate", "to_output",
+__all__ = ["BlockDecoder", "CacheFull", "GenerationOutput", "Sequence", "check_fits", "generate", "to_output",
            "transfer_schedule"]
+
+
+def check_fits(prompt_len: int, max_tokens: int, max_len: int) -> None:
+    """A prompt has at least one token and, with max_tokens more, fits in max_len (else FieldError / TooLong)."""
+    if not prompt_len:
+        raise FieldError("prompt", "must contain at least one token")
+    if prompt_len >= max_len:
+        raise TooLong("prompt", f"prompt has {prompt_len} tokens; the limit is max_model_len={max_len} "
+                                "(prompt + completion)")
+    if isinstance(max_tokens, int) and prompt_len + max_tokens > max_len:
+        raise TooLong("max_tokens", f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds "
+                                    f"max_model_len={max_len}")
 
 
 class BlockDecoder:
@@ -75,17 +88,13 @@ class BlockDecoder:
         return len(self.free_slots)
 
     def new_sequence(self, prompt_ids, params: SamplingParams, seq_id=None) -> Sequence:
+        """A sequence to `add`; a bad prompt or parameter raises FieldError (TooLong when it does not fit)."""
+        check_fits(len(prompt_ids), params.max_tokens, self.max_len)
         params.validate(self.block_size)
         vocab = self.model.config.vocab_size
-        if not prompt_ids:
-            raise ValueError("prompt: must contain at least one token")
         for t in prompt_ids:
             if not 0 <= t < vocab or t == self.mask_id:
-                raise ValueError(f"prompt_ids: invalid token id {t} (vocab {vocab}, mask id {self.mask_id})")
-        need = len(prompt_ids) + params.max_tokens
-        if need > self.max_len:
-            raise ValueError(f"max_tokens: prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) "
-                             f"exceeds the maximum sequence length {self.max_len}")
+                raise FieldError("prompt_ids", f"invalid token id {t} (vocab {vocab}, mask id {self.mask_id})")
         return Sequence(prompt_ids, params, self.block_size, self.mask_id, seq_id)
 
     def num_pages_needed(self, seq: Sequence) -> int:

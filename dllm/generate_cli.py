@@ -21,10 +21,10 @@ from typing import Literal
 
 from pydantic import Field
 
+from dllm.strategy import Strategy, StrategyField
 from dlrl_config import Config, ConfigError, build, load_sections
 from dlrl_config.cli import print_check
 
-STRATEGY = Literal["static", "dynamic", "sequential"]  # dllm.sampling.STRATEGIES (torch-free here)
 TEXT_KEYS = ("prompt", "stop")  # raw text, repeatable
 ALIASES = {  # --flag -> key; store_true flags set the key to true
     "--model": "model", "--prompt": "prompt", "--chat": "chat", "--max-tokens": "max_tokens",
@@ -44,7 +44,7 @@ class GenerateConfig(Config):
     temperature: float = Field(0.0, ge=0, le=100)  # 0: greedy
     top_k: int = Field(0, ge=0)  # 0: off
     top_p: float = Field(1.0, gt=0, le=1)  # nucleus sampling mass
-    strategy: STRATEGY = "dynamic"  # which masked positions each denoising step commits
+    strategy: StrategyField = Strategy.dynamic  # which masked positions each denoising step commits
     steps: int | None = Field(None, ge=1)  # denoising steps per block (none: the strategy's default)
     threshold: float = Field(0.9, ge=0, le=1)  # confidence a `dynamic` step commits above
     seed: int | None = Field(None, ge=0)  # sampling seed (none: random)
@@ -158,6 +158,6 @@ def run(cfg: GenerateConfig, ap: argparse.ArgumentParser) -> int:
         print(f"{p}{o.text}" if not cfg.chat else o.text)
         if cfg.trace:
             print(json.dumps({"completion_ids": o.completion_ids, "finish_reason": o.finish_reason,
-                              "num_forwards": o.num_forwards, "trace": o.trace.to_dict()}))
+                              "num_forwards": o.num_forwards, "trace": o.trace.model_dump()}))
     sys.stdout.flush()
     return 0

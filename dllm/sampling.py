@@ -1,6 +1,6 @@
 """Sampling parameters and the sampling distribution of block decoding: its definition and the batched sampler.
 
-    params.validate(block_size)                            # ValueError("<field>: <message>")
+    params.validate(block_size)                            # FieldError(field, message)
     logp = sampling_logprobs(logits, params, mask_id)      # [..., V]: the distribution (the definition)
     ids, lp = sample_tokens(logp, params, u)               # one sequence's positions, row by row
     ids, lp = sample_batch(logits, params_list, u, mask_id)  # [N, B, V]: every running sequence at once
@@ -33,7 +33,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-STRATEGIES = ("static", "dynamic", "sequential")
+from dllm.errors import FieldError
+from dllm.ranges import TEMPERATURE, THRESHOLD, TOP_P
+from dllm.strategy import Strategy
+
 GREEDY_BELOW = 1e-5  # temperatures under this floor decode greedily (logits / 1e-38 overflow to inf)
 
 
@@ -43,7 +46,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
-    strategy: str = "dynamic"
+    strategy: Strategy | str = Strategy.dynamic
     steps: int | None = None
     threshold: float = 0.9
     seed: int | None = None
@@ -53,22 +56,22 @@ class SamplingParams:
 
     def validate(self, block_size: int) -> None:
         def bad(name: str, msg: str):
-            raise ValueError(f"{name}: {msg}")
+            raise FieldError(name, msg)
 
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
-            bad("temperature", f"must be in [0, 100], got {self.temperature!r}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature not in TEMPERATURE:
+            bad("temperature", f"must be in {TEMPERATURE}, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             bad("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if self.strategy not in STRATEGIES:
-            bad("strategy", f"unknown {self.strategy!r} (known: {', '.join(STRATEGIES)})")
+        if not isinstance(self.top_p, (int, float)) or self.top_p not in TOP_P:
+            bad("top_p", f"must be in {TOP_P}, got {self.top_p!r}")
+        if self.strategy not in list(Strategy):
+            bad("strategy", f"unknown {self.strategy!r} (known: {', '.join(Strategy)})")
         if self.steps is not None and (not isinstance(self.steps, int) or not 1 <= self.steps <= block_size):
             bad("steps", f"must be an integer in [1, block_size={block_size}], got {self.steps!r}")
-        if not isinstance(self.threshold, (int, float)) or not 0 <= self.threshold <= 1:
-            bad("threshold", f"must be in [0, 1], got {self.threshold!r}")
+        if not isinstance(self.threshold, (int, float)) or self.threshold not in THRESHOLD:
+            bad("threshold", f"must be in {THRESHOLD}, got {self.threshold!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             bad("seed", f"must be a non-negative integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):

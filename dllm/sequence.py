@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dllm.commit import STRATEGY_CODES, transfer_schedule
+from dllm.commit import transfer_schedule
 from dllm.detokenize import TextStream
 from dllm.sampling import SamplingParams, param_row
+from dllm.strategy import Strategy
 from dllm.trace import FinishReason, Trace
 
 _ids = itertools.count()
@@ -94,7 +95,7 @@ def step_inputs(s: Sequence) -> list:
     The decoder adds the noise."""
     k = s.schedule[min(s.step_in_block, len(s.schedule) - 1)]
     return [*s.block_ids, *s.block_steps, *s.block_logprobs, s.block_start, s.step_in_block + 1, k,
-            STRATEGY_CODES[s.params.strategy], float(s.params.threshold), s.slot or 0, 1.0, *param_row(s.params)]
+            Strategy(s.params.strategy).code, float(s.params.threshold), s.slot or 0, 1.0, *param_row(s.params)]
 
 
 def to_output(s: Sequence, tokenizer=None) -> GenerationOutput:

@@ -5,14 +5,22 @@ denoising forward that committed it, and `logprobs[j]` the log-probability of th
 token under the distribution it was sampled from (after temperature/top-k/top-p).
 Blocks are aligned to absolute position 0 of prompt + completion.
 
+One type from decoder to trainer: the decoder fills it in, the server sends it as JSON (the
+wire schemas of `rollout_client` use it as is), and it is the one home of the block/step
+arithmetic (used by replay, advantages and metrics). Torch-free (pydantic only).
+
+    trace = Trace(prompt_len=3, block_size=4, steps=[1, 1, 2], logprobs=[-0.1, -0.5, -0.2])
+    trace.global_steps(shrink=2), trace.num_forwards, trace.model_dump()
+
 `FinishReason` is why a sequence ended: a `str` enum, so it is its plain string on the wire
 and in stores ("stop", "length", "abort", "error").
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
 from enum import StrEnum
+
+from pydantic import BaseModel, Field
 
 
 class FinishReason(StrEnum):
@@ -22,21 +30,34 @@ class FinishReason(StrEnum):
     ERROR = "error"      # the decoder failed this sequence alone (`seq.error` says why)
 
 
-@dataclass
-class Trace:
+class Trace(BaseModel):
+    """How each generated token was committed (docs/DESIGN.md: steps are 1-based within each block);
+    the one home of its block/step arithmetic (used by replay, advantages and metrics)."""
+
     prompt_len: int
     block_size: int
-    steps: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    steps: list[int] = Field(default_factory=list)
+    logprobs: list[float] = Field(default_factory=list)
     version: int = 0
     finish_reason: FinishReason | None = None
-    tail_ids: list[int] = field(default_factory=list)  # last block's tokens after the truncation point
-    tail_steps: list[int] = field(default_factory=list)
+    tail_ids: list[int] = Field(default_factory=list)  # last block's tokens after the truncation point
+    tail_steps: list[int] = Field(default_factory=list)
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    def block_of(self, j: int) -> int:
+        """Block index of generated token j (blocks are aligned to position 0 of prompt + completion)."""
+        return (self.prompt_len + j) // self.block_size
 
-    @classmethod
-    def from_dict(cls, d: dict) -> Trace:
-        return cls(**{k: d[k] for k in ("prompt_len", "block_size", "steps", "logprobs", "version",
-                                        "finish_reason", "tail_ids", "tail_steps") if k in d})
+    def global_steps(self, shrink: int = 1) -> list[int]:
+        """Per completion token: an id of the denoising forward that committed it, increasing
+        in decoding order (block, then step within the block). With `shrink` s, steps
+        (k-1)s+1..ks of a block count as one step k (TraceRL's shrunk trajectory)."""
+        if shrink < 1:
+            raise ValueError(f"shrink: must be >= 1, got {shrink}")
+        span = self.block_size + 1  # steps within a block are 1..block_size
+        return [self.block_of(j) * span + -(-st // shrink) for j, st in enumerate(self.steps)]
+
+    @property
+    def num_forwards(self) -> int:
+        """Denoising forwards that committed the generated tokens (the tail included)."""
+        gen = self.steps + self.tail_steps
+        return len({(self.block_of(j), st) for j, st in enumerate(gen)})

@@ -9,8 +9,10 @@ See `rollout_client.client` for an end-to-end example and `rollout_client.protoc
 for every request/response schema.
 """
 
+from dllm.trace import Trace
 from rollout_client.client import RolloutClient, RolloutError
-from rollout_client.protocol import GenerateRequest, GenerateResponse, Rollout, Sample, TraceModel
+from rollout_client.protocol.native import GenerateRequest, GenerateResponse, Sample
+from rollout_client.protocol.rollout import Rollout
 
 __all__ = ["RolloutClient", "RolloutError", "GenerateRequest", "GenerateResponse", "Rollout", "Sample",
-           "TraceModel"]
+           "Trace"]

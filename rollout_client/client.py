@@ -35,7 +35,9 @@ from typing import Any
 import httpx
 import stamina
 
-from rollout_client.protocol import GenerateRequest, GenerateResponse, HealthResponse, Rollout
+from rollout_client.protocol.native import GenerateRequest, GenerateResponse
+from rollout_client.protocol.rollout import Rollout
+from rollout_client.protocol.service import HealthResponse
 
 POLICIES = ("round_robin", "least_loaded")
 _RETRY_STATUS = (429, 502, 503, 504)

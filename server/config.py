@@ -20,8 +20,8 @@ from typing import Annotated, Literal
 
 from pydantic import ByteSize, Field, StringConstraints
 
+from dllm.strategy import Strategy, StrategyField
 from dlrl_config import Config, load_section
-from rollout_client.protocol import Strategy
 
 Backend = Literal["native"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -75,7 +75,7 @@ class ServerConfig(Config):
     auth_throttle_s: float = Field(60.0, gt=0)  # ... for this long
     # defaults for requests that leave these unset
     default_max_tokens: int = Field(64, ge=1)  # max_tokens of requests that leave it unset
-    default_strategy: Strategy = "dynamic"  # strategy of requests that leave it unset
+    default_strategy: StrategyField = Strategy.dynamic  # strategy of requests that leave it unset
     default_threshold: float = Field(0.9, ge=0, le=1)  # threshold of requests that leave it unset
     default_temperature: float = Field(1.0, ge=0)  # temperature of requests that leave it unset
     # weight sync (server side of weight_sync; see server/weight_updates.py)

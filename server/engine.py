@@ -14,7 +14,7 @@ running sequence -- whatever its prompt, position, block, strategy or sampling p
 then hand finished sequences (and, for streams, newly committed blocks) back to their
 requests' event loops. So concurrent requests share every forward. A sequence the backend
 failed alone (`seq.error`, e.g. non-finite probabilities) fails only its own request
-(`RequestFailed`, a 500 with the message); the others go on.
+(`RequestFailed`: the server answers a 500 with its message); the others go on.
 
 `pause()` stops admission and waits until no sequence runs and no forward is in flight
 (with `abort_inflight=True` it aborts the running ones first); while paused and drained
@@ -44,12 +44,11 @@ from typing import Any, TypeVar
 
 from dllm.trace import FinishReason
 from server.backends.base import Backend
-from server.errors import APIError
 from server.scheduler import QueueFull, Request, Scheduler
 
 log = logging.getLogger("dlrl.server")
 T = TypeVar("T")
-__all__ = ["Engine", "EngineEvent", "EngineState", "EngineStopped", "QueueFull", "Request", "RequestFailed",
+__all__ = ["Engine", "EngineEvent", "EngineState", "EngineStopped", "QueueFull", "Request", "RequestExpired", "RequestFailed",
            "StepStats"]
 
 
@@ -69,11 +68,17 @@ class EngineStopped(RuntimeError):
     """The engine is shut down (or its thread died); no new requests."""
 
 
-class RequestFailed(APIError, RuntimeError):
-    """A sequence of the request failed in the engine (a 500 whose message says why)."""
+class RequestFailed(RuntimeError):
+    """A sequence of the request failed in the engine; the message says why (the server answers 500)."""
 
-    def __init__(self, message: str):
-        super().__init__(500, message)
+
+class RequestExpired(RequestFailed):
+    """The request ran past its deadline and was aborted; `deadline_status` is the status its deadline was
+    set with (`Sequence.deadline_status`, by server.generation: 408 its own timeout, 503 the server's limit)."""
+
+    def __init__(self, message: str, deadline_status: int):
+        super().__init__(message)
+        self.deadline_status = deadline_status
 
 
 @dataclass
@@ -214,8 +219,7 @@ class Engine:
         """Wait for every sequence of `req`; returns them in request order."""
         async for kind, index, payload in self.events(req):
             if kind == EngineEvent.ERROR and req.expired:
-                raise APIError(req.deadline_status, req.expired, None,
-                               {"Retry-After": "1"} if req.deadline_status == 503 else None)
+                raise RequestExpired(req.expired, req.deadline_status)
             if kind == EngineEvent.ERROR:
                 raise RequestFailed(f"sample {index}: {payload}" if len(req.seqs) > 1 else payload)
         return req.seqs

@@ -1,22 +1,30 @@
 """Error responses: every failure is a JSON `{"error": {message, type, param, code}}` body.
 
-`APIError(status, message, param)` is raised by handlers and the engine for bad requests
-(400), prompts over the length limit (413), a full queue (429), a paused or missing
-model (503). `install_error_handlers(app)` maps pydantic validation errors (malformed
-JSON, wrong types, out-of-range values) to 400 with `param` naming the field, HTTP
-errors (404, 405, auth) to the same body shape, and anything unexpected to a logged 500.
+`APIError(status, message, param)` is raised by the request handlers for what the server
+refuses: a bad request (400), a request too large for it (413), a full queue (429), a
+paused or missing model (503). The layers below raise errors as data, turned into HTTP
+here only, by `install_error_handlers(app)`:
+- `dllm.errors.FieldError` (the decoder's checks, the schemas' own rules) -> 400 with
+  `param` = its field; `TooLong` (a prompt over max_model_len) -> 413;
+- the engine's `RequestFailed` (a sequence failed) -> 500 with its message, `RequestExpired`
+  -> the status its deadline was set with (408 / 503);
+- pydantic validation errors (malformed JSON, wrong types, out-of-range values) -> 400
+  with `param` naming the field;
+- HTTP errors (404, 405, auth, `BodyTooLarge`) -> the same body shape;
+- anything unexpected -> a logged 500.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dllm.errors import FieldError, TooLong
+from server.engine import RequestExpired, RequestFailed
 from server.state import server_state
 
 log = logging.getLogger("dlrl.server")
@@ -24,7 +32,6 @@ log = logging.getLogger("dlrl.server")
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error", 413: "request_too_large",
           429: "rate_limit_error", 503: "service_unavailable"}
-_FIELD_PREFIX = re.compile(r"^(?:Value error, )?([A-Za-z_][\w.]*): (.*)$", re.S)
 
 
 class APIError(Exception):
@@ -34,11 +41,15 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers
 
-    @classmethod
-    def from_value_error(cls, e: ValueError, status: int = 400) -> APIError:
-        """Convert a dllm `ValueError("<field>: <message>")` into a 400 naming the field."""
-        match = _FIELD_PREFIX.match(str(e))
-        return cls(status, str(e), match.group(1) if match else None)
+
+class BodyTooLarge(StarletteHTTPException):
+    """413 for a body found over the limit while it is read (FastAPI re-raises only HTTP errors
+    met there, so this is one); it names the `body` field."""
+
+    param = "body"
+
+    def __init__(self, message: str):
+        super().__init__(413, message)
 
 
 def _printable(text: str | None) -> str | None:
@@ -63,6 +74,12 @@ def _is_type_tag(part) -> bool:
                                       or part in {"str", "int", "float", "bool", "list", "dict", "none"})
 
 
+def _field_error(err: dict) -> FieldError | None:
+    """The FieldError a schema's own rule raised (pydantic keeps it in the error's context)."""
+    raised = err.get("ctx", {}).get("error")
+    return raised if isinstance(raised, FieldError) else None
+
+
 def _param_of(err: dict) -> str | None:
     loc = [p for p in err.get("loc", ()) if not _is_type_tag(p)]
     loc = [p for i, p in enumerate(loc) if not (i and isinstance(loc[i - 1], int) and p in _UNION_TAGS)]
@@ -71,8 +88,8 @@ def _param_of(err: dict) -> str | None:
     if err.get("type", "").startswith("union_tag"):
         loc.append(str(err.get("ctx", {}).get("discriminator", "")).strip("'\""))
     if not loc or err.get("type") == "json_invalid":
-        match = _FIELD_PREFIX.match(err.get("msg", ""))
-        return match.group(1) if match else ("body" if err.get("type") in ("json_invalid", "string_unicode") else None)
+        raised = _field_error(err)
+        return raised.field if raised else ("body" if err.get("type") in ("json_invalid", "string_unicode") else None)
     return ".".join(str(p) for p in loc)
 
 
@@ -94,8 +111,10 @@ def _message(err: dict, param: str | None) -> str:
     elif kind and kind.startswith("union_tag"):
         ctx = err.get("ctx", {})
         msg = f"{ctx.get('tag', '?')!r} is not one of {ctx.get('expected_tags', '?')}"
+    elif (field_error := _field_error(err)) is not None:
+        msg = field_error.message
     else:
-        msg = _FIELD_PREFIX.sub(r"\2", err.get("msg", "invalid value"))
+        msg = err.get("msg", "invalid value")
     return f"{param}: {msg}" if param else msg
 
 
@@ -134,6 +153,23 @@ def install_error_handlers(app: FastAPI) -> None:
         _count(request, exc.status)
         return error_response(exc.status, exc.message, exc.param, exc.headers)
 
+    @app.exception_handler(FieldError)
+    async def _field_error(request: Request, exc: FieldError):
+        status = 413 if isinstance(exc, TooLong) else 400
+        _count(request, status)
+        return error_response(status, str(exc), exc.field)
+
+    @app.exception_handler(RequestExpired)
+    async def _request_expired(request: Request, exc: RequestExpired):
+        status = exc.deadline_status
+        _count(request, status)
+        return error_response(status, str(exc), None, {"Retry-After": "1"} if status == 503 else None)
+
+    @app.exception_handler(RequestFailed)
+    async def _request_failed(request: Request, exc: RequestFailed):
+        _count(request, 500)
+        return error_response(500, str(exc))
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         _count(request, 400)
@@ -142,11 +178,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
-        match = _FIELD_PREFIX.match(message) if exc.status_code == 413 else None  # RequestGuard's body limit
-        if match:
-            _count(request, 413)
-        return error_response(exc.status_code, message, match.group(1) if match else None,
-                              getattr(exc, "headers", None))
+        param = exc.param if isinstance(exc, BodyTooLarge) else None
+        if param:
+            _count(request, exc.status_code)
+        return error_response(exc.status_code, message, param, getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

@@ -9,9 +9,12 @@
 Validation follows the API contract: invalid token ids / bad sampling values -> 400 naming
 the field; a request that does not fit the server -> 413 (prompt at or over
 `max_model_len`, prompt + max_tokens over it, prompts x n over `max_queue`); full queue
--> 429; engine stopped -> 503. Tokenising and chat templates run on one worker thread,
-never on the event loop, after a cheap bound: a text longer than `max_model_len` x the
-longest token (in characters) cannot fit, so it is a 413 without being tokenised.
+-> 429; engine stopped -> 503. The decoder checks prompts and sampling values itself
+(`dllm.errors.FieldError`, `TooLong` when it does not fit): they pass through here, named
+after the request's prompt field, and become HTTP errors in `server.errors`. Tokenising
+and chat templates run on one worker thread, never on the event loop, after a cheap
+bound: a text longer than `max_model_len` x the longest token (in characters) cannot fit,
+so it is a 413 without being tokenised.
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
+from dllm.errors import FieldError
 from dllm.sampling import SamplingParams
 from dllm.tokenizer import encode
-from rollout_client.protocol import DecodingOptions, Sample, TraceModel
+from dllm.trace import Trace
+from rollout_client.protocol.common import DecodingOptions
+from rollout_client.protocol.native import Sample
 from server.engine import Engine, EngineEvent, EngineStopped, QueueFull
 from server.errors import APIError
 from server.quotas import charge_tokens
@@ -98,46 +104,31 @@ def to_sampling_params(opts: DecodingOptions, max_tokens: int, config: ServerCon
 
 
 async def encode_prompts(state: ServerState, prompts: list[str | list[int]], field: str) -> list[list[int]]:
-    """Token ids of each prompt (texts tokenised off the event loop); 413 when one cannot fit."""
+    """Token ids of each prompt (texts tokenised off the event loop; 413 for a text that cannot fit)."""
     texts = [p for p in prompts if isinstance(p, str)]
     encoded = iter(await state.prompts.encode(texts, field) if texts else [])
-    limit = state.engine.max_model_len
-    out = []
-    for p in prompts:
-        ids = next(encoded) if isinstance(p, str) else p
-        if not ids:
-            raise APIError(400, f"{field}: must contain at least one token", field)
-        if len(ids) >= limit:
-            raise APIError(413, f"{field}: prompt has {len(ids)} tokens; the limit is max_model_len="
-                                f"{limit} (prompt + completion)", field)
-        out.append(ids)
-    return out
+    return [next(encoded) if isinstance(p, str) else p for p in prompts]
+
+
+PROMPT_FIELDS = ("prompt", "prompt_ids")  # what the decoder calls a prompt in its FieldErrors
 
 
 async def prepare(state: ServerState, prompts: list[str | list[int]], opts: DecodingOptions, max_tokens: int | None,
                   n: int, field: str = "prompt") -> list[Sequence]:
-    """Tokenise and validate the prompts; build n Sequences per prompt (prompt-major)."""
+    """Tokenise the prompts; build n Sequences per prompt (prompt-major), which checks them."""
     engine: Engine = state.engine
-    if not prompts:
-        raise APIError(400, f"{field}: must not be empty", field)
     num_seqs = len(prompts) * n
     if num_seqs > engine.scheduler.max_queue:
         raise APIError(413, f"n: {len(prompts)} prompt(s) x n={n} = {num_seqs} sequences exceed what the server "
                             f"queues at once (max_queue={engine.scheduler.max_queue})", "n")
     seqs = []
     for ids in await encode_prompts(state, prompts, field):
-        room = engine.max_model_len - len(ids)
+        room = engine.max_model_len - len(ids)  # none left: the decoder refuses the prompt (TooLong)
         num = min(state.config.default_max_tokens, room) if max_tokens is None else max_tokens
-        if num > room:
-            raise APIError(413, f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({num}) exceeds "
-                                f"max_model_len={engine.max_model_len}", "max_tokens")
         try:
             seqs += engine.make_sequences([ids], to_sampling_params(opts, num, state.config), n)
-        except ValueError as e:
-            err = APIError.from_value_error(e)
-            if err.param == "prompt_ids" and field != "prompt_ids":
-                err.param, err.message = field, f"{field}: " + err.message.split(": ", 1)[-1]
-            raise err from None
+        except FieldError as e:  # the decoder's names of the prompt -> the request's prompt field
+            raise (e.renamed(field) if e.field in PROMPT_FIELDS and e.field != field else e) from None
     charge_tokens(sum(seq_tokens(s) for s in seqs))  # the API key's token rate (server/quotas.py)
     deadline, status = request_deadline(opts, state.config)
     for seq in seqs:
@@ -203,8 +194,8 @@ async def stream_events(engine: Engine, req: EngineRequest) -> AsyncGenerator[tu
         engine.abort(req)
 
 
-def trace_model(seq: Sequence) -> TraceModel:
-    return TraceModel.model_validate({**seq.trace.to_dict(), "finish_reason": seq.finish_reason})
+def trace_model(seq: Sequence) -> Trace:
+    return seq.trace.model_copy(update={"finish_reason": seq.finish_reason}, deep=True)
 
 
 def to_sample(seq: Sequence, index: int, n: int, return_trace: bool = True) -> Sample:

@@ -25,10 +25,9 @@ import time
 import uuid
 from collections.abc import Sequence
 
-from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import error_body
+from server.errors import BodyTooLarge, error_body
 from server.state import server_state
 
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
@@ -102,10 +101,10 @@ class RequestGuard:
             message = await receive()
             if message["type"] == "http.request":
                 num_bytes += len(message.get("body", b""))
-                if num_bytes > self.max_body_bytes:  # FastAPI re-raises an HTTPException met while reading
+                if num_bytes > self.max_body_bytes:  # FastAPI re-raises an HTTP error met while reading
                     if message.get("more_body"):
                         await self._discard(receive, 0)
-                    raise HTTPException(413, self._too_large())
+                    raise BodyTooLarge(self._too_large())
             return message
 
         return receive_limited

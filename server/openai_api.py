@@ -27,7 +27,26 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from dllm.sequence import Sequence
-from rollout_client import protocol as P
+from rollout_client.protocol.chat import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    TokenLogprob,
+    TopLogprob,
+)
+from rollout_client.protocol.common import Usage, new_id
+from rollout_client.protocol.openai import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    OpenAIBase,
+)
 from server.engine import EngineEvent
 from server.errors import APIError, error_body
 from server.generation import prepare, run_to_completion, stream_events, submit, trace_model
@@ -46,14 +65,14 @@ def check_model(name: str | None, served: str) -> None:
         raise APIError(404, f"model: {name!r} is not served here (serving {served!r})", "model")
 
 
-def _usage(seqs: list[Sequence], n: int = 1) -> P.Usage:
+def _usage(seqs: list[Sequence], n: int = 1) -> Usage:
     """OpenAI usage: each prompt counted once (not once per sample), every completion counted."""
     prompt = sum(len(s.prompt_ids) for s in seqs[::n])
     completion = sum(len(s.completion_ids) for s in seqs)
-    return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def _extras(seq: Sequence, body: P._OpenAIBase) -> dict:
+def _extras(seq: Sequence, body: OpenAIBase) -> dict:
     if not body.return_trace:
         return {}
     return {"trace": trace_model(seq), "completion_ids": list(seq.completion_ids), "version": seq.trace.version}
@@ -89,7 +108,7 @@ def _token_texts(tok: PreTrainedTokenizerBase, ids: list[int]) -> tuple[list[str
     return texts, added
 
 
-def completion_logprobs(tok: PreTrainedTokenizerBase, seq: Sequence, k: int) -> P.CompletionLogprobs:
+def completion_logprobs(tok: PreTrainedTokenizerBase, seq: Sequence, k: int) -> CompletionLogprobs:
     """`text_offset` counts from the start of the completion (echo is never combined with logprobs)."""
     texts, added = _token_texts(tok, seq.completion_ids)
     offsets, offset = [], 0
@@ -102,24 +121,24 @@ def completion_logprobs(tok: PreTrainedTokenizerBase, seq: Sequence, k: int) -> 
         alts = {tok.decode([i]): v for i, v in (top[j] if top else [])}
         alts.setdefault(text, lp)
         tops.append(alts)
-    return P.CompletionLogprobs(tokens=texts, token_logprobs=list(seq.trace.logprobs), top_logprobs=tops,
+    return CompletionLogprobs(tokens=texts, token_logprobs=list(seq.trace.logprobs), top_logprobs=tops,
                                 text_offset=offsets)
 
 
-def chat_logprobs(tok: PreTrainedTokenizerBase, seq: Sequence, k: int) -> P.ChatLogprobs:
+def chat_logprobs(tok: PreTrainedTokenizerBase, seq: Sequence, k: int) -> ChatLogprobs:
     def entry(i: int, lp: float) -> dict:
         text = tok.decode([i])
         return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", "replace"))}
 
     top = getattr(seq, "top_logprobs", None) if k else None
-    return P.ChatLogprobs(content=[
-        P.TokenLogprob(**entry(i, lp), top_logprobs=[P.TopLogprob(**entry(a, v)) for a, v in (top[j] if top else [])])
+    return ChatLogprobs(content=[
+        TokenLogprob(**entry(i, lp), top_logprobs=[TopLogprob(**entry(a, v)) for a, v in (top[j] if top else [])])
         for j, (i, lp) in enumerate(zip(seq.completion_ids, seq.trace.logprobs))])
 
 
 # --------------------------------------------------------------------------- endpoints
 
-async def completions(body: P.CompletionRequest, request: Request):
+async def completions(body: CompletionRequest, request: Request):
     st, t0 = server_state(request.app), time.perf_counter()
     check_model(body.model, st.engine.model_name)
     assert body.n is not None, "null means the default (_NullIsDefault)"
@@ -131,28 +150,28 @@ async def completions(body: P.CompletionRequest, request: Request):
                                                  for p in prompts])
     k = body.logprobs
 
-    def logprobs(seq: Sequence) -> P.CompletionLogprobs | None:
+    def logprobs(seq: Sequence) -> CompletionLogprobs | None:
         return None if k is None else completion_logprobs(st.prompts.tokenizer, seq, k)
 
     if body.stream:
-        return _stream(request, "/v1/completions", body, seqs, lambda rid, i, text, reason, lp=None: P.CompletionResponse(
+        return _stream(request, "/v1/completions", body, seqs, lambda rid, i, text, reason, lp=None: CompletionResponse(
             id=rid, model=st.engine.model_name,
-            choices=[P.CompletionChoice(index=i, text=text, finish_reason=reason, logprobs=lp)]),
+            choices=[CompletionChoice(index=i, text=text, finish_reason=reason, logprobs=lp)]),
             prefixes, logprobs, k or 0, prompts)
     seqs = await run_to_completion(st.engine, request, seqs, num_top_logprobs=k or 0)
     all_logprobs = await st.prompts.run(lambda: [logprobs(s) for s in seqs])
     choices = []
     for i, (s, record_id) in enumerate(zip(seqs, await record_ids(st, seqs, prompts, body.n))):
         prefix = prefixes[i // body.n] if prefixes else ""
-        choices.append(P.CompletionChoice(index=i, text=prefix + s.text, finish_reason=s.finish_reason,
+        choices.append(CompletionChoice(index=i, text=prefix + s.text, finish_reason=s.finish_reason,
                                           logprobs=all_logprobs[i], record_id=record_id, **_extras(s, body)))
     usage = _usage(seqs, body.n)
     st.metrics.observe_request("/v1/completions", 200, time.perf_counter() - t0, usage.prompt_tokens)
-    return P.CompletionResponse(id=P.new_id("cmpl"), model=st.engine.model_name, choices=choices,
+    return CompletionResponse(id=new_id("cmpl"), model=st.engine.model_name, choices=choices,
                                 usage=usage, version=max(s.trace.version for s in seqs))
 
 
-async def chat(body: P.ChatCompletionRequest, request: Request):
+async def chat(body: ChatCompletionRequest, request: Request):
     st, t0 = server_state(request.app), time.perf_counter()
     check_model(body.model, st.engine.model_name)
     assert body.n is not None and body.add_generation_prompt is not None, "null means the default"
@@ -164,33 +183,33 @@ async def chat(body: P.ChatCompletionRequest, request: Request):
     seqs = await prepare(st, [ids], body, body.max_completion_tokens or body.max_tokens, body.n, field="messages")
     k = (body.top_logprobs or 0) if body.logprobs else None
 
-    def logprobs(seq: Sequence) -> P.ChatLogprobs | None:
+    def logprobs(seq: Sequence) -> ChatLogprobs | None:
         return None if k is None else chat_logprobs(st.prompts.tokenizer, seq, k)
 
     if body.stream:
         return _stream(request, "/v1/chat/completions", body, seqs, lambda rid, i, delta, reason, lp=None:
-                       P.ChatCompletionChunk(id=rid, model=st.engine.model_name, choices=[P.ChatChunkChoice(
-                           index=i, delta=P.ChatDelta(content=delta), finish_reason=reason, logprobs=lp)]),
+                       ChatCompletionChunk(id=rid, model=st.engine.model_name, choices=[ChatChunkChoice(
+                           index=i, delta=ChatDelta(content=delta), finish_reason=reason, logprobs=lp)]),
                        None, logprobs, k or 0)
     seqs = await run_to_completion(st.engine, request, seqs, num_top_logprobs=k or 0)
     all_logprobs = await st.prompts.run(lambda: [logprobs(s) for s in seqs])
     record_id_list = await record_ids(st, seqs, n=body.n)
-    choices = [P.ChatChoice(index=i, message=P.ChatResponseMessage(content=s.text), finish_reason=s.finish_reason,
+    choices = [ChatChoice(index=i, message=ChatResponseMessage(content=s.text), finish_reason=s.finish_reason,
                             logprobs=all_logprobs[i], record_id=record_id, **_extras(s, body))
                for i, (s, record_id) in enumerate(zip(seqs, record_id_list))]
     usage = _usage(seqs, body.n)
     st.metrics.observe_request("/v1/chat/completions", 200, time.perf_counter() - t0, usage.prompt_tokens)
-    return P.ChatCompletionResponse(id=P.new_id("chatcmpl"), model=st.engine.model_name, choices=choices,
+    return ChatCompletionResponse(id=new_id("chatcmpl"), model=st.engine.model_name, choices=choices,
                                     usage=usage, version=max(s.trace.version for s in seqs))
 
 
-def _stream(request: Request, endpoint: str, body: P._OpenAIBase, seqs: list[Sequence], chunk: Callable[..., Any],
+def _stream(request: Request, endpoint: str, body: OpenAIBase, seqs: list[Sequence], chunk: Callable[..., Any],
             prefixes: list[str] | None, logprobs: Callable[[Sequence], BaseModel | None], num_top: int,
             prompts: list[str | list[int]] | None = None) -> StreamingResponse:
     """SSE response: per-block text deltas, a finish chunk per choice (with its record_id), usage, [DONE]."""
     st = server_state(request.app)
     is_chat = endpoint.endswith("chat/completions")
-    rid = P.new_id("chatcmpl" if is_chat else "cmpl")
+    rid = new_id("chatcmpl" if is_chat else "cmpl")
     stops = body.stop_list()
     events = stream_events(st.engine, submit(st.engine, seqs, stream=True, num_top_logprobs=num_top))  # 429 now
 

@@ -24,7 +24,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from rollout_client import protocol as P
+from rollout_client.protocol.common import MAX_N
+from rollout_client.protocol.service import ErrorResponse
 from server.state import server_state
 
 ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
@@ -48,7 +49,7 @@ DESCRIPTIONS = {
 
 def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     """`responses=` of a route: each status with the error body and its meaning."""
-    return {code: {"model": P.ErrorResponse, "description": DESCRIPTIONS[code]} for code in codes}
+    return {code: {"model": ErrorResponse, "description": DESCRIPTIONS[code]} for code in codes}
 
 
 def _add_errors(op: dict[str, Any], codes: list[int]) -> None:
@@ -118,7 +119,7 @@ def _limit_requests(schema: dict[str, Any], app: FastAPI) -> None:
                 _limit_prompt(props[field], limits)
         bounds = {"steps": backend.block_size, "max_tokens": engine.max_model_len - 1,
                   "max_completion_tokens": engine.max_model_len - 1,
-                  "n": min(P.MAX_N, engine.scheduler.max_queue)}
+                  "n": min(MAX_N, engine.scheduler.max_queue)}
         for field, top in bounds.items():
             for sub in props.get(field, {}).get("anyOf", []):
                 if sub.get("type") == "integer":

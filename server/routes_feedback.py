@@ -20,7 +20,8 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from rollout_client.protocol import ErrorResponse, FeedbackRequest, FeedbackResponse
+from rollout_client.protocol.feedback import FeedbackRequest, FeedbackResponse
+from rollout_client.protocol.service import ErrorResponse
 from server.auth import check_bearer
 from server.config import FEEDBACK_ENV_VAR
 from server.errors import APIError

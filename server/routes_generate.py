@@ -13,7 +13,10 @@ import time
 
 from fastapi import APIRouter, Request
 
-from rollout_client import protocol as P
+from rollout_client.protocol.chat import ChatCompletionRequest, ChatCompletionResponse
+from rollout_client.protocol.common import new_id
+from rollout_client.protocol.native import GenerateRequest, GenerateResponse
+from rollout_client.protocol.openai import CompletionRequest, CompletionResponse, ModelCard, ModelList
 from server import openai_api
 from server.generation import prepare, run_to_completion, to_sample
 from server.openapi import error_responses
@@ -33,8 +36,8 @@ def _json_or_sse(model: type) -> dict:
                   "content": {"text/event-stream": {"schema": SSE_EVENT}}}}
 
 
-@router.post("/generate", response_model=P.GenerateResponse, responses=ERRORS)
-async def generate(body: P.GenerateRequest, request: Request) -> P.GenerateResponse:
+@router.post("/generate", response_model=GenerateResponse, responses=ERRORS)
+async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
     st, t0 = server_state(request.app), time.perf_counter()
     openai_api.check_model(body.model, st.engine.model_name)
     assert body.n is not None and body.return_trace is not None, "null means the default (_NullIsDefault)"
@@ -47,23 +50,23 @@ async def generate(body: P.GenerateRequest, request: Request) -> P.GenerateRespo
         sample.record_id = record_id
     usage = openai_api._usage(seqs, body.n)
     st.metrics.observe_request("/generate", 200, time.perf_counter() - t0, usage.prompt_tokens)
-    return P.GenerateResponse(id=P.new_id("gen"), model=st.engine.model_name,
+    return GenerateResponse(id=new_id("gen"), model=st.engine.model_name,
                               version=max(s.version for s in samples), samples=samples, usage=usage)
 
 
-@router.post("/v1/completions", response_model=None, responses={**_json_or_sse(P.CompletionResponse), **ERRORS})
-async def completions(body: P.CompletionRequest, request: Request):
+@router.post("/v1/completions", response_model=None, responses={**_json_or_sse(CompletionResponse), **ERRORS})
+async def completions(body: CompletionRequest, request: Request):
     return await openai_api.completions(body, request)
 
 
 @router.post("/v1/chat/completions", response_model=None,
-             responses={**_json_or_sse(P.ChatCompletionResponse), **ERRORS})
-async def chat_completions(body: P.ChatCompletionRequest, request: Request):
+             responses={**_json_or_sse(ChatCompletionResponse), **ERRORS})
+async def chat_completions(body: ChatCompletionRequest, request: Request):
     return await openai_api.chat(body, request)
 
 
-@router.get("/v1/models", response_model=P.ModelList)
-async def models(request: Request) -> P.ModelList:
+@router.get("/v1/models", response_model=ModelList)
+async def models(request: Request) -> ModelList:
     engine = server_state(request.app).engine
-    return P.ModelList(data=[P.ModelCard(id=engine.model_name, max_model_len=engine.max_model_len,
+    return ModelList(data=[ModelCard(id=engine.model_name, max_model_len=engine.max_model_len,
                                          version=engine.version)])

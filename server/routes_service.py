@@ -17,7 +17,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout_client import protocol as P
+from rollout_client.protocol.service import EngineStatus, HealthResponse, PauseRequest
 from server.auth import require_admin
 from server.engine import Engine
 from server.errors import error_response
@@ -29,27 +29,27 @@ router = APIRouter(tags=["service"])
 admin = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
 
 
-def _health(engine: Engine, is_draining: bool = False) -> P.HealthResponse:
+def _health(engine: Engine, is_draining: bool = False) -> HealthResponse:
     status = "ok" if engine.is_running else "stopped"
     used, total = kv_pages(engine) or (None, None)
-    return P.HealthResponse(status=status, model=engine.model_name, version=engine.version,
+    return HealthResponse(status=status, model=engine.model_name, version=engine.version,
                             is_paused=engine.is_paused, is_draining=is_draining, num_running=engine.num_running,
                             num_waiting=engine.num_waiting, num_free_slots=engine.backend.num_free_slots,
                             num_kv_pages_used=used, num_kv_pages_total=total)
 
 
-def _status(engine: Engine) -> P.EngineStatus:
-    return P.EngineStatus(is_paused=engine.is_paused, version=engine.version,
+def _status(engine: Engine) -> EngineStatus:
+    return EngineStatus(is_paused=engine.is_paused, version=engine.version,
                           num_running=engine.num_running, num_waiting=engine.num_waiting)
 
 
-@router.get("/health", response_model=P.HealthResponse)
-async def health(request: Request) -> P.HealthResponse:
+@router.get("/health", response_model=HealthResponse)
+async def health(request: Request) -> HealthResponse:
     st = server_state(request.app)
     return _health(st.engine, st.is_draining)
 
 
-@router.get("/ready", response_model=P.HealthResponse, responses=error_responses(503))
+@router.get("/ready", response_model=HealthResponse, responses=error_responses(503))
 async def ready(request: Request):
     st = server_state(request.app)
     engine = st.engine
@@ -68,15 +68,15 @@ async def metrics(request: Request) -> Response:
     return Response(server_state(request.app).metrics.render(), media_type=CONTENT_TYPE)
 
 
-@admin.post("/pause", response_model=P.EngineStatus)
-async def pause(request: Request, body: P.PauseRequest | None = None) -> P.EngineStatus:
+@admin.post("/pause", response_model=EngineStatus)
+async def pause(request: Request, body: PauseRequest | None = None) -> EngineStatus:
     engine = server_state(request.app).engine
     await engine.pause(abort_inflight=bool(body and body.abort_inflight))
     return _status(engine)
 
 
-@admin.post("/resume", response_model=P.EngineStatus)
-async def resume(request: Request) -> P.EngineStatus:
+@admin.post("/resume", response_model=EngineStatus)
+async def resume(request: Request) -> EngineStatus:
     engine = server_state(request.app).engine
     await engine.resume()
     return _status(engine)
@@ -87,13 +87,13 @@ class ModelNameRequest(BaseModel):
     name: str = Field(min_length=1, max_length=256, pattern=r"^[\w.\-/:@+]+$")
 
 
-@admin.post("/model_name", response_model=P.HealthResponse)
-async def model_name(body: ModelNameRequest, request: Request) -> P.HealthResponse:
+@admin.post("/model_name", response_model=HealthResponse)
+async def model_name(body: ModelNameRequest, request: Request) -> HealthResponse:
     st = server_state(request.app)
     st.engine.model_name = body.name
     return _health(st.engine, st.is_draining)
 
 
-@admin.get("/status", response_model=P.EngineStatus)
-async def status(request: Request) -> P.EngineStatus:
+@admin.get("/status", response_model=EngineStatus)
+async def status(request: Request) -> EngineStatus:
     return _status(server_state(request.app).engine)

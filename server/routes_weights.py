@@ -31,7 +31,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import JSONResponse
 
-from rollout_client.protocol import ErrorResponse
+from rollout_client.protocol.service import ErrorResponse
 from server.auth import require_admin
 from server.state import server_state
 from server.weight_updates import WeightUpdates

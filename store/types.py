@@ -70,7 +70,7 @@ class Record:
     completion_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str = "stop"
-    trace: dict = field(default_factory=dict)     # rollout_client.protocol.TraceModel fields
+    trace: dict = field(default_factory=dict)     # dllm.trace.Trace fields
     sampling: dict = field(default_factory=dict)  # temperature, top_k, top_p, strategy, steps, ...
 
     def to_dict(self) -> dict:

@@ -38,7 +38,7 @@ def global_rollouts(policy) -> list:
     """The step's rollouts, identical on every rank (one process each, same seeds)."""
     from dllm.decoding import generate
     from dllm.sampling import SamplingParams
-    from rollout_client.protocol import Rollout, TraceModel
+    from rollout_client.protocol.rollout import Rollout
 
     prompts = [[1 + p, 2 + p, 3, 4 + 2 * p, 5][: 2 + p % 4] for p in range(NUM_PROMPTS)]
     params = [SamplingParams(max_tokens=9, strategy="static", steps=2, seed=100 * p + i)
@@ -47,7 +47,7 @@ def global_rollouts(policy) -> list:
     return [Rollout(prompt_index=k // GROUP, sample_index=k % GROUP, prompt_ids=o.prompt_ids,
                     completion_ids=o.completion_ids, text=" ".join(map(str, o.completion_ids)),
                     finish_reason=o.finish_reason, version=0,
-                    trace=TraceModel.model_validate(o.trace.to_dict())) for k, o in enumerate(outs)]
+                    trace=o.trace.model_copy(deep=True)) for k, o in enumerate(outs)]
 
 
 def run_case(ranks, objective: str, stage: int, rollouts: list) -> dict:

@@ -162,9 +162,9 @@ def _paper_gae(prompt_len, block_size, steps, values, reward, shrink, gamma, lam
 
 
 def _trace(prompt_len, block_size, steps):
-    from rollout_client.protocol import TraceModel
+    from dllm.trace import Trace
 
-    return TraceModel(prompt_len=prompt_len, block_size=block_size, steps=steps, logprobs=[0.0] * len(steps))
+    return Trace(prompt_len=prompt_len, block_size=block_size, steps=steps, logprobs=[0.0] * len(steps))
 
 
 def test_shrink_smallest_case_from_the_issue():

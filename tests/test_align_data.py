@@ -144,7 +144,7 @@ def test_a_recorded_sample_replays_to_its_behaviour_logprobs(tiny_model_dir):
     for o in outs:
         rec = Record(id=new_record_id(), created=time.time(), server="r0", version=0, prompt=None,
                      prompt_ids=o.prompt_ids, completion_ids=o.completion_ids, text=o.text,
-                     finish_reason=o.finish_reason, trace=json.loads(json.dumps(o.trace.to_dict())),
+                     finish_reason=o.finish_reason, trace=json.loads(json.dumps(o.trace.model_dump())),
                      sampling={"temperature": 1.0, "strategy": "dynamic"})
         roll = record_rollout(rec, block_size=4, max_len=512)
         assert not isinstance(roll, str), roll
@@ -156,11 +156,12 @@ def test_a_recorded_sample_replays_to_its_behaviour_logprobs(tiny_model_dir):
 
 
 def test_mixed_batch_scores_feedback_by_its_users_and_forms_pseudo_groups():
-    from rollout_client.protocol import Rollout, TraceModel
+    from dllm.trace import Trace
+    from rollout_client.protocol.rollout import Rollout
     from trainer.align.data import FeedbackSample
 
     def roll(text, version):
-        trace = TraceModel(prompt_len=1, block_size=4, steps=[1], logprobs=[-0.1], version=version)
+        trace = Trace(prompt_len=1, block_size=4, steps=[1], logprobs=[-0.1], version=version)
         return Rollout(prompt_index=0, sample_index=0, prompt_ids=[1], completion_ids=[2], text=text,
                        finish_reason="stop", version=version, trace=trace)
 

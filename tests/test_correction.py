@@ -50,7 +50,7 @@ def test_mismatch_stats_and_bad_options():
 
 
 def test_rollout_requests_carry_the_stop_settings():
-    from rollout_client.protocol import GenerateRequest
+    from rollout_client.protocol.native import GenerateRequest
     from trainer.config import TrainConfig
     from trainer.rollouts import sampling_kwargs
 

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from dllm.commit import STRATEGY_CODES, commit_mask, commit_positions
+from dllm.commit import commit_mask, commit_positions
 from dllm.decoding import generate
 from dllm.model import SDARForCausalLM
 from dllm.sampling import (
@@ -16,6 +16,7 @@ from dllm.sampling import (
     sample_tokens,
     sampling_logprobs,
 )
+from dllm.strategy import Strategy
 from tests.helpers import OverflowingParams, tiny_config
 
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16], [20, 21, 22, 23]]
@@ -80,8 +81,8 @@ def test_commit_mask_equals_row_rule_for_mixed_strategies():
     masked[:, 0] |= ~masked.any(-1)
     k = torch.tensor([rng.randint(1, B) for _ in range(N)])
     thr = torch.tensor([rng.choice([0.0, 0.5, 0.9, 1.0]) for _ in range(N)])
-    names = [rng.choice(list(STRATEGY_CODES)) for _ in range(N)]
-    got = commit_mask(conf, masked, k, thr, torch.tensor([STRATEGY_CODES[s] for s in names]))
+    names = [rng.choice(list(Strategy)) for _ in range(N)]
+    got = commit_mask(conf, masked, k, thr, torch.tensor([s.code for s in names]))
     for r in range(N):
         pos = [i for i in range(B) if masked[r, i]]
         want = commit_positions(conf[r].tolist(), pos, int(k[r]), float(thr[r]), names[r])
@@ -92,7 +93,7 @@ def test_dynamic_rule_edges():
     """Strictly above the threshold, and at least what the steps schedule asks for (SDAR / TraDo)."""
     conf = torch.tensor([[0.9, 0.95, 0.2, 0.1], [0.9, 0.9, 0.9, 0.1], [0.91, 0.92, 0.93, 0.1]])
     masked = torch.ones(3, 4, dtype=torch.bool)
-    dyn = torch.full((3,), STRATEGY_CODES["dynamic"])
+    dyn = torch.full((3,), Strategy.dynamic.code)
     got = commit_mask(conf, masked, torch.tensor([1, 1, 2]), torch.full((3,), 0.9), dyn)
     assert got.tolist() == [[False, True, False, False],   # 0.9 is not above 0.9: only 0.95
                             [True, False, False, False],   # none above: the schedule's 1 (most confident)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dllm.decoding import BlockDecoder, generate, transfer_schedule
+from dllm.errors import TooLong
 from dllm.model import SDARForCausalLM
 from dllm.sampling import SamplingParams, sampling_logprobs
 from dllm.tokenizer import build_char_tokenizer
@@ -145,7 +146,7 @@ def test_trace_logprobs_equal_sampling_distribution(model):
 
 
 def test_invalid_sampling_params_name_the_field(model):
-    dec = BlockDecoder(model, max_batch=1, max_len=32)
+    dec = BlockDecoder(model, max_batch=1, max_len=68)  # room for the default max_tokens: one error per case
     for kwargs, field in [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"),
                           ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"), ({"strategy": "magic"}, "strategy"),
                           ({"steps": 9}, "steps"), ({"threshold": 2}, "threshold"), ({"seed": -1}, "seed"),
@@ -156,3 +157,7 @@ def test_invalid_sampling_params_name_the_field(model):
         dec.new_sequence([1, 63], SamplingParams())
     with pytest.raises(ValueError, match="prompt"):
         dec.new_sequence([], SamplingParams())
+    with pytest.raises(TooLong, match="^prompt: prompt has 68 tokens; the limit is max_model_len=68"):
+        dec.new_sequence([1] * 68, SamplingParams(temperature=-1))  # a prompt that cannot fit comes first
+    with pytest.raises(TooLong, match=r"^max_tokens: prompt \(2 tokens\) \+ max_tokens \(67\) exceeds"):
+        dec.new_sequence([1, 2], SamplingParams(max_tokens=67, steps=9))

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 
 import httpx
 import pytest
 from pydantic import ValidationError
 
+from dllm.trace import Trace
 from rollout_client import Rollout, RolloutClient, RolloutError
-from rollout_client.protocol import GenerateResponse, Sample, TraceModel, Usage
+from rollout_client.protocol.common import Usage
+from rollout_client.protocol.native import GenerateResponse, Sample
 
 DEAD = "http://127.0.0.1:9"  # discard port: connection refused
 
@@ -90,7 +94,7 @@ def test_retries_503_then_succeeds():
     calls = []
     ok = GenerateResponse(id="g", model="m", version=3, usage=Usage(), samples=[Sample(
         index=0, prompt_index=0, prompt_ids=[5], completion_ids=[6, 0], text="1", finish_reason="stop", version=3,
-        trace=TraceModel(prompt_len=1, block_size=4, steps=[1, 1], logprobs=[-0.5, -0.1], version=3))])
+        trace=Trace(prompt_len=1, block_size=4, steps=[1, 1], logprobs=[-0.5, -0.1], version=3))])
 
     def handler(request: httpx.Request) -> httpx.Response:
         calls.append(json.loads(request.content))
@@ -119,3 +123,12 @@ def test_health_and_wait_ready(server):
             await client.wait_ready(timeout=10)
 
     run(main())
+
+
+def test_the_client_and_every_schema_import_without_torch():
+    """Trainers and tools use the client without the model stack: no module it imports pulls torch in."""
+    code = ("import sys, pkgutil, importlib, rollout_client, rollout_client.protocol as p\n"
+            "for m in pkgutil.iter_modules(p.__path__): importlib.import_module(f'rollout_client.protocol.{m.name}')\n"
+            "assert 'torch' not in sys.modules, sorted(n for n in sys.modules if n.startswith(('torch', 'dllm')))\n"
+            "assert 'dllm.trace' in sys.modules and 'dllm.strategy' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

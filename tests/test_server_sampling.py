@@ -64,9 +64,8 @@ def test_non_finite_row_ends_only_its_own_request(server):
             good = [asyncio.ensure_future(c.post(server.url + "/generate", json={
                 "prompt_ids": prompt, "max_tokens": 12, "seed": i, "ignore_eos": True, "return_trace": True}))
                 for i in range(3)]
-            with pytest.raises(RequestFailed, match="sample 0: sampling failed: .* not finite") as err:
+            with pytest.raises(RequestFailed, match="sample 0: sampling failed: .* not finite"):
                 await engine.wait(failing)
-            assert err.value.status == 500
             return await asyncio.gather(*good)
 
     responses = asyncio.run(together(engine, send))

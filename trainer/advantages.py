@@ -20,7 +20,7 @@
     returns, adv = stepwise_gae_batch(tok_r, values, step_ids, valid, gamma=1.0, lam=1.0)
     returns, adv = trace_gae(traces, values, rewards, shrink=2, gamma=1.0, lam=0.95)   # from traces
 
-`trace_gae` takes each sample's step ids from its trace (`TraceModel.global_steps(shrink)`:
+`trace_gae` takes each sample's step ids from its trace (`Trace.global_steps(shrink)`:
 with shrinkage s, steps (k-1)s+1..ks of a block are one step of the shrunk trajectory, as in
 TraceRL) and puts the sequence reward on the tokens of the last step.
 
@@ -154,7 +154,7 @@ def stepwise_gae(token_rewards: torch.Tensor, token_values: torch.Tensor, token_
 
 def trace_gae(traces, token_values: torch.Tensor, rewards: torch.Tensor, shrink: int = 1, gamma: float = 1.0,
               lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """traces: N objects with `global_steps(shrink)` (rollout_client TraceModel); token_values
+    """traces: N objects with `global_steps(shrink)` (dllm.trace.Trace); token_values
     [N, L] (V_j of completion token j); rewards [N]. -> (returns [N, L], advantages [N, L])."""
     N, L = token_values.shape
     step_ids = torch.zeros(N, L, dtype=torch.long)

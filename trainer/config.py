@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
+from dllm.strategy import Strategy, StrategyField
 from dlrl_config import Config
-from rollout_client.protocol import Strategy
 from trainer.correction import Level, Mode
 from trainer.objectives import objective_names
 from trainer.rewards.sandbox import SandboxMode
@@ -73,7 +73,7 @@ class TrainConfig(Config):
     temperature: float = Field(1.0, ge=0)  # rollout sampling temperature
     top_k: int = Field(0, ge=0)  # rollout top-k (0 = off)
     top_p: float = Field(1.0, gt=0, le=1)  # rollout nucleus p (1 = off)
-    strategy: Strategy = "static"  # decoding strategy: static (denoise_steps per block) | dynamic (confidence threshold) | sequential
+    strategy: StrategyField = Strategy.static  # decoding strategy: static (denoise_steps per block) | dynamic (confidence threshold) | sequential
     denoise_steps: int = Field(0, ge=0)  # 0 = block_size
     threshold: float = Field(0.9, ge=0, le=1)  # dynamic strategy: commit tokens whose confidence exceeds this
     mode: Literal["sync", "overlap"] = "sync"  # overlap: one-step off-policy

@@ -30,7 +30,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from rollout_client.client import AdminError, RolloutClient
-from rollout_client.protocol import Rollout
+from rollout_client.protocol.rollout import Rollout
 from trainer.local_servers import is_local
 from weight_sync import WeightSender, WeightSyncError
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rollout_client.protocol import Rollout
+from rollout_client.protocol.rollout import Rollout
 from trainer.dist import Ranks
 
 log = logging.getLogger("dlrl.train")

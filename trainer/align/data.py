@@ -16,7 +16,7 @@ pool: prompts never used before first (oldest first), the rest drawn uniformly f
 
 Feedback records are exact off-policy data: the server recorded the token ids, the decoding
 trace and the behaviour log-probability of every token under the weights (`version`) that
-generated the whole sample. A record becomes a `rollout_client.protocol.Rollout` carrying that
+generated the whole sample. A record becomes a `rollout_client.protocol.rollout.Rollout` carrying that
 trace and version; the learner's importance correction (`train.is_correction`, see
 `trainer.correction`) recomputes the log-probs under the current weights and weights each
 token by pi_current / mu_behaviour, so staleness is corrected exactly (and bounded by
@@ -48,7 +48,8 @@ from typing import Any
 
 import numpy as np
 
-from rollout_client.protocol import Rollout, TraceModel
+from dllm.trace import Trace
+from rollout_client.protocol.rollout import Rollout
 from trainer.data import example_from_record
 from trainer.loop import StopRequested
 from trainer.rollouts import Batch
@@ -203,7 +204,7 @@ class FeedbackSample:
 def record_rollout(rec, block_size: int, max_len: int) -> Rollout | str:
     """A stored record as a Rollout for replay, or the reason it cannot be one (hostile until checked)."""
     try:
-        trace = TraceModel.model_validate(rec.trace)
+        trace = Trace.model_validate(rec.trace)
     except ValueError as e:
         return f"bad trace: {str(e).splitlines()[0]}"
     n = len(rec.completion_ids)

@@ -1,0 +1,40 @@
+"""The ranges of the sampling parameters, defined once (torch-free).
+
+The decoder's own check (`SamplingParams.validate`) and the wire schemas' bounds
+(`rollout_client.protocol.common.DecodingOptions`, published in the OpenAPI document) both
+read them, so a request the schema accepts is one the decoder accepts.
+
+    TEMPERATURE.bounds      # {"ge": 0.0, "le": 100.0}: keyword arguments of pydantic's Field
+    0.5 in TOP_P            # True
+    str(TOP_P)              # "(0, 1]": how error messages state it
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Range:
+    """A closed or half-open interval of numbers: `ge`/`gt` below, `le` above."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+
+    @property
+    def bounds(self) -> dict[str, float]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    def __contains__(self, x: float) -> bool:
+        return ((self.ge is None or x >= self.ge) and (self.gt is None or x > self.gt)
+                and (self.le is None or x <= self.le))
+
+    def __str__(self) -> str:
+        low = f"[{self.ge:g}" if self.ge is not None else f"({self.gt:g}"
+        return f"{low}, {self.le:g}]"
+
+
+TEMPERATURE = Range(ge=0.0, le=100.0)  # 0 = greedy (below dllm.sampling.GREEDY_BELOW too)
+TOP_P = Range(gt=0.0, le=1.0)          # 1 = off
+THRESHOLD = Range(ge=0.0, le=1.0)      # confidence a `dynamic` step commits above

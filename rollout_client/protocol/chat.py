@@ -1,0 +1,157 @@
+"""The OpenAI-compatible chat API: POST /v1/chat/completions (messages, responses, stream chunks).
+
+    ChatCompletionRequest(messages=[{"role": "user", "content": "1+2="}], max_completion_tokens=8)
+    ChatCompletionResponse(id, model, choices=[ChatChoice(index, message, finish_reason, ...)])
+    ChatCompletionChunk(id, model, choices=[ChatChunkChoice(index, delta=ChatDelta(content="3"))])
+
+Messages are told apart by `role`; content is a text or a list of text parts. Per-token
+logprobs with the k most likely alternatives (`top_logprobs`) as OpenAI returns them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, Field
+
+from dllm.trace import Trace
+from rollout_client.protocol.common import (
+    MAX_TOKENS_CAP,
+    MAX_TOP_LOGPROBS,
+    RECORD_ID_DOC,
+    FinishReason,
+    NullIsDefault,
+    Text,
+    Usage,
+    int_range,
+)
+from rollout_client.protocol.openai import OpenAIBase
+
+
+class TextPart(NullIsDefault):
+    """An OpenAI content part; only text parts are supported."""
+    type: Literal["text"]
+    text: Text
+
+
+Content = Text | Annotated[list[TextPart], Field(min_length=1)]
+
+
+class _Message(NullIsDefault):
+    name: Text | None = None
+
+    def text(self) -> str:
+        content = getattr(self, "content", None)
+        if content is None:
+            return ""
+        return content if isinstance(content, str) else "".join(p.text for p in content)
+
+    def for_template(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}  # type: ignore[attr-defined]
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key, None) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
+class SystemMessage(_Message):
+    role: Literal["system", "developer"]
+    content: Content
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+    content: Content
+
+
+class AssistantMessage(_Message):
+    """An assistant turn; `content` may be null (a tool-call turn)."""
+
+    role: Literal["assistant"]
+    content: Content | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: Text | None = None
+
+
+ChatMessage = Annotated[Union[SystemMessage, UserMessage, AssistantMessage, ToolMessage],  # noqa: UP007
+                        Field(discriminator="role")]
+
+
+class ChatCompletionRequest(OpenAIBase):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int_range(ge=1, le=MAX_TOKENS_CAP) | None = None
+    logprobs: bool | None = False
+    top_logprobs: int_range(ge=0, le=MAX_TOP_LOGPROBS) | None = Field(
+        None, description="k most likely tokens per position (used when logprobs is true)")
+    add_generation_prompt: bool | None = True
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    finish_reason: FinishReason | None
+    logprobs: ChatLogprobs | None = None
+    version: int | None = None
+    trace: Trace | None = None
+    completion_ids: list[int] | None = None
+    record_id: str | None = Field(None, description=RECORD_ID_DOC)
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    version: int | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    finish_reason: FinishReason | None = None
+    logprobs: ChatLogprobs | None = None
+    version: int | None = None
+    trace: Trace | None = None
+    completion_ids: list[int] | None = None
+    record_id: str | None = Field(None, description=RECORD_ID_DOC)
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None

@@ -1,0 +1,114 @@
+"""Shared pieces of the wire schemas: field types, request rules, the decoding options, usage.
+
+Request rules (what the JSON schema says is what the server accepts): `null` for an
+optional field means its default (`NullIsDefault`); strings must be valid Unicode (a lone
+surrogate such as `"\\ud800"` is a 400 naming the field); native request bodies refuse
+unknown fields (`StrictRequest`); integers also come as integral numbers such as 3.0
+(`int_range`). Limits that depend on the served model (vocabulary, block size, context
+length) are added to the schema by the server (`server.openapi`).
+
+    class MyRequest(StrictRequest):
+        count: int_range(ge=1, le=MAX_N) | None = 1
+        text: NonEmptyText
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from dllm.ranges import TEMPERATURE, THRESHOLD, TOP_P
+from dllm.strategy import Strategy, StrategyField
+
+FinishReason = Literal["stop", "length", "abort"]
+MAX_TOKENS_CAP = 1 << 20  # schema-level sanity bound; the server enforces its max_model_len
+MAX_N = 256
+MAX_STOP = 16
+MAX_COMPLETION_LOGPROBS = 5   # OpenAI's limit for /v1/completions `logprobs`
+MAX_TOP_LOGPROBS = 20         # OpenAI's limit for chat `top_logprobs`
+
+
+RECORD_ID_DOC = ("id of this sample in the server's feedback store (POST /v1/feedback); null when the "
+                 "server did not record it (server.record)")
+RECORD_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def valid_unicode(text: str) -> str:
+    """Reject lone surrogates (JSON `"\\ud800"`): they are not Unicode text and cannot be tokenised."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"contains a lone surrogate (U+{ord(text[e.start]):04X}) at index {e.start}; "
+                         "strings must be valid Unicode") from None
+    return text
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema counts 3.0 as an integer; so does this API (strict mode would refuse it)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def int_range(**limits: int) -> Any:
+    """An integer field with bounds (ge/le/lt) that also takes integral numbers such as 3.0."""
+    return Annotated[int, Field(**limits), BeforeValidator(_integral)]
+
+
+Text = Annotated[str, AfterValidator(valid_unicode)]
+NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(valid_unicode)]
+TokenId = int_range(ge=0)
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
+class NullIsDefault(BaseModel):
+    """Strict types; `null` for an optional field means its default (as OpenAI clients send it)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        optional = {name for name, f in cls.model_fields.items() if not f.is_required()}
+        return {k: v for k, v in data.items() if v is not None or k not in optional}
+
+
+class StrictRequest(NullIsDefault):
+    """Base of the native request bodies: unknown fields are an error."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class DecodingOptions(StrictRequest):
+    """Block-diffusion sampling options shared by every generation endpoint."""
+
+    temperature: float | None = Field(1.0, **TEMPERATURE.bounds, description="0 = greedy")
+    top_k: int_range(ge=0, lt=1 << 31) | None = Field(0, description="0 = off")
+    top_p: float | None = Field(1.0, **TOP_P.bounds)
+    strategy: StrategyField | None = Strategy.dynamic
+    steps: int_range(ge=1) | None = Field(None, description="denoising steps per block (static/sequential); "
+                                                      "at most the model's block size")
+    threshold: float | None = Field(0.9, **THRESHOLD.bounds, description="confidence threshold (dynamic)")
+    seed: int_range(ge=0, lt=1 << 53) | None = Field(None, description="below 2**53: exact in every JSON parser")
+    stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[int_range(ge=0, lt=1 << 31)], Field(max_length=1024)] | None = None
+    ignore_eos: bool | None = False
+    return_trace: bool | None = True
+    timeout: float | None = Field(None, gt=0.0, le=86400.0, description="seconds: a request not finished by "
+                                  "then is aborted (503), its cache freed; capped by the server's max_request_s")
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0

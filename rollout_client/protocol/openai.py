@@ -1,0 +1,138 @@
+"""The OpenAI-compatible completions API: POST /v1/completions, GET /v1/models.
+
+    CompletionRequest(prompt="1+2=", max_tokens=8, stream=True, logprobs=2)
+    CompletionResponse(id, model, choices=[CompletionChoice(index, text, finish_reason, ...)])
+
+`OpenAIBase` holds what completions and chat (`protocol.chat`) share: OpenAI's fields plus the
+dLLM decoding options (`common.DecodingOptions`) as extra fields; unknown OpenAI fields are
+ignored (as vLLM does). Each choice may also carry its `version`, `trace` and `record_id`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from dllm.errors import FieldError
+from dllm.trace import Trace
+from rollout_client.protocol.common import (
+    MAX_COMPLETION_LOGPROBS,
+    MAX_N,
+    MAX_TOKENS_CAP,
+    RECORD_ID_DOC,
+    DecodingOptions,
+    FinishReason,
+    NonEmptyText,
+    NullIsDefault,
+    Text,
+    TokenIds,
+    Usage,
+    int_range,
+)
+
+
+class StreamOptions(NullIsDefault):
+    include_usage: bool | None = False
+
+
+class OpenAIBase(DecodingOptions):
+    """Fields common to completions and chat. Unknown OpenAI fields are ignored (as vLLM does)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: Text | None = None
+    n: int_range(ge=1, le=MAX_N) | None = 1
+    max_tokens: int_range(ge=1, le=MAX_TOKENS_CAP) | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    return_trace: bool | None = False
+    user: Text | None = None
+
+    @field_validator("max_tokens", "max_completion_tokens", mode="before", check_fields=False)
+    @classmethod
+    def _no_scoring_only(cls, v: Any) -> Any:
+        if v == 0 and not isinstance(v, bool):
+            raise ValueError("0 asks for prompt log-likelihoods only, which a block-diffusion model does not "
+                             "compute (it scores no prompt tokens); ask for at least 1 token")
+        return v
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _no_echo_logprobs(schema: dict[str, Any]) -> None:
+    """JSON schema of CompletionRequest: `echo` and `logprobs` are not both given."""
+    schema["not"] = {"required": ["echo", "logprobs"],
+                     "properties": {"echo": {"const": True}, "logprobs": {"type": "integer"}}}
+
+
+class CompletionRequest(OpenAIBase):
+    model_config = ConfigDict(json_schema_extra=_no_echo_logprobs)
+    prompt: (NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)] | TokenIds
+             | Annotated[list[TokenIds], Field(min_length=1)])
+    echo: bool | None = False
+    logprobs: int_range(ge=0, le=MAX_COMPLETION_LOGPROBS) | None = Field(
+        None, description="return the sampled tokens' logprobs and the k most likely")
+
+    @model_validator(mode="after")
+    def _echo_needs_no_prompt_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise FieldError("echo", "echo with logprobs asks for prompt log-likelihoods, which a "
+                             "block-diffusion model does not compute; drop echo or logprobs")
+        return self
+
+    def prompt_list(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], list):
+            return [list(x) for x in p]  # type: ignore[arg-type]
+        if p and isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy completions logprobs: per completion token its text, logprob, the k most likely
+    alternatives ({token: logprob}, plus the sampled one) and its character offset in `text`."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: FinishReason | None
+    logprobs: CompletionLogprobs | None = None
+    version: int | None = None
+    trace: Trace | None = None
+    completion_ids: list[int] | None = None
+    record_id: str | None = Field(None, description=RECORD_ID_DOC)
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    version: int | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "dlrl"
+    max_model_len: int | None = None
+    version: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
