@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # One GPU check session on a lent CUDA machine (no network there), everything under $OUT early:
 #   1. install carried wheels (.whl/*.whl: what the machine's image lacks) into /tmp/site, versions, nvidia-smi
-#   2. the CUDA-marked tests (tests/test_dllm_step.py, test_dllm_flex.py, test_fused_layout.py) on CUDA
+#   2. the CUDA-marked tests (tests/dllm/test_dllm_step.py, test_dllm_flex.py, test_fused_layout.py) on CUDA
 #   3. decode at the SDAR-1.7B shape, random bf16: eager vs CUDA graphs (+ kernels per step), then compiled
 #   4. (started first, in the background) the whole suite minus the gpu-marked tests of step 2, under xdist,
 #      pinned to cores 4-15 (steps 2-3 to 0-3), junit xml; SIGINT (reports still written) before the budget ends
 #
 #   bash .gpu/gpu_session.sh                           # on the device (a copy of this file; BUDGET s in all)
 #       .gpu/overlay/ (optional): files copied over the checkout first (a branch's changes; run sends main)
-#   DRY=1 OUT=/tmp/gpu-dry PY=.venv/bin/python SUITE="tests/test_cli_help.py" bash benchmarks/gpu_session.sh
+#   DRY=1 OUT=/tmp/gpu-dry PY=.venv/bin/python SUITE="tests/dlrl/test_cli_help.py" bash benchmarks/gpu_session.sh
 #
 # DRY=1: this CPU box -- wheels into a temp dir, a tiny CPU benchmark, the suite subset $SUITE.
 # Files back (8 at most): session.log gpu_tests.log decode.json decode.kernels-eager.txt
@@ -25,8 +25,8 @@ OMP_NUM_THREADS=2 pin 4-15 timeout -s INT -k 20 $SUITE_T $PY -m pytest -q "${XDI
 SUITE_PID=$!
 
 echo "== 2. CUDA tests ($(left)s left)"  # their files' other tests run in the suite (step 4)
-pin 0-3 timeout -s INT -k 10 200 $PY -m pytest -v -rfEs -p no:cacheprovider --timeout 150 -m gpu tests/test_dllm_step.py \
-    tests/test_dllm_flex.py tests/test_fused_layout.py >"$OUT/gpu_tests.log" 2>&1
+pin 0-3 timeout -s INT -k 10 200 $PY -m pytest -v -rfEs -p no:cacheprovider --timeout 150 -m gpu tests/dllm/test_dllm_step.py \
+    tests/dllm/test_dllm_flex.py tests/dllm/test_fused_layout.py >"$OUT/gpu_tests.log" 2>&1
 echo "rc=$?"; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/gpu_tests.log" | grep -E "gpu|cuda|passed|failed|ERROR" | tail -15
 
 echo "== 3. decode benchmark, SDAR-1.7B shape ($(left)s left; suite running on other cores)"

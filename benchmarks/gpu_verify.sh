@@ -4,14 +4,14 @@
 #   1. setup (gpu_setup.sh)   2. (background, cores 4-15) the test files that failed there + those not reached
 #   3. which flex_attention compiles work on this GPU (dtype x head dim, dynamic shapes)   4. the CUDA tests
 #   bash .gpu/gpu_verify.sh                     # on the device, BUDGET s in all
-#   DRY=1 OUT=/tmp/v PY=.venv/bin/python FILES=tests/test_hub_models.py bash benchmarks/gpu_verify.sh
+#   DRY=1 OUT=/tmp/v PY=.venv/bin/python FILES=tests/dllm/test_hub_models.py bash benchmarks/gpu_verify.sh
 # Files back: session.log subset.log subset.xml gpu_tests.log
 BUDGET=${BUDGET:-220}
 source "$(dirname "$0")/gpu_setup.sh"
-FILES=${FILES:-"tests/test_weight_sync_transports.py tests/test_weight_sync_faults.py tests/test_weight_sync_integrity.py
- tests/test_ranks.py tests/test_server_connections.py tests/test_trainer_crash.py tests/test_trainer_ranks_e2e.py
- tests/test_align_e2e.py tests/test_hub_models.py tests/test_qwen_tokenizer.py tests/test_value_model.py
- tests/test_dllm_flex.py tests/test_fused_layout.py"}
+FILES=${FILES:-"tests/weight_sync/test_weight_sync_transports.py tests/weight_sync/test_weight_sync_faults.py tests/weight_sync/test_weight_sync_integrity.py
+ tests/trainer/test_ranks.py tests/server/test_server_connections.py tests/trainer/test_trainer_crash.py tests/trainer/test_trainer_ranks_e2e.py
+ tests/trainer/align/test_align_e2e.py tests/dllm/test_hub_models.py tests/dllm/test_qwen_tokenizer.py tests/trainer/test_value_model.py
+ tests/dllm/test_dllm_flex.py tests/dllm/test_fused_layout.py"}
 echo "== 2. subset in the background ($(left)s left)"
 XDIST=()
 $PY -c "import xdist" 2>/dev/null && XDIST=(-n 12)
@@ -41,8 +41,8 @@ EOF
     echo "rc=$?"
 fi
 echo "== 4. CUDA tests ($(left)s left)"
-pin 0-3 timeout -s INT -k 10 100 $PY -m pytest -v -rfEs -p no:cacheprovider --timeout 90 -m gpu tests/test_dllm_step.py \
-    tests/test_dllm_flex.py tests/test_fused_layout.py >"$OUT/gpu_tests.log" 2>&1
+pin 0-3 timeout -s INT -k 10 100 $PY -m pytest -v -rfEs -p no:cacheprovider --timeout 90 -m gpu tests/dllm/test_dllm_step.py \
+    tests/dllm/test_dllm_flex.py tests/dllm/test_fused_layout.py >"$OUT/gpu_tests.log" 2>&1
 echo "rc=$?"; grep -E "(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/gpu_tests.log" | grep -E "::|passed|failed" | tail -8
 grep -E "^E  " "$OUT/gpu_tests.log" | head -6
 echo "== waiting for the subset ($(left)s left)"

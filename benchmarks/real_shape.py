@@ -10,7 +10,7 @@ shm weight push) talk to it. Reports wall time and peak RSS (`wait4`) of each pr
 checks that chat turns stop at `<|im_end|>` with the stop token in the trace. The random
 model gets every math answer wrong, so the train steps use `filter_zero_variance=false`
 (zero advantages: the whole step still runs: replay, loss, backward, optimizer, push).
-tests/test_real_shape_smoke.py runs this script; its numbers are in benchmarks/RESULTS.md.
+tests/dllm/test_real_shape_smoke.py runs this script; its numbers are in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ graph captured once stays valid: weight updates copy into the same parameter sto
 one memory pool (as nano-vllm's capture); the first `max_graphs` keys are captured lazily,
 each logged, later keys run eagerly (logged once). `server.cuda_graphs` is off by default; it
 ran on an H200 (torch 2.11: same tokens as eager, 3-4x faster steps at the SDAR-1.7B shape,
-benchmarks/RESULTS.md); tests/test_dllm_step.py has the GPU-marked check.
+benchmarks/RESULTS.md); tests/dllm/test_dllm_step.py has the GPU-marked check.
 """
 
 from __future__ import annotations

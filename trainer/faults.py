@@ -8,7 +8,7 @@
 
 Points: `rollout` (while step N's rollout requests are in flight), `optimizer` (between a
 backward and its optimizer step), `push` (after the first tensor of the push has been sent).
-Unset (the default, and `Faults()`) every call is a no-op. Used by tests/test_trainer_crash.py
+Unset (the default, and `Faults()`) every call is a no-op. Used by tests/trainer/test_trainer_crash.py
 to prove that `--resume` after a real `kill -9` at each point loses no step, applies none twice,
 and leaves the servers holding exactly the trainer's weights.
 """

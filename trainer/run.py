@@ -244,7 +244,7 @@ def _start_fleet(cfg, server, ranks: Ranks, config_path, overrides, out: Path) -
     return fleet
 
 
-def _build_learner(cfg, ranks: Ranks, policy, faults: Faults) -> Learner:
+def _build_learner(cfg, ranks: Ranks, policy, faults: Faults | None = None) -> Learner:
     """Policy engine, frozen reference (KL) and value engine, all with the policy's sharding.
     The reference and the value model are copied from the plain policy BEFORE DeepSpeed
     partitions it (under ZeRO-3 its parameters are shards afterwards)."""
