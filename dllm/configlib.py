@@ -23,6 +23,7 @@ from __future__ import annotations
 import difflib
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -293,7 +294,7 @@ def json_default(value: Any) -> str:
         return repr(value)
 
 
-def dump_yaml(sections: dict[str, BaseModel]) -> str:
+def dump_yaml(sections: Mapping[str, BaseModel]) -> str:
     """The resolved sections as a YAML config file (loads back through load_sections); secrets
     (keys ending in `token`) are shown as "<set>"."""
     data = {name: sec.model_dump(mode="json") for name, sec in sections.items()}

@@ -14,7 +14,7 @@ import fcntl
 import logging
 from pathlib import Path
 
-from dllm.configlib import load_sections
+from dllm.configlib import Config, load_sections
 from dllm.sft import SFTConfig, TinyModelConfig, run_sft
 from dllm.task import ArithmeticTask
 
@@ -22,7 +22,7 @@ log = logging.getLogger("dlrl.tiny")
 DEFAULT_CONFIG = "configs/tiny.yaml"
 
 
-TINY_SECTIONS = {"model": TinyModelConfig, "task": ArithmeticTask, "sft": SFTConfig}
+TINY_SECTIONS: dict[str, type[Config]] = {"model": TinyModelConfig, "task": ArithmeticTask, "sft": SFTConfig}
 
 
 def load_tiny_sections(config_path: str | Path | None = DEFAULT_CONFIG, overrides: list[str] | None = None,

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dllm.configlib import ConfigError, load_sections, print_check
 from dllm.tiny import TINY_SECTIONS
@@ -41,6 +42,9 @@ from trainer.loop import StopRequested, train_loop
 from trainer.metrics_log import read_jsonl
 from trainer.preflight import train_problems
 from trainer.run import build_run
+
+if TYPE_CHECKING:
+    from trainer.publish import Publisher
 from weight_sync import WeightSyncError
 
 log = logging.getLogger("dlrl.train")
@@ -52,7 +56,7 @@ class Stopper:
 
     def __init__(self) -> None:
         self.requested = False
-        self.publisher = None
+        self.publisher: Publisher | None = None
 
     def install(self) -> Stopper:
         self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
