@@ -29,7 +29,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from dllm.configlib import ConfigError, load_sections, print_check
 from dllm.tiny import TINY_SECTIONS
@@ -41,10 +40,8 @@ from trainer.guards import previous_run
 from trainer.loop import StopRequested, train_loop
 from trainer.metrics_log import read_jsonl
 from trainer.preflight import train_problems
+from trainer.publish import Publisher
 from trainer.run import build_run
-
-if TYPE_CHECKING:
-    from trainer.publish import Publisher
 from weight_sync import WeightSyncError
 
 log = logging.getLogger("dlrl.train")
