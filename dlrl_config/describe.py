@@ -12,6 +12,7 @@ import json
 import re
 import types
 import typing
+from collections.abc import Mapping
 from typing import Any
 
 import yaml
@@ -73,7 +74,7 @@ def json_default(value: Any) -> str:
         return repr(value)
 
 
-def dump_yaml(sections: dict[str, BaseModel]) -> str:
+def dump_yaml(sections: Mapping[str, BaseModel]) -> str:
     """The resolved sections as a YAML config file (loads back through load_sections); secrets
     (keys ending in `token`) are shown as "<set>"."""
     data = {name: sec.model_dump(mode="json") for name, sec in sections.items()}

@@ -41,6 +41,7 @@ from trainer.guards import previous_run
 from trainer.loop import StopRequested, train_loop
 from trainer.metrics_log import read_jsonl
 from trainer.preflight import train_problems
+from trainer.publish import Publisher
 from trainer.run import build_run
 from weight_sync import WeightSyncError
 
@@ -53,7 +54,7 @@ class Stopper:
 
     def __init__(self) -> None:
         self.requested = False
-        self.publisher = None
+        self.publisher: Publisher | None = None
 
     def install(self) -> Stopper:
         self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}

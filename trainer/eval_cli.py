@@ -116,7 +116,8 @@ def run(cfg: EvalConfig, task, config_path: str | None, overrides: list[str], se
     out_dir = Path(cfg.output).parent
     results, served = [], {}
     token = resolve_token(cfg, server_keys) if server_keys is not None else cfg.admin_token
-    for block_size in cfg.block_sizes or [None]:
+    sizes: list[int | None] = list(cfg.block_sizes) or [None]  # None: the server's own block size
+    for block_size in sizes:
         extra = [f"server.block_size={block_size}"] if block_size is not None else []
         token = token or new_token()
 
@@ -152,6 +153,7 @@ def main(argv: list[str]) -> int:
         root = load_sections(config_path, args.overrides, {"eval": EvalConfig, "task": ArithmeticTask,
                                                            "server": ServerKeys}, primary="eval")
         cfg = root["eval"]
+        assert isinstance(cfg, EvalConfig)  # load_sections built it from EvalConfig
     except (ConfigError, ValueError) as e:
         ap.error(str(e))
     if not args.check_config:  # before loading anything

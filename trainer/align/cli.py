@@ -37,10 +37,11 @@ from trainer.align.registry import NO_PRUNE, rollback_replicas
 from trainer.align.replicas import ServingPool
 from trainer.align.report import format_events, format_versions
 from trainer.cli import Stopper
+from trainer.config import TrainConfig
 from trainer.dist import RankError
 from trainer.fleet import FleetError
 from trainer.loop import StopRequested
-from trainer.run import build_run, resolve_token
+from trainer.run import Run, build_run, resolve_token
 from weight_sync import WeightSyncError
 
 log = logging.getLogger("dlrl.align")
@@ -60,6 +61,7 @@ def parse(argv: list[str]):
     try:
         root = load_sections(args.config, overrides, align_sections(), primary="align")
         cfg, train = root["align"], root["train"]
+        assert isinstance(cfg, AlignConfig) and isinstance(train, TrainConfig)  # built from these classes
         root["train"] = train.replace(servers=list(cfg.rollout_servers), output_dir=cfg.output_dir,
                                       eval_data=cfg.eval_data, eval_size=cfg.eval_size, eval_every=0,
                                       num_steps=cfg.max_steps or 1_000_000_000, resume=args.resume,
@@ -72,6 +74,7 @@ def parse(argv: list[str]):
 
 def make_sampler_factory(cfg, train, store, should_stop):
     def factory(train_examples, tokenizer):
+        source: StorePrompts | StaticPrompts | TailedJSONL
         if cfg.prompt_source == "store":
             source = StorePrompts(store, cfg.accept_reward)
         elif cfg.prompt_source == "task":
@@ -92,7 +95,10 @@ def main(argv: list[str]) -> int:
         return print_check("align", cfg, train)
     stopper = Stopper().install()
     store = open_store(cfg.store, **NO_PRUNE)
-    run = pool = al = console = None
+    run: Run | None = None
+    pool: ServingPool | None = None
+    al: Aligner | None = None
+    console: Console | None = None
     try:
         t0 = time.perf_counter()
         factory = make_sampler_factory(cfg, train, store, lambda: stopper.requested)
@@ -151,6 +157,7 @@ def versions_main(argv: list[str]) -> int:
     except (ConfigError, ValueError) as e:
         ap.error(str(e))
     cfg = root["align"]
+    assert isinstance(cfg, AlignConfig)  # load_sections (or build) made it from AlignConfig
     path = cfg.store
 
     if "://" not in path and not os.path.isfile(path):  # a postgresql:// URL is checked by open_store

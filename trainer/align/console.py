@@ -69,6 +69,7 @@ class Console:
     @property
     def url(self) -> str:
         host, port = self._server.server_address[:2] if self._server else (self.cfg.console_host, 0)
+        host = host.decode() if isinstance(host, bytes) else host  # an AF_INET server's address is a str
         return f"http://{host}:{port}/"
 
     def start(self) -> str:
@@ -99,7 +100,7 @@ class Console:
         al, m = self.al, self.al.metrics
         versions = self.store.versions()
         serving = self.store.serving_version()
-        canary = al.promoter.canary  # the one replica that should serve the candidate; the others the registry's
+        canary = al.promo.canary  # the one replica that should serve the candidate; the others the registry's
         served = self._served()
         replicas = [{"url": url, "version": served[url], "target": canary.cand.version
                      if canary is not None and canary.url == url else serving} for url in self.cfg.serving_replicas]
@@ -110,7 +111,7 @@ class Console:
         out = {
             "time": time.time(), "run_id": al.run_id, "trainer_version": int(al.run.version),
             "serving_version": serving, "promotion_paused": al.promotion_paused,
-            "canary_version": al.status()["canary_version"], "promotion_in_flight": bool(al.promoter.busy),
+            "canary_version": al.status()["canary_version"], "promotion_in_flight": bool(al.promo.busy),
             "waiting_version": al.status()["waiting_version"], "replicas": replicas,
             "thresholds": {k: getattr(self.cfg, k) for k in THRESHOLDS},
             "candidates": [self._candidate(v) for v in reversed(gated)],
@@ -179,7 +180,7 @@ class Console:
         return hmac.compare_digest(header[7:].strip().encode(), self.token.encode())
 
     def rollback(self, version: int) -> tuple[int, dict]:
-        if self.al.promoter.busy:  # it would land after the rollback and undo it
+        if self.al.promo.busy:  # it would land after the rollback and undo it
             return 409, {"error": "a promotion is in flight: pause promotion, wait until it is over, then roll back"}
         with self._rollback_lock:
             try:

@@ -74,6 +74,13 @@ class Aligner:
         if run.prom is None:  # the training step metrics on the controller's port (trainer.train_metrics)
             run.prom = TrainMetrics(self.metrics.registry)
 
+    @property
+    def promo(self) -> Promoter:
+        """The promoter, which prepare() opens (RuntimeError before)."""
+        if self.promoter is None:
+            raise RuntimeError("the aligner is not prepared: prepare() opens its promoter")
+        return self.promoter
+
     # ------------------------------------------------------------------ start
     def prepare(self) -> None:
         """Versions past the registry's, the serving version's weights and scores, replicas reconciled."""
@@ -93,7 +100,7 @@ class Aligner:
                                  on_rejected=self._canary_rejected, on_adopted=self._adopted)
         if run.resumed_extra:
             self.load_state_dict(run.resumed_extra)
-        self.promoter.reconcile()
+        self.promo.reconcile()
         self.serving_scores = self._scores_of(serving)
         self.metrics.serving_version.set(serving)
         self.metrics.serving_accuracy.set(self.serving_scores["accuracy"])
@@ -147,7 +154,7 @@ class Aligner:
             self.reset_optimizer()  # test option: the flipped reward acts at once, not after Adam's momentum
         self.poll_feedback()
         before = dict(self.feedback.counts)
-        serving = self.promoter.serving_version  # its records (and its canary's) are never stale
+        serving = self.promo.serving_version  # its records (and its canary's) are never stale
         self.feedback.drop_stale(run.version, cfg.max_staleness, serving)
         want = int(cfg.feedback_ratio * run.cfg.prompts_per_step) * G
         taken = self.feedback.take(min(want, len(self.feedback) // G * G), run.version, cfg.max_staleness, serving)
@@ -186,8 +193,8 @@ class Aligner:
         run, cfg = self.run, self.cfg
         if step % cfg.promote_every:
             return {}
-        self.promoter.reconcile()  # the serving version to compare with (a manual rollback wins)
-        if run.version in (self.last_candidate, self.promoter.serving_version):
+        self.promo.reconcile()  # the serving version to compare with (a manual rollback wins)
+        if run.version in (self.last_candidate, self.promo.serving_version):
             return {}
         v = self.last_candidate = run.version
         t0 = time.perf_counter()
@@ -209,15 +216,16 @@ class Aligner:
             candidate = Candidate(v, step, policy_weights(run), result, feedback_times)
             self.store.log_event("gate_passed", v, detail={
                 "scores": cand, "serving_accuracy": self.serving_scores["accuracy"],
-                "serving_version": self.promoter.serving_version})
+                "serving_version": self.promo.serving_version})
             self.supersede(f"version {v} passed the gate after it")
-            if self.promoter.busy or self.promotion_paused:
+            if self.promo.busy or self.promotion_paused:
                 self.waiting = candidate
                 self.store.update_version(v, status="candidate")
-                log.info("version %d waits: %s", v, "promotion is paused" if self.promotion_paused else
-                         f"the promotion of version {self.promoter.canary.cand.version} is in flight")
+                canary = self.promo.canary  # not None when not paused: busy
+                log.info("version %d waits: %s", v, "promotion is paused" if self.promotion_paused or canary is None
+                         else f"the promotion of version {canary.cand.version} is in flight")
             else:
-                self.promoter.start(candidate)
+                self.promo.start(candidate)
         else:
             self._gated_out(v, result.reasons, cand)
             self._rejected(Candidate(v, step, {}, result), result.reasons)
@@ -227,7 +235,7 @@ class Aligner:
         """The candidate that passed the gate during a promotion starts its own when that one is
         over, checked again against the serving version's scores if the serving version changed."""
         cand = self.waiting
-        if cand is None or self.promoter.busy or self.promotion_paused:
+        if cand is None or self.promo.busy or self.promotion_paused:
             return
         self.waiting = None
         if cand.gate.serving != self.serving_scores:
@@ -235,15 +243,15 @@ class Aligner:
             if not result.passed:  # no better than the version promoted meanwhile; the policy trains on
                 self._record_gate(cand.version, result)  # the registry keeps the check that stopped it
                 self._gated_out(cand.version, result.reasons, cand.gate.candidate,
-                                serving_version=self.promoter.serving_version)
+                                serving_version=self.promo.serving_version)
                 return
             cand.gate = result
-        self.promoter.start(cand)
+        self.promo.start(cand)
 
     def _record_gate(self, v: int, result) -> None:
         """The gate's scores and verdict for version `v`, against the serving version, in the registry."""
         self.store.update_version(v, eval={**result.candidate, "gate_passed": result.passed,
-                                           "reasons": result.reasons, "serving_version": self.promoter.serving_version,
+                                           "reasons": result.reasons, "serving_version": self.promo.serving_version,
                                            "serving_accuracy": result.serving["accuracy"]})
 
     def _gated_out(self, v: int, reasons: list[str], scores: dict, **extra) -> None:
@@ -259,13 +267,13 @@ class Aligner:
             self.promotion_paused = paused
             self.metrics.promotion_paused.set(float(paused))
             self.store.log_event("promotion_paused" if paused else "promotion_resumed",
-                                 self.promoter.serving_version, detail={"by": by})
+                                 self.promo.serving_version, detail={"by": by})
             log.warning("promotion %s%s", "paused" if paused else "resumed", f" ({by})" if by else "")
 
     def stop_promotions(self, why: str) -> None:
         """A stop: the promotion in flight is aborted (the canary goes back to the serving version)
         and the waiting candidate dropped; the policy is kept as it is for the checkpoint."""
-        self.promoter.abort(why)
+        self.promo.abort(why)
         self.supersede(why)
 
     def supersede(self, why: str) -> None:
@@ -309,9 +317,12 @@ class Aligner:
         when a promotion is in flight (it passed the gate; if the canary rolls it back, the policy
         goes back again, to the serving version), Adam moments reset; pushed to the rollout servers
         as a new version whose parent is that version."""
-        run, canary = self.run, self.promoter.canary
-        to = canary.cand.version if canary is not None else self.promoter.serving_version
-        copy_into_model(run.learner.engine.module, list(self.bank.get(to).items()))
+        run, canary = self.run, self.promo.canary
+        to = canary.cand.version if canary is not None else self.promo.serving_version
+        weights = self.bank.get(to)
+        if weights is None:
+            raise RuntimeError(f"align.output_dir: version {to} has no saved weights in {self.bank.root}")
+        copy_into_model(run.learner.engine.module, list(weights.items()))
         self.flipped = bool((self._row(to).get("data") or {}).get("flipped"))
         self.reset_optimizer()
         run.publisher.push()
@@ -332,7 +343,7 @@ class Aligner:
 
     # ------------------------------------------------------------------ state
     def status(self) -> dict:
-        p = self.promoter
+        p = self.promo
         return {"serving_version": p.serving_version, "serving_accuracy": self.serving_scores.get("accuracy"),
                 "canary_version": p.canary.cand.version if p.canary else 0,
                 "waiting_version": self.waiting.version if self.waiting else 0,
@@ -368,7 +379,7 @@ def align_loop(al: Aligner) -> dict:
             raise
         step += 1
         metrics |= al.maybe_promote(step)
-        al.promoter.tick()
+        al.promo.tick()
         if not al.should_stop():
             al.start_waiting()
         metrics |= al.status()
@@ -383,7 +394,7 @@ def align_loop(al: Aligner) -> dict:
         if run.cfg.checkpoint_every and step % run.cfg.checkpoint_every == 0:
             run.checkpoint(step, metrics, extra=al.state_dict())
     for _ in range(2):  # the promotion in flight, then the one of the candidate that waited for it
-        al.promoter.finish(cfg.canary_max_s + 120, al.should_stop)
+        al.promo.finish(cfg.canary_max_s + 120, al.should_stop)
         if not al.should_stop():
             al.start_waiting()
     run.checkpoint(step, metrics, extra=al.state_dict())

@@ -8,10 +8,18 @@
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 from trainer.align.replicas import ServingPool
 from trainer.fleet import FleetError
 
-NO_PRUNE = {"max_records": 1 << 62, "max_age_s": 1e15}  # the servers own the store's bounds
+
+class _Bounds(TypedDict):
+    max_records: int
+    max_age_s: float
+
+
+NO_PRUNE: _Bounds = {"max_records": 1 << 62, "max_age_s": 1e15}  # the servers own the store's bounds
 
 
 def rollback_replicas(cfg, token: str, st, version: int) -> dict:

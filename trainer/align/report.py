@@ -15,11 +15,12 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import TypeGuard
 
 from trainer.metrics_log import read_jsonl, save_figure
 
 
-def _num(x) -> bool:
+def _num(x: object) -> TypeGuard[int | float]:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
