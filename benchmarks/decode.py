@@ -25,6 +25,7 @@ bucketed shapes and replayed eagerly through `model(...)`.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -226,9 +227,10 @@ def main():
     ap.add_argument("--device", default="", help="cuda | cpu: the real-shape table of benchmarks/decode_device.py "
                     "instead of the CPU tables (its own flags follow)")
     args, rest = ap.parse_known_args()
-    if args.device:
-        from benchmarks.decode_device import main as device_main
-        return device_main(["--device", args.device, "--repeats", str(args.repeats), *rest])
+    if args.device:  # its own script (it imports this one's decode loop): run, not imported
+        script = Path(__file__).with_name("decode_device.py")
+        cmd = [sys.executable, str(script), "--device", args.device, "--repeats", str(args.repeats), *rest]
+        return subprocess.run(cmd, check=False).returncode
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.threads:
