@@ -30,7 +30,7 @@ import itertools
 import math
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import stamina
@@ -128,9 +128,10 @@ class RolloutClient:
     # ------------------------------------------------------------------ generation
     async def generate(self, prompts: Prompt | Sequence[Prompt], n: int = 1, **sampling) -> list[Rollout]:
         """Sample `n` completions per prompt (text or token ids); sampling kwargs as in GenerateRequest."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = [p if isinstance(p, str) else list(p) for p in prompts]  # type: ignore[union-attr]
+        many: Sequence[Prompt] = (
+            [cast(Prompt, prompts)] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+            else cast(Sequence[Prompt], prompts))
+        prompts = [p if isinstance(p, str) else list(p) for p in many]
         if not prompts:
             return []
         sampling.setdefault("return_trace", True)

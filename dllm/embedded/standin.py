@@ -105,7 +105,8 @@ def build_qwen_tokenizer(out_dir: str | Path, vocab_size: int = 2000):
         vocab_size=vocab_size, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     spec = json.loads(learner.to_str())["model"]
     vocab: dict[str, int] = dict(spec["vocab"])
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in spec["merges"]]
+    merges: list[tuple[str, str]] = [(a, b) for a, b in (m.split(" ") if isinstance(m, str) else m
+                                                          for m in spec["merges"])]
     fillers = _byte_fillers(sorted(pre_tokenizers.ByteLevel.alphabet()), set(vocab))
     while len(vocab) < FIRST_SPECIAL_ID:  # unreachable by merges; decodes to 3 raw bytes
         vocab[next(fillers)] = len(vocab)

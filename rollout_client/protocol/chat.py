@@ -21,10 +21,10 @@ from rollout_client.protocol.common import (
     MAX_TOP_LOGPROBS,
     RECORD_ID_DOC,
     FinishReason,
+    Integral,
     NullIsDefault,
     Text,
     Usage,
-    int_range,
 )
 from rollout_client.protocol.openai import OpenAIBase
 
@@ -85,9 +85,9 @@ ChatMessage = Annotated[Union[SystemMessage, UserMessage, AssistantMessage, Tool
 
 class ChatCompletionRequest(OpenAIBase):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: int_range(ge=1, le=MAX_TOKENS_CAP) | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_CAP), Integral] | None = None
     logprobs: bool | None = False
-    top_logprobs: int_range(ge=0, le=MAX_TOP_LOGPROBS) | None = Field(
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), Integral] | None = Field(
         None, description="k most likely tokens per position (used when logprobs is true)")
     add_generation_prompt: bool | None = True
 

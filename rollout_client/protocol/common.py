@@ -4,11 +4,11 @@ Request rules (what the JSON schema says is what the server accepts): `null` for
 optional field means its default (`NullIsDefault`); strings must be valid Unicode (a lone
 surrogate such as `"\\ud800"` is a 400 naming the field); native request bodies refuse
 unknown fields (`StrictRequest`); integers also come as integral numbers such as 3.0
-(`int_range`). Limits that depend on the served model (vocabulary, block size, context
+(`Integral`). Limits that depend on the served model (vocabulary, block size, context
 length) are added to the schema by the server (`server.openapi`).
 
     class MyRequest(StrictRequest):
-        count: int_range(ge=1, le=MAX_N) | None = 1
+        count: Annotated[int, Field(ge=1, le=MAX_N), Integral] | None = 1
         text: NonEmptyText
 """
 
@@ -54,14 +54,12 @@ def _integral(value: Any) -> Any:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def int_range(**limits: int) -> Any:
-    """An integer field with bounds (ge/le/lt) that also takes integral numbers such as 3.0."""
-    return Annotated[int, Field(**limits), BeforeValidator(_integral)]
+Integral = BeforeValidator(_integral)  # in an int field's Annotated: also takes integral numbers such as 3.0
 
 
 Text = Annotated[str, AfterValidator(valid_unicode)]
 NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(valid_unicode)]
-TokenId = int_range(ge=0)
+TokenId = Annotated[int, Field(ge=0), Integral]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
@@ -88,16 +86,16 @@ class StrictRequest(NullIsDefault):
 class DecodingOptions(StrictRequest):
     """Block-diffusion sampling options shared by every generation endpoint."""
 
-    temperature: float | None = Field(1.0, **TEMPERATURE.bounds, description="0 = greedy")
-    top_k: int_range(ge=0, lt=1 << 31) | None = Field(0, description="0 = off")
-    top_p: float | None = Field(1.0, **TOP_P.bounds)
+    temperature: float | None = Field(1.0, ge=TEMPERATURE.ge, gt=TEMPERATURE.gt, le=TEMPERATURE.le, description="0 = greedy")
+    top_k: Annotated[int, Field(ge=0, lt=1 << 31), Integral] | None = Field(0, description="0 = off")
+    top_p: float | None = Field(1.0, ge=TOP_P.ge, gt=TOP_P.gt, le=TOP_P.le)
     strategy: StrategyField | None = Strategy.dynamic
-    steps: int_range(ge=1) | None = Field(None, description="denoising steps per block (static/sequential); "
+    steps: Annotated[int, Field(ge=1), Integral] | None = Field(None, description="denoising steps per block (static/sequential); "
                                                       "at most the model's block size")
-    threshold: float | None = Field(0.9, **THRESHOLD.bounds, description="confidence threshold (dynamic)")
-    seed: int_range(ge=0, lt=1 << 53) | None = Field(None, description="below 2**53: exact in every JSON parser")
+    threshold: float | None = Field(0.9, ge=THRESHOLD.ge, gt=THRESHOLD.gt, le=THRESHOLD.le, description="confidence threshold (dynamic)")
+    seed: Annotated[int, Field(ge=0, lt=1 << 53), Integral] | None = Field(None, description="below 2**53: exact in every JSON parser")
     stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOP)] | None = None
-    stop_token_ids: Annotated[list[int_range(ge=0, lt=1 << 31)], Field(max_length=1024)] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, lt=1 << 31), Integral]], Field(max_length=1024)] | None = None
     ignore_eos: bool | None = False
     return_trace: bool | None = True
     timeout: float | None = Field(None, gt=0.0, le=86400.0, description="seconds: a request not finished by "

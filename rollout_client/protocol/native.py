@@ -19,11 +19,11 @@ from rollout_client.protocol import common
 from rollout_client.protocol.common import (
     DecodingOptions,
     FinishReason,
+    Integral,
     NonEmptyText,
     Text,
     TokenIds,
     Usage,
-    int_range,
 )
 
 
@@ -43,8 +43,8 @@ class GenerateRequest(DecodingOptions):
     model_config = ConfigDict(json_schema_extra=_exactly_one_prompt)
     prompt: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
     prompt_ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1)] | None = None
-    n: int_range(ge=1, le=common.MAX_N) | None = 1
-    max_tokens: int_range(ge=1, le=common.MAX_TOKENS_CAP) | None = Field(64, description="default: the server's "
+    n: Annotated[int, Field(ge=1, le=common.MAX_N), Integral] | None = 1
+    max_tokens: Annotated[int, Field(ge=1, le=common.MAX_TOKENS_CAP), Integral] | None = Field(64, description="default: the server's "
                                    "server.default_max_tokens (capped by the room left after the prompt)")
     model: Text | None = None
 
@@ -61,7 +61,7 @@ class GenerateRequest(DecodingOptions):
         ids = self.prompt_ids or []
         if ids and isinstance(ids[0], list):
             return [list(p) for p in ids]
-        return [list(ids)]  # type: ignore[arg-type]
+        return [list(ids)]
 
 
 class Sample(BaseModel):

@@ -24,12 +24,12 @@ from rollout_client.protocol.common import (
     RECORD_ID_DOC,
     DecodingOptions,
     FinishReason,
+    Integral,
     NonEmptyText,
     NullIsDefault,
     Text,
     TokenIds,
     Usage,
-    int_range,
 )
 
 
@@ -42,8 +42,8 @@ class OpenAIBase(DecodingOptions):
 
     model_config = ConfigDict(extra="ignore")
     model: Text | None = None
-    n: int_range(ge=1, le=MAX_N) | None = 1
-    max_tokens: int_range(ge=1, le=MAX_TOKENS_CAP) | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N), Integral] | None = 1
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_CAP), Integral] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     return_trace: bool | None = False
@@ -72,7 +72,7 @@ class CompletionRequest(OpenAIBase):
     prompt: (NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)] | TokenIds
              | Annotated[list[TokenIds], Field(min_length=1)])
     echo: bool | None = False
-    logprobs: int_range(ge=0, le=MAX_COMPLETION_LOGPROBS) | None = Field(
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS), Integral] | None = Field(
         None, description="return the sampled tokens' logprobs and the k most likely")
 
     @model_validator(mode="after")
@@ -87,9 +87,9 @@ class CompletionRequest(OpenAIBase):
         if isinstance(p, str):
             return [p]
         if p and isinstance(p[0], list):
-            return [list(x) for x in p]  # type: ignore[arg-type]
+            return [list(x) for x in p]
         if p and isinstance(p[0], int):
-            return [list(p)]  # type: ignore[arg-type]
+            return [list(p)]
         return list(p)  # type: ignore[arg-type]
 
 
