@@ -35,12 +35,12 @@ import tempfile
 import threading
 import time
 import typing
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Literal
 
 import psutil
 
-from trainer.rewards.watchdog import WATCHDOG, kill_pids
+from trainer.rewards.watchdog import WATCHDOG, SandboxLimits, kill_pids
 
 SandboxMode = Literal["bwrap", "unsafe_local"]  # train.reward_sandbox
 MODES = typing.get_args(SandboxMode)
@@ -51,28 +51,6 @@ _NOBODY = 65534
 
 class SandboxUnavailable(RuntimeError):
     """No sandbox can start on this machine (the message says why and names the unsafe option)."""
-
-
-@dataclass(frozen=True)
-class SandboxLimits:
-    wall_s: float = 10.0       # wall-clock deadline of a whole run
-    cpu_s: float = 10.0        # CPU seconds summed over each sandbox's process tree
-    memory_mb: int = 1024      # resident memory summed over the tree; also RLIMIT_AS per process
-    max_processes: int = 32    # processes + threads per sandbox (RLIMIT_NPROC in its user namespace)
-    file_size_mb: int = 16     # largest file a program may write (RLIMIT_FSIZE)
-    tmp_size_mb: int = 64      # size of the private /tmp (tmpfs) and of /dev/shm
-    max_open_files: int = 64
-
-    def __post_init__(self):
-        for name, value in asdict(self).items():
-            if not value > 0:
-                raise ValueError(f"sandbox {name}: must be > 0, got {value!r}")
-
-    def rlimits(self) -> dict[str, int]:
-        cpu = int(self.cpu_s) + 1
-        return {"RLIMIT_AS": self.memory_mb << 20, "RLIMIT_CPU": cpu, "RLIMIT_NPROC": self.max_processes,
-                "RLIMIT_FSIZE": self.file_size_mb << 20, "RLIMIT_NOFILE": self.max_open_files,
-                "RLIMIT_CORE": 0}
 
 
 def _memfd(data: bytes, name: str) -> int:
