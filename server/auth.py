@@ -22,7 +22,6 @@ server/auth_guard.py).
 from __future__ import annotations
 
 import hmac
-import logging
 import os
 import secrets
 from pathlib import Path
@@ -35,7 +34,6 @@ from server.connections import RateLimitedLog
 from server.state import server_state
 
 ENV_VAR = "DLRL_ADMIN_TOKEN"
-log = logging.getLogger("dlrl.server")
 
 
 def resolve_admin_token(configured: str | None, token_file: str | None = None) -> str:
