@@ -12,7 +12,7 @@ the field; a request that does not fit the server -> 413 (prompt at or over
 -> 429; engine stopped -> 503. The decoder checks prompts and sampling values itself
 (`dllm.errors.FieldError`, `TooLong` when it does not fit): they pass through here, named
 after the request's prompt field, and become HTTP errors in `server.errors`. Tokenising
-and chat templates run on one worker thread, never on the event loop, after a cheap
+and chat templates run on one worker thread (server/prompts.py), never on the event loop, after a cheap
 bound: a text longer than `max_model_len` x the longest token (in characters) cannot fit,
 so it is a 413 without being tokenised.
 """
@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
 from dllm.errors import FieldError
 from dllm.sampling import SamplingParams
-from dllm.tokenizer import encode
 from dllm.trace import Trace
 from rollout_client.protocol.common import DecodingOptions
 from rollout_client.protocol.native import Sample
@@ -43,48 +41,6 @@ if TYPE_CHECKING:
     from server.config import ServerConfig
     from server.scheduler import Request as EngineRequest
     from server.state import ServerState
-
-
-class PromptEncoder:
-    """The handlers' tokenizer, used on one worker thread only (HF tokenizers are not re-entrant)."""
-
-    def __init__(self, tokenizer: Any, max_model_len: int):
-        self.tokenizer, self.max_model_len = tokenizer, max_model_len
-        vocab = tokenizer.get_vocab() if tokenizer is not None else {}
-        # a token covers at most this many characters of text (byte-level tokens: one char per byte)
-        self.max_token_chars = max((len(t) for t in vocab), default=1)
-        self.max_chars = max_model_len * self.max_token_chars
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlrl-tokenizer")
-
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    def check_chars(self, num_chars: int, field: str) -> None:
-        if num_chars > self.max_chars:
-            raise APIError(413, f"{field}: {num_chars} characters cannot fit in max_model_len={self.max_model_len} "
-                                f"tokens (longest token: {self.max_token_chars} characters)", field)
-
-    async def encode(self, texts: list[str], field: str) -> list[list[int]]:
-        for text in texts:
-            self.check_chars(len(text), field)
-        return await self.run(lambda: [encode(self.tokenizer, t) for t in texts])
-
-    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        self.check_chars(sum(len(m.get("content") or "") for m in messages), "messages")
-
-        def render() -> list[int]:
-            try:
-                text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                          add_generation_prompt=add_generation_prompt)
-            except Exception as e:  # template errors are the caller's messages' fault
-                raise APIError(400, f"messages: chat template failed: {e}", "messages") from None
-            self.check_chars(len(text), "messages")
-            return encode(self.tokenizer, text)
-
-        return await self.run(render)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def to_sampling_params(opts: DecodingOptions, max_tokens: int, config: ServerConfig) -> SamplingParams:

@@ -161,7 +161,7 @@ async def completions(body: CompletionRequest, request: Request):
     seqs = await run_to_completion(st.engine, request, seqs, num_top_logprobs=k or 0)
     all_logprobs = await st.prompts.run(lambda: [logprobs(s) for s in seqs])
     choices = []
-    for i, (s, record_id) in enumerate(zip(seqs, await record_ids(st, seqs, prompts, body.n))):
+    for i, (s, record_id) in enumerate(zip(seqs, await record_ids(st.recorder, seqs, prompts, body.n))):
         prefix = prefixes[i // body.n] if prefixes else ""
         choices.append(CompletionChoice(index=i, text=prefix + s.text, finish_reason=s.finish_reason,
                                           logprobs=all_logprobs[i], record_id=record_id, **_extras(s, body)))
@@ -193,7 +193,7 @@ async def chat(body: ChatCompletionRequest, request: Request):
                        None, logprobs, k or 0)
     seqs = await run_to_completion(st.engine, request, seqs, num_top_logprobs=k or 0)
     all_logprobs = await st.prompts.run(lambda: [logprobs(s) for s in seqs])
-    record_id_list = await record_ids(st, seqs, n=body.n)
+    record_id_list = await record_ids(st.recorder, seqs, n=body.n)
     choices = [ChatChoice(index=i, message=ChatResponseMessage(content=s.text), finish_reason=s.finish_reason,
                             logprobs=all_logprobs[i], record_id=record_id, **_extras(s, body))
                for i, (s, record_id) in enumerate(zip(seqs, record_id_list))]
@@ -233,7 +233,7 @@ def _stream(request: Request, endpoint: str, body: OpenAIBase, seqs: list[Sequen
                     if done and body.return_trace:
                         out.choices[0] = out.choices[0].model_copy(update=_extras(seqs[i], body))
                     if done:
-                        out.choices[0].record_id = await record_one(st, seqs[i], prompts[i // body.n] if prompts else None)
+                        out.choices[0].record_id = await record_one(st.recorder, seqs[i], prompts[i // body.n] if prompts else None)
                     yield _sse(out)
         except APIError as e:  # past the request's deadline: its status, in the stream (the 200 went out)
             yield _sse(error_body(e.status, e.message))

@@ -11,7 +11,7 @@ On top of FastAPI's generated document it:
 - writes the served model's limits into the request schemas, so that a schema-valid request
   is accepted: token ids in [0, vocab) and not the mask id, `steps` up to the block size,
   `max_tokens` and prompt lengths below `max_model_len`, text prompts up to the cheap
-  character bound (`server.generation.PromptEncoder.max_chars`), `n` and prompt lists up to
+  character bound (`server.prompts.PromptEncoder.max_chars`), `n` and prompt lists up to
   `max_queue`. What a schema cannot say -- the token count of a text, prompt + max_tokens,
   prompts x n -- is a documented 413 ("does not fit this server"); feedback labels are the
   server's `feedback_labels`.

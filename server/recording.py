@@ -47,7 +47,6 @@ if TYPE_CHECKING:
     from server.config import ServerConfig
     from server.engine import Engine
     from server.metrics import ServerMetrics
-    from server.state import ServerState
 
 log = logging.getLogger("dlrl.server")
 MODES = ("none", "sample", "all")
@@ -297,11 +296,11 @@ def _redact(url: str) -> str:
     return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}" if ":" in creds else url
 
 
-async def record_ids(state: ServerState, seqs: list[Sequence], prompts: abc.Sequence[object] | None = None,
+async def record_ids(recorder: Recorder | None, seqs: list[Sequence], prompts: abc.Sequence[object] | None = None,
                      n: int = 1) -> list[str | None]:
     """The record_id of each finished sequence of a request (prompt-major, n per prompt; all
-    None when the server records nothing). Text prompts are stored; token-id prompts as None."""
-    recorder = state.recorder
+    None when the server records nothing: `recorder` is the app's, `ServerState.recorder`).
+    Text prompts are stored; token-id prompts as None."""
     if recorder is None or recorder.mode == "none":
         return [None] * len(seqs)
     items = [(seq, p if isinstance(p := (prompts[i // n] if prompts else None), str) else None)
@@ -309,5 +308,5 @@ async def record_ids(state: ServerState, seqs: list[Sequence], prompts: abc.Sequ
     return await recorder.record(items)
 
 
-async def record_one(state: ServerState, seq: Sequence, prompt: object = None) -> str | None:
-    return (await record_ids(state, [seq], [prompt]))[0]
+async def record_one(recorder: Recorder | None, seq: Sequence, prompt: object = None) -> str | None:
+    return (await record_ids(recorder, [seq], [prompt]))[0]

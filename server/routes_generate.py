@@ -46,7 +46,7 @@ async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
     seqs = await prepare(st, body.prompt_list(), body, max_tokens, body.n, field)
     seqs = await run_to_completion(st.engine, request, seqs)
     samples = [to_sample(s, i, body.n, body.return_trace) for i, s in enumerate(seqs)]
-    for sample, record_id in zip(samples, await record_ids(st, seqs, body.prompt_list(), body.n)):
+    for sample, record_id in zip(samples, await record_ids(st.recorder, seqs, body.prompt_list(), body.n)):
         sample.record_id = record_id
     usage = openai_api._usage(seqs, body.n)
     st.metrics.observe_request("/generate", 200, time.perf_counter() - t0, usage.prompt_tokens)

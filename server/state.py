@@ -21,11 +21,11 @@ from starlette.applications import Starlette
 
 from server.config import ServerConfig
 from server.metrics import ServerMetrics
+from server.prompts import PromptEncoder
 
 if TYPE_CHECKING:
-    from server.auth import AuthGuard
+    from server.auth_guard import AuthGuard
     from server.engine import Engine
-    from server.generation import PromptEncoder
     from server.recording import Recorder
     from server.weight_updates import WeightUpdates
 
@@ -39,18 +39,15 @@ class ServerState:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     recorder: Recorder | None = None  # server.recording, None without server.store
     weight_updates: WeightUpdates | None = None  # server.routes_weights builds it on first use when None
-    auth_guard: AuthGuard | None = None  # server.auth.AuthGuard.from_app builds it on first use
+    auth_guard: AuthGuard | None = None  # server.auth.auth_guard builds it on first use
     is_draining: bool = False  # set by server.lifecycle.drain; read by server.middleware.RequestGuard
     num_inflight: int = 0  # generation requests until their last byte is sent (server.middleware)
 
     @cached_property
     def prompts(self) -> PromptEncoder:
-        """The handlers' tokenizer worker (server.generation), built on first use: an app of the
+        """The handlers' tokenizer worker (server.prompts), built on first use: an app of the
         weight routes alone (tests, benchmarks: an engine without a tokenizer) never needs one."""
-        # imported here, not at the top: server.generation -> quotas -> middleware -> this module
-        from server import generation
-
-        return generation.PromptEncoder(self.engine.tokenizer, self.engine.max_model_len)
+        return PromptEncoder(self.engine.tokenizer, self.engine.max_model_len)
 
 
 def attach(app: Starlette, state: ServerState) -> ServerState:
