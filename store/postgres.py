@@ -23,10 +23,15 @@ Guarantees under concurrent writers (the ones `dlrl align` relies on):
 Connections: a pool of `pool_size` (default 4) connections, each checked before use (so a
 database restart costs the requests in flight, not the pool); an operation that cannot get
 a connection within `connect_timeout_s` raises psycopg_pool.PoolTimeout ("unavailable").
+Record batches (the server's recorder writes one per commit) take their own autocommit
+connection instead: one statement, one round trip, and half the CPU of a pooled transaction
+on both ends (benchmarks/RESULTS.md); only a batch that would pass `max_records` goes through a
+pooled transaction that deletes the oldest.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +39,7 @@ from store.sql import RECORD_COLS, SQLStore, record_row
 from store.types import Record
 
 if TYPE_CHECKING:
-    from psycopg import Cursor
+    from psycopg import Connection, Cursor
 
 SCHEMA_VERSION = 1
 _MIGRATIONS = {
@@ -59,6 +64,17 @@ CREATE TABLE dlrl_counts (name TEXT PRIMARY KEY, n BIGINT NOT NULL);
 INSERT INTO dlrl_counts VALUES ('records', 0);
 """,
 }
+# One record batch in ONE autocommit statement (one round trip, no BEGIN/COMMIT, no pool check):
+# the count row is locked first, the rows go in only if the bound still holds with all of them
+# (else nothing is inserted, `fits` is false and the batch takes the transaction that deletes the
+# oldest), and the counter moves by what was really inserted (ON CONFLICT rows are not counted).
+_RECORD_TYPES = ("text", "float8", "text", "int4", "text", "text", "text", "text", "text", "text", "text")
+_RECORD_VALUES = "(" + ",".join(f"%s::{t}" for t in _RECORD_TYPES) + ")"
+_INSERT_IF_FITS = ("WITH c AS (SELECT n FROM dlrl_counts WHERE name = 'records' FOR UPDATE), "
+                   "ins AS (INSERT INTO dlrl_records ({cols}) SELECT * FROM (VALUES {values}) AS v "
+                   "WHERE (SELECT n FROM c) + %s <= %s ON CONFLICT (id) DO NOTHING RETURNING 1) "
+                   "UPDATE dlrl_counts SET n = n + (SELECT COUNT(*) FROM ins) WHERE name = 'records' "
+                   "RETURNING (SELECT n FROM c) + %s <= %s")
 # transaction-scoped advisory lock keys ("dlrl" + a number): migrations, feedback, registry+events
 _LOCK_MIGRATE, _LOCK_FEEDBACK, _LOCK_REGISTRY = 0x646C726C00, 0x646C726C01, 0x646C726C02
 
@@ -86,8 +102,16 @@ class PostgresStore(SQLStore):
 
         self.url, self.max_records, self.max_age_s = url, int(max_records), float(max_age_s)
         self.prune_every_s, self._last_prune = float(prune_every_s), 0.0
+        self._connect_timeout_s = connect_timeout_s
+        self._records_conn: Connection | None = None  # the record writer's own autocommit connection
+        self._records_lock = threading.Lock()
         self._pool = ConnectionPool(url, min_size=1, max_size=int(pool_size), timeout=connect_timeout_s,
                                     check=ConnectionPool.check_connection, open=False, name="dlrl-store",
+                                    # give up a failing reconnect chain soon: the pool's backoff doubles
+                                    # (1, 2, 4, ... s), so after a 30 s outage it would sleep up to ~30 s
+                                    # more; given up, the next request that needs a connection tries at once
+                                    reconnect_timeout=max(2.0, float(connect_timeout_s)),
+                                    reconnect_failed=lambda pool: None,  # StoreHealth logs the outage
                                     kwargs={"connect_timeout": max(1, int(connect_timeout_s))})
         self._pool.open(wait=True, timeout=connect_timeout_s)
         try:
@@ -131,6 +155,10 @@ class PostgresStore(SQLStore):
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_REGISTRY,))
 
     def close(self) -> None:
+        with self._records_lock:
+            if self._records_conn is not None:
+                self._records_conn.close()
+                self._records_conn = None
         self._pool.close()
 
     # -- records and feedback ---------------------------------------------------------------
@@ -138,18 +166,44 @@ class PostgresStore(SQLStore):
         rows = [record_row(r) for r in records]
         if not rows:
             return
-        with self._pool.connection() as conn:  # one transaction
-            for i in range(0, len(rows), 1000):  # one statement (a round trip) inserts and counts 1000 rows
-                chunk = rows[i:i + 1000]
-                values = ",".join(["(%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)"] * len(chunk))
-                n = _one_row(conn.execute(f"WITH ins AS (INSERT INTO dlrl_records ({RECORD_COLS}) VALUES {values} "
-                                 "ON CONFLICT (id) DO NOTHING RETURNING 1) UPDATE dlrl_counts SET n = n + "
-                                 "(SELECT COUNT(*) FROM ins) WHERE name = 'records' RETURNING n",
-                                 [v for row in chunk for v in row]))[0]
-            if n > self.max_records:
-                self._bound(conn, 0)
+        if len(rows) > 1000 or not self._insert_if_fits(rows):
+            with self._pool.connection() as conn:  # one transaction that also deletes the oldest
+                for i in range(0, len(rows), 1000):  # one statement (a round trip) inserts and counts 1000 rows
+                    chunk = rows[i:i + 1000]
+                    values = ",".join(["(%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)"] * len(chunk))
+                    n = _one_row(conn.execute(f"WITH ins AS (INSERT INTO dlrl_records ({RECORD_COLS}) VALUES {values} "
+                                     "ON CONFLICT (id) DO NOTHING RETURNING 1) UPDATE dlrl_counts SET n = n + "
+                                     "(SELECT COUNT(*) FROM ins) WHERE name = 'records' RETURNING n",
+                                     [v for row in chunk for v in row]))[0]
+                if n > self.max_records:
+                    self._bound(conn, 0)
         if time.monotonic() - self._last_prune >= self.prune_every_s:
             self.prune()
+
+    def _insert_if_fits(self, rows: list[tuple]) -> bool:
+        """The common case in one autocommit statement on the writer's own connection: True when
+        written, False when the batch would pass max_records (nothing written). A connection broken
+        by a database restart is replaced and the statement sent once more (idempotent: ids)."""
+        import psycopg
+
+        sql = _INSERT_IF_FITS.format(cols=RECORD_COLS, values=",".join([_RECORD_VALUES] * len(rows)))
+        args = [v for row in rows for v in row] + [len(rows), self.max_records] * 2
+        with self._records_lock:
+            for attempt in (0, 1):
+                conn, fresh = self._records_conn, self._records_conn is None
+                if conn is None:
+                    conn = self._records_conn = psycopg.connect(self.url, autocommit=True,
+                                                                connect_timeout=max(1, int(self._connect_timeout_s)))
+                try:
+                    return bool(_one_row(conn.execute(sql, args))[0])
+                except psycopg.Error:
+                    if not conn.broken and not conn.closed:
+                        raise  # the statement failed, the connection is fine
+                    conn.close()
+                    self._records_conn = None
+                    if fresh or attempt:
+                        raise
+        raise AssertionError("unreachable")
 
     def _bound(self, conn, added: int) -> int:
         """Count `added` new records (the counter row serialises record writers) and delete the

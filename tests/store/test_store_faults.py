@@ -232,3 +232,50 @@ def test_postgres_stopped_30s_under_load_nothing_acknowledged_lost(tiny_model_di
         stored = {row[0] for row in conn.execute("SELECT id FROM dlrl_records")}
     assert set(acked) <= stored  # no acknowledged record lost
     assert len(stored) + dropped == served  # and every other sample is either stored or counted as dropped
+
+
+@pytest.mark.slow
+def test_postgres_store_reconnects_at_once_after_an_outage(postgres):
+    """After a 16 s outage both the pool (feedback, registry) and the record writer's own
+    connection are back within seconds of the database, not after the pool's doubling backoff
+    (attempts at 1, 3, 7, 15, 31 s would leave feedback unavailable until ~31 s), and a record
+    batch sent again after a dropped connection is not counted twice."""
+    from store import open_store
+    from store.types import Record, error_cause, new_record_id
+
+    def rec() -> Record:
+        return Record(id=new_record_id(), created=time.time(), server="s", version=0, prompt="p",
+                      prompt_ids=[1], completion_ids=[2], text="x", finish_reason="stop")
+
+    st = open_store(postgres.new_database("t_reconnect"), max_records=1000, connect_timeout_s=1.0)
+    try:
+        first = rec()
+        st.add_records([first])
+        postgres.stop()
+        try:
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 16:  # requests keep failing during the outage, each named
+                for op in (lambda: st.add_feedback(first.id, 1.0), lambda: st.add_records([rec()])):
+                    with pytest.raises(Exception) as err:
+                        op()
+                    assert error_cause(err.value) == "unavailable"
+                time.sleep(0.5)
+        finally:
+            postgres.restart()
+        back = time.monotonic()
+        wait_until(lambda: _succeeds(lambda: st.add_feedback(first.id, 1.0)), 8, "feedback after the outage")
+        wait_until(lambda: _succeeds(lambda: st.add_records([rec()])), 8, "records after the outage")
+        assert time.monotonic() - back < 8
+        assert st.stats()["num_records"] == 2 and st.stats()["num_feedback"] == 1
+        st.add_records([first])  # an id written before is not inserted or counted again
+        assert st.stats()["num_records"] == 2
+    finally:
+        st.close()
+
+
+def _succeeds(op) -> bool:
+    try:
+        op()
+    except Exception:
+        return False
+    return True
