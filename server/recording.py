@@ -194,9 +194,9 @@ class Recorder:
                 log.error("feedback store: %d queued records not written at shutdown", n)
                 self._dropped("shutdown", n)
                 return
-            else:
+            else:  # the full backoff: new requests' notify() must not turn it into a retry per request
                 with self._cv:
-                    self._cv.wait(timeout=backoff)
+                    self._cv.wait_for(lambda: self._closing, timeout=backoff)
                 backoff = min(2.0, backoff * 2)
 
     def _write(self, batch: list[_Pending]) -> bool:
