@@ -102,7 +102,7 @@ class PostgresStore(SQLStore):
 
         self.url, self.max_records, self.max_age_s = url, int(max_records), float(max_age_s)
         self.prune_every_s, self._last_prune = float(prune_every_s), 0.0
-        self._connect_timeout_s = connect_timeout_s
+        self._connect_kwargs: dict[str, Any] = {"connect_timeout": max(1, int(connect_timeout_s))}  # libpq's, in whole seconds
         self._records_conn: Connection | None = None  # the record writer's own autocommit connection
         self._records_lock = threading.Lock()
         self._pool = ConnectionPool(url, min_size=1, max_size=int(pool_size), timeout=connect_timeout_s,
@@ -112,7 +112,7 @@ class PostgresStore(SQLStore):
                                     # more; given up, the next request that needs a connection tries at once
                                     reconnect_timeout=max(2.0, float(connect_timeout_s)),
                                     reconnect_failed=lambda pool: None,  # StoreHealth logs the outage
-                                    kwargs={"connect_timeout": max(1, int(connect_timeout_s))})
+                                    kwargs=self._connect_kwargs)
         self._pool.open(wait=True, timeout=connect_timeout_s)
         try:
             self._migrate()
@@ -170,7 +170,7 @@ class PostgresStore(SQLStore):
             with self._pool.connection() as conn:  # one transaction that also deletes the oldest
                 for i in range(0, len(rows), 1000):  # one statement (a round trip) inserts and counts 1000 rows
                     chunk = rows[i:i + 1000]
-                    values = ",".join(["(%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)"] * len(chunk))
+                    values = ",".join([_RECORD_VALUES] * len(chunk))
                     n = _one_row(conn.execute(f"WITH ins AS (INSERT INTO dlrl_records ({RECORD_COLS}) VALUES {values} "
                                      "ON CONFLICT (id) DO NOTHING RETURNING 1) UPDATE dlrl_counts SET n = n + "
                                      "(SELECT COUNT(*) FROM ins) WHERE name = 'records' RETURNING n",
@@ -192,8 +192,7 @@ class PostgresStore(SQLStore):
             for attempt in (0, 1):
                 conn, fresh = self._records_conn, self._records_conn is None
                 if conn is None:
-                    conn = self._records_conn = psycopg.connect(self.url, autocommit=True,
-                                                                connect_timeout=max(1, int(self._connect_timeout_s)))
+                    conn = self._records_conn = psycopg.connect(self.url, autocommit=True, **self._connect_kwargs)
                 try:
                     return bool(_one_row(conn.execute(sql, args))[0])
                 except psycopg.Error:
