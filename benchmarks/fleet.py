@@ -79,7 +79,7 @@ def stop_servers(servers: list[tuple[str, subprocess.Popen]]) -> None:
         proc.wait(timeout=60)
 
 
-async def load(urls: list[str], clients: int, seconds: float, feedback: bool) -> dict:
+async def load(urls: list[str], clients: int, seconds: float, feedback: bool, max_tokens: int = 8) -> dict:
     gen_lat, fb_lat, errors = [], [], []
     deadline = time.monotonic() + seconds
 
@@ -99,7 +99,7 @@ async def load(urls: list[str], clients: int, seconds: float, feedback: bool) ->
             while time.monotonic() < deadline:
                 k += 1
                 t0 = time.perf_counter()
-                r = await http.post(url + "/v1/completions", json={"prompt": f"{i}+{k}=", "max_tokens": 8,
+                r = await http.post(url + "/v1/completions", json={"prompt": f"{i}+{k}=", "max_tokens": max_tokens,
                                                                    "strategy": "static"})
                 gen_lat.append(time.perf_counter() - t0)
                 if r.status_code != 200:

@@ -106,6 +106,7 @@ class Engine:
         self._drain_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []  # pause() calls
         self._thread: threading.Thread | None = None
         self._listeners: list[Callable[[StepStats], None]] = []
+        self._finish_listeners: list[Callable[[list[Any]], None]] = []
         self._emitted: dict[int, int] = {}  # seq_id -> completion tokens already streamed
         self._top_k: dict[int, int] = {}    # seq_id -> top logprobs asked for (backend.top_logprobs)
 
@@ -149,6 +150,12 @@ class Engine:
 
     def add_step_listener(self, fn: Callable[[StepStats], None]) -> None:
         self._listeners.append(fn)
+
+    def add_finish_listener(self, fn: Callable[[list[Any]], None]) -> None:
+        """`fn(sequences)` on the engine thread with the sequences that finished in a step, before
+        their requests hear of it (server/recording.py starts their commit there); it runs on the
+        decode path, so it must be quick, and it must not raise (logged if it does)."""
+        self._finish_listeners.append(fn)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Engine:
@@ -351,6 +358,11 @@ class Engine:
             log.exception("engine step failed; failing %d sequences", len(batch))
             self._fail(batch, f"engine step failed: {type(e).__name__}: {e}")
             return True
+        for hook in self._finish_listeners if finished else ():
+            try:
+                hook(finished)
+            except Exception:  # a recording bug must not stop decoding
+                log.exception("finish listener %r failed", hook)
         stats = StepStats(len(batch), self._committed(batch, before), time.perf_counter() - t0,
                           len(admitted), self.scheduler.num_waiting, tuple(batch), tuple(admitted), refused)
         self._after_step(batch, finished)

@@ -89,6 +89,8 @@ async def prepare(state: ServerState, prompts: list[str | list[int]], opts: Deco
     deadline, status = request_deadline(opts, state.config)
     for seq in seqs:
         seq.deadline, seq.deadline_status = deadline, status
+    if state.recorder is not None:  # which samples are recorded: their commit starts as they finish
+        state.recorder.expect(seqs, prompts, n)
     return seqs
 
 

@@ -5,14 +5,21 @@
     recorder.add_feedback(record_id, 1.0, "accept")            # in a worker thread (routes_feedback)
 
 `server.record` says which samples are recorded: `none`, `sample` (each finished sample
-with probability `server.record_fraction`) or `all`. Aborted samples are never recorded.
+with probability `server.record_fraction`) or `all`. Aborted and failed samples are never
+recorded (a sample that finished before the rest of its request was aborted or failed may be
+written; its id is never handed out).
 
-An id returned to a client is always valid. A request's chosen samples go through a bounded
-queue (`server.record_max_pending` records) to one writer thread, which builds their records
-and writes whatever is queued in ONE transaction (batched across concurrent requests, off the
-event loop) and wakes each waiting request with one `call_soon_threadsafe` (a single hop back
-onto a busy event loop, not a chain of wrapped futures); the request awaits that commit, at
-most `server.record_wait_s`, and only then answers with the ids.
+An id returned to a client is always valid. `expect()` chooses a request's samples before it
+runs (server/generation.py); the engine thread hands each chosen sample to the writer the
+moment it finishes (`Engine.add_finish_listener`), through a bounded queue
+(`server.record_max_pending` records) to one writer thread, which builds the records and
+writes whatever is queued in ONE transaction (batched across the requests that finished in
+the same step, off the event loop) and wakes the waiting requests with one
+`call_soon_threadsafe` per batch. The commit thus runs while the finished request is still on
+its way back through a busy event loop: `record()` awaits what is left of it, at most
+`server.record_wait_s`, and only then answers with the ids. (Waiting for the commit after the
+request came back kept its client away from the engine for a commit's time: smaller batches,
+more forwards per request, a throughput cost on a busy server.)
 What is not written by then is answered with `record_id: null` (counted in
 `dlrl_record_ids_withheld_total{reason}`) and still written when it can be. While the store
 is failing (full disk, database down) requests do not wait at all: records stay queued and
@@ -35,7 +42,7 @@ import random
 import threading
 import time
 from collections import abc, deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dllm.sequence import Sequence
 from dllm.trace import FinishReason
@@ -64,7 +71,7 @@ class Recorder:
         self.health = StoreHealth(metrics, log_every_s=error_log_s)
         self._rng = random.Random(seed)
         self._cv = threading.Condition()
-        self._queue: deque[_Pending] = deque()
+        self._queue: deque[_Sample] = deque()
         self._num_queued = 0          # records queued or being written
         self._closing = False
         self._store_down = False      # the last write failed for a transient cause (retrying)
@@ -88,9 +95,11 @@ class Recorder:
         server = f"http://{config.host}:{config.port}"
         log.info("feedback store %s (record=%s%s)", _redact(config.store), config.record,
                  f", fraction {config.record_fraction}" if config.record == "sample" else "")
-        return cls(store, mode=config.record, fraction=config.record_fraction, server=server, metrics=metrics,
-                   max_pending=config.record_max_pending, wait_s=config.record_wait_s,
-                   error_log_s=config.store_error_log_s)
+        recorder = cls(store, mode=config.record, fraction=config.record_fraction, server=server, metrics=metrics,
+                       max_pending=config.record_max_pending, wait_s=config.record_wait_s,
+                       error_log_s=config.store_error_log_s)
+        engine.add_finish_listener(recorder._finished)
+        return recorder
 
     # -------------------------------------------------------------- request side (event loop)
     def is_chosen(self) -> bool:
@@ -98,67 +107,104 @@ class Recorder:
             return True
         return self.mode == "sample" and self._rng.random() < self.fraction
 
+    def expect(self, seqs: list[Sequence], prompts: abc.Sequence[object] | None = None, n: int = 1) -> None:
+        """Choose, before a request runs, which of its samples are recorded (prompt-major, n per
+        prompt; text prompts are stored, token-id prompts as None). The engine thread then hands each
+        chosen sample to the writer the moment it finishes (`_finished`), so its commit runs while
+        the request is still on its way back through the event loop, and `record()` only waits for
+        what is left."""
+        if self.mode == "none":
+            return
+        for i, seq in enumerate(seqs):
+            p = prompts[i // n] if prompts else None
+            setattr(seq, _SLOT, _Sample(seq, p if isinstance(p, str) else None) if self.is_chosen() else None)
+
     async def record(self, items: list[tuple[Sequence, str | None]]) -> list[str | None]:
-        """Record the chosen finished samples of one request; their ids once committed (else None)."""
+        """The record ids of a request's finished samples, once committed (else None): those chosen
+        by `expect()`, or chosen now for sequences that went without it."""
         ids: list[str | None] = [None] * len(items)
-        chosen = [(i, seq, prompt, new_record_id()) for i, (seq, prompt) in enumerate(items)
-                  if seq.finish_reason != FinishReason.ABORT and self.is_chosen()]
-        if not chosen:
+        samples: list[tuple[int, _Sample]] = []
+        for i, (seq, prompt) in enumerate(items):
+            sample = getattr(seq, _SLOT, _UNSET)
+            if sample is _UNSET:
+                sample = _Sample(seq, prompt) if self.is_chosen() else None
+                setattr(seq, _SLOT, sample)
+            if isinstance(sample, _Sample):
+                samples.append((i, sample))
+        if not samples:
             return ids
-        # the writer thread builds the records (off the event loop) and answers through the
-        # waiter with one call_soon_threadsafe: a single hop back onto a busy loop
+        self._enqueue([s for _, s in samples])  # those the engine has not handed over (no-op for the rest)
         loop = asyncio.get_running_loop()
-        pending = _Pending(chosen, time.time(), loop, loop.create_future())
-        if not self._enqueue(pending):
-            return ids
-        if self._store_down:  # do not hold requests on a failing store: written when it returns
-            self._withheld("store_failing", len(chosen))
-            return ids
-        timer = loop.call_later(self.wait_s, _wake, pending.waiter, None)
-        try:  # a cancelled request cancels only its waiter: the records are still written
-            written = await pending.waiter
-        finally:
-            timer.cancel()
-        if not written:
-            self._withheld("store_failing" if written is False else "timeout", len(chosen))
-            return ids
-        committed = {rec.id for rec in pending.records}  # without those that could not be built
-        for i, *_, rid in chosen:
-            ids[i] = rid if rid in committed else None
+        waiter = None
+        with self._cv:
+            left = [s for _, s in samples if s.state == _QUEUED]
+            failing = self._store_down or any(s.state == _FAILING for _, s in samples)
+            if left and not failing:  # else do not hold requests on a failing store: written when it returns
+                waiter = _Waiter(loop, len(left))
+                for s in left:
+                    s.waiter = waiter
+        written = None
+        if waiter is not None:
+            timer = loop.call_later(self.wait_s, _wake, waiter.future, None)
+            try:  # a cancelled request cancels only its waiter: the records are still written
+                written = await waiter.future
+            finally:
+                timer.cancel()
+        num_withheld = 0
+        for i, sample in samples:
+            if sample.state == _WRITTEN:
+                ids[i] = sample.id
+            else:
+                num_withheld += sample.state in (_QUEUED, _FAILING)
+        if num_withheld:
+            self._withheld("timeout" if waiter is not None and written is None else "store_failing", num_withheld)
         return ids
 
-    def _build(self, pending: _Pending) -> list[Record]:
-        """The Records of a request (writer thread); one that cannot be built is dropped, counted."""
-        out = []
-        for _, seq, prompt, rid in pending.items:
-            try:
-                if seq.finish_reason is None:
-                    raise ValueError("only a finished sequence is recorded")
-                out.append(Record(
-                    id=rid, created=pending.created, server=self.server, version=int(seq.trace.version), prompt=prompt,
-                    prompt_ids=list(seq.prompt_ids), completion_ids=list(seq.completion_ids), text=seq.text,
-                    finish_reason=seq.finish_reason, sampling=dataclasses.asdict(seq.params),
-                    trace={**seq.trace.model_dump(), "finish_reason": seq.finish_reason}))
-            except Exception as e:  # a record that cannot be built must not fail the request
-                log.error("cannot record a sample: %s: %s", type(e).__name__, e)
-                self._dropped("error", 1)
-        return out
+    def _finished(self, seqs: list[Sequence]) -> None:
+        """(engine thread, right after a step) Hand the chosen samples that finished to the writer."""
+        samples = [s for seq in seqs if (s := getattr(seq, _SLOT, None)) is not None]
+        if samples:
+            self._enqueue(samples)
 
-    def _enqueue(self, pending: _Pending) -> bool:
-        n = len(pending.items)
+    def _enqueue(self, samples: list[_Sample]) -> None:
+        """Queue the finished samples not queued yet (aborted and failed ones are never recorded); when
+        the queue cannot take them all, none of them (counted, logged)."""
         with self._cv:
-            if self._closing or self._num_queued + n > self.max_pending:
-                full = not self._closing
-            else:
-                self._queue.append(pending)
-                self._num_queued += n
+            new = [s for s in samples if s.state == _CHOSEN
+                   and s.seq.finish_reason not in (None, FinishReason.ABORT, FinishReason.ERROR)]
+            if not new:
+                return
+            if not self._closing and self._num_queued + len(new) <= self.max_pending:
+                now = time.time()
+                for s in new:
+                    s.state, s.created = _QUEUED, now
+                self._queue.extend(new)
+                self._num_queued += len(new)
                 self._cv.notify()
-                return True
-        self._dropped("queue_full" if full else "shutdown", n)
+                return
+            full = not self._closing
+            for s in new:
+                s.state = _DROPPED
+        self._dropped("queue_full" if full else "shutdown", len(new))
         if full:
             self.health.failed("record", OverflowError(f"recording queue full ({self.max_pending} records "
                                                        "waiting: the store cannot keep up)"), "queue_full")
-        return False
+
+    def _build(self, sample: _Sample) -> Record | None:
+        """The Record of a sample (writer thread); one that cannot be built is dropped, counted."""
+        seq = sample.seq
+        try:
+            if seq.finish_reason is None:
+                raise ValueError("only a finished sequence is recorded")
+            return Record(
+                id=sample.id, created=sample.created, server=self.server, version=int(seq.trace.version),
+                prompt=sample.prompt, prompt_ids=list(seq.prompt_ids), completion_ids=list(seq.completion_ids),
+                text=seq.text, finish_reason=seq.finish_reason, sampling=_params(seq.params),
+                trace={**seq.trace.model_dump(), "finish_reason": seq.finish_reason})
+        except Exception as e:  # a record that cannot be built must not fail the request
+            log.error("cannot record a sample: %s: %s", type(e).__name__, e)
+            self._dropped("error", 1)
+            return None
 
     def _dropped(self, reason: str, n: int) -> None:
         if self.metrics is not None:
@@ -170,27 +216,26 @@ class Recorder:
 
     # -------------------------------------------------------------- writer thread
     def _write_loop(self) -> None:
-        batch: list[_Pending] = []
+        batch: list[_Sample] = []
         backoff = 0.05
         while True:
             with self._cv:
                 while not self._queue and not batch and not self._closing:
                     self._cv.wait()
-                taken, n = [], sum(len(p.records) for p in batch)
-                while self._queue and n < self.max_batch:
-                    taken.append(self._queue.popleft())
-                    n += len(taken[-1].items)
-                if not batch and not taken:
+                while self._queue and len(batch) < self.max_batch:
+                    batch.append(self._queue.popleft())
+                if not batch:
                     return  # closing, nothing left
-            for pending in taken:  # built here, off the event loop and outside the lock
-                built = self._build(pending)
-                self._done(len(pending.items) - len(built))  # the ones that could not be built
-                pending.items, pending.records = [], built
-                batch.append(pending)
-            if self._write(batch):
+            unbuilt = [s for s in batch if s.record is None]  # built here, off the event loop and outside the lock
+            for s in unbuilt:
+                s.record = self._build(s)
+            if any(s.record is None for s in unbuilt):
+                self._settle([s for s in unbuilt if s.record is None], _DROPPED)
+                batch = [s for s in batch if s.record is not None]
+            if not batch or self._write(batch):
                 batch, backoff = [], 0.05
             elif time.monotonic() > self._close_deadline:
-                n = sum(len(p.records) for p in batch) + sum(len(p.items) for p in self._queue)
+                n = len(batch) + len(self._queue)
                 log.error("feedback store: %d queued records not written at shutdown", n)
                 self._dropped("shutdown", n)
                 return
@@ -199,37 +244,50 @@ class Recorder:
                     self._cv.wait_for(lambda: self._closing, timeout=backoff)
                 backoff = min(2.0, backoff * 2)
 
-    def _write(self, batch: list[_Pending]) -> bool:
+    def _write(self, batch: list[_Sample]) -> bool:
         """Write a batch in one transaction: True when done with it (written, or dropped for a
         non-transient cause), False to retry it later (its requests are answered without ids)."""
-        records = [rec for p in batch for rec in p.records]
+        records = [s.record for s in batch if s.record is not None]
         t0 = time.perf_counter()
         try:
             self.store.add_records(records)
         except Exception as e:
             cause = self.health.failed("record", e)
-            _resolve(batch, False)
             if cause in _TRANSIENT:
                 self._store_down = True
+                self._settle(batch, _FAILING)
                 return False
             self._dropped("error", len(records))
-            self._done(len(records))
+            self._settle(batch, _DROPPED)
             return True
         self._store_down = False
         self.health.ok()
         if self.metrics is not None:
             self.metrics.records.inc(len(records))
             self.metrics.record_write_seconds.observe(time.perf_counter() - t0)
-        self._done(len(records))
-        _resolve(batch, True)
+        self._settle(batch, _WRITTEN)
         return True
 
-    def _done(self, n: int) -> None:
-        if not n:
-            return
+    def _settle(self, samples: list[_Sample], state: int) -> None:
+        """Move samples to `state` and wake the requests that can answer now: a request once all its
+        samples are written, at once when one is dropped or the store fails; one call_soon_threadsafe
+        per event loop (a single wake-up of a busy loop for the whole batch, not one per request)."""
+        wake: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future, bool]]] = {}
         with self._cv:
-            self._num_queued -= n
-            self._cv.notify_all()
+            for s in samples:
+                s.state, w = state, s.waiter
+                if w is not None and w.left > 0:
+                    w.left = w.left - 1 if state == _WRITTEN else 0
+                    if not w.left:
+                        wake.setdefault(w.loop, []).append((w.future, state == _WRITTEN))
+            if state != _FAILING:  # written or dropped: done with them
+                self._num_queued -= len(samples)
+                self._cv.notify_all()
+        for loop, futures in wake.items():
+            try:
+                loop.call_soon_threadsafe(_wake_all, futures)
+            except RuntimeError:  # the loop is closed (shutdown): nobody waits
+                pass
 
     # -------------------------------------------------------------- feedback (worker thread)
     def add_feedback(self, record_id: str, reward: float, label: str | None = None) -> bool:
@@ -261,15 +319,41 @@ class Recorder:
         self.store.close()
 
 
-class _Pending:
-    """One request's chosen samples on their way to the store: (index, seq, prompt, id) until
-    the writer builds their Records; `waiter` (a future of `loop`) gets True once committed,
-    False while the store fails."""
-    __slots__ = ("items", "created", "loop", "waiter", "records")
+_CHOSEN, _QUEUED, _FAILING, _WRITTEN, _DROPPED = range(5)  # a sample's way to the store
+_SLOT = "dlrl_record"  # the attribute of a Sequence that holds its _Sample (None: not recorded)
+_UNSET = object()
 
-    def __init__(self, items: list, created: float, loop: asyncio.AbstractEventLoop, waiter: asyncio.Future):
-        self.items, self.created, self.loop, self.waiter = items, created, loop, waiter
-        self.records: list[Record] = []
+
+class _Sample:
+    """One chosen sample on its way to the store: `state` moves (under the recorder's lock) from
+    _CHOSEN to _QUEUED once it finished, then to _WRITTEN or _DROPPED (_FAILING while the store
+    fails and it waits for a retry); `waiter` is the request waiting for it, if any."""
+    __slots__ = ("seq", "prompt", "id", "created", "state", "waiter", "record")
+
+    def __init__(self, seq: Sequence, prompt: str | None):
+        self.seq, self.prompt, self.id = seq, prompt, new_record_id()
+        self.created = 0.0
+        self.state = _CHOSEN
+        self.waiter: _Waiter | None = None
+        self.record: Record | None = None
+
+
+class _Waiter:
+    """A request waiting for `left` samples: `future` (of `loop`) gets True once all are written,
+    False as soon as one fails or is dropped, None at the request's timeout."""
+    __slots__ = ("loop", "future", "left")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, left: int):
+        self.loop, self.future, self.left = loop, loop.create_future(), left
+
+
+_FIELDS: dict[type, tuple[str, ...]] = {}  # a dataclass's field names, by type
+
+
+def _params(params: Any) -> dict:
+    """dataclasses.asdict of SamplingParams (flat: lists copied), without its generic recursion."""
+    names = _FIELDS.get(type(params)) or _FIELDS.setdefault(type(params), tuple(f.name for f in dataclasses.fields(params)))
+    return {k: list(v) if isinstance(v := getattr(params, k), list) else v for k in names}
 
 
 def _wake(waiter: asyncio.Future, ok: bool | None) -> None:
@@ -277,14 +361,9 @@ def _wake(waiter: asyncio.Future, ok: bool | None) -> None:
         waiter.set_result(ok)
 
 
-def _resolve(batch: list[_Pending], ok: bool) -> None:
-    for p in batch:
-        if p.waiter.done():  # answered by an earlier try, or timed out: no wake-up needed
-            continue
-        try:
-            p.loop.call_soon_threadsafe(_wake, p.waiter, ok)
-        except RuntimeError:  # the loop is closed (shutdown): nobody waits
-            pass
+def _wake_all(futures: list[tuple[asyncio.Future, bool]]) -> None:
+    for future, ok in futures:
+        _wake(future, ok)
 
 
 def _redact(url: str) -> str:

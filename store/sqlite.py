@@ -53,6 +53,12 @@ CREATE TRIGGER IF NOT EXISTS records_del AFTER DELETE ON records
 """
 
 
+_ROW = "(" + ",".join("?" * 11) + ")"
+_MAX_ONE_STATEMENT = 256  # rows (x 11 values: under SQLite's 32766 host parameters)
+_INSERT_IF_FITS = (f"INSERT OR IGNORE INTO records ({RECORD_COLS}) SELECT * FROM (VALUES {{values}}) "
+                   "WHERE (SELECT n FROM counts WHERE name = 'records') + ? <= ?")
+
+
 class SQLiteStore(SQLStore):
     """FeedbackStore on an SQLite file; one connection per instance, shared by its threads."""
 
@@ -156,14 +162,32 @@ class SQLiteStore(SQLStore):
         rows = [record_row(r) for r in records]
         if not rows:
             return
+        if len(rows) > _MAX_ONE_STATEMENT or not self._insert_if_fits(rows):
+            self._insert_bounded(rows)
+        if time.monotonic() - self._last_prune >= self.prune_every_s:
+            self.prune()
+
+    def _insert_if_fits(self, rows: list[tuple]) -> bool:
+        """The common case as ONE autocommit statement (one sqlite3 call: the recorder's thread gives
+        up and takes back the GIL once per batch, not once per statement and row, and under a busy
+        server each of those hand-overs cost more than the insert): the rows go in only if the bound
+        still holds with all of them. True when written; False when nothing was inserted (the batch
+        would pass max_records, or every id was already there) and the bounded transaction decides.
+        A write statement takes the write lock as it starts, so it waits (busy timeout) like BEGIN
+        IMMEDIATE, and the counting trigger runs inside it."""
+        sql = _INSERT_IF_FITS.format(values=",".join([_ROW] * len(rows)))
+        with self._lock:
+            n = self._db.execute(sql, [v for row in rows for v in row] + [len(rows), self.max_records]).rowcount
+        return n > 0
+
+    def _insert_bounded(self, rows: list[tuple]) -> None:
+        """Insert in one transaction that also deletes the oldest records beyond max_records."""
         with self._write() as db:
             db.executemany(f"INSERT OR IGNORE INTO records ({RECORD_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows)
             excess = db.execute("SELECT n FROM counts WHERE name = 'records'").fetchone()[0] - self.max_records
             if excess > 0:
                 db.execute("DELETE FROM records WHERE rowid IN "
                            "(SELECT rowid FROM records ORDER BY created, rowid LIMIT ?)", (excess,))
-        if time.monotonic() - self._last_prune >= self.prune_every_s:
-            self.prune()
 
     # -- bounds and stats -------------------------------------------------------------------
     def prune(self) -> int:

@@ -14,7 +14,8 @@ in another implementation of the same methods (see README, "Continuous alignment
 from __future__ import annotations
 
 import abc
-import uuid
+import os
+import threading
 from dataclasses import asdict, dataclass, field
 
 # Version statuses of the registry, in the order a version usually goes through them.
@@ -24,8 +25,26 @@ VERSION_STATUSES = ("trained", "candidate", "gated_out", "canary", "serving", "r
 
 def new_record_id() -> str:
     """A fresh record id (`rec-` + 24 hex digits): unguessable, so an id is a capability to
-    give feedback on that one sample and nothing else."""
-    return f"rec-{uuid.uuid4().hex[:24]}"
+    give feedback on that one sample and nothing else. 96 bits of os.urandom, drawn 256 ids at a
+    time (one getrandom call, not one per id on a busy event loop); a forked child draws its own."""
+    global _id_pos, _id_bytes
+    with _id_lock:
+        if _id_pos + 12 > len(_id_bytes):
+            _id_bytes, _id_pos = os.urandom(12 * 256), 0
+        raw, _id_pos = _id_bytes[_id_pos:_id_pos + 12], _id_pos + 12
+    return "rec-" + raw.hex()
+
+
+_id_lock = threading.Lock()
+_id_bytes, _id_pos = b"", 0
+
+
+def _forget_ids() -> None:  # in a forked child: never hand out the ids its parent may hand out
+    global _id_bytes, _id_pos, _id_lock
+    _id_bytes, _id_pos, _id_lock = b"", 0, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_ids)
 
 
 ERROR_CAUSES = ("disk_full", "io_error", "unavailable", "locked", "error")

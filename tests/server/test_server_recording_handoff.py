@@ -1,0 +1,122 @@
+"""Recording starts when a sample finishes: the engine thread hands the chosen samples to the writer
+(Engine.add_finish_listener), so the commit runs while the request is still on its way back and
+`record()` only waits for what is left. Aborted and failed samples are never written."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+
+from dllm.sampling import SamplingParams
+from dllm.sequence import Sequence
+from dllm.trace import FinishReason
+from server.recording import Recorder
+from server.state import server_state
+from store.sqlite import SQLiteStore
+
+
+def _seq(reason: FinishReason | None = FinishReason.STOP) -> Sequence:
+    seq = Sequence([1, 2, 3], SamplingParams(max_tokens=4), block_size=4, mask_id=63)
+    seq.completion_ids, seq.finish_reason, seq.text = [5, 6], reason, "ab"
+    return seq
+
+
+def _handed_over_by_the_engine(rec: Recorder, seqs: list[Sequence]) -> None:
+    t = threading.Thread(target=rec._finished, args=(seqs,), name="dlrl-engine")  # as Engine._iterate calls it
+    t.start()
+    t.join()
+
+
+def test_samples_are_written_as_they_finish_before_their_request_asks(tmp_path):
+    store = SQLiteStore(tmp_path / "fb.db")
+    rec = Recorder(store, mode="all", wait_s=5.0)
+    try:
+        seqs = [_seq(), _seq()]
+        rec.expect(seqs, ["1+2="], n=2)
+        _handed_over_by_the_engine(rec, seqs)
+        rec.flush(timeout=10)
+        assert store.stats()["num_records"] == 2  # written before anyone asked for the ids
+
+        def refuse(records):  # the store is not touched again: the request only reads the outcome
+            raise AssertionError("written twice")
+
+        store.add_records = refuse
+        ids = asyncio.run(rec.record([(s, "1+2=") for s in seqs]))
+        assert all(ids) and len(set(ids)) == 2
+        for rid in ids:
+            got = store.get_record(rid)
+            assert got is not None and got.prompt == "1+2=" and got.completion_ids == [5, 6]
+    finally:
+        rec.close()
+
+
+def test_a_request_waits_only_for_what_is_not_written_yet(tmp_path):
+    store = SQLiteStore(tmp_path / "fb.db")
+    gate = threading.Event()
+    real = store.add_records
+
+    def slow(records):
+        gate.wait(10)
+        real(records)
+
+    store.add_records = slow
+    rec = Recorder(store, mode="all", wait_s=10.0)
+    try:
+        seqs = [_seq()]
+        rec.expect(seqs, ["p"])
+        _handed_over_by_the_engine(rec, seqs)
+
+        async def ask() -> list[str | None]:
+            task = asyncio.ensure_future(rec.record([(seqs[0], "p")]))
+            await asyncio.sleep(0.2)
+            assert not task.done()  # the commit is not done: the id is not handed out
+            gate.set()
+            return await task
+
+        ids = asyncio.run(ask())
+        assert ids[0] is not None and store.get_record(ids[0]) is not None
+    finally:
+        gate.set()
+        rec.close()
+
+
+def test_aborted_failed_and_unchosen_samples_are_never_written(tmp_path):
+    store = SQLiteStore(tmp_path / "fb.db")
+    rec = Recorder(store, mode="all")
+    sampled = Recorder(SQLiteStore(tmp_path / "other.db"), mode="sample", fraction=0.0)
+    try:
+        seqs = [_seq(FinishReason.ABORT), _seq(FinishReason.ERROR), _seq(None)]
+        rec.expect(seqs, ["p"], n=3)
+        _handed_over_by_the_engine(rec, seqs)
+        assert asyncio.run(rec.record([(s, "p") for s in seqs[:2]])) == [None, None]
+        unchosen = [_seq()]
+        sampled.expect(unchosen, ["p"])  # fraction 0: decided before the run, not again at the end
+        _handed_over_by_the_engine(sampled, unchosen)
+        assert asyncio.run(sampled.record([(unchosen[0], "p")])) == [None]
+        rec.flush(timeout=10)
+        sampled.flush(timeout=10)
+        assert store.stats()["num_records"] == 0 and sampled.store.stats()["num_records"] == 0
+    finally:
+        rec.close()
+        sampled.close()
+
+
+def test_the_server_hands_finished_samples_over_from_the_engine_thread(make_server, tmp_path):
+    srv = make_server(max_batch=4, max_model_len=64, record="all", store=str(tmp_path / "fb.db"))
+    st = server_state(srv.app)
+    recorder = st.recorder
+    handed: list[tuple[str, int]] = []
+    real = recorder._finished
+
+    def spy(seqs):
+        handed.extend((threading.current_thread().name, s.seq_id) for s in seqs)
+        real(seqs)
+
+    st.engine._finish_listeners[:] = [spy]  # the engine calls the bound method it was given
+    r = httpx.post(srv.url + "/generate", json={"prompt": "1+1=", "n": 3, "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200
+    ids = [s["record_id"] for s in r.json()["samples"]]
+    assert all(ids) and len(handed) == 3 and {name for name, _ in handed} == {"dlrl-engine"}
+    assert all(recorder.store.get_record(rid) is not None for rid in ids)
