@@ -98,7 +98,8 @@ class Recorder:
         recorder = cls(store, mode=config.record, fraction=config.record_fraction, server=server, metrics=metrics,
                        max_pending=config.record_max_pending, wait_s=config.record_wait_s,
                        error_log_s=config.store_error_log_s)
-        engine.add_finish_listener(recorder._finished)
+        if recorder.mode != "none":  # a feedback-only store records nothing
+            engine.add_finish_listener(recorder._finished)
         return recorder
 
     # -------------------------------------------------------------- request side (event loop)
@@ -170,7 +171,7 @@ class Recorder:
         """Queue the finished samples not queued yet (aborted and failed ones are never recorded); when
         the queue cannot take them all, none of them (counted, logged)."""
         with self._cv:
-            new = [s for s in samples if s.state == _CHOSEN
+            new = [s for s in samples if s.state == _CHOSEN and s.seq is not None
                    and s.seq.finish_reason not in (None, FinishReason.ABORT, FinishReason.ERROR)]
             if not new:
                 return
@@ -194,7 +195,7 @@ class Recorder:
         """The Record of a sample (writer thread); one that cannot be built is dropped, counted."""
         seq = sample.seq
         try:
-            if seq.finish_reason is None:
+            if seq is None or seq.finish_reason is None:
                 raise ValueError("only a finished sequence is recorded")
             return Record(
                 id=sample.id, created=sample.created, server=self.server, version=int(seq.trace.version),
@@ -229,6 +230,7 @@ class Recorder:
             unbuilt = [s for s in batch if s.record is None]  # built here, off the event loop and outside the lock
             for s in unbuilt:
                 s.record = self._build(s)
+                s.seq = None  # the record holds what is kept: no sequence <-> sample cycle left for the GC
             if any(s.record is None for s in unbuilt):
                 self._settle([s for s in unbuilt if s.record is None], _DROPPED)
                 batch = [s for s in batch if s.record is not None]
@@ -276,6 +278,8 @@ class Recorder:
         with self._cv:
             for s in samples:
                 s.state, w = state, s.waiter
+                if state != _FAILING:
+                    s.record = None  # written or dropped: only the state is read from now on
                 if w is not None and w.left > 0:
                     w.left = w.left - 1 if state == _WRITTEN else 0
                     if not w.left:
@@ -331,7 +335,8 @@ class _Sample:
     __slots__ = ("seq", "prompt", "id", "created", "state", "waiter", "record")
 
     def __init__(self, seq: Sequence, prompt: str | None):
-        self.seq, self.prompt, self.id = seq, prompt, new_record_id()
+        self.seq: Sequence | None = seq
+        self.prompt, self.id = prompt, new_record_id()
         self.created = 0.0
         self.state = _CHOSEN
         self.waiter: _Waiter | None = None
