@@ -117,8 +117,13 @@ class Recorder:
         if self.mode == "none":
             return
         for i, seq in enumerate(seqs):
-            p = prompts[i // n] if prompts else None
-            setattr(seq, _SLOT, _Sample(seq, p if isinstance(p, str) else None) if self.is_chosen() else None)
+            self._choose(seq, _prompt_of(prompts, i, n))
+
+    def _choose(self, seq: Sequence, prompt: str | None) -> _Sample | None:
+        """Decide once whether `seq` is recorded; the decision (its _Sample, or None) stays on it."""
+        sample = _Sample(seq, prompt) if self.is_chosen() else None
+        setattr(seq, _SLOT, sample)
+        return sample
 
     async def record(self, items: list[tuple[Sequence, str | None]]) -> list[str | None]:
         """The record ids of a request's finished samples, once committed (else None): those chosen
@@ -127,9 +132,8 @@ class Recorder:
         samples: list[tuple[int, _Sample]] = []
         for i, (seq, prompt) in enumerate(items):
             sample = getattr(seq, _SLOT, _UNSET)
-            if sample is _UNSET:
-                sample = _Sample(seq, prompt) if self.is_chosen() else None
-                setattr(seq, _SLOT, sample)
+            if sample is _UNSET:  # not chosen by expect(): choose now
+                sample = self._choose(seq, prompt)
             if isinstance(sample, _Sample):
                 samples.append((i, sample))
         if not samples:
@@ -227,12 +231,15 @@ class Recorder:
                     batch.append(self._queue.popleft())
                 if not batch:
                     return  # closing, nothing left
-            unbuilt = [s for s in batch if s.record is None]  # built here, off the event loop and outside the lock
-            for s in unbuilt:
-                s.record = self._build(s)
-                s.seq = None  # the record holds what is kept: no sequence <-> sample cycle left for the GC
-            if any(s.record is None for s in unbuilt):
-                self._settle([s for s in unbuilt if s.record is None], _DROPPED)
+            unbuildable = []
+            for s in batch:  # built here, off the event loop and outside the lock (a retried one already is)
+                if s.record is None:
+                    s.record = self._build(s)
+                    s.seq = None  # the record holds what is kept: no sequence <-> sample cycle left for the GC
+                    if s.record is None:
+                        unbuildable.append(s)
+            if unbuildable:
+                self._settle(unbuildable, _DROPPED)
                 batch = [s for s in batch if s.record is not None]
             if not batch or self._write(batch):
                 batch, backoff = [], 0.05
@@ -361,6 +368,12 @@ def _params(params: Any) -> dict:
     return {k: list(v) if isinstance(v := getattr(params, k), list) else v for k in names}
 
 
+def _prompt_of(prompts: abc.Sequence[object] | None, i: int, n: int) -> str | None:
+    """The stored prompt of sample i (prompt-major, n per prompt): its text, None for token ids."""
+    p = prompts[i // n] if prompts else None
+    return p if isinstance(p, str) else None
+
+
 def _wake(waiter: asyncio.Future, ok: bool | None) -> None:
     if not waiter.done():
         waiter.set_result(ok)
@@ -387,9 +400,7 @@ async def record_ids(recorder: Recorder | None, seqs: list[Sequence], prompts: a
     Text prompts are stored; token-id prompts as None."""
     if recorder is None or recorder.mode == "none":
         return [None] * len(seqs)
-    items = [(seq, p if isinstance(p := (prompts[i // n] if prompts else None), str) else None)
-             for i, seq in enumerate(seqs)]
-    return await recorder.record(items)
+    return await recorder.record([(seq, _prompt_of(prompts, i, n)) for i, seq in enumerate(seqs)])
 
 
 async def record_one(recorder: Recorder | None, seq: Sequence, prompt: object = None) -> str | None:

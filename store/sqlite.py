@@ -183,7 +183,7 @@ class SQLiteStore(SQLStore):
     def _insert_bounded(self, rows: list[tuple]) -> None:
         """Insert in one transaction that also deletes the oldest records beyond max_records."""
         with self._write() as db:
-            db.executemany(f"INSERT OR IGNORE INTO records ({RECORD_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows)
+            db.executemany(f"INSERT OR IGNORE INTO records ({RECORD_COLS}) VALUES {_ROW}", rows)
             excess = db.execute("SELECT n FROM counts WHERE name = 'records'").fetchone()[0] - self.max_records
             if excess > 0:
                 db.execute("DELETE FROM records WHERE rowid IN "
