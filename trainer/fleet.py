@@ -32,14 +32,19 @@ from typing import Any, TypeVar
 from rollout_client.client import AdminError, RolloutClient
 from rollout_client.protocol.rollout import Rollout
 from trainer.local_servers import is_local
-from weight_sync import WeightSender, WeightSyncError
+from weight_sync import ServerRestarted, WeightSender, WeightSyncError
 
 log = logging.getLogger("dlrl.train")
 T = TypeVar("T")
 
 
 class FleetError(RuntimeError):
-    """A server misbehaved; the message names it."""
+    """A server misbehaved; the message names it. `restarted`: the servers that restarted during
+    the call (they lost what it sent them; the caller may wait for them and send it again)."""
+
+    def __init__(self, message: str, restarted: list[str] | None = None):
+        super().__init__(message)
+        self.restarted = restarted or []
 
 
 async def _gather(*coros: Coroutine[Any, Any, Any], return_exceptions: bool = False) -> list[Any]:
@@ -200,4 +205,5 @@ class ServerFleet:
         except (WeightSyncError, AdminError) as e:
             dead = [u for u in key if u in self.unreachable()]
             where = f" (unreachable: {', '.join(dead)})" if dead else ""
-            raise FleetError(f"push of version {version} failed{where}: {e}") from e
+            restarted = [e.url] if isinstance(e, ServerRestarted) else []
+            raise FleetError(f"push of version {version} failed{where}: {e}", restarted=restarted) from e

@@ -173,12 +173,13 @@ class Publisher:
             self.push(urls=behind, version=self.version)
 
     def _push_through_restarts(self, src: Any, version: int, urls: list[str]) -> dict[str, Any]:
-        """Push; if a server went down meanwhile, wait for it (bounded) and push the same version
-        again to the servers that do not hold it. Each server applies it whole or not at all."""
+        """Push; if a server went down meanwhile (unreachable, or back up having forgotten the
+        update: it restarted), wait for it (bounded) and push the same version again to the servers
+        that do not hold it. Each server applies it whole or not at all."""
         try:
             return self.fleet.push(src, version, urls)
         except FleetError as e:
-            if not self.fleet.unreachable():
+            if not (e.restarted or self.fleet.unreachable()):
                 raise
             log.warning("%s: waiting up to %.0fs for the servers to come back", e, self.server_wait_s)
         versions = self._wait_for_servers(urls)

@@ -18,6 +18,7 @@ from weight_sync.errors import (
     ManifestError,
     NonFiniteWeights,
     NotOwner,
+    ServerRestarted,
     UpdateConflict,
     UpdateFailed,
     WeightSyncError,
@@ -28,7 +29,7 @@ from weight_sync.sender import WeightSender, push
 from weight_sync.sources import drain, iter_deepspeed_params
 
 __all__ = [
-    "Manifest", "ManifestError", "NonFiniteWeights", "NotOwner", "UpdateConflict", "UpdateFailed", "WeightReceiver",
+    "Manifest", "ManifestError", "NonFiniteWeights", "NotOwner", "ServerRestarted", "UpdateConflict", "UpdateFailed", "WeightReceiver",
     "WeightSender", "WeightSyncError", "drain", "iter_deepspeed_params", "push",
     "weights_digest",
 ]

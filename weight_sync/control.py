@@ -10,7 +10,9 @@
 drains in-flight sequences first), one that timed out or lost its connection, are followed
 by polling `GET /weights/updates/{v}` until the server says applied or failed; when the
 sender's own deadline passes it aborts (refused once the server is applying) and asks once
-more, so it reports success exactly when the server applied the update.
+more, so it reports success exactly when the server applied the update. A server that answers
+`unknown` for the version it was committing restarted meanwhile (it lost the staged update):
+`ServerRestarted`, so the caller can wait for it and push again.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from weight_sync.errors import WeightSyncError
+from weight_sync.errors import ServerRestarted, WeightSyncError
 from weight_sync.protocol import (
     AbortRequest,
     BeginRequest,
@@ -130,7 +132,9 @@ class ControlClient:
                                       f"belongs to run {state.run_id!r}, not to this run {body.run_id!r}")
             if state is not None and state.state is UpdatePhase.APPLIED:
                 return CommitResponse(version=body.version, state="applied", served_version=state.served_version)
-            if state is not None and state.state in (UpdatePhase.FAILED, UpdatePhase.UNKNOWN):
+            if state is not None and state.state is UpdatePhase.UNKNOWN:  # begun and sent, then forgotten
+                raise ServerRestarted(self.url, body.version, state.served_version)
+            if state is not None and state.state is UpdatePhase.FAILED:
                 raise WeightSyncError(f"{self.url}: commit of version {body.version} failed: "
                                       f"{state.reason or state.state}")
             send = state is not None and state.state is UpdatePhase.RECEIVING  # the commit never arrived

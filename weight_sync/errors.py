@@ -10,6 +10,8 @@
 `NotOwner` (409, an UpdateConflict)       : the call names another run than the one owning the update.
 `UpdateFailed` (400)                      : bad data: truncated bucket, checksum mismatch, ...
 `NonFiniteWeights` (400)                  : the update holds NaN/inf values; nothing was applied.
+`ServerRestarted`                         : (sender side) the server forgot the update it was committing:
+                                            it restarted; push the version again once it is back.
 `WeightSyncError`                         : base class; the sender raises it for any failed push.
 """
 
@@ -51,3 +53,13 @@ class UpdateFailed(WeightSyncError):
 
 class NonFiniteWeights(UpdateFailed):
     """The staged weights contain NaN or infinite values; the update was refused (HTTP 400)."""
+
+
+class ServerRestarted(WeightSyncError):
+    """The server no longer knows the update being committed (it answers `unknown`): it restarted
+    during the commit and lost the staged version. Nothing of it was applied; push it again."""
+
+    def __init__(self, url: str, version: int, served_version: int):
+        super().__init__(f"{url}: restarted during the commit of version {version} (it now serves version "
+                         f"{served_version} and has no update {version}): nothing was applied")
+        self.url, self.version, self.served_version = url, version, served_version

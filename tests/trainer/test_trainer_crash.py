@@ -82,3 +82,38 @@ def test_a_restarted_server_is_detected_and_resynced(tiny_model_dir, tmp_path):
         if proc.poll() is None:
             proc.kill()
         srv.kill(signal.SIGTERM)
+
+
+def test_a_server_restarted_between_data_and_commit_is_told_apart_and_pushed_again(tiny_model_dir, tmp_path,
+                                                                                  monkeypatch):
+    """The server dies after the data plane and is back (same port, version 0) before the commit
+    arrives: the commit does not fail as a bad update but names the restart (FleetError.restarted,
+    which `_push_through_restarts` waits out), and pushing the version again applies it."""
+    from trainer.fleet import FleetError, ServerFleet
+    from weight_sync import WeightSender
+
+    srv = start_server_process(tiny_model_dir, TOKEN, tmp_path)
+    port = int(srv.url.rsplit(":", 1)[1])
+    named = {n: t + 0.01 for n, t in load_pretrained(tiny_model_dir).hf_named_tensors()}
+    servers = [srv]
+    commit_all = WeightSender._commit_all
+
+    def restart_then_commit(self, body):
+        servers[-1].kill(signal.SIGKILL)
+        servers.append(start_server_process(tiny_model_dir, TOKEN, tmp_path, port=port))
+        return commit_all(self, body)
+
+    fleet = ServerFleet([srv.url], TOKEN, timeout=60)
+    try:
+        monkeypatch.setattr(WeightSender, "_commit_all", restart_then_commit)
+        with pytest.raises(FleetError, match="restarted during the commit of version 1") as e:
+            fleet.push(named, 1)
+        assert e.value.restarted == [srv.url]
+        assert admin_get(srv.url, "/weights/version", TOKEN)["version"] == 0  # nothing applied
+        monkeypatch.setattr(WeightSender, "_commit_all", commit_all)
+        fleet.push(named, 1)
+        assert admin_get(srv.url, "/weights/version", TOKEN)["version"] == 1
+        assert admin_get(srv.url, "/weights/checksum", TOKEN)["digest"] == weights_digest(named)
+    finally:
+        fleet.close()
+        servers[-1].kill(signal.SIGTERM)
