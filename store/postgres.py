@@ -24,9 +24,10 @@ Connections: a pool of `pool_size` (default 4) connections, each checked before 
 database restart costs the requests in flight, not the pool); an operation that cannot get
 a connection within `connect_timeout_s` raises psycopg_pool.PoolTimeout ("unavailable").
 Record batches (the server's recorder writes one per commit) take their own autocommit
-connection instead: one statement, one round trip, and half the CPU of a pooled transaction
-on both ends (benchmarks/RESULTS.md); only a batch that would pass `max_records` goes through a
-pooled transaction that deletes the oldest.
+connection instead: one prepared statement sent straight through libpq (the batch as one JSON
+parameter), one round trip, and half the CPU of a pooled transaction on both ends
+(benchmarks/RESULTS.md); only a batch that would pass `max_records` goes through a pooled
+transaction that deletes the oldest.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from __future__ import annotations
 import threading
 import time
 from typing import TYPE_CHECKING, Any
+
+import orjson
 
 from store.sql import RECORD_COLS, SQLStore, record_row
 from store.types import Record
@@ -64,19 +67,35 @@ CREATE TABLE dlrl_counts (name TEXT PRIMARY KEY, n BIGINT NOT NULL);
 INSERT INTO dlrl_counts VALUES ('records', 0);
 """,
 }
-# One record batch in ONE autocommit statement (one round trip, no BEGIN/COMMIT, no pool check):
-# the count row is locked first, the rows go in only if the bound still holds with all of them
-# (else nothing is inserted, `fits` is false and the batch takes the transaction that deletes the
-# oldest), and the counter moves by what was really inserted (ON CONFLICT rows are not counted).
+# The bounded path (a batch that would pass max_records; see _bound): rows as typed VALUES.
 _RECORD_TYPES = ("text", "float8", "text", "int4", "text", "text", "text", "text", "text", "text", "text")
 _RECORD_VALUES = "(" + ",".join(f"%s::{t}" for t in _RECORD_TYPES) + ")"
-_INSERT_IF_FITS = ("WITH c AS (SELECT n FROM dlrl_counts WHERE name = 'records' FOR UPDATE), "
-                   "ins AS (INSERT INTO dlrl_records ({cols}) SELECT * FROM (VALUES {values}) AS v "
-                   "WHERE (SELECT n FROM c) + %s <= %s ON CONFLICT (id) DO NOTHING RETURNING 1) "
-                   "UPDATE dlrl_counts SET n = n + (SELECT COUNT(*) FROM ins) WHERE name = 'records' "
-                   "RETURNING (SELECT n FROM c) + %s <= %s")
+_COLS = [c.strip() for c in RECORD_COLS.split(",")]
+# One record batch in ONE autocommit statement, prepared once per connection and sent straight
+# through libpq (psycopg.pq: one blocking call that releases the GIL, no per-parameter adaptation;
+# the whole batch is one JSON parameter). The count row is locked first, the rows go in only if the
+# bound still holds with all of them (else nothing is inserted, `fits` is false and the batch takes
+# the transaction that deletes the oldest), and the counter moves by what was really inserted
+# (ON CONFLICT rows are not counted). $1: JSON array of rows, $2: their number, $3: max_records.
+_INSERT_IF_FITS_NAME = b"dlrl_insert_records_if_fits"
+_INSERT_IF_FITS = (
+    "WITH c AS (SELECT n FROM dlrl_counts WHERE name = 'records' FOR UPDATE), "
+    f"ins AS (INSERT INTO dlrl_records ({RECORD_COLS}) SELECT {RECORD_COLS} FROM json_to_recordset($1::json) AS v("
+    + ", ".join(f"{c} {t}" for c, t in zip(_COLS, _RECORD_TYPES)) + ") "
+    "WHERE (SELECT n FROM c) + $2::int8 <= $3::int8 ON CONFLICT (id) DO NOTHING RETURNING 1) "
+    "UPDATE dlrl_counts SET n = n + (SELECT COUNT(*) FROM ins) WHERE name = 'records' "
+    "RETURNING (SELECT n FROM c) + $2::int8 <= $3::int8").encode()
 # transaction-scoped advisory lock keys ("dlrl" + a number): migrations, feedback, registry+events
 _LOCK_MIGRATE, _LOCK_FEEDBACK, _LOCK_REGISTRY = 0x646C726C00, 0x646C726C01, 0x646C726C02
+
+
+def _check(conn: Connection, res: Any, ok: Any) -> Any:
+    """A libpq result of `conn.pgconn`, or its error raised as the psycopg exception it maps to."""
+    import psycopg
+
+    if res.status != ok:
+        raise psycopg.errors.error_from_result(res, encoding=conn.info.encoding)
+    return res
 
 
 def _one_row(cur: Cursor[Any]) -> tuple:
@@ -185,18 +204,26 @@ class PostgresStore(SQLStore):
         written, False when the batch would pass max_records (nothing written). A connection broken
         by a database restart is replaced and the statement sent once more (idempotent: ids)."""
         import psycopg
+        from psycopg import pq
 
-        sql = _INSERT_IF_FITS.format(cols=RECORD_COLS, values=",".join([_RECORD_VALUES] * len(rows)))
-        args = [v for row in rows for v in row] + [len(rows), self.max_records] * 2
+        args = [orjson.dumps([dict(zip(_COLS, row)) for row in rows]), str(len(rows)).encode(),
+                str(self.max_records).encode()]
         with self._records_lock:
             for attempt in (0, 1):
                 conn, fresh = self._records_conn, self._records_conn is None
                 if conn is None:
-                    conn = self._records_conn = psycopg.connect(self.url, autocommit=True, **self._connect_kwargs)
+                    conn = psycopg.connect(self.url, autocommit=True, **self._connect_kwargs)
+                    try:
+                        _check(conn, conn.pgconn.prepare(_INSERT_IF_FITS_NAME, _INSERT_IF_FITS), pq.ExecStatus.COMMAND_OK)
+                    except BaseException:
+                        conn.close()
+                        raise
+                    self._records_conn = conn
                 try:
-                    return bool(_one_row(conn.execute(sql, args))[0])
+                    res = _check(conn, conn.pgconn.exec_prepared(_INSERT_IF_FITS_NAME, args), pq.ExecStatus.TUPLES_OK)
+                    return res.get_value(0, 0) == b"t"
                 except psycopg.Error:
-                    if not conn.broken and not conn.closed:
+                    if conn.pgconn.status == pq.ConnStatus.OK:
                         raise  # the statement failed, the connection is fine
                     conn.close()
                     self._records_conn = None
