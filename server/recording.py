@@ -254,28 +254,51 @@ class Recorder:
                 backoff = min(2.0, backoff * 2)
 
     def _write(self, batch: list[_Sample]) -> bool:
-        """Write a batch in one transaction: True when done with it (written, or dropped for a
-        non-transient cause), False to retry it later (its requests are answered without ids)."""
+        """Write a batch in one statement: True when done with it (written, or dropped for a
+        non-transient cause), False to retry what is left of it later (`batch` keeps only those;
+        their requests are answered without ids). A batch the store refuses for any other cause than
+        an outage is written again one record at a time, so a record it cannot take (a lone
+        surrogate; a NUL, which PostgreSQL text refuses and a prompt can carry) costs only its own
+        request its id, never the other requests' that finished in the same step."""
+        cause = self._commit(batch)
+        if cause is None:
+            return True
+        if cause in _TRANSIENT:
+            self._store_down = True
+            self._settle(batch, _FAILING)
+            return False
+        if len(batch) > 1:
+            for k, s in enumerate(list(batch)):
+                cause = self._commit([s])
+                if cause in _TRANSIENT:  # an outage began meanwhile: retry what is not settled yet
+                    del batch[:k]
+                    self._store_down = True
+                    self._settle(batch, _FAILING)
+                    return False
+                if cause is not None:
+                    self._dropped("error", 1)
+                    self._settle([s], _DROPPED)
+            return True
+        self._dropped("error", 1)
+        self._settle(batch, _DROPPED)
+        return True
+
+    def _commit(self, batch: list[_Sample]) -> str | None:
+        """Add the batch's records to the store: None once written (settled), else the cause of the
+        failure (counted and logged by the store's health)."""
         records = [s.record for s in batch if s.record is not None]
         t0 = time.perf_counter()
         try:
             self.store.add_records(records)
         except Exception as e:
-            cause = self.health.failed("record", e)
-            if cause in _TRANSIENT:
-                self._store_down = True
-                self._settle(batch, _FAILING)
-                return False
-            self._dropped("error", len(records))
-            self._settle(batch, _DROPPED)
-            return True
+            return self.health.failed("record", e)
         self._store_down = False
         self.health.ok()
         if self.metrics is not None:
             self.metrics.records.inc(len(records))
             self.metrics.record_write_seconds.observe(time.perf_counter() - t0)
         self._settle(batch, _WRITTEN)
-        return True
+        return None
 
     def _settle(self, samples: list[_Sample], state: int) -> None:
         """Move samples to `state` and wake the requests that can answer now: a request once all its

@@ -120,3 +120,40 @@ def test_the_server_hands_finished_samples_over_from_the_engine_thread(make_serv
     ids = [s["record_id"] for s in r.json()["samples"]]
     assert all(ids) and len(handed) == 3 and {name for name, _ in handed} == {"dlrl-engine"}
     assert all(recorder.store.get_record(rid) is not None for rid in ids)
+
+
+def test_a_record_the_store_refuses_costs_only_its_own_request(store_location):
+    """One sample the store cannot take (a lone surrogate anywhere; NUL in a PostgreSQL text column,
+    which a prompt can carry and a byte-level tokenizer can generate) shares a batch with others: only
+    it is dropped (counted, its request gets no id); the rest are written and handed out."""
+    from server.metrics import ServerMetrics
+    from store import open_store
+
+    pg = store_location.startswith("postgresql")
+    store = open_store(store_location)
+    metrics = ServerMetrics()
+    rec = Recorder(store, mode="all", wait_s=10.0, metrics=metrics)
+    try:
+        poisons = ["bad \ud800 text"] + (["nul \x00 text"] if pg else [])
+        seqs = [_seq() for _ in range(3 + len(poisons))]
+        for seq, text in zip(seqs[1::2], poisons):
+            seq.text = text
+        prompts = [f"p{i}" for i in range(len(seqs))]
+        for seq, prompt in zip(seqs, prompts):
+            rec.expect([seq], [prompt])
+        _handed_over_by_the_engine(rec, seqs)  # one step finished them all: one batch
+
+        async def answer_each_request() -> list[str | None]:
+            got = await asyncio.gather(*(rec.record([(seq, prompt)]) for seq, prompt in zip(seqs, prompts)))
+            return [g[0] for g in got]
+
+        ids = asyncio.run(answer_each_request())
+        bad = [seq.text in poisons for seq in seqs]
+        assert [rid is None for rid in ids] == bad
+        for rid, prompt, b in zip(ids, prompts, bad):
+            if not b:
+                assert store.get_record(rid).prompt == prompt
+        assert store.stats()["num_records"] == len(seqs) - len(poisons)
+        assert metrics.records_dropped.labels(reason="error")._value.get() == len(poisons)
+    finally:
+        rec.close()
