@@ -24,9 +24,10 @@ What is not written by then is answered with `record_id: null` (counted in
 `dlrl_record_ids_withheld_total{reason}`) and still written when it can be. While the store
 is failing (full disk, database down) requests do not wait at all: records stay queued and
 are retried with backoff until the store returns; when the queue is full the newest are
-dropped (`dlrl_records_dropped_total{reason="queue_full"}`), a record the store refuses for
-another reason is dropped too (`reason="error"`), and failures are logged by cause
-(server/store_health.py). Recording never fails a request.
+dropped (`dlrl_records_dropped_total{reason="queue_full"}`), a record the store cannot hold
+(a NUL in PostgreSQL text: `reason="refused"`, alone: the rest of its batch is written) or
+that fails for another reason is dropped too (`reason="error"`), and failures are logged by
+cause (server/store_health.py). Recording never fails a request.
 
 A crash (SIGKILL, power cut) loses only records whose ids were never returned: the ones
 still queued, and with SQLite's `synchronous=NORMAL` a power cut (not a process crash) may
@@ -48,7 +49,7 @@ from dllm.sequence import Sequence
 from dllm.trace import FinishReason
 from dlrl_config import ConfigError
 from server.store_health import StoreHealth
-from store import FeedbackStore, Record, new_record_id, open_store
+from store import FeedbackStore, Record, error_cause, new_record_id, open_store
 
 if TYPE_CHECKING:
     from server.config import ServerConfig
@@ -256,42 +257,55 @@ class Recorder:
     def _write(self, batch: list[_Sample]) -> bool:
         """Write a batch in one statement: True when done with it (written, or dropped for a
         non-transient cause), False to retry what is left of it later (`batch` keeps only those;
-        their requests are answered without ids). A batch the store refuses for any other cause than
-        an outage is written again one record at a time, so a record it cannot take (a lone
-        surrogate; a NUL, which PostgreSQL text refuses and a prompt can carry) costs only its own
-        request its id, never the other requests' that finished in the same step."""
-        cause = self._commit(batch)
-        if cause is None:
+        their requests are answered without ids). A batch the store refuses for what a record holds
+        (cause `refused`: a NUL, which PostgreSQL text cannot hold and a prompt can carry) is
+        written again one record at a time, so such a record costs only its own request its id,
+        never the other requests' that finished in the same step."""
+        error = self._commit(batch)
+        if error is None:
             return True
+        cause = error_cause(error)
         if cause in _TRANSIENT:
+            self.health.failed("record", error, cause)
             self._store_down = True
             self._settle(batch, _FAILING)
             return False
+        if cause != "refused":  # the store fails for another reason: nothing of the batch goes in
+            self.health.failed("record", error, cause)
+            self._dropped("error", len(batch))
+            self._settle(batch, _DROPPED)
+            return True
         if len(batch) > 1:
             for k, s in enumerate(list(batch)):
-                cause = self._commit([s])
-                if cause in _TRANSIENT:  # an outage began meanwhile: retry what is not settled yet
+                error = self._commit([s])
+                if error is not None and (cause := error_cause(error)) in _TRANSIENT:
+                    self.health.failed("record", error, cause)  # an outage began: retry what is not settled
                     del batch[:k]
                     self._store_down = True
                     self._settle(batch, _FAILING)
                     return False
-                if cause is not None:
-                    self._dropped("error", 1)
-                    self._settle([s], _DROPPED)
+                if error is not None:
+                    self._refused(s, error, cause)
             return True
-        self._dropped("error", 1)
-        self._settle(batch, _DROPPED)
+        self._refused(batch[0], error, cause)
         return True
 
-    def _commit(self, batch: list[_Sample]) -> str | None:
-        """Add the batch's records to the store: None once written (settled), else the cause of the
-        failure (counted and logged by the store's health)."""
+    def _refused(self, sample: _Sample, error: Exception, cause: str) -> None:
+        if cause == "refused":
+            self.health.refused("record", error)
+        else:
+            self.health.failed("record", error, cause)
+        self._dropped(cause if cause == "refused" else "error", 1)
+        self._settle([sample], _DROPPED)
+
+    def _commit(self, batch: list[_Sample]) -> Exception | None:
+        """Add the batch's records to the store: None once written (settled), else the error."""
         records = [s.record for s in batch if s.record is not None]
         t0 = time.perf_counter()
         try:
             self.store.add_records(records)
         except Exception as e:
-            return self.health.failed("record", e)
+            return e
         self._store_down = False
         self.health.ok()
         if self.metrics is not None:

@@ -35,6 +35,8 @@ class StoreHealth:
         self._last_log = 0.0
         self._causes: Counter = Counter()     # failures of the current outage, by cause
         self._unlogged = 0
+        self._refused = 0                      # refused items not logged yet
+        self._refused_log: float | None = None  # when the last line about refused items was written
         if metrics is not None:
             metrics.store_up.set(1)
 
@@ -62,6 +64,21 @@ class StoreHealth:
             else:
                 self._unlogged += 1
         return cause
+
+    def refused(self, op: str, exc: BaseException, n: int = 1) -> None:
+        """Count and (rate-limited) log `n` items the store refused for what they hold (cause
+        `refused`: NUL in PostgreSQL text, ...): the store works, so this is not an outage and
+        `dlrl_store_up` stays as it is; a stream of them writes one line per `log_every_s`."""
+        if self.metrics is not None:
+            self.metrics.store_errors.labels(op=op, cause="refused").inc(n)
+        now = time.monotonic()
+        with self._lock:
+            self._refused += n
+            if self._refused_log is not None and now - self._refused_log < self.log_every_s:
+                return
+            self._refused_log, count, self._refused = now, self._refused, 0
+        log.warning("feedback store refused %d %s item(s) for what they hold (dropped, counted); last: %s: %s",
+                    count, op, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
 
     def ok(self) -> None:
         """A store operation succeeded: an outage in progress is over (logged once)."""

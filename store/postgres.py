@@ -206,8 +206,11 @@ class PostgresStore(SQLStore):
         import psycopg
         from psycopg import pq
 
-        args = [orjson.dumps([dict(zip(_COLS, row)) for row in rows]), str(len(rows)).encode(),
-                str(self.max_records).encode()]
+        try:
+            batch = orjson.dumps([dict(zip(_COLS, row)) for row in rows])
+        except orjson.JSONEncodeError as e:  # a string that is not valid Unicode (a lone surrogate)
+            raise psycopg.DataError(f"a record cannot be stored: {e}") from None
+        args = [batch, str(len(rows)).encode(), str(self.max_records).encode()]
         with self._records_lock:
             for attempt in (0, 1):
                 conn, fresh = self._records_conn, self._records_conn is None

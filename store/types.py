@@ -47,14 +47,16 @@ def _forget_ids() -> None:  # in a forked child: never hand out the ids its pare
 os.register_at_fork(after_in_child=_forget_ids)
 
 
-ERROR_CAUSES = ("disk_full", "io_error", "unavailable", "locked", "error")
+ERROR_CAUSES = ("disk_full", "io_error", "unavailable", "locked", "refused", "error")
 
 
 def error_cause(exc: BaseException) -> str:
     """A store failure's cause as a short label (metrics, logs): `disk_full` (SQLite "database
     or disk is full", ENOSPC, PostgreSQL class 53), `io_error` (SQLite "disk I/O error", EIO,
     EFBIG: a file-size limit), `unavailable` (cannot reach or open the database), `locked`
-    (busy/lock timeout), else `error`."""
+    (busy/lock timeout), `refused` (the store cannot hold this data: a PostgreSQL data exception,
+    class 22, such as NUL in text; a DataError; a string that is not valid Unicode: the data's
+    fault, not the store's), else `error`."""
     import errno
 
     text = str(exc).lower()
@@ -69,6 +71,8 @@ def error_cause(exc: BaseException) -> str:
     if (sqlstate.startswith(("08", "57P")) or "unable to open" in text or "connection" in text
             or type(exc).__name__ == "PoolTimeout"):
         return "unavailable"
+    if sqlstate.startswith("22") or type(exc).__name__ == "DataError" or isinstance(exc, UnicodeError):
+        return "refused"
     return "error"
 
 

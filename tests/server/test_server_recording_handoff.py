@@ -125,7 +125,8 @@ def test_the_server_hands_finished_samples_over_from_the_engine_thread(make_serv
 def test_a_record_the_store_refuses_costs_only_its_own_request(store_location):
     """One sample the store cannot take (a lone surrogate anywhere; NUL in a PostgreSQL text column,
     which a prompt can carry and a byte-level tokenizer can generate) shares a batch with others: only
-    it is dropped (counted, its request gets no id); the rest are written and handed out."""
+    it is dropped (counted as `refused`, its request gets no id, the store is not marked down); the
+    rest are written and handed out."""
     from server.metrics import ServerMetrics
     from store import open_store
 
@@ -154,6 +155,8 @@ def test_a_record_the_store_refuses_costs_only_its_own_request(store_location):
             if not b:
                 assert store.get_record(rid).prompt == prompt
         assert store.stats()["num_records"] == len(seqs) - len(poisons)
-        assert metrics.records_dropped.labels(reason="error")._value.get() == len(poisons)
+        assert metrics.records_dropped.labels(reason="refused")._value.get() == len(poisons)
+        assert metrics.store_errors.labels(op="record", cause="refused")._value.get() >= len(poisons)
+        assert metrics.store_up._value.get() == 1  # the store works: refusing a record is no outage
     finally:
         rec.close()
