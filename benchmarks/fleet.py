@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=8, help="per request (8: the worst case for recording's share)")
     ap.add_argument("--rounds", type=int, default=2, help="setups take turns this many times; best round reported")
     ap.add_argument("--pg-url", default="", help="an existing PostgreSQL database (default: start a throwaway one)")
+    ap.add_argument("--no-feedback", action="store_true", help="skip the two `+ feedback` setups")
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="dlrl-fleet-bench-"))
     model = make_model(tmp)
@@ -154,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
               ("1 replica, SQLite, record all + feedback", 1, sqlite, True),
               ("2 replicas, recording off", 2, None, False), ("2 replicas, PostgreSQL, record all", 2, pg_url, False),
               ("2 replicas, PostgreSQL, record all + feedback", 2, pg_url, True)]
+    if args.no_feedback:
+        setups = [s for s in setups if not s[3]]
     best: dict[str, dict] = {}
     total: dict[str, float] = {}  # req/s summed over the rounds (the mean ratio: setups share each round's noise)
     try:
