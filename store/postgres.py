@@ -27,7 +27,8 @@ Record batches (the server's recorder writes one per commit) take their own auto
 connection instead: one prepared statement sent straight through libpq (the batch as one JSON
 parameter), one round trip, and half the CPU of a pooled transaction on both ends
 (benchmarks/RESULTS.md); only a batch that would pass `max_records` goes through a pooled
-transaction that deletes the oldest.
+transaction that deletes the oldest. (A protocol-level prepared statement: behind PgBouncer in
+transaction mode that needs PgBouncer >= 1.21 with `max_prepared_statements` set.)
 """
 
 from __future__ import annotations
