@@ -23,7 +23,8 @@ PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp --platform m
 for w in "${WHEELS[@]}"; do
     v=$(PIN "$w" 2>/dev/null || true)
     [ -n "$v" ] || { echo "device_kit: $w is not installed in .venv (make install first)"; exit 1; }
-    ls .whl | grep -qi "^$(echo "$w" | tr - _)-$v-" || python3 -m pip download -q --no-deps "${PLAT[@]}" -d .whl "$w==$v"
+    have=(.whl/"$(echo "$w" | tr - _)"-"$v"-*.whl)
+    [ -e "${have[0]}" ] || python3 -m pip download -q --no-deps "${PLAT[@]}" -d .whl "$w==$v"
 done
 v=$(PIN deepspeed)
 ls .whl/deepspeed-"$v"-* >/dev/null 2>&1 || DS_BUILD_OPS=0 python3 -m pip wheel -q --no-deps -w .whl "deepspeed==$v"

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Device setup (built by benchmarks/device_kit.sh), run as root from the repo root:   source .devkit/setup.sh
 # 1. unpacks .devkit/pg.tar.xz (Debian 12's PostgreSQL 15 + the shared libraries it needs) onto /, keeping every
 #    file the device already has (--skip-old-files), runs ldconfig, creates the `postgres` user;
@@ -35,7 +36,7 @@ _devkit_setup() {
     if ls "$root"/.whl/*.whl >/dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
             "$root"/.whl/*.whl || echo "devkit: wheel install FAILED"
-        ls /tmp/site 2>/dev/null | wc -l
+        find /tmp/site -mindepth 1 -maxdepth 1 | wc -l
     else
         echo "devkit: no .whl/*.whl FAILED"
     fi
