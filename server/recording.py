@@ -266,37 +266,36 @@ class Recorder:
             return True
         cause = error_cause(error)
         if cause in _TRANSIENT:
-            self.health.failed("record", error, cause)
-            self._store_down = True
-            self._settle(batch, _FAILING)
-            return False
-        if cause != "refused":  # the store fails for another reason: nothing of the batch goes in
-            self.health.failed("record", error, cause)
-            self._dropped("error", len(batch))
-            self._settle(batch, _DROPPED)
+            return self._failing(batch, error, cause)
+        if cause != "refused" or len(batch) == 1:  # the store fails (another cause), or one refused record
+            self._drop(batch, error, cause)
             return True
-        if len(batch) > 1:
-            for k, s in enumerate(list(batch)):
-                error = self._commit([s])
-                if error is not None and (cause := error_cause(error)) in _TRANSIENT:
-                    self.health.failed("record", error, cause)  # an outage began: retry what is not settled
-                    del batch[:k]
-                    self._store_down = True
-                    self._settle(batch, _FAILING)
-                    return False
-                if error is not None:
-                    self._refused(s, error, cause)
-            return True
-        self._refused(batch[0], error, cause)
+        for k, s in enumerate(list(batch)):
+            error = self._commit([s])
+            if error is None:
+                continue
+            cause = error_cause(error)
+            if cause in _TRANSIENT:  # an outage began: retry what is not settled yet
+                del batch[:k]
+                return self._failing(batch, error, cause)
+            self._drop([s], error, cause)
         return True
 
-    def _refused(self, sample: _Sample, error: Exception, cause: str) -> None:
+    def _failing(self, batch: list[_Sample], error: Exception, cause: str) -> bool:
+        """The store is down (a transient cause): keep the batch for a retry; its requests answer now."""
+        self.health.failed("record", error, cause)
+        self._store_down = True
+        self._settle(batch, _FAILING)
+        return False
+
+    def _drop(self, samples: list[_Sample], error: Exception, cause: str) -> None:
+        """Drop samples for good: refused ones (what they hold) without marking the store down."""
         if cause == "refused":
-            self.health.refused("record", error)
+            self.health.refused("record", error, len(samples))
         else:
             self.health.failed("record", error, cause)
-        self._dropped(cause if cause == "refused" else "error", 1)
-        self._settle([sample], _DROPPED)
+        self._dropped("refused" if cause == "refused" else "error", len(samples))
+        self._settle(samples, _DROPPED)
 
     def _commit(self, batch: list[_Sample]) -> Exception | None:
         """Add the batch's records to the store: None once written (settled), else the error."""
