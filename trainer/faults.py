@@ -5,6 +5,8 @@
     faults = Faults.from_env()           # build_run: run.faults, handed to the learner and the publisher
     faults.set_step(step + 1)            # the loop, at the start of each step
     faults.crash_at("push")              # a no-op unless DLRL_FAULT names this point and step
+    with faults.during("rollout", 0.05):  # dies after 0.05 s inside the block, or at its end at the latest
+        ...
 
 Points: `rollout` (while step N's rollout requests are in flight), `optimizer` (between a
 backward and its optimizer step), `push` (after the first tensor of the push has been sent).
@@ -18,7 +20,8 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 
 class Faults:
@@ -48,3 +51,13 @@ class Faults:
             threading.Timer(delay_s, os.kill, (os.getpid(), signal.SIGKILL)).start()
         else:
             os.kill(os.getpid(), signal.SIGKILL)
+
+    @contextmanager
+    def during(self, point: str, delay_s: float) -> Iterator[None]:
+        """SIGKILL this process inside the block if the spec names this point: after `delay_s`
+        (from a timer, so it lands while the block's work is in flight), and at the block's end at
+        the latest. A timer alone is a race: on a loaded machine the block can finish first, and
+        the crash would land in a later phase of the step."""
+        self.crash_at(point, delay_s)
+        yield
+        self.crash_at(point)

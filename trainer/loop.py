@@ -136,8 +136,7 @@ def rl_step(run, step: int) -> dict:
     """One RL step on every rank; returns its metrics (global)."""
     t = Timer()
     run.faults.set_step(step + 1)
-    with t("rollout"):
-        run.faults.crash_at("rollout", delay_s=0.05)  # lands while the requests are in flight
+    with t("rollout"), run.faults.during("rollout", delay_s=0.05):  # dies while the requests are in flight
         batch = collect(run)
     metrics = learn(run, batch, step, t)
     with t("sync"):

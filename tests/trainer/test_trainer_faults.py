@@ -50,3 +50,24 @@ def test_the_default_hook_is_a_no_op():
     f.set_step(1)
     f.crash_at("rollout")
     assert f.point is None and Faults.from_env({"DLRL_FAULT": "push:3"}).point == "push"
+
+
+DURING = """
+import sys, time
+from trainer.faults import Faults
+faults = Faults.from_env()
+faults.set_step(2)
+with faults.during("rollout", delay_s=0.2):
+    print("in", flush=True)
+    time.sleep(float(sys.argv[1]))  # a block shorter or longer than the delay
+    print("block done", flush=True)
+print("after", flush=True)
+"""
+
+
+@pytest.mark.parametrize(("block_s", "last"), [(0.0, "block done"), (5.0, "in")])
+def test_during_dies_inside_the_block_even_when_the_block_beats_the_timer(block_s, last):
+    p = subprocess.run([sys.executable, "-c", DURING, str(block_s)], env={"PATH": "/usr/bin", "DLRL_FAULT": "rollout:2"},
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == -signal.SIGKILL
+    assert p.stdout.split("\n")[-2] == last  # nothing after the block ran (a slow block: killed by the timer)
