@@ -13,6 +13,14 @@ setups), stop them. Reports requests/s,
 p50/p99 generation latency, p50/p99 feedback latency, the servers' mean record write
 (dlrl_record_write_seconds: one batched commit), errors, and throughput relative to
 recording off on the same number of replicas (the goal: recording costs <= 5 %).
+
+It also reports the CPU each request cost: the servers' processes, the throwaway database's
+processes (its backends, WAL writer and the workers the postmaster reaped; not counted with
+--pg-url) and this client, read from /proc before and after the timed load. On a machine whose
+cores are all busy, throughput is the cores divided by this, and it varies far less from round
+to round than req/s does (a burst of load elsewhere slows every process but does not add to
+their CPU time), so `CPU vs off` (off's CPU per request / the setup's) says what recording
+costs where req/s rounds disagree by more than the goal's margin.
 Without --pg-url a throwaway PostgreSQL server is started (tests/postgres.py: initdb +
 pg_ctl, installed with apt-get when missing and root).
 """
@@ -33,6 +41,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -122,6 +131,27 @@ async def load(urls: list[str], clients: int, seconds: float, feedback: bool, ma
             "errors": len(errors)}
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU of these processes and of the children they reaped (a PostgreSQL
+    postmaster's autovacuum workers), plus this client process's own."""
+    total = sum(os.times()[:2])
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
+def database_pids(pg) -> list[int]:
+    """The throwaway PostgreSQL server's processes (the postmaster and its children)."""
+    if pg is None:
+        return []
+    master = psutil.Process(int((pg.data / "postmaster.pid").read_text().split()[0]))
+    return [master.pid, *(c.pid for c in master.children(recursive=True))]
+
+
 def record_write_ms(urls: list[str]) -> float:
     total = count = 0.0
     for url in urls:
@@ -159,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         setups = [s for s in setups if not s[3]]
     best: dict[str, dict] = {}
     total: dict[str, float] = {}  # req/s summed over the rounds (the mean ratio: setups share each round's noise)
+    cpu: dict[str, list[float]] = {}  # CPU ms per request of each round
     try:
         for _ in range(args.rounds):  # the setups take turns, so a burst of load elsewhere hits all of them
             for name, n, store, feedback in setups:
@@ -166,13 +197,17 @@ def main(argv: list[str] | None = None) -> int:
                 urls = [u for u, _ in servers]
                 try:
                     asyncio.run(load(urls, args.clients, 2.0, feedback, args.max_tokens))  # warm-up
+                    pids = [p.pid for _, p in servers] + (database_pids(pg) if store == pg_url else [])
+                    cpu0 = cpu_seconds(pids)
                     res = asyncio.run(load(urls, args.clients, args.seconds, feedback, args.max_tokens))
+                    res["cpu_ms_per_request"] = (cpu_seconds(pids) - cpu0) / max(res["requests"], 1) * 1000
                     res["record_write_ms"] = record_write_ms(urls) if store else float("nan")
                 finally:
                     stop_servers(servers)
                 row = {"setup": name, "replicas": n, **res}
                 print(json.dumps(row), flush=True)
                 total[name] = total.get(name, 0.0) + row["req_per_s"]
+                cpu.setdefault(name, []).append(row["cpu_ms_per_request"])
                 if name not in best or row["req_per_s"] > best[name]["req_per_s"]:
                     best[name] = row
     finally:
@@ -183,13 +218,19 @@ def main(argv: list[str] | None = None) -> int:
     off_total = {r["replicas"]: total[r["setup"]] for r in rows if "off" in r["setup"]}
     print(f"\n{args.clients} clients, {args.seconds:.0f} s per setup, best of {args.rounds} rounds, "
           f"max_tokens {args.max_tokens}\n")
-    print("| setup | req/s | vs off | mean vs off | p50 ms | p99 ms | feedback p50/p99 ms | record write ms | errors |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    cpu_median = {name: statistics.median(v) for name, v in cpu.items()}
+    off_cpu = {r["replicas"]: cpu_median[r["setup"]] for r in rows if "off" in r["setup"]}
+    print("| setup | req/s | vs off | mean vs off | CPU ms/req (median) | CPU vs off | p50 ms | p99 ms "
+          "| feedback p50/p99 ms | record write ms | errors |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        c = cpu_median[r["setup"]]
         print(f"| {r['setup']} | {r['req_per_s']:.1f} | {r['req_per_s'] / off[r['replicas']]:.3f} "
-              f"| {total[r['setup']] / off_total[r['replicas']]:.3f} | {r['p50_ms']:.0f} "
-              f"| {r['p99_ms']:.0f} | {r['feedback_p50_ms']:.1f} / {r['feedback_p99_ms']:.1f} "
+              f"| {total[r['setup']] / off_total[r['replicas']]:.3f} | {c:.3f} | {off_cpu[r['replicas']] / c:.3f} "
+              f"| {r['p50_ms']:.0f} | {r['p99_ms']:.0f} | {r['feedback_p50_ms']:.1f} / {r['feedback_p99_ms']:.1f} "
               f"| {r['record_write_ms']:.2f} | {r['errors']} |")
+    if args.pg_url:
+        print("\n(--pg-url: the database's CPU is not in the CPU columns)")
     return 0
 
 
