@@ -8,8 +8,9 @@
     with faults.during("rollout", 0.05):  # dies after 0.05 s inside the block, or at its end at the latest
         ...
 
-Points: `rollout` (while step N's rollout requests are in flight), `optimizer` (between a
-backward and its optimizer step), `push` (after the first tensor of the push has been sent).
+Points: `rollout` (while step N's rollout requests are in flight, or as they return at the
+latest), `optimizer` (between a backward and its optimizer step), `push` (after the first tensor
+of the push has been sent).
 Unset (the default, and `Faults()`) every call is a no-op. Used by tests/trainer/test_trainer_crash.py
 to prove that `--resume` after a real `kill -9` at each point loses no step, applies none twice,
 and leaves the servers holding exactly the trainer's weights.
@@ -59,5 +60,7 @@ class Faults:
         the latest. A timer alone is a race: on a loaded machine the block can finish first, and
         the crash would land in a later phase of the step."""
         self.crash_at(point, delay_s)
-        yield
-        self.crash_at(point)
+        try:
+            yield
+        finally:  # a block that raised (rollouts failed) dies here too, not in a later phase
+            self.crash_at(point)
