@@ -9,7 +9,8 @@
 
 A tensor is converted to the serving dtype while it is copied into its bucket, chunk by
 chunk, and each chunk is hashed (xxh3_64) right after it lands, while it is in cache: one
-pass packs and checksums (weight_sync/checksum.py). Padding between tensors is zeroed, so
+pass packs and checksums (weight_sync/checksum.py; a manifest whose checksum_algo is
+"mlh64" is packed first, then hashed where the bucket lives: weight_sync/devhash.py). Padding between tensors is zeroed, so
 the checksum covers the whole bucket. Tensors larger than `bucket_bytes` get a bucket of
 their own. Buckets on a GPU (NCCL) are packed there and hashed from a host copy.
 """
@@ -20,7 +21,9 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from weight_sync.checksum import Hasher, Piece, checksum, copy_hashed
+from weight_sync.checksum import ALGO, Hasher, Piece, checksum, copy_hashed
+from weight_sync.devhash import ALGO as DEVICE_ALGO
+from weight_sync.devhash import mlh64
 from weight_sync.errors import ManifestError
 from weight_sync.manifest import ALIGN, DTYPES, BucketInfo, Manifest, TensorEntry, dtype_name
 
@@ -42,7 +45,8 @@ def specs_of(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | Non
     return [spec_of(n, t, dtype) for n, t in named]
 
 
-def plan_buckets(specs: list[Spec], bucket_bytes: int = DEFAULT_BUCKET_BYTES, version: int = 0) -> Manifest:
+def plan_buckets(specs: list[Spec], bucket_bytes: int = DEFAULT_BUCKET_BYTES, version: int = 0,
+                 checksum_algo: str = ALGO) -> Manifest:
     """Lay tensors out greedily, in the given order, into buckets of at most `bucket_bytes`."""
     if bucket_bytes < ALIGN:
         raise ValueError(f"bucket_bytes: must be >= {ALIGN}, got {bucket_bytes}")
@@ -64,7 +68,8 @@ def plan_buckets(specs: list[Spec], bucket_bytes: int = DEFAULT_BUCKET_BYTES, ve
     if not entries:
         raise ManifestError("manifest.entries: no tensors to send")
     buckets = [BucketInfo(nbytes=n) for n in sizes]
-    return Manifest(version=version, entries=entries, buckets=buckets, total_bytes=sum(sizes))
+    return Manifest(version=version, entries=entries, buckets=buckets, total_bytes=sum(sizes),
+                    checksum_algo=checksum_algo)
 
 
 def entry_view(bucket: torch.Tensor, e: TensorEntry) -> torch.Tensor:
@@ -146,7 +151,10 @@ def pack_stream(
     for index, info in enumerate(manifest.buckets):
         buf = get_buffer(index, info.nbytes)  # [nbytes] uint8
         entries = sorted(by_bucket.get(index, []), key=lambda e: e.offset)
-        if buf.device.type == "cpu":
+        if manifest.checksum_algo == DEVICE_ALGO:  # pack, then hash where the bucket is (cuda_ipc)
+            _fill(buf, entries, named, None, on_tensor)
+            yield index, buf, mlh64(buf)  # (its host sync also means the bucket's bytes are written)
+        elif buf.device.type == "cpu":
             hasher = Hasher()
             _fill(buf, entries, named, hasher, on_tensor)
             yield index, buf, hasher.value()

@@ -6,9 +6,10 @@
 
 A manifest lists every tensor of the update: name, dtype (e.g. "bfloat16"), shape, the
 bucket it lives in, its byte offset inside that bucket, and its nbytes. Each bucket has
-its nbytes and the xxh3_64 checksum of its bytes, padding included (the sender zeroes the
+its nbytes and the checksum of its bytes, padding included (the sender zeroes the
 padding; None until the sender has packed it: a streaming sender sends checksums at
-commit). Offsets are aligned to `ALIGN` bytes so that a byte view can be re-viewed as any
+commit). `checksum_algo` names the checksum: "xxh3_64" (the default, computed on the host)
+or "mlh64" (computed where the bytes are, e.g. on the GPU: weight_sync/devhash.py). Offsets are aligned to `ALIGN` bytes so that a byte view can be re-viewed as any
 dtype without a copy. Nothing is pickled. Checksums: weight_sync/checksum.py.
 """
 
@@ -23,10 +24,12 @@ from typing import Any
 import torch
 
 from weight_sync.checksum import ALGO, as_bytes, parallel_checksums
+from weight_sync.devhash import ALGO as DEVICE_ALGO
 from weight_sync.errors import ManifestError
 
 ALIGN = 64  # byte alignment of every tensor inside a bucket
-FORMAT = 2  # 2: xxh3_64 checksums over whole buckets (padding zeroed)
+FORMAT = 2  # 2: checksums over whole buckets (padding zeroed)
+CHECKSUM_ALGOS = (ALGO, DEVICE_ALGO)  # xxh3_64 (host, the default) | mlh64 (computed on the device: cuda_ipc)
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
     for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
@@ -69,7 +72,7 @@ class TensorEntry:
 @dataclasses.dataclass
 class BucketInfo:
     nbytes: int
-    checksum: int | None = None  # xxh3_64 of the bucket's bytes; None = sent at commit
+    checksum: int | None = None  # checksum_algo of the bucket's bytes; None = sent at commit
 
 
 @dataclasses.dataclass
@@ -150,8 +153,9 @@ def _parse(data: Any) -> Manifest:
             raise ManifestError(f"manifest.{key}: missing")
     if data.get("format", FORMAT) != FORMAT:
         raise ManifestError(f"manifest.format: unsupported format {data.get('format')!r} (expected {FORMAT})")
-    if data.get("checksum_algo", ALGO) != ALGO:
-        raise ManifestError(f"manifest.checksum_algo: unsupported {data.get('checksum_algo')!r} (expected {ALGO!r})")
+    algo = data.get("checksum_algo", ALGO)
+    if algo not in CHECKSUM_ALGOS:
+        raise ManifestError(f"manifest.checksum_algo: unsupported {algo!r} (expected one of {list(CHECKSUM_ALGOS)})")
     version = _int(data["version"], "manifest.version")
     if not isinstance(data["entries"], list) or not data["entries"]:
         raise ManifestError("manifest.entries: expected a non-empty list")
@@ -168,7 +172,7 @@ def _parse(data: Any) -> Manifest:
             if crc >= 1 << 64:
                 raise ManifestError(f"manifest.buckets[{i}].checksum: {crc} does not fit in 64 bits")
         buckets.append(BucketInfo(nbytes=_int(b["nbytes"], f"manifest.buckets[{i}].nbytes"), checksum=crc))
-    m = Manifest(version, entries, buckets, _int(data["total_bytes"], "manifest.total_bytes"))
+    m = Manifest(version, entries, buckets, _int(data["total_bytes"], "manifest.total_bytes"), checksum_algo=algo)
     _check_layout(m)
     return m
 

@@ -10,7 +10,7 @@
 
 Every byte that gets applied is hashed where it will be applied from: the private staging
 (dist and http receive into it; shm copies the region into it while hashing, chunk by
-chunk). Floating tensors are checked for NaN/inf in the same pass. Used by
+chunk; cuda_ipc copies device to device, then hashes on the device: weight_sync/devhash.py). Floating tensors are checked for NaN/inf in the same pass. Used by
 weight_sync.receiver, which owns the locking and the state machine.
 """
 
@@ -27,6 +27,8 @@ import torch
 
 from weight_sync.bucket import pieces, unpack
 from weight_sync.checksum import Hasher, scan
+from weight_sync.devhash import ALGO as DEVICE_ALGO
+from weight_sync.devhash import device_scan
 from weight_sync.errors import NonFiniteWeights, UpdateFailed
 from weight_sync.manifest import ALIGN, Manifest
 from weight_sync.protocol import UpdatePhase
@@ -40,7 +42,7 @@ class StagedUpdate:
     staging: list[torch.Tensor]  # one private [nbytes_i] uint8 tensor per bucket
     lease_s: float
     run_id: str = ""
-    sources: list[torch.Tensor] | None = None  # shm: the region's buckets, copied at commit
+    sources: list[torch.Tensor] | None = None  # shm / cuda_ipc: the region's buckets, copied as they are ready
     phase: UpdatePhase = UpdatePhase.RECEIVING  # receiving | verifying | verified | draining | applying
     deadline: float = 0.0  # monotonic; data-plane progress pushes it back by lease_s
     received: list[bool] = dataclasses.field(default_factory=list)
@@ -76,9 +78,14 @@ class StagedUpdate:
         self.expected[index] = checksum
 
     def scan(self, index: int, check_finite: bool) -> tuple[int, list[str]]:
-        """Hash (and NaN-check) bucket `index` of the staging, copying it in from the region first (shm)."""
-        hasher = Hasher()
+        """Hash (and NaN-check) bucket `index` of the staging, copying it in from the region first
+        (shm, cuda_ipc). mlh64 manifests are hashed where the staging is (the GPU for cuda_ipc)."""
         src = None if self.sources is None else self.sources[index]
+        if self.manifest.checksum_algo == DEVICE_ALGO:
+            if src is not None:
+                self.staging[index].copy_(src)  # device to device (cuda_ipc), then hashed there
+            return device_scan(self.staging[index], pieces(self.manifest, index), check_finite)
+        hasher = Hasher()
         bad = scan(self.staging[index], pieces(self.manifest, index), hasher, src=src, check_finite=check_finite)
         return hasher.value(), bad
 

@@ -10,7 +10,8 @@ Sender (trainer):                                 Receiver (server):
     region.close()                   # unlinks        reader.close(); sweep()  # dead pushers' regions
 
 Layout: a header (magic, heartbeat counter, one ready stamp per bucket; 4 KiB or more),
-then the buckets back to back (64-byte aligned). The region is sized to the whole update,
+then the buckets back to back (64-byte aligned). cuda_ipc uses a header-only region
+(`prepare_header` / `ShmReader.header`) for its stamps and heartbeat: its bytes are on the GPU. The region is sized to the whole update,
 created once (at connect) with its pages populated up front, reused across updates and
 re-created only when the model grows. The receiver never applies from the region: it
 copies each bucket into private staging and verifies the copy, so bytes changed in the
@@ -148,6 +149,17 @@ class ShmRegion:
     def prepare(self, manifest: Manifest) -> dict[str, Any]:
         """Make sure the region fits `manifest`; return the options receivers need."""
         self.offsets, size = bucket_offsets(manifest)
+        shm = self._ensure(size)
+        return {"name": shm.name, "size": shm.size, "offsets": self.offsets}
+
+    def prepare_header(self, num_buckets: int) -> str:
+        """A region holding only the header (cuda_ipc keeps the bytes on the GPU); returns its name."""
+        size = header_bytes(num_buckets)
+        self.offsets = [size]
+        return self._ensure(size).name
+
+    def _ensure(self, size: int) -> shared_memory.SharedMemory:
+        """Create the region (populated) unless the current one holds `size` bytes; write the magic."""
         if self.shm is None or self.shm.size < size:
             self.close()
             sweep()  # regions of earlier pushers on this host that died with their resource tracker
@@ -159,7 +171,7 @@ class ShmRegion:
         assert self.data is not None
         self.header = self.data[: self.offsets[0]].view(torch.int64)
         self.header[0] = MAGIC
-        return {"name": self.shm.name, "size": self.shm.size, "offsets": self.offsets}
+        return self.shm
 
     def bucket(self, index: int, nbytes: int) -> torch.Tensor:
         """Writable view of bucket `index`: [nbytes] uint8."""
@@ -202,35 +214,57 @@ class ShmReader:
         name, offsets = options.get("name"), options.get("offsets")
         if not isinstance(name, str) or not isinstance(offsets, list) or len(offsets) != len(manifest.buckets):
             raise ManifestError("options: shm transport needs 'name' and one 'offsets' entry per bucket")
-        if not name.lstrip("/").startswith(PREFIX + "_") or "/" in name.lstrip("/"):
-            raise ManifestError(f"options.name: {name!r} is not a weight-sync region ({PREFIX}_*)")
-        if SHM_DIR.is_dir() and not (SHM_DIR / name.lstrip("/")).exists():
-            raise ManifestError(f"options.name: shared-memory region {name!r} does not exist")
+        ShmReader.check_name(name, "options.name")
 
-    def buckets(self, options: dict[str, Any], manifest: Manifest) -> list[torch.Tensor]:
-        """Views of every bucket in the region (read only by convention): list of [nbytes_i] uint8."""
-        self.check(options, manifest)
-        name, size, offsets = options["name"], options.get("size"), options["offsets"]
+    @staticmethod
+    def check_name(name: Any, field: str) -> None:
+        """`name` is an existing `dlrl_ws_*` segment (ManifestError naming `field`)."""
+        if not isinstance(name, str):
+            raise ManifestError(f"{field}: expected the name of a weight-sync region, got {name!r}")
+        if not name.lstrip("/").startswith(PREFIX + "_") or "/" in name.lstrip("/"):
+            raise ManifestError(f"{field}: {name!r} is not a weight-sync region ({PREFIX}_*)")
+        if SHM_DIR.is_dir() and not (SHM_DIR / name.lstrip("/")).exists():
+            raise ManifestError(f"{field}: shared-memory region {name!r} does not exist")
+
+    def _attach(self, name: str, field: str) -> shared_memory.SharedMemory:
+        """Attach `name` (cached) and check its magic."""
         if self.shm is None or self.shm.name.lstrip("/") != name.lstrip("/"):
             self.close()
             try:
                 shm = attach(name)
             except FileNotFoundError:
-                raise ManifestError(f"options.name: shared-memory region {name!r} does not exist") from None
+                raise ManifestError(f"{field}: shared-memory region {name!r} does not exist") from None
             _populate(shm, _MADV_POPULATE_READ)
             self.shm, self.data = shm, torch.frombuffer(shm.buf, dtype=torch.uint8)
         assert self.data is not None
         if self.shm.size < HEADER_BYTES or int(self.data[:8].view(torch.int64)[0]) != MAGIC:
-            raise ManifestError(f"options.name: region {name!r} has no weight-sync header")
+            raise ManifestError(f"{field}: region {name!r} has no weight-sync header")
+        return self.shm
+
+    def header(self, name: str, num_buckets: int, field: str = "options.header") -> None:
+        """Attach a header-only region (cuda_ipc): its heartbeat and one ready stamp per bucket."""
+        self.check_name(name, field)
+        shm = self._attach(name, field)
+        if shm.size < header_bytes(num_buckets):
+            raise ManifestError(f"{field}: region {name!r} has no room for {num_buckets} ready stamps")
+        assert self.data is not None
+        self.stamps = self.data[64 : 64 + 8 * num_buckets].view(torch.int64)
+
+    def buckets(self, options: dict[str, Any], manifest: Manifest) -> list[torch.Tensor]:
+        """Views of every bucket in the region (read only by convention): list of [nbytes_i] uint8."""
+        self.check(options, manifest)
+        name, size, offsets = options["name"], options.get("size"), options["offsets"]
+        shm = self._attach(name, "options.name")
+        assert self.data is not None
         if not offsets or not isinstance(offsets[0], int) or offsets[0] < header_bytes(len(offsets)) \
                 or offsets[0] % 8:
             raise ManifestError(f"options.offsets[0]: leaves no room for the header of {len(offsets)} buckets")
         self.stamps = self.data[64 : 64 + 8 * len(offsets)].view(torch.int64)  # [num_buckets]
-        if isinstance(size, int) and self.shm.size < size:
-            raise ManifestError(f"options.size: region {name!r} has {self.shm.size} bytes, sender says {size}")
+        if isinstance(size, int) and shm.size < size:
+            raise ManifestError(f"options.size: region {name!r} has {shm.size} bytes, sender says {size}")
         views = []
         for i, (off, b) in enumerate(zip(offsets, manifest.buckets)):
-            if not isinstance(off, int) or off < offsets[0] or off + b.nbytes > self.shm.size:
+            if not isinstance(off, int) or off < offsets[0] or off + b.nbytes > shm.size:
                 raise ManifestError(f"options.offsets[{i}]: bucket does not fit in region {name!r}")
             views.append(self.data[off : off + b.nbytes])
         return views
