@@ -110,7 +110,8 @@ class TrainConfig(Config):
     compile_layers: bool = False  # torch.compile the policy's decoder layers for the replay forward/backward
     device: Literal["auto", "cpu", "cuda"] = "auto"  # trainer ranks: auto = CUDA (NCCL) when a GPU is visible, else CPU (gloo)
     # weight sync
-    sync_transport: Transport = "shm"  # weight push: shm (same host) | dist (torch.distributed) | http
+    sync_transport: Transport = "shm"  # weight push: shm (same host) | dist (torch.distributed) | http | cuda_ipc
+    sync_ipc_allow_cpu: bool = False  # cuda_ipc on a CPU trainer/server: torch-shared host memory (tests, benchmarks)
     sync_timeout: float = Field(300.0, gt=0)  # seconds a push may take before the servers drop it
     sync_addr: str = "127.0.0.1"  # dist transport: the address servers reach rank 0 at
     record_digests: bool = False  # append {version, digest} of every push to output_dir/versions.jsonl

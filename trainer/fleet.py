@@ -184,7 +184,7 @@ class ServerFleet:
             sender = self._senders[key] = WeightSender(
                 list(key), transport=opts.get("transport", "shm"), token=self.token, dtype="auto",
                 timeout=float(opts.get("timeout", 300.0)), dist_addr=opts.get("dist_addr", "127.0.0.1"),
-                run_id=opts.get("run_id"))
+                run_id=opts.get("run_id"), ipc_allow_cpu=bool(opts.get("ipc_allow_cpu", False)))
         return sender
 
     def connect(self, source: Any) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from dllm.tokenizer import encode, load_tokenizer
 from dllm.weights import load_pretrained
 from trainer.checkpointer import Checkpointer
 from trainer.data import PromptSampler, report
-from trainer.dist import Ranks, select_device
+from trainer.dist import Ranks, select_device, uses_cuda
 from trainer.ds_engine import DSConfig, build_engine, build_frozen, export_hf
 from trainer.evaluate import DecodingSetting, evaluate, load_eval_examples
 from trainer.faults import Faults
@@ -219,11 +219,20 @@ def _model_dir(cfg, ranks: Ranks, root: dict) -> Path:
     return Path(ranks.on_main(lambda: str(ensure_default_model(root["model"], root["task"], root["sft"]))))
 
 
+def check_sync_device(transport: str, allow_cpu: bool, on_cuda: bool) -> None:
+    """cuda_ipc shares the trainer's GPU memory: refuse it at start on a CPU trainer (unless the CPU
+    kind is allowed); a server whose model is not on CUDA refuses it at the first connect (400)."""
+    if transport == "cuda_ipc" and not on_cuda and not allow_cpu:
+        raise ValueError("train.sync_transport: cuda_ipc shares GPU memory, but this trainer runs on CPU "
+                         "(train.device / DS_ACCELERATOR); use shm, or train.sync_ipc_allow_cpu=true for tests")
+
+
 def _start_fleet(cfg, server, ranks: Ranks, config_path, overrides, out: Path) -> ServerFleet:
     token = resolve_token(cfg, server)
     if not token and cfg.start_server:
         token = ranks.broadcast(new_token())
     sync = {"transport": cfg.sync_transport, "timeout": cfg.sync_timeout, "dist_addr": cfg.sync_addr,
+            "ipc_allow_cpu": cfg.sync_ipc_allow_cpu,
             "run_id": ranks.broadcast(run_id(out) if ranks.is_main else None)}
     fleet = ServerFleet(cfg.servers, token, sync_options=sync)
     try:
@@ -267,6 +276,7 @@ def build_run(root: dict, config_path: str | None, overrides: list[str],
     over the training examples (dlrl align's growing sources)."""
     cfg = root["train"]
     select_device(cfg.device)
+    check_sync_device(cfg.sync_transport, cfg.sync_ipc_allow_cpu, uses_cuda())
     ranks = Ranks.init()
     torch.manual_seed(cfg.seed)
     if cfg.num_threads:

@@ -7,19 +7,22 @@
 xxh3 (weight_sync/checksum.py) needs the bytes on the host; the cuda_ipc transport keeps
 them on the GPU, so it checksums with `mlh64`, which is a few elementwise torch ops:
 
-    words W_0 .. W_{n-1}: the bytes as little-endian uint64 (the last one zero-padded)
-    chunk c = words [c*C, (c+1)*C), C = CHUNK_WORDS; key K_j = splitmix64(SEED + j) | 1 (odd)
-    P_c = sum_j K_j * W_{c*C+j}                    (mod 2^64: a multilinear hash per chunk)
-    S   = sum_c fmix64(P_c + (c + 1) * GOLDEN)     (mod 2^64: chunk order matters)
+    words W_0 .. W_{n-1}: the bytes as little-endian int32, sign-extended (the last zero-padded)
+    chunk c = words [c*C, (c+1)*C), C = CHUNK_WORDS; two odd key tables, j < C:
+        A_j = splitmix64(SEED + j) | 1,   B_j = splitmix64(SEED + C + j) | 1
+    a_c = sum_j A_j * W_{c*C+j},  b_c = sum_j B_j * W_{c*C+j}       (mod 2^64: multilinear)
+    S   = sum_c fmix64(fmix64(a_c + (c + 1) * GOLDEN) + b_c)        (mod 2^64: chunk order matters)
     mlh64 = fmix64(S ^ nbytes)
 
 Odd keys make every product a bijection of its word, so changing any single word always
-changes P_c (and so the checksum: fmix64 is a bijection too); several changed words collide
-with probability about 2^-64 for data not forged against the fixed keys. It is an integrity
-check against corruption and torn copies, like xxh3, not a MAC (the admin token is the
+changes the checksum (fmix64 is a bijection too). Words are 32-bit so that a difference
+never has more than 31 trailing zero bits: two changed words cancel in one lane only when
+their keys agree in >= 33 low bits (about 2^-33 over the keys), in both lanes about 2^-66
+(64-bit words would let any two flips of the top bit cancel). It is an integrity check
+against corruption and torn copies, like xxh3, not a MAC (the admin token is the
 authentication). int64 arithmetic wraps mod 2^64 in torch on CPU and CUDA alike, and sums
 mod 2^64 do not depend on the reduction order, so CPU and GPU give the same value.
-Temporaries stay bounded: GROUP_WORDS words are multiplied at a time. One host sync per call.
+Temporaries stay bounded: a few chunks are multiplied at a time. One host sync per call.
 """
 
 from __future__ import annotations
@@ -65,51 +68,51 @@ def fmix64(x: torch.Tensor) -> torch.Tensor:
 
 
 def keys(device: torch.device) -> torch.Tensor:
-    """The CHUNK_WORDS odd keys (int64), computed once per device."""
+    """The two tables of CHUNK_WORDS odd keys: int64 [2, CHUNK_WORDS], computed once per device."""
     k = _KEYS.get(device)
     if k is None:
-        j = torch.arange(CHUNK_WORDS, dtype=torch.int64) + _signed(SEED)
+        j = torch.arange(2 * CHUNK_WORDS, dtype=torch.int64) + _signed(SEED)
         k = _fmix(j, _SPLITMIX, (30, 27, 31)) | 1  # splitmix64's output function
-        k = _KEYS[device] = k.to(device)
+        k = _KEYS[device] = k.view(2, CHUNK_WORDS).to(device)
     return k
 
 
 def _words(buf: torch.Tensor) -> torch.Tensor:
-    """`buf` ([nbytes] uint8) as int64 words, the last one zero-padded (a view when aligned)."""
+    """`buf` ([nbytes] uint8) as int32 words, the last one zero-padded (a view when aligned)."""
     n = buf.numel()
-    full = n // 8 * 8
-    if n == full and buf.data_ptr() % 8 == 0:
-        return buf.view(torch.int64)
-    padded = torch.zeros((n + 7) // 8 * 8, dtype=torch.uint8, device=buf.device)
+    if n % 4 == 0 and buf.data_ptr() % 4 == 0:
+        return buf.view(torch.int32)
+    padded = torch.zeros((n + 3) // 4 * 4, dtype=torch.uint8, device=buf.device)
     padded[:n].copy_(buf)
-    return padded.view(torch.int64)
+    return padded.view(torch.int32)
 
 
-def _group_words(device: torch.device) -> int:
-    return CHUNK_WORDS * (64 if device.type == "cuda" else 4)  # 32 MiB / 2 MiB of int64 temporaries
+def _group_chunks(device: torch.device) -> int:
+    return 32 if device.type == "cuda" else 2  # chunks multiplied at once: 32 MiB / 2 MiB of int64 temporaries
 
 
 def _partials(words: torch.Tensor) -> torch.Tensor:
-    """P_c of every chunk: int64 [num_chunks] on the words' device."""
+    """(a_c, b_c) of every chunk: int64 [num_chunks, 2] on the words' device."""
     k = keys(words.device)
     n = words.numel()
     nfull = n // CHUNK_WORDS
-    out = torch.empty(nfull + (1 if n % CHUNK_WORDS else 0), dtype=torch.int64, device=words.device)
-    step = _group_words(words.device) // CHUNK_WORDS
-    grid = words[: nfull * CHUNK_WORDS].view(nfull, CHUNK_WORDS)
+    out = torch.empty(nfull + (1 if n % CHUNK_WORDS else 0), 2, dtype=torch.int64, device=words.device)
+    step, cuda = _group_chunks(words.device), words.device.type == "cuda"
+    grid = words[: nfull * CHUNK_WORDS].view(nfull, 1, CHUNK_WORDS)
     for c in range(0, nfull, step):
         e = min(c + step, nfull)
-        out[c:e] = (grid[c:e] * k).sum(dim=1)
+        w = grid[c:e] if cuda else grid[c:e].to(torch.int64)  # CUDA promotes int32 inside the multiply
+        out[c:e] = (w * k).sum(dim=2)  # [g, 2, C] -> [g, 2]
     if n % CHUNK_WORDS:
-        rest = words[nfull * CHUNK_WORDS :]
-        out[nfull] = (rest * k[: rest.numel()]).sum()
+        rest = words[nfull * CHUNK_WORDS :].to(torch.int64)
+        out[nfull] = (rest * k[:, : rest.numel()]).sum(dim=1)
     return out
 
 
 def _combine(partials: torch.Tensor, nbytes: int) -> torch.Tensor:
-    """fmix64(sum_c fmix64(P_c + (c+1)*GOLDEN) ^ nbytes), still on the device (0-dim int64)."""
-    c = torch.arange(1, partials.numel() + 1, dtype=torch.int64, device=partials.device)
-    s = fmix64(partials + c * _signed(GOLDEN)).sum()
+    """fmix64(sum_c fmix64(fmix64(a_c + (c+1)*GOLDEN) + b_c) ^ nbytes), on the device (0-dim int64)."""
+    c = torch.arange(1, partials.shape[0] + 1, dtype=torch.int64, device=partials.device)
+    s = fmix64(fmix64(partials[:, 0] + c * _signed(GOLDEN)) + partials[:, 1]).sum()
     return fmix64(s ^ nbytes)
 
 
@@ -151,13 +154,14 @@ def _py_fmix(x: int, consts: tuple[int, int], shifts: tuple[int, int, int]) -> i
 
 def mlh64_reference(data: bytes, chunk_words: int = CHUNK_WORDS) -> int:
     """mlh64 in plain Python integers (slow; for tests on small inputs)."""
-    padded = data + b"\0" * (-len(data) % 8)
-    words = [int.from_bytes(padded[i : i + 8], "little") for i in range(0, len(padded), 8)]
+    padded = data + b"\0" * (-len(data) % 4)
+    words = [int.from_bytes(padded[i : i + 4], "little", signed=True) for i in range(0, len(padded), 4)]
     total = 0
     for c, start in enumerate(range(0, len(words), chunk_words)):
-        p = 0
+        a = b = 0
         for j, w in enumerate(words[start : start + chunk_words]):
-            key = _py_fmix(SEED + j, _SPLITMIX, (30, 27, 31)) | 1
-            p = (p + key * w) & M64
-        total = (total + _py_fmix(p + (c + 1) * GOLDEN, _FMIX, (33, 33, 33))) & M64
+            a = (a + (_py_fmix(SEED + j, _SPLITMIX, (30, 27, 31)) | 1) * w) & M64
+            b = (b + (_py_fmix(SEED + chunk_words + j, _SPLITMIX, (30, 27, 31)) | 1) * w) & M64
+        inner = _py_fmix(a + (c + 1) * GOLDEN, _FMIX, (33, 33, 33))
+        total = (total + _py_fmix(inner + b, _FMIX, (33, 33, 33))) & M64
     return _py_fmix(total ^ len(data), _FMIX, (33, 33, 33))

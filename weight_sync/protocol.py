@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Transport = Literal["shm", "dist", "http"]
+Transport = Literal["shm", "dist", "http", "cuda_ipc"]
 RUN_ID_PATTERN = r"^[A-Za-z0-9._:@/+-]*$"  # run_id: names the pushing run ("" = the anonymous run)
 RUN_ID_MAX_LENGTH = 128
 
@@ -51,7 +51,7 @@ class UpdatePhase(StrEnum):
     UNKNOWN = "unknown"
 
 
-Checksum = Annotated[int, Field(ge=0, lt=1 << 64)]  # xxh3_64
+Checksum = Annotated[int, Field(ge=0, lt=1 << 64)]  # the manifest's checksum_algo: xxh3_64 | mlh64
 
 
 class _Request(BaseModel):

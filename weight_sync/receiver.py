@@ -20,7 +20,7 @@ server's engine, which sets it once the copy of `apply` returned: server.weight_
 for the stale-begin check and in what it reports.
 
 Lease: an update lives while its data plane makes progress (http chunks, dist buckets,
-the shm heartbeat); `lease_s` without progress while receiving aborts it.
+the shm / cuda_ipc heartbeat); `lease_s` without progress while receiving aborts it.
 Ownership: the update belongs to the `run_id` of its begin ("" is the anonymous run).
 Every call about it -- bucket data (http), commit (verify), abort -- names its run and is
 checked before it touches anything: another run's call is `NotOwner` (409 naming the
@@ -30,10 +30,11 @@ same run as the update in progress (still receiving) take it over (a resumed tra
 and another run waits for that update's lease to lapse. `abort(run_id=None)` (the
 server's own calls) ignores the owner.
 Staging: every transport stages into private per-bucket buffers (on the model's device for
-NCCL), allocated at connect/first begin and kept for the next update of the same layout;
+NCCL and cuda_ipc), allocated at connect/first begin and kept for the next update of the same layout;
 verification hashes exactly those bytes, and NaN/inf are refused (`check_finite`). shm
 copies a bucket into staging (hashing it) as soon as the sender marks it ready, while the
-sender packs the next one; dist hashes each bucket as it lands; http as its body ends.
+sender packs the next one (cuda_ipc: the same, device to device, hashed on the GPU with
+mlh64, weight_sync/devhash.py); dist hashes each bucket as it lands; http as its body ends.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from weight_sync.manifest import Manifest, check_against, served_dtype, weights_
 from weight_sync.protocol import UpdatePhase
 from weight_sync.staging import Outcomes, StagedUpdate, StagingPool
 from weight_sync.transports import TRANSPORTS
+from weight_sync.transports.cuda_ipc import IpcReader
 from weight_sync.transports.dist import DistReceiver
 from weight_sync.transports.shm import ShmReader, sweep
 
@@ -77,7 +79,7 @@ class WeightReceiver:
         self._update: StagedUpdate | None = None
         self._outcomes = Outcomes()
         self.last_failure = ""
-        self._shm, self._dist = ShmReader(), DistReceiver()
+        self._shm, self._dist, self._ipc = ShmReader(), DistReceiver(), IpcReader()
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="weight-sync-scan")  # dist: as buckets land
         self._staging = StagingPool(keep=keep_staging)
 
@@ -160,9 +162,13 @@ class WeightReceiver:
 
     # ------------------------------------------------------------------ setup
     def _stage(self, transport: str, m: Manifest, options: dict, device: torch.device) -> list[torch.Tensor]:
-        """Private per-bucket staging (on the model's device for NCCL), reused across updates."""
-        nccl = transport == "dist" and options.get("backend") == "nccl"
-        return self._staging.get(device if nccl else self.staging_device, m)
+        """Private per-bucket staging (on the model's device for NCCL and cuda_ipc), reused across updates."""
+        on_model = transport == "cuda_ipc" or (transport == "dist" and options.get("backend") == "nccl")
+        return self._staging.get(device if on_model else self.staging_device, m)
+
+    def _region(self, u: StagedUpdate) -> ShmReader | IpcReader:
+        """The reader whose header holds `u`'s heartbeat and ready stamps (shm, cuda_ipc)."""
+        return self._ipc if u.transport == "cuda_ipc" else self._shm
 
     def connect(self, transport: str, manifest: Manifest | dict | str, options: dict[str, Any] | None = None,
                 run_id: str = "") -> dict[str, Any]:
@@ -173,11 +179,14 @@ class WeightReceiver:
         with self._lock:
             stale = self._claimable(run_id)  # another run's live update: 409 (the sender waits for its lease)
             device = check_against(m, self._params())
-            self._check_options(transport, options, m)
+            self._check_options(transport, options, m, device)
             self._take_over(stale, run_id, "connect")  # everything checked: only now drop the same run's update
             if transport == "shm":
                 sweep()
                 self._shm.buckets(options, m)
+            elif transport == "cuda_ipc":
+                sweep()
+                self._ipc.buckets(options, m, device)
             elif transport == "dist":
                 self._dist.connect(options, device)
             staging = self._stage(transport, m, options, device)
@@ -199,7 +208,7 @@ class WeightReceiver:
             if version <= served:
                 raise UpdateConflict(f"version: {version} is not greater than the current version {served}")
             device = check_against(m, self._params())
-            self._check_options(transport, options, m)
+            self._check_options(transport, options, m, device)
             if transport == "dist":
                 self._dist.check(options)
             took_over = self._take_over(stale, run_id)  # a valid begin: only now replace the same run's update
@@ -207,14 +216,17 @@ class WeightReceiver:
             if transport == "shm":
                 sweep()
                 sources = self._shm.buckets(options, m)
+            elif transport == "cuda_ipc":
+                sweep()
+                sources = self._ipc.buckets(options, m, device)
             elif transport == "dist" and took_over is not None:
                 self._dist.check(options)  # a dropped dist update broke the collective sequence: reconnect (409)
             staging = self._stage(transport, m, options, device)
             u = StagedUpdate(version, transport, m, staging, float(lease_s or self.lease_s), run_id, sources)
-            u.heartbeat = self._shm.heartbeat() if sources is not None else 0
+            u.heartbeat = self._region(u).heartbeat() if sources is not None else 0
             self._update = u
             self._arm(u)
-            if transport == "shm":
+            if sources is not None:  # shm, cuda_ipc
                 threading.Thread(target=self._stage_shm, args=(u,), daemon=True, name="weight-sync-shm").start()
             if transport == "dist":
                 self._dist.start(staging, lambda i: self._on_bucket(u, i), lambda e: self._on_done(u, e), u.stop)
@@ -240,10 +252,12 @@ class WeightReceiver:
         self._drop(u, f"superseded by a new {call} of run {run_id!r}")
         return u.version
 
-    def _check_options(self, transport: str, options: dict[str, Any], m: Manifest) -> None:
+    def _check_options(self, transport: str, options: dict[str, Any], m: Manifest, device: torch.device) -> None:
         """Transport options, checked without side effects (ManifestError naming the option)."""
         if transport == "shm":
             self._shm.check(options, m)
+        elif transport == "cuda_ipc":
+            IpcReader.check(options, m, device)
         elif transport == "dist":
             DistReceiver.validate(options)
 
@@ -257,8 +271,8 @@ class WeightReceiver:
         with self._lock:
             if self._update is not u or u.phase != UpdatePhase.RECEIVING:
                 return
-            if u.sources is not None:  # shm: the sender's heartbeat is the data plane's progress
-                beat = self._shm.heartbeat()
+            if u.sources is not None:  # shm, cuda_ipc: the sender's heartbeat is the data plane's progress
+                beat = self._region(u).heartbeat()
                 if beat != u.heartbeat:
                     u.heartbeat = beat
                     u.renew()
@@ -270,11 +284,12 @@ class WeightReceiver:
 
     def _stage_shm(self, u: StagedUpdate) -> None:
         """Copy each bucket the sender marked ready into private staging (hashing it) while the
-        sender packs the next; stops when the commit arrives, which then stages the rest."""
+        sender packs the next; stops when the commit arrives, which then stages the rest (shm, cuda_ipc)."""
+        region = self._region(u)
         try:
             index = 0
             while index < len(u.staging) and not u.stop.is_set():
-                if self._shm.ready(index) != u.version:
+                if region.ready(index) != u.version:
                     if u.phase != UpdatePhase.RECEIVING:
                         break
                     time.sleep(0.001)
@@ -360,7 +375,7 @@ class WeightReceiver:
         try:
             if u.transport == "dist":
                 self._wait_dist(u)
-            if u.transport == "shm":
+            if u.sources is not None:  # shm, cuda_ipc
                 u.staged.wait()  # the staging thread has stopped: nothing writes the staging but us
             if u.error is not None:
                 raise UpdateFailed(f"dist receive failed: {u.error}")
@@ -431,6 +446,7 @@ class WeightReceiver:
             if self._update is not None:
                 self._drop(self._update, "receiver closed")
             self._shm.close()
+            self._ipc.close()
             self._dist.close()
             self._staging.invalidate()
         self._pool.shutdown(wait=False)

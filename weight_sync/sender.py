@@ -6,7 +6,7 @@
     push(servers, model.hf_named_tensors(), version=5, transport="http", token=tok)  # one push; WeightSyncError
 
 Connect (`POST /weights/connect`) does the one-time work: the shm region is created and its
-pages populated, the dist group built (the trainer hosts its store on `dist_addr`), and
+pages populated (cuda_ipc: the device region allocated and shared once by IPC handle), the dist group built (the trainer hosts its store on `dist_addr`), and
 every server sizes its private staging; it runs again only when the layout grows or
 changes. A push then: `POST /weights/begin` (bodies: weight_sync/protocol.py), the data
 plane -- tensors are packed straight from the source into the shm region / a send buffer,
@@ -18,6 +18,8 @@ may have begun it. `run_id` names the pushing run and goes with every call (conn
 each http bucket, commit, abort): the server refuses a call about an update another run
 began (409 naming the owner). A resumed run (same id) takes over its own stale update at
 once; another run waits for that update's lease to lapse.
+cuda_ipc packs on the trainer's GPU and checksums there (mlh64); its weights must be on CUDA
+unless `ipc_allow_cpu` (the CPU kind, for tests: weight_sync/transports/cuda_ipc.py).
 `dtype` casts floating tensors before sending ("auto": what the server serves, e.g. bf16,
 which halves the bytes; checksums cover what is sent).
 """
@@ -35,12 +37,15 @@ from typing import Any
 import torch
 
 from weight_sync.bucket import DEFAULT_BUCKET_BYTES, pack_stream, plan_buckets
+from weight_sync.checksum import ALGO
 from weight_sync.control import ControlClient, HTTPStatusError
+from weight_sync.devhash import ALGO as DEVICE_ALGO
 from weight_sync.errors import WeightSyncError
 from weight_sync.manifest import DTYPES, Manifest
 from weight_sync.protocol import AbortRequest, BeginRequest, CommitRequest, ConnectRequest
 from weight_sync.sources import Source, as_source, drain, iter_deepspeed_params
 from weight_sync.transports import TRANSPORTS
+from weight_sync.transports.cuda_ipc import IpcRegion
 from weight_sync.transports.dist import DistSender
 from weight_sync.transports.http import put_bucket
 from weight_sync.transports.shm import ShmRegion
@@ -57,7 +62,7 @@ class WeightSender:
         self, servers: list[str], *, transport: str = "shm", token: str | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | str | None = None, timeout: float = 300.0,
         dist_addr: str = "127.0.0.1", dist_port: int = 0, run_id: str | None = None, lease_s: float | None = None,
-        abort_inflight: bool | None = None,
+        abort_inflight: bool | None = None, ipc_allow_cpu: bool = False,
     ):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
@@ -71,6 +76,9 @@ class WeightSender:
         self.run_id, self.lease_s, self.abort_inflight = run_id or default_run_id(), lease_s, abort_inflight
         self.clients = [ControlClient(u, token, timeout) for u in servers]
         self.shm = ShmRegion(self.run_id) if transport == "shm" else None
+        self.ipc = IpcRegion(self.run_id, allow_cpu=ipc_allow_cpu) if transport == "cuda_ipc" else None
+        self.region = self.shm or self.ipc  # same-host transports: one region, ready stamps, a heartbeat
+        self.checksum_algo = DEVICE_ALGO if transport == "cuda_ipc" else ALGO  # cuda_ipc hashes on the GPU
         self.dist = DistSender(dist_addr, dist_port, min(timeout, 60.0)) if transport == "dist" else None
         self._buffers: list[torch.Tensor] = []  # reused double buffers (dist, http)
         self._layout: tuple | None = None  # (bucket sizes, device) the servers are connected for
@@ -88,7 +96,7 @@ class WeightSender:
         """One-time setup for tensors shaped like `named_tensors`: region, group, server staging."""
         t0 = time.perf_counter()
         source = self._source(named_tensors)
-        self._connect(plan_buckets(source.specs, self.bucket_bytes, 0), source.device)
+        self._connect(plan_buckets(source.specs, self.bucket_bytes, 0, self.checksum_algo), source.device)
         return {"connect_s": time.perf_counter() - t0}
 
     def _connect(self, manifest: Manifest, device: torch.device) -> None:
@@ -97,6 +105,8 @@ class WeightSender:
         fresh = True
         if self.shm is not None:
             self._options = [self.shm.prepare(manifest)] * n
+        elif self.ipc is not None:
+            self._options = [self.ipc.prepare(manifest, device)] * n
         elif self.dist is not None:
             self._options, fresh = self.dist.prepare(n, "nccl" if device.type == "cuda" else "gloo")
         if fresh:
@@ -105,7 +115,7 @@ class WeightSender:
             self._parallel(lambda c, i: c.connect(body[i]))
         if self.dist is not None:
             self.dist.connect(device)  # blocks until every server joined
-        if self.shm is None:  # the two send buffers, their pages touched now rather than in the first push
+        if self.region is None:  # the two send buffers, their pages touched now rather than in the first push
             biggest = max(b.nbytes for b in manifest.buckets)
             for slot in range(2):
                 self._buffer(slot, biggest, device if self.dist is not None else torch.device("cpu")).fill_(0)
@@ -116,7 +126,7 @@ class WeightSender:
         """Send one update to every server; returns timings. Raises WeightSyncError."""
         t0 = time.perf_counter()
         source = self._source(named_tensors)
-        manifest = plan_buckets(source.specs, self.bucket_bytes, version)
+        manifest = plan_buckets(source.specs, self.bucket_bytes, version, self.checksum_algo)
         connect_s = 0.0
         for attempt in range(2):
             begun: list[ControlClient] = []
@@ -126,8 +136,8 @@ class WeightSender:
                     self._connect(manifest, source.device)
                     connect_s += time.perf_counter() - tc
                 t1 = time.perf_counter()
-                if self.shm is not None:
-                    self.shm.clear_ready()  # before begin: the server stages buckets once marked ready
+                if self.region is not None:
+                    self.region.clear_ready()  # before begin: the server stages buckets once marked ready
                 self._begin_all(manifest, begun)
                 t2 = time.perf_counter()
                 checksums = self._send(manifest, source.make_iter(), source.device)
@@ -180,10 +190,10 @@ class WeightSender:
 
     def _send(self, manifest: Manifest, named: Any, device: torch.device) -> list[int]:
         """Run the data plane; returns the checksum of every bucket (computed while packing)."""
-        if self.shm is not None:
+        if (region := self.region) is not None:  # shm, cuda_ipc
             checksums = []
-            for index, _, crc in pack_stream(manifest, named, self.shm.bucket, self.shm.beat):
-                self.shm.mark_ready(index, manifest.version)  # the server copies it while we pack the next
+            for index, _, crc in pack_stream(manifest, named, region.bucket, region.beat):
+                region.mark_ready(index, manifest.version)  # the server copies it while we pack the next
                 checksums.append(crc)
             return checksums
         if (dist := self.dist) is not None:
@@ -236,8 +246,8 @@ class WeightSender:
         self.close()
 
     def close(self) -> None:
-        if self.shm is not None:
-            self.shm.close()
+        if self.region is not None:
+            self.region.close()
         if self.dist is not None:
             self.dist.close()
         for c in self.clients:
@@ -249,7 +259,7 @@ def push(
     servers: list[str] | str, named_tensors: Iterable | Callable, version: int, *, transport: str = "shm",
     token: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | str | None = None,
     timeout: float = 300.0, dist_addr: str = "127.0.0.1", run_id: str | None = None, lease_s: float | None = None,
-    abort_inflight: bool | None = None,
+    abort_inflight: bool | None = None, ipc_allow_cpu: bool = False,
 ) -> dict[str, Any]:
     """Push `named_tensors` as `version` to every server once: a sender for this push, closed after.
 
@@ -261,5 +271,5 @@ def push(
     """
     with WeightSender([servers] if isinstance(servers, str) else list(servers), transport=transport, token=token,
                       bucket_bytes=bucket_bytes, dtype=dtype, timeout=timeout, dist_addr=dist_addr, run_id=run_id,
-                      lease_s=lease_s, abort_inflight=abort_inflight) as sender:
+                      lease_s=lease_s, abort_inflight=abort_inflight, ipc_allow_cpu=ipc_allow_cpu) as sender:
         return sender.push(named_tensors, version)
