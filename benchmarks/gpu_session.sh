@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One GPU check session on a lent CUDA machine (no network there), everything under $OUT early:
 #   1. install carried wheels (.whl/*.whl: what the machine's image lacks) into /tmp/site, versions, nvidia-smi
-#   2. the CUDA-marked tests (tests/dllm/test_dllm_step.py, test_dllm_flex.py, test_fused_layout.py) on CUDA
-#   3. decode at the SDAR-1.7B shape, random bf16: eager vs CUDA graphs (+ kernels per step), then compiled
+#   2. the CUDA-marked tests (tests/dllm/test_dllm_step.py, test_dllm_flex.py, test_fused_layout.py,
+#      tests/weight_sync/test_weight_sync_cuda_ipc.py) on CUDA
+#   3. decode at the SDAR-1.7B shape, random bf16: eager vs CUDA graphs (+ kernels per step), then the
+#      CUDA-IPC weight push of that model (4.1 GB bf16, benchmarks/sync.py; into session.log), then compiled
 #   4. (started first, in the background) the whole suite minus the gpu-marked tests of step 2, under xdist,
 #      pinned to cores 4-15 (steps 2-3 to 0-3), junit xml; SIGINT (reports still written) before the budget ends
 #
@@ -26,7 +28,8 @@ SUITE_PID=$!
 
 echo "== 2. CUDA tests ($(left)s left)"  # their files' other tests run in the suite (step 4)
 pin 0-3 timeout -s INT -k 10 200 $PY -m pytest -v -rfEs -p no:cacheprovider --timeout 150 -m gpu tests/dllm/test_dllm_step.py \
-    tests/dllm/test_dllm_flex.py tests/dllm/test_fused_layout.py >"$OUT/gpu_tests.log" 2>&1
+    tests/dllm/test_dllm_flex.py tests/dllm/test_fused_layout.py tests/weight_sync/test_weight_sync_cuda_ipc.py \
+    >"$OUT/gpu_tests.log" 2>&1
 echo "rc=$?"; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/gpu_tests.log" | grep -E "gpu|cuda|passed|failed|ERROR" | tail -15
 
 echo "== 3. decode benchmark, SDAR-1.7B shape ($(left)s left; suite running on other cores)"
@@ -35,11 +38,18 @@ if [ "$DRY" = 1 ]; then
            vocab_size=4096 num_attention_heads=4 num_key_value_heads=2 head_dim=64 mask_token_id=4000)
     pin 0-3 timeout 300 $PY benchmarks/decode.py --device cpu "${SMALL[@]}" --modes eager --profile --json "$OUT/decode.json"
     echo "rc=$?"
+    echo "== 3b. weight push (cuda_ipc's CPU kind vs shm, 10m) ($(left)s left)"
+    pin 0-3 timeout 200 $PY benchmarks/sync.py --sizes 10m --transports cuda_ipc,shm --pushes 2 --skip-checkpoint
+    echo "rc=$?"
     pin 0-3 timeout 300 $PY benchmarks/decode_device.py --device cpu "${SMALL[@]}" --modes compile \
         --strategies static >"$OUT/compile.log" 2>&1
     echo "rc=$?"; tail -4 "$OUT/compile.log"
 else
     pin 0-3 timeout 200 $PY benchmarks/decode.py --device cuda --repeats 2 --profile --json "$OUT/decode.json"
+    echo "rc=$?"
+    echo "== 3b. CUDA-IPC weight push, SDAR-1.7B shape, 4.1 GB bf16, vs shm ($(left)s left)"
+    pin 0-3 timeout 150 $PY benchmarks/sync.py --device cuda --sizes 1.7b --transports cuda_ipc,shm --dtype bfloat16 \
+        --pushes 4 --skip-checkpoint
     echo "rc=$?"
     CT=$(($(left) - 60))
     if [ "$CT" -gt 60 ]; then

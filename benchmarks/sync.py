@@ -1,9 +1,12 @@
-"""Benchmark weight sync: connect, first and steady pushes for shm / dist / http vs memcpy, raw gloo, checkpoint.
+"""Benchmark weight sync: connect, first and steady pushes for shm / dist / http / cuda_ipc vs memcpy, raw gloo, checkpoint.
 
     .venv/bin/python benchmarks/sync.py                       # 100m and 500m (a few minutes)
     .venv/bin/python benchmarks/sync.py --sizes 10m,100m      # shorter
     .venv/bin/python benchmarks/sync.py --transports shm,dist --pushes 4
     .venv/bin/python benchmarks/sync.py --dtype bfloat16      # the server serves bf16: half the bytes sent
+    .venv/bin/python benchmarks/sync.py --sizes 10m,100m --transports shm,cuda_ipc   # cuda_ipc's CPU kind
+    .venv/bin/python benchmarks/sync.py --device cuda --sizes 1.7b --transports cuda_ipc,shm --dtype bfloat16 \
+        --pushes 4 --skip-checkpoint                          # GPU: the 4.1 GB SDAR-1.7B shape (gpu_session.sh)
 
 For each size it builds fp32 random tensors shaped like an SDAR/Qwen3 model (embeddings,
 q/k/v/o, gate/up/down, norms, untied lm_head), starts a receiver in ANOTHER process (the
@@ -16,7 +19,11 @@ pushes), a raw gloo broadcast of the same buckets
 between the same two processes (no packing, hashing or control plane), and the
 checkpoint path (save_file + fsync, then the receiver loads the file and copies it into
 its params; the reload hits the page cache). After timing, the receiver's digest is
-checked against the sender's. The last lines check the acceptance ratios of issue 12.
+checked against the sender's. The last lines check the acceptance ratios of issue 12 (and,
+for cuda_ipc on CUDA, issue 39's: a push of the 1.7B model <= 50 ms, verification included).
+`--device cuda` puts the receiver's model and the sender's tensors on the GPU (the sender's
+already in the served dtype, as a bf16 trainer's are); cuda_ipc then shares device memory by
+IPC handle, on CPU it runs its CPU kind (torch-shared host memory: the protocol, not the GPU path).
 """
 
 from __future__ import annotations
@@ -39,14 +46,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 # (vocab, hidden, intermediate, layers): ~10M, ~100M, ~500M parameters
-SIZES = {"10m": (8192, 256, 768, 8), "100m": (32000, 768, 2048, 8), "500m": (64000, 1536, 4096, 12)}
+SIZES = {"10m": (8192, 256, 768, 8), "100m": (32000, 768, 2048, 8), "500m": (64000, 1536, 4096, 12),
+         "1.7b": (151936, 2048, 6144, 28)}  # 1.7b: SDAR-1.7B's shapes, 2.0B parameters (4.1 GB in bf16)
 TOKEN = "bench"
 
 
-def sdar_like(size: str, seed: int = 0) -> dict[str, torch.Tensor]:
+def sdar_like(size: str, seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
     """Named fp32 tensors with SDAR parameter names and shapes (head_dim 64, kv heads = heads / 2)."""
     vocab, d, inter, layers = SIZES[size]
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     shapes = {"model.embed_tokens.weight": (vocab, d)}
     for i in range(layers):
         p = f"model.layers.{i}."
@@ -59,7 +67,7 @@ def sdar_like(size: str, seed: int = 0) -> dict[str, torch.Tensor]:
             p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
         })
     shapes.update({"model.norm.weight": (d,), "lm_head.weight": (vocab, d)})
-    return {n: torch.empty(s).uniform_(-0.05, 0.05, generator=g) for n, s in shapes.items()}
+    return {n: torch.empty(s, device=device).uniform_(-0.05, 0.05, generator=g) for n, s in shapes.items()}
 
 
 def module_from(named: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -86,6 +94,7 @@ def idle_engine(model: torch.nn.Module) -> Any:
 
 
 def serve(size: str, port: int, dtype: str) -> None:
+    """The receiver process (its model on $SYNC_BENCH_DEVICE, default cpu)."""
     import logging
 
     import uvicorn
@@ -100,7 +109,8 @@ def serve(size: str, port: int, dtype: str) -> None:
     from server.state import ServerState, attach
     from server.weight_updates import make_updates
 
-    served = {n: t.to(getattr(torch, dtype)) for n, t in sdar_like(size, seed=1).items()}
+    device = os.environ.get("SYNC_BENCH_DEVICE", "cpu")
+    served = {n: t.to(getattr(torch, dtype)) for n, t in sdar_like(size, seed=1, device=device).items()}
     engine = idle_engine(module_from(served))
     app = FastAPI()
     attach(app, ServerState(engine, admin_token=TOKEN, weight_updates=make_updates(engine)))
@@ -183,13 +193,13 @@ def free_port() -> int:
 
 
 def start_receiver(size: str, threads: int, dtype: str, script: str = __file__,
-                   ready: Callable[[str], bool] | None = None) -> tuple[subprocess.Popen, str]:
+                   ready: Callable[[str], bool] | None = None, device: str = "cpu") -> tuple[subprocess.Popen, str]:
     """`script --serve size` in another process (this file's receiver, or benchmarks/rollback.py's);
     returns once `ready(url)` (default: /weights/version answers)."""
     import httpx
 
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SYNC_BENCH_DEVICE": device}
     cmd = [sys.executable, script, "--serve", size, "--port", str(port), "--threads", str(threads),
            "--dtype", dtype]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT)
@@ -243,13 +253,20 @@ def parse_or_serve(ap: argparse.ArgumentParser, serve: Callable[[str, int, str],
     return args, sizes
 
 
+def _sync(named: dict[str, torch.Tensor]) -> None:
+    if next(iter(named.values())).is_cuda:
+        torch.cuda.synchronize()
+
+
 def time_memcpy(named: dict[str, torch.Tensor], repeats: int = 3) -> float:
     dst = {n: torch.empty_like(t) for n, t in named.items()}
     times = []
     for _ in range(repeats):
+        _sync(named)
         t0 = time.perf_counter()
         for n, t in named.items():
             dst[n].copy_(t)
+        _sync(named)
         times.append(time.perf_counter() - t0)
     return min(times)
 
@@ -276,7 +293,9 @@ def bench_transport(url: str, transport: str, named: dict[str, torch.Tensor], pu
 
     from weight_sync import WeightSender, weights_digest
 
-    sender = WeightSender([url], transport=transport, token=TOKEN, timeout=600, dtype="auto")
+    on_cpu = next(iter(named.values())).device.type == "cpu"
+    sender = WeightSender([url], transport=transport, token=TOKEN, timeout=600, dtype="auto",
+                          ipc_allow_cpu=on_cpu)  # cuda_ipc on CPU: its CPU kind
     connect_s = sender.connect(named)["connect_s"]
     times, sent = [], 0
     for _ in range(pushes):
@@ -287,7 +306,7 @@ def bench_transport(url: str, transport: str, named: dict[str, torch.Tensor], pu
     sizes = [b for b in sender._layout[0]] if sender._layout else []
     sender.close()
     served = httpx.get(url + "/weights/checksum", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=600).json()
-    sent_named = {n: t.to(getattr(torch, served_dtype(url))) for n, t in named.items()}
+    sent_named = {n: t.to(getattr(torch, served_dtype(url))).cpu() for n, t in named.items()}
     ok = served == {"version": version, "digest": weights_digest(sent_named)}
     steady = statistics.median(times[1:]) if len(times) > 1 else times[0]
     return {"transport": transport, "connect_s": connect_s, "first_s": times[0], "steady_s": steady,
@@ -301,20 +320,24 @@ def served_dtype(url: str) -> str:
     return r.json()["dtype"]
 
 
-def bench_size(size: str, transports: list[str], pushes: int, threads: int, dtype: str) -> list[dict]:
-    named = sdar_like(size, seed=2)
+def bench_size(size: str, transports: list[str], pushes: int, threads: int, dtype: str, device: str = "cpu",
+               checkpoint: bool = True) -> list[dict]:
+    named = sdar_like(size, seed=2, device=device)
+    if device != "cpu":  # a GPU trainer's weights, already in the served dtype
+        named = {n: t.to(getattr(torch, dtype)) for n, t in named.items()}
     nbytes = sum(t.numel() * t.element_size() for t in named.values())
     num_params = sum(t.numel() for t in named.values())
-    proc, url = start_receiver(size, threads, dtype)
+    proc, url = start_receiver(size, threads, dtype, device=device)
     rows = []
     try:
-        ckpt_s = time_checkpoint(named, url)
+        ckpt_s = time_checkpoint(named, url) if checkpoint else float("nan")
         version = 0
         for transport in transports:
             memcpy_s = time_memcpy(named)  # right before the pushes it is compared with (the box is shared)
             row, version = bench_transport(url, transport, named, pushes, version)
             row["raw_gloo_s"] = time_raw_gloo(url, row.pop("bucket_sizes")) if transport == "dist" else None
-            row.update(size=size, params_m=num_params / 1e6, mb=nbytes / 1e6, memcpy_s=memcpy_s, ckpt_s=ckpt_s)
+            row.update(size=size, params_m=num_params / 1e6, mb=nbytes / 1e6, memcpy_s=memcpy_s, ckpt_s=ckpt_s,
+                       device=device)
             rows.append(row)
             print_row(row)
     finally:
@@ -348,24 +371,29 @@ def check(rows: list[dict]) -> None:
             verdicts.append(("throughput >= 0.8x raw gloo", r["raw_gloo_s"] / r["steady_s"] >= 0.8))
         if r["transport"] != "http" and r["size"] == "500m":
             verdicts.append(("10x faster than checkpoint", r["ckpt_s"] / r["steady_s"] >= 10))
+        if r["transport"] == "cuda_ipc" and r["size"] == "1.7b" and r.get("device") == "cuda":
+            verdicts.append(("push <= 50 ms (issue 39)", r["steady_s"] <= 0.050))
         print(f"{tag:>10}: " + ", ".join(f"{name} {'PASS' if ok else 'FAIL'}" for name, ok in verdicts))
 
 
 def main() -> None:
     ap = bench_parser(__doc__, "100m,500m", "shm,dist,http", 3, "pushes per transport after connect (first + steady)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both sides keep the weights")
+    ap.add_argument("--skip-checkpoint", action="store_true", help="no checkpoint baseline (its ckpt columns: nan)")
     add_receiver_args(ap, "dtype the receiver serves (the sender uses dtype='auto': bf16 halves the bytes)")
     parsed = parse_or_serve(ap, serve)
     if parsed is None:
         return
     args, sizes = parsed
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch thread(s)/process, "
-          f"load avg {os.getloadavg()[0]:.1f}, served dtype {args.dtype}; connect = one-time setup; "
+          f"load avg {os.getloadavg()[0]:.1f}, served dtype {args.dtype} on {args.device}; connect = one-time setup; "
           "push s = median steady push; /memcpy = push / memcpy of the trainer's bytes; "
           "raw/push = raw gloo broadcast time / push; x ckpt = checkpoint round trip / push", flush=True)
     print(HEADER, flush=True)
     rows = []
     for size in sizes:
-        rows += bench_size(size, args.transports.split(","), args.pushes, args.threads, args.dtype)
+        rows += bench_size(size, args.transports.split(","), args.pushes, args.threads, args.dtype, args.device,
+                           not args.skip_checkpoint)
     print("\n" + HEADER)
     for r in rows:
         print_row(r)
