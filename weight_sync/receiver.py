@@ -186,6 +186,7 @@ class WeightReceiver:
                 self._shm.buckets(options, m)
             elif transport == "cuda_ipc":
                 sweep()
+                self._ipc.release_if_gone()  # a dead sender's region: no longer mapped here
                 self._ipc.buckets(options, m, device)
             elif transport == "dist":
                 self._dist.connect(options, device)
@@ -218,6 +219,7 @@ class WeightReceiver:
                 sources = self._shm.buckets(options, m)
             elif transport == "cuda_ipc":
                 sweep()
+                self._ipc.release_if_gone()
                 sources = self._ipc.buckets(options, m, device)
             elif transport == "dist" and took_over is not None:
                 self._dist.check(options)  # a dropped dist update broke the collective sequence: reconnect (409)
@@ -439,6 +441,9 @@ class WeightReceiver:
             self._drop(u, reason)
         if u.sources is not None:
             sweep()
+            with self._lock:
+                if self._update is None:
+                    self._ipc.release_if_gone()  # the aborted sender's region, if it is gone
         return True
 
     def close(self) -> None:

@@ -12,7 +12,8 @@
   torch's cross-process shared storage) and applies pushes whose digest equals the
   trainer's; the region is shared once and reused; hostile options are 400s naming the
   option; corrupted bytes (checksum mismatch), NaN, an abort, a lapsed lease and another
-  run's commit/abort all leave the served weights and version unchanged;
+  run's commit/abort all leave the served weights and version unchanged; a gone sender's
+  region is unmapped by the server (/proc/<pid>/maps);
 - `gpu`: the same push through a real CUDA IPC handle into a CUDA server process.
 """
 
@@ -371,6 +372,29 @@ def test_abort_leaves_weights_and_version(server):
         push.close()
     unchanged(server, before)
     assert get(server.url, f"/weights/updates/{push.version}")["state"] == "failed"
+
+
+def maps(pid: int) -> str:
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_a_gone_senders_region_is_unmapped_by_the_server(server):
+    before = get(server.url, "/weights/checksum")
+    push = RawPush(server, model_weights(server.model_dir, 0.4), before["version"] + 1, "run-gone")
+    name = base64.b64decode(push.options["handle"]).decode()
+    try:
+        assert push.begin().status_code == 200
+        push.pack(upto=1)
+        assert name in maps(server.proc.pid)  # the server maps the trainer's region
+    finally:
+        push.close()  # the sender is gone: its header unlinked, its storage freed on its side
+    r = post(server.url, "/weights/abort", {"version": push.version, "run_id": "run-gone"})
+    assert r.status_code == 200 and r.json()["aborted"] is True, r.text
+    deadline = time.monotonic() + 10
+    while name in maps(server.proc.pid):
+        assert time.monotonic() < deadline, "the server still maps a gone sender's region"
+        time.sleep(0.2)
+    unchanged(server, before)
 
 
 def test_the_heartbeat_holds_the_lease_and_silence_loses_it(server):

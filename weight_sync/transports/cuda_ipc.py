@@ -273,6 +273,15 @@ class IpcReader:
         data = self._open(options, device)
         return [data[off : off + b.nbytes] for off, b in zip(options["offsets"], manifest.buckets)]
 
+    def release_if_gone(self) -> bool:
+        """Unmap the region once its sender's header is gone (closed, or swept after its death), so a
+        finished trainer's memory is not held by the server; True when it released one."""
+        shm = self.header.shm
+        if self.data is None or shm is None or (SHM_DIR / shm.name.lstrip("/")).exists():
+            return False
+        self.close()
+        return True
+
     def heartbeat(self) -> int:
         return self.header.heartbeat()
 
