@@ -299,6 +299,21 @@ def test_push_end_to_end_reuses_one_shared_region(server: Server):
     assert r.status_code == 200 and r.json()["version"] == v, r.text
 
 
+def test_the_trainers_fleet_pushes_over_cuda_ipc(server):
+    from trainer.fleet import ServerFleet
+
+    fleet = ServerFleet([server.url], TOKEN, sync_options={"transport": "cuda_ipc", "ipc_allow_cpu": True,
+                                                           "run_id": "run-fleet", "timeout": 60})
+    try:
+        v = get(server.url, "/weights/version")["version"] + 1
+        named = model_weights(server.model_dir, 0.05 * v)
+        fleet.connect(named.items())
+        fleet.push(named.items(), v)
+        assert fleet.digests() == {server.url: weights_digest(named)}
+    finally:
+        fleet.close()
+
+
 def test_hostile_options_over_http_are_400_naming_the_field(server):
     before = get(server.url, "/weights/checksum")
     push = RawPush(server, model_weights(server.model_dir), before["version"] + 1, "run-hostile")
