@@ -8,10 +8,11 @@
     assert weights_digest(model.hf_named_tensors()) == GET /weights/checksum
 
 Files: protocol.py (control-plane wire schemas, shared with the server), manifest.py
-(JSON manifest, digest), checksum.py (xxh3, fused copy+hash, NaN scan), bucket.py
+(JSON manifest, digest), checksum.py (xxh3, fused copy+hash, NaN scan), devhash.py (mlh64:
+a checksum and NaN scan computed on the bytes' device, for cuda_ipc), bucket.py
 (pack/unpack), sender.py + control.py (trainer side), sources.py (plain / ZeRO-3 params),
 receiver.py + staging.py (server side), errors.py (errors with HTTP statuses),
-transports/{shm,dist,http}.py (data planes). Imports neither server, trainer nor dllm.
+transports/{shm,dist,http,cuda_ipc}.py (data planes). Imports neither server, trainer nor dllm.
 """
 
 from weight_sync.errors import (
