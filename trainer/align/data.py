@@ -224,9 +224,7 @@ def record_rollout(rec, block_size: int, max_len: int) -> Rollout | str:
         return "behaviour log-prob not finite or positive"
     if float((rec.sampling or {}).get("temperature", 1.0) or 0.0) == 0.0:
         trace = trace.model_copy(update={"logprobs": [0.0] * n})  # greedy: a deterministic behaviour policy
-    return Rollout(prompt_index=0, sample_index=0, prompt_ids=list(rec.prompt_ids),
-                   completion_ids=list(rec.completion_ids), text=rec.text, finish_reason=rec.finish_reason,
-                   version=int(rec.version), trace=trace, server=str(rec.server))
+    return Rollout.copy_from(rec, prompt_index=0, sample_index=0, trace=trace, server=str(rec.server))
 
 
 class FeedbackBuffer:
