@@ -74,9 +74,6 @@ class AlignConfig(Config):
     console_port: int = Field(0, ge=0, lt=65536)  # 0: off
     console_host: str = "127.0.0.1"
     console_show_text: bool = False  # show the last recorded prompts/answers users rated (user text: opt in)
-    # testing
-    # steps (1-based) trained on 1 - reward, Adam's moments reset at the first of a run of them: a bad candidate
-    flip_reward_steps: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)
 
     def check(self) -> None:
         both = set(self.rollout_servers) & set(self.serving_replicas)

@@ -320,16 +320,13 @@ class MixedBatch(Batch):
 
 
 class AlignReward:
-    """The run's reward with feedback records scored by their users, and the test option that
-    flips every reward (1 - r, for rewards in [0, 1]) to train a deliberately bad candidate."""
+    """The run's reward with feedback records scored by their users."""
 
-    def __init__(self, base, is_flipped: Callable[[], bool] = lambda: False):
-        self.base, self.is_flipped = base, is_flipped
+    def __init__(self, base: Callable[..., float]) -> None:
+        self.base = base
         self.name = getattr(base, "name", "") or getattr(base, "__name__", "reward")
 
     def __call__(self, text: str, example: dict, num_tokens: int | None = None) -> float:
         if "feedback_reward" in example:
-            r = float(example["feedback_reward"])
-        else:
-            r = self.base(text, example) if num_tokens is None else self.base(text, example, num_tokens)
-        return 1.0 - r if self.is_flipped() else r
+            return float(example["feedback_reward"])
+        return self.base(text, example) if num_tokens is None else self.base(text, example, num_tokens)
