@@ -2,7 +2,7 @@
 accuracy over time (PNG) and the feedback-to-serving latency (issue 19, benchmarks/RESULTS.md).
 
     .venv/bin/python benchmarks/align.py                      # 10 minutes, fresh runs/align-bench/
-    .venv/bin/python benchmarks/align.py --duration 120 flip_reward_steps=[10,11,12]
+    .venv/bin/python benchmarks/align.py --duration 120 --flip-reward-steps 10,11,12   # a bad candidate
 
 Runs `examples.align.local` (one rollout server, two serving replicas, simulated users, `dlrl align`)
 for `--duration` seconds of `dlrl align` (then SIGTERM), with `align.output_dir` and `align.store`
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -63,19 +64,28 @@ def report(out: Path, db: Path, png: Path) -> str:
     return "\n".join(["```", json.dumps(summary, indent=1), "```", "", *lines, "", f"plot: {png}"])
 
 
+FLIP_ENV = "DLRL_TEST_FLIP_REWARD_STEPS"  # read by tests/trainer/align/flipping.py
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=600.0, help="seconds of dlrl align")
     ap.add_argument("--config", default="configs/align.yaml")
     ap.add_argument("--out", default="runs/align-bench")
     ap.add_argument("--png", default="benchmarks/align_serving.png")
+    ap.add_argument("--flip-reward-steps", default="", help="steps (1-based, comma-separated) trained on "
+                    "1 - reward by the tests' controller (tests/trainer/align/flipping.py): a bad candidate")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    flip = []
+    if args.flip_reward_steps:
+        os.environ[FLIP_ENV] = args.flip_reward_steps
+        flip = ["--align-module", "tests.trainer.align.flipping"]
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
     db = out / "feedback.db"
     t0 = time.time()
-    code = align_local(["--config", args.config, "--duration", str(args.duration), f"output_dir={out}",
+    code = align_local(["--config", args.config, "--duration", str(args.duration), *flip, f"output_dir={out}",
                         f"store={db}", *args.overrides])
     print(f"\n## dlrl align for {args.duration:.0f} s (whole command {time.time() - t0:.0f} s, exit {code})\n")
     print(report(out, db, Path(args.png)))

@@ -239,7 +239,7 @@ def main():
     static_table([1, 8] if args.quick else [1, 8, 32], 16 if args.quick else 64, 1 if args.quick else args.repeats,
                  args.today_ref)
     if args.static_only:
-        return
+        return None
     if args.quick:
         engine_table(["tiny"], [1, 8], 16, 16, 1, args.old_ref)
     else:
@@ -248,6 +248,7 @@ def main():
         if "sdar-100M" in args.models:
             engine_table(["sdar-100M"], [1, 8, 32, 64], 16, 16, max(1, args.repeats - 1), args.old_ref)
     tpf_table(16)
+    return None
 
 
 if __name__ == "__main__":

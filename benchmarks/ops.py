@@ -67,7 +67,7 @@ def _count(pkg, num_layers: int, dtype: torch.dtype, batch: int, prompt: int) ->
                 model(step, step_pos, cache=cache, slots=slots, kv_len=prompt + bs, num_logits=bs)
         finally:
             view_cls.update, pkg.model.attend = update, attend
-    counts = {"total": 0, **{p: 0 for p in PARTS}}
+    counts = {"total": 0, **dict.fromkeys(PARTS, 0)}
     for ev in prof.events():
         if not ev.name.startswith("aten::"):
             continue

@@ -227,6 +227,7 @@ def main() -> None:
     print(f"\nrollouts ({NUM_PROMPTS} prompts x {GROUP}, tiny default, 2 ranks, best of {args.batches}): "
           f"per-rank fetch {fetch['per_rank']:.2f} s, rank 0 fetch + scatter {fetch['rank0_scatter']:.2f} s "
           f"(ratio {fetch['rank0_scatter'] / fetch['per_rank']:.2f})")
+    return None
 
 
 if __name__ == "__main__":

@@ -303,7 +303,7 @@ def bench_transport(url: str, transport: str, named: dict[str, torch.Tensor], pu
         timings = sender.push(named, version)
         times.append(timings["total_s"])
         sent = timings["bytes"]
-    sizes = [b for b in sender._layout[0]] if sender._layout else []
+    sizes = list(sender._layout[0]) if sender._layout else []
     sender.close()
     served = httpx.get(url + "/weights/checksum", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=600).json()
     sent_named = {n: t.to(getattr(torch, served_dtype(url))).cpu() for n, t in named.items()}

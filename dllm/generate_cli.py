@@ -21,6 +21,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from dllm.options import SamplingOptions, Temperature, Threshold
 from dllm.strategy import Strategy, StrategyField
 from dlrl_config import Config, ConfigError, build, load_sections
 from dlrl_config.cli import print_check
@@ -34,19 +35,17 @@ ALIASES = {  # --flag -> key; store_true flags set the key to true
 FLAGS = {"--chat", "--trace"}
 
 
-class GenerateConfig(Config):
+class GenerateConfig(Config, SamplingOptions):
     """`dlrl generate`: the model, the prompts and the sampling parameters."""
 
     model: str = ""  # model folder (config.json, safetensors, tokenizer) or hub repo id org/name[@revision]
     prompt: list[str] = Field(default_factory=list)  # prompt text (repeatable: prompt=a prompt=b)
     chat: bool = False  # wrap each prompt in the tokenizer's chat template
     max_tokens: int = Field(64, ge=1)  # tokens to generate per prompt
-    temperature: float = Field(0.0, ge=0, le=100)  # 0: greedy
-    top_k: int = Field(0, ge=0)  # 0: off
-    top_p: float = Field(1.0, gt=0, le=1)  # nucleus sampling mass
+    temperature: Temperature = 0.0  # 0: greedy
     strategy: StrategyField = Strategy.dynamic  # which masked positions each denoising step commits
     steps: int | None = Field(None, ge=1)  # denoising steps per block (none: the strategy's default)
-    threshold: float = Field(0.9, ge=0, le=1)  # confidence a `dynamic` step commits above
+    threshold: Threshold = 0.9  # confidence a `dynamic` step commits above
     seed: int | None = Field(None, ge=0)  # sampling seed (none: random)
     stop: list[str] = Field(default_factory=list)  # stop strings (repeatable)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights' dtype

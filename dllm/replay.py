@@ -110,7 +110,7 @@ def _sample_rows(s: Sample, block_size: int, mask_id: int, shrink: int):
     return clean, len(s.prompt_ids) + len(gen_ids), rows
 
 
-def build_rows(samples: list[Sample], block_size: int, mask_id: int, pad_id: int,
+def build_rows(samples: Sequence[Sample], block_size: int, mask_id: int, pad_id: int,
                shrink: int = 1) -> Rows:
     if shrink < 1:
         raise ValueError("shrink: must be >= 1")

@@ -245,7 +245,7 @@ def save_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], path: str | 
     for i, (tmp, names) in enumerate(parts):
         fname = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
         tmp.rename(path / fname)
-        weight_map.update({n: fname for n in names})
+        weight_map.update(dict.fromkeys(names, fname))
     (path / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                               indent=2))
 

@@ -20,6 +20,7 @@ from typing import Annotated, Literal
 
 from pydantic import ByteSize, Field, StringConstraints
 
+from dllm.options import Temperature, Threshold
 from dllm.strategy import Strategy, StrategyField
 from dlrl_config import Config, load_section
 
@@ -76,8 +77,8 @@ class ServerConfig(Config):
     # defaults for requests that leave these unset
     default_max_tokens: int = Field(64, ge=1)  # max_tokens of requests that leave it unset
     default_strategy: StrategyField = Strategy.dynamic  # strategy of requests that leave it unset
-    default_threshold: float = Field(0.9, ge=0, le=1)  # threshold of requests that leave it unset
-    default_temperature: float = Field(1.0, ge=0)  # temperature of requests that leave it unset
+    default_threshold: Threshold = 0.9  # threshold of requests that leave it unset
+    default_temperature: Temperature = 1.0  # temperature of requests that leave it unset
     # weight sync (server side of weight_sync; see server/weight_updates.py)
     weight_sync_lease_s: float = Field(30.0, gt=0, le=3600)  # an update with no data-plane progress is aborted
     weight_sync_drain_timeout_s: float = Field(30.0, ge=0, le=3600)  # commit waits this long for in-flight...

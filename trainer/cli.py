@@ -173,7 +173,7 @@ def launch_local(nproc: int, argv: list[str]) -> int:
     SIGINT are forwarded to the ranks, which checkpoint and exit 0); returns the job's exit code.
     Under a launcher (torchrun, the DeepSpeed launcher, a Kubernetes indexed Job or Slurm setting
     RANK / WORLD_SIZE) `nproc` is not used: the launcher already started the ranks."""
-    argv = [a for a in argv if not a.split("=", 1)[0].removeprefix("train.") == "nproc"]
+    argv = [a for a in argv if a.split("=", 1)[0].removeprefix("train.") != "nproc"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "dlrl.cli", "train", *argv]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))

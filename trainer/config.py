@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
+from dllm.options import SamplingOptions, Threshold
 from dllm.strategy import Strategy, StrategyField
 from dlrl_config import Config
 from trainer.correction import Level, Mode
@@ -37,7 +38,7 @@ class ServerKeys(Config, extra="ignore"):
     served_model_name: str = ""  # the name servers started for this run report (else the model folder's)
 
 
-class TrainConfig(Config):
+class TrainConfig(Config, SamplingOptions):
     # where rollouts come from
     servers: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"], min_length=1)  # generation servers (URLs) rollouts come from; servers=[http://h1:8000,http://h2:8000]
     start_server: bool = True  # start a local server (subprocess) when none is reachable
@@ -70,12 +71,9 @@ class TrainConfig(Config):
     max_tokens: int = Field(8, ge=1)  # rollout completion length limit
     stop: list[str] = Field(default_factory=list)  # rollout stop strings (besides the model's eos ids)
     stop_token_ids: list[int] = Field(default_factory=list)  # rollout stop token ids (besides eos)
-    temperature: float = Field(1.0, ge=0)  # rollout sampling temperature
-    top_k: int = Field(0, ge=0)  # rollout top-k (0 = off)
-    top_p: float = Field(1.0, gt=0, le=1)  # rollout nucleus p (1 = off)
     strategy: StrategyField = Strategy.static  # decoding strategy: static (denoise_steps per block) | dynamic (confidence threshold) | sequential
     denoise_steps: int = Field(0, ge=0)  # 0 = block_size
-    threshold: float = Field(0.9, ge=0, le=1)  # dynamic strategy: commit tokens whose confidence exceeds this
+    threshold: Threshold = 0.9  # dynamic strategy: commit tokens whose confidence exceeds this
     mode: Literal["sync", "overlap"] = "sync"  # overlap: one-step off-policy
     max_staleness: int = Field(1, ge=1)  # overlap mode: most versions a rollout may lag the policy
     filter_zero_variance: bool = True  # drop groups whose rewards are all equal (DAPO dynamic sampling)

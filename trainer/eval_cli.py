@@ -29,6 +29,7 @@ from pydantic import Field
 
 from dllm.embedded.task import ArithmeticTask
 from dllm.hub import resolve_model
+from dllm.options import SamplingOptions, Temperature, Threshold
 from dllm.tokenizer import load_tokenizer
 from dlrl_config import Config, ConfigError, load_sections
 from dlrl_config.cli import add_check_args, config_file, print_check
@@ -46,7 +47,7 @@ from trainer.run import resolve_token
 log = logging.getLogger("dlrl.eval")
 
 
-class EvalConfig(Config):
+class EvalConfig(Config, SamplingOptions):
     servers: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"], min_length=1)  # servers to evaluate (URLs)
     start_server: bool = True  # start a local `dlrl serve` when no server answers
     server_start_timeout: float = Field(600.0, gt=0)  # seconds a started server may take to become ready
@@ -65,13 +66,11 @@ class EvalConfig(Config):
     limit: int = Field(0, ge=0)  # first N problems; 0 = all
     num_samples: int = Field(1, ge=1)  # samples per problem (pass@k for k up to this)
     max_tokens: int = Field(512, ge=1)  # completion length limit
-    temperature: float = Field(0.0, ge=0)  # sampling temperature (0 = greedy)
-    top_k: int = Field(0, ge=0)  # top-k (0 = off)
-    top_p: float = Field(1.0, gt=0, le=1)  # nucleus p (1 = off)
+    temperature: Temperature = 0.0  # sampling temperature (0 = greedy)
     seed: int = 0  # sampling seed
     stop: list[str] = Field(default_factory=list)  # stop strings
     static_steps: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)  # static strategy settings to evaluate: denoising steps per block
-    dynamic_thresholds: list[Annotated[float, Field(ge=0, le=1)]] = Field(default_factory=list)  # dynamic strategy settings to evaluate: confidence thresholds
+    dynamic_thresholds: list[Threshold] = Field(default_factory=list)  # dynamic strategy settings to evaluate: confidence thresholds
     block_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)  # decode with each block size (started servers are restarted with each)
     batch_size: int = Field(64, ge=1)  # prompts per request batch
     request_timeout: float = Field(600.0, gt=0)  # seconds per generation request

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +38,12 @@ from trainer.learner import baseline_rows
 from trainer.objectives import OBJECTIVES
 from trainer.replay import completion_rows
 from trainer.rewards import score_batch
+from trainer.rollouts import Batch
+
+if TYPE_CHECKING:
+    from rollout_client.protocol.rollout import Rollout
+    from trainer.config import TrainConfig
+    from trainer.run import Run
 
 log = logging.getLogger("dlrl.train")
 
@@ -50,13 +58,13 @@ class StopRequested(BaseException):
 
 class Timer(dict):
     @contextmanager
-    def __call__(self, name: str):
+    def __call__(self, name: str) -> Iterator[None]:
         t0 = time.perf_counter()
         yield
         self[f"time_{name}"] = self.get(f"time_{name}", 0.0) + time.perf_counter() - t0
 
 
-def sequence_advantages(cfg, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+def sequence_advantages(cfg: TrainConfig, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """-> (advantage per sample [N], keep mask [N], number of groups filtered)."""
     adv = group_advantages(rewards, cfg.group_size)
     keep = torch.ones_like(rewards, dtype=torch.bool)
@@ -67,7 +75,7 @@ def sequence_advantages(cfg, rewards: torch.Tensor) -> tuple[torch.Tensor, torch
     return adv, keep, num_filtered
 
 
-def row_minibatches(run, rows: Rows, sample_ids: torch.Tensor, num_samples: int, step: int) -> torch.Tensor:
+def row_minibatches(run: Run, rows: Rows, sample_ids: torch.Tensor, num_samples: int, step: int) -> torch.Tensor:
     """Mini-batch of every row [R], from its sample's GLOBAL index: the same split on any
     number of ranks (sample g goes to mini-batch position(g) % updates_per_step)."""
     gen = torch.Generator().manual_seed(run.cfg.seed * 1_000_003 + step)
@@ -76,21 +84,24 @@ def row_minibatches(run, rows: Rows, sample_ids: torch.Tensor, num_samples: int,
     return position[sample_ids[rows.row_sample]] % run.cfg.updates_per_step
 
 
-def token_advantages(run, rows, samples, rewards, seq_adv, row_mb) -> tuple[torch.Tensor, dict]:
+def token_advantages(run: Run, rows: Rows, samples: list[Rollout], rewards: torch.Tensor, seq_adv: torch.Tensor,
+                     row_mb: torch.Tensor) -> tuple[torch.Tensor, dict]:
     """Advantages at every row target [R, L], from the run's estimator (trainer.advantages registry)."""
     estimator = ADVANTAGE_ESTIMATORS[advantage_estimator(run.cfg)]
     return estimator(run, rows, samples, rewards, seq_adv, row_mb, _sequence_weights(run, rows, samples))
 
 
 @register_advantage("group")
-def _group_advantages(run, rows, samples, rewards, seq_adv, row_mb, weights) -> tuple[torch.Tensor, dict]:
+def _group_advantages(run: Run, rows: Rows, samples: list[Rollout], rewards: torch.Tensor, seq_adv: torch.Tensor,
+                      row_mb: torch.Tensor, weights: torch.Tensor | float) -> tuple[torch.Tensor, dict]:
     """Each sample's group z-score on every one of its tokens."""
     per_sample = [torch.full((len(s.completion_ids),), float(seq_adv[i])) for i, s in enumerate(samples)]
     return rows.gather(per_sample) * weights, {}
 
 
 @register_advantage("gae")
-def _value_gae(run, rows, samples, rewards, seq_adv, row_mb, weights) -> tuple[torch.Tensor, dict]:
+def _value_gae(run: Run, rows: Rows, samples: list[Rollout], rewards: torch.Tensor, seq_adv: torch.Tensor,
+               row_mb: torch.Tensor, weights: torch.Tensor | float) -> tuple[torch.Tensor, dict]:
     """TraceRL's value model: step-wise GAE on the trace's global step ids (shrunk like the replay
     rows); also trains the value model."""
     cfg = run.cfg
@@ -105,7 +116,7 @@ def _value_gae(run, rows, samples, rewards, seq_adv, row_mb, weights) -> tuple[t
     return row_adv, run.learner.update_value(rows, values, row_ret, row_mb)
 
 
-def _sequence_weights(run, rows, samples) -> torch.Tensor | float:
+def _sequence_weights(run: Run, rows: Rows, samples: list[Rollout]) -> torch.Tensor | float:
     """norm=sequence: weight each sample's tokens by mean_len / len (mean over ALL ranks' kept
     samples), so every sequence counts equally under the token-normalised loss (the PPO
     surrogate is positively homogeneous in the advantage)."""
@@ -117,14 +128,14 @@ def _sequence_weights(run, rows, samples) -> torch.Tensor | float:
     return torch.where(rows.target, scale[rows.sample_idx.clamp(min=0)], torch.zeros(()))
 
 
-def score(run, batch) -> torch.Tensor:
+def score(run: Run, batch: Batch) -> torch.Tensor:
     examples = batch.group_examples(run.cfg.group_size)
     texts = [r.text for r in batch.rollouts]
     lengths = [len(r.completion_ids) for r in batch.rollouts]
     return torch.tensor(score_batch(run.reward_fn, texts, examples, num_tokens=lengths), dtype=torch.float32)
 
 
-def replay(run, samples, num_samples: int):
+def replay(run: Run, samples: list[Rollout], num_samples: int) -> tuple[Rows, torch.Tensor | None]:
     """Training rows of the kept samples (trace states, or random masks for the baselines)."""
     if OBJECTIVES[run.cfg.objective].masks is not None:
         return baseline_rows(completion_rows(samples, run.block_size, run.pad_id), run.cfg.objective,
@@ -132,22 +143,74 @@ def replay(run, samples, num_samples: int):
     return build_rows(samples, run.block_size, run.mask_id, run.pad_id, run.cfg.shrink), None
 
 
-def rl_step(run, step: int) -> dict:
+class LoopHooks:
+    """What a loop built on `rl_step` / `train_loop` changes; the defaults are `dlrl train`'s
+    (`dlrl align`'s controller is the other one: trainer.align.controller.Aligner).
+
+    `learned` is set by `rl_step` once the step's update is applied (a stop during its push keeps it)."""
+
+    learned: bool = False
+
+    def collect(self, run: Run, step: int) -> Batch:
+        """The step's batch (this rank's rollouts)."""
+        return collect(run)
+
+    def pushing(self, run: Run, step: int) -> None:
+        """The step's update is about to be pushed as version+1."""
+
+    def stepped(self, run: Run, step: int, batch: Batch, parent: int) -> dict[str, Any]:
+        """After the step's push (`parent`: the version it trained from); extra step metrics."""
+        return {}
+
+    def done(self, run: Run, step: int) -> bool:
+        """No step after `step` (the number of steps taken so far)."""
+        return step >= run.cfg.num_steps
+
+    def after(self, run: Run, step: int, metrics: dict[str, Any], should_stop: Callable[[], bool]) -> dict[str, Any]:
+        """After step `step` (1-based), before its checkpoint and log line: the evaluation when due."""
+        cfg = run.cfg
+        if not (cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.num_steps)):
+            return {}
+        t0 = time.perf_counter()
+        return {**(run.evaluate() or {}), "time_eval": time.perf_counter() - t0}
+
+    def logged(self, run: Run, step: int, metrics: dict[str, Any]) -> None:
+        """Step `step`'s line is in metrics.jsonl."""
+
+    def stopping(self) -> None:
+        """A signal stops the loop; its checkpoint comes next."""
+
+    def extra(self) -> dict[str, Any] | None:
+        """The loop's own state saved with every checkpoint (`run.resumed_extra` on resume)."""
+        return None
+
+    def finish(self, run: Run, step: int, metrics: dict[str, Any], should_stop: Callable[[], bool]) -> dict[str, Any]:
+        """After the last step: the loop's result."""
+        return metrics
+
+
+def rl_step(run: Run, step: int, hooks: LoopHooks | None = None) -> dict[str, Any]:
     """One RL step on every rank; returns its metrics (global)."""
+    hooks = hooks if hooks is not None else LoopHooks()
     t = Timer()
+    hooks.learned = False
     run.faults.set_step(step + 1)
     with t("rollout"), run.faults.during("rollout", delay_s=0.05):  # dies while the requests are in flight
-        batch = collect(run)
+        batch = hooks.collect(run, step)
+    parent = run.version
     metrics = learn(run, batch, step, t)
+    hooks.learned = True
     with t("sync"):
         if metrics["num_kept"]:  # weights changed: push them as version+1
+            hooks.pushing(run, step)
             run.publisher.push()
     oldest = metrics.pop("rollout_version_min")
     return {"step": step + 1, "version": run.version, **metrics, **t, "rollout_version_min": oldest,
-            "staleness": run.version - (1 if metrics["num_kept"] else 0) - oldest}
+            "staleness": run.version - (1 if metrics["num_kept"] else 0) - oldest,
+            **hooks.stepped(run, step, batch, parent)}
 
 
-def collect(run, attempts: int = 3):
+def collect(run: Run, attempts: int = 3) -> Batch:
     """This rank's rollouts, with every server at the trainer's version first (sync mode). A
     server lost mid-request (down, restarting) is waited for and re-synced, then every rank
     draws the step's prompts again (one decision for all ranks keeps their samplers in step)."""
@@ -163,7 +226,7 @@ def collect(run, attempts: int = 3):
                 raise
             error = e
         (failed,) = run.ranks.max([float(error is not None)])
-        if not failed:
+        if not failed and batch is not None:
             return batch
         if run.ranks.is_main:
             log.warning("rollouts failed (%s): checking the servers, then drawing the prompts again",
@@ -171,7 +234,7 @@ def collect(run, attempts: int = 3):
     raise RuntimeError(f"rollouts failed {attempts} times; last error: {error}")
 
 
-def learn(run, batch, step: int, t: Timer | None = None) -> dict:
+def learn(run: Run, batch: Batch, step: int, t: Timer | None = None) -> dict[str, Any]:
     """Rewards -> advantages -> replay -> update on this rank's batch (collective); returns
     the step's training and batch metrics, reduced over all ranks."""
     cfg, t = run.cfg, t if t is not None else Timer()
@@ -196,16 +259,21 @@ def learn(run, batch, step: int, t: Timer | None = None) -> dict:
             "num_kept": int(num_kept)}
 
 
-def batch_metrics(run, batch, rewards, seq_adv, keep, num_filtered, num_rows) -> dict:
+def batch_metrics(run: Run, batch: Batch, rewards: torch.Tensor, seq_adv: torch.Tensor, keep: torch.Tensor,
+                  num_filtered: int, num_rows: int) -> dict[str, Any]:
     """Rollout / reward metrics over ALL ranks (sums and maxima all-reduced)."""
     rolls = batch.rollouts
     versions = [r.version for r in rolls]
     kept_adv = seq_adv[keep]
+    traces = [r.trace for r in rolls if r.trace is not None]  # every rollout of the loop has its trace
+    if len(traces) != len(rolls):
+        raise ValueError("trace: a rollout came without its decoding trace")
     sums = run.ranks.sum([
         len(rolls), float(rewards.sum()), float((rewards ** 2).sum()), float((rewards >= 1.0).sum()),
         len(batch.examples), num_filtered, num_rows, len(kept_adv), float(kept_adv.sum()),
         float(kept_adv.abs().sum()), sum(len(r.completion_ids) for r in rolls),
-        sum(len(r.completion_ids) + len(r.trace.tail_ids) for r in rolls), sum(r.trace.num_forwards for r in rolls)])
+        sum(len(r.completion_ids) + len(tr.tail_ids) for r, tr in zip(rolls, traces)),
+        sum(tr.num_forwards for tr in traces)])
     n, r_sum, r_sq, n_acc, n_groups, n_filt, n_rows, n_kept, a_sum, a_abs, n_tok, n_gen, n_fwd = sums
     oldest = -run.ranks.max([-min(versions, default=run.version)])[0]
     var = (r_sq - r_sum ** 2 / n) / (n - 1) if n > 1 else 0.0
@@ -216,28 +284,33 @@ def batch_metrics(run, batch, rewards, seq_adv, keep, num_filtered, num_rows) ->
             "rollout_version_min": int(oldest), "num_samples": int(n)}
 
 
-def train_loop(run, should_stop=lambda: False) -> dict:
-    """Run steps from run.start_step to cfg.num_steps; returns the last metrics. `should_stop()`
-    (a signal arrived on some rank) is agreed on by all ranks at every step boundary."""
-    cfg = run.cfg
-    metrics: dict = {}
-    for step in range(run.start_step, cfg.num_steps):
+def train_loop(run: Run, should_stop: Callable[[], bool] = lambda: False,
+               hooks: LoopHooks | None = None) -> dict[str, Any]:
+    """Steps from run.start_step until `hooks.done` (cfg.num_steps by default); returns the last
+    metrics. `should_stop()` (a signal arrived on some rank) is agreed on by all ranks at every
+    step boundary: the loop checkpoints and raises StopRequested."""
+    hooks = hooks if hooks is not None else LoopHooks()
+    step, metrics = run.start_step, {}
+    while not hooks.done(run, step):
         try:
-            metrics = rl_step(run, step)
+            metrics = rl_step(run, step, hooks)
         except (StopRequested, RankError) as e:  # a signal aborted the push in flight
             if isinstance(e, RankError) and e.kind != StopRequested.__name__:
                 raise
-            run.checkpoint(step + 1)  # the update is kept; the resumed run pushes it
+            hooks.stopping()
+            run.checkpoint(step + 1 if hooks.learned else step, extra=hooks.extra())  # the update is kept
             raise StopRequested(f"stopped by a signal during step {step + 1}") from None
-        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.num_steps):
-            t0 = time.perf_counter()
-            metrics |= run.evaluate() or {}
-            metrics["time_eval"] = time.perf_counter() - t0
+        step += 1
+        metrics |= hooks.after(run, step, metrics, should_stop)
         metrics["time_step"] = sum(v for k, v in metrics.items() if k.startswith("time_") and k != "time_step")
         (stop,) = run.ranks.max([float(should_stop())])
-        if (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or (stop and step + 1 < cfg.num_steps):
-            run.checkpoint(step + 1, metrics)
-        run.log(step + 1, metrics)
-        if stop and step + 1 < cfg.num_steps:
-            raise StopRequested(f"stopped by a signal after step {step + 1}")
-    return metrics
+        run.log(step, metrics)
+        hooks.logged(run, step, metrics)
+        last = hooks.done(run, step)
+        if stop and not last:
+            hooks.stopping()
+        if (run.cfg.checkpoint_every and step % run.cfg.checkpoint_every == 0) or (stop and not last):
+            run.checkpoint(step, metrics, extra=hooks.extra())
+        if stop and not last:
+            raise StopRequested(f"stopped by a signal after step {step}")
+    return hooks.finish(run, step, metrics, should_stop)

@@ -14,13 +14,14 @@ tokens at a time, ZeRO-3 safe).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
 from dllm.replay import Rows, Sample, token_logprobs, trace_of
 
 
-def completion_rows(samples: list[Sample], block_size: int, pad_id: int) -> Rows:
+def completion_rows(samples: Sequence[Sample], block_size: int, pad_id: int) -> Rows:
     """One clean row per sample whose targets are all its completion tokens (for the
     random-masking / coupled baselines, which draw their own masks)."""
     n = len(samples)

@@ -76,7 +76,7 @@ class Run:
     checkpointer: Checkpointer
     model_dir: Path
     tokenizer: PreTrainedTokenizerBase
-    reward_fn: Reward
+    reward_fn: Reward | Callable[..., float]  # dlrl align wraps it (trainer.align.data.AlignReward)
     sampler: Sampler
     eval_examples: list[dict]
     out: Path

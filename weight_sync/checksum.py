@@ -105,7 +105,7 @@ def scan(buf: torch.Tensor, pieces: Iterable[Piece], hasher: Hasher, src: torch.
             if src is not None:
                 buf[a:b].copy_(src[a:b])
             hasher.update(buf[a:b])
-            if check_finite and dtype is not None and dtype.is_floating_point and (not bad or bad[-1] != name):
-                if not is_finite(buf[a:b].view(dtype)):
-                    bad.append(name)
+            if (check_finite and dtype is not None and dtype.is_floating_point and (not bad or bad[-1] != name)
+                    and not is_finite(buf[a:b].view(dtype))):
+                bad.append(name)
     return bad

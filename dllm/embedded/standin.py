@@ -189,7 +189,7 @@ def write_random_weights(out_dir: str | Path, cfg, dtype: torch.dtype = torch.bf
                 t[im_end_id] = row / row.norm() * im_end_scale
             tensors[name] = t
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
-        weight_map.update({n: fname for n in names})
+        weight_map.update(dict.fromkeys(names, fname))
         del tensors
     if len(shards) > 1:
         total = sum(torch.Size(s).numel() * dtype.itemsize for _, s in shapes)

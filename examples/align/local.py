@@ -36,11 +36,13 @@ import httpx
 
 
 class LocalAlign:
-    def __init__(self, config: str, overrides: list[str] | None = None, env: dict[str, str] | None = None):
+    def __init__(self, config: str, overrides: list[str] | None = None, env: dict[str, str] | None = None,
+                 align_module: str = "dlrl.cli"):
         from dlrl_config import load_sections
         from trainer.align.config import UsersConfig, align_sections
 
         self.config, self.overrides = config, list(overrides or [])
+        self.align_module = align_module  # run as `python -m MODULE align ...` (a test's fake controller)
         # every section checked before any process starts (ConfigError naming the key)
         self.root = load_sections(config, self.overrides, {**align_sections(), "users": UsersConfig}, primary="align")
         self.cfg = self.root["align"]
@@ -115,7 +117,7 @@ class LocalAlign:
 
     def start_align(self, *extra: str, resume: bool = False) -> subprocess.Popen:
         keys = [o for o in self.overrides if not o.startswith("users.")]  # server.*: its admin token keys
-        cmd = [sys.executable, "-m", "dlrl.cli", "align", "--config", self.config, *keys, *extra]
+        cmd = [sys.executable, "-m", self.align_module, "align", "--config", self.config, *keys, *extra]
         return self._spawn("align", cmd + (["--resume"] if resume else []))
 
     def stop(self, name: str, sig: int = signal.SIGTERM, grace_s: float = 60.0) -> int | None:
@@ -182,13 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m examples.align.local", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/align.yaml")
     ap.add_argument("--duration", type=float, default=0.0, help="seconds before dlrl align gets SIGTERM (0: none)")
+    ap.add_argument("--align-module", default="dlrl.cli", help="run `python -m MODULE align` (default dlrl.cli; "
+                    "tests.trainer.align.flipping: the tests' controller that trains chosen steps on flipped rewards)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     from dllm.embedded.tiny import ensure_default_model
     from dlrl_config import ConfigError
 
     try:
-        stack = LocalAlign(args.config, args.overrides)
+        stack = LocalAlign(args.config, args.overrides, align_module=args.align_module)
     except ConfigError as e:
         ap.error(str(e))
     if not any(o.startswith("train.model=") for o in args.overrides):  # SFT once, before three servers want it

@@ -10,6 +10,7 @@ One module per API:
     chat       POST /v1/chat/completions (messages, responses, stream chunks)
     feedback   POST /v1/feedback
     service    /health, pause/status, and ErrorResponse (the error body of every endpoint)
+    sample     Generated (a sample's fields, declared once) and SampleExtras (those of an OpenAI choice)
     rollout    Rollout: a sample as the trainer sees it
 
     from rollout_client.protocol.native import GenerateRequest

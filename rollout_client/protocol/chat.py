@@ -15,11 +15,9 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, Field
 
-from dllm.trace import Trace
 from rollout_client.protocol.common import (
     MAX_TOKENS_CAP,
     MAX_TOP_LOGPROBS,
-    RECORD_ID_DOC,
     FinishReason,
     Integral,
     NullIsDefault,
@@ -27,6 +25,7 @@ from rollout_client.protocol.common import (
     Usage,
 )
 from rollout_client.protocol.openai import OpenAIBase
+from rollout_client.protocol.sample import SampleExtras
 
 
 class TextPart(NullIsDefault):
@@ -111,15 +110,11 @@ class ChatResponseMessage(BaseModel):
     content: str | None = None
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(SampleExtras):
     index: int
     message: ChatResponseMessage
     finish_reason: FinishReason | None
     logprobs: ChatLogprobs | None = None
-    version: int | None = None
-    trace: Trace | None = None
-    completion_ids: list[int] | None = None
-    record_id: str | None = Field(None, description=RECORD_ID_DOC)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -137,15 +132,11 @@ class ChatDelta(BaseModel):
     content: str | None = None
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(SampleExtras):
     index: int
     delta: ChatDelta
     finish_reason: FinishReason | None = None
     logprobs: ChatLogprobs | None = None
-    version: int | None = None
-    trace: Trace | None = None
-    completion_ids: list[int] | None = None
-    record_id: str | None = Field(None, description=RECORD_ID_DOC)
 
 
 class ChatCompletionChunk(BaseModel):

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from dllm.ranges import TEMPERATURE, THRESHOLD, TOP_P
+from dllm.options import Temperature, Threshold, TopK, TopP
 from dllm.strategy import Strategy, StrategyField
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -86,13 +86,13 @@ class StrictRequest(NullIsDefault):
 class DecodingOptions(StrictRequest):
     """Block-diffusion sampling options shared by every generation endpoint."""
 
-    temperature: float | None = Field(1.0, ge=TEMPERATURE.ge, gt=TEMPERATURE.gt, le=TEMPERATURE.le, description="0 = greedy")
-    top_k: Annotated[int, Field(ge=0, lt=1 << 31), Integral] | None = Field(0, description="0 = off")
-    top_p: float | None = Field(1.0, ge=TOP_P.ge, gt=TOP_P.gt, le=TOP_P.le)
+    temperature: Temperature | None = Field(1.0, description="0 = greedy")
+    top_k: Annotated[TopK, Integral] | None = Field(0, description="0 = off")
+    top_p: TopP | None = 1.0
     strategy: StrategyField | None = Strategy.dynamic
     steps: Annotated[int, Field(ge=1), Integral] | None = Field(None, description="denoising steps per block (static/sequential); "
                                                       "at most the model's block size")
-    threshold: float | None = Field(0.9, ge=THRESHOLD.ge, gt=THRESHOLD.gt, le=THRESHOLD.le, description="confidence threshold (dynamic)")
+    threshold: Threshold | None = Field(0.9, description="confidence threshold (dynamic)")
     seed: Annotated[int, Field(ge=0, lt=1 << 53), Integral] | None = Field(None, description="below 2**53: exact in every JSON parser")
     stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOP)] | None = None
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, lt=1 << 31), Integral]], Field(max_length=1024)] | None = None

@@ -14,17 +14,16 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dllm.errors import FieldError
-from dllm.trace import Trace
 from rollout_client.protocol import common
 from rollout_client.protocol.common import (
     DecodingOptions,
-    FinishReason,
     Integral,
     NonEmptyText,
     Text,
     TokenIds,
     Usage,
 )
+from rollout_client.protocol.sample import Generated
 
 
 def _exactly_one_prompt(schema: dict[str, Any]) -> None:
@@ -64,17 +63,10 @@ class GenerateRequest(DecodingOptions):
         return [list(ids)]
 
 
-class Sample(BaseModel):
+class Sample(Generated):
     index: int
     prompt_index: int
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    text: str
-    finish_reason: FinishReason
-    version: int
     num_forwards: int = 0
-    trace: Trace | None = None
-    record_id: str | None = Field(None, description=common.RECORD_ID_DOC)
 
 
 class GenerateResponse(BaseModel):

@@ -16,12 +16,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from dllm.errors import FieldError
-from dllm.trace import Trace
 from rollout_client.protocol.common import (
     MAX_COMPLETION_LOGPROBS,
     MAX_N,
     MAX_TOKENS_CAP,
-    RECORD_ID_DOC,
     DecodingOptions,
     FinishReason,
     Integral,
@@ -31,6 +29,7 @@ from rollout_client.protocol.common import (
     TokenIds,
     Usage,
 )
+from rollout_client.protocol.sample import SampleExtras
 
 
 class StreamOptions(NullIsDefault):
@@ -103,15 +102,11 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(SampleExtras):
     index: int
     text: str
     finish_reason: FinishReason | None
     logprobs: CompletionLogprobs | None = None
-    version: int | None = None
-    trace: Trace | None = None
-    completion_ids: list[int] | None = None
-    record_id: str | None = Field(None, description=RECORD_ID_DOC)
 
 
 class CompletionResponse(BaseModel):

@@ -6,28 +6,18 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel
-
-from dllm.trace import Trace
-from rollout_client.protocol.common import FinishReason
 from rollout_client.protocol.native import Sample
+from rollout_client.protocol.sample import Generated
 
 
-class Rollout(BaseModel):
+class Rollout(Generated):
     """One generated sample as the trainer sees it (built by `RolloutClient` from a `Sample`).
     It is also the replay input: prompt_ids, completion_ids and the trace (steps, behaviour
     logprobs, tail) are all that trace replay needs."""
 
     prompt_index: int
     sample_index: int
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    text: str
-    finish_reason: FinishReason
-    version: int
-    trace: Trace | None = None
     server: str = ""
-    record_id: str | None = None
 
     @property
     def logprobs(self) -> list[float]:
@@ -37,6 +27,4 @@ class Rollout(BaseModel):
     @classmethod
     def from_sample(cls, s: Sample, start: int, n: int, server: str) -> Rollout:
         """The rollout of sample `s` of a request whose first prompt has global index `start`."""
-        return cls(prompt_index=start + s.prompt_index, sample_index=s.index % n, prompt_ids=s.prompt_ids,
-                   completion_ids=s.completion_ids, text=s.text, finish_reason=s.finish_reason,
-                   version=s.version, trace=s.trace, server=server, record_id=s.record_id)
+        return cls.copy_from(s, prompt_index=start + s.prompt_index, sample_index=s.index % n, server=server)

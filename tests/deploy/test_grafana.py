@@ -66,7 +66,7 @@ def test_dashboard_is_valid_grafana_json():
     [uid] = [d["uid"] for d in ds]
     for p in dash["panels"]:
         g = p["gridPos"]
-        assert g["w"] > 0 and g["h"] > 0 and 0 <= g["x"] and g["x"] + g["w"] <= 24, p["title"]
+        assert g["w"] > 0 and g["h"] > 0 and g["x"] >= 0 and g["x"] + g["w"] <= 24, p["title"]
         if p["type"] == "row":
             continue
         assert p["datasource"]["uid"] == uid and p["targets"], p["title"]

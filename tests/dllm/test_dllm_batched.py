@@ -62,7 +62,7 @@ def test_counter_noise_samples_the_distribution():
     n = 40_000
     seeds, pos = list(range(n // 8)), [[100 + i for i in range(8)]] * (n // 8)
     u = torch.from_numpy(counter_uniforms(seeds, pos, [3] * (n // 8))).flatten()
-    assert 0.0 < float(u.min()) and float(u.max()) <= 1.0
+    assert float(u.min()) > 0.0 and float(u.max()) <= 1.0
     ids, _ = sample_tokens(probs.log().expand(n, 6), SamplingParams(temperature=1.0), u)
     freq = torch.bincount(ids, minlength=6).float() / n
     assert (freq - probs).abs().max() < 0.012, freq

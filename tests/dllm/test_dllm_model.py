@@ -36,8 +36,8 @@ def test_kv_cache_equals_dense_block_causal_forward():
         cache = KVCache(m.config, num_slots=4, max_len=16, device="cpu", dtype=torch.float32)
         slots = torch.tensor([3, 1])
         got = [m(ids[:, :8], torch.arange(8).expand(2, 8), cache=cache, slots=slots)]
-        for b in (8, 12):  # block by block
-            got.append(m(ids[:, b:b + 4], torch.arange(b, b + 4).expand(2, 4), cache=cache, slots=slots))
+        got += [m(ids[:, b:b + 4], torch.arange(b, b + 4).expand(2, 4), cache=cache, slots=slots)
+                for b in (8, 12)]  # block by block
     assert (torch.cat(got, dim=1) - dense).abs().max().item() < 1e-5
 
 

@@ -22,7 +22,7 @@ FIXTURE = json.loads(Path(FIXTURE_CONFIG).read_text())
 
 
 def test_every_fixture_field_is_understood_or_knowingly_ignored(caplog):
-    names = {f for f in SDARConfig.__dataclass_fields__} - {"extra"}
+    names = set(SDARConfig.__dataclass_fields__) - {"extra"}
     assert set(FIXTURE) <= names | set(IGNORED_FIELDS), set(FIXTURE) - names - set(IGNORED_FIELDS)
     with caplog.at_level(logging.WARNING, logger="dlrl.model"):
         cfg = SDARConfig.from_dict(FIXTURE)

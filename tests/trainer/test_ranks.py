@@ -58,9 +58,9 @@ def test_two_ranks_make_the_same_update_as_one(results, objective, stage):
 
 
 @pytest.mark.parametrize("world,expected", [
-    (1, [range(0, 7)]),
-    (2, [range(0, 4), range(4, 7)]),
-    (3, [range(0, 3), range(3, 5), range(5, 7)]),
+    (1, [range(7)]),
+    (2, [range(4), range(4, 7)]),
+    (3, [range(3), range(3, 5), range(5, 7)]),
 ])
 def test_shard_is_contiguous_and_covers_everything(world, expected):
     shards = [range(7)[Ranks(rank=r, world_size=world).shard(7)] for r in range(world)]

@@ -27,11 +27,7 @@ def score(program: str, tests, box=SAFE) -> float:
 
 
 def marked_processes(marker: str) -> list[psutil.Process]:
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        if marker in (p.info["cmdline"] or []):
-            found.append(p)
-    return found
+    return [p for p in psutil.process_iter(["cmdline"]) if marker in (p.info["cmdline"] or [])]
 
 
 def wait_gone(marker: str, within: float = 3.0) -> list[psutil.Process]:

@@ -18,6 +18,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from dllm.embedded.tiny import TINY_SECTIONS
+from dllm.options import Temperature
 from dlrl_config import Config
 from trainer.config import ServerKeys, TrainConfig
 
@@ -73,9 +74,6 @@ class AlignConfig(Config):
     console_port: int = Field(0, ge=0, lt=65536)  # 0: off
     console_host: str = "127.0.0.1"
     console_show_text: bool = False  # show the last recorded prompts/answers users rated (user text: opt in)
-    # testing
-    # steps (1-based) trained on 1 - reward, Adam's moments reset at the first of a run of them: a bad candidate
-    flip_reward_steps: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)
 
     def check(self) -> None:
         both = set(self.rollout_servers) & set(self.serving_replicas)
@@ -100,7 +98,7 @@ class UsersConfig(Config):
     think_time_s: float = Field(0.2, ge=0)  # pause between one user's requests
     feedback_prob: float = Field(1.0, ge=0, le=1)  # share of answers that get feedback
     feedback_delay_s: float = Field(1.0, ge=0)  # feedback comes after a random delay up to this
-    temperature: float = Field(1.0, ge=0)
+    temperature: Temperature = 1.0  # the users' sampling temperature
     max_tokens: int = Field(8, ge=1)
     request_timeout_s: float = Field(120.0, gt=0)
     duration_s: float = Field(0.0, ge=0)  # 0: until stopped

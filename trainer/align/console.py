@@ -227,6 +227,7 @@ class _Handler(BaseHTTPRequestHandler):
                 log.warning("console state failed: %r", e)
                 return self._json(503, {"error": f"state unavailable: {type(e).__name__}"})
         self._json(404, {"error": f"no such page: {path}"})
+        return None
 
     def do_POST(self) -> None:
         path = self.path.split("?", 1)[0]
@@ -253,3 +254,4 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._json(400, {"error": "version: a non-negative integer is required"})
             return self._json(*self.console.rollback(version))
         self._json(200, self.console.pause(path == "/api/pause"))
+        return None

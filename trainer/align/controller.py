@@ -2,9 +2,14 @@
 
     al = Aligner(run, align_cfg, store, pool, should_stop)    # run = trainer.run.build_run(...)
     al.prepare()               # serving version, its weights and scores; replicas reconciled
-    align_loop(al)             # until stopped, align.max_steps or align.max_seconds
+    align_loop(al)             # train_loop(run, should_stop, al): until stopped, max_steps or max_seconds
 
-One step: new feedback read from the store -> the step's share of feedback records (none staler
+The Aligner is the training loop's hooks (`trainer.loop.LoopHooks`): `rl_step` and `train_loop`
+run the step, the stop, the checkpoints and the log; the Aligner adds what continuous mode does
+around them (the batch, the registry, the gate and the promotions).
+
+One step (`trainer.loop.rl_step` with `Aligner.collect` and `Aligner.stepped`): new feedback read
+from the store -> the step's share of feedback records (none staler
 than `align.max_staleness` versions) -> on-policy rollouts for the rest (`trainer.loop.collect`,
 prompts from the growing source) -> `trainer.loop.learn` on the mixed batch (feedback rewards
 are the users'; importance weights from the recorded behaviour log-probs, `trainer.correction`;
@@ -22,31 +27,43 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 from dllm.weights import copy_into_model, parse_dtype
 from trainer.align.bank import WeightBank
-from trainer.align.data import AlignReward, FeedbackBuffer, MixedBatch
+from trainer.align.data import AlignReward, FeedbackBuffer, MixedBatch, PromptPool
 from trainer.align.gate import Gate
 from trainer.align.metrics import AlignMetrics, CountedStore
 from trainer.align.promote import Candidate, FeedbackTally, Promoter
 from trainer.align.report import plot_serving
 from trainer.ds_engine import named_full_params
-from trainer.loop import StopRequested, Timer, collect, learn
+from trainer.loop import LoopHooks, collect, rl_step, train_loop
 from trainer.metrics_log import plot_curves
+from trainer.rollouts import Batch
 from trainer.train_metrics import TrainMetrics
+
+if TYPE_CHECKING:
+    from store import FeedbackStore
+    from trainer.align.config import AlignConfig
+    from trainer.align.replicas import ServingPool
+    from trainer.run import Run
 
 log = logging.getLogger("dlrl.align")
 
 
-def policy_weights(run) -> dict:
+def policy_weights(run: Run) -> dict:
     """CPU copies of the policy's parameters ({name: tensor})."""
     return dict(named_full_params(run.learner.engine))
 
 
-class Aligner:
-    def __init__(self, run, cfg, store, pool, should_stop=lambda: False):
+class Aligner(LoopHooks):
+    """The controller of `dlrl align`: the training loop's hooks for continuous mode."""
+
+    def __init__(self, run: Run, cfg: AlignConfig, store: FeedbackStore, pool: ServingPool,
+                 should_stop: Callable[[], bool] = lambda: False):
         self.metrics = AlignMetrics()
-        store = CountedStore(store, self.metrics)  # candidate outcomes counted from the registry's events
+        store = cast("FeedbackStore", CountedStore(store, self.metrics))  # outcomes counted from the events it logs
         self.run, self.cfg, self.store, self.pool, self.should_stop = run, cfg, store, pool, should_stop
         self.tally = FeedbackTally()
         max_len = run.learner.engine.module.config.max_position_embeddings
@@ -55,7 +72,7 @@ class Aligner:
         self.bank = WeightBank(run.out / "promoted", reference, cfg.keep_versions)
         self.base_reward = run.reward_fn
         self.step_no = run.start_step
-        run.reward_fn = AlignReward(self.base_reward, lambda: self.step_no + 1 in cfg.flip_reward_steps)
+        run.reward_fn = AlignReward(self.base_reward)
         self.gate = Gate(cfg, run.cfg, run.eval_examples, self.base_reward, run.prompt_ids, run.mask_id,
                          run.block_size, run.pad_id)
         self.run_id = run.fleet.sync_options.get("run_id") or run.out.name
@@ -63,11 +80,9 @@ class Aligner:
         self.serving_scores: dict = {}
         self.last_candidate = -1
         self.waiting: Candidate | None = None  # passed the gate while a promotion was in flight
-        # the policy has trained on flipped rewards (align.flip_reward_steps) since it last was the serving
-        # weights: every version it pushes is a "flipped" candidate until a revert (a candidate gated some
-        # steps after the flip, because a canary was in flight, is still the bad candidate)
-        self.flipped = False
-        self.learned = False
+        self.taken: list = []  # the feedback samples of the step in flight
+        self.stale_before = 0
+        self.t_start: float | None = None
         self.promoter: Promoter | None = None
         self.counts = {"promotions": 0, "rollbacks": 0, "gate_failed": 0, "reverts": 0}
         self.promotion_paused = False  # the console's pause: candidates that pass the gate wait (newest kept)
@@ -145,42 +160,82 @@ class Aligner:
         self.feedback.poll(lambda s: self.tally.add(s.feedback_time, s.rollout.version, s.reward))
         self.metrics.count_feedback({k: self.feedback.counts[k] - before.get(k, 0) for k in self.feedback.counts})
 
-    def step(self, step: int) -> dict:
+    def step(self, step: int) -> dict[str, Any]:
         """One training step (0-based `step`); returns its metrics."""
-        run, cfg, G = self.run, self.cfg, self.run.cfg.group_size
-        t = Timer()
-        self.step_no, self.learned = step, False
-        if step + 1 in cfg.flip_reward_steps and step not in cfg.flip_reward_steps:
-            self.reset_optimizer()  # test option: the flipped reward acts at once, not after Adam's momentum
+        return rl_step(self.run, step, self)
+
+    def collect(self, run: Run, step: int) -> Batch:
+        """The step's batch: its share of feedback records, on-policy rollouts for the rest."""
+        cfg, G = self.cfg, run.cfg.group_size
+        self.step_no = step
         self.poll_feedback()
-        before = dict(self.feedback.counts)
+        self.stale_before = self.feedback.counts["stale"]
         serving = self.promo.serving_version  # its records (and its canary's) are never stale
         self.feedback.drop_stale(run.version, cfg.max_staleness, serving)
         want = int(cfg.feedback_ratio * run.cfg.prompts_per_step) * G
-        taken = self.feedback.take(min(want, len(self.feedback) // G * G), run.version, cfg.max_staleness, serving)
-        run.sampler.batch_size = run.cfg.prompts_per_step - len(taken) // G
-        with t("rollout"):
-            batch = MixedBatch(collect(run), taken, G)
-        parent = run.version
-        metrics = learn(run, batch, step, t)
-        self.learned = True
-        with t("sync"):
-            if metrics["num_kept"]:
-                self.flipped |= step + 1 in cfg.flip_reward_steps
-                run.publisher.push()
-        stale = self.feedback.counts["stale"] - before["stale"]
+        self.taken = self.feedback.take(min(want, len(self.feedback) // G * G), run.version, cfg.max_staleness,
+                                        serving)
+        if not isinstance(run.sampler, PromptPool):
+            raise TypeError("dlrl align draws its prompts from a PromptPool (trainer.align.cli)")
+        run.sampler.batch_size = run.cfg.prompts_per_step - len(self.taken) // G
+        return MixedBatch(collect(run), self.taken, G)
+
+    def version_data(self, step: int) -> dict[str, Any]:
+        """More of what the registry records of the version step `step` (0-based) pushed."""
+        return {}
+
+    def stepped(self, run: Run, step: int, batch: Batch, parent: int) -> dict[str, Any]:
+        """The step's feedback counted, its version (if it pushed one) in the registry."""
+        taken, stale = self.taken, self.feedback.counts["stale"] - self.stale_before
         self.metrics.count_feedback({"used": len(taken), "stale": stale})
         if run.version != parent:
+            on_policy = batch.num_on_policy if isinstance(batch, MixedBatch) else len(batch.examples)
             self.store.register_version(run.version, parent, step + 1, self.run_id, {
                 "on_policy": len(batch.rollouts) - len(taken), "feedback": len(taken), "feedback_stale": stale,
-                "prompts": batch.num_on_policy, "flipped": self.flipped,
-                "flipped_step": step + 1 in cfg.flip_reward_steps})
+                "prompts": on_policy, **self.version_data(step)})
             self.pending += [(run.version, s.feedback_time) for s in taken]
         self.metrics.steps.inc()
         self.metrics.trainer_version.set(run.version)
-        return {"step": step + 1, "version": run.version, **metrics, **t, "feedback_used": len(taken),
-                "feedback_stale": stale, "feedback_waiting": len(self.feedback),
-                "feedback_rate": self.metrics.feedback_rate(), "flipped": int(step + 1 in cfg.flip_reward_steps)}
+        return {"feedback_used": len(taken), "feedback_stale": stale, "feedback_waiting": len(self.feedback),
+                "feedback_rate": self.metrics.feedback_rate()}
+
+    def done(self, run: Run, step: int) -> bool:
+        """`align.max_steps` taken or `align.max_seconds` gone (0: neither; until stopped)."""
+        if self.t_start is None:
+            self.t_start = time.monotonic()
+        cfg = self.cfg
+        return bool((cfg.max_steps and step >= cfg.max_steps)
+                    or (cfg.max_seconds and time.monotonic() - self.t_start >= cfg.max_seconds))
+
+    def after(self, run: Run, step: int, metrics: dict[str, Any], should_stop: Callable[[], bool]) -> dict[str, Any]:
+        """The gate when due, the promotion in flight watched, a waiting candidate started."""
+        out = self.maybe_promote(step)
+        self.promo.tick()
+        if not should_stop():
+            self.start_waiting()
+        return out | self.status()
+
+    def logged(self, run: Run, step: int, metrics: dict[str, Any]) -> None:
+        if metrics.get("candidate_version"):
+            _plot(run)
+
+    def stopping(self) -> None:
+        self.stop_promotions("stopped by a signal")
+
+    def extra(self) -> dict[str, Any]:
+        return self.state_dict()
+
+    def finish(self, run: Run, step: int, metrics: dict[str, Any], should_stop: Callable[[], bool]) -> dict[str, Any]:
+        """The promotion in flight, then the one of the candidate that waited for it; a checkpoint."""
+        for _ in range(2):
+            self.promo.finish(self.cfg.canary_max_s + 120, should_stop)
+            if not should_stop():
+                self.start_waiting()
+        if should_stop():
+            self.stopping()
+        run.checkpoint(step, metrics, extra=self.state_dict())
+        _plot(run)
+        return metrics | self.status()
 
     # ------------------------------------------------------------------ gate and promotion
     def maybe_promote(self, step: int) -> dict:
@@ -323,11 +378,10 @@ class Aligner:
         if weights is None:
             raise RuntimeError(f"align.output_dir: version {to} has no saved weights in {self.bank.root}")
         copy_into_model(run.learner.engine.module, list(weights.items()))
-        self.flipped = bool((self._row(to).get("data") or {}).get("flipped"))
         self.reset_optimizer()
         run.publisher.push()
         self.store.register_version(run.version, to, self.step_no + 1, self.run_id,
-                                    {"reverted_to": to, "flipped": self.flipped})
+                                    {"reverted_to": to, **self.version_data(self.step_no)})
         self.counts["reverts"] += 1
         log.warning("policy reverted to the %s version %d (now version %d on the rollout servers)",
                     "canary" if canary is not None else "serving", to, run.version)
@@ -351,57 +405,23 @@ class Aligner:
 
     def state_dict(self) -> dict:
         return {"feedback": self.feedback.state_dict(), "last_candidate": self.last_candidate,
-                "pending": self.pending, "counts": self.counts, "flipped": self.flipped}
+                "pending": self.pending, "counts": self.counts}
 
     def load_state_dict(self, state: dict) -> None:
         self.feedback.load_state_dict(state["feedback"])
         self.last_candidate = int(state.get("last_candidate", -1))
         self.pending = [(int(v), float(t)) for v, t in state.get("pending", [])]
         self.counts.update(state.get("counts") or {})
-        self.flipped = bool(state.get("flipped", False))
 
     def close(self) -> None:
         self.metrics.close()
 
 
-def align_loop(al: Aligner) -> dict:
+def align_loop(al: Aligner) -> dict[str, Any]:
     """Steps until stopped (StopRequested after a checkpoint), `max_steps` or `max_seconds`."""
-    run, cfg = al.run, al.cfg
-    t_start, step, metrics = time.monotonic(), run.start_step, {}
-    while not (cfg.max_steps and step >= cfg.max_steps) and not (
-            cfg.max_seconds and time.monotonic() - t_start >= cfg.max_seconds):
-        try:
-            metrics = al.step(step)
-        except StopRequested:
-            done = step + 1 if al.learned else step  # an update applied, its push aborted: kept
-            al.stop_promotions("stopped by a signal")
-            run.checkpoint(done, extra=al.state_dict())
-            raise
-        step += 1
-        metrics |= al.maybe_promote(step)
-        al.promo.tick()
-        if not al.should_stop():
-            al.start_waiting()
-        metrics |= al.status()
-        metrics["time_step"] = sum(v for k, v in metrics.items() if k.startswith("time_") and k != "time_step")
-        run.log(step, metrics)
-        if metrics.get("candidate_version"):
-            _plot(run)
-        if al.should_stop():
-            al.stop_promotions("stopped by a signal")
-            run.checkpoint(step, metrics, extra=al.state_dict())
-            raise StopRequested(f"stopped by a signal after step {step}")
-        if run.cfg.checkpoint_every and step % run.cfg.checkpoint_every == 0:
-            run.checkpoint(step, metrics, extra=al.state_dict())
-    for _ in range(2):  # the promotion in flight, then the one of the candidate that waited for it
-        al.promo.finish(cfg.canary_max_s + 120, al.should_stop)
-        if not al.should_stop():
-            al.start_waiting()
-    run.checkpoint(step, metrics, extra=al.state_dict())
-    _plot(run)
-    return metrics | al.status()
+    return train_loop(al.run, al.should_stop, al)
 
 
-def _plot(run) -> None:
+def _plot(run: Run) -> None:
     plot_curves(run.out / "metrics.jsonl", run.out / "curves.png")
     plot_serving(run.out / "metrics.jsonl", run.out / "serving.png")

@@ -224,9 +224,7 @@ def record_rollout(rec, block_size: int, max_len: int) -> Rollout | str:
         return "behaviour log-prob not finite or positive"
     if float((rec.sampling or {}).get("temperature", 1.0) or 0.0) == 0.0:
         trace = trace.model_copy(update={"logprobs": [0.0] * n})  # greedy: a deterministic behaviour policy
-    return Rollout(prompt_index=0, sample_index=0, prompt_ids=list(rec.prompt_ids),
-                   completion_ids=list(rec.completion_ids), text=rec.text, finish_reason=rec.finish_reason,
-                   version=int(rec.version), trace=trace, server=str(rec.server))
+    return Rollout.copy_from(rec, prompt_index=0, sample_index=0, trace=trace, server=str(rec.server))
 
 
 class FeedbackBuffer:
@@ -322,16 +320,13 @@ class MixedBatch(Batch):
 
 
 class AlignReward:
-    """The run's reward with feedback records scored by their users, and the test option that
-    flips every reward (1 - r, for rewards in [0, 1]) to train a deliberately bad candidate."""
+    """The run's reward with feedback records scored by their users."""
 
-    def __init__(self, base, is_flipped: Callable[[], bool] = lambda: False):
-        self.base, self.is_flipped = base, is_flipped
+    def __init__(self, base: Callable[..., float]) -> None:
+        self.base = base
         self.name = getattr(base, "name", "") or getattr(base, "__name__", "reward")
 
     def __call__(self, text: str, example: dict, num_tokens: int | None = None) -> float:
         if "feedback_reward" in example:
-            r = float(example["feedback_reward"])
-        else:
-            r = self.base(text, example) if num_tokens is None else self.base(text, example, num_tokens)
-        return 1.0 - r if self.is_flipped() else r
+            return float(example["feedback_reward"])
+        return self.base(text, example) if num_tokens is None else self.base(text, example, num_tokens)

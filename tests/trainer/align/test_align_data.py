@@ -14,6 +14,7 @@ from dllm.replay import build_rows
 from dllm.tokenizer import encode, load_tokenizer
 from dllm.weights import load_pretrained
 from store import Record, new_record_id, open_store
+from tests.trainer.align.flipping import FlippedReward
 from trainer.align.data import (
     AlignReward,
     FeedbackBuffer,
@@ -173,7 +174,7 @@ def test_mixed_batch_scores_feedback_by_its_users_and_forms_pseudo_groups():
     assert [s.rollout.version for s in batch.feedback] == [1, 1, 2, 2]  # sorted by the version that served
     flipped = [False]
     cfg = SimpleNamespace(group_size=2, filter_zero_variance=True)
-    run = SimpleNamespace(cfg=cfg, reward_fn=AlignReward(build_reward("exact_match"), lambda: flipped[0]))
+    run = SimpleNamespace(cfg=cfg, reward_fn=FlippedReward(AlignReward(build_reward("exact_match")), lambda: flipped[0]))
     rewards = score(run, batch)
     assert rewards.tolist() == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
     adv, keep, _ = sequence_advantages(cfg, rewards)

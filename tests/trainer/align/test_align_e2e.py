@@ -21,6 +21,7 @@ import pytest
 from examples.align.local import LocalAlign
 from store import open_store
 from tests.helpers import admin_get, free_port, wait_until
+from tests.trainer.align.flipping import FLIP_ENV
 from trainer.align.cli import versions_main
 from trainer.align.registry import NO_PRUNE
 
@@ -78,11 +79,13 @@ def test_align_end_to_end(sft_model, tmp_path, monkeypatch, capsys):
     urls = [f"http://127.0.0.1:{free_port()}" for _ in range(3)]
     overrides = [f"rollout_servers=[{urls[0]}]", f"serving_replicas=[{urls[1]},{urls[2]}]", f"store={db}",
                  f"output_dir={tmp_path / 'align'}", f"train.model={sft_model}", "max_steps=0", "promote_every=3",
-                 "flip_reward_steps=[4,5,6]", "canary_window_s=3", "canary_min_requests=3",
+                 "canary_window_s=3", "canary_min_requests=3",
                  "rollback_on_latency_ratio=5", f"metrics_port={metrics_port}", "reconcile_every_s=2"]
     # max_steps=0: the controller runs until SIGTERM, so the test, not the speed of the steps, decides
     # when the run ends (a fast box finished 15 steps before the manual rollback)
-    stack = LocalAlign(str(_config(tmp_path)), overrides)
+    # the tests' controller (tests/trainer/align/flipping.py) trains steps 4-6 on flipped rewards
+    stack = LocalAlign(str(_config(tmp_path)), overrides, env={FLIP_ENV: "4,5,6"},
+                       align_module="tests.trainer.align.flipping")
     monkeypatch.setenv("DLRL_ADMIN_TOKEN", stack.admin_token)  # what `dlrl versions --rollback` uses
     log = lambda: (stack.logs / "align.log").read_text()[-4000:]  # noqa: E731
     try:
