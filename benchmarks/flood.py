@@ -1,20 +1,46 @@
-"""Slow-header flood against `dlrl serve` with and without the connection bounds, side by side (issue 28).
+"""Floods against real `dlrl serve` processes, each measured side by side in one run (issues 28, 37).
 
-    .venv/bin/python benchmarks/flood.py [--sockets 600] [--seconds 8] [--nofile 512]
+    .venv/bin/python benchmarks/flood.py headers [--sockets 600] [--seconds 8] [--nofile 512]
+    .venv/bin/python benchmarks/flood.py keys [--seconds 20] [--rate 400] [--conns 32]
+    .venv/bin/python benchmarks/flood.py retry [--clients 48] [--max-queue 8]
+    .venv/bin/python benchmarks/flood.py store [--posts 48] [--seconds 12]
+    .venv/bin/python benchmarks/flood.py all          # keys, retry and store, one after the other
 
-Starts a server on a tiny random SDAR model twice, each with a file limit of `--nofile`
-descriptors (RLIMIT_NOFILE set in the child): once as uvicorn serves the app by default
-(no header timeout, no caps: what `dlrl serve` did before issue 28), once as `dlrl serve`
-does now (server/connections.py, default bounds but a 2 s header timeout). Each faces
-`--sockets` connections from 127.0.0.2 that send their request headers one byte per
-second for `--seconds`, while /health is probed from 127.0.0.1 every 0.1 s (1 s timeout).
-Prints, per mode: /health answered, its p50 / p99 latency, the slow sockets the server
-closed, the log's lines and bytes, and its "out of system resource" lines.
+Every server serves a tiny random SDAR model (CPU, one torch thread).
+
+`headers` (issue 28): a slow-header flood with and without the connection bounds. The server
+runs twice with a file limit of `--nofile` descriptors: once as uvicorn serves the app by
+default (no header timeout, no caps), once as `dlrl serve` does (server/connections.py, a 2 s
+header timeout). Each faces `--sockets` connections from 127.0.0.2 that send their headers one
+byte per second while /health is probed from 127.0.0.1 every 0.1 s. Prints, per mode: /health
+answered, its p50 / p99, the slow sockets the server closed, the log's lines and bytes.
+
+`keys` (issue 37): a polite key (5 requests/s of POST /generate, 8 tokens, well within its quota)
+alone for `--seconds`, then with a flooding key sending `--rate` requests/s (over `--conns`
+keep-alive connections, a raw-socket client in its own process) against a quota of 1 request/s,
+then alone again. Prints the polite key's p50 / p95 / p99 per phase, the flood's answers and
+rate, and the server process's CPU per refused request: (server CPU in the flood phase - server
+CPU in the quiet phases, per second) x seconds / refusals. Goals: polite p95 with the flood
+<= 2x without; <= 0.3 ms CPU per refusal.
+
+`retry` (issue 37): a saturating burst. `--clients` clients each send POST /generate (one
+sequence, 32 tokens) back to back for `--seconds` against a server with `--max-queue` waiting
+sequences; a client refused 429 sleeps exactly its Retry-After and sends the same request
+again. Prints the Retry-After values seen (and how they spread with the queue), and the share of
+retries made at Retry-After that were admitted (goal: >= 70 %).
+
+`store` (issue 37): recording into a throwaway PostgreSQL server (tests/postgres.py), stopped
+while `--posts` clients post feedback in a loop; meanwhile the admin `GET /weights/checksum`
+is timed every 0.5 s, before and during the outage. Prints its p50 / max per phase (goal:
+<= 1 s while the store is down) and the feedback answers.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import multiprocessing
 import os
 import resource
 import socket
@@ -24,11 +50,16 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+ADMIN, FEEDBACK = "flood-admin-token", "flood-feedback-token"
+POLITE, FLOODER = "sk-polite-0123456789abcdef", "sk-flooder-0123456789abcdef"
 UNBOUNDED = '''
 import sys, uvicorn
 from server.cli import build_engine
@@ -53,28 +84,51 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(mode: str, model: str, nofile: int, log_path: Path) -> tuple[subprocess.Popen, int]:
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1000 * seconds, 1)
+
+
+def serve(model: str, log_path: Path, *overrides: str, nofile: int | None = None,
+          env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """Start `dlrl serve` on `model` with `overrides`; return (process, url) once /health answers."""
     port = free_port()
-    if mode == "unbounded":
-        cmd = [sys.executable, "-c", UNBOUNDED, model, str(port)]
-    else:
-        cmd = [sys.executable, "-m", "server.cli", "--model", model, "--port", str(port), "server.device=cpu",
-               "server.dtype=float32", "server.max_batch=2", "server.max_model_len=64", "server.header_timeout_s=2"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "server.cli", "--model", model, "--port", str(port), "server.device=cpu",
+           "server.dtype=float32", *overrides]
+    return _start(cmd, port, log_path, nofile, env)
+
+
+def _start(cmd: list[str], port: int, log_path: Path, nofile: int | None,
+           env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))) if nofile else None
     out = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT, preexec_fn=limit)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc, port
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
         except httpx.HTTPError:
             time.sleep(0.2)
-    raise RuntimeError(f"{mode} server did not start: {log_path.read_text()[-2000:]}")
+    proc.kill()
+    raise RuntimeError(f"server did not start: {log_path.read_text()[-2000:]}")
 
 
-def flood(port: int, num: int, seconds: float) -> tuple[int, int]:
+def cpu_s(proc: subprocess.Popen) -> tuple[float, float]:
+    """(user, system) CPU seconds of the process so far."""
+    t = psutil.Process(proc.pid).cpu_times()
+    return t.user, t.system
+
+
+# ---------------------------------------------------------------------------------------------- headers (issue 28)
+def dribble(port: int, num: int, seconds: float) -> tuple[int, int]:
     """`num` sockets dribbling headers for `seconds`; returns (connected, closed by the server)."""
     socks, closed = [], 0
     for _ in range(num):
@@ -104,13 +158,13 @@ def flood(port: int, num: int, seconds: float) -> tuple[int, int]:
     return len(socks), closed
 
 
-def probe(port: int, seconds: float) -> list[float | None]:
+def probe(url: str, seconds: float) -> list[float | None]:
     out: list[float | None] = []
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         t0 = time.perf_counter()
         try:
-            ok = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+            ok = httpx.get(url + "/health", timeout=1).status_code == 200
         except httpx.HTTPError:
             ok = False
         out.append(time.perf_counter() - t0 if ok else None)
@@ -118,43 +172,193 @@ def probe(port: int, seconds: float) -> list[float | None]:
     return out
 
 
-def run(mode: str, model: str, args: argparse.Namespace, tmp: Path) -> dict:
+def headers_mode(mode: str, model: str, args: argparse.Namespace, tmp: Path) -> dict:
     log_path = tmp / f"{mode}.log"
-    proc, port = start(mode, model, args.nofile, log_path)
+    if mode == "unbounded":
+        port = free_port()
+        proc, url = _start([sys.executable, "-c", UNBOUNDED, model, str(port)], port, log_path, args.nofile)
+    else:
+        proc, url = serve(model, log_path, "server.max_batch=2", "server.max_model_len=64",
+                          "server.header_timeout_s=2", nofile=args.nofile)
+    port = int(url.rsplit(":", 1)[1])
     try:
         result: dict = {}
         t = threading.Thread(target=lambda: result.update(zip(("connected", "closed"),
-                                                              flood(port, args.sockets, args.seconds))))
+                                                              dribble(port, args.sockets, args.seconds))))
         t.start()
         time.sleep(0.5)
-        latencies = probe(port, args.seconds - 0.5)
+        latencies = probe(url, args.seconds - 0.5)
         t.join()
     finally:
         proc.kill()
         proc.wait()
     ok = sorted(x for x in latencies if x is not None)
     text = log_path.read_text(errors="replace")
-    return {"mode": mode, "health_ok": f"{len(ok)}/{len(latencies)}",
-            "p50_ms": round(1000 * statistics.median(ok), 1) if ok else None,
-            "p99_ms": round(1000 * ok[min(len(ok) - 1, int(0.99 * len(ok)))], 1) if ok else None,
-            **result, "log_lines": text.count("\n"), "log_bytes": len(text.encode()),
-            "resource_error_lines": text.count("out of system resource")}
+    return {"mode": mode, "health_ok": f"{len(ok)}/{len(latencies)}", "p50_ms": ms(percentile(ok, 0.5)),
+            "p99_ms": ms(percentile(ok, 0.99)), **result, "log_lines": text.count("\n"),
+            "log_bytes": len(text.encode()), "resource_error_lines": text.count("out of system resource")}
+
+
+def headers(args: argparse.Namespace, tmp: Path, model: str) -> None:
+    rows = [headers_mode(mode, model, args, tmp) for mode in ("unbounded", "bounded")]
+    print_rows("slow-header flood (issue 28)", rows)
+
+
+# ---------------------------------------------------------------------------------------------- raw flood client
+def raw_post(path: str, key: str, body: dict) -> bytes:
+    data = json.dumps(body).encode()
+    return (f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nauthorization: Bearer {key}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(data)}\r\n\r\n").encode() + data
+
+
+async def _read_response(reader: asyncio.StreamReader) -> tuple[int, dict[bytes, bytes]]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    status = int(lines[0].split(b" ", 2)[1])
+    fields = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        fields[name.strip().lower()] = value.strip()
+    await reader.readexactly(int(fields.get(b"content-length", b"0")))
+    return status, fields
+
+
+async def _flood_conn(port: int, request: bytes, start: float, period: float, deadline: float,
+                      counts: Counter) -> None:
+    """One keep-alive connection sending `request` every `period` seconds (reconnecting when closed)."""
+    reader = writer = None
+    k = 0
+    while True:
+        due = start + k * period
+        now = time.monotonic()
+        if due >= deadline:
+            break
+        if due > now:
+            await asyncio.sleep(due - now)
+        k += 1
+        try:
+            if writer is None:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request)
+            status, fields = await _read_response(reader)
+            counts[status] += 1
+            if fields.get(b"connection", b"").lower() == b"close":
+                writer.close()
+                reader = writer = None
+        except (OSError, asyncio.IncompleteReadError, ValueError):
+            counts["error"] += 1
+            if writer is not None:
+                writer.close()
+            reader = writer = None
+    if writer is not None:
+        writer.close()
+
+
+def _flood_process(port: int, request: bytes, rate: float, conns: int, seconds: float, out: multiprocessing.Queue) -> None:
+    async def main() -> Counter:
+        counts: Counter = Counter()
+        start = time.monotonic() + 0.2
+        period = conns / rate
+        await asyncio.gather(*(_flood_conn(port, request, start + i * period / conns, period, start + seconds, counts)
+                               for i in range(conns)))
+        return counts
+
+    out.put(dict(asyncio.run(main())))
+
+
+def start_flood(port: int, request: bytes, rate: float, conns: int,
+                seconds: float) -> tuple[multiprocessing.Process, multiprocessing.Queue]:
+    ctx = multiprocessing.get_context("spawn")
+    out: multiprocessing.Queue = ctx.Queue()
+    proc = ctx.Process(target=_flood_process, args=(port, request, rate, conns, seconds, out), daemon=True)
+    proc.start()
+    return proc, out
+
+
+# ---------------------------------------------------------------------------------------------- keys (issue 37)
+def polite_load(url: str, seconds: float, rate: float) -> list[float]:
+    """POST /generate as the polite key every 1/rate s for `seconds`; latencies of the 200s."""
+    out = []
+    body = {"prompt": "1+1=", "max_tokens": 8, "ignore_eos": True}
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {POLITE}"}, timeout=30) as client:
+        t_next, deadline = time.monotonic(), time.monotonic() + seconds
+        while t_next < deadline:
+            time.sleep(max(0.0, t_next - time.monotonic()))
+            t0 = time.perf_counter()
+            r = client.post("/generate", json=body)
+            if r.status_code == 200:
+                out.append(time.perf_counter() - t0)
+            t_next += 1.0 / rate
+    return out
+
+
+def keys(args: argparse.Namespace, tmp: Path, model: str) -> None:
+    keys_file = tmp / "keys.yaml"
+    keys_file.write_text(json.dumps({"keys": {"polite": {"key": POLITE, "requests_per_s": 50},
+                                              "flooder": {"key": FLOODER, "requests_per_s": 1}}}))
+    proc, url = serve(model, tmp / "keys.log", "server.max_batch=8", "server.max_model_len=64",
+                      f"server.api_keys_file={keys_file}", f"server.log_level={args.log_level}")
+    port = int(url.rsplit(":", 1)[1])
+    rows, flood_counts = [], {}
+    try:
+        polite_load(url, 3, args.polite_rate)  # warm-up
+        for phase in ("quiet", "flood", "quiet again"):
+            flood = start_flood(port, raw_post("/generate", FLOODER, {"prompt": "1+1=", "max_tokens": 8}), args.rate,
+                                args.conns, args.seconds) if phase == "flood" else None
+            if flood is not None:
+                time.sleep(1.0)  # the flooding process starts (spawn) before the window opens
+            c0, t0 = cpu_s(proc), time.monotonic()
+            lat = polite_load(url, args.seconds - (1.5 if flood else 0), args.polite_rate)
+            c1, t1 = cpu_s(proc), time.monotonic()
+            if flood is not None:
+                flood_counts = flood[1].get(timeout=60)
+                flood[0].join()
+            rows.append({"phase": phase, "polite_n": len(lat), "p50_ms": ms(percentile(lat, 0.5)),
+                         "p95_ms": ms(percentile(lat, 0.95)), "p99_ms": ms(percentile(lat, 0.99)),
+                         "server_cpu_s": round(c1[0] + c1[1] - c0[0] - c0[1], 2),
+                         "of_which_system_s": round(c1[1] - c0[1], 2), "window_s": round(t1 - t0, 2)})
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    print_rows(f"polite key with and without a flooding key ({args.rate:g} req/s over {args.conns} connections)", rows)
+    refused = sum(v for k, v in flood_counts.items() if k == 429)
+    quiet_cpu_per_s = statistics.mean(r["server_cpu_s"] / r["window_s"] for r in rows if r["phase"] != "flood")
+    flood_row = rows[1]
+    extra = flood_row["server_cpu_s"] - quiet_cpu_per_s * flood_row["window_s"]
+    quiet_p95 = max(r["p95_ms"] for r in rows if r["phase"] != "flood")
+    print(f"flood answers: {flood_counts} ({sum(v for v in flood_counts.values()) / args.seconds:.0f} req/s sent)")
+    print(f"server CPU per refusal: {1000 * extra / max(refused, 1):.3f} ms (goal <= 0.3); "
+          f"polite p95 flood / quiet: {flood_row['p95_ms'] / quiet_p95:.2f}x (goal <= 2)")
+
+
+def print_rows(title: str, rows: list[dict]) -> None:
+    print(f"\n## {title}")
+    keys_ = list(rows[0])
+    print(" | ".join(keys_))
+    for row in rows:
+        print(" | ".join(str(row.get(k)) for k in keys_))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sockets", type=int, default=600)
-    p.add_argument("--seconds", type=float, default=8.0)
-    p.add_argument("--nofile", type=int, default=512)
+    p.add_argument("scenario", nargs="?", default="headers", choices=("headers", "keys", "retry", "store", "all"))
+    p.add_argument("--sockets", type=int, default=600, help="headers: slow sockets")
+    p.add_argument("--seconds", type=float, default=None, help="length of each phase (headers 8, keys 20, retry 20, "
+                                                                "store 12)")
+    p.add_argument("--nofile", type=int, default=512, help="headers: the server's file limit")
+    p.add_argument("--rate", type=float, default=400, help="keys: the flooding key's requests/s")
+    p.add_argument("--conns", type=int, default=32, help="keys: the flooding key's connections")
+    p.add_argument("--polite-rate", type=float, default=5, help="keys: the polite key's requests/s")
+    p.add_argument("--log-level", default="info", help="keys: server.log_level of the server")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         model = tiny_model(tmp / "model")
-        rows = [run(mode, model, args, tmp) for mode in ("unbounded", "bounded")]
-    keys = list(rows[0])
-    print(" | ".join(keys))
-    for row in rows:
-        print(" | ".join(str(row.get(k)) for k in keys))
+        scenarios = ("keys", "retry", "store") if args.scenario == "all" else (args.scenario,)
+        for name in scenarios:
+            if args.seconds is None:
+                args.seconds = {"headers": 8.0, "keys": 20.0, "retry": 20.0, "store": 12.0}[name]
+            globals()[name](args, tmp, model)
 
 
 if __name__ == "__main__":

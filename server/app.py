@@ -10,14 +10,17 @@ config, metrics, admin and feedback tokens, the tokenizer worker, the recorder, 
 glue, the draining flag and the in-flight count). Routers: generation (`/generate`, `/v1/*`), feedback
 (`/v1/feedback`, server.routes_feedback), service
 (`/health`, `/ready`, `/metrics`, `/admin/*`) `server.routes_weights`
-(`/weights/*`). `server.middleware.RequestGuard` answers bodies over
-`server.max_body_bytes` 413 before they are read, and new requests 503 while draining.
+(`/weights/*`). `server.gate.RefusalGate`, the outermost middleware, refuses before any other
+work: new generation requests while draining (503), keys and quotas (server.quotas), a full queue
+(429). `server.middleware.RequestGuard` answers bodies over `server.max_body_bytes` 413 before
+they are read.
 `GET /openapi.json` documents every route's statuses and the served model's limits
 (server.openapi).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from contextlib import asynccontextmanager
 
@@ -33,7 +36,7 @@ from server.logs import use_json_logs
 from server.metrics import ServerMetrics
 from server.middleware import RequestGuard, RequestLog
 from server.openapi import install_openapi
-from server.quotas import install as install_quotas
+from server.quotas import install as install_gate
 from server.recording import Recorder
 from server.state import ServerState, attach
 from server.weight_updates import make_updates
@@ -57,6 +60,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         from weight_sync.transports.shm import sweep
 
         sweep()  # shared-memory regions left by pushers that died
+        st.executors.install_default(asyncio.get_running_loop())  # bounded, apart from store and weight work
         engine.start()
         if st.weight_updates is not None:
             st.weight_updates.start_capture()  # keep the starting version for rollback
@@ -67,6 +71,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             st.recorder.close()
         if st.weight_updates is not None:
             st.weight_updates.close()
+        st.executors.shutdown()
 
     app = FastAPI(title="dlrl server", version="0.1.0", lifespan=lifespan,
                   description="Block-diffusion LM generation (native and OpenAI-compatible) and admin API.")
@@ -81,10 +86,11 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         st.metrics.store = st.recorder.store  # store size gauges
     st.weight_updates = make_updates(engine, config)  # the one WeightUpdates (routes_weights uses it)
     st.weight_updates.metrics = st.metrics
+    st.weight_updates.executor = st.executors.weights  # server.executors: weight work apart from store I/O
     install_error_handlers(app)
-    install_quotas(app, config)  # inside RequestGuard: a draining server or a too large body is refused first
     app.add_middleware(RequestGuard, max_body_bytes=config.max_body_bytes)
-    app.add_middleware(RequestLog)  # outermost: X-Request-Id, one log event per request, feedback counts
+    app.add_middleware(RequestLog)  # X-Request-Id, one log event per request, feedback counts
+    install_gate(app, config)  # outermost: draining, keys, quotas, a full queue refused before any other work
     app.include_router(routes_generate.router)
     app.include_router(routes_feedback.router)
     app.include_router(routes_service.router)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from typing import Any
 
 from dlrl_config import ConfigError
@@ -60,10 +61,15 @@ def resolve_model(config: ServerConfig, config_path: str | None, overrides: list
             return str(resolve_ref(config.model, "server.model"))
         except ModelNotFound as e:
             raise SystemExit(f"dlrl serve: error: {e}") from None
+    from dllm.embedded.sft import SFTStopped
     from dllm.embedded.tiny import ensure_default_model, load_tiny_sections
 
     log.info("no server.model given: using the embedded tiny default (trains it first if missing)")
-    return str(ensure_default_model(*load_tiny_sections(config_path or DEFAULT_CONFIG, overrides)))
+    try:
+        return str(ensure_default_model(*load_tiny_sections(config_path or DEFAULT_CONFIG, overrides)))
+    except SFTStopped as e:  # SIGTERM / SIGINT during the first-start SFT: a clean exit, nothing served
+        print(f"dlrl serve: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(0) from None
 
 
 def build_engine(config: ServerConfig, model_path: str):

@@ -45,7 +45,10 @@ class ServerConfig(Config):
     max_queue: int = Field(256, ge=1)  # max waiting sequences before 429
     max_queue_tokens: int = Field(0, ge=0)  # max prompt + max_tokens of waiting sequences (0 = 4x the KV cache)
     api_keys_file: str = ""  # YAML of API keys with rate limits (server/quotas.py); "" = env DLRL_API_KEYS, else open
-    max_concurrent_feedback: int = Field(0, ge=0)  # POST /v1/feedback calls in flight (0 = unlimited)
+    max_concurrent_feedback: int = Field(64, ge=0)  # POST /v1/feedback calls in flight, past it 429 (0 = unlimited)
+    store_threads: int = Field(4, ge=1, le=256)  # threads for feedback / store I/O (server/executors.py)
+    weight_threads: int = Field(4, ge=1, le=256)  # threads for weight-update work (verify, digest, ...)
+    default_threads: int = Field(4, ge=1, le=256)  # the event loop's default executor (everything else)
     max_request_s: float = Field(0.0, ge=0)  # longest a request may take (0 = no limit; a client `timeout` is capped)
     max_model_len: int = Field(0, ge=0)  # prompt + completion limit; 0 = min(max_position_embeddings, 8192)
     kv_cache_memory: ByteSize = Field(ByteSize(0), ge=0)  # KV-cache budget ("4GiB", "512MB", bytes); 0 = kv_cache_fraction

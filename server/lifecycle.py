@@ -4,7 +4,7 @@
 
 On the first SIGTERM or SIGINT the server starts draining: `/ready` answers 503 (so a
 load balancer stops sending), new generation requests are answered 503 with
-`Retry-After` and `Connection: close` (server.middleware.RequestGuard), and requests
+`Retry-After` and `Connection: close` (server.gate.RefusalGate), and requests
 already in flight run to the end.
 When none is left -- or `server.shutdown_timeout` seconds have passed, after which the
 remaining sequences are aborted (their responses end with finish_reason "abort") -- uvicorn
@@ -79,9 +79,11 @@ class GracefulServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         if self.limiter is not None and counter % 10 == 0:
             self.limiter.flush()  # counts held back by the once-per-interval logs
-            guard = server_state(self.app).auth_guard
-            if guard is not None:
-                guard.limiter.flush()
+            state = server_state(self.app)
+            if state.auth_guard is not None:
+                state.auth_guard.limiter.flush()
+            if state.refusals is not None:  # server.gate: refusals logged once per interval
+                state.refusals.flush()
         if self._drain_signal is not None and self._drain_task is None:
             log.info("received %s: shutting down gracefully", signal.Signals(self._drain_signal).name)
             self._drain_task = asyncio.create_task(self._drain())

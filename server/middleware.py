@@ -9,8 +9,8 @@
   connection; beyond that the connection is closed. The weights data plane (`/weights/*`, behind the admin token) streams buckets as
   large as the largest tensor and is exempt. (Starlette's own limiter answers a plain-text
   413, which is not this API's error shape.)
-- While `ServerState.is_draining` (server.lifecycle), new generation requests are answered 503
-  with Retry-After and `Connection: close`.
+- (While `ServerState.is_draining`, new generation requests are answered 503 by server.gate,
+  before this middleware.)
 - `ServerState.num_inflight` counts generation requests until their last byte is sent.
 
 RequestLog (below) is the outermost layer: `X-Request-Id`, one log event per request.
@@ -62,9 +62,6 @@ class RequestGuard:
             return await self.app(scope, receive, send)
         path, state = scope["path"], server_state(scope["app"])
         is_generation = path in GENERATION_PATHS
-        if is_generation and state.is_draining:
-            return await _send_json(send, 503, error_body(503, "server is shutting down; retry on another replica"),
-                                    [(b"retry-after", b"1")])
         if not path.startswith(UNLIMITED_PREFIXES):
             length = _content_length(scope)
             if length is not None and length > self.max_body_bytes:

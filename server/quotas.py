@@ -32,18 +32,17 @@ from typing import TYPE_CHECKING
 import yaml
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dlrl_config import ConfigError
-from server.errors import APIError, error_body
-from server.middleware import GENERATION_PATHS, _send_json
+from server.errors import APIError
 from server.state import server_state
 
 if TYPE_CHECKING:
     from server.config import ServerConfig
 
 ENV_VAR = "DLRL_API_KEYS"
-_current: contextvars.ContextVar[KeyState | None] = contextvars.ContextVar("dlrl_api_key", default=None)
+# the key of the request being served (set by server.gate.RefusalGate; read by charge_tokens)
+current_key: contextvars.ContextVar[KeyState | None] = contextvars.ContextVar("dlrl_api_key", default=None)
 
 
 class KeySpec(BaseModel):
@@ -141,25 +140,38 @@ class Quotas:
         """Count a request against its key (rate, concurrency) or raise a 429."""
         with self._lock:
             if key.spec.max_concurrent and key.in_flight >= key.spec.max_concurrent:
-                raise _limited(f"API key {key.name!r}: {key.in_flight} requests in flight (max_concurrent="
+                raise limited(f"API key {key.name!r}: {key.in_flight} requests in flight (max_concurrent="
                                f"{key.spec.max_concurrent})", 1.0)
             wait = key.requests.take(1) if key.requests else 0.0
             if wait:
-                raise _limited(f"API key {key.name!r}: over {key.spec.requests_per_s:g} requests/s", wait)
+                raise limited(f"API key {key.name!r}: over {key.spec.requests_per_s:g} requests/s", wait)
             key.in_flight += 1
 
     def release(self, key: KeyState) -> None:
         with self._lock:
             key.in_flight -= 1
 
+    def take_feedback(self) -> bool:
+        """Count a feedback call in flight; False (nothing counted) at server.max_concurrent_feedback."""
+        with self._lock:
+            if self.max_feedback and self.feedback_in_flight >= self.max_feedback:
+                return False
+            self.feedback_in_flight += 1
+            return True
 
-def _limited(message: str, wait_s: float) -> APIError:
+    def give_feedback(self) -> None:
+        with self._lock:
+            self.feedback_in_flight -= 1
+
+
+def limited(message: str, wait_s: float) -> APIError:
+    """A 429 APIError with Retry-After: `wait_s` rounded up to whole seconds (at least 1)."""
     return APIError(429, message + "; retry later", None, {"Retry-After": str(max(1, math.ceil(wait_s)))})
 
 
 def charge_tokens(num_tokens: int) -> None:
     """Charge prompt + max_tokens of a request to the current key's token rate (429 if over)."""
-    key = _current.get()
+    key = current_key.get()
     if key is None or key.tokens is None:
         return
     if num_tokens > key.tokens.capacity:
@@ -167,68 +179,21 @@ def charge_tokens(num_tokens: int) -> None:
                             f"key {key.name!r} may use at once ({key.tokens.capacity:g})", "max_tokens")
     wait = key.tokens.take(num_tokens)
     if wait:
-        raise _limited(f"API key {key.name!r}: over {key.spec.tokens_per_s:g} tokens/s", wait)
-
-
-class QuotaGuard:
-    """ASGI middleware: API keys and their limits on generation routes, the feedback cap."""
-
-    def __init__(self, app: ASGIApp, quotas: Quotas):
-        self.app, self.quotas = app, quotas
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "") if scope["type"] == "http" else ""
-        if path in GENERATION_PATHS and self.quotas.keys:
-            return await self._generation(scope, receive, send)
-        if path == "/v1/feedback" and self.quotas.max_feedback:
-            return await self._feedback(scope, receive, send)
-        return await self.app(scope, receive, send)
-
-    async def _generation(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = dict(scope.get("headers", ()))
-        try:
-            key = self.quotas.identify(headers.get(b"authorization", b"").decode("latin-1"))
-            if not isinstance(key, str):  # "admin": the admin token has no limits
-                self.quotas.admit(key)
-        except APIError as e:
-            return await _refuse(send, e)
-        if isinstance(key, str):
-            return await self.app(scope, receive, send)
-        token = _current.set(key)
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            _current.reset(token)
-            self.quotas.release(key)
-
-    async def _feedback(self, scope: Scope, receive: Receive, send: Send) -> None:
-        q = self.quotas
-        with q._lock:
-            full = q.feedback_in_flight >= q.max_feedback
-            if not full:
-                q.feedback_in_flight += 1
-        if full:
-            return await _refuse(send, _limited(f"{q.feedback_in_flight} feedback calls in flight "
-                                                f"(server.max_concurrent_feedback={q.max_feedback})", 1.0))
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            with q._lock:
-                q.feedback_in_flight -= 1
-
-
-async def _refuse(send: Send, e: APIError) -> None:
-    headers = [(k.lower().encode(), v.encode()) for k, v in (e.headers or {}).items()]
-    await _send_json(send, e.status, error_body(e.status, e.message, e.param), headers)
+        raise limited(f"API key {key.name!r}: over {key.spec.tokens_per_s:g} tokens/s", wait)
 
 
 def install(app: FastAPI, config: ServerConfig) -> None:
-    """Add the QuotaGuard when keys or a feedback cap are configured (server.app)."""
+    """Add the RefusalGate (server.gate), outermost: keys and the feedback cap when configured, the
+    draining 503 and the back-pressure 429 always. Call after every other add_middleware."""
+    from server.gate import RefusalGate, Refusals, quiet_access_log
+
+    st = server_state(app)
     keys = load_keys(config.api_keys_file)
-    if keys or config.max_concurrent_feedback:
-        st = server_state(app)
-        app.add_middleware(QuotaGuard, quotas=Quotas(keys, st.admin_token, st.feedback_token,
-                                                     config.max_concurrent_feedback))
+    quotas = (Quotas(keys, st.admin_token, st.feedback_token, config.max_concurrent_feedback)
+              if keys or config.max_concurrent_feedback else None)
+    st.refusals = Refusals(config.resource_log_interval_s)
+    quiet_access_log()
+    app.add_middleware(RefusalGate, quotas=quotas)
 
 
-__all__ = ["QuotaGuard", "Quotas", "charge_tokens", "install", "load_keys"]
+__all__ = ["Quotas", "charge_tokens", "current_key", "install", "limited", "load_keys"]

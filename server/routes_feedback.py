@@ -14,7 +14,6 @@ different reward for a record that already has one, 503 the store is unavailable
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
@@ -64,7 +63,7 @@ async def feedback(body: FeedbackRequest, request: Request) -> FeedbackResponse:
         assert body.reward is not None  # FeedbackRequest: exactly one of reward and label
         reward = float(body.reward)
     try:
-        is_new = await asyncio.to_thread(recorder.add_feedback, body.id, reward, body.label)
+        is_new = await st.executors.run_store(recorder.add_feedback, body.id, reward, body.label)  # its own pool
     except KeyError:
         raise APIError(404, f"id: no recorded sample {body.id!r} (never recorded, or pruned)", "id") from None
     except FeedbackConflict as e:

@@ -24,8 +24,7 @@ asyncio queue its handler reads events from (filled from the engine thread).
 Back-pressure: the queue is bounded in sequences (`max_queue`) and in tokens
 (`max_queue_tokens`: prompt + max_tokens of every waiting sequence, what they will need in
 KV pages; 0 = unbounded); a request over either bound is refused (429) with a `retry_after`
-estimated from the recent throughput (sequences or tokens finished per second over the last
-`THROUGHPUT_WINDOW_S`): the time the queue needs to drain enough to take it. A sequence is
+from its place in the queue and the measured admission rate (server.retry_after.RetryAfter). A sequence is
 given its KV pages for prompt + max_tokens when it is admitted (dllm.decoding.Decoder.add),
 so a running sequence never runs out of cache mid-generation and nothing is preempted: a
 request waits in the queue until its pages are free, at most until its deadline
@@ -36,13 +35,13 @@ engine to abort (503 naming the reason, its slots and pages freed).
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from dllm.trace import FinishReason
+from server.retry_after import RetryAfter
 
 THROUGHPUT_WINDOW_S = 60.0
 
@@ -99,6 +98,7 @@ class Scheduler:
     def __init__(self, max_queue: int, max_queue_tokens: int = 0):
         self.max_queue, self.max_queue_tokens = max_queue, max_queue_tokens
         self.waiting_tokens = 0
+        self.retry = RetryAfter()  # server.retry_after: Retry-After from the queue and the admission rate
         self._finished: deque[tuple[float, int]] = deque()  # (time, tokens) of recently finished sequences
         self._with_deadline: list[tuple[float, Request]] = []  # (its deadline, a request that has one)
         self._waiting: deque[Any] = deque()
@@ -166,17 +166,8 @@ class Scheduler:
             self._with_deadline.append((req.deadline, req))
 
     def retry_after(self, excess_seqs: int, excess_tokens: int) -> int:
-        """Seconds until the queue has drained by `excess` at the recent throughput (1..120)."""
-        now = time.monotonic()
-        while self._finished and self._finished[0][0] < now - THROUGHPUT_WINDOW_S:
-            self._finished.popleft()
-        if not self._finished:
-            return 1 if not self._running else 10  # nothing finished lately: long sequences are running
-        span = max(now - self._finished[0][0], 1.0)
-        seqs_per_s = len(self._finished) / span
-        tokens_per_s = sum(t for _, t in self._finished) / span
-        wait = max(excess_seqs / seqs_per_s, excess_tokens / tokens_per_s)
-        return int(min(120, max(1, math.ceil(wait))))
+        """Seconds until a refused request fits, `excess` waiting sequences / tokens ahead (server.retry_after)."""
+        return self.retry.estimate(excess_seqs, excess_tokens)
 
     def admit(self, num_admissible: int) -> list[Any]:
         """waiting -> running: the `num_admissible` oldest waiting sequences (returned)."""
@@ -186,6 +177,7 @@ class Scheduler:
         self._waiting_ids.difference_update(s.seq_id for s in admitted)
         self.waiting_tokens -= sum(seq_tokens(s) for s in admitted)
         self._running.extend(admitted)
+        self.retry.admitted(len(admitted), sum(seq_tokens(s) for s in admitted), len(self._waiting))
         return admitted
 
     def expired(self, now: float) -> list[Request]:

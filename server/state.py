@@ -4,6 +4,7 @@
     attach(app, state)
     st = server_state(request.app)          # in a handler or a middleware (scope["app"])
     st.engine, st.config, st.metrics, st.prompts, st.recorder, st.weight_updates, st.is_draining
+    st.executors, st.refusals
 
 `server.app.create_app` builds the whole state; an app made of the weight routes alone (tests
 and benchmarks) attaches a ServerState of its engine with the rest left at the defaults: the
@@ -20,12 +21,14 @@ from typing import TYPE_CHECKING
 from starlette.applications import Starlette
 
 from server.config import ServerConfig
+from server.executors import Executors
 from server.metrics import ServerMetrics
 from server.prompts import PromptEncoder
 
 if TYPE_CHECKING:
     from server.auth_guard import AuthGuard
     from server.engine import Engine
+    from server.gate import Refusals
     from server.recording import Recorder
     from server.weight_updates import WeightUpdates
 
@@ -42,6 +45,12 @@ class ServerState:
     auth_guard: AuthGuard | None = None  # server.auth.auth_guard builds it on first use
     is_draining: bool = False  # set by server.lifecycle.drain; read by server.middleware.RequestGuard
     num_inflight: int = 0  # generation requests until their last byte is sent (server.middleware)
+    refusals: Refusals | None = None  # server.gate: refusals counted, logged once per interval
+
+    @cached_property
+    def executors(self) -> Executors:
+        """The bounded thread pools of store I/O, weight work and the rest (server.executors), on first use."""
+        return Executors.from_config(self.config)
 
     @cached_property
     def prompts(self) -> PromptEncoder:

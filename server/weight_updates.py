@@ -8,7 +8,7 @@ Every call names its run (`run_id`, "" = the anonymous run): a bucket, commit or
 an update another run began is weight_sync.NotOwner (409 naming the owner), checked
 before anything is read, verified, drained or dropped (weight_sync/receiver.py).
 
-Commit = verify the staged bytes (in a worker thread: checksums and NaN/inf), then the
+Commit = verify the staged bytes (in the weights pool of server.executors: checksums and NaN/inf), then the
 drain: admission stops and in-flight sequences get `drain_timeout_s` to finish. Past that
 bound, with `abort_inflight` they are aborted (finish_reason "abort") and the update is
 applied; without it they finish on the old weights, the commit answers "pending" and the
@@ -30,10 +30,12 @@ with `copy_into_model`, and the engine serves v.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
 from typing import Any
 
 import torch
@@ -77,7 +79,12 @@ class WeightUpdates:
         self._commits: dict[int, asyncio.Task] = {}
         self._verify_s = 0.0
         self.metrics: Any = None  # server.metrics.ServerMetrics (set by server.app): update counts and timings
+        self.executor: Executor | None = None  # server.executors' weights pool (set by server.app); None = default
         self._bytes: dict[int, int] = {}  # version -> manifest total_bytes, until applied
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Blocking work in the weights pool (a hung store elsewhere cannot hold its threads)."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
 
     def _refused(self, step: str) -> None:
         if self.metrics is not None:
@@ -94,13 +101,12 @@ class WeightUpdates:
         return self.receiver.state(version)  # served_version: the engine's
 
     async def connect(self, body: ConnectRequest) -> dict[str, Any]:
-        return await asyncio.to_thread(self.receiver.connect, body.transport, body.manifest, body.options,
-                                       body.run_id)
+        return await self._run(self.receiver.connect, body.transport, body.manifest, body.options, body.run_id)
 
     async def begin(self, body: BeginRequest) -> dict[str, Any]:
         try:
-            out = await asyncio.to_thread(self.receiver.begin, body.version, body.transport, body.manifest,
-                                          body.options, body.lease_s, body.run_id)
+            out = await self._run(self.receiver.begin, body.version, body.transport, body.manifest,
+                                  body.options, body.lease_s, body.run_id)
         except Exception:
             self._refused("begin")
             raise
@@ -117,7 +123,7 @@ class WeightUpdates:
         except BaseException:
             self.receiver.bucket_written(index, None, None, version, run_id)  # releases the bucket
             raise
-        await asyncio.to_thread(self.receiver.bucket_written, index, nbytes, checksum, version, run_id)
+        await self._run(self.receiver.bucket_written, index, nbytes, checksum, version, run_id)
         return {"index": index, "nbytes": nbytes}
 
     async def commit(self, version: int, checksums: list[int | None] | None = None,
@@ -132,7 +138,7 @@ class WeightUpdates:
                 return {"version": version, "state": "applied", "served_version": self.version}
             t0 = time.perf_counter()
             try:
-                await asyncio.to_thread(self.receiver.verify, version, checksums, run_id)
+                await self._run(self.receiver.verify, version, checksums, run_id)
             except Exception:
                 self._refused("commit")
                 raise
@@ -208,7 +214,7 @@ class WeightUpdates:
     async def abort(self, version: int | None = None, reason: str = "aborted by the sender",
                     run_id: str | None = "") -> dict[str, Any]:
         """Abort the update of `run_id` (NotOwner: another run's); aborted False when none matches."""
-        aborted = await asyncio.to_thread(self.receiver.abort, version, reason, run_id)
+        aborted = await self._run(self.receiver.abort, version, reason, run_id)
         if aborted and self.metrics is not None:
             self.metrics.update_aborts.inc()
         return {"aborted": aborted, "version": self.version}
@@ -218,7 +224,7 @@ class WeightUpdates:
             with self._weights_lock:
                 return self.receiver.digest()
 
-        return {"version": self.version, "digest": await asyncio.to_thread(digest)}
+        return {"version": self.version, "digest": await self._run(digest)}
 
     # ------------------------------------------------------------------ kept versions, rollback
     def start_capture(self) -> None:
@@ -231,7 +237,7 @@ class WeightUpdates:
             with self._weights_lock:
                 self.kept.capture(version, _hf_tensors(model))
 
-        self._capture_task = asyncio.ensure_future(asyncio.to_thread(capture))
+        self._capture_task = asyncio.ensure_future(self._run(capture))
 
     async def wait_capture(self) -> None:
         """Wait for a capture in progress (the weights must not change under it)."""

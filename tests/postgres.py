@@ -6,8 +6,15 @@
 
 PostgreSQL refuses to run as root: as root the server runs as the `postgres` system user
 (the package creates it), otherwise as the current user. Loopback only, `trust` auth
-(the tests' own throwaway cluster), fsync off. The `postgres` fixture of conftest.py starts
-one per test session, on first use.
+(the tests' own throwaway cluster). The `postgres` fixture of conftest.py starts one per test
+session, on first use.
+
+Durability: `synchronous_commit=on`, so a COMMIT returns only once its WAL is written: a
+record whose id the server returned survives the PostgreSQL server being killed (`stop("immediate")`,
+kill -9), which the durability tests do. With `synchronous_commit=off` a commit returns
+before its WAL is written and an acknowledged record can be lost that way (issue 37).
+`fsync=off` and `full_page_writes=off` stay: they only matter when the operating system
+itself crashes, which no test does (production keeps both on: README, "Recording").
 """
 
 from __future__ import annotations
@@ -73,7 +80,7 @@ class PostgresServer:
     def restart(self) -> None:
         """Start (again, on the same port and data) and wait until it takes connections."""
         opts = (f"-p {self.port} -k {self.base} -c listen_addresses=127.0.0.1 -c fsync=off "
-                "-c synchronous_commit=off -c full_page_writes=off -c max_connections=300")
+                "-c synchronous_commit=on -c full_page_writes=off -c max_connections=300")
         done = self._run("pg_ctl", "-D", str(self.data), "-l", str(self.base / "server.log"), "-o", opts,
                          "-w", "-t", "60", "start", check=False)
         if done.returncode != 0:

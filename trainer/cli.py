@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+from dllm.embedded.sft import SFTStopped
 from dllm.embedded.tiny import TINY_SECTIONS
 from dlrl_config import ConfigError, load_sections
 from dlrl_config.cli import add_check_args, print_check
@@ -48,9 +49,18 @@ from weight_sync import WeightSyncError
 log = logging.getLogger("dlrl.train")
 
 
+class Interrupted(KeyboardInterrupt):
+    """A second SIGTERM / SIGINT: stop now (main() answers it with one line, no traceback)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"second {signal.Signals(signum).name}: stopped now, this step not saved")
+        self.signum = signum
+
+
 class Stopper:
     """SIGTERM / SIGINT handler: ask the loop to stop at the next step boundary; a push in
-    flight on rank 0 is aborted at once. A second signal interrupts immediately."""
+    flight on rank 0 is aborted at once. A second signal interrupts immediately (Interrupted).
+    The first-start SFT of the embedded default handles both itself (dllm.embedded.sft)."""
 
     def __init__(self) -> None:
         self.requested = False
@@ -67,7 +77,7 @@ class Stopper:
 
     def _handle(self, signum, _frame) -> None:
         if self.requested:
-            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping now")
+            raise Interrupted(signum)
         self.requested = True
         log.warning("%s: stopping at the end of this step (checkpoint, stop servers, exit 0)",
                     signal.Signals(signum).name)
@@ -131,6 +141,12 @@ def main(argv: list[str]) -> int:
     except StopRequested as e:
         log.warning("%s: checkpoint saved; continue with --resume", e)
         return 0
+    except SFTStopped as e:  # a signal during the first-start SFT of the embedded default
+        print(f"dlrl train: {e}", file=sys.stderr, flush=True)
+        return 0
+    except Interrupted as e:
+        print(f"dlrl train: {e}; continue from the last checkpoint with --resume", file=sys.stderr, flush=True)
+        return 128 + e.signum
     except (RuntimeError, ValueError, FileNotFoundError, WeightSyncError, RolloutError, AdminError, FleetError,
             RankError) as e:
         log.error("training stopped: %s", e)

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from dlrl_config import ConfigError
 from dlrl_config.cli import print_check
 
 
 def sft_main(argv: list[str]) -> int:
-    from dllm.embedded.sft import run_sft
+    from dllm.embedded.sft import SFTStopped, run_sft
     from dllm.embedded.tiny import load_tiny_sections
 
     ap = argparse.ArgumentParser(prog="dlrl sft", description="block-diffusion SFT of the embedded default")
@@ -28,6 +29,10 @@ def sft_main(argv: list[str]) -> int:
         ap.error(str(e))
     if args.check:
         return print_check("sft", arch, task, sft)
-    metrics = run_sft(arch, task, sft)
+    try:
+        metrics = run_sft(arch, task, sft)
+    except SFTStopped as e:
+        print(f"dlrl sft: {e}", file=sys.stderr)
+        return 0
     print(json.dumps(metrics, indent=2))
     return 0

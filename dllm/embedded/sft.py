@@ -6,7 +6,10 @@ Loss: masked-token cross entropy weighted by 1/t, noise only on completion token
 each block of each sequence masked at its own rate t ~ U(t_min, 1), blocks aligned to
 position 0, in the noisy-copy + clean-copy layout (`SDARForCausalLM.forward_train`).
 Writes a Hugging Face-format folder (config.json, safetensors, tokenizer) and
-`sft_metrics.json` with the held-out greedy accuracy.
+`sft_metrics.json` with the held-out greedy accuracy, into `<output_dir>.tmp` first, renamed
+when complete. In the main thread a SIGTERM / SIGINT stops it at the end of the current step
+(a second one at once, without a traceback): the `.tmp` folder is removed and `SFTStopped`
+raised, which `dlrl sft`, `dlrl serve` and `dlrl train` turn into one line and exit 0.
 """
 
 from __future__ import annotations
@@ -14,8 +17,14 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
+import signal
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 
 import torch
 import torch.nn.functional as F
@@ -116,13 +125,73 @@ def evaluate(model, tokenizer, examples: list[dict], max_new_tokens: int = 8, ba
     return correct / max(1, len(examples))
 
 
+class SFTStopped(Exception):
+    """The SFT was stopped by a signal; nothing was written (its temporary folder is removed)."""
+
+
+class _Interrupted(BaseException):
+    """A second signal: leave the step now (caught by run_sft, never seen by a caller)."""
+
+
+class _SignalStop:
+    """SIGTERM / SIGINT while it is installed: the first asks for a stop at the end of the step,
+    the second stops at once (raises _Interrupted in the main thread)."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self.may_interrupt = True  # off once run_sft cleans up: later signals are only noted
+
+    @property
+    def requested(self) -> bool:
+        return self.signum != 0
+
+    def handle(self, signum: int, _frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.requested:
+            if self.may_interrupt:
+                self.may_interrupt = False
+                log.warning("second %s: stopping the SFT now", name)
+                raise _Interrupted(name)
+            return
+        self.signum = signum
+        log.warning("%s: stopping the SFT at the end of this step", name)
+
+    @contextmanager
+    def installed(self) -> Iterator[_SignalStop]:
+        if threading.current_thread() is not threading.main_thread():
+            yield self  # signals are delivered to the main thread only: nothing to install
+            return
+        previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
 def run_sft(arch: TinyModelConfig, task: ArithmeticTask, cfg: SFTConfig) -> dict:
-    """Train the embedded default from scratch and save it to cfg.output_dir."""
+    """Train the embedded default from scratch and save it to cfg.output_dir (SFTStopped on a signal)."""
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     torch.manual_seed(cfg.seed)
     out = Path(cfg.output_dir)
     tmp = out.with_name(out.name + ".tmp")
+    stop = _SignalStop()
+    with stop.installed():
+        try:
+            return _train_and_save(arch, task, cfg, out, tmp, stop)
+        except _Interrupted:
+            pass
+        finally:
+            stop.may_interrupt = False
+            if stop.requested:
+                shutil.rmtree(tmp, ignore_errors=True)
+    raise SFTStopped(f"SFT stopped by {signal.Signals(stop.signum).name}: no model written ({tmp} removed); "
+                     "run again to train the embedded default")
+
+
+def _train_and_save(arch: TinyModelConfig, task: ArithmeticTask, cfg: SFTConfig, out: Path, tmp: Path,
+                    stop: _SignalStop) -> dict:
     tokenizer = build_char_tokenizer(tmp)
     model = SDARForCausalLM(make_model_config(arch, tokenizer))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
@@ -133,6 +202,9 @@ def run_sft(arch: TinyModelConfig, task: ArithmeticTask, cfg: SFTConfig) -> dict
     t0 = time.time()
     model.train()
     for step in range(cfg.steps):
+        if stop.requested:
+            raise SFTStopped(f"SFT stopped by {signal.Signals(stop.signum).name} after step {step}/{cfg.steps}: no model "
+                             f"written ({tmp} removed); run again to train the embedded default")
         batch = sft_batch([next(stream) for _ in range(cfg.batch_size)], tokenizer, arch.block_size,
                           cfg.t_min, gen)
         loss = diffusion_loss(model, *batch)
@@ -144,6 +216,9 @@ def run_sft(arch: TinyModelConfig, task: ArithmeticTask, cfg: SFTConfig) -> dict
         if step % 50 == 0 or step == cfg.steps - 1:
             log.info("sft step %d/%d loss %.4f (%.0fs)", step + 1, cfg.steps, loss.item(), time.time() - t0)
     train_s = time.time() - t0
+    if stop.requested:
+        raise SFTStopped(f"SFT stopped by {signal.Signals(stop.signum).name}: no model written ({tmp} removed); "
+                         "run again to train the embedded default")
     acc = evaluate(model, tokenizer, task.split("heldout", cfg.eval_size), cfg.max_new_tokens)
     metrics = {"heldout_accuracy": acc, "train_seconds": round(train_s, 1), "steps": cfg.steps,
                "final_loss": loss.item(), "num_params": sum(p.numel() for p in model.parameters())}
@@ -152,7 +227,6 @@ def run_sft(arch: TinyModelConfig, task: ArithmeticTask, cfg: SFTConfig) -> dict
     if out.exists():  # replace an old model folder, never anything else
         if any(out.iterdir()) and not (out / "config.json").is_file():
             raise FileExistsError(f"sft.output_dir: {out} exists and is not a model folder; not replacing it")
-        import shutil
         shutil.rmtree(out)
     tmp.rename(out)  # the folder appears only when complete
     log.info("sft done: held-out greedy accuracy %.1f%% -> %s", 100 * acc, out)

@@ -1,8 +1,8 @@
 """Back-pressure and deadlines (issue 26) on real servers: a KV cache filled by many long requests
 (each one completes or gets a 429/503 that says why, never a 500; every page is free afterwards),
-the queue's token bound, Retry-After estimated from the recent throughput, and request deadlines
-(a client `timeout`: 408, the server's `max_request_s`: 503) that abort a waiting or running
-request and free its cache.
+the queue's token bound, and request deadlines (a client `timeout`: 408, the server's
+`max_request_s`: 503) that abort a waiting or running request and free its cache. Retry-After:
+test_server_retry_after.py.
 
 A sequence gets the KV pages of prompt + max_tokens when it is admitted, so a running sequence
 cannot run out of cache mid-generation: there is nothing to preempt, and what is tested is
@@ -13,12 +13,10 @@ from __future__ import annotations
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
 
 import httpx
 import pytest
 
-from server.scheduler import QueueFull, Request, Scheduler
 from tests.helpers import wait_until
 
 BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # tiny model: layers x (k, v) x kv heads x head_dim x float32
@@ -104,35 +102,3 @@ def test_server_max_request_s_caps_every_request(make_server):
     assert codes == [503, 503, 503], codes
     wait_until(lambda: srv.engine.num_running == 0 and srv.engine.num_waiting == 0, 30, "engine idle")
     assert srv.engine.backend.decoder.num_free_slots == 1
-
-
-def _req(n: int, tokens: int = 10) -> Request:
-    seqs = [SimpleNamespace(seq_id=i + 1000 * tokens, prompt_ids=[1] * (tokens - 5), params=SimpleNamespace(max_tokens=5),
-                            is_finished=False, finish_reason=None) for i in range(n)]
-    return Request("r", seqs, loop=None, events=None)
-
-
-def test_retry_after_follows_recent_throughput(monkeypatch):
-    clock = [1000.0]
-    monkeypatch.setattr("server.scheduler.time.monotonic", lambda: clock[0])
-    sched = Scheduler(max_queue=4, max_queue_tokens=40)
-    sched.enqueue(_req(4))
-    with pytest.raises(QueueFull) as e:
-        sched.enqueue(_req(2))
-    assert e.value.retry_after == 1  # no history, nothing running
-    first = sched.admit(4)
-    for seq in first:  # 4 sequences (40 tokens) finish in the 8 s up to now: 0.5 sequences/s, 5 tokens/s
-        clock[0] += 2.0
-        seq.finish_reason = "stop"
-        sched.finish(seq)
-    clock[0] += 2.0
-    sched.enqueue(_req(4, tokens=9))
-    with pytest.raises(QueueFull, match="max_queue=4") as e:  # 3 sequences too many: 3 / 0.5 = 6 s
-        sched.enqueue(_req(3, tokens=8))
-    assert e.value.retry_after == 6
-    sched2 = Scheduler(max_queue=100, max_queue_tokens=40)
-    sched2._finished, sched2.waiting_tokens = sched._finished, 0
-    sched2.enqueue(_req(3, tokens=12))     # 36 tokens waiting
-    with pytest.raises(QueueFull, match="max_queue_tokens=40") as e:  # 36 + 30 - 40 = 26 tokens at 5/s: 6 s
-        sched2.enqueue(_req(3, tokens=10))
-    assert e.value.retry_after == 6
