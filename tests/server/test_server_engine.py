@@ -63,7 +63,7 @@ def test_concurrent_requests_share_forwards(server):
     assert m["dlrl_requests_total{endpoint=/generate,status=200}"] >= 8
     assert m["dlrl_batch_size_count"] > 0 and m["dlrl_tokens_per_forward_count"] > 0
     assert m["dlrl_generation_tokens_total"] >= 8 * 24
-    assert m["dlrl_policy_version"] == 0 and m["dlrl_queue_depth"] == 0
+    assert m["dlrl_served_version"] == 0 and m["dlrl_num_requests_waiting"] == 0
 
 
 @pytest.fixture(scope="module")
