@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 log = logging.getLogger("dlrl.train")
@@ -87,3 +88,15 @@ def new_token() -> str:
 def read_token_file(path: str | Path) -> str:
     p = Path(path)
     return p.read_text().strip() if p.is_file() else ""
+
+
+def resolve_token(cfg: Any, server: Any) -> str:
+    """The admin token the trainer pushes with: train.admin_token, env DLRL_ADMIN_TOKEN, then
+    the config's server.admin_token / server.admin_token_file (`server`: the ServerKeys view)."""
+    if cfg.admin_token:
+        return cfg.admin_token
+    if os.environ.get("DLRL_ADMIN_TOKEN"):
+        return os.environ["DLRL_ADMIN_TOKEN"]
+    if server.admin_token:
+        return server.admin_token
+    return read_token_file(server.admin_token_file) if server.admin_token_file else ""

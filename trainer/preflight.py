@@ -16,9 +16,8 @@ import httpx
 from dllm.hub import model_problem
 from dlrl_config.cli import port_problem
 from trainer.data import source_problem
-from trainer.local_servers import is_local
+from trainer.local_servers import is_local, resolve_token
 from trainer.rewards import load_reward_fn
-from trainer.run import resolve_token
 from trainer.trackers import missing_trackers
 
 

@@ -13,7 +13,6 @@ from dlrl_config.cli import print_check
 
 
 def sft_main(argv: list[str]) -> int:
-    from dllm.embedded.sft import run_sft
     from dllm.embedded.tiny import load_tiny_sections
 
     ap = argparse.ArgumentParser(prog="dlrl sft", description="block-diffusion SFT of the embedded default")
@@ -28,6 +27,8 @@ def sft_main(argv: list[str]) -> int:
         ap.error(str(e))
     if args.check:
         return print_check("sft", arch, task, sft)
+    from dllm.embedded.sft import run_sft  # torch: only once there is something to train
+
     metrics = run_sft(arch, task, sft)
     print(json.dumps(metrics, indent=2))
     return 0
