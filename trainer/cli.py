@@ -108,10 +108,11 @@ def main(argv: list[str]) -> int:
     if os.environ.get("RANK", "0") == "0":  # before loading anything (other ranks wait for rank 0's errors)
         from trainer.preflight import train_problems
 
-        problems = train_problems(cfg, root["server"])
+        problems = train_problems(cfg, root["server"], args.config, overrides)
         refusal = _previous_run_refusal(cfg)
         if problems or refusal:
-            print(f"dlrl train: error: {'; '.join(problems + ([refusal] if refusal else []))}", file=sys.stderr)
+            print("\n".join(f"dlrl train: error: {p}" for p in problems + ([refusal] if refusal else [])),
+                  file=sys.stderr)  # one problem per line
             return 2
     if args.check:
         return print_check("train", cfg)
@@ -121,6 +122,9 @@ def main(argv: list[str]) -> int:
 def _run(cfg: TrainConfig, root: dict[str, Any], args: argparse.Namespace, argv: list[str],
          overrides: list[str]) -> int:
     """The command itself, past the checks: torch and DeepSpeed are imported from here on."""
+    from trainer.extensions import ensure_extensions_dir
+
+    ensure_extensions_dir()  # DeepSpeed's op cache, also for the ranks started below (issue 38)
     from rollout_client.client import AdminError, RolloutError
     from trainer.dist import RankError, select_device
     from trainer.fleet import FleetError

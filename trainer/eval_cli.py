@@ -158,9 +158,9 @@ def main(argv: list[str]) -> int:
         ap.error(str(e))
     if not args.check_config:  # before loading anything
 
-        problems = eval_problems(cfg, root["server"])
+        problems = eval_problems(cfg, root["server"], config_path, args.overrides)
         if problems:
-            print(f"dlrl eval: error: {'; '.join(problems)}", file=sys.stderr)
+            print("\n".join(f"dlrl eval: error: {p}" for p in problems), file=sys.stderr)  # one per line
             return 2
     if args.check or args.check_config:
         return print_check("eval", cfg)

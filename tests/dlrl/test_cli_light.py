@@ -22,8 +22,8 @@ try:
     rc = main(sys.argv[1:])
 except SystemExit as e:
     rc = e.code
-print(json.dumps({"rc": rc, "heavy": [m for m in %r if m in sys.modules]}), file=sys.stderr)
-""" % (HEAVY,)
+print(json.dumps({"rc": rc, "heavy": [m for m in HEAVY if m in sys.modules]}), file=sys.stderr)
+""".replace("HEAVY", repr(HEAVY))
 
 
 def _probe(*argv: str) -> dict:

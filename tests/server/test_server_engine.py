@@ -37,7 +37,8 @@ def metric_values(url: str) -> dict[str, float]:
     out = {}
     for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
         for s in fam.samples:
-            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else "")
+            labels = {k: v for k, v in s.labels.items() if k != "model_name"}  # every server series has one
+            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}" if labels else "")
             out[key] = s.value
     return out
 

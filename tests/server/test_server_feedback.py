@@ -155,7 +155,7 @@ def test_alignment_keys_refused_with_the_key_named(override, named):
 
 def _unlabelled(line: str) -> str:
     """An exposition line without its model_name label (every server series has one)."""
-    return re.sub(r',?model_name="[^"]*"', "", line).replace("{}", "")
+    return re.sub(r'model_name="[^"]*",?', "", line).replace(",}", "}").replace("{}", "")
 
 
 def _metric(url: str, name: str) -> float:

@@ -31,7 +31,7 @@ FB = {"Authorization": f"Bearer {FEEDBACK}"}
 
 def _unlabelled(line: str) -> str:
     """An exposition line without its model_name label (every server series has one)."""
-    return re.sub(r',?model_name="[^"]*"', "", line).replace("{}", "")
+    return re.sub(r'model_name="[^"]*",?', "", line).replace(",}", "}").replace("{}", "")
 
 
 def _metric(url: str, name: str) -> float:
