@@ -3,7 +3,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
-export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
+# DeepSpeed's JIT-built ops: the folder `dlrl train` defaults to as well (trainer/extensions.py), built once
+export TORCH_EXTENSIONS_DIR ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/dlrl/torch_extensions
 ARGS ?=
 
 .PHONY: install test lint typecheck bench soak serve train sft align clean

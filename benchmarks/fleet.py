@@ -157,9 +157,9 @@ def record_write_ms(urls: list[str]) -> float:
     for url in urls:
         for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
             if line.startswith("dlrl_record_write_seconds_sum"):
-                total += float(line.split()[1])
+                total += float(line.rsplit(" ", 1)[1])
             elif line.startswith("dlrl_record_write_seconds_count"):
-                count += float(line.split()[1])
+                count += float(line.rsplit(" ", 1)[1])
     return total / count * 1000 if count else float("nan")
 
 

@@ -31,7 +31,7 @@ def _ratio(a: dict, b: dict) -> float | None:
 def server_counters(metrics_text: str) -> dict:
     """The server's own counts of KV-cache refusals, dropped/withheld records, deadlines."""
     wanted = ("dlrl_kv_cache_refusals_total", "dlrl_records_dropped_total", "dlrl_record_ids_withheld_total",
-              "dlrl_aborted_sequences_total", "dlrl_store_errors_total", "dlrl_records_total")
+              "dlrl_request_success_total{finished_reason=\"abort\"", "dlrl_store_errors_total", "dlrl_records_total")
     out = {}
     for line in metrics_text.splitlines():
         if line.startswith(wanted) and not line.startswith("#"):

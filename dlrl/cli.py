@@ -34,7 +34,8 @@ COMMANDS = {
 
 PREFLIGHT_COMMANDS = ("serve", "train", "eval")  # --check also checks files, imports, ports, tokens
 SECTION_CLASSES = {
-    "model": "dllm.embedded.sft:TinyModelConfig", "task": "dllm.embedded.task:ArithmeticTask", "sft": "dllm.embedded.sft:SFTConfig",
+    "model": "dllm.embedded.sft_config:TinyModelConfig", "task": "dllm.embedded.task:ArithmeticTask",
+    "sft": "dllm.embedded.sft_config:SFTConfig",
     "server": "server.config:ServerConfig", "train": "trainer.config:TrainConfig",
     "eval": "trainer.eval_cli:EvalConfig", "align": "trainer.align.config:AlignConfig",
     "users": "trainer.align.config:UsersConfig", "generate": "dllm.generate_cli:GenerateConfig"}

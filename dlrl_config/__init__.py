@@ -143,23 +143,28 @@ def _is_list(annotation: Any) -> bool:
     return any(_is_list(a) for a in typing.get_args(annotation) if a is not type(None))
 
 
-def _message(e: ValidationError, section: str) -> str:
+def _message(e: ValidationError, section: str, origin: Mapping[str, str] | None = None) -> str:
+    """One line per error; an error in a key read from a file starts with the file:line (`origin`:
+    key -> where it was read)."""
     prefix = f"{section}." if section else ""
     parts = []
     for err in e.errors():
         key = ".".join(str(x) for x in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
+        where = (origin or {}).get(str(err["loc"][0])) if err["loc"] else None
+        at = f"{where}: " if where else ""
         if err["type"] == "extra_forbidden":
-            parts.append(f"unknown config key '{prefix}{key}'")
+            parts.append(f"{at}unknown config key '{prefix}{key}'")
         elif key:
-            parts.append(f"config key {prefix}{key}: {msg} (got {err.get('input')!r})")
+            parts.append(f"{at}config key {prefix}{key}: {msg} (got {err.get('input')!r})")
         else:
             parts.append(msg)
-    return "; ".join(parts)
+    return "\n".join(parts)
 
 
-def build(cls: type[T], values: dict[str, Any], section: str = "") -> T:
-    """`cls` from a mapping; list fields also take a comma-separated string. ConfigError names the key."""
+def build(cls: type[T], values: dict[str, Any], section: str = "", origin: Mapping[str, str] | None = None) -> T:
+    """`cls` from a mapping; list fields also take a comma-separated string. ConfigError names the key
+    (and, for the keys in `origin`, the file:line they were read from)."""
     values = dict(values)
     for name, field in cls.model_fields.items():
         if isinstance(values.get(name), str) and _is_list(field.annotation):
@@ -167,7 +172,7 @@ def build(cls: type[T], values: dict[str, Any], section: str = "") -> T:
     try:
         return cls.model_validate(values)
     except ValidationError as e:
-        raise ConfigError(_message(e, section)) from None
+        raise ConfigError(_message(e, section, origin)) from None
 
 
 def load_section(cls: type[T], path: str | Path | None, section: str,
@@ -190,6 +195,7 @@ def _section(cls: type[T], data: dict[str, Any], section: str, overrides: list[s
                 raise ConfigError(f"{where(section, str(key))}: unknown config key '{section}.{key}'"
                                   f"{nearest(key, cls.model_fields)}")
     values = dict(raw)
+    origin = {str(key): where(section, str(key)) for key in raw} if isinstance(data, ConfigFile) else {}
     for key, value in parse_overrides(overrides):
         if "." in key:
             sec, sub = key.split(".", 1)
@@ -200,7 +206,8 @@ def _section(cls: type[T], data: dict[str, Any], section: str, overrides: list[s
         else:
             continue
         values[sub] = value  # an unknown key is refused by the model (extra="forbid")
-    return build(cls, values, section)
+        origin.pop(sub, None)  # the command line's value, not the file's
+    return build(cls, values, section, origin)
 
 
 def load_sections(path: str | Path | None, overrides: list[str] | None, sections: dict[str, type[Config]],

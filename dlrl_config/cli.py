@@ -65,4 +65,4 @@ def port_problem(host: str, port: int, key: str) -> str:
 def fail_early(problems: list[str]) -> None:
     problems = [p for p in problems if p]
     if problems:
-        raise ValueError("; ".join(problems))
+        raise ValueError("\n".join(problems))  # one problem per line

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             fail_early([port_problem(config.host, config.port, "server.port / --port"),
                         model_problem(config.model, "server.model / --model")])
         except ValueError as e:
-            parser.exit(2, f"dlrl serve: error: {e}\n")
+            parser.exit(2, "".join(f"dlrl serve: error: {line}\n" for line in str(e).splitlines()))
     if args.check or args.check_config:
         return print_check("serve", config)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -86,6 +86,7 @@ async def prepare(state: ServerState, prompts: list[str | list[int]], opts: Deco
         except FieldError as e:  # the decoder's names of the prompt -> the request's prompt field
             raise (e.renamed(field) if e.field in PROMPT_FIELDS and e.field != field else e) from None
     charge_tokens(sum(seq_tokens(s) for s in seqs))  # the API key's token rate (server/quotas.py)
+    state.metrics.observe_params(n, [s.params.max_tokens for s in seqs[::n]])  # dlrl_request_params_*
     deadline, status = request_deadline(opts, state.config)
     for seq in seqs:
         seq.deadline, seq.deadline_status = deadline, status

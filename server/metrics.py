@@ -2,15 +2,26 @@
 
     metrics = ServerMetrics(engine)        # registers gauges reading the engine live
     engine.add_step_listener(metrics.observe_step)
-    metrics.observe_request("/generate", 200, seconds, prompt_tokens, completion_tokens)
+    metrics.observe_request("/generate", 200, seconds, prompt_tokens)
+    metrics.observe_params(n=2, max_tokens=[64])   # per prompt of an accepted request
     body = metrics.render()                # text exposition format for GET /metrics
+
+Every series carries `model_name` (the served model's name, as vLLM's do), and every labelled
+counter exists at zero for its known label values from the start (so `increase()` sees the first
+event and no dashboard panel shows "No data").
 
 Names follow vLLM's where the concept is the same (`vllm:` becomes `dlrl_`); every family is
 listed in README "Operating dlrl". Latency (per sequence, from its request's arrival):
 dlrl_time_to_first_token_seconds (first committed block), dlrl_inter_token_latency_seconds
 (per token, between two commits of a sequence; a forward commits several),
 dlrl_time_per_output_token_seconds, dlrl_e2e_request_latency_seconds,
-dlrl_request_queue_time_seconds, dlrl_request_latency_seconds{endpoint} (HTTP). Load:
+dlrl_request_latency_seconds{endpoint} (HTTP). Per request (a sequence: one sample of a prompt), as
+vLLM: dlrl_request_success_total{finished_reason} (stop, length, abort, error),
+dlrl_request_prompt_tokens, dlrl_request_generation_tokens, dlrl_request_params_max_tokens,
+dlrl_request_params_n (per prompt of an accepted request), and the time breakdown
+dlrl_request_queue_time_seconds (arrival to admission), dlrl_request_prefill_time_seconds
+(admission to the first committed block), dlrl_request_decode_time_seconds (first to last commit),
+dlrl_request_inference_time_seconds (admission to the last commit). Load:
 dlrl_num_requests_running / dlrl_num_requests_waiting (sequences), dlrl_kv_cache_pages_used /
 _total / dlrl_kv_cache_usage_perc, dlrl_kv_cache_refusals_total (engine steps that left a
 sequence waiting with a free slot but too few KV pages). Block diffusion: dlrl_forwards_total,
@@ -26,17 +37,20 @@ dlrl_records_dropped_total{reason} (never written), dlrl_record_ids_withheld_tot
 (answered without an id), dlrl_record_write_seconds, dlrl_record_queue (records waiting for the
 writer). Connections and auth: dlrl_connections_refused_total{reason} (limit, header_timeout,
 read_timeout: server.connections), dlrl_auth_failures_total{what,status} (failed admin/feedback
-token checks, 401/403/429: server.auth). Older names kept: dlrl_queue_depth,
-dlrl_running_sequences, dlrl_policy_version, dlrl_paused, dlrl_aborted_sequences, dlrl_max_batch_size.
+token checks, 401/403/429: server.auth). Also dlrl_paused, dlrl_max_batch_size. (The older duplicates
+dlrl_queue_depth, dlrl_running_sequences, dlrl_policy_version and dlrl_aborted_sequences are gone:
+read dlrl_num_requests_waiting, dlrl_num_requests_running, dlrl_served_version and
+dlrl_request_success_total{finished_reason="abort"}.)
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import Counter as Tally
 from collections import deque
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -46,7 +60,10 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from dllm.trace import FinishReason
+from store.types import ERROR_CAUSES
 
 if TYPE_CHECKING:
     from dllm.sequence import Sequence
@@ -56,11 +73,22 @@ if TYPE_CHECKING:
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _TPF_BUCKETS = (0.25, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 16, 32)
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_SIZE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)  # vLLM's 1-2-5
+_N_BUCKETS = (1, 2, 5, 10, 20, 50, 100)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 STORE_STATS_TTL_S = 5.0  # the store is read at most this often by scrapes
 
 _FORWARDS_WINDOW_S = 10.0  # dlrl_forwards_per_second counts the forwards of this window
+
+# the known label values of the labelled counters: each series exists at zero from the start
+ENDPOINTS = ("/generate", "/v1/completions", "/v1/chat/completions")
+FEEDBACK_STATUSES = ("400", "401", "403", "404", "409", "413", "429", "503")  # server/routes_feedback.py
+STORE_OPS, STORE_CAUSES = ("record", "feedback"), (*ERROR_CAUSES, "queue_full")  # server/store_health.py
+DROP_REASONS, WITHHELD_REASONS = ("queue_full", "refused", "error"), ("timeout", "store_failing")  # recording
+CONNECTION_REASONS = ("limit", "header_timeout", "read_timeout")  # server/connections.py
+AUTH_WHATS, AUTH_STATUSES = ("admin", "feedback"), ("401", "403", "429")  # server/auth_guard.py
+UPDATE_STEPS = ("begin", "commit")  # server/weight_updates.py
 
 
 class _Dynamic:
@@ -69,11 +97,12 @@ class _Dynamic:
     def __init__(self, metrics: ServerMetrics):
         self.m = metrics
 
-    def describe(self):
+    def describe(self) -> list[Metric]:
         return []
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         engine = self.m.engine
+        yield self.m.request_success()
         if engine is not None:
             info = GaugeMetricFamily("dlrl_model_info", "served model and weight version (value 1)",
                                      labels=["model_name", "version"])
@@ -95,6 +124,22 @@ class _Dynamic:
                 yield GaugeMetricFamily(name, text, value=float(stats.get(key) or 0))
 
 
+class _ModelLabelled:
+    """The registry as scraped: every sample gets the served model's `model_name` label (vLLM's
+    series all carry one), unless it has its own (dlrl_model_info)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: Callable[[], str | None]):
+        self.registry, self.model_name = registry, model_name
+
+    def collect(self) -> Iterable[Metric]:
+        name = self.model_name()
+        for family in self.registry.collect():
+            if name is not None:
+                family.samples = [s if "model_name" in s.labels else s._replace(labels={**s.labels, "model_name": name})
+                                  for s in family.samples]
+            yield family
+
+
 def kv_pages(engine: Engine) -> tuple[int, int] | None:
     """(used, total) pages of the backend's paged KV cache (dllm.kv_cache.KVCache), None without one
     (the one reading of it: /metrics and /health)."""
@@ -105,7 +150,7 @@ def kv_pages(engine: Engine) -> tuple[int, int] | None:
 
 
 class ServerMetrics:
-    def __init__(self, engine: Engine | None = None):
+    def __init__(self, engine: Engine | None = None) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.engine: Engine | None = None
         self.store: FeedbackStore | None = None  # set by server.recording when a store is open (store size gauges)
@@ -133,6 +178,20 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram("dlrl_request_queue_time_seconds", "arrival to admission into the batch",
                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.phase_time = {phase: Histogram(f"dlrl_request_{phase}_time_seconds", text, buckets=_LATENCY_BUCKETS,
+                                            registry=r)
+                           for phase, text in (("prefill", "admission to the first committed block of a sequence"),
+                                               ("decode", "first committed block to the last of a sequence"),
+                                               ("inference", "admission to the last committed block of a sequence"))}
+        self.request_prompt_tokens = Histogram("dlrl_request_prompt_tokens", "prompt tokens of a finished sequence",
+                                               buckets=_SIZE_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram("dlrl_request_generation_tokens", "tokens generated by a "
+                                                   "finished sequence", buckets=_SIZE_BUCKETS, registry=r)
+        self.params_max_tokens = Histogram("dlrl_request_params_max_tokens", "max_tokens of each prompt of an "
+                                           "accepted request", buckets=_SIZE_BUCKETS, registry=r)
+        self.params_n = Histogram("dlrl_request_params_n", "n (samples) of each prompt of an accepted request",
+                                  buckets=_N_BUCKETS, registry=r)
+        self._finished: Tally[str] = Tally()  # finish reason -> sequences (aborts: the engine's own count)
         self.kv_refusals = Counter("dlrl_kv_cache_refusals", "engine steps that left a sequence waiting with a "
                                    "free slot but too few free KV-cache pages", registry=r)
         self.records = Counter("dlrl_records", "served samples written to the feedback store", registry=r)
@@ -166,13 +225,47 @@ class ServerMetrics:
             "dlrl_connections_refused", "connections refused or closed by the server's bounds", ["reason"], registry=r)
         self.auth_failures = Counter("dlrl_auth_failures", "failed bearer-token checks (server.auth)",
                                      ["what", "status"], registry=r)
+        self._zero_labelled()
         self._max_batch = 0
         self._forward_times: deque[float] = deque()
         self._lock = threading.Lock()
         self._seq_times: dict[int, list[float]] = {}  # seq_id -> [first token, last commit, tokens at last commit]
         r.register(_Dynamic(self))
+        self._scraped = _ModelLabelled(r, lambda: None if self.engine is None else str(self.engine.model_name))
         if engine is not None:
             self.bind_engine(engine)
+
+    def _zero_labelled(self) -> None:
+        """Every labelled counter at zero for each of its known label values."""
+        for endpoint in ENDPOINTS:
+            self.requests.labels(endpoint=endpoint, status="200")
+        for status in FEEDBACK_STATUSES:
+            self.feedback_rejected.labels(status=status)
+        for op in STORE_OPS:
+            for cause in STORE_CAUSES:
+                self.store_errors.labels(op=op, cause=cause)
+        for reason in DROP_REASONS:
+            self.records_dropped.labels(reason=reason)
+        for reason in WITHHELD_REASONS:
+            self.record_ids_withheld.labels(reason=reason)
+        for step in UPDATE_STEPS:
+            self.update_refusals.labels(step=step)
+        for reason in CONNECTION_REASONS:
+            self.connections_refused.labels(reason=reason)
+        for what in AUTH_WHATS:
+            for status in AUTH_STATUSES:
+                self.auth_failures.labels(what=what, status=status)
+
+    def request_success(self) -> CounterMetricFamily:
+        """dlrl_request_success_total{finished_reason}: finished sequences by finish reason; aborts are the
+        engine's count (a sequence aborted while waiting never reaches a step)."""
+        family = CounterMetricFamily("dlrl_request_success", "finished sequences by finish reason",
+                                     labels=["finished_reason"])
+        for reason in FinishReason:
+            n = self.engine.num_aborted if reason is FinishReason.ABORT and self.engine is not None \
+                else self._finished[reason.value]
+            family.add_metric([reason.value], float(n))
+        return family
 
     def register_record_queue(self, depth: Callable[[], float]) -> None:
         Gauge("dlrl_record_queue", "records waiting for the store writer", registry=self.registry).set_function(depth)
@@ -180,22 +273,14 @@ class ServerMetrics:
     def bind_engine(self, engine: Engine) -> None:
         r = self.registry
         self.engine = engine
-        Gauge("dlrl_queue_depth", "sequences waiting for a slot", registry=r).set_function(
-            lambda: engine.num_waiting)
         Gauge("dlrl_num_requests_waiting", "sequences waiting for a slot", registry=r).set_function(
             lambda: engine.num_waiting)
-        Gauge("dlrl_running_sequences", "sequences being decoded", registry=r).set_function(
-            lambda: engine.num_running)
         Gauge("dlrl_num_requests_running", "sequences being decoded", registry=r).set_function(
             lambda: engine.num_running)
-        Gauge("dlrl_policy_version", "version of the served weights", registry=r).set_function(
-            lambda: engine.version)
         Gauge("dlrl_served_version", "weight version served now (after updates and rollbacks)",
               registry=r).set_function(lambda: engine.version)
         Gauge("dlrl_paused", "1 while admission is paused", registry=r).set_function(
             lambda: float(engine.is_paused))
-        Gauge("dlrl_aborted_sequences", "sequences aborted (client gone, pause)", registry=r).set_function(
-            lambda: engine.num_aborted)
         Gauge("dlrl_forwards_per_second", "batched forwards per second (last 10 s)", registry=r).set_function(
             self.forwards_per_second)
         engine.add_step_listener(self.observe_step)
@@ -250,10 +335,23 @@ class ServerMetrics:
             self.itl.observe((now - times[1]) / (num - times[2]))
             times[1:] = [now, num]
         if seq.is_finished:
-            self.e2e.observe(now - arrived)
-            self._seq_times.pop(seq.seq_id, None)
-            if times is not None and times[2] > 1:
-                self.tpot.observe((times[1] - times[0]) / (times[2] - 1))
+            self._observe_finished(seq, now - arrived, times)
+
+    def _observe_finished(self, seq: Sequence, e2e: float, times: list[float] | None) -> None:
+        """A sequence's end: latency, size, finish reason and its time breakdown (vLLM's phases)."""
+        self.e2e.observe(e2e)
+        self._seq_times.pop(seq.seq_id, None)
+        if seq.finish_reason != FinishReason.ABORT:  # aborts: the engine's count (request_success)
+            self._finished[str(seq.finish_reason)] += 1
+        self.request_prompt_tokens.observe(len(seq.prompt_ids))
+        self.request_generation_tokens.observe(len(seq.completion_ids))
+        if times is not None and times[2] > 1:
+            self.tpot.observe((times[1] - times[0]) / (times[2] - 1))
+        admitted = getattr(seq, "admitted_at", None)
+        if times is not None and admitted is not None:
+            self.phase_time["prefill"].observe(max(0.0, times[0] - admitted))
+            self.phase_time["decode"].observe(times[1] - times[0])
+            self.phase_time["inference"].observe(max(0.0, times[1] - admitted))
 
     def observe_request(self, endpoint: str, status: int, seconds: float | None = None,
                         prompt_tokens: int = 0) -> None:
@@ -263,12 +361,18 @@ class ServerMetrics:
         if seconds is not None:
             self.latency.labels(endpoint=endpoint).observe(seconds)
 
+    def observe_params(self, n: int, max_tokens: Iterable[int]) -> None:
+        """dlrl_request_params_{n,max_tokens}: one observation per prompt of an accepted request."""
+        for num in max_tokens:
+            self.params_n.observe(n)
+            self.params_max_tokens.observe(num)
+
     def observe_feedback_status(self, status: int) -> None:
         self.feedback_received.inc()
         if status >= 400:
             self.feedback_rejected.labels(status=str(status)).inc()
 
-    def store_stats(self) -> dict | None:
+    def store_stats(self) -> dict[str, Any] | None:
         """The store's size (cached STORE_STATS_TTL_S); None without a store or when it cannot be read."""
         if self.store is None:
             return None
@@ -282,4 +386,4 @@ class ServerMetrics:
         return stats
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._scraped)  # type: ignore[arg-type,unused-ignore]  # any object with collect()

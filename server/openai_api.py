@@ -5,7 +5,10 @@
 
 Streams send one `data: {chunk}` event per committed block of each choice (the block's
 new text), a last chunk per choice with its finish_reason (and its logprobs, when asked),
-an optional usage chunk (`stream_options={"include_usage": true}`), then `data: [DONE]`.
+an optional usage chunk (`stream_options={"include_usage": true}`), then `data: [DONE]`; with
+`stream_options={"continuous_usage_stats": true}` every chunk also carries its choice's usage so
+far (its prompt's tokens, the completion tokens streamed; as vLLM). Chat `tools` / `tool_choice`
+are refused (400 naming the field): no tool-call parser reads block-diffusion output.
 Text that could still be the start of a stop string is held back until the next block
 says whether it is one, so streamed text always equals the non-streamed text.
 dLLM options (strategy, steps, threshold, top_k, seed, return_trace, ...) are extra
@@ -215,12 +218,20 @@ def _stream(request: Request, endpoint: str, body: OpenAIBase, seqs: list[Sequen
 
     async def body_iter() -> AsyncIterator[str]:
         assert body.n is not None, "null means the default (_NullIsDefault)"
-        t0, sent = time.perf_counter(), [""] * len(seqs)
+        t0, sent, num_sent = time.perf_counter(), [""] * len(seqs), [0] * len(seqs)
+
+        def with_usage(out: Any, i: int) -> Any:  # continuous_usage_stats: the choice's usage so far
+            if body.continuous_usage():
+                prompt = len(seqs[i].prompt_ids)
+                out.usage = Usage(prompt_tokens=prompt, completion_tokens=num_sent[i],
+                                  total_tokens=prompt + num_sent[i])
+            return out
+
         for i in range(len(seqs)):
             first = chunk(rid, i, prefixes[i // body.n] if prefixes else "", None)
             if is_chat:
                 first.choices[0].delta.role = "assistant"
-            yield _sse(first)
+            yield _sse(with_usage(first, i))
         try:
             async for kind, i, payload in events:
                 done = kind == EngineEvent.DONE
@@ -228,13 +239,14 @@ def _stream(request: Request, endpoint: str, body: OpenAIBase, seqs: list[Sequen
                 delta = text[len(sent[i]):] if text.startswith(sent[i]) else ""
                 if delta or done:
                     sent[i] += delta
+                    num_sent[i] = len(seqs[i].completion_ids if done else payload[0])
                     lp = await st.prompts.run(logprobs, seqs[i]) if done else None
                     out = chunk(rid, i, delta, seqs[i].finish_reason if done else None, lp)
                     if done and body.return_trace:
                         out.choices[0] = out.choices[0].model_copy(update=_extras(seqs[i], body))
                     if done:
                         out.choices[0].record_id = await record_one(st.recorder, seqs[i], prompts[i // body.n] if prompts else None)
-                    yield _sse(out)
+                    yield _sse(with_usage(out, i))
         except APIError as e:  # past the request's deadline: its status, in the stream (the 200 went out)
             yield _sse(error_body(e.status, e.message))
         except RuntimeError as e:

@@ -29,22 +29,18 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from dllm.embedded.sft import SFTStopped
 from dllm.embedded.tiny import TINY_SECTIONS
 from dlrl_config import ConfigError, load_sections
 from dlrl_config.cli import add_check_args, print_check
-from rollout_client.client import AdminError, RolloutError
 from trainer.config import ServerKeys, TrainConfig
-from trainer.dist import RankError, select_device
-from trainer.fleet import FleetError
 from trainer.guards import previous_run
-from trainer.loop import StopRequested, train_loop
 from trainer.metrics_log import read_jsonl
-from trainer.preflight import train_problems
-from trainer.publish import Publisher
-from trainer.run import build_run
-from weight_sync import WeightSyncError
+
+if TYPE_CHECKING:  # torch, deepspeed: imported once the command runs (--help and --check never import them)
+    from trainer.publish import Publisher
 
 log = logging.getLogger("dlrl.train")
 
@@ -82,6 +78,8 @@ class Stopper:
         log.warning("%s: stopping at the end of this step (checkpoint, stop servers, exit 0)",
                     signal.Signals(signum).name)
         if self.publisher is not None and self.publisher.pushing:
+            from trainer.loop import StopRequested
+
             raise StopRequested(f"{signal.Signals(signum).name} during a push: aborting it")
 
 
@@ -118,13 +116,32 @@ def main(argv: list[str]) -> int:
     if args.check_config:
         return print_check("train", cfg)
     if os.environ.get("RANK", "0") == "0":  # before loading anything (other ranks wait for rank 0's errors)
-        problems = train_problems(cfg, root["server"])
+        from trainer.preflight import train_problems
+
+        problems = train_problems(cfg, root["server"], args.config, overrides)
         refusal = _previous_run_refusal(cfg)
         if problems or refusal:
-            print(f"dlrl train: error: {'; '.join(problems + ([refusal] if refusal else []))}", file=sys.stderr)
+            print("\n".join(f"dlrl train: error: {p}" for p in problems + ([refusal] if refusal else [])),
+                  file=sys.stderr)  # one problem per line
             return 2
     if args.check:
         return print_check("train", cfg)
+    return _run(cfg, root, args, argv, overrides)
+
+
+def _run(cfg: TrainConfig, root: dict[str, Any], args: argparse.Namespace, argv: list[str],
+         overrides: list[str]) -> int:
+    """The command itself, past the checks: torch and DeepSpeed are imported from here on."""
+    from trainer.extensions import ensure_extensions_dir
+
+    ensure_extensions_dir()  # DeepSpeed's op cache, also for the ranks started below (issue 38)
+    from rollout_client.client import AdminError, RolloutError
+    from trainer.dist import RankError, select_device
+    from trainer.fleet import FleetError
+    from trainer.loop import StopRequested
+    from trainer.run import build_run
+    from weight_sync import WeightSyncError
+
     try:
         select_device(cfg.device)  # before any rank starts: torchrun's ranks inherit it
     except ValueError as e:
@@ -159,6 +176,8 @@ def main(argv: list[str]) -> int:
 
 
 def _train(run, cfg, stopper: Stopper) -> int:
+    from trainer.loop import train_loop
+
     t0 = time.monotonic()
     if run.ranks.is_main:
         log.info("training %s on %s from version %d (%s, %s, %d rank(s), ZeRO-%d)", run.model_dir,

@@ -17,7 +17,7 @@ from dllm.options import SamplingOptions, Threshold
 from dllm.strategy import Strategy, StrategyField
 from dlrl_config import Config
 from trainer.correction import Level, Mode
-from trainer.objectives import objective_names
+from trainer.objective_registry import objective_names
 from trainer.rewards.sandbox import SandboxMode
 from trainer.trackers import Tracker
 from weight_sync.protocol import Transport

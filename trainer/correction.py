@@ -20,9 +20,10 @@ at `token` level (rho per token) or `sequence` level (rho = exp(sum over the sam
 from __future__ import annotations
 
 import typing
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:  # torch is imported where used: trainer.config reads Mode/Level without it
+    import torch
 
 Mode = Literal["none", "tis", "mis"]  # train.is_correction
 Level = Literal["token", "sequence"]  # train.is_level
@@ -41,6 +42,8 @@ def is_weights(log_ratio: torch.Tensor, mask: torch.Tensor, sample_idx: torch.Te
                cap: float) -> tuple[torch.Tensor, dict[str, float]]:
     """log_ratio [R, L] = old_trainer - behaviour; mask [R, L] scored tokens; sample_idx [R, L]
     (the sample each token belongs to). -> (weights [R, L], metrics)."""
+    import torch
+
     if mode not in MODES or level not in LEVELS or cap < 1:
         raise ValueError(f"is_correction={mode!r}, is_level={level!r}, is_cap={cap}: expected one of {MODES}, "
                          f"one of {LEVELS} and a cap >= 1")

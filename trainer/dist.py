@@ -64,12 +64,16 @@ def init_process_group() -> None:
     launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    from trainer.extensions import announced_build, ensure_extensions_dir
+
+    ensure_extensions_dir()  # before DeepSpeed builds its ops: one stable cache (issue 38)
     import deepspeed  # after the env: DS_ACCELERATOR is read on first use
 
     if not launched:
         os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed's engine reads it
         torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+    with announced_build(cpu=not has_cuda):
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
 
 
 @dataclass(frozen=True)

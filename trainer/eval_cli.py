@@ -36,13 +36,10 @@ from dlrl_config.cli import add_check_args, config_file, print_check
 from rollout_client.client import RolloutError
 from trainer.config import ServerKeys
 from trainer.data import report
-from trainer.eval_check import check_served
 from trainer.evaluate import evaluate, format_table, load_eval_examples, make_settings, write_results
-from trainer.fleet import ServerFleet
-from trainer.local_servers import LocalServer, new_token
+from trainer.local_servers import LocalServer, new_token, resolve_token
 from trainer.preflight import eval_problems
 from trainer.rewards import build_reward
-from trainer.run import resolve_token
 
 log = logging.getLogger("dlrl.eval")
 
@@ -106,6 +103,9 @@ def load_examples(cfg: EvalConfig, task) -> list[dict]:
 def run(cfg: EvalConfig, task, config_path: str | None, overrides: list[str], server_keys=None) -> tuple[list, dict]:
     """Evaluate against `cfg.servers`, starting local ones where none answers (once per block
     size: a started server is restarted with each). -> (results, what each server held)."""
+    from trainer.eval_check import check_served  # torch: only once the command runs (not --help, --check)
+    from trainer.fleet import ServerFleet
+
     model_dir = resolve_model(cfg.model, "eval.model") if cfg.model else None
     if cfg.own_server:
         cfg = cfg.replace(servers=[free_url()], start_server=True)
@@ -157,9 +157,9 @@ def main(argv: list[str]) -> int:
         ap.error(str(e))
     if not args.check_config:  # before loading anything
 
-        problems = eval_problems(cfg, root["server"])
+        problems = eval_problems(cfg, root["server"], config_path, args.overrides)
         if problems:
-            print(f"dlrl eval: error: {'; '.join(problems)}", file=sys.stderr)
+            print("\n".join(f"dlrl eval: error: {p}" for p in problems), file=sys.stderr)  # one per line
             return 2
     if args.check or args.check_config:
         return print_check("eval", cfg)

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 from rollout_client.client import AdminError, RolloutClient
 from rollout_client.protocol.rollout import Rollout
 from trainer.local_servers import is_local
-from weight_sync import ServerRestarted, WeightSender, WeightSyncError
+from weight_sync.errors import ServerRestarted, WeightSyncError
 
 log = logging.getLogger("dlrl.train")
 T = TypeVar("T")
@@ -180,6 +180,8 @@ class ServerFleet:
         key = tuple(urls or self.urls)
         sender = self._senders.get(key)
         if sender is None:
+            from weight_sync import WeightSender  # torch: only once weights move (not in --help / --check)
+
             opts = self.sync_options
             sender = self._senders[key] = WeightSender(
                 list(key), transport=opts.get("transport", "shm"), token=self.token, dtype="auto",

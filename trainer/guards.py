@@ -12,8 +12,6 @@ import logging
 import shutil
 from pathlib import Path
 
-from trainer.fleet import FleetError
-
 log = logging.getLogger("dlrl.train")
 
 
@@ -42,6 +40,8 @@ def check_served_model(fleet, cfg, name: str) -> list[str]:
         return []
     held = ", ".join(f"{u} serves {n!r}" for u, n in others.items())
     if not cfg.take_over_servers:
+        from trainer.fleet import FleetError  # (weight_sync, torch) only when it is raised
+
         raise FleetError(f"{held}, not the model being trained ({name!r}, train.model={cfg.model or '<default>'}): "
                          "refusing to overwrite its weights. Point train.servers at servers of this model, or "
                          "set train.take_over_servers=true to train them anyway (they are renamed to "

@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 log = logging.getLogger("dlrl.train")
@@ -36,8 +37,41 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
         pass
 
 
+ADDRESS_KEYS = ("server.host", "server.port")  # a started server's address is its URL's: never forwarded
+
+
 def is_local(url: str) -> bool:
     return urlparse(url).hostname in ("127.0.0.1", "localhost", "::1")
+
+
+def serve_command(url: str, config_path: str | None, model: str, overrides: list[str]) -> list[str]:
+    """The `dlrl serve` command line of the local server for `url`: --host/--port from the URL, the
+    run's config file, `server.model`, and the `server.*` overrides but server.host/server.port (the
+    server refuses a key given both as --port and server.port=...; address_problems reports them)."""
+    u = urlparse(url)
+    cmd = [sys.executable, "-m", "dlrl.cli", "serve", "--host", u.hostname or "127.0.0.1", "--port", str(u.port or 80)]
+    if config_path:
+        cmd += ["--config", str(config_path)]
+    if model:
+        cmd += [f"server.model={model}"]
+    return cmd + [o for o in overrides if o.startswith("server.") and o.split("=", 1)[0] not in ADDRESS_KEYS]
+
+
+def address_problems(urls: list[str], overrides: list[str], prefix: str) -> list[str]:
+    """A server.host / server.port override that no local server of `urls` would use: local servers
+    are started on their URL's host and port, so name the conflict instead of ignoring the key."""
+    local = [urlparse(u) for u in urls if is_local(u)]
+    problems = []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key not in ADDRESS_KEYS or not local:
+            continue
+        have = {str(u.port or 80) for u in local} if key == "server.port" else {u.hostname or "" for u in local}
+        if value.strip() not in have:
+            problems.append(f"{key}={value}: the servers dlrl {prefix} starts listen where {prefix}.servers says "
+                            f"({', '.join(u.geturl() for u in local)}); drop {key}, or put the address in "
+                            f"{prefix}.servers (e.g. servers=[http://127.0.0.1:{value if key == 'server.port' else 8000}])")
+    return problems
 
 
 class LocalServer:
@@ -45,14 +79,7 @@ class LocalServer:
 
     def __init__(self, url: str, config_path: str | None, model: str, overrides: list[str], token: str,
                  log_path: Path):
-        u = urlparse(url)
-        cmd = [sys.executable, "-m", "dlrl.cli", "serve", "--host", u.hostname or "127.0.0.1",
-               "--port", str(u.port or 80)]
-        if config_path:
-            cmd += ["--config", str(config_path)]
-        if model:
-            cmd += [f"server.model={model}"]
-        cmd += [o for o in overrides if o.startswith("server.")]
+        cmd = serve_command(url, config_path, model, overrides)
         env = dict(os.environ, DLRL_ADMIN_TOKEN=token)
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
             env.pop(key, None)  # the server is not a rank of the trainer's job
@@ -87,3 +114,15 @@ def new_token() -> str:
 def read_token_file(path: str | Path) -> str:
     p = Path(path)
     return p.read_text().strip() if p.is_file() else ""
+
+
+def resolve_token(cfg: Any, server: Any) -> str:
+    """The admin token the trainer pushes with: train.admin_token, env DLRL_ADMIN_TOKEN, then
+    the config's server.admin_token / server.admin_token_file (`server`: the ServerKeys view)."""
+    if cfg.admin_token:
+        return cfg.admin_token
+    if os.environ.get("DLRL_ADMIN_TOKEN"):
+        return os.environ["DLRL_ADMIN_TOKEN"]
+    if server.admin_token:
+        return server.admin_token
+    return read_token_file(server.admin_token_file) if server.admin_token_file else ""

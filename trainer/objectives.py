@@ -22,9 +22,15 @@ marks scored tokens; advantages [B,L] or [B]. Metrics are python floats.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
+
+from trainer.objective_registry import (  # noqa: F401  (re-exported: the registry's home is torch-free)
+    OBJECTIVES,
+    ObjectiveSpec,
+    objective_names,
+    register_objective,
+)
 
 Metrics = dict[str, float]
 
@@ -158,36 +164,9 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 
 
 # ---------------------------------------------------------------- the registry of train.objective
+# (trainer/objective_registry.py: torch-free, so trainer.config reads the names without torch)
 LossFn = Callable[..., tuple[torch.Tensor, Metrics]]  # (cfg, new_lp, old_lp, adv, mask, ref_lp, entropy, weights)
 MaskFn = Callable[[torch.Tensor, "torch.Generator | None"], tuple[list[torch.Tensor], list[torch.Tensor]]]
-
-
-@dataclass(frozen=True)
-class ObjectiveSpec:
-    """One `train.objective`: its loss from the train config, and `masks` for the masked-diffusion
-    baselines (valid [B,L] -> (masks, ts): the rows are fresh random masks with 1/t ELBO weights,
-    `trainer.learner.baseline_rows`); None: the rows are the replayed trace steps."""
-
-    name: str
-    loss: LossFn
-    masks: MaskFn | None = None
-
-
-OBJECTIVES: dict[str, ObjectiveSpec] = {}
-
-
-def register_objective(name: str, masks: MaskFn | None = None) -> Callable[[LossFn], LossFn]:
-    """Decorator: `@register_objective("name")` over `loss(cfg, new_lp, old_lp, adv, mask, ref_lp,
-    entropy, weights) -> (loss, metrics)` makes `train.objective=name` valid (register before
-    trainer.config is imported: its choices are the names registered then)."""
-
-    def deco(fn: LossFn) -> LossFn:
-        if name in OBJECTIVES:
-            raise ValueError(f"objective {name!r} is already registered")
-        OBJECTIVES[name] = ObjectiveSpec(name, fn, masks)
-        return fn
-
-    return deco
 
 
 def _one_mask(valid: torch.Tensor, generator) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -215,9 +194,3 @@ def _dipo(cfg, new_lp, old_lp, adv, mask, ref_lp=None, entropy=None, weights=Non
     """DiPO's asymmetric clip [1 - eps_low, 1 + eps_high]."""
     return dipo_loss(new_lp, old_lp, adv, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high, ref_logprobs=ref_lp,
                      kl_coef=cfg.kl_coef, log_ratio_clip=cfg.log_ratio_clip, entropy=entropy, weights=weights)
-
-
-def objective_names() -> tuple[str, ...]:
-    """The registered names, built-ins first (in the order of train.objective's help)."""
-    order = ("tracerl", "dipo", "random_masking", "coupled")
-    return tuple(n for n in order if n in OBJECTIVES) + tuple(n for n in OBJECTIVES if n not in order)

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from urllib.parse import urlparse
 
 import httpx
@@ -16,9 +17,8 @@ import httpx
 from dllm.hub import model_problem
 from dlrl_config.cli import port_problem
 from trainer.data import source_problem
-from trainer.local_servers import is_local
+from trainer.local_servers import address_problems, is_local, resolve_token, serve_command
 from trainer.rewards import load_reward_fn
-from trainer.run import resolve_token
 from trainer.trackers import missing_trackers
 
 
@@ -39,11 +39,29 @@ def reward_problem(spec: str, key: str) -> str:
     return ""
 
 
+def start_problem(url: str, launch: tuple[str | None, str, list[str]], prefix: str) -> str:
+    """What the server this command would start at `url` refuses at start (`launch`: config file,
+    model, overrides): its own `dlrl serve --check-config` on the same command line (no torch)."""
+    config_path, model, overrides = launch
+    cmd = serve_command(url, config_path, model, overrides) + ["--check-config"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{prefix}.servers ({url}): could not check the server it would start: {e}"
+    if proc.returncode == 0:
+        return ""
+    _, found, said = proc.stderr.partition("dlrl serve: error: ")
+    why = "; ".join(line.removeprefix("dlrl serve: error: ") for line in said.strip().splitlines()) if found \
+        else f"exit code {proc.returncode}"
+    return f"{prefix}.servers ({url}): the server it would start refuses its config: {why}"
+
+
 def server_problems(urls: list[str], token: str, start_server: bool, prefix: str, needs_token: bool,
-                    why: str = "") -> list[str]:
+                    why: str = "", launch: tuple[str | None, str, list[str]] | None = None) -> list[str]:
     """For each server: answering -> it must accept `token` (when `needs_token` or a token is given);
-    not answering -> local and `start_server`, with its port free."""
-    problems = []
+    not answering -> local and `start_server`, with its port free and (with `launch`: the config file,
+    model and overrides it would be started with) a config the server accepts."""
+    problems = address_problems(urls, launch[2], prefix) if launch is not None else []
     for url in urls:
         url = url.rstrip("/")
         try:
@@ -59,6 +77,8 @@ def server_problems(urls: list[str], token: str, start_server: bool, prefix: str
                 problems.append(port_problem(u.hostname or "127.0.0.1", u.port or 80,
                                              f"{prefix}.servers ({url}: nothing answers there, and the server "
                                              "it would start needs the port; server.port)"))
+                if launch is not None:
+                    problems.append(start_problem(url, launch, prefix))
             continue
         if not token:
             if needs_token:
@@ -77,18 +97,18 @@ def server_problems(urls: list[str], token: str, start_server: bool, prefix: str
     return [p for p in problems if p]
 
 
-def train_problems(cfg, server_keys) -> list[str]:
+def train_problems(cfg, server_keys, config_path: str | None = None, overrides: list[str] | None = None) -> list[str]:
     problems = [model_problem(cfg.model, "train.model"), data_problem(cfg.data, "train.data"),
                 data_problem(cfg.eval_data, "train.eval_data")]
     if cfg.reward not in ("code", "code_strict"):  # a code reward's sandbox is checked when built
         problems.append(reward_problem(cfg.reward, "train.reward"))
     problems.append(missing_trackers([t for t in cfg.report_to if t != "tensorboard" or cfg.tensorboard]))
     problems += server_problems(cfg.servers, resolve_token(cfg, server_keys), cfg.start_server, "train",
-                                needs_token=True)
+                                needs_token=True, launch=(config_path, cfg.model, list(overrides or [])))
     return [p for p in problems if p]
 
 
-def eval_problems(cfg, server_keys) -> list[str]:
+def eval_problems(cfg, server_keys, config_path: str | None = None, overrides: list[str] | None = None) -> list[str]:
     problems = [model_problem(cfg.model, "eval.model"), data_problem(cfg.data, "eval.data")]
     if cfg.reward:
         problems.append(reward_problem(cfg.reward, "eval.reward"))
@@ -97,5 +117,6 @@ def eval_problems(cfg, server_keys) -> list[str]:
         problems += server_problems(cfg.servers, token, cfg.start_server, "eval",
                                     needs_token=bool(cfg.model) and cfg.verify == "checksum",
                                     why="to compare the weights it serves with eval.model (or set "
-                                        "eval.verify=name to compare model names only) ")
+                                        "eval.verify=name to compare model names only) ",
+                                    launch=(config_path, cfg.model, list(overrides or [])))
     return [p for p in problems if p]

@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import os
 import shutil
 import uuid
 from collections.abc import Callable
@@ -43,7 +42,7 @@ from trainer.faults import Faults
 from trainer.fleet import ServerFleet
 from trainer.guards import check_served_model, clear_previous_run, previous_run
 from trainer.learner import Learner
-from trainer.local_servers import LocalServer, new_token, read_token_file
+from trainer.local_servers import LocalServer, new_token, resolve_token  # noqa: F401  (resolve_token: re-exported)
 from trainer.metrics_log import MetricsLogger, plot_curves
 from trainer.publish import Publisher
 from trainer.rewards import build_reward
@@ -165,18 +164,6 @@ class Run:
 
 
 # ---------------------------------------------------------------------------------- building
-def resolve_token(cfg, server) -> str:
-    """The admin token the trainer pushes with: train.admin_token, env DLRL_ADMIN_TOKEN, then
-    the config's server.admin_token / server.admin_token_file (`server`: the ServerKeys view)."""
-    if cfg.admin_token:
-        return cfg.admin_token
-    if os.environ.get("DLRL_ADMIN_TOKEN"):
-        return os.environ["DLRL_ADMIN_TOKEN"]
-    if server.admin_token:
-        return server.admin_token
-    return read_token_file(server.admin_token_file) if server.admin_token_file else ""
-
-
 def load_examples(cfg, task, tokenizer) -> tuple[list[dict], list[dict]]:
     """-> (train examples, held-out examples); each has `prompt` and `answer`. Held out:
     `train.eval_data` when given, else the first tenth of `train.data` (at most eval_size).

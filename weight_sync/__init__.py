@@ -15,22 +15,54 @@ receiver.py + staging.py (server side), errors.py (errors with HTTP statuses),
 transports/{shm,dist,http,cuda_ipc}.py (data planes). Imports neither server, trainer nor dllm.
 """
 
-from weight_sync.errors import (
-    ManifestError,
-    NonFiniteWeights,
-    NotOwner,
-    ServerRestarted,
-    UpdateConflict,
-    UpdateFailed,
-    WeightSyncError,
-)
-from weight_sync.manifest import Manifest, weights_digest
-from weight_sync.receiver import WeightReceiver
-from weight_sync.sender import WeightSender, push
-from weight_sync.sources import drain, iter_deepspeed_params
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "Manifest", "ManifestError", "NonFiniteWeights", "NotOwner", "ServerRestarted", "UpdateConflict", "UpdateFailed", "WeightReceiver",
-    "WeightSender", "WeightSyncError", "drain", "iter_deepspeed_params", "push",
-    "weights_digest",
-]
+# name -> its module; imported on first use (PEP 562), so `weight_sync.protocol` (the wire schemas,
+# torch-free) is read without torch: `dlrl ... --help` and `--check` never import torch
+_EXPORTS = {
+    **dict.fromkeys(("ManifestError", "NonFiniteWeights", "NotOwner", "ServerRestarted", "UpdateConflict",
+                     "UpdateFailed", "WeightSyncError"), "weight_sync.errors"),
+    "Manifest": "weight_sync.manifest", "weights_digest": "weight_sync.manifest",
+    "WeightReceiver": "weight_sync.receiver", "WeightSender": "weight_sync.sender", "push": "weight_sync.sender",
+    "drain": "weight_sync.sources", "iter_deepspeed_params": "weight_sync.sources",
+}
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from weight_sync.errors import (
+        ManifestError as ManifestError,
+    )
+    from weight_sync.errors import (
+        NonFiniteWeights as NonFiniteWeights,
+    )
+    from weight_sync.errors import (
+        NotOwner as NotOwner,
+    )
+    from weight_sync.errors import (
+        ServerRestarted as ServerRestarted,
+    )
+    from weight_sync.errors import (
+        UpdateConflict as UpdateConflict,
+    )
+    from weight_sync.errors import (
+        UpdateFailed as UpdateFailed,
+    )
+    from weight_sync.errors import (
+        WeightSyncError as WeightSyncError,
+    )
+    from weight_sync.manifest import Manifest as Manifest
+    from weight_sync.manifest import weights_digest as weights_digest
+    from weight_sync.receiver import WeightReceiver as WeightReceiver
+    from weight_sync.sender import WeightSender as WeightSender
+    from weight_sync.sender import push as push
+    from weight_sync.sources import drain as drain
+    from weight_sync.sources import iter_deepspeed_params as iter_deepspeed_params
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'weight_sync' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

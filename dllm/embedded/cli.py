@@ -14,7 +14,6 @@ from dlrl_config.cli import print_check
 
 
 def sft_main(argv: list[str]) -> int:
-    from dllm.embedded.sft import SFTStopped, run_sft
     from dllm.embedded.tiny import load_tiny_sections
 
     ap = argparse.ArgumentParser(prog="dlrl sft", description="block-diffusion SFT of the embedded default")
@@ -29,6 +28,8 @@ def sft_main(argv: list[str]) -> int:
         ap.error(str(e))
     if args.check:
         return print_check("sft", arch, task, sft)
+    from dllm.embedded.sft import SFTStopped, run_sft  # torch: only once there is something to train
+
     try:
         metrics = run_sft(arch, task, sft)
     except SFTStopped as e:

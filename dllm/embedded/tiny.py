@@ -15,7 +15,7 @@ import fcntl
 import logging
 from pathlib import Path
 
-from dllm.embedded.sft import SFTConfig, TinyModelConfig, make_model_config, run_sft
+from dllm.embedded.sft_config import SFTConfig, TinyModelConfig
 from dllm.embedded.task import ArithmeticTask
 from dlrl_config import Config, load_sections
 
@@ -48,6 +48,8 @@ def ensure_default_model(arch: TinyModelConfig, task: ArithmeticTask, sft: SFTCo
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / "config.json").is_file():
+            from dllm.embedded.sft import run_sft
+
             log.info("no model at %s yet: training the embedded default (SFT, ~1-2 min on CPU)", out)
             run_sft(arch, task, sft)
     return out
@@ -64,6 +66,7 @@ def random_tiny_folder(path: str | Path, arch: TinyModelConfig | None = None, se
     trained model. `random_tiny_folder(tmp, **SMALL_ARCH)` is the test suite's."""
     import torch
 
+    from dllm.embedded.sft import make_model_config
     from dllm.model import SDARForCausalLM
     from dllm.tokenizer import build_char_tokenizer
     from dllm.weights import save_pretrained

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from rollout_client.protocol.common import (
     MAX_TOKENS_CAP,
@@ -89,6 +89,23 @@ class ChatCompletionRequest(OpenAIBase):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), Integral] | None = Field(
         None, description="k most likely tokens per position (used when logprobs is true)")
     add_generation_prompt: bool | None = True
+    tools: list[Any] | None = Field(None, description="not supported: a non-empty list is a 400 naming `tools`")
+    tool_choice: Any = Field(None, description='not supported: anything but "none" is a 400 naming `tool_choice`')
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _no_tools(cls, v: Any) -> Any:
+        if v:
+            raise ValueError("tools are not supported by this server (no tool-call parser for block-diffusion "
+                             "output); drop `tools`")
+        return v
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _no_tool_choice(cls, v: Any) -> Any:
+        if v is not None and v != "none":
+            raise ValueError('tool calls are not supported by this server; drop `tool_choice` (or send "none")')
+        return v
 
 
 class TopLogprob(BaseModel):

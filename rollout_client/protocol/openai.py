@@ -33,7 +33,9 @@ from rollout_client.protocol.sample import SampleExtras
 
 
 class StreamOptions(NullIsDefault):
-    include_usage: bool | None = False
+    include_usage: bool | None = Field(False, description="a last chunk with the request's usage")
+    continuous_usage_stats: bool | None = Field(False, description="usage in every chunk (as vLLM): the "
+                                                "choice's prompt and its completion tokens so far")
 
 
 class OpenAIBase(DecodingOptions):
@@ -58,6 +60,9 @@ class OpenAIBase(DecodingOptions):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 def _no_echo_logprobs(schema: dict[str, Any]) -> None:

@@ -77,8 +77,21 @@ def test_dashboard_is_valid_grafana_json():
         assert expr.count("{") == expr.count("}"), (title, expr)
     titles = " ".join(p["title"].lower() for p in dash["panels"])
     for topic in ("first token", "kv-cache", "weight version", "weight update", "promotions and rollbacks",
-                  "feedback rates", "feedback to serving", "tokens per second", "step time"):
+                  "feedback rates", "feedback to serving", "tokens per second", "step time", "finish reason",
+                  "request sizes", "time per request by phase"):
         assert topic in titles, topic
+
+
+def test_server_queries_filter_on_the_model_variable():
+    """Every server series carries model_name (issue 38): each query of a server metric selects the
+    dashboard's `model` variable; trainer and align series (no model_name) do not."""
+    dash = _dashboard()
+    [var] = dash["templating"]["list"]
+    assert var["name"] == "model_name" and "dlrl_model_info" in var["definition"] and var["includeAll"]
+    for title, expr in _queries(dash):
+        for m in re.finditer(r"\b(dlrl_[a-z0-9_]+)(\{[^}]*\})?", expr):
+            scoped = 'model_name=~"$model_name"' in (m.group(2) or "")
+            assert scoped == (not m.group(1).startswith(("dlrl_train_", "dlrl_align_"))), (title, expr)
 
 
 def test_every_query_reads_an_exported_metric(exported):

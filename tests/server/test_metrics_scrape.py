@@ -17,19 +17,25 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN, FEEDBACK = "scrape-admin", "scrape-feedback"
 
 
-def families(text: str) -> dict[str, dict[tuple, float]]:
-    """family name -> {(sample name, sorted labels): value}; every line must parse."""
+def families(text: str, model_names: set[str] | None = None) -> dict[str, dict[tuple, float]]:
+    """family name -> {(sample name, sorted labels but model_name): value}; every line must parse.
+    The model_name labels seen are added to `model_names` (dlrl_model_info's own excepted)."""
     out: dict[str, dict[tuple, float]] = {}
     for fam in text_string_to_metric_families(text):
         samples = out.setdefault(fam.name, {})
         for s in fam.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+            labels = dict(s.labels)
+            if fam.name != "dlrl_model_info":
+                name = labels.pop("model_name", None)
+                if model_names is not None:
+                    model_names.add(str(name))
+            samples[(s.name, tuple(sorted(labels.items())))] = s.value
     return out
 
 
@@ -114,6 +120,53 @@ def test_server_metrics_parse_and_count_what_happened(served):
     assert value(fams, "dlrl_feedback", "dlrl_feedback_total") == 1
     assert value(fams, "dlrl_store_records") == 5 and value(fams, "dlrl_store_feedback") == 1
     assert value(fams, "dlrl_store_bytes") > 0
+
+
+def test_vllm_request_metrics_count_the_requests_and_every_series_names_the_model(served):
+    """Issue 38: finish reasons, request sizes, the per-request time breakdown, `model_name` on every
+    series, labelled counters at zero before their first event, no duplicate series."""
+    srv, _ = served
+    seen: set[str] = set()
+    fams = families(httpx.get(srv.url + "/metrics", timeout=10).text, seen)
+    [(info, _)] = list(fams["dlrl_model_info"].items())
+    assert seen == {dict(info[1])["model_name"]}  # every sample of every family, one served model
+    # the traffic: 3 prompts (n=1 max 8, n=1 max 12 streamed, n=3 max 8) = 5 sequences
+    assert value(fams, "dlrl_request_params_n", "dlrl_request_params_n_count") == 3
+    assert value(fams, "dlrl_request_params_n", "dlrl_request_params_n_sum") == 5
+    assert value(fams, "dlrl_request_params_max_tokens", "dlrl_request_params_max_tokens_sum") == 8 + 12 + 8
+    assert value(fams, "dlrl_request_params_max_tokens", "dlrl_request_params_max_tokens_bucket", le="10.0") == 2
+    finished = {reason: value(fams, "dlrl_request_success", "dlrl_request_success_total", finished_reason=reason)
+                for reason in ("stop", "length", "abort", "error")}
+    assert finished["stop"] + finished["length"] == 5 and finished["abort"] == finished["error"] == 0, finished
+    assert value(fams, "dlrl_request_prompt_tokens", "dlrl_request_prompt_tokens_count") == 5
+    assert value(fams, "dlrl_request_generation_tokens", "dlrl_request_generation_tokens_count") == 5
+    generated = value(fams, "dlrl_request_generation_tokens", "dlrl_request_generation_tokens_sum")
+    assert 5 <= generated <= value(fams, "dlrl_generation_tokens", "dlrl_generation_tokens_total")  # decoding may
+    # commit a block's tokens past EOS or a stop string: counted decoded, cut from the completion
+    sums = {}
+    for phase in ("queue", "prefill", "decode", "inference"):
+        name = f"dlrl_request_{phase}_time_seconds"
+        assert value(fams, name, name + "_count") == 5, phase
+        sums[phase] = value(fams, name, name + "_sum")
+    assert sums["prefill"] > 0 and sums["inference"] >= sums["prefill"] + sums["decode"] - 1e-6, sums
+    # labelled counters exist at zero before their first event
+    zero = {("dlrl_weight_update_refusals", (("step", "commit"),)), ("dlrl_feedback_rejected", (("status", "404"),)),
+            ("dlrl_store_errors", (("cause", "disk_full"), ("op", "record"))),
+            ("dlrl_store_errors", (("cause", "unavailable"), ("op", "feedback"))),
+            ("dlrl_records_dropped", (("reason", "queue_full"),)), ("dlrl_record_ids_withheld", (("reason", "timeout"),)),
+            ("dlrl_connections_refused", (("reason", "limit"),)),
+            ("dlrl_auth_failures", (("status", "401"), ("what", "feedback"))),
+            ("dlrl_requests", (("endpoint", "/v1/chat/completions"), ("status", "200")))}
+    for family, labels in zero:
+        assert fams[family][(family + "_total", labels)] == 0, (family, labels)
+    for gone in ("dlrl_queue_depth", "dlrl_running_sequences", "dlrl_policy_version", "dlrl_aborted_sequences"):
+        assert gone not in fams, gone
+    # a stream the client leaves: its sequence counts as an abort
+    with httpx.stream("POST", srv.url + "/v1/completions", timeout=60, json={
+            "prompt": "9+9=", "max_tokens": 100, "ignore_eos": True, "stream": True}) as s:
+        next(s.iter_lines())
+    wait_until(lambda: value(families(httpx.get(srv.url + "/metrics", timeout=10).text), "dlrl_request_success",
+                             "dlrl_request_success_total", finished_reason="abort") == 1, 30, "the abort counted")
 
 
 def test_json_logs_carry_request_id_version_and_timing(served):

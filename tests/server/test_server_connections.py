@@ -139,8 +139,8 @@ def test_caps_reserve_and_header_timeout(srv):
     r = httpx.post(srv.url + "/generate", json={"prompt": "1+2=", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200, r.text
     metrics = httpx.get(srv.url + "/metrics", timeout=5).text
-    assert float(re.search(r'dlrl_connections_refused_total\{reason="limit"\} (\S+)', metrics)[1]) >= 36
-    assert float(re.search(r'dlrl_connections_refused_total\{reason="header_timeout"\} (\S+)', metrics)[1]) >= 44
+    assert float(re.search(r'dlrl_connections_refused_total\{model_name="[^"]+",reason="limit"\} (\S+)', metrics)[1]) >= 36
+    assert float(re.search(r'dlrl_connections_refused_total\{model_name="[^"]+",reason="header_timeout"\} (\S+)', metrics)[1]) >= 44
     health = httpx.get(srv.url + "/health", timeout=5).json()
     assert health["num_kv_pages_total"] > 0 and 0 <= health["num_kv_pages_used"] <= health["num_kv_pages_total"]
     assert health["num_free_slots"] == 2
@@ -189,8 +189,8 @@ def test_failing_admin_tokens_are_counted_logged_and_throttled(srv):
         time.sleep(int(r.headers["retry-after"]) + 0.2)
         assert c.get("/weights/version", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
         metrics = c.get("/metrics").text
-    assert float(re.search(r'dlrl_auth_failures_total\{status="403",what="admin"\} (\S+)', metrics)[1]) == 5
-    assert float(re.search(r'dlrl_auth_failures_total\{status="429",what="admin"\} (\S+)', metrics)[1]) == 2
+    assert float(re.search(r'dlrl_auth_failures_total\{model_name="[^"]+",status="403",what="admin"\} (\S+)', metrics)[1]) == 5
+    assert float(re.search(r'dlrl_auth_failures_total\{model_name="[^"]+",status="429",what="admin"\} (\S+)', metrics)[1]) == 2
     log = srv.log_path.read_text()
     assert "admin authentication failed (HTTP 403) from 127.0.0.1" in log
     assert "127.0.0.1 failed 5 times within 60s: throttled (429) for 3s" in log

@@ -37,7 +37,8 @@ def metric_values(url: str) -> dict[str, float]:
     out = {}
     for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
         for s in fam.samples:
-            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else "")
+            labels = {k: v for k, v in s.labels.items() if k != "model_name"}  # every server series has one
+            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}" if labels else "")
             out[key] = s.value
     return out
 
@@ -63,7 +64,7 @@ def test_concurrent_requests_share_forwards(server):
     assert m["dlrl_requests_total{endpoint=/generate,status=200}"] >= 8
     assert m["dlrl_batch_size_count"] > 0 and m["dlrl_tokens_per_forward_count"] > 0
     assert m["dlrl_generation_tokens_total"] >= 8 * 24
-    assert m["dlrl_policy_version"] == 0 and m["dlrl_queue_depth"] == 0
+    assert m["dlrl_served_version"] == 0 and m["dlrl_num_requests_waiting"] == 0
 
 
 @pytest.fixture(scope="module")

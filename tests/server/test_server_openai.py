@@ -66,6 +66,39 @@ def test_completion_stream_matches_non_stream(client, server):
     assert chunks[-1].usage.completion_tokens == 13
 
 
+def test_continuous_usage_stats_put_usage_in_every_chunk(client, server):
+    """stream_options.continuous_usage_stats (vLLM): each chunk carries its choice's usage so far."""
+    stream = client.completions.create(model=server.engine.model_name, prompt="7+8=", max_tokens=13, seed=9, n=2,
+                                       stream=True, extra_body={"ignore_eos": True},
+                                       stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = list(stream)
+    prompt = len(server.engine.tokenizer.encode("7+8=", add_special_tokens=False))
+    per_choice: dict[int, list[int]] = {0: [], 1: []}
+    for c in chunks[:-1]:
+        [choice] = c.choices
+        assert c.usage.prompt_tokens == prompt and c.usage.total_tokens == prompt + c.usage.completion_tokens
+        per_choice[choice.index].append(c.usage.completion_tokens)
+    for counts in per_choice.values():  # 0 on the first chunk, growing, all 13 on the finish chunk
+        assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 13 and len(counts) >= 3, counts
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 26  # include_usage's last chunk
+    chat = list(client.chat.completions.create(model=server.engine.model_name, max_tokens=6, seed=1, stream=True,
+                                               messages=[{"role": "user", "content": "hi"}],
+                                               stream_options={"continuous_usage_stats": True}))
+    assert chat and all(c.usage is not None and c.usage.prompt_tokens > 0 for c in chat)
+    assert chat[-1].choices[0].finish_reason and chat[-1].usage.completion_tokens >= 1
+
+
+def test_tools_are_a_400_naming_the_field(client, server):
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}
+    kwargs = dict(model=server.engine.model_name, messages=[{"role": "user", "content": "2+2"}], max_tokens=2)
+    for extra, param in (({"tools": [tool]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
+                         ({"tools": [tool], "tool_choice": "required"}, "tools")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**kwargs, **extra)
+        assert e.value.body["param"] == param and "not supported" in e.value.body["message"], e.value.body
+    assert client.chat.completions.create(**kwargs, tool_choice="none").choices  # "none" asks for no tool call
+
+
 def test_chat_stream(client, server):
     stream = client.chat.completions.create(model=server.engine.model_name, max_tokens=9, seed=2, n=2, stream=True,
                                             messages=[{"role": "user", "content": "hi"}])

@@ -5,6 +5,7 @@ requests in flight during a rollback all succeed."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -80,7 +81,8 @@ def test_rollback_restores_checksum_and_follows_the_kept_versions(make_server, t
     assert _rollback(url, 1).json()["digest"] == weights_digest(v1.hf_named_tensors())
     assert _get(url, "/weights/checksum")["version"] == 1
     metrics = httpx.get(url + "/metrics").text
-    assert "dlrl_rollbacks_total 2.0" in metrics and "dlrl_served_version 1.0" in metrics
+    assert re.search(r'^dlrl_rollbacks_total\{model_name="[^"]+"\} 2.0$', metrics, re.M)
+    assert re.search(r'^dlrl_served_version\{model_name="[^"]+"\} 1.0$', metrics, re.M)
     for body in ({"version": -1}, {"version": "one"}, {}, {"version": 1, "x": 0}):
         assert httpx.post(url + "/weights/rollback", json=body, headers=AUTH).status_code == 400
     assert httpx.post(url + "/weights/rollback", json={"version": 1}).status_code == 401

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import resource
 import signal
 import sqlite3
@@ -29,9 +30,14 @@ ADMIN, FEEDBACK = "admin-tok", "feedback-tok"
 FB = {"Authorization": f"Bearer {FEEDBACK}"}
 
 
+def _unlabelled(line: str) -> str:
+    """An exposition line without its model_name label (every server series has one)."""
+    return re.sub(r'model_name="[^"]*",?', "", line).replace(",}", "}").replace("{}", "")
+
+
 def _metric(url: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(url + "/metrics", timeout=10).text.splitlines()
-               if line.startswith(name))
+               if _unlabelled(line).startswith(name))
 
 
 def _generate(url: str, n: int = 4) -> list[str | None]:

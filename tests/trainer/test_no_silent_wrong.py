@@ -68,6 +68,17 @@ def test_yaml_typos_name_file_line_and_nearest_key(tmp_path):
         load_sections(cfg, [], sections, primary="train")
     with pytest.raises(ConfigError, match="did you mean 'num_steps'"):
         load_sections(None, ["num_step=3"], sections, primary="train")
+    # type errors too (issue 38): file:line for a file's value, one line per error; a command-line value has none
+    cfg.write_text("train:\n  lr: 0.1\n  num_steps: many\n  group_size: -2\n")
+    with pytest.raises(ConfigError) as e:
+        load_sections(cfg, [], sections, primary="train")
+    assert str(e.value).splitlines() == [
+        f"{cfg}:3: config key train.num_steps: Input should be a valid integer, unable to parse string as an "
+        "integer (got 'many')", f"{cfg}:4: config key train.group_size: Input should be greater than or equal to 1 "
+        "(got -2)"]
+    with pytest.raises(ConfigError) as e:
+        load_sections(cfg, ["num_steps=3", "group_size=x"], sections, primary="train")
+    assert str(e.value).startswith("config key train.group_size:") and "\n" not in str(e.value)
 
 
 def _train_config(tmp_path, url, model, **train):

@@ -24,25 +24,26 @@ import logging
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from dlrl_config import ConfigError, build, load_sections, parse_overrides
 from dlrl_config.cli import print_check
 from rollout_client.client import AdminError, RolloutError
 from store import open_store
 from trainer.align.config import AlignConfig, align_sections, check_train
-from trainer.align.console import Console
-from trainer.align.controller import Aligner, align_loop
-from trainer.align.data import NoData, PromptPool, StaticPrompts, StorePrompts, TailedJSONL
 from trainer.align.registry import NO_PRUNE, rollback_replicas
 from trainer.align.replicas import ServingPool
 from trainer.align.report import format_events, format_versions
 from trainer.cli import Stopper
 from trainer.config import TrainConfig
-from trainer.dist import RankError
 from trainer.fleet import FleetError
-from trainer.loop import StopRequested
-from trainer.run import Run, build_run, resolve_token
-from weight_sync import WeightSyncError
+from trainer.local_servers import resolve_token
+from weight_sync.errors import WeightSyncError
+
+if TYPE_CHECKING:  # torch, deepspeed: imported once the command runs (--help and --check never import them)
+    from trainer.align.console import Console
+    from trainer.align.controller import Aligner
+    from trainer.run import Run
 
 log = logging.getLogger("dlrl.align")
 
@@ -73,6 +74,8 @@ def parse(argv: list[str]):
 
 
 def make_sampler_factory(cfg, train, store, should_stop):
+    from trainer.align.data import PromptPool, StaticPrompts, StorePrompts, TailedJSONL
+
     def factory(train_examples, tokenizer):
         source: StorePrompts | StaticPrompts | TailedJSONL
         if cfg.prompt_source == "store":
@@ -94,6 +97,13 @@ def main(argv: list[str], aligner: type[Aligner] = Aligner) -> int:
     cfg, train = root["align"], root["train"]
     if args.check:
         return print_check("align", cfg, train)
+    from trainer.align.console import Console
+    from trainer.align.controller import Aligner, align_loop
+    from trainer.align.data import NoData
+    from trainer.dist import RankError
+    from trainer.loop import StopRequested
+    from trainer.run import build_run
+
     stopper = Stopper().install()
     store = open_store(cfg.store, **NO_PRUNE)
     run: Run | None = None

@@ -17,6 +17,7 @@ dlrl_align_feedback_records_per_second (arrivals over the last minute),
 dlrl_align_feedback_to_serving_seconds (histogram: from a user's feedback to a serving version
 trained on it), dlrl_align_steps_total, dlrl_align_candidates_total{outcome=passed_gate|gated_out|canary|promoted|
 superseded|rolled_back} (counted from the registry events, `CountedStore`), dlrl_align_promotion_paused.
+Every labelled counter exists at zero for its known label values from the start.
 The training steps' own metrics (dlrl_train_*: step time by phase, reward, KL, staleness) are
 served on the same port (trainer.train_metrics).
 """
@@ -36,6 +37,10 @@ _LATENCY_BUCKETS = (10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400, 43
 # registry event kind -> dlrl_align_candidates_total outcome
 OUTCOMES = {"gate_passed": "passed_gate", "gate_failed": "gated_out", "canary": "canary", "promoted": "promoted",
             "superseded": "superseded", "rollback": "rolled_back"}
+
+
+GATE_RESULTS, ROLLBACK_KINDS = ("pass", "fail"), ("auto", "manual")
+FEEDBACK_OUTCOMES = ("received", "used", "stale", "invalid", "overflow")  # trainer.align.data counts
 
 
 class CountedStore:
@@ -90,8 +95,11 @@ class AlignMetrics(MetricsEndpoint):
         self.steps = Counter("dlrl_align_steps", "training steps", registry=r)
         self.candidates = Counter("dlrl_align_candidates", "candidates by what became of them", ["outcome"],
                                   registry=r)
-        for outcome in set(OUTCOMES.values()):
-            self.candidates.labels(outcome=outcome)
+        for counter, label, values in ((self.candidates, "outcome", sorted(set(OUTCOMES.values()))),
+                                       (self.gate, "result", GATE_RESULTS), (self.rollbacks, "kind", ROLLBACK_KINDS),
+                                       (self.feedback, "outcome", FEEDBACK_OUTCOMES)):
+            for v in values:  # every series at zero from the start: increase() sees the first event
+                counter.labels(**{label: v})
         self.promotion_paused = Gauge("dlrl_align_promotion_paused", "1 while promotion is paused (console)",
                                       registry=r)
         self._arrivals: deque[tuple[float, int]] = deque()

@@ -1,0 +1,36 @@
+"""DeepSpeed's JIT op cache (issue 38, friction 2): `dlrl train` defaults TORCH_EXTENSIONS_DIR to one
+stable folder, says once, before the build, what it builds and where; later runs print nothing
+(DeepSpeed's "built successfully" included)."""
+
+from __future__ import annotations
+
+from trainer.extensions import CPU_OP, announced_build, ensure_extensions_dir
+
+
+def test_default_folder_is_stable_and_kept_when_set(monkeypatch, tmp_path):
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert ensure_extensions_dir() == tmp_path / "cache" / "dlrl" / "torch_extensions"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "mine"))
+    assert ensure_extensions_dir() == tmp_path / "mine"
+
+
+def test_one_line_before_the_first_build_and_nothing_after(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with announced_build(cpu=True):
+        print(f"DeepSpeed {CPU_OP} built successfully")  # what deepspeed.comm prints on every run
+        print("other output")
+        (tmp_path / CPU_OP).mkdir()
+        (tmp_path / CPU_OP / f"{CPU_OP}.so").write_bytes(b"")  # the build's product
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and f"building DeepSpeed's CPU communication op ({CPU_OP}) once" in err
+    assert str(tmp_path) in err and out == "other output\n"
+    with announced_build(cpu=True):  # a later run: cached
+        print(f"DeepSpeed {CPU_OP} built successfully")
+    assert capsys.readouterr() == ("", "")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    (tmp_path / CPU_OP / f"{CPU_OP}.so").unlink()
+    with announced_build(cpu=True):  # other local ranks wait for the same build quietly
+        pass
+    assert capsys.readouterr() == ("", "")

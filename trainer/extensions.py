@@ -1,0 +1,54 @@
+"""Where DeepSpeed's JIT-built C++ ops live, and saying so before the one slow build.
+
+    ensure_extensions_dir()            # TORCH_EXTENSIONS_DIR, default ~/.cache/dlrl/torch_extensions
+    with announced_build(cpu=True):    # around deepspeed.init_distributed: one line before a build,
+        deepspeed.init_distributed()   # nothing on later runs (DeepSpeed's "built successfully" is kept quiet)
+
+On CPU, DeepSpeed builds its shared-memory communication op (`deepspeed_shm_comm`) the first
+time a process group starts: minutes on a small box, silently. `dlrl train` / `dlrl align` (and
+`make train`, whose Makefile points at the same folder) build it once into this cache and reuse it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+CPU_OP = "deepspeed_shm_comm"  # deepspeed.comm.torch.build_shm_op on the CPU accelerator
+BUILD_MINUTES = "1-5"  # measured: ~1 min on an idle 2-core box, 4.5 min on a loaded one (issue 38)
+
+
+def ensure_extensions_dir() -> Path:
+    """TORCH_EXTENSIONS_DIR (set to the default when unset, for this process and the ones it starts)."""
+    if not os.environ.get("TORCH_EXTENSIONS_DIR"):
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(cache / "dlrl" / "torch_extensions")
+    return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+
+
+def is_built(op: str = CPU_OP) -> bool:
+    return (ensure_extensions_dir() / op / f"{op}.so").is_file()
+
+
+@contextlib.contextmanager
+def announced_build(cpu: bool, op: str = CPU_OP) -> Iterator[None]:
+    """On CPU, one line on stderr before DeepSpeed builds `op` (first run only; local rank 0 says it);
+    DeepSpeed's own "built successfully" line, printed on every run, is swallowed (other output passes)."""
+    if not cpu:
+        yield
+        return
+    folder = ensure_extensions_dir()
+    if not is_built(op) and os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"dlrl: building DeepSpeed's CPU communication op ({op}) once, ~{BUILD_MINUTES} min; cached in "
+              f"{folder} (TORCH_EXTENSIONS_DIR) for later runs", file=sys.stderr, flush=True)
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            yield
+    finally:
+        rest = "".join(line for line in out.getvalue().splitlines(keepends=True) if "built successfully" not in line)
+        sys.stdout.write(rest)
