@@ -109,6 +109,8 @@ class Engine:
         self._finish_listeners: list[Callable[[list[Any]], None]] = []
         self._emitted: dict[int, int] = {}  # seq_id -> completion tokens already streamed
         self._top_k: dict[int, int] = {}    # seq_id -> top logprobs asked for (backend.top_logprobs)
+        self._calls: list[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future]] = []  # call_between_steps
+        self._num_calls_running = 0
 
     # ------------------------------------------------------------------ properties
     @property
@@ -175,6 +177,9 @@ class Engine:
             for seq in self.scheduler.take_all():
                 self.backend.release(seq)
                 self._finish(seq)
+            calls, self._calls = self._calls, []
+        for _, loop, future in calls:  # call_between_steps never run
+            loop.call_soon_threadsafe(_settle, future, None, EngineStopped("engine is not running"))
         self.backend.close()
 
     # ------------------------------------------------------------------ requests
@@ -300,7 +305,7 @@ class Engine:
 
     def _is_drained(self) -> bool:
         """(lock held) Nothing runs, nothing waits to be released -- so no forward is in flight."""
-        return self.scheduler.is_idle or not self.is_running
+        return (self.scheduler.is_idle and not self._num_calls_running) or not self.is_running
 
     def _wake_drained(self) -> None:
         """(lock held) Resolve the pause() calls waiting for the drain, if it is drained now."""
@@ -312,6 +317,33 @@ class Engine:
             except RuntimeError:  # that event loop is closed: its pause() is gone
                 pass
         self._drain_waiters.clear()
+
+    def call_between_steps(self, fn: Callable[[], T]) -> asyncio.Future[T]:
+        """Run `fn()` on the engine thread between two decode steps (call from an event loop): the
+        weights and `version` stay fixed while it runs (never while paused; an update's drain waits
+        for it). Returns a future of its result (or its exception). EngineStopped if not running."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        with self._cond:
+            if not self.is_running:
+                raise EngineStopped("engine is not running")
+            self._calls.append((fn, loop, future))
+            self._cond.notify_all()
+        return future
+
+    def _run_calls(self, calls: list[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future]]) -> None:
+        for fn, loop, future in calls:
+            try:
+                result, error = fn(), None
+            except Exception as e:  # the caller's failure, not the engine's
+                result, error = None, e
+            try:
+                loop.call_soon_threadsafe(_settle, future, result, error)
+            except RuntimeError:  # that event loop is closed: its caller is gone
+                pass
+        with self._cond:
+            self._num_calls_running = 0
+            self._wake_drained()
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -327,10 +359,13 @@ class Engine:
 
     def _iterate(self) -> bool:
         with self._cond:
-            while self._state is not EngineState.STOPPED and not self.scheduler.has_work(self.is_paused):
+            while (self._state is not EngineState.STOPPED and not self.scheduler.has_work(self.is_paused)
+                   and not (self._calls and not self.is_paused)):
                 self._cond.wait()
             if self._state is EngineState.STOPPED:
                 return False
+            calls, self._calls = ([], self._calls) if self.is_paused else (self._calls, [])
+            self._num_calls_running = len(calls)
             self._expire()
             for seq in self.scheduler.take_releases():
                 self.backend.release(seq)
@@ -345,6 +380,8 @@ class Engine:
                 seq.admitted_at = now
             batch = list(self.scheduler.running)
             self._wake_drained()
+        if calls:
+            self._run_calls(calls)
         if not batch:
             return True
         t0 = time.perf_counter()
@@ -445,6 +482,12 @@ class Engine:
                 req.emit((EngineEvent.ERROR, req.index_of[seq.seq_id], message))
             self._cond.notify_all()
             self._wake_drained()
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    """(on the caller's event loop) a call_between_steps finished."""
+    if not future.done():
+        future.set_exception(error) if error is not None else future.set_result(result)
 
 
 def _resolve(drained: asyncio.Future) -> None:

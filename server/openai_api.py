@@ -50,6 +50,7 @@ from rollout_client.protocol.openai import (
     CompletionResponse,
     OpenAIBase,
 )
+from server import likelihood
 from server.engine import EngineEvent
 from server.errors import APIError, error_body
 from server.generation import prepare, run_to_completion, stream_events, submit, trace_model
@@ -144,6 +145,8 @@ def chat_logprobs(tok: PreTrainedTokenizerBase, seq: Sequence, k: int) -> ChatLo
 async def completions(body: CompletionRequest, request: Request):
     st, t0 = server_state(request.app), time.perf_counter()
     check_model(body.model, st.engine.model_name)
+    if body.is_scoring():  # echo + logprobs: prompt log-likelihoods (server/likelihood.py)
+        return await likelihood.completions(body, request)
     assert body.n is not None, "null means the default (_NullIsDefault)"
     prompts = body.prompt_list()
     seqs = await prepare(st, prompts, body, body.max_tokens, body.n)

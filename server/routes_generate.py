@@ -17,7 +17,7 @@ from rollout_client.protocol.chat import ChatCompletionRequest, ChatCompletionRe
 from rollout_client.protocol.common import new_id
 from rollout_client.protocol.native import GenerateRequest, GenerateResponse
 from rollout_client.protocol.openai import CompletionRequest, CompletionResponse, ModelCard, ModelList
-from server import openai_api
+from server import likelihood, openai_api
 from server.generation import prepare, run_to_completion, to_sample
 from server.openapi import error_responses
 from server.recording import record_ids
@@ -41,6 +41,8 @@ async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
     st, t0 = server_state(request.app), time.perf_counter()
     openai_api.check_model(body.model, st.engine.model_name)
     assert body.n is not None and body.return_trace is not None, "null means the default (_NullIsDefault)"
+    if body.max_tokens == 0:  # prompt log-likelihoods (server/likelihood.py)
+        return await likelihood.generate(body, request)
     field = "prompt" if body.prompt is not None else "prompt_ids"
     max_tokens = body.max_tokens if "max_tokens" in body.model_fields_set else None
     seqs = await prepare(st, body.prompt_list(), body, max_tokens, body.n, field)

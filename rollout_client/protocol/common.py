@@ -23,6 +23,9 @@ from dllm.options import Temperature, Threshold, TopK, TopP
 from dllm.strategy import Strategy, StrategyField
 
 FinishReason = Literal["stop", "length", "abort"]
+Likelihood = Literal["sequential", "elbo"]  # prompt log-likelihoods: exact sequential policy, or the Monte Carlo ELBO
+LIKELIHOOD_DOC = ("how prompt tokens are scored: `sequential` (exact under the sequential decoding policy) or "
+                  "`elbo` (Monte Carlo estimate of the masked-diffusion ELBO); default: server.likelihood")
 MAX_TOKENS_CAP = 1 << 20  # schema-level sanity bound; the server enforces its max_model_len
 MAX_N = 256
 MAX_STOP = 16

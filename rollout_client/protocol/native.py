@@ -5,6 +5,11 @@
 
 `prompt` (text) or `prompt_ids` (token ids), exactly one, each one prompt or a list; the
 decoding options are `common.DecodingOptions`; `Sample.trace` is `dllm.trace.Trace`.
+Prompt log-likelihoods: `max_tokens: 0` with `prompt_logprobs: k` (k alternatives per token, 0 = none)
+gives each sample's `prompt_logprobs` (None for the first token) and `prompt_top_logprobs`, scored as
+`likelihood` says (server.likelihood by default): no tokens are generated.
+
+    GenerateRequest(prompt="12+7=19", max_tokens=0, prompt_logprobs=0, likelihood="sequential")
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from rollout_client.protocol import common
 from rollout_client.protocol.common import (
     DecodingOptions,
     Integral,
+    Likelihood,
     NonEmptyText,
     Text,
     TokenIds,
@@ -43,14 +49,25 @@ class GenerateRequest(DecodingOptions):
     prompt: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
     prompt_ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1)] | None = None
     n: Annotated[int, Field(ge=1, le=common.MAX_N), Integral] | None = 1
-    max_tokens: Annotated[int, Field(ge=1, le=common.MAX_TOKENS_CAP), Integral] | None = Field(64, description="default: the server's "
-                                   "server.default_max_tokens (capped by the room left after the prompt)")
+    max_tokens: Annotated[int, Field(ge=0, le=common.MAX_TOKENS_CAP), Integral] | None = Field(64, description="default: the server's "
+                                   "server.default_max_tokens (capped by the room left after the prompt); 0 with "
+                                   "prompt_logprobs: score the prompt only")
     model: Text | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=common.MAX_TOP_LOGPROBS), Integral] | None = Field(
+        None, description="with max_tokens 0: every prompt token's logprob and its k most likely alternatives")
+    likelihood: Likelihood | None = Field(None, description=common.LIKELIHOOD_DOC)
 
     @model_validator(mode="after")
     def _one_prompt_kind(self) -> GenerateRequest:
         if (self.prompt is None) == (self.prompt_ids is None):
             raise FieldError("prompt", "exactly one of 'prompt' or 'prompt_ids' is required")
+        if self.prompt_logprobs is not None and self.max_tokens != 0:
+            raise FieldError("max_tokens", "prompt_logprobs scores the prompt only: set max_tokens to 0")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise FieldError("max_tokens", "0 asks for prompt log-likelihoods only: set prompt_logprobs "
+                             "(0 = no alternatives), or ask for at least 1 token")
+        if self.max_tokens == 0 and self.n != 1:
+            raise FieldError("n", "prompt log-likelihoods (max_tokens 0) are one sample per prompt: n must be 1")
         return self
 
     def prompt_list(self) -> list[str | list[int]]:
@@ -67,6 +84,11 @@ class Sample(Generated):
     index: int
     prompt_index: int
     num_forwards: int = 0
+    prompt_logprobs: list[float | None] | None = Field(None, description="max_tokens 0: each prompt token's "
+                                                       "logprob (None for the first)")
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = Field(None, description="per prompt token its "
+                                                                       "k most likely (id, logprob)")
+    likelihood: Likelihood | None = None
 
 
 class GenerateResponse(BaseModel):

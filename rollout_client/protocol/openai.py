@@ -17,12 +17,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from dllm.errors import FieldError
 from rollout_client.protocol.common import (
+    LIKELIHOOD_DOC,
     MAX_COMPLETION_LOGPROBS,
     MAX_N,
     MAX_TOKENS_CAP,
     DecodingOptions,
     FinishReason,
     Integral,
+    Likelihood,
     NonEmptyText,
     NullIsDefault,
     Text,
@@ -44,7 +46,8 @@ class OpenAIBase(DecodingOptions):
     model_config = ConfigDict(extra="ignore")
     model: Text | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N), Integral] | None = 1
-    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_CAP), Integral] | None = None
+    max_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_CAP), Integral] | None = Field(
+        None, description="0: score the prompt only (completions with echo and logprobs)")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     return_trace: bool | None = False
@@ -54,8 +57,9 @@ class OpenAIBase(DecodingOptions):
     @classmethod
     def _no_scoring_only(cls, v: Any) -> Any:
         if v == 0 and not isinstance(v, bool):
-            raise ValueError("0 asks for prompt log-likelihoods only, which a block-diffusion model does not "
-                             "compute (it scores no prompt tokens); ask for at least 1 token")
+            raise ValueError("0 asks for prompt log-likelihoods only, which chat does not give: use "
+                             "/v1/completions with echo and logprobs (or POST /generate with prompt_logprobs), or "
+                             "ask for at least 1 token")
         return v
 
     def include_usage(self) -> bool:
@@ -65,26 +69,38 @@ class OpenAIBase(DecodingOptions):
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
-def _no_echo_logprobs(schema: dict[str, Any]) -> None:
-    """JSON schema of CompletionRequest: `echo` and `logprobs` are not both given."""
-    schema["not"] = {"required": ["echo", "logprobs"],
-                     "properties": {"echo": {"const": True}, "logprobs": {"type": "integer"}}}
-
-
 class CompletionRequest(OpenAIBase):
-    model_config = ConfigDict(json_schema_extra=_no_echo_logprobs)
+    """With `echo` and `logprobs` it scores the prompt (prompt log-likelihoods, as lm-eval-harness's
+    local-completions asks), then generates `max_tokens` (0: none); `likelihood` picks how the prompt
+    is scored (server.likelihood by default)."""
     prompt: (NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)] | TokenIds
              | Annotated[list[TokenIds], Field(min_length=1)])
     echo: bool | None = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS), Integral] | None = Field(
         None, description="return the sampled tokens' logprobs and the k most likely")
+    likelihood: Likelihood | None = Field(None, description=LIKELIHOOD_DOC)
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _no_scoring_only(cls, v: Any) -> Any:
+        return v  # 0 is prompt scoring here: checked with echo and logprobs below
 
     @model_validator(mode="after")
-    def _echo_needs_no_prompt_logprobs(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise FieldError("echo", "echo with logprobs asks for prompt log-likelihoods, which a "
-                             "block-diffusion model does not compute; drop echo or logprobs")
+    def _scoring_shape(self) -> CompletionRequest:
+        if self.is_scoring():
+            if self.stream:
+                raise FieldError("stream", "prompt log-likelihoods (echo with logprobs) are not streamed")
+            if self.n != 1:
+                raise FieldError("n", "prompt log-likelihoods (echo with logprobs) are one choice per prompt: "
+                                 "n must be 1")
+        elif self.max_tokens == 0:
+            raise FieldError("max_tokens", "0 asks for prompt log-likelihoods only: send echo=true with logprobs "
+                             "(or ask for at least 1 token)")
         return self
+
+    def is_scoring(self) -> bool:
+        """echo + logprobs: the request scores its prompt (prompt log-likelihoods)."""
+        return bool(self.echo) and self.logprobs is not None
 
     def prompt_list(self) -> list[str | list[int]]:
         p = self.prompt
@@ -102,8 +118,8 @@ class CompletionLogprobs(BaseModel):
     alternatives ({token: logprob}, plus the sampled one) and its character offset in `text`."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None = None
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token (nothing to condition on)
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int]
 
 

@@ -209,11 +209,12 @@ def test_stream_carries_logprobs_on_the_finish_chunk(client, server):
 
 
 @pytest.mark.parametrize("kwargs,param", [
-    ({"echo": True, "logprobs": 1, "max_tokens": 4}, "echo"),
+    ({"echo": True, "logprobs": 1, "max_tokens": 4, "stream": True}, "stream"),
     ({"echo": True, "max_tokens": 0}, "max_tokens"),
 ])
 def test_prompt_scoring_is_a_clear_400(client, server, kwargs, param):
-    """A diffusion LM does not score prompt tokens: echo + logprobs / max_tokens 0 are refused with the reason."""
+    """Prompt scoring (tests/server/test_server_likelihood.py) has one shape: echo + logprobs, not streamed;
+    max_tokens 0 without it is refused with the reason."""
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=server.engine.model_name, prompt="1+1=", **kwargs)
     assert e.value.body["param"] == param and "log-likelihoods" in e.value.body["message"]

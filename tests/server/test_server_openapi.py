@@ -94,4 +94,4 @@ def test_document_states_statuses_limits_and_types(fuzz_server):
     assert steps["maximum"] == engine.backend.block_size
     temperature = gen["properties"]["temperature"]["anyOf"]
     assert {"type": "null"} in temperature  # null = the default
-    assert "not" in models["CompletionRequest"]  # echo + logprobs is refused
+    assert "likelihood" in models["CompletionRequest"]["properties"]  # echo + logprobs: prompt log-likelihoods
