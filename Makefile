@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/dlrl/torch_extensions
 ARGS ?=
 
-.PHONY: install test lint typecheck bench soak serve train sft align clean
+.PHONY: install test test-fast lint typecheck contracts bench soak serve train sft align clean
 
 install: $(STAMP)
 
@@ -21,6 +21,35 @@ $(STAMP): pyproject.toml
 
 test: install
 	$(PY) -m pytest -q -x tests $(ARGS)
+
+# the fast tier (.ci/run runs it before `make test`): unit tests only, no servers, no DeepSpeed builds;
+# about 2 minutes on a 2-core box. A test file joins when it starts no process and no server.
+FAST_TESTS := \
+	tests/dlrl/test_import_contracts.py \
+	tests/dlrl/test_sampling_options.py \
+	tests/dlrl/test_cli_help.py \
+	tests/dllm/test_dllm_batched.py \
+	tests/dllm/test_dllm_decoding.py \
+	tests/dllm/test_dllm_detokenize.py \
+	tests/dllm/test_dllm_kv_cache.py \
+	tests/dllm/test_dllm_model.py \
+	tests/dllm/test_dllm_weights.py \
+	tests/trainer/test_advantages.py \
+	tests/trainer/test_correction.py \
+	tests/trainer/test_data.py \
+	tests/trainer/test_metrics_log.py \
+	tests/trainer/test_objectives.py \
+	tests/trainer/test_replay.py \
+	tests/trainer/test_rewards.py \
+	tests/trainer/test_rewards_custom.py \
+	tests/trainer/align/test_align_gate.py \
+	tests/weight_sync/test_weight_sync_manifest.py
+
+test-fast: install
+	$(PY) -m pytest -q -x $(FAST_TESTS) $(ARGS)
+
+contracts: install  # docs/DESIGN.md's import contracts (an ast check: names the file, line and import)
+	$(PY) -m pytest -q tests/dlrl/test_import_contracts.py
 
 lint: install
 	$(VENV)/bin/ruff check dlrl dlrl_config dllm server trainer weight_sync rollout_client store tests benchmarks examples

@@ -21,6 +21,7 @@ fused kernel over the bucketed keys with the step's dense mask, no compilation p
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -82,7 +83,7 @@ def _backend(device: torch.device, head_dim: int) -> str:
 _flex_compiled = None
 
 
-def _flex_fn():
+def _flex_fn() -> Callable[..., torch.Tensor]:
     """flex_attention compiled once with dynamic shapes: one kernel for every batch and length
     (a static-shape compile would recompile per length and, past torch's recompile limit,
     silently fall back to the unfused O(L^2) path)."""
@@ -94,7 +95,7 @@ def _flex_fn():
     return _flex_compiled
 
 
-def block_mask(spec: MaskSpec, batch: int, q_len: int, kv_len: int, device) -> object:
+def block_mask(spec: MaskSpec, batch: int, q_len: int, kv_len: int, device: torch.device | str) -> object:
     """The FlexAttention BlockMask of `spec` (built once per forward, shared by all layers)."""
     cached = spec.__dict__.get("_block_mask")
     if cached is not None:
@@ -109,7 +110,7 @@ def block_mask(spec: MaskSpec, batch: int, q_len: int, kv_len: int, device) -> o
     kn = spec.k_noisy.contiguous() if spec.k_noisy is not None else torch.zeros_like(kblk, dtype=torch.bool)
     kv = spec.k_valid.contiguous() if spec.k_valid is not None else torch.ones_like(kblk, dtype=torch.bool)
 
-    def mask_mod(b, h, qi, ki):
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
         qb, kb = qblk[b, qi], kblk[b, ki]
         noisy_q = qn[b, qi]
         noisy_k = kn[b, ki]
@@ -121,7 +122,7 @@ def block_mask(spec: MaskSpec, batch: int, q_len: int, kv_len: int, device) -> o
     return spec.__dict__["_block_mask"]
 
 
-def _flex(q, k, v, spec: MaskSpec) -> torch.Tensor:
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec) -> torch.Tensor:
     mask = block_mask(spec, q.shape[0], q.shape[2], k.shape[2], q.device)
     return _flex_fn()(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 

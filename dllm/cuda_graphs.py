@@ -16,6 +16,7 @@ benchmarks/RESULTS.md); tests/dllm/test_dllm_step.py has the GPU-marked check.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -23,7 +24,7 @@ log = logging.getLogger("dlrl.dllm")
 
 
 class GraphedSteps:
-    def __init__(self, fn, max_graphs: int = 64):
+    def __init__(self, fn: Callable[..., torch.Tensor], max_graphs: int = 64) -> None:
         self.fn, self.max_graphs = fn, max_graphs
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: torch.cuda._POOL_HANDLE | None = None  # the memory pool all graphs share

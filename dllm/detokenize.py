@@ -15,9 +15,14 @@ each block (correct, quadratic).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 class TextStream:
-    def __init__(self, tokenizer, stop: list[str] | None = None):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str] | None = None) -> None:
         self.tokenizer, self.stop = tokenizer, list(stop or [])
         self.text = ""
         self.ids: list[int] = []

@@ -23,8 +23,9 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -32,6 +33,7 @@ from dllm.config import SDARConfig, read_config_json
 from dllm.tokenizer import find_token_id
 from dllm.weights import parse_dtype, save_weights
 
+T = TypeVar("T")
 log = logging.getLogger("dlrl.model")
 HF_FILES_DIR = Path(__file__).parent / "hf_sdar"
 OWN_MODULES = ("configuration_sdar", "modeling_sdar")
@@ -133,6 +135,6 @@ def export_pretrained(named_tensors: Iterable[tuple[str, torch.Tensor]], config:
     return out
 
 
-def _chain(first, rest):
+def _chain(first: T, rest: Iterable[T]) -> Iterator[T]:
     yield first
     yield from rest

@@ -33,7 +33,8 @@ class CacheFull(RuntimeError):
 
 
 class KVCache:
-    def __init__(self, cfg: SDARConfig, num_slots: int, max_len: int, device, dtype, num_pages: int | None = None):
+    def __init__(self, cfg: SDARConfig, num_slots: int, max_len: int, device: torch.device | str, dtype: torch.dtype,
+                 num_pages: int | None = None) -> None:
         ps = self.page_size = cfg.block_size
         self.num_slots = num_slots
         self.max_pages = -(-max_len // ps)  # pages of one slot's longest sequence
@@ -88,7 +89,7 @@ class KVCache:
         self.page_table[slot] = 0
 
     def view(self, slots: torch.Tensor, q_pos: torch.Tensor, kv_len: int | torch.Tensor,
-             write_mask=None) -> CacheView:
+             write_mask: torch.Tensor | None = None) -> CacheView:
         return CacheView(self, slots, q_pos, kv_len, write_mask)
 
 
@@ -100,7 +101,7 @@ class CacheView:
     positions themselves, a [kv_len] tensor: the static decode step passes its bucket's)."""
 
     def __init__(self, cache: KVCache, slots: torch.Tensor, q_pos: torch.Tensor, kv_len: int | torch.Tensor,
-                 write_mask: torch.Tensor | None = None):
+                 write_mask: torch.Tensor | None = None) -> None:
         ps = cache.page_size
         table = cache.page_table[slots]  # [N, table_pages]
         self.cache = cache

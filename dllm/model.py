@@ -16,6 +16,7 @@ export, weight sync and digests keep the HF layout (see dllm.weights).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any, Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +33,7 @@ class RMSNorm(nn.Module):
     The mean is a sum scaled by 1/dim (exact for power-of-two widths), and eps is added as a
     0-d tensor (a Python scalar costs aten four extra ops to wrap): 7 aten ops in fp32."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
@@ -60,7 +61,8 @@ def rms_normalize(x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
-def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """pos: [B, L] -> cos, sin: [B, L, 1, head_dim] (once per forward; sin's first half is
     negated, so that rotate-half is a plain swap of the halves: see apply_rope)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim))
@@ -119,7 +121,7 @@ class FusedLinear(Linear):
     parameters are a load-time layout: `SDARForCausalLM.hf_named_tensors()` yields each
     part's rows as a view (same storage), so checkpoints, exports and weight sync keep HF names."""
 
-    def __init__(self, in_features: int, parts: list[tuple[str, int]], bias: bool, fused_name: str):
+    def __init__(self, in_features: int, parts: list[tuple[str, int]], bias: bool, fused_name: str) -> None:
         super().__init__(in_features, sum(rows for _, rows in parts), bias=bias)
         self.parts, self.fused_name = parts, fused_name
 
@@ -141,7 +143,7 @@ class FusedLinear(Linear):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: SDARConfig, layer_idx: int):
+    def __init__(self, cfg: SDARConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -154,7 +156,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, spec: MaskSpec, cache: CacheView | None):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: MaskSpec,
+                cache: CacheView | None) -> torch.Tensor:
         B, L = cos.shape[:2]  # x: [B * L, hidden]; cos/sin: [B, L, 1, D]
         H, Hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(B, L, -1, self.head_dim)  # [B, L, H + 2 Hkv, D]
@@ -176,7 +179,7 @@ class Attention(nn.Module):
         out = out.view(B * L, -1) if out.is_contiguous() else out.reshape(B * L, -1)
         return self.o_proj(out)  # [B * L, hidden]
 
-    def _qk_in_place(self, qkv: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+    def _qk_in_place(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Inference: q_norm / k_norm and rope on the queries and keys together, written over the
         raw ones in qkv [B, L, H + 2 Hkv, D] -> q [B, L, H, D], kv [B, L, 2 Hkv, D] (views of qkv).
         Same values as one by one (every op is per head); each token's K|V row then is the
@@ -192,7 +195,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: SDARConfig):
+    def __init__(self, cfg: SDARConfig) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = FusedLinear(cfg.hidden_size, [("gate_proj", cfg.intermediate_size),
@@ -200,27 +203,28 @@ class MLP(nn.Module):
                                           fused_name="gate_up_proj")
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x):  # x: [N, hidden]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [N, hidden]
         i = self.intermediate_size
         gate, up = self.gate_up_proj(x).split([i, i], -1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: SDARConfig, layer_idx: int):
+    def __init__(self, cfg: SDARConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, spec, cache):  # x: [B * L, hidden] (cos: [B, L, 1, D])
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: MaskSpec,
+                cache: CacheView | None) -> torch.Tensor:  # x: [B * L, hidden] (cos: [B, L, 1, D])
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, spec, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class SDARModel(nn.Module):
-    def __init__(self, cfg: SDARConfig):
+    def __init__(self, cfg: SDARConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
@@ -228,7 +232,7 @@ class SDARModel(nn.Module):
 
 
 class SDARForCausalLM(nn.Module):
-    def __init__(self, cfg: SDARConfig):
+    def __init__(self, cfg: SDARConfig) -> None:
         super().__init__()
         cfg.validate()
         self.config = cfg
@@ -240,7 +244,7 @@ class SDARForCausalLM(nn.Module):
         self.init_weights()
         self._register_load_state_dict_pre_hook(self._fuse_hf_keys)
 
-    def _fuse_hf_keys(self, state_dict, prefix, *args) -> None:
+    def _fuse_hf_keys(self, state_dict: dict[str, torch.Tensor], prefix: str, *args: object) -> None:
         """load_state_dict accepts the HF layout (separate q/k/v, gate/up) too: fused here."""
         for name, m in self.named_modules():
             if isinstance(m, FusedLinear):
@@ -258,7 +262,7 @@ class SDARForCausalLM(nn.Module):
                     if (bias := getattr(m, "bias", None)) is not None:
                         nn.init.zeros_(bias)
 
-    def compile_layers(self, **options) -> None:
+    def compile_layers(self, **options: Any) -> None:
         """torch.compile every decoder layer in place (forward and backward: the training step),
         with dynamic shapes (rows and lengths vary per step); the layers share one compiled
         graph. `gradient_checkpointing` still applies around each compiled layer."""
@@ -300,7 +304,7 @@ class SDARForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
-    def hidden_states(self, ids, spec: MaskSpec, cache: CacheView | None = None) -> torch.Tensor:
+    def hidden_states(self, ids: torch.Tensor, spec: MaskSpec, cache: CacheView | None = None) -> torch.Tensor:
         """ids: [B, L] -> final normed hidden states [B, L, hidden] (spec's mask built once, used by all layers)."""
         x = self.model.embed_tokens(ids)
         B, L, _ = x.shape
@@ -313,9 +317,11 @@ class SDARForCausalLM(nn.Module):
                 x = layer(x, cos, sin, spec, cache)
         return self.model.norm(x).view(B, L, -1)
 
-    def forward(self, input_ids, position_ids=None, cache: KVCache | None = None, slots=None,
-                k_valid=None, kv_len: int | None = None, write_mask=None, num_logits: int | None = None,
-                num_logit_rows: int | None = None, clean_ids=None, valid=None,
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                cache: KVCache | None = None, slots: torch.Tensor | None = None,
+                k_valid: torch.Tensor | None = None, kv_len: int | None = None, write_mask: torch.Tensor | None = None,
+                num_logits: int | None = None, num_logit_rows: int | None = None, clean_ids: torch.Tensor | None = None,
+                valid: torch.Tensor | None = None,
                 output: str = "logits") -> torch.Tensor:
         """Block-causal forward. input_ids/position_ids: [B, L] -> logits [B, L, V].
 
@@ -333,6 +339,8 @@ class SDARForCausalLM(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(L, device=input_ids.device).expand(B, L)
         if clean_ids is not None:
+            if valid is None:
+                raise ValueError("valid: the training layout (clean_ids) needs the valid mask")
             if output == "hidden":
                 return self.hidden_train(input_ids, clean_ids, position_ids, valid)
             return self.forward_train(input_ids, clean_ids, position_ids, valid)
@@ -342,6 +350,8 @@ class SDARForCausalLM(nn.Module):
             return self.lm_head(self.hidden_states(input_ids, spec))
         if kv_len is None:
             kv_len = int(position_ids.max()) + 1
+        if slots is None:
+            raise ValueError("slots: a forward on the KV cache needs each row's cache slot")
         k_pos = torch.arange(kv_len, device=input_ids.device).expand(B, kv_len)
         # keys beyond each row's own last position are stale cache entries
         k_valid = k_pos <= position_ids.max(dim=1, keepdim=True).values
@@ -350,7 +360,7 @@ class SDARForCausalLM(nn.Module):
         return self.lm_head(hidden[B - (num_logit_rows if num_logit_rows is not None else B):,
                                    L - (num_logits if num_logits is not None else L):])
 
-    def train_spec(self, position_ids, valid) -> MaskSpec:
+    def train_spec(self, position_ids: torch.Tensor, valid: torch.Tensor) -> MaskSpec:
         B, L = position_ids.shape
         pos2 = torch.cat([position_ids, position_ids], dim=1)  # [B, 2L]
         noisy = torch.zeros(B, 2 * L, dtype=torch.bool, device=position_ids.device)
@@ -358,13 +368,22 @@ class SDARForCausalLM(nn.Module):
         valid2 = torch.cat([valid, valid], dim=1)
         return MaskSpec(pos2, pos2, self.config.block_size, q_noisy=noisy, k_noisy=noisy, k_valid=valid2)
 
-    def hidden_train(self, noisy_ids, clean_ids, position_ids, valid) -> torch.Tensor:
+    def hidden_train(self, noisy_ids: torch.Tensor, clean_ids: torch.Tensor, position_ids: torch.Tensor,
+                     valid: torch.Tensor) -> torch.Tensor:
         """Noisy copy + clean copy layout -> hidden states of the noisy copy [B, L, hidden]."""
         L = noisy_ids.shape[1]
         spec = self.train_spec(position_ids, valid)
         return self.hidden_states(torch.cat([noisy_ids, clean_ids], dim=1), spec)[:, :L]
 
-    def forward_train(self, noisy_ids, clean_ids, position_ids, valid, return_hidden: bool = False):
+    @overload
+    def forward_train(self, noisy_ids: torch.Tensor, clean_ids: torch.Tensor, position_ids: torch.Tensor,
+                      valid: torch.Tensor, return_hidden: Literal[False] = False) -> torch.Tensor: ...
+    @overload
+    def forward_train(self, noisy_ids: torch.Tensor, clean_ids: torch.Tensor, position_ids: torch.Tensor,
+                      valid: torch.Tensor, return_hidden: Literal[True]) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def forward_train(self, noisy_ids: torch.Tensor, clean_ids: torch.Tensor, position_ids: torch.Tensor,
+                      valid: torch.Tensor, return_hidden: bool = False
+                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Noisy copy + clean copy layout. All inputs [B, L]; returns logits of the noisy copy
         [B, L, V] (and its hidden states [B, L, hidden] with return_hidden)."""
         hidden = self.hidden_train(noisy_ids, clean_ids, position_ids, valid)

@@ -84,7 +84,8 @@ class Rows:
         return out
 
 
-def _sample_rows(s: Sample, block_size: int, mask_id: int, shrink: int):
+def _sample_rows(s: Sample, block_size: int, mask_id: int,
+                 shrink: int) -> tuple[list[int], int, list[tuple[list[int], list[bool], list[int]]]]:
     """-> list of (noisy ids, target flags, token idx) for one sample, plus its clean ids."""
     P, tr = len(s.prompt_ids), trace_of(s)
     gen_ids = list(s.completion_ids) + list(tr.tail_ids)

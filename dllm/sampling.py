@@ -28,7 +28,9 @@ token-for-token the row-by-row definition (`sampling_logprobs` + `sample_tokens`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -55,7 +57,7 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def validate(self, block_size: int) -> None:
-        def bad(name: str, msg: str):
+        def bad(name: str, msg: str) -> NoReturn:
             raise FieldError(name, msg)
 
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -186,7 +188,8 @@ def _mix64(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def counter_uniforms(seeds, positions, steps) -> np.ndarray:
+def counter_uniforms(seeds: Sequence[int] | torch.Tensor | np.ndarray, positions: torch.Tensor | np.ndarray,
+                     steps: Sequence[int] | torch.Tensor | np.ndarray) -> np.ndarray:
     """seeds: [N] non-negative ints, positions: [N, B], steps: [N] -> uniforms [N, B] float64 in (0, 1].
 
     A pure function of (seed, position, step), computed on the host in a few vectorised

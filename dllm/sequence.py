@@ -31,7 +31,7 @@ class Sequence:
     """Decoding state of one sample (plain data; the decoder mutates it)."""
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, block_size: int, mask_id: int,
-                 seq_id: int | None = None):
+                 seq_id: int | None = None) -> None:
         self.seq_id = next(_ids) if seq_id is None else seq_id
         self.prompt_ids = list(prompt_ids)
         self.params = params

@@ -33,6 +33,8 @@ import torch
 
 from dllm.attention import MaskSpec
 from dllm.commit import commit_mask
+from dllm.kv_cache import KVCache
+from dllm.model import SDARForCausalLM
 from dllm.sampling import PARAM_FIELDS, sample_static
 
 log = logging.getLogger("dlrl.dllm")
@@ -84,7 +86,7 @@ def sample_and_commit(logits: torch.Tensor, rows: torch.Tensor, mask_id: int, fi
     return torch.cat([block.reshape(R, 3 * B), is_ok[:, None].double()], 1)
 
 
-def decode_step(model, cache, rows: torch.Tensor, k_pos: torch.Tensor, out_rows: torch.Tensor,
+def decode_step(model: SDARForCausalLM, cache: KVCache, rows: torch.Tensor, k_pos: torch.Tensor, out_rows: torch.Tensor,
                 filtered: bool) -> torch.Tensor:
     """rows: [R, width(B)] packed inputs, k_pos: [KV] key positions (the bucket), out_rows: [Rn] (its length
     is the row bucket of the sequences: rows [0, Rn) are sampled) -> [Rn, 3B + 1]."""
@@ -104,8 +106,10 @@ def decode_step(model, cache, rows: torch.Tensor, k_pos: torch.Tensor, out_rows:
 class DecodeStep:
     """Bucketed inputs in preallocated buffers -> `decode_step` (eager, compiled or graph-replayed)."""
 
-    def __init__(self, model, cache, *, max_rows: int, compile: bool | str = False, cuda_graphs: bool = False,
-                 max_graphs: int = 64):
+    def __init__(self, model: SDARForCausalLM, cache: KVCache | None, *, max_rows: int, compile: bool | str = False,
+                 cuda_graphs: bool = False, max_graphs: int = 64) -> None:
+        if cache is None:
+            raise ValueError("cache: the decode step runs on a KV cache")
         self.model, self.cache = model, cache
         B, dev = model.config.block_size, model.device
         self.row_buckets = buckets(max_rows)

@@ -18,6 +18,10 @@ import logging
 import string
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 EOS, MASK, IM_START, IM_END, UNK = "<|endoftext|>", "<|MASK|>", "<|im_start|>", "<|im_end|>", "<|unk|>"
 SPECIAL_TOKENS = [EOS, MASK, IM_START, IM_END, UNK]
@@ -33,7 +37,7 @@ class TokenizerLoadError(ValueError):
     """A tokenizer folder cannot be loaded; the message names the file or option."""
 
 
-def build_char_tokenizer(out_dir: str | Path, chars: str = CHARS):
+def build_char_tokenizer(out_dir: str | Path, chars: str = CHARS) -> PreTrainedTokenizerBase:
     """Create, save and return the character-level tokenizer (specials get ids 0..4)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
@@ -58,7 +62,7 @@ def build_char_tokenizer(out_dir: str | Path, chars: str = CHARS):
     return load_tokenizer(out)
 
 
-def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """Load a tokenizer folder with AutoTokenizer (no network, never a prompt on stdin).
 
     A folder whose tokenizer needs its own Python code loads only with
@@ -87,7 +91,7 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
         hf_logging.set_verbosity(level)
 
 
-def encode(tokenizer, text: str) -> list[int]:
+def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -127,7 +131,7 @@ def generation_eos_ids(folder: str | Path) -> list[int]:
     return []
 
 
-def eos_token_ids(folder: str | Path | None, tokenizer, config_eos: list[int]) -> list[int]:
+def eos_token_ids(folder: str | Path | None, tokenizer: PreTrainedTokenizerBase, config_eos: list[int]) -> list[int]:
     """The ids that end a generation: the union of config.json's `eos_token_id`,
     generation_config.json's (chat checkpoints list `<|im_end|>` there) and the tokenizer's
     eos token. Sorted, without duplicates."""

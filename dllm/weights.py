@@ -25,7 +25,7 @@ import math
 from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from pathlib import Path
-from typing import overload
+from typing import Any, overload
 
 import torch
 from safetensors import safe_open
@@ -158,7 +158,7 @@ class ChunkedTensor:
     """A checkpoint tensor that `copy_into_model` reads straight into its parameter, a few rows
     at a time (no full-size temporary copy of a large tensor)."""
 
-    def __init__(self, handle, name: str):
+    def __init__(self, handle: Any, name: str) -> None:  # a safetensors safe_open handle
         self.slice = handle.get_slice(name)
         self.shape = tuple(self.slice.get_shape())
 
@@ -222,7 +222,7 @@ def save_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], path: str | 
     shard: dict[str, torch.Tensor] = {}
     size = total = 0
 
-    def flush():
+    def flush() -> None:
         tmp = path / f".shard-{len(parts):05d}.safetensors.tmp"
         save_file(shard, str(tmp), metadata={"format": "pt"})
         parts.append((tmp, list(shard)))

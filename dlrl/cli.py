@@ -21,6 +21,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dlrl_config import Config
 
 COMMANDS = {
     "sft": ("dllm.embedded.cli", "sft_main"),
@@ -50,7 +54,7 @@ COMMAND_SECTIONS = {  # command -> (its own section: bare key=value overrides, t
 }
 
 
-def _section_class(name: str):
+def _section_class(name: str) -> type[Config]:
     import importlib
 
     module, attr = SECTION_CLASSES[name].split(":")

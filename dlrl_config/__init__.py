@@ -48,7 +48,7 @@ class Config(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     @model_validator(mode="after")
-    def _run_check(self):
+    def _run_check(self) -> Config:
         self.check()
         return self
 
@@ -69,7 +69,7 @@ class ConfigFile(dict):
     """The sections of one YAML file, with where each section and key is (`where("train", "lr")`
     -> "configs/tiny.yaml:47")."""
 
-    def __init__(self, data: dict[str, Any], path: Path, lines: dict[tuple[str, ...], int]):
+    def __init__(self, data: dict[str, Any], path: Path, lines: dict[tuple[str, ...], int]) -> None:
         super().__init__(data)
         self.path, self.lines = path, lines
 

@@ -47,7 +47,7 @@ Prompt = str | list[int]
 class RolloutError(RuntimeError):
     """A generation request failed (after retries); `status` is the last HTTP status, if any."""
 
-    def __init__(self, message: str, status: int | None = None):
+    def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
 
@@ -56,13 +56,13 @@ class AdminError(RuntimeError):
     """An admin call failed; the message names the server, `status` is the HTTP status (None:
     the server did not answer)."""
 
-    def __init__(self, message: str, status: int | None = None):
+    def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
 
 
 class _Retryable(Exception):
-    def __init__(self, message: str, status: int | None):
+    def __init__(self, message: str, status: int | None) -> None:
         super().__init__(message)
         self.status = status
 
@@ -81,7 +81,7 @@ def _error_message(resp: httpx.Response) -> str:
 class RolloutClient:
     def __init__(self, servers: Sequence[str], timeout: float = 600.0, max_retries: int = 3,
                  policy: str = "round_robin", retry_backoff: float = 0.25, chunk_size: int | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None, token: str | None = None):
+                 transport: httpx.AsyncBaseTransport | None = None, token: str | None = None) -> None:
         if not servers:
             raise ValueError("servers: at least one server URL is required")
         if policy not in POLICIES:
@@ -98,7 +98,7 @@ class RolloutClient:
     async def __aenter__(self) -> RolloutClient:
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:
@@ -126,7 +126,7 @@ class RolloutClient:
         return chunks
 
     # ------------------------------------------------------------------ generation
-    async def generate(self, prompts: Prompt | Sequence[Prompt], n: int = 1, **sampling) -> list[Rollout]:
+    async def generate(self, prompts: Prompt | Sequence[Prompt], n: int = 1, **sampling: Any) -> list[Rollout]:
         """Sample `n` completions per prompt (text or token ids); sampling kwargs as in GenerateRequest."""
         many: Sequence[Prompt] = (
             [cast(Prompt, prompts)] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))

@@ -113,7 +113,7 @@ class PostgresStore(SQLStore):
     PLACEHOLDER, TABLE_PREFIX, INSERT_ORDER, HOLD_RECORD = "%s", "dlrl_", "rseq", " FOR SHARE"
 
     def __init__(self, url: str, *, max_records: int = 100_000, max_age_s: float = 7 * 86400.0,
-                 pool_size: int = 4, connect_timeout_s: float = 5.0, prune_every_s: float = 60.0):
+                 pool_size: int = 4, connect_timeout_s: float = 5.0, prune_every_s: float = 60.0) -> None:
         if int(max_records) < 1:
             raise ValueError(f"max_records: must be >= 1, got {max_records}")
         if not float(max_age_s) > 0:
@@ -165,13 +165,13 @@ class PostgresStore(SQLStore):
         with self._pool.connection() as conn:
             return conn.execute(sql, args).fetchall()
 
-    def _write(self):
+    def _write(self) -> Any:
         return self._pool.connection()  # one transaction: committed at the end of the block
 
-    def _lock_feedback(self, conn) -> None:
+    def _lock_feedback(self, conn: Any) -> None:
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_FEEDBACK,))
 
-    def _lock_registry(self, conn) -> None:
+    def _lock_registry(self, conn: Any) -> None:
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_REGISTRY,))
 
     def close(self) -> None:
@@ -235,7 +235,7 @@ class PostgresStore(SQLStore):
                         raise
         raise AssertionError("unreachable")
 
-    def _bound(self, conn, added: int) -> int:
+    def _bound(self, conn: Any, added: int) -> int:
         """Count `added` new records (the counter row serialises record writers) and delete the
         oldest beyond max_records; returns the number deleted."""
         n = conn.execute("UPDATE dlrl_counts SET n = n + %s WHERE name = 'records' RETURNING n", (added,)).fetchone()[0]

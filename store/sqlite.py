@@ -23,6 +23,8 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
+from types import TracebackType
+from typing import Any
 
 from store.sql import RECORD_COLS, SQLStore, record_row
 from store.types import FeedbackStore, Record
@@ -64,7 +66,7 @@ class SQLiteStore(SQLStore):
 
     def __init__(self, path: str | os.PathLike, *, max_records: int = 100_000,
                  max_age_s: float = 7 * 86400.0, busy_timeout_s: float = 30.0,
-                 prune_every_s: float = 60.0):
+                 prune_every_s: float = 60.0) -> None:
         if int(max_records) < 1:
             raise ValueError(f"max_records: must be >= 1, got {max_records}")
         if not float(max_age_s) > 0:
@@ -110,7 +112,7 @@ class SQLiteStore(SQLStore):
 
     # -- plumbing ---------------------------------------------------------------------------
     class _Txn:
-        def __init__(self, store: SQLiteStore):
+        def __init__(self, store: SQLiteStore) -> None:
             self.store = store
 
         def __enter__(self) -> sqlite3.Connection:
@@ -122,7 +124,7 @@ class SQLiteStore(SQLStore):
                 raise
             return self.store._db
 
-        def __exit__(self, exc_type, exc, tb) -> None:
+        def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
             db = self.store._db
             try:
                 if exc_type is None:
@@ -215,7 +217,7 @@ class SQLiteStore(SQLStore):
 
 
 def open_store(path: str | os.PathLike, *, max_records: int = 100_000, max_age_s: float = 7 * 86400.0,
-               **options) -> FeedbackStore:
+               **options: Any) -> FeedbackStore:
     """Open (creating or upgrading if needed) the feedback store at `path`: a
     `postgresql://` (or `postgres://`) URL opens store.postgres.PostgresStore (needs the
     `postgres` extra), anything else is the path of an SQLite file."""

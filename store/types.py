@@ -192,5 +192,5 @@ class FeedbackStore(abc.ABC):
     def __enter__(self) -> FeedbackStore:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -215,7 +215,7 @@ def launch_local(nproc: int, argv: list[str]) -> int:
     log.info("starting %d local ranks: %s", nproc, " ".join(cmd))
     proc = subprocess.Popen(cmd, env=env)
 
-    def forward(signum, _frame):
+    def forward(signum, _frame) -> None:
         proc.send_signal(signum)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}

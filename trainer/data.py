@@ -141,7 +141,7 @@ class Sampler(Protocol):
 class PromptSampler:
     """Infinite seeded sampler over examples; epoch e uses permutation rng([seed, e])."""
 
-    def __init__(self, examples: Sequence[dict], batch_size: int, seed: int = 0, shuffle: bool = True):
+    def __init__(self, examples: Sequence[dict], batch_size: int, seed: int = 0, shuffle: bool = True) -> None:
         if not examples:
             raise ValueError("PromptSampler: no examples")
         if batch_size < 1:

@@ -30,7 +30,7 @@ T = TypeVar("T")
 class RankError(RuntimeError):
     """Rank 0 failed at a step all ranks wait on; the message is its error, `kind` its type name."""
 
-    def __init__(self, message: str, kind: str = ""):
+    def __init__(self, message: str, kind: str = "") -> None:
         super().__init__(message)
         self.kind = kind
 

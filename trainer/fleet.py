@@ -42,7 +42,7 @@ class FleetError(RuntimeError):
     """A server misbehaved; the message names it. `restarted`: the servers that restarted during
     the call (they lost what it sent them; the caller may wait for them and send it again)."""
 
-    def __init__(self, message: str, restarted: list[str] | None = None):
+    def __init__(self, message: str, restarted: list[str] | None = None) -> None:
         super().__init__(message)
         self.restarted = restarted or []
 
@@ -72,7 +72,7 @@ class _LoopThread:
 
 class ServerFleet:
     def __init__(self, urls: list[str], token: str, *, timeout: float = 600.0, max_retries: int = 5,
-                 sync_options: dict[str, Any] | None = None):
+                 sync_options: dict[str, Any] | None = None) -> None:
         if not urls:
             raise ValueError("train.servers: need at least one server URL")
         self.urls = [u.rstrip("/") for u in urls]

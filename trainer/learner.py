@@ -108,7 +108,7 @@ MicroFn = Callable[[Rows, torch.Tensor, float, int], tuple[torch.Tensor, dict[st
 
 
 class Learner:
-    def __init__(self, cfg, ranks: Ranks, engine, mask_id: int, ref=None, value=None, faults: Faults | None = None):
+    def __init__(self, cfg, ranks: Ranks, engine, mask_id: int, ref=None, value=None, faults: Faults | None = None) -> None:
         self.cfg, self.ranks, self.engine, self.mask_id = cfg, ranks, engine, mask_id
         self.ref_model, self.value = ref, value
         self.faults = faults or Faults()  # the run's fault hook (DLRL_FAULT=optimizer:N)

@@ -65,7 +65,7 @@ def _is_number(v: Any) -> bool:
 class MetricsLogger:
     def __init__(self, run_dir: str | Path, total_steps: int | None = None, tensorboard: bool = True,
                  console: bool = True, jsonl_name: str = JSONL_NAME, trackers: list | None = None,
-                 console_every_s: float = 10.0, final_step: int | None = None):
+                 console_every_s: float = 10.0, final_step: int | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / jsonl_name

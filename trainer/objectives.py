@@ -48,7 +48,7 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _clipped_pg(new_logprobs, old_logprobs, advantages, mask, eps_low, eps_high, log_ratio_clip,
-                ref_logprobs=None, kl_coef=0.0, entropy=None, weights=None):
+                ref_logprobs=None, kl_coef: float = 0.0, entropy=None, weights=None):
     """Shared PPO surrogate over the tokens of `mask` [B,L]. Per token:
     max(-A r, -A clip(r, 1-eps_low, 1+eps_high)) * w + kl_coef * k3, token-normalised.
     Values outside mask never reach loss or grads."""

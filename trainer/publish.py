@@ -44,7 +44,7 @@ log = logging.getLogger("dlrl.train")
 class _Announced:
     """A weight_sync source whose every pass over the parameters the other ranks join."""
 
-    def __init__(self, source: Any, ranks: Ranks):
+    def __init__(self, source: Any, ranks: Ranks) -> None:
         self.source, self.ranks = source, ranks
         self.device = source.device
 
@@ -75,7 +75,7 @@ def _crash_mid_push(source: Any, faults: Faults) -> Any:
 
 class Publisher:
     def __init__(self, ranks: Ranks, fleet: ServerFleet, engine: Any, *, server_wait_s: float = 120.0,
-                 record: Path | None = None, faults: Faults | None = None):
+                 record: Path | None = None, faults: Faults | None = None) -> None:
         self.ranks, self.fleet, self.engine = ranks, fleet, engine
         self.server_wait_s = server_wait_s
         self.record = record  # versions.jsonl: {version, digest} of every push, written before it

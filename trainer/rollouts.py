@@ -54,7 +54,7 @@ def sampling_kwargs(cfg, greedy: bool = False) -> dict:
 
 
 class RolloutSource:
-    def __init__(self, cfg, ranks: Ranks, fleet, sampler, prompt_of: Callable[[dict], list[int]], seed: int):
+    def __init__(self, cfg, ranks: Ranks, fleet, sampler, prompt_of: Callable[[dict], list[int]], seed: int) -> None:
         self.cfg, self.ranks, self.fleet, self.sampler, self.prompt_of = cfg, ranks, fleet, sampler, prompt_of
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollouts")
         self.pending: concurrent.futures.Future | None = None

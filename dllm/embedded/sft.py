@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -38,17 +39,21 @@ from dllm.sampling import SamplingParams
 from dllm.tokenizer import IM_END, build_char_tokenizer, encode
 from dllm.weights import save_pretrained
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 log = logging.getLogger("dlrl.sft")
 
 
-def make_model_config(arch: TinyModelConfig, tokenizer) -> SDARConfig:
+def make_model_config(arch: TinyModelConfig, tokenizer: PreTrainedTokenizerBase) -> SDARConfig:
     im_end = tokenizer.convert_tokens_to_ids(IM_END)  # chat turns end with <|im_end|>
     return SDARConfig(vocab_size=len(tokenizer), mask_token_id=tokenizer.mask_token_id,
                       eos_token_id=[tokenizer.eos_token_id, im_end], pad_token_id=tokenizer.eos_token_id,
                       torch_dtype="float32", **arch.model_dump())
 
 
-def sft_batch(examples: list[dict], tokenizer, block_size: int, t_min: float, gen: torch.Generator):
+def sft_batch(examples: list[dict], tokenizer: PreTrainedTokenizerBase, block_size: int, t_min: float,
+              gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> noisy [B, L], clean [B, L], pos [B, L], valid [B, L], loss weights [B, L] (1/t on masked)."""
     seqs, comp_starts = [], []
     for ex in examples:
@@ -74,14 +79,15 @@ def sft_batch(examples: list[dict], tokenizer, block_size: int, t_min: float, ge
     return noisy, clean, pos, valid, weights, is_comp.sum()
 
 
-def diffusion_loss(model, noisy, clean, pos, valid, weights, num_comp) -> torch.Tensor:
+def diffusion_loss(model: SDARForCausalLM, noisy: torch.Tensor, clean: torch.Tensor, pos: torch.Tensor,
+                   valid: torch.Tensor, weights: torch.Tensor, num_comp: torch.Tensor) -> torch.Tensor:
     logits = model.forward_train(noisy, clean, pos, valid)  # [B, L, V]
     ce = F.cross_entropy(logits.flatten(0, 1).float(), clean.flatten(), reduction="none")
     return (ce * weights.flatten()).sum() / num_comp.clamp(min=1)
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, examples: list[dict], max_new_tokens: int = 8, batch_size: int = 100) -> float:
+def evaluate(model: SDARForCausalLM, tokenizer: PreTrainedTokenizerBase, examples: list[dict], max_new_tokens: int = 8, batch_size: int = 100) -> float:
     """Greedy exact-match accuracy."""
     model.eval()
     correct = 0

@@ -24,9 +24,16 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from dllm.config import SDARConfig
 
 QWEN_PRETOKENIZE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                     r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -76,7 +83,7 @@ CORPUS = [
 ]
 
 
-def _byte_fillers(alphabet: list[str], taken: set[str]):
+def _byte_fillers(alphabet: list[str], taken: set[str]) -> Iterator[str]:
     for n in itertools.count(3):
         for combo in itertools.product(alphabet, repeat=n):
             s = "".join(combo)
@@ -84,7 +91,7 @@ def _byte_fillers(alphabet: list[str], taken: set[str]):
                 yield s
 
 
-def build_qwen_tokenizer(out_dir: str | Path, vocab_size: int = 2000):
+def build_qwen_tokenizer(out_dir: str | Path, vocab_size: int = 2000) -> PreTrainedTokenizerBase:
     """Write the Qwen-style stand-in tokenizer into `out_dir` and return it (AutoTokenizer)."""
     from tokenizers import (
         AddedToken,
@@ -133,7 +140,7 @@ def build_qwen_tokenizer(out_dir: str | Path, vocab_size: int = 2000):
     return load_tokenizer(out)
 
 
-def _param_shapes(cfg) -> list[tuple[str, tuple[int, ...]]]:
+def _param_shapes(cfg: SDARConfig) -> list[tuple[str, tuple[int, ...]]]:
     from dllm.model import SDARForCausalLM
 
     with torch.device("meta"):
@@ -156,7 +163,7 @@ def _window(stream: torch.Tensor, shape: torch.Size, gen: torch.Generator, dtype
     return out.view(shape)
 
 
-def write_random_weights(out_dir: str | Path, cfg, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+def write_random_weights(out_dir: str | Path, cfg: SDARConfig, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
                          max_shard_bytes: int = 1 << 30, im_end_id: int | None = None,
                          im_end_scale: float = 0.0) -> None:
     """Random N(0, 0.02) weights (norm weights 1) for `cfg`, written shard by shard. Each tensor

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Iterator
 
 from pydantic import Field
 
@@ -66,7 +67,7 @@ class ArithmeticTask(Config):
         return out
 
     def _draw(self, rng: random.Random) -> tuple[int, int]:
-        def num():
+        def num() -> int:
             d = rng.randint(self.min_digits, self.max_digits)
             return rng.randint(0 if d == 1 else 10 ** (d - 1), 10 ** d - 1)
         return num(), num()
@@ -83,7 +84,7 @@ class ArithmeticTask(Config):
                 out.append(self.format(a, b))
         return out
 
-    def stream(self, seed: int):
+    def stream(self, seed: int) -> Iterator[dict]:
         """Endless SFT demonstrations from the train split. With `teacher_carry_error` p, a
         demo of a problem that needs a carry shows the carry-free (wrong) answer with
         probability p: an imperfect teacher, whose mistakes RL with the exact-match reward

@@ -14,6 +14,7 @@ from __future__ import annotations
 import fcntl
 import logging
 from pathlib import Path
+from typing import Any, cast
 
 from dllm.embedded.sft_config import SFTConfig, TinyModelConfig
 from dllm.embedded.task import ArithmeticTask
@@ -27,7 +28,7 @@ TINY_SECTIONS: dict[str, type[Config]] = {"model": TinyModelConfig, "task": Arit
 
 
 def load_tiny_sections(config_path: str | Path | None = DEFAULT_CONFIG, overrides: list[str] | None = None,
-                       primary: str | None = None):
+                       primary: str | None = None) -> tuple[TinyModelConfig, ArithmeticTask, SFTConfig]:
     """(model, task, sft) sections, read from the file once. Overrides of other sections are
     not theirs (skipped); bare `key=value` ones apply to `primary` only."""
     mine = []
@@ -36,7 +37,8 @@ def load_tiny_sections(config_path: str | Path | None = DEFAULT_CONFIG, override
         if (key.split(".", 1)[0] if "." in key else primary) in TINY_SECTIONS:
             mine.append(item)
     secs = load_sections(config_path, mine, TINY_SECTIONS, primary=primary or "sft")
-    return secs["model"], secs["task"], secs["sft"]
+    return (cast(TinyModelConfig, secs["model"]), cast(ArithmeticTask, secs["task"]),
+            cast(SFTConfig, secs["sft"]))
 
 
 def ensure_default_model(arch: TinyModelConfig, task: ArithmeticTask, sft: SFTConfig) -> Path:
@@ -60,7 +62,7 @@ SMALL_ARCH = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 
               "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512}
 
 
-def random_tiny_folder(path: str | Path, arch: TinyModelConfig | None = None, seed: int = 0, **fields) -> str:
+def random_tiny_folder(path: str | Path, arch: TinyModelConfig | None = None, seed: int = 0, **fields: Any) -> str:
     """A model folder (HF layout, char tokenizer) with random weights (`torch.manual_seed(seed)`) of
     `arch`, default TinyModelConfig(**fields): what tests and benchmarks serve when they need no
     trained model. `random_tiny_folder(tmp, **SMALL_ARCH)` is the test suite's."""

@@ -54,7 +54,7 @@ def _samples(metric) -> list:
 
 
 class Console:
-    def __init__(self, aligner: Any, token: str):
+    def __init__(self, aligner: Any, token: str) -> None:
         self.al, self.cfg, self.token = aligner, aligner.cfg, token
         self.store = open_store(self.cfg.store, **NO_PRUNE)  # its own connection: reads, and a manual rollback
         self._rollback_lock = threading.Lock()

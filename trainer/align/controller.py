@@ -61,7 +61,7 @@ class Aligner(LoopHooks):
     """The controller of `dlrl align`: the training loop's hooks for continuous mode."""
 
     def __init__(self, run: Run, cfg: AlignConfig, store: FeedbackStore, pool: ServingPool,
-                 should_stop: Callable[[], bool] = lambda: False):
+                 should_stop: Callable[[], bool] = lambda: False) -> None:
         self.metrics = AlignMetrics()
         store = cast("FeedbackStore", CountedStore(store, self.metrics))  # outcomes counted from the events it logs
         self.run, self.cfg, self.store, self.pool, self.should_stop = run, cfg, store, pool, should_stop

@@ -65,7 +65,7 @@ class NoData(RuntimeError):
 class TailedJSONL:
     """A JSONL that grows: each `read()` returns the examples of the lines appended since."""
 
-    def __init__(self, path: str | Path, **fields: Any):
+    def __init__(self, path: str | Path, **fields: Any) -> None:
         self.path, self.fields = Path(path), fields
         if not self.path.is_file():
             raise FileNotFoundError(f"align.prompt_source: no such file {str(self.path)!r}")
@@ -98,7 +98,7 @@ class TailedJSONL:
 class StorePrompts:
     """Prompts users asked, each with a completion a user accepted as its reference answer."""
 
-    def __init__(self, store, accept_reward: float = 1.0, page: int = 1000):
+    def __init__(self, store, accept_reward: float = 1.0, page: int = 1000) -> None:
         self.store, self.accept_reward, self.page = store, accept_reward, page
         self.seq = 0
         self.seen: set[str] = set()
@@ -126,7 +126,7 @@ class StorePrompts:
 class StaticPrompts:
     """A fixed list (train.data or the embedded task's training split): `prompt_source: task`."""
 
-    def __init__(self, examples: list[dict]):
+    def __init__(self, examples: list[dict]) -> None:
         self.examples, self.done = examples, False
 
     @property
@@ -145,7 +145,7 @@ class PromptPool:
     as `trainer.data.PromptSampler`); `batch_size` may change between batches."""
 
     def __init__(self, source, batch_size: int, seed: int = 0, wait_s: float = 600.0,
-                 should_stop: Callable[[], bool] = lambda: False):
+                 should_stop: Callable[[], bool] = lambda: False) -> None:
         self.source, self.batch_size, self.wait_s, self.should_stop = source, batch_size, wait_s, should_stop
         self.seed = seed
         self.rng = np.random.default_rng(seed)
@@ -230,7 +230,7 @@ def record_rollout(rec, block_size: int, max_len: int) -> Rollout | str:
 class FeedbackBuffer:
     """Labeled records read from the store in arrival order, checked, waiting to be trained on."""
 
-    def __init__(self, store, block_size: int, max_len: int, capacity: int = 4096, page: int = 1000):
+    def __init__(self, store, block_size: int, max_len: int, capacity: int = 4096, page: int = 1000) -> None:
         self.store, self.block_size, self.max_len, self.page = store, block_size, max_len, page
         self.queue: deque[FeedbackSample] = deque()
         self.capacity = capacity
@@ -306,7 +306,7 @@ class FeedbackBuffer:
 class MixedBatch(Batch):
     """On-policy groups first, then feedback pseudo-groups of `group_size` records each."""
 
-    def __init__(self, on_policy: Batch, feedback: list[FeedbackSample], group_size: int):
+    def __init__(self, on_policy: Batch, feedback: list[FeedbackSample], group_size: int) -> None:
         groups = len(feedback) // group_size
         self.feedback = sorted(feedback, key=lambda s: s.rollout.version)[:groups * group_size]
         self.num_on_policy = len(on_policy.examples)

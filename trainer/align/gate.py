@@ -74,7 +74,7 @@ class GateResult:
 
 class Gate:
     def __init__(self, cfg, train_cfg, examples: list[dict], reward_fn, prompt_ids_of, mask_id: int,
-                 block_size: int, pad_id: int):
+                 block_size: int, pad_id: int) -> None:
         self.cfg, self.train_cfg, self.examples, self.reward_fn = cfg, train_cfg, examples, reward_fn
         self.prompt_ids_of, self.mask_id, self.block_size, self.pad_id = prompt_ids_of, mask_id, block_size, pad_id
         self.prompts = [prompt_ids_of(e) for e in examples]

@@ -47,7 +47,7 @@ class CountedStore:
     """The registry as the controller writes it, counting candidate outcomes from the events it logs
     (everything else goes straight to the store)."""
 
-    def __init__(self, store, metrics: AlignMetrics):
+    def __init__(self, store, metrics: AlignMetrics) -> None:
         self._store, self._metrics = store, metrics
 
     def log_event(self, kind: str, version: int, *args, **kwargs):

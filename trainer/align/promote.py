@@ -65,7 +65,7 @@ class Canary:
 class FeedbackTally:
     """(time, version, reward) of recent feedback, for the canary's live comparison."""
 
-    def __init__(self, maxlen: int = 100_000):
+    def __init__(self, maxlen: int = 100_000) -> None:
         self.items: deque[tuple[float, int, float]] = deque(maxlen=maxlen)
 
     def add(self, feedback_time: float, version: int, reward: float) -> None:
@@ -99,7 +99,7 @@ class Promoter:
                  poll: Callable[[], None] = lambda: None,
                  on_promoted: Callable[[Candidate], None] = lambda c: None,
                  on_rejected: Callable[[Candidate, list[str]], None] = lambda c, r: None,
-                 on_adopted: Callable[[int], None] = lambda v: None):
+                 on_adopted: Callable[[int], None] = lambda v: None) -> None:
         self.cfg, self.store, self.pool, self.bank, self.metrics, self.tally = cfg, store, pool, bank, metrics, tally
         self.serving_version = serving_version
         self.poll, self.on_promoted, self.on_rejected, self.on_adopted = poll, on_promoted, on_rejected, on_adopted

@@ -73,7 +73,7 @@ def parse_live(text: str) -> LiveStats:
 
 
 class ServingPool:
-    def __init__(self, urls: list[str], token: str, sync_options: dict[str, Any] | None = None):
+    def __init__(self, urls: list[str], token: str, sync_options: dict[str, Any] | None = None) -> None:
         self.fleet = ServerFleet(urls, token, sync_options=sync_options)
         self.urls = self.fleet.urls
 

@@ -41,7 +41,7 @@ class Codec:
     """JSON messages: plain data by value (type-tagged), the rest as handles `{"h": id}`.
     `to_handle(obj)` / `from_handle(id)` say what a handle means on each side."""
 
-    def __init__(self, to_handle, from_handle):
+    def __init__(self, to_handle, from_handle) -> None:
         self.to_handle, self.from_handle = to_handle, from_handle
 
     def encode(self, x, depth: int = 0):
@@ -94,7 +94,7 @@ class Codec:
 class Pipe:
     """Newline-delimited JSON over a pair of file descriptors."""
 
-    def __init__(self, rfd: int, wfd: int):
+    def __init__(self, rfd: int, wfd: int) -> None:
         self.r, self.w = os.fdopen(rfd, "rb"), os.fdopen(wfd, "wb")
 
     def send(self, msg) -> None:
@@ -166,7 +166,7 @@ def _builtin_exception(name: str, message: str) -> Exception:
 
 
 class Client:
-    def __init__(self, pipe: Pipe):
+    def __init__(self, pipe: Pipe) -> None:
         self.pipe = pipe
         self.codec = Codec(self._handle_of, lambda i: Remote(self, i))
 
@@ -196,7 +196,7 @@ class Remote:
 
     __slots__ = ("_client", "_id")
 
-    def __init__(self, client: Client, handle: int):
+    def __init__(self, client: Client, handle: int) -> None:
         object.__setattr__(self, "_client", client)
         object.__setattr__(self, "_id", handle)
 
@@ -212,10 +212,10 @@ class Remote:
     def __getitem__(self, key):
         return self._op("getitem", key)
 
-    def __contains__(self, key):
+    def __contains__(self, key) -> bool:
         return self._op("contains", key) is True
 
-    def __len__(self):
+    def __len__(self) -> int:
         n = self._op("len")
         if type(n) is not int:
             raise TypeError("len() of the solution's object is not an int")
@@ -224,15 +224,15 @@ class Remote:
     def __iter__(self):
         return _RemoteIter(self._op("iter"))
 
-    def __str__(self):
+    def __str__(self) -> str:
         return str(self._op("str"))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return str(self._op("repr"))
 
 
 class _RemoteIter:
-    def __init__(self, it):
+    def __init__(self, it) -> None:
         self.it = it
 
     def __iter__(self):

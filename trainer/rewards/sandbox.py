@@ -175,7 +175,7 @@ def _bwrap_argv(setup: _BwrapSetup, limits: SandboxLimits, job_fd: int | None, h
 class Sandbox:
     """A sandbox mode plus limits; `run()` opens one run (a deadline and the processes in it)."""
 
-    def __init__(self, mode: str = "bwrap", limits: SandboxLimits | None = None):
+    def __init__(self, mode: str = "bwrap", limits: SandboxLimits | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"reward_sandbox: {mode!r} is not one of {', '.join(MODES)}")
         self.mode, self.limits = mode, limits or SandboxLimits()
@@ -192,7 +192,7 @@ class Sandbox:
 class SandboxRun:
     """Processes started under one deadline; leaving the `with` block kills all their trees."""
 
-    def __init__(self, box: Sandbox):
+    def __init__(self, box: Sandbox) -> None:
         self.box, self.limits = box, box.limits
         self.deadline = time.monotonic() + box.limits.wall_s
         self._procs: list[tuple[subprocess.Popen, dict, str | None]] = []

@@ -52,7 +52,7 @@ class Watchdog:
     """One thread for every running sandbox: each `interval` s it sums resident memory and CPU time
     over each watched process tree and kills a tree over its limits."""
 
-    def __init__(self, interval: float = 0.1):
+    def __init__(self, interval: float = 0.1) -> None:
         self.interval = interval
         self._trees: dict[int, tuple[SandboxLimits, dict]] = {}  # root pid -> (limits, verdict)
         self._lock = threading.Lock()
