@@ -23,8 +23,8 @@ rate, and the server process's CPU per refused request: (server CPU in the flood
 CPU in the quiet phases, per second) x seconds / refusals. Goals: polite p95 with the flood
 <= 2x without; <= 0.3 ms CPU per refusal. Then the floor: the CPU per request of uvicorn alone
 (a one-route ASGI app answering 429) under the same flood, with h11 + asyncio as `dlrl serve`
-runs, and with httptools + uvloop when both are importable (they are not dlrl dependencies:
-`pip install --target DIR httptools uvloop` and DIR on PYTHONPATH).
+runs, and with httptools + uvloop given `--floor-path DIR` (they are not dlrl dependencies:
+`pip install --target DIR httptools uvloop`; only the floor's process gets DIR on its path).
 
 `retry` (issue 37): saturating bursts. `--clients` clients send POST /generate (one sequence,
 `--max-tokens` tokens) at the same instant to a server of 4 slots and `--max-queue` waiting
@@ -84,7 +84,8 @@ body = b'{"error": {"message": "over quota", "type": "rate_limit_error", "param"
 async def app(scope, receive, send):
     if scope["type"] != "http":
         return
-    await send({"type": "http.response.start", "status": 429, "headers": [(b"content-type", b"application/json"),
+    status = 200 if scope["path"] == "/health" else 429
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()), (b"retry-after", b"1")]})
     await send({"type": "http.response.body", "body": body})
 uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", access_log=False, http=sys.argv[2],
@@ -474,7 +475,9 @@ def store_phases(url: str, pg: object, args: argparse.Namespace) -> list[dict]:
 def floor(http: str, loop: str, args: argparse.Namespace, tmp: Path) -> dict:
     """CPU per request of uvicorn itself: a one-route ASGI app answering 429, under the same flood."""
     port = free_port()
-    proc, _ = _start([sys.executable, "-c", FLOOR, str(port), http, loop], port, tmp / f"floor-{http}.log", None)
+    path = os.pathsep.join(p for p in (str(ROOT), args.floor_path) if p)
+    proc, _ = _start([sys.executable, "-c", FLOOR, str(port), http, loop], port, tmp / f"floor-{http}.log", None,
+                     {"PYTHONPATH": path})
     try:
         flood = start_flood(port, raw_post("/generate", FLOODER, {"prompt": "1+1=", "max_tokens": 8}), args.rate,
                             args.conns, args.seconds / 2)
@@ -490,10 +493,8 @@ def floor(http: str, loop: str, args: argparse.Namespace, tmp: Path) -> dict:
 
 
 def floors(args: argparse.Namespace, tmp: Path) -> None:
-    import importlib.util
-
     rows = [floor("h11", "asyncio", args, tmp)]
-    if importlib.util.find_spec("httptools") and importlib.util.find_spec("uvloop"):
+    if args.floor_path:
         rows.append(floor("httptools", "uvloop", args, tmp))
     print_rows("the floor: uvicorn alone answering 429 to the same flood (no dlrl code)", rows)
 
@@ -522,6 +523,7 @@ def main() -> None:
     p.add_argument("--max-queue", type=int, default=8, help="retry: the server's max_queue")
     p.add_argument("--max-tokens", type=int, default=16, help="retry: tokens per request")
     p.add_argument("--posts", type=int, default=48, help="store: feedback clients")
+    p.add_argument("--floor-path", default="", help="keys: a folder holding httptools and uvloop, for the floor")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
