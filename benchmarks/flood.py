@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/flood.py headers [--sockets 600] [--seconds 8] [--nofile 512]
     .venv/bin/python benchmarks/flood.py keys [--seconds 20] [--rate 400] [--conns 32]
-    .venv/bin/python benchmarks/flood.py retry [--clients 48] [--max-queue 8]
+    .venv/bin/python benchmarks/flood.py retry [--clients 48] [--bursts 3] [--max-queue 8] [--max-tokens 16]
     .venv/bin/python benchmarks/flood.py store [--posts 48] [--seconds 12]
     .venv/bin/python benchmarks/flood.py all          # keys, retry and store, one after the other
 
@@ -21,17 +21,22 @@ keep-alive connections, a raw-socket client in its own process) against a quota 
 then alone again. Prints the polite key's p50 / p95 / p99 per phase, the flood's answers and
 rate, and the server process's CPU per refused request: (server CPU in the flood phase - server
 CPU in the quiet phases, per second) x seconds / refusals. Goals: polite p95 with the flood
-<= 2x without; <= 0.3 ms CPU per refusal.
+<= 2x without; <= 0.3 ms CPU per refusal. Then the floor: the CPU per request of uvicorn alone
+(a one-route ASGI app answering 429) under the same flood, with h11 + asyncio as `dlrl serve`
+runs, and with httptools + uvloop given `--floor-path DIR` (they are not dlrl dependencies:
+`pip install --target DIR httptools uvloop`; only the floor's process gets DIR on its path).
 
-`retry` (issue 37): a saturating burst. `--clients` clients each send POST /generate (one
-sequence, 32 tokens) back to back for `--seconds` against a server with `--max-queue` waiting
+`retry` (issue 37): saturating bursts. `--clients` clients send POST /generate (one sequence,
+`--max-tokens` tokens) at the same instant to a server of 4 slots and `--max-queue` waiting
 sequences; a client refused 429 sleeps exactly its Retry-After and sends the same request
-again. Prints the Retry-After values seen (and how they spread with the queue), and the share of
-retries made at Retry-After that were admitted (goal: >= 70 %).
+again, until admitted; `--bursts` bursts one after the other. Prints, per burst, the Retry-After
+values seen (and the first refusal of each client, in time order: they grow with the queue),
+the share of retries made at Retry-After that were admitted (goal: >= 70 %), and how long
+refused clients took to get in.
 
-`store` (issue 37): recording into a throwaway PostgreSQL server (tests/postgres.py), stopped
-while `--posts` clients post feedback in a loop; meanwhile the admin `GET /weights/checksum`
-is timed every 0.5 s, before and during the outage. Prints its p50 / max per phase (goal:
+`store` (issue 37): recording into a throwaway PostgreSQL server (tests/postgres.py), killed
+(`pg_ctl stop -m immediate`) while `--posts` clients post feedback in a loop; meanwhile the
+admin `GET /weights/checksum` is timed every 0.5 s, for `--seconds` before and during the outage. Prints its p50 / max per phase (goal:
 <= 1 s while the store is down) and the feedback answers.
 """
 
@@ -51,6 +56,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -69,6 +75,21 @@ model, port = sys.argv[1], int(sys.argv[2])
 config = ServerConfig(model=model, port=port, device="cpu", dtype="float32", max_batch=2, max_model_len=64)
 app = create_app(build_engine(config, model), config)
 uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="info")).run()
+'''
+
+
+FLOOR = '''
+import sys, uvicorn
+body = b'{"error": {"message": "over quota", "type": "rate_limit_error", "param": null, "code": 429}}'
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    status = 200 if scope["path"] == "/health" else 429
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()), (b"retry-after", b"1")]})
+    await send({"type": "http.response.body", "body": body})
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", access_log=False, http=sys.argv[2],
+            loop=sys.argv[3])
 '''
 
 
@@ -329,6 +350,153 @@ def keys(args: argparse.Namespace, tmp: Path, model: str) -> None:
     print(f"flood answers: {flood_counts} ({sum(v for v in flood_counts.values()) / args.seconds:.0f} req/s sent)")
     print(f"server CPU per refusal: {1000 * extra / max(refused, 1):.3f} ms (goal <= 0.3); "
           f"polite p95 flood / quiet: {flood_row['p95_ms'] / quiet_p95:.2f}x (goal <= 2)")
+    floors(args, tmp)
+
+
+# ---------------------------------------------------------------------------------------------- retry (issue 37)
+def burst(url: str, clients: int, max_tokens: int) -> dict:
+    """`clients` requests at once; a refused client sleeps exactly Retry-After and tries again."""
+    lock, start = threading.Lock(), threading.Barrier(clients)
+    refusals: list[tuple[float, int, int]] = []  # (when, Retry-After, the refusal's rank for this client)
+    retries: list[bool] = []
+    waited: list[float] = []  # first refusal to admission, per refused client
+    body = {"prompt": "1+1=", "max_tokens": max_tokens, "ignore_eos": True}
+
+    def client(_: int) -> None:
+        start.wait()
+        first, retried = None, False
+        with httpx.Client(timeout=300) as http:
+            for k in range(60):
+                r = http.post(url + "/generate", json=body)
+                now = time.monotonic()
+                with lock:
+                    if retried:
+                        retries.append(r.status_code == 200)
+                    if r.status_code == 429:
+                        refusals.append((now, int(r.headers["Retry-After"]), k))
+                if r.status_code != 429:
+                    if first is not None:
+                        with lock:
+                            waited.append(now - first)
+                    return
+                first = now if first is None else first
+                retried = True
+                time.sleep(int(r.headers["Retry-After"]))
+
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(client, range(clients)))
+    values = [v for _, v, _ in sorted(refusals)]
+    firsts = [v for _, v, k in sorted(refusals) if k == 0]
+    return {"refusals": len(values), "retry_after_values": dict(sorted(Counter(values).items())),
+            "first_refusals_in_order": firsts, "retries": len(retries),
+            "admitted_at_retry_after": f"{sum(retries)}/{len(retries)} = {100 * sum(retries) / max(1, len(retries)):.0f}%",
+            "refused_to_admitted_p50_s": round(statistics.median(waited), 1) if waited else None,
+            "max_s": round(max(waited), 1) if waited else None}
+
+
+def retry(args: argparse.Namespace, tmp: Path, model: str) -> None:
+    proc, url = serve(model, tmp / "retry.log", "server.max_batch=4", f"server.max_queue={args.max_queue}",
+                      "server.max_model_len=96", "server.log_level=warning")
+    rows = []
+    try:
+        for i in range(args.bursts):
+            rows.append({"burst": i + 1, **burst(url, args.clients, args.max_tokens)})
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    print(f"\n## saturating bursts: {args.clients} clients at once, 4 slots, max_queue {args.max_queue}, "
+          f"{args.max_tokens} tokens each; a refused client waits exactly Retry-After")
+    for row in rows:
+        print(json.dumps(row))
+
+
+# ---------------------------------------------------------------------------------------------- store (issue 37)
+def store(args: argparse.Namespace, tmp: Path, model: str) -> None:
+    from tests.postgres import PostgresServer
+
+    pg = PostgresServer.start()
+    env = {"DLRL_ADMIN_TOKEN": ADMIN, "DLRL_FEEDBACK_TOKEN": FEEDBACK}
+    try:
+        proc, url = serve(model, tmp / "store.log", "server.max_batch=4", "server.max_model_len=64",
+                          "server.record=all", f"server.store={pg.new_database('flood')}", "server.log_level=warning",
+                          env=env)
+        try:
+            rows = store_phases(url, pg, args)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    finally:
+        pg.destroy()
+    print_rows(f"admin GET /weights/checksum while {args.posts} clients post feedback (PostgreSQL up, then stopped)",
+               rows)
+
+
+def store_phases(url: str, pg: object, args: argparse.Namespace) -> list[dict]:
+    ids = [s["record_id"] for s in httpx.post(url + "/generate", json={"prompt": "1+1=", "max_tokens": 4, "n": 8},
+                                              timeout=60).json()["samples"]]
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    stop = threading.Event()
+    answers: Counter = Counter()
+
+    def poster(i: int) -> None:
+        with httpx.Client(headers={"Authorization": f"Bearer {FEEDBACK}"}, timeout=60) as http:
+            while not stop.is_set():
+                try:
+                    answers[http.post(url + "/v1/feedback", json={"id": ids[i % 8], "reward": 1.0}).status_code] += 1
+                except httpx.HTTPError:
+                    answers["error"] += 1
+
+    rows = []
+    threads = [threading.Thread(target=poster, args=(i,), daemon=True) for i in range(args.posts)]
+    for t in threads:
+        t.start()
+    try:
+        for phase in ("store up", "store down"):
+            if phase == "store down":
+                pg.stop("immediate")  # type: ignore[attr-defined]
+            answers.clear()
+            lat = []
+            deadline = time.monotonic() + args.seconds
+            while time.monotonic() < deadline:
+                t0 = time.perf_counter()
+                r = httpx.get(url + "/weights/checksum", headers=admin, timeout=60)
+                lat.append(time.perf_counter() - t0 if r.status_code == 200 else float("inf"))
+                time.sleep(0.5)
+            rows.append({"phase": phase, "checksum_n": len(lat), "p50_ms": ms(percentile(lat, 0.5)),
+                         "max_ms": ms(max(lat)), "feedback_answers": dict(answers)})
+    finally:
+        stop.set()
+        pg.restart()  # type: ignore[attr-defined]
+        for t in threads:
+            t.join(timeout=60)
+    return rows
+
+
+def floor(http: str, loop: str, args: argparse.Namespace, tmp: Path) -> dict:
+    """CPU per request of uvicorn itself: a one-route ASGI app answering 429, under the same flood."""
+    port = free_port()
+    path = os.pathsep.join(p for p in (str(ROOT), args.floor_path) if p)
+    proc, _ = _start([sys.executable, "-c", FLOOR, str(port), http, loop], port, tmp / f"floor-{http}.log", None,
+                     {"PYTHONPATH": path})
+    try:
+        flood = start_flood(port, raw_post("/generate", FLOODER, {"prompt": "1+1=", "max_tokens": 8}), args.rate,
+                            args.conns, args.seconds / 2)
+        c0 = cpu_s(proc)
+        counts = flood[1].get(timeout=120)
+        c1 = cpu_s(proc)
+        flood[0].join()
+    finally:
+        proc.kill()
+        proc.wait()
+    return {"http": http, "loop": loop, "answers": sum(counts.values()),
+            "cpu_ms_per_request": round(1000 * (sum(c1) - sum(c0)) / max(1, sum(counts.values())), 3)}
+
+
+def floors(args: argparse.Namespace, tmp: Path) -> None:
+    rows = [floor("h11", "asyncio", args, tmp)]
+    if args.floor_path:
+        rows.append(floor("httptools", "uvloop", args, tmp))
+    print_rows("the floor: uvicorn alone answering 429 to the same flood (no dlrl code)", rows)
 
 
 def print_rows(title: str, rows: list[dict]) -> None:
@@ -350,14 +518,20 @@ def main() -> None:
     p.add_argument("--conns", type=int, default=32, help="keys: the flooding key's connections")
     p.add_argument("--polite-rate", type=float, default=5, help="keys: the polite key's requests/s")
     p.add_argument("--log-level", default="info", help="keys: server.log_level of the server")
+    p.add_argument("--clients", type=int, default=48, help="retry: clients in each burst")
+    p.add_argument("--bursts", type=int, default=3, help="retry: bursts, one after the other")
+    p.add_argument("--max-queue", type=int, default=8, help="retry: the server's max_queue")
+    p.add_argument("--max-tokens", type=int, default=16, help="retry: tokens per request")
+    p.add_argument("--posts", type=int, default=48, help="store: feedback clients")
+    p.add_argument("--floor-path", default="", help="keys: a folder holding httptools and uvloop, for the floor")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         model = tiny_model(tmp / "model")
         scenarios = ("keys", "retry", "store") if args.scenario == "all" else (args.scenario,)
+        given = args.seconds
         for name in scenarios:
-            if args.seconds is None:
-                args.seconds = {"headers": 8.0, "keys": 20.0, "retry": 20.0, "store": 12.0}[name]
+            args.seconds = given or {"headers": 8.0, "keys": 20.0, "retry": 0.0, "store": 12.0}[name]
             globals()[name](args, tmp, model)
 
 

@@ -24,7 +24,7 @@ asyncio queue its handler reads events from (filled from the engine thread).
 Back-pressure: the queue is bounded in sequences (`max_queue`) and in tokens
 (`max_queue_tokens`: prompt + max_tokens of every waiting sequence, what they will need in
 KV pages; 0 = unbounded); a request over either bound is refused (429) with a `retry_after`
-from its place in the queue and the measured admission rate (server.retry_after.RetryAfter). A sequence is
+from its place in the queue and the measured service rate (server.retry_after.RetryAfter). A sequence is
 given its KV pages for prompt + max_tokens when it is admitted (dllm.decoding.Decoder.add),
 so a running sequence never runs out of cache mid-generation and nothing is preempted: a
 request waits in the queue until its pages are free, at most until its deadline
@@ -167,7 +167,7 @@ class Scheduler:
 
     def retry_after(self, excess_seqs: int, excess_tokens: int) -> int:
         """Seconds until a refused request fits, `excess` waiting sequences / tokens ahead (server.retry_after)."""
-        return self.retry.estimate(excess_seqs, excess_tokens)
+        return self.retry.estimate(excess_seqs, excess_tokens, len(self._running))
 
     def admit(self, num_admissible: int) -> list[Any]:
         """waiting -> running: the `num_admissible` oldest waiting sequences (returned)."""
@@ -177,7 +177,6 @@ class Scheduler:
         self._waiting_ids.difference_update(s.seq_id for s in admitted)
         self.waiting_tokens -= sum(seq_tokens(s) for s in admitted)
         self._running.extend(admitted)
-        self.retry.admitted(len(admitted), sum(seq_tokens(s) for s in admitted), len(self._waiting))
         return admitted
 
     def expired(self, now: float) -> list[Request]:
@@ -222,6 +221,7 @@ class Scheduler:
             if seq.finish_reason != FinishReason.ABORT and not getattr(seq, "error", None):
                 now = time.monotonic()
                 self._finished.append((now, seq_tokens(seq)))
+                self.retry.finished(now - getattr(seq, "admitted_at", now), seq_tokens(seq), now)
                 while self._finished[0][0] < now - THROUGHPUT_WINDOW_S:
                     self._finished.popleft()
         req = self._owner.pop(seq.seq_id, None)

@@ -1,5 +1,5 @@
-"""Retry-After from the queue (issue 37): the estimator on a fake clock (position / admission rate,
-booked places, the first admissions into an idle engine left out), the scheduler's QueueFull
+"""Retry-After from the queue (issue 37): the estimator on a fake clock (position / service rate,
+booked places), the scheduler's QueueFull
 carrying it, and a real server under a saturating burst whose refused clients wait exactly
 Retry-After: the values grow with the queue and most retries are admitted."""
 
@@ -23,26 +23,24 @@ def test_nothing_measured_yet_is_one_second_per_place():
     assert est.estimate(1, now=103.5) == 1  # the three booked places were due by now: forgotten
 
 
-def test_position_over_the_measured_admission_rate():
+def test_position_over_the_measured_service_rate():
     est = RetryAfter()
-    est.admitted(8, num_left=0, now=0.0)   # into an idle engine, nobody left waiting: no rate
-    est.admitted(4, num_left=4, now=50.0)  # idle time since: no rate either
-    for i in range(1, 9):
-        est.admitted(1, num_left=4, now=50.0 + 0.5 * i)  # then, with a backlog, one every 0.5 s: 2 per s
-    assert est.rate(now=54.0)[0] == pytest.approx(2.0)
-    waits = [est.estimate(1, now=54.0) for _ in range(6)]
+    for i in range(8):
+        est.finished(2.0, now=float(i))  # sequences run 2 s each: 4 running finish 2 per second
+    assert est.rate(4, now=8.0)[0] == pytest.approx(2.0)
+    waits = [est.estimate(1, num_running=4, now=8.0) for _ in range(6)]
     assert waits == [1, 1, 2, 2, 3, 3]  # the k-th refused of a burst: k places / 2 per s, rounded up
-    assert est.estimate(5, now=54.0) == 6  # 6 booked + 5 ahead = 11 places: 5.5 s
-    assert est.estimate(1, now=60.0) == 1  # every booking was due by now: forgotten
+    assert est.estimate(5, num_running=4, now=8.0) == 6  # 6 booked + 5 ahead = 11 places: 5.5 s
+    assert est.estimate(1, num_running=8, now=8.0) == 3  # 8 running: 4 per s; 11 booked + 1 = 12 places
+    assert est.estimate(1, num_running=4, now=20.0) == 1  # every booking was due by now: forgotten
     assert RetryAfter().estimate(0, 40, now=0.0) == 1  # tokens, nothing measured: at least 1
 
 
 def test_tokens_bound_uses_tokens_admitted_per_second():
     est = RetryAfter()
-    est.admitted(1, 100, num_left=3, now=0.0)
-    est.admitted(1, 50, num_left=2, now=1.0)
-    est.admitted(1, 50, num_left=1, now=2.0)  # 100 tokens in 2 s of backlog: 50 tokens/s
-    assert est.estimate(0, 120, now=2.0) == 3
+    for i in range(4):
+        est.finished(1.0, 25, now=float(i))  # 2 running, 1 s each: 2 sequences/s of 25 tokens = 50 tokens/s
+    assert est.estimate(0, 120, num_running=2, now=4.0) == 3
 
 
 def _req(n: int, seq0: int, tokens: int = 10) -> Request:
@@ -53,14 +51,20 @@ def _req(n: int, seq0: int, tokens: int = 10) -> Request:
 
 def test_scheduler_refusals_carry_the_estimate(monkeypatch):
     clock = [1000.0]
+    monkeypatch.setattr("server.scheduler.time.monotonic", lambda: clock[0])
     monkeypatch.setattr("server.retry_after.time.monotonic", lambda: clock[0])
     sched = Scheduler(max_queue=4)
-    sched.enqueue(_req(4, 0))
-    sched.admit(2)  # into an idle engine; 2 left waiting
-    for _ in range(2):  # then one admission per second while others wait
-        clock[0] += 1.0
-        sched.admit(1)
-    sched.enqueue(_req(4, 10))
+    sched.enqueue(_req(2, 0))
+    for seq in sched.admit(2):  # 2 running sequences of 2 s each: 1 per second
+        seq.admitted_at = clock[0]
+    clock[0] += 2.0
+    for seq in sched.running:
+        seq.finish_reason = "stop"
+        sched.finish(seq)
+    sched.enqueue(_req(2, 10))
+    for seq in sched.admit(2):
+        seq.admitted_at = clock[0]
+    sched.enqueue(_req(4, 20))
     with pytest.raises(QueueFull, match="max_queue=4") as first:
         sched.enqueue(_req(2, 30))  # 4 waiting: 2 places short at 1 sequence/s
     with pytest.raises(QueueFull) as second:
