@@ -61,7 +61,7 @@ class TrainConfig(Config, SamplingOptions):
     chat_template: bool = False  # wrap prompts in the tokenizer's chat template (chat models)
     prompt_template: str = "{prompt}"  # format of the prompt ({prompt} is the record's), before the chat template
     system_prompt: str = ""  # system turn (chat_template only)
-    reward: str = "exact_match"  # exact_match | math | code | module:function
+    reward: str = "exact_match"  # exact_match | math | code | code_strict | pkg.module:function | path/to/file.py:function
     overlong_buffer: int = Field(0, ge=0)  # DAPO overlong penalty over the last N tokens before max_tokens (0 = off)
     reward_sandbox: SandboxMode = "bwrap"  # code rewards: bwrap | unsafe_local (plain subprocess, trusted code only)
     # rollouts

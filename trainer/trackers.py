@@ -10,7 +10,8 @@ imported only when asked for.
   wandb's environment applies (`WANDB_MODE=offline`, `WANDB_API_KEY`, `WANDB_ENTITY`, ...).
 - `mlflow`: the tracking URI from `MLFLOW_TRACKING_URI`, else a local file store in
   `output_dir/mlruns` (MLFLOW_ALLOW_FILE_STORE=true is set for it); experiment
-  `$MLFLOW_EXPERIMENT_NAME` or "dlrl".
+  `$MLFLOW_EXPERIMENT_NAME` or "dlrl". At the end it prints how to read the run back (mlflow 3
+  opens a file store only with MLFLOW_ALLOW_FILE_STORE=true: `mlflow_read_back`).
 - `trackio`: `trackio.init(project=$TRACKIO_PROJECT or "dlrl", name=run_name)`.
 A tracker whose package is missing is an error at start (`missing_trackers`), naming the key.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -60,6 +62,7 @@ class MlflowTracker:
         if not uri:  # a local file store next to the run (mlflow 3 asks for an explicit opt-in)
             uri = (run_dir / "mlruns").resolve().as_uri()
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.uri = uri
         self.client = MlflowClient(tracking_uri=uri)
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "dlrl")
         exp = self.client.get_experiment_by_name(name)
@@ -77,6 +80,15 @@ class MlflowTracker:
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
+        print(mlflow_read_back(self.uri, self.run_id), file=sys.stderr, flush=True)
+
+
+def mlflow_read_back(uri: str, run_id: str) -> str:
+    """How to open the run again: a file store needs MLFLOW_ALLOW_FILE_STORE=true with mlflow 3."""
+    opt_in = "MLFLOW_ALLOW_FILE_STORE=true " if uri.startswith("file:") else ""
+    return (f"mlflow: run {run_id} in {uri}; read it back with `{opt_in}mlflow ui --backend-store-uri {uri}` "
+            f"or, in Python, {opt_in and 'with ' + opt_in.strip() + ' in the environment, '}"
+            f"mlflow.tracking.MlflowClient({uri!r}).get_run({run_id!r})")
 
 
 class TrackioTracker:

@@ -52,7 +52,8 @@ def ensure_default_model(arch: TinyModelConfig, task: ArithmeticTask, sft: SFTCo
         if not (out / "config.json").is_file():
             from dllm.embedded.sft import run_sft
 
-            log.info("no model at %s yet: training the embedded default (SFT, ~1-2 min on CPU)", out)
+            log.info("no model at %s yet: training the embedded default first (SFT: 1-2 min on 2 idle CPU cores, "
+                     "up to ~25 on a loaded box; progress with the time left below)", out)
             run_sft(arch, task, sft)
     return out
 

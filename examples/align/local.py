@@ -12,7 +12,7 @@ With `--duration S` `dlrl align` gets SIGTERM after S seconds (it checkpoints an
 otherwise it runs until it stops by itself (`max_steps`, `max_seconds`) or is interrupted. The
 admin and feedback tokens are fresh random ones, given to the processes in their environment (the
 admin token also in `align.output_dir/admin_token`, mode 0600, for the console's actions). With
-`align.console_port` set it prints the console's URL at start, and one status line per gate verdict,
+`align.console_port` set it prints the console's URL once the console answers, and one status line per gate verdict,
 canary, promotion and rollback (registry events) while the run goes.
 Logs: `align.output_dir/logs/`. At the end it prints the version registry and the users' stats.
 
@@ -152,8 +152,12 @@ class LocalAlign:
 
         deadline = time.monotonic() + duration if duration else None
         last_id, store = 0, None
+        console_pending = bool(self.cfg.console_port)
         while True:
             exited = align.poll() is not None
+            if console_pending and _answers(self.console_url):  # its URL once it answers, not before
+                print(f"console: {self.console_url}  (actions: the admin token in {self.token_file})", flush=True)
+                console_pending = False
             try:
                 if store is None and Path(self.cfg.store).is_file():
                     store = open_store(self.cfg.store, **NO_PRUNE)
@@ -171,6 +175,13 @@ class LocalAlign:
     def users_stats(self) -> dict:
         path = self.out / "users.json"
         return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code < 500
+    except httpx.HTTPError:
+        return False
 
 
 def _ready(url: str) -> bool:
@@ -205,8 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         align = stack.start_align()
         print(f"dlrl align running (log: {stack.logs / 'align.log'}); metrics, curves: {stack.out}", flush=True)
         if stack.cfg.console_port:
-            print(f"console: {stack.console_url}  (actions: the admin token in {stack.token_file})",
-                  flush=True)
+            print("console: starting (its URL is printed here once it answers)", flush=True)
         if not stack.follow(align, args.duration):
             stack.stop("align", grace_s=300)
         code = align.returncode

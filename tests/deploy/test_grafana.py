@@ -131,3 +131,22 @@ def test_compose_mounts_the_provisioning_and_prometheus_scrapes_the_services():
     ds = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "prometheus.yaml").read_text())["datasources"][0]
     assert ds["url"] == "http://prometheus:9090" and "prometheus" in compose["services"]
     assert all(p.startswith("127.0.0.1:") for svc in ("prometheus", "grafana") for p in compose["services"][svc]["ports"])
+
+
+def test_deploy_readme_explains_the_metrics_services_and_the_kubernetes_route():
+    """Issue 38 friction 8: deploy/README.md names the compose file's Prometheus and Grafana (at the
+    ports compose publishes) and loads the dashboard into an existing Grafana on Kubernetes, with a
+    PodMonitor that selects the server pods by their real labels and port."""
+    text = (ROOT / "deploy" / "README.md").read_text()
+    compose = yaml.safe_load((ROOT / "deploy" / "compose" / "compose.yaml").read_text())
+    for svc in ("prometheus", "grafana"):
+        [port] = compose["services"][svc]["ports"]
+        assert f"`{svc}`" in text and f"http://{port.rsplit(':', 1)[0]}" in text, svc
+    assert "grafana_dashboard" in text and "dlrl-prometheus" in text and "/api/dashboards/db" in text
+    [monitor] = [yaml.safe_load(block) for block in re.findall(r"```yaml\n(.*?)```", text, re.S)
+                 if "PodMonitor" in block]
+    pods = [d for d in yaml.safe_load_all((ROOT / "deploy" / "k8s" / "base" / "server.yaml").read_text())
+            if d and d.get("kind") == "StatefulSet"][0]["spec"]["template"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= pods["metadata"]["labels"].items()
+    ports = {p["name"] for c in pods["spec"]["containers"] for p in c.get("ports", [])}
+    assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} <= ports

@@ -73,6 +73,9 @@ def test_sft_and_generate_commands(tmp_path):
     assert run.returncode == 0, run.stderr
     metrics = json.loads((out / "sft_metrics.json").read_text())
     assert 0 <= metrics["heldout_accuracy"] <= 1 and metrics["steps"] == 20
+    progress = [line for line in run.stderr.splitlines() if "sft step " in line]  # with its rate and ETA
+    assert "sft step 1/20" in progress[0] and "left" in progress[0] and "steps/s" in progress[0], run.stderr
+    assert "sft step 20/20" in progress[-1] and progress[-1].endswith("elapsed, done")
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
         p.name for p in out.iterdir()}
     gen = subprocess.run([sys.executable, "-m", "dlrl.cli", "generate", "--model", str(out), "--prompt", "12+34=",
@@ -85,6 +88,14 @@ def test_sft_and_generate_commands(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "dlrl.cli", "generate", "--model", str(out), "--prompt", "1",
                           "--top-p", "0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "generate.top_p (--top-p)" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_progress_line_has_rate_and_time_left():
+    from dllm.embedded.sft import progress_line
+
+    assert progress_line(150, 900, 0.93124, 71.4) == (
+        "sft step 150/900 loss 0.9312 | 2.1 steps/s | 1 min 11 s elapsed, ~5 min 57 s left")
+    assert progress_line(900, 900, 0.5, 30.0).endswith("30 s elapsed, done")
 
 
 def test_generate_key_value_and_old_flags_give_the_same_output(tiny_model_dir, capsys):

@@ -26,6 +26,7 @@ def test_help_lists_every_key_with_type_default_and_help(_dlrl):
     assert set(lines) == {f"train.{k}" for k in TrainConfig.model_fields}
     assert "train.num_steps" in lines and "int = 60  # RL steps" in lines["train.num_steps"]
     assert 'tracerl|dipo|random_masking|coupled = "tracerl"' in lines["train.objective"]
+    assert "pkg.module:function | path/to/file.py:function" in lines["train.reward"]  # both custom forms
     assert all("  # " in line for line in lines.values()), [k for k, v in lines.items() if "  # " not in v]
     assert "  server.port " in text and "  model.hidden_size " in text  # the other sections train reads
     text = _dlrl("eval", "--help")

@@ -76,10 +76,10 @@ def test_train_check_catches_what_the_started_server_would_refuse(tmp_path, caps
     port = free_port()
     (tmp_path / "c.yaml").write_text("train: {}\n")
     common = ["train", "--config", str(tmp_path / "c.yaml"), f"servers=[http://127.0.0.1:{port}]",
-              f"model={tiny_model_dir}", f"output_dir={tmp_path}/run", "--check"]
-    rc, out, err = _run([*common, f"server.port={port}"], capsys)
+              f"model={tiny_model_dir}", f"output_dir={tmp_path}/run"]
+    rc, out, err = _run([*common, f"server.port={port}", "--check"], capsys)
     assert rc == 0 and '"ok": true' in out, err
-    rc, _, err = _run([*common, f"server.port={port + 1}", "server.max_batch=0"], capsys)
+    rc, _, err = _run([*common, f"server.port={port + 1}", "server.max_batch=0", "--check"], capsys)
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 2, err
     assert f"server.port={port + 1}: the servers dlrl train starts listen where train.servers says" in lines[0]

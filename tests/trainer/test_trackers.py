@@ -28,7 +28,7 @@ def test_plain_lines_without_a_terminal_and_every_evaluation_printed(tmp_path, c
     assert "step 3: held-out greedy accuracy 84.5%" in lines
 
 
-def test_wandb_offline_and_mlflow_file_store_get_every_metric(tmp_path, monkeypatch):
+def test_wandb_offline_and_mlflow_file_store_get_every_metric(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -47,6 +47,9 @@ def test_wandb_offline_and_mlflow_file_store_get_every_metric(tmp_path, monkeypa
     assert [(m.step, m.value) for m in history] == [(1, 0.1), (2, 0.2), (3, pytest.approx(0.3))]
     assert client.get_run(mlflow_t.run_id).data.params["lr"] == "0.0001"
     assert client.get_run(mlflow_t.run_id).info.status == "FINISHED"
+    uri = (tmp_path / "mlruns").resolve().as_uri()  # the end says how to read it back (mlflow 3: opt-in)
+    assert f"read it back with `MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri {uri}`" in \
+        capsys.readouterr().err
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
 

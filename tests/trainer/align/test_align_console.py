@@ -12,6 +12,7 @@ steps and the candidates. The screenshot taken here is docs/align-console.png's 
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -101,6 +102,13 @@ def test_console_shows_the_loop_and_rolls_back_from_the_page(chromium, tiny_mode
             replicas = page.eval_on_selector_all("#replicas tr.replica", "rows => rows.map(r => r.dataset.url)")
             assert sorted(replicas) == sorted(urls[1:])
             assert page.locator("#candidates tr.candidate").count() >= 1
+            # the charts have axis values (issue 38): 0 / 50 / 100 % and wall-clock times
+            page.wait_for_function("document.querySelectorAll('#accuracy-chart text.axis.x').length === 3")
+            ys = page.eval_on_selector_all("#accuracy-chart text.axis.y", "ts => ts.map(t => t.textContent)")
+            assert ys == ["0%", "50%", "100%"], ys
+            xs = page.eval_on_selector_all("#accuracy-chart text.axis.x", "ts => ts.map(t => t.textContent)")
+            assert all(re.fullmatch(r"\d{1,2}:\d{2}:\d{2}( [AP]M)?", x) for x in xs), xs
+            assert page.locator("#feedback-chart text.axis.y").count() in (0, 3)  # no feedback yet: no chart
             assert page.is_disabled("#rollback") and page.is_disabled("#pause")  # read-only without the token
             assert stack.admin_token not in page.content() and stack.feedback_token not in page.content()
 

@@ -65,13 +65,34 @@ function svgEl(name, attrs) {
   return el;
 }
 
-function chart(svg, series, yMax) {
-  // series: [{points: [[t, y]], color, dots}]; x: time, y: 0..yMax
+function clock(t) {
+  return new Date(t * 1000).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit", second: "2-digit" });
+}
+
+function axes(svg, X, Y, t0, t1, yMax, yFormat) {
+  // y: 0, half, max on the left; x: the first, middle and last time (wall clock) at the bottom
+  svg.appendChild(svgEl("polyline", { points: `${X(t0)},${Y(yMax)} ${X(t0)},${Y(0)} ${X(t1)},${Y(0)}`, fill: "none",
+                                      stroke: "#9aa3af", "stroke-width": 1 }));
+  for (const y of [0, yMax / 2, yMax]) {
+    const label = svgEl("text", { x: X(t0) - 4, y: Y(y) + 3, "text-anchor": "end", class: "axis y" });
+    label.textContent = yFormat(y);
+    svg.appendChild(label);
+  }
+  [[t0, "start"], [(t0 + t1) / 2, "middle"], [t1, "end"]].forEach(([t, anchor]) => {
+    const label = svgEl("text", { x: X(t), y: 156, "text-anchor": anchor, class: "axis x" });
+    label.textContent = clock(t);
+    svg.appendChild(label);
+  });
+}
+
+function chart(svg, series, yMax, yFormat) {
+  // series: [{points: [[t, y]], color, dots}]; x: time (axis: wall clock), y: 0..yMax (axis: yFormat)
   const all = series.flatMap((s) => s.points);
   svg.replaceChildren();
   if (!all.length) return;
   const t0 = Math.min(...all.map((p) => p[0])), t1 = Math.max(...all.map((p) => p[0]), t0 + 1);
-  const X = (t) => 8 + (384 * (t - t0)) / (t1 - t0), Y = (y) => 152 - (144 * y) / (yMax || 1);
+  const X = (t) => 46 + (346 * (t - t0)) / (t1 - t0), Y = (y) => 140 - (132 * y) / (yMax || 1);
+  axes(svg, X, Y, t0, t1, yMax || 1, yFormat || ((y) => num(y, 2)));
   for (const s of series) {
     if (s.dots) {
       for (const [t, y, color] of s.points) svg.appendChild(svgEl("circle", { cx: X(t), cy: Y(y), r: 3, fill: color || s.color }));
@@ -86,11 +107,13 @@ function renderCharts(s) {
   const served = new Set(["serving", "retired", "rolled_back"]);
   const dots = s.accuracy.map((a) => [a.time, a.accuracy, served.has(a.status) ? "#1b7f3b" : a.status === "gated_out" ? "#b3261e" : "#3566c9"]);
   const line = s.history.filter((h) => h.serving_accuracy !== undefined).map((h) => [h.time, h.serving_accuracy]);
-  chart($("accuracy-chart"), [{ points: line, color: "#1d2330" }, { points: dots, dots: true, color: "#3566c9" }], 1);
+  chart($("accuracy-chart"), [{ points: line, color: "#1d2330" }, { points: dots, dots: true, color: "#3566c9" }], 1,
+        (y) => `${Math.round(100 * y)}%`);
   const rate = s.history.filter((h) => h.feedback_rate !== undefined).map((h) => [h.time, h.feedback_rate]);
   const used = s.history.filter((h) => h.feedback_used !== undefined).map((h) => [h.time, h.feedback_used]);
   const yMax = Math.max(1, ...rate.map((p) => p[1]), ...used.map((p) => p[1]));
-  chart($("feedback-chart"), [{ points: rate, color: "#3566c9" }, { points: used, color: "#1b7f3b" }], yMax);
+  chart($("feedback-chart"), [{ points: rate, color: "#3566c9" }, { points: used, color: "#1b7f3b" }], yMax,
+        (y) => num(y, y < 10 ? 1 : 0));
   const f = s.feedback;
   $("feedback-counts").textContent = `blue: records/s arriving (${num(s.feedback_rate, 2)} now); green: records trained on per step. ` +
     `received ${f.received || 0}, trained on ${f.used || 0}, stale ${f.stale || 0}, invalid ${f.invalid || 0}`;
