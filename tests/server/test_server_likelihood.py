@@ -147,6 +147,7 @@ def _write_task(root: Path) -> None:
         "metric_list:\n  - metric: acc\n")
 
 
+@pytest.mark.slow
 def test_lm_eval_local_completions(server: Any, serve_process: Any, tiny_model_dir: str, tmp_path: Path,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """lm-eval-harness's `local-completions` loglikelihood and a multiple-choice task, unchanged, offline,
