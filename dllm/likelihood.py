@@ -165,13 +165,15 @@ def _run(model: Any, texts: list[list[int]], per_row: list[Any], weights: list[t
     for part in _chunks(per_row, max_row_tokens):
         rows = _stack(per_row[part], pad_id)
         lp, top = _score(model, rows, top_k)
-        r_idx, c_idx = rows.target.nonzero(as_tuple=True)
-        w = torch.stack(weights[part])[r_idx, c_idx].double() if weights is not None else None
-        for j, (r, c) in enumerate(zip(r_idx.tolist(), c_idx.tolist())):
-            i = int(rows.row_sample[r])
-            sums[i][c] += lp[j].double() * (w[j] if w is not None else 1.0)
-            if top is not None:
-                tops[i][c] = [(int(a), float(b)) for a, b in top[j].tolist() if b > float("-inf")]
+        r_idx, c_idx = rows.target.nonzero(as_tuple=True)  # row-major: the order of `lp`
+        vals = lp.double() * (torch.stack(weights[part])[r_idx, c_idx].double() if weights is not None else 1.0)
+        text_of = rows.row_sample[r_idx]
+        for i in text_of.unique().tolist():
+            here = text_of == i
+            sums[i].index_add_(0, c_idx[here], vals[here])
+        if top is not None:
+            for j, (r, c) in enumerate(zip(r_idx.tolist(), c_idx.tolist())):
+                tops[int(rows.row_sample[r])][c] = [(int(a), float(b)) for a, b in top[j].tolist() if b > float("-inf")]
         for r in range(rows.noisy.shape[0]):
             counts[int(rows.row_sample[r])] += 1
     return [TokenScores([None] + [float(v) for v in s[1:]], t if top_k else None, n)

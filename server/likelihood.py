@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 
 from dllm.likelihood import Method, TokenScores, prompt_logprobs
-from rollout_client.protocol.common import Usage, new_id
+from rollout_client.protocol.common import DecodingOptions, Usage, new_id
 from rollout_client.protocol.native import GenerateRequest, GenerateResponse, Sample
 from rollout_client.protocol.openai import (
     CompletionChoice,
@@ -35,7 +35,7 @@ from rollout_client.protocol.openai import (
     CompletionResponse,
 )
 from server.errors import APIError
-from server.generation import encode_prompts, prepare, run_to_completion
+from server.generation import encode_prompts, prepare, run_to_completion, to_sampling_params
 from server.quotas import charge_tokens
 from server.state import server_state
 
@@ -49,17 +49,19 @@ _pending: weakref.WeakKeyDictionary[Engine, int] = weakref.WeakKeyDictionary()  
 def check_ids(ids: list[int], field: str, vocab: int, mask_id: int, max_len: int) -> None:
     if not ids:
         raise APIError(400, f"{field}: a prompt to score must contain at least one token", field)
-    if len(ids) > max_len:
-        raise APIError(413, f"{field}: {len(ids)} tokens exceed max_model_len={max_len}", field)
+    if len(ids) >= max_len:
+        raise APIError(413, f"{field}: {len(ids)} tokens; the limit is below max_model_len={max_len}", field)
     bad = next((t for t in ids if not 0 <= t < vocab or t == mask_id), None)
     if bad is not None:
         raise APIError(400, f"{field}: invalid token id {bad} (vocab {vocab}, mask id {mask_id})", field)
 
 
-async def score(st: ServerState, prompts: list[str | list[int]], field: str, method: Method | None, top_k: int,
-                seed: int | None) -> tuple[list[list[int]], list[TokenScores], int]:
-    """(token ids, scores, version) of each prompt; the checks of the module docstring first."""
+async def score(st: ServerState, prompts: list[str | list[int]], field: str, opts: DecodingOptions,
+                method: Method | None, top_k: int) -> tuple[list[list[int]], list[TokenScores], int]:
+    """(token ids, scores, version) of each prompt; the checks of the module docstring first (and the
+    decoding options' own, as a generation request gets them)."""
     engine = st.engine
+    to_sampling_params(opts, 1, st.config).validate(engine.backend.block_size)
     if len(prompts) > engine.scheduler.max_queue:
         raise APIError(413, f"{field}: {len(prompts)} prompts exceed what the server queues at once "
                             f"(max_queue={engine.scheduler.max_queue})", field)
@@ -71,7 +73,7 @@ async def score(st: ServerState, prompts: list[str | list[int]], field: str, met
     if _pending.get(engine, 0) + len(ids_list) > engine.scheduler.max_queue:
         raise APIError(429, "too many prompt log-likelihoods waiting; retry later", None, {"Retry-After": "1"})
     how: Method = method or st.config.likelihood
-    samples, seed_ = st.config.elbo_samples, seed or 0
+    samples, seed_ = st.config.elbo_samples, opts.seed or 0
     model = engine.model
 
     def job(ids: list[int]) -> Any:
@@ -92,8 +94,8 @@ async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
     st, t0 = server_state(request.app), time.perf_counter()
     field = "prompt" if body.prompt is not None else "prompt_ids"
     assert body.prompt_logprobs is not None, "checked by GenerateRequest"
-    ids_list, scores, version = await score(st, body.prompt_list(), field, body.likelihood, body.prompt_logprobs,
-                                            body.seed)
+    ids_list, scores, version = await score(st, body.prompt_list(), field, body, body.likelihood,
+                                            body.prompt_logprobs)
     samples = [Sample(index=i, prompt_index=i, prompt_ids=ids, completion_ids=[], text="", finish_reason="length",
                       version=version, num_forwards=s.num_rows, prompt_logprobs=s.logprobs,
                       prompt_top_logprobs=s.top if body.prompt_logprobs else None,
@@ -139,7 +141,7 @@ async def completions(body: CompletionRequest, request: Request) -> CompletionRe
     st, t0 = server_state(request.app), time.perf_counter()
     assert body.logprobs is not None, "checked by CompletionRequest"
     k, prompts, tok = body.logprobs, body.prompt_list(), st.prompts.tokenizer
-    ids_list, scores, version = await score(st, prompts, "prompt", body.likelihood, k, body.seed)
+    ids_list, scores, version = await score(st, prompts, "prompt", body, body.likelihood, k)
     to_generate: list[str | list[int]] = list(ids_list)
     seqs = await prepare(st, to_generate, body, body.max_tokens, 1) if body.max_tokens != 0 else []
     if seqs:

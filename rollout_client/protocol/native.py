@@ -40,6 +40,12 @@ def _exactly_one_prompt(schema: dict[str, Any]) -> None:
         {"required": ["prompt_ids"], "properties": {"prompt_ids": {"not": {"type": "null"}},
                                                     "prompt": {"type": "null"}}},
     ]
+    # prompt log-likelihoods: max_tokens 0 <=> prompt_logprobs given (an integer), one sample per prompt
+    scoring: dict[str, Any] = {"required": ["prompt_logprobs"], "properties": {"prompt_logprobs": {"type": "integer"}}}
+    zero = {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}}}
+    schema["allOf"] = [{"if": zero, "then": {**scoring, "properties": {
+                           **scoring["properties"], "n": {"anyOf": [{"const": 1}, {"type": "null"}]}}}},
+                       {"if": scoring, "then": zero}]
 
 
 class GenerateRequest(DecodingOptions):

@@ -46,8 +46,7 @@ class OpenAIBase(DecodingOptions):
     model_config = ConfigDict(extra="ignore")
     model: Text | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N), Integral] | None = 1
-    max_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_CAP), Integral] | None = Field(
-        None, description="0: score the prompt only (completions with echo and logprobs)")
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_CAP), Integral] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     return_trace: bool | None = False
@@ -69,10 +68,26 @@ class OpenAIBase(DecodingOptions):
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
+def _scoring_schema(schema: dict[str, Any]) -> None:
+    """JSON schema of CompletionRequest: `max_tokens: 0` needs echo + logprobs; echo + logprobs is one
+    choice (n 1), not streamed."""
+    scoring = {"required": ["echo", "logprobs"], "properties": {"echo": {"const": True},
+                                                                "logprobs": {"type": "integer"}}}
+    schema["allOf"] = [
+        {"if": {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}}}, "then": scoring},
+        {"if": scoring, "then": {"properties": {"n": {"anyOf": [{"const": 1}, {"type": "null"}]},
+                                                "stream": {"not": {"const": True}}}}},
+    ]
+
+
 class CompletionRequest(OpenAIBase):
     """With `echo` and `logprobs` it scores the prompt (prompt log-likelihoods, as lm-eval-harness's
     local-completions asks), then generates `max_tokens` (0: none); `likelihood` picks how the prompt
     is scored (server.likelihood by default)."""
+
+    model_config = ConfigDict(json_schema_extra=_scoring_schema)
+    max_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_CAP), Integral] | None = Field(
+        None, description="0 (with echo and logprobs): score the prompt only")
     prompt: (NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)] | TokenIds
              | Annotated[list[TokenIds], Field(min_length=1)])
     echo: bool | None = False

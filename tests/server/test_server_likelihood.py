@@ -147,6 +147,7 @@ def _write_task(root: Path) -> None:
         "metric_list:\n  - metric: acc\n")
 
 
+@pytest.mark.slow
 def test_lm_eval_local_completions(server: Any, serve_process: Any, tiny_model_dir: str, tmp_path: Path,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """lm-eval-harness's `local-completions` loglikelihood and a multiple-choice task, unchanged, offline,
@@ -179,3 +180,25 @@ def test_lm_eval_local_completions(server: Any, serve_process: Any, tiny_model_d
 
     expected = sum(max(range(3), key=lambda c: loglik(d["question"], d["choices"][c])) == d["answer"] for d in DOCS)
     assert out["results"]["tiny_mc"]["acc,none"] == pytest.approx(expected / len(DOCS))
+
+
+def test_call_between_steps_runs_on_the_engine_thread_never_while_paused(server: Any) -> None:
+    import asyncio
+    import threading
+
+    engine = server.engine
+
+    async def scenario() -> None:
+        assert await engine.call_between_steps(lambda: threading.current_thread().name) == "dlrl-engine"
+        with pytest.raises(ZeroDivisionError):
+            await engine.call_between_steps(lambda: 1 / 0)
+        await engine.pause()
+        try:
+            future = engine.call_between_steps(lambda: engine.version)
+            await asyncio.sleep(0.3)
+            assert not future.done()  # a paused engine (a weight update) runs nothing
+        finally:
+            await engine.resume()
+        assert await asyncio.wait_for(future, 10) == engine.version
+
+    asyncio.run(scenario())
