@@ -399,8 +399,7 @@ def retry(args: argparse.Namespace, tmp: Path, model: str) -> None:
                       "server.max_model_len=96", "server.log_level=warning")
     rows = []
     try:
-        for i in range(args.bursts):
-            rows.append({"burst": i + 1, **burst(url, args.clients, args.max_tokens)})
+        rows.extend({"burst": i + 1, **burst(url, args.clients, args.max_tokens)} for i in range(args.bursts))
     finally:
         proc.terminate()
         proc.wait(30)

@@ -91,8 +91,8 @@ def make_sampler_factory(cfg, train, store, should_stop):
     return factory
 
 
-def main(argv: list[str], aligner: type[Aligner] = Aligner) -> int:
-    """`dlrl align`; `aligner`: the controller class (tests' fakes subclass it)."""
+def main(argv: list[str], aligner: type[Aligner] | None = None) -> int:
+    """`dlrl align`; `aligner`: the controller class (default Aligner; tests' fakes subclass it)."""
     args, root, overrides = parse(argv)
     cfg, train = root["align"], root["train"]
     if args.check:
@@ -122,7 +122,7 @@ def main(argv: list[str], aligner: type[Aligner] = Aligner) -> int:
             run.logger.set_total(cfg.max_steps or None)
         stopper.publisher = run.publisher
         pool = ServingPool(cfg.serving_replicas, resolve_token(train, root["server"]), run.fleet.sync_options)
-        al = aligner(run, cfg, store, pool, should_stop=lambda: stopper.requested)
+        al = (aligner or Aligner)(run, cfg, store, pool, should_stop=lambda: stopper.requested)
         t0 = time.perf_counter()
         al.prepare()
         log.info("controller ready in %.1fs", time.perf_counter() - t0)
