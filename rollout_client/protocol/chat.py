@@ -89,8 +89,10 @@ class ChatCompletionRequest(OpenAIBase):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), Integral] | None = Field(
         None, description="k most likely tokens per position (used when logprobs is true)")
     add_generation_prompt: bool | None = True
-    tools: list[Any] | None = Field(None, description="not supported: a non-empty list is a 400 naming `tools`")
-    tool_choice: Any = Field(None, description='not supported: anything but "none" is a 400 naming `tool_choice`')
+    tools: Annotated[list[Any], Field(max_length=0)] | None = Field(
+        None, description="not supported: a non-empty list is a 400 naming `tools`")
+    tool_choice: Literal["none"] | None = Field(
+        None, description='not supported: anything but "none" is a 400 naming `tool_choice`')
 
     @field_validator("tools", mode="before")
     @classmethod
