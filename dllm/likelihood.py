@@ -114,8 +114,11 @@ def elbo_rows(texts: list[list[int]], block_size: int, mask_id: int, num_samples
                 pick = scored[torch.randperm(m, generator=gen)[:num]]
                 masked[pick] = True
                 weight[pick] = m / num / num_samples
+            target = masked & (torch.arange(L) < len(ids))
+            if not target.any():  # a one-token text: nothing to score
+                break
             masked[len(ids):] = True  # the last block's tail: masks, as when decoding
-            rows.append((torch.where(masked, mask_id, x), x, masked & (torch.arange(L) < len(ids)), i))
+            rows.append((torch.where(masked, mask_id, x), x, target, i))
             weights.append(weight)
     return rows, weights
 
