@@ -49,8 +49,8 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 
 if TYPE_CHECKING:
-    from dllm.sequence import Sequence
     from server.engine import Engine, StepStats
+    from server.sequence import ServerSequence as Sequence
     from store import FeedbackStore
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -228,7 +228,7 @@ class ServerMetrics:
             self._max_batch = stats.batch_size
             self.max_batch_size.set(stats.batch_size)
         for seq in stats.admitted:
-            if getattr(seq, "arrived_at", None) is not None:
+            if seq.arrived_at is not None and seq.admitted_at is not None:
                 self.queue_time.observe(max(0.0, seq.admitted_at - seq.arrived_at))
         for seq in stats.seqs:
             self._observe_sequence(seq, now)
@@ -238,7 +238,7 @@ class ServerMetrics:
                 del self._seq_times[seq_id]
 
     def _observe_sequence(self, seq: Sequence, now: float) -> None:
-        arrived = getattr(seq, "arrived_at", None)
+        arrived = seq.arrived_at
         if arrived is None:
             return
         num = len(seq.completion_ids)

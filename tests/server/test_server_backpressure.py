@@ -13,12 +13,13 @@ from __future__ import annotations
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
 
 import httpx
 import pytest
 
+from dllm.sampling import SamplingParams
 from server.scheduler import QueueFull, Request, Scheduler
+from server.sequence import ServerSequence
 from tests.helpers import wait_until
 
 BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # tiny model: layers x (k, v) x kv heads x head_dim x float32
@@ -107,9 +108,9 @@ def test_server_max_request_s_caps_every_request(make_server):
 
 
 def _req(n: int, tokens: int = 10) -> Request:
-    seqs = [SimpleNamespace(seq_id=i + 1000 * tokens, prompt_ids=[1] * (tokens - 5), params=SimpleNamespace(max_tokens=5),
-                            is_finished=False, finish_reason=None) for i in range(n)]
-    return Request("r", seqs, loop=None, events=None)
+    seqs = [ServerSequence([1] * (tokens - 5), SamplingParams(max_tokens=5), block_size=4, mask_id=0)
+            for _ in range(n)]
+    return Request("r", seqs, loop=None, events=None)  # type: ignore[arg-type]
 
 
 def test_retry_after_follows_recent_throughput(monkeypatch):
@@ -120,7 +121,7 @@ def test_retry_after_follows_recent_throughput(monkeypatch):
     with pytest.raises(QueueFull) as e:
         sched.enqueue(_req(2))
     assert e.value.retry_after == 1  # no history, nothing running
-    first = sched.admit(4)
+    first = sched.schedule(paused=False, version=0, now=clock[0]).admitted
     for seq in first:  # 4 sequences (40 tokens) finish in the 8 s up to now: 0.5 sequences/s, 5 tokens/s
         clock[0] += 2.0
         seq.finish_reason = "stop"
