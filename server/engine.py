@@ -332,21 +332,24 @@ class Engine:
 
     def _iterate(self) -> bool:
         """One engine step: schedule -> run -> post-process; False once the engine is stopped."""
-        batch = self._schedule()
-        if batch is None:
-            return False
-        if not batch.running:
-            return True
+        batch = self._schedule()  # waits for work; None once stopped
+        if batch is None or not batch.running:
+            return batch is not None
         t0 = time.perf_counter()
+        out = self._forward(batch)  # None: the forward raised (its sequences failed)
+        if out is not None:
+            ended = self.scheduler.postprocess(batch, out, time.monotonic())
+            self._deliver(batch, out, ended, t0)
+        return True
+
+    def _forward(self, batch: ScheduledBatch) -> StepOutput | None:
+        """The runner's step; if it raises, every sequence of the batch fails with the reason."""
         try:
-            out = self.backend.run(batch)
+            return self.backend.run(batch)
         except Exception as e:
             log.exception("engine step failed; failing %d sequences", len(batch.running))
             self._fail(batch.running, f"engine step failed: {type(e).__name__}: {e}")
-            return True
-        ended = self.scheduler.postprocess(batch, out, time.monotonic())
-        self._deliver(batch, out, ended, t0)
-        return True
+            return None
 
     def _schedule(self) -> ScheduledBatch | None:
         """Wait for work, then the scheduler's batch; hand back the sequences it aborted (None: stopped)."""

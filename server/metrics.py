@@ -96,12 +96,10 @@ class _Dynamic:
 
 
 def kv_pages(engine: Engine) -> tuple[int, int] | None:
-    """(used, total) pages of the backend's paged KV cache (dllm.kv_cache.KVCache), None without one
-    (the one reading of it: /metrics and /health)."""
-    cache = getattr(getattr(engine.backend, "decoder", None), "cache", None)
-    if cache is None or not hasattr(cache, "num_free_pages"):
-        return None
-    return cache.num_pages - cache.num_free_pages, cache.num_pages
+    """(used, total) pages of the paged KV cache as the scheduler accounts for them, None when the
+    runner's cache is unpaged (the one reading of it: /metrics and /health)."""
+    total = engine.scheduler.kv.num_pages
+    return (total - engine.scheduler.free_pages, total) if total else None
 
 
 class ServerMetrics:
