@@ -31,6 +31,7 @@ import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
@@ -86,9 +87,8 @@ class Server:
         config = ServerConfig(port=port, max_batch=max_batch, max_queue=4096, max_model_len=max_model_len)
         backend = NativeBackend.from_pretrained(path, device="auto", dtype="auto", max_batch=max_batch,
                                                 max_model_len=max_model_len)
-        if engine == "old":
-            use_old_engine(backend, path, max_batch, old_ref)
-        self.engine = Engine(backend, max_queue=config.max_queue, model_name="bench")
+        runner = OldEngineRunner(backend, path, max_batch, old_ref) if engine == "old" else backend
+        self.engine = Engine(runner, max_queue=config.max_queue, model_name="bench")
         self.batch_sizes: list[int] = []
         self.engine.add_step_listener(lambda st: self.batch_sizes.append(st.batch_size))
         self.uv = uvicorn.Server(uvicorn.Config(create_app(self.engine, config), host="127.0.0.1", port=port,
@@ -104,16 +104,73 @@ class Server:
         self.thread.join(timeout=30)
 
 
-def use_old_engine(backend, path: str, max_batch: int, ref: str) -> None:
-    """Swap the backend's model and decoder for `dllm` at git ref `ref` (same weights, same tokenizer)."""
-    import copy
+class OldEngineRunner:
+    """The native runner with `dllm.decoding` at git ref `ref` doing each step (same weights, same
+    tokenizer). The old decoder stops and frees its own sequences, so each server sequence has an
+    old twin whose results are copied back after every step, and the scheduler's post-processing
+    only collects the sequences that ended (`_Ended`); slots only, as the old engine admitted."""
 
-    old = load_package("dllm", ref)
-    model = old.weights.load_pretrained(path, device=backend.model.device, dtype=backend.model.dtype).eval()
-    backend.model = model
-    backend.decoder = old.decoding.BlockDecoder(model, max_batch=max_batch, max_len=backend.max_len,
-                                                eos_ids=backend.eos_ids, tokenizer=copy.deepcopy(backend.tokenizer))
-    backend.num_admissible = lambda waiting: min(len(waiting), backend.decoder.num_free_slots)
+    name = "native-old"
+
+    def __init__(self, base: Any, path: str, max_batch: int, ref: str):
+        import copy
+
+        old = load_package("dllm", ref)
+        self.base, self.max_batch = base, max_batch
+        self.tokenizer, self.max_len, self.block_size = base.tokenizer, base.max_len, base.block_size
+        self.vocab_size, self.mask_token_id = base.vocab_size, base.mask_token_id
+        self.model = old.weights.load_pretrained(path, device=base.model.device, dtype=base.model.dtype).eval()
+        self.decoder = old.decoding.BlockDecoder(self.model, max_batch=max_batch, max_len=base.max_len,
+                                                 eos_ids=base.eos_ids, tokenizer=copy.deepcopy(base.tokenizer))
+        self.twins: dict[int, Any] = {}  # server seq_id -> the old decoder's sequence
+
+    @property
+    def kv_budget(self) -> Any:
+        from server.scheduler import KVBudget
+
+        return KVBudget(self.max_batch)
+
+    def postprocessor(self) -> Any:
+        from dllm.postprocess import Postprocessor
+
+        class _Ended(Postprocessor):
+            def __call__(self, outputs: Any) -> list[Any]:
+                return [o.seq for o in outputs if o.seq.is_finished]
+
+        return _Ended(eos_ids=(), tokenizer=None, max_len=self.max_len, block_size=self.block_size)
+
+    def new_sequence(self, prompt_ids: list[int], params: Any) -> Any:
+        return self.base.new_sequence(prompt_ids, params)
+
+    def run(self, batch: Any) -> Any:
+        from dllm.decoding import SeqOutput, StepOutput
+
+        new = [self.decoder.new_sequence(s.prompt_ids, s.params) for s in batch.admitted]
+        self.twins.update((s.seq_id, t) for s, t in zip(batch.admitted, new))
+        if new:
+            self.decoder.add(new)
+        before = sum(len(s.completion_ids) for s in batch.running)
+        self.decoder.step([self.twins[s.seq_id] for s in batch.running])
+        for s in batch.running:
+            t = self.twins[s.seq_id]
+            s.completion_ids, s.text, s.num_forwards, s.error = list(t.completion_ids), t.text, t.num_forwards, t.error
+            s.trace.steps, s.trace.logprobs = list(t.trace.steps), list(t.trace.logprobs)
+            s.trace.tail_ids, s.trace.tail_steps = list(t.trace.tail_ids), list(t.trace.tail_steps)
+            s.finish_reason = t.finish_reason
+        num = sum(len(s.completion_ids) for s in batch.running) - before
+        return StepOutput([SeqOutput(s, True) for s in batch.running], num)
+
+    def release(self, seqs: list[Any]) -> None:
+        for s in seqs:
+            t = self.twins.pop(s.seq_id, None)
+            if t is not None:
+                self.decoder.release(t)
+
+    def top_logprobs(self, seq: Any, k: int) -> list[list[tuple[int, float]]]:
+        raise NotImplementedError("the old engine's benchmark runner scores no top logprobs")
+
+    def close(self) -> None:
+        pass
 
 
 async def drive(url: str, num_clients: int, num_requests: int, body: dict) -> tuple[list[float], int, float]:

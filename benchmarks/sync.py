@@ -89,8 +89,9 @@ def idle_engine(model: torch.nn.Module) -> Any:
     """A real server.engine.Engine, never started (its backend only `model`): the weight window
     (server.engine.Engine.apply_update) without a decode loop to pause."""
     from server.engine import Engine
+    from server.scheduler import KVBudget
 
-    return Engine(SimpleNamespace(model=model))
+    return Engine(SimpleNamespace(model=model, kv_budget=KVBudget(1), postprocessor=lambda: None))
 
 
 def serve(size: str, port: int, dtype: str) -> None:

@@ -3,15 +3,20 @@
     outs = generate(model, [prompt_ids, ...], SamplingParams(max_tokens=32, temperature=0), tokenizer)
     outs[0].completion_ids, outs[0].text, outs[0].trace.steps, outs[0].trace.logprobs
 
-    dec = BlockDecoder(model, max_batch=16, max_len=4096, tokenizer=tok, num_pages=2048)  # the server's
-    seq = dec.new_sequence(prompt_ids, params)                                        # runner
-    dec.add([seq]) if dec.num_admissible([seq]) else ...; finished = dec.step(running)
+    dec = BlockDecoder(model, max_batch=16, max_len=4096, tokenizer=tok, num_pages=2048)
+    seq = dec.new_sequence(prompt_ids, params)
+    dec.add([seq]) if dec.num_admissible([seq]) else ...; finished = dec.step(running)   # standalone
+    out = dec.run(running); finished = Postprocessor(...)(out.outputs)  # the split the server uses
+
+`run` is the device step alone (the server's runner, server/backends/native.py, calls it; its
+scheduler accounts for slots and pages, and post-processes with `dllm.postprocess`); `step`
+is `run` + post-processing + release, for standalone decoding (`generate`, tests).
 
 Blocks are aligned to absolute position 0. Per sequence: its complete prompt blocks go
 into the cache; then per block, denoising forwards each commit some masked tokens
 (`dllm.commit`: static, dynamic or sequential) until no mask is left; the finished block's
 clean K/V are written by the sequence's next forward, as one more row of it (so are
-one-block prompts; longer prompts get a cache-filling forward of their own). `step` runs ONE
+one-block prompts; longer prompts get a cache-filling forward of their own). `run` runs ONE
 denoising forward for every running sequence, each at its own position with its own
 parameters, as the static decode step (`dllm.step`: rows and keys padded to buckets,
 sampling and the commit rules as tensor ops on the device, optionally torch.compile'd or
@@ -19,8 +24,8 @@ replayed as CUDA graphs: `compile=`, `cuda_graphs=`); the inputs go to the devic
 copy, and one small device-to-host copy per forward brings back each row's block (ids, steps,
 logprobs) and whether its probabilities were finite. A row whose probabilities are not
 finite ends its own sequence (finish_reason "error", `seq.error` says why); the others go
-on untouched. Finished blocks are detokenised incrementally (`dllm.detokenize`) and
-checked against stop ids, stop strings and max_tokens.
+on untouched. Completed blocks are detokenised incrementally and checked against stop ids,
+stop strings and max_tokens by `dllm.postprocess.Postprocessor`.
 
 KV memory is paged (`dllm.kv_cache`, pages of block_size tokens): a sequence takes, when
 added, the pages of its own prompt + max_tokens; `num_admissible` says how many waiting
@@ -29,21 +34,24 @@ sequences fit now (free slots and pages).
 
 from __future__ import annotations
 
+from collections import abc
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from dllm.attention import MaskSpec
 from dllm.commit import transfer_schedule
-from dllm.detokenize import TextStream
 from dllm.errors import FieldError, TooLong
 from dllm.kv_cache import CacheFull, KVCache
 from dllm.model import SDARForCausalLM
+from dllm.postprocess import Postprocessor
 from dllm.sampling import SamplingParams, counter_uniforms, needs_filter
 from dllm.sequence import GenerationOutput, Sequence, step_inputs, to_output
 from dllm.step import DecodeStep, columns, padding_row, sample_and_commit
 from dllm.trace import FinishReason
 
-__all__ = ["BlockDecoder", "CacheFull", "GenerationOutput", "Sequence", "check_fits", "generate", "to_output",
+__all__ = ["BlockDecoder", "Postprocessor", "SeqOutput", "StepOutput", "CacheFull", "GenerationOutput", "Sequence", "check_fits", "generate", "to_output",
            "transfer_schedule"]
 
 
@@ -59,6 +67,24 @@ def check_fits(prompt_len: int, max_tokens: int, max_len: int) -> None:
                                     f"max_model_len={max_len}")
 
 
+@dataclass
+class SeqOutput:
+    """One sequence's outcome of a forward: its block (seq.block_ids / block_steps / block_logprobs, the
+    committed tokens with their steps and log-probabilities) is updated in place; `ok` is False when its
+    probabilities were not finite (the block is then unchanged)."""
+
+    seq: Sequence
+    ok: bool
+
+
+@dataclass
+class StepOutput:
+    """What one forward of a runner hands back: per sequence its outcome, in batch order."""
+
+    outputs: list[SeqOutput]
+    num_committed: int  # tokens committed by the forward (unmasked), over the batch
+
+
 class BlockDecoder:
     """Batched block decoding over a block-paged KV cache (one slot + its own pages per sequence)."""
 
@@ -69,8 +95,9 @@ class BlockDecoder:
         self.model, self.tokenizer, self.use_cache = model, tokenizer, use_cache
         self.block_size, self.mask_id = cfg.block_size, cfg.mask_token_id
         self.eos_ids = list(cfg.eos_ids if eos_ids is None else eos_ids)
-        self._eos_set = set(self.eos_ids)
         self.max_len = (max_len + self.block_size - 1) // self.block_size * self.block_size
+        self.postprocess = Postprocessor(eos_ids=self.eos_ids, tokenizer=tokenizer, max_len=self.max_len,
+                                         block_size=self.block_size)  # for `step` (standalone decoding)
         pages = max_batch * (self.max_len // self.block_size) if num_pages is None else num_pages
         self.cache = (KVCache(cfg, max_batch, self.max_len, model.device, model.dtype, num_pages=pages)
                       if use_cache else None)
@@ -81,7 +108,11 @@ class BlockDecoder:
         self.free_slots = list(range(max_batch))[::-1]
         self.num_forwards = 0  # denoising forwards
         self.num_fill_forwards = 0  # cache-filling forwards of their own (prompts longer than a block)
-        self.num_tokens = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Completion tokens committed by `step` (standalone decoding)."""
+        return self.postprocess.num_tokens
 
     @property
     def num_free_slots(self) -> int:
@@ -89,13 +120,17 @@ class BlockDecoder:
 
     def new_sequence(self, prompt_ids, params: SamplingParams, seq_id=None) -> Sequence:
         """A sequence to `add`; a bad prompt or parameter raises FieldError (TooLong when it does not fit)."""
+        self.validate(prompt_ids, params)
+        return Sequence(prompt_ids, params, self.block_size, self.mask_id, seq_id)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """FieldError (TooLong when it does not fit) for a prompt or parameters this decoder cannot run."""
         check_fits(len(prompt_ids), params.max_tokens, self.max_len)
         params.validate(self.block_size)
         vocab = self.model.config.vocab_size
         for t in prompt_ids:
             if not 0 <= t < vocab or t == self.mask_id:
                 raise FieldError("prompt_ids", f"invalid token id {t} (vocab {vocab}, mask id {self.mask_id})")
-        return Sequence(prompt_ids, params, self.block_size, self.mask_id, seq_id)
 
     def num_pages_needed(self, seq: Sequence) -> int:
         """KV pages the sequence holds while it runs: its prompt + max_tokens, in blocks."""
@@ -111,18 +146,19 @@ class BlockDecoder:
             num, pages = num + 1, pages - need
         return num
 
-    def add(self, seqs: Sequence | list[Sequence]) -> None:
+    def add(self, seqs: Sequence | abc.Sequence[Sequence]) -> None:
         """Give the new sequences slots and pages; their complete prompt blocks are prefilled by the next step."""
         seqs = [seqs] if isinstance(seqs, Sequence) else list(seqs)
         if self.num_admissible(seqs) < len(seqs):
             raise CacheFull(f"cannot add {len(seqs)} sequences: {len(self.free_slots)} free slots, "
                             f"{self.cache.num_free_pages if self.cache else 0} free KV pages")
         for s in seqs:
-            s.slot = self.free_slots.pop()
+            if s.slot is None:
+                s.slot = self.free_slots.pop()
+            else:  # a slot its caller accounts for (server.scheduler): this pool mirrors it
+                self.free_slots.remove(s.slot)
             if self.cache is not None:
                 self.cache.allocate(s.slot, len(s.prompt_ids) + s.params.max_tokens)
-            if self.tokenizer is not None:
-                s.text_stream = TextStream(self.tokenizer, s.params.stop)
             if self.use_cache and s.block_start > 0:
                 s.pending = s.prompt_ids[:s.block_start]  # prefilled with (or just before) the next step
 
@@ -135,7 +171,7 @@ class BlockDecoder:
         if seq.finish_reason is None:
             seq.finish_reason = FinishReason.ABORT
 
-    def _logits_no_cache(self, seqs: list[Sequence]) -> torch.Tensor:
+    def _logits_no_cache(self, seqs: abc.Sequence[Sequence]) -> torch.Tensor:
         """Baseline without a cache: recompute the whole prefix every forward -> logits [N, B, V]."""
         dev, B = self.model.device, self.block_size
         L = max(s.end_pos for s in seqs)
@@ -152,10 +188,17 @@ class BlockDecoder:
         return self.model.lm_head(hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1])))
 
     @torch.no_grad()
-    def step(self, seqs: list[Sequence]) -> list[Sequence]:
-        """One denoising forward for every sequence; returns those that finished (or failed)."""
+    def run(self, seqs: abc.Sequence[Sequence]) -> StepOutput:
+        """One denoising forward for every sequence (the device step; no post-processing): a sequence
+        whose block completed last time moves on to its next block first. Returns per sequence its
+        block after the forward (committed ids, steps, logprobs), whether its probabilities were
+        finite and whether the block is complete (`seq.block_done`: for `Postprocessor`)."""
         if not seqs:
-            return []
+            return StepOutput([], 0)
+        for s in seqs:
+            if s.block_done:
+                s.next_block(owe_cache=self.use_cache)
+        before = sum(len(s.masked_positions()) for s in seqs)
         B, N = self.block_size, len(seqs)
         # clean blocks owed to the cache (a just-finished block, a one-block prompt) ride along with this
         # forward as extra rows; longer prompts get a cache-filling forward of their own first
@@ -173,22 +216,27 @@ class BlockDecoder:
         out = out.cpu()  # the one device-to-host copy
         ids, steps = out[:, :B].long().tolist(), out[:, B:2 * B].long().tolist()
         logprobs, is_ok = out[:, 2 * B:3 * B].tolist(), out[:, 3 * B].bool().tolist()
-        completed, failed = [], []
+        outputs = []
         for r, s in enumerate(seqs):
             s.num_forwards += 1
             s.step_in_block += 1
             s.pending = None
-            if not is_ok[r]:
-                failed.append(s)
-                continue
-            s.block_ids, s.block_steps, s.block_logprobs = ids[r], steps[r], logprobs[r]
-            if self.mask_id not in s.block_ids:
-                completed.append(s)
-        for s in failed:
-            self._fail(s)
-        return failed + self._complete_blocks(completed)
+            if is_ok[r]:
+                s.block_ids, s.block_steps, s.block_logprobs = ids[r], steps[r], logprobs[r]
+                s.block_done = self.mask_id not in s.block_ids
+            outputs.append(SeqOutput(s, bool(is_ok[r])))
+        after = sum(len(s.masked_positions()) for s in seqs if not s.block_done)
+        return StepOutput(outputs, before - after)
 
-    def _pack(self, seqs: list[Sequence]) -> np.ndarray:
+    def step(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Standalone decoding (`generate`, tests): `run`, post-process, release the sequences that
+        ended; returns them (failed ones first). The server splits these (server.scheduler)."""
+        finished = self.postprocess(self.run(seqs).outputs)
+        for s in finished:
+            self.release(s)
+        return finished
+
+    def _pack(self, seqs: abc.Sequence[Sequence]) -> np.ndarray:
         """Every input of a step in one float64 array (dllm.step's row layout, one host-to-device copy):
         a row per sequence (its block, step fields, sampling parameters and uniforms), then a row per
         clean block owed to the cache (write only: its outputs are not read)."""
@@ -206,28 +254,6 @@ class BlockDecoder:
         clean[:, col["block_start"]] = [s.block_start - B for s in owed]
         clean[:, col["slot"]] = [s.slot for s in owed]
         return np.concatenate([rows, clean])
-
-    def _fail(self, s: Sequence) -> None:
-        p = s.params
-        s.error = (f"sampling failed: the model's probabilities for this sequence are not finite "
-                   f"(temperature={p.temperature}, top_k={p.top_k}, top_p={p.top_p})")
-        s.finish_reason = s.trace.finish_reason = FinishReason.ERROR
-        self.release(s)
-
-    def _complete_blocks(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Append finished blocks; the clean K/V of a going sequence's block is written by its next step."""
-        finished = []
-        for s in seqs:
-            self._append_block(s)
-            if s.is_finished:
-                finished.append(s)
-                self.release(s)
-                continue
-            if self.use_cache:
-                s.pending = s.block_ids
-            s.block_start += self.block_size
-            s._new_block()
-        return finished
 
     def _write_pending(self, seqs: list[Sequence]) -> None:
         """One cache-filling forward (no logits) for prompts of more than one block (one row each)."""
@@ -248,35 +274,6 @@ class BlockDecoder:
         self.num_fill_forwards += 1
         for s in seqs:
             s.pending = None
-
-    def _append_block(self, s: Sequence) -> None:
-        """Move the finished block into the completion; apply stop ids, stop strings, max_tokens."""
-        first = max(0, len(s.prompt_ids) - s.block_start)
-        new_ids = s.block_ids[first:]
-        new_steps, new_lp = s.block_steps[first:], s.block_logprobs[first:]
-        p = s.params
-        keep, reason = len(new_ids), None
-        stop_ids = self._eos_set if p.stop_token_ids is None else set(p.stop_token_ids)
-        if not p.ignore_eos and not stop_ids.isdisjoint(new_ids):
-            keep, reason = next(i for i, t in enumerate(new_ids) if t in stop_ids) + 1, FinishReason.STOP
-        room = p.max_tokens - len(s.completion_ids)
-        if s.text_stream is not None:
-            n = s.text_stream.push(new_ids[:min(keep, room)])  # decodes only the new tokens
-            s.text = s.text_stream.text
-            if n is not None:
-                keep, reason = n, FinishReason.STOP
-        if keep > room or (keep == room and reason is None):
-            keep, reason = room, FinishReason.LENGTH
-        s.completion_ids += new_ids[:keep]
-        s.trace.steps += new_steps[:keep]
-        s.trace.logprobs += new_lp[:keep]
-        self.num_tokens += keep
-        if reason is None and s.end_pos + self.block_size > self.max_len:
-            reason = FinishReason.LENGTH
-        if reason is not None:
-            s.trace.tail_ids = new_ids[keep:]
-            s.trace.tail_steps = new_steps[keep:]
-            s.finish_reason = s.trace.finish_reason = reason
 
 
 def generate(model: SDARForCausalLM, prompts_ids: list[list[int]], params: SamplingParams | list[SamplingParams],

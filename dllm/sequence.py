@@ -5,7 +5,9 @@
     seq.completion_ids, seq.text, seq.trace, seq.finish_reason, seq.error
     to_output(seq) -> GenerationOutput
 
-Plain data: `dllm.decoding.BlockDecoder` mutates it. `seed` keys the sequence's sampling
+Plain data: `dllm.decoding.BlockDecoder.run` advances its block, `dllm.decoding.Postprocessor`
+commits finished blocks (stop ids, stop strings, max_tokens) and ends it. `finish_reason` is
+stored once, in the trace (`seq.finish_reason` reads and writes `seq.trace.finish_reason`). `seed` keys the sequence's sampling
 noise (the request seed, else drawn from torch's global generator); `pending` holds clean
 tokens just before the current block whose K/V the cache does not have yet (new prompt
 blocks, a just-finished block) and that the decoder's next forward writes.
@@ -39,7 +41,6 @@ class Sequence:
         self.mask_id = mask_id
         self.completion_ids: list[int] = []
         self.trace = Trace(prompt_len=len(prompt_ids), block_size=block_size)
-        self.finish_reason: FinishReason | None = None
         self.error: str | None = None  # why the sequence failed (finish_reason "error")
         self.num_forwards = 0
         self.slot: int | None = None
@@ -49,6 +50,7 @@ class Sequence:
         # the key of this sequence's sampling noise: the request seed, else drawn from torch's generator
         self.seed = params.seed if params.seed is not None else int(torch.randint(1 << 62, ()))
         self.block_start = len(prompt_ids) // block_size * block_size
+        self.block_done = False  # no mask left in the block: post-processed, then the next run moves on
         self._new_block()
 
     def _new_block(self) -> None:
@@ -59,7 +61,23 @@ class Sequence:
         self.block_steps = [0] * B
         self.block_logprobs = [0.0] * B
         self.step_in_block = 0
+        self.block_done = False
         self.schedule = transfer_schedule(B - len(given), self.params.steps or B)
+
+    def next_block(self, owe_cache: bool = True) -> None:
+        """Move on past a completed block (with a cache, its clean ids are owed to it: `pending`)."""
+        self.pending = self.block_ids if owe_cache else None
+        self.block_start += self.block_size
+        self._new_block()
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        """Why the sequence ended (None while it runs): the trace's, stored once."""
+        return self.trace.finish_reason
+
+    @finish_reason.setter
+    def finish_reason(self, reason: FinishReason | None) -> None:
+        self.trace.finish_reason = reason
 
     @property
     def is_finished(self) -> bool:

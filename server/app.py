@@ -44,12 +44,9 @@ from server.weight_updates import make_updates
 log = logging.getLogger("dlrl.server")
 
 
-def kv_cache_tokens(backend) -> int:
-    """Tokens the backend's KV cache holds (its pages x tokens per page); else max_batch x max_len."""
-    plan = getattr(backend, "kv_plan", None)
-    if plan is not None:
-        return int(plan.num_pages * plan.page_tokens)
-    return int(getattr(backend, "max_batch", 1) * backend.max_len)
+def kv_cache_tokens(engine: Engine) -> int:
+    """Tokens the KV cache holds (the scheduler's account: pages x tokens per page); unpaged: max_batch x max_len."""
+    return engine.scheduler.kv.num_tokens or engine.backend.max_batch * engine.backend.max_len
 
 
 def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
@@ -81,7 +78,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     if st.feedback_token and st.feedback_token == st.admin_token:
         raise ConfigError("server.feedback_token: must differ from the admin token")
     st.recorder = Recorder.from_config(config, engine, st.metrics)
-    engine.scheduler.max_queue_tokens = config.max_queue_tokens or 4 * kv_cache_tokens(engine.backend)
+    engine.scheduler.max_queue_tokens = config.max_queue_tokens or 4 * kv_cache_tokens(engine)
     if st.recorder is not None:
         st.metrics.store = st.recorder.store  # store size gauges
     st.weight_updates = make_updates(engine, config)  # the one WeightUpdates (routes_weights uses it)

@@ -7,19 +7,23 @@
     await engine.wait(req)                 # -> the finished Sequences (completion, text, trace)
     await engine.apply_update(7, copy)     # weight update window: pause -> copy -> version 7 -> resume
 
-Each loop iteration (the Runner side is the backend): release aborted sequences, admit
-the waiting ones that fit (`backend.num_admissible`: free slots and KV-cache pages), run
-ONE batched denoising forward over every
-running sequence -- whatever its prompt, position, block, strategy or sampling params --
-then hand finished sequences (and, for streams, newly committed blocks) back to their
-requests' event loops. So concurrent requests share every forward. A sequence the backend
-failed alone (`seq.error`, e.g. non-finite probabilities) fails only its own request
-(`RequestFailed`: the server answers a 500 with its message); the others go on.
+Each engine step reads schedule -> run -> post-process (`Engine._step`):
+
+    batch = scheduler.schedule(...)        # abort expired, release aborted, admit what fits the KV budget
+    out = backend.run(batch)               # the runner (server/backends/base.py): ONE batched forward
+    ended = scheduler.postprocess(batch, out, now)   # stop ids / strings, max_tokens, finish reason
+    deliver: free their cache, top logprobs, finish listeners, request events, stream updates
+
+so concurrent requests share every forward, whatever each sequence's prompt, position, block,
+strategy or sampling params. The scheduler owns every sequence (server/sequence.py: status,
+timings, deadline, slot and pages); the runner only runs. A sequence the runner failed alone
+(`seq.error`, e.g. non-finite probabilities) fails only its own request (`RequestFailed`: the
+server answers a 500 with its message); the others go on.
 
 `pause()` stops admission and waits until no sequence runs and no forward is in flight
 (with `abort_inflight=True` it aborts the running ones first); while paused and drained
 nothing touches `engine.model`, so the weight-sync receiver can copy weights into it.
-Every sequence is stamped with `version` when admitted; pausing drains before an update,
+Every sequence is stamped with `version` when admitted (Scheduler.schedule); pausing drains before an update,
 so a sequence never mixes versions. The engine is in one `EngineState` (running, paused,
 stopped); a forward only runs over the scheduler's running sequences, which the engine
 thread drops only once it is over, so "drained" is: nothing running or releasing. A
@@ -37,14 +41,17 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any, TypeVar
 
+from dllm.decoding import StepOutput
+from dllm.sampling import SamplingParams
 from dllm.trace import FinishReason
-from server.backends.base import Backend
-from server.scheduler import QueueFull, Request, Scheduler
+from server.backends.base import Runner
+from server.scheduler import QueueFull, Request, ScheduledBatch, Scheduler
+from server.sequence import ServerSequence
 
 log = logging.getLogger("dlrl.server")
 T = TypeVar("T")
@@ -88,16 +95,16 @@ class StepStats:
     seconds: float       # wall time of admission prefill + forward
     num_admitted: int
     num_waiting: int
-    seqs: tuple = ()              # the batch (after the forward), for per-sequence latency metrics
-    admitted: tuple = ()          # sequences admitted into this forward
+    seqs: tuple[ServerSequence, ...] = ()      # the batch (after the forward), for per-sequence latency metrics
+    admitted: tuple[ServerSequence, ...] = ()  # sequences admitted into this forward
     num_cache_refused: int = 0    # waiting sequences a free slot could take but the KV-cache pages could not
 
 
 class Engine:
-    def __init__(self, backend: Backend, *, max_queue: int = 256, model_name: str = "dlrl"):
-        self.backend, self.model_name = backend, model_name
+    def __init__(self, backend: Runner, *, max_queue: int = 256, model_name: str = "dlrl"):
+        self.backend, self.model_name = backend, model_name  # the model runner
         self._version = 0  # the served weight version: written only by apply_update
-        self.scheduler = Scheduler(max_queue)
+        self.scheduler = Scheduler(max_queue, kv=backend.kv_budget, post=backend.postprocessor())
         self.max_batch_seen = 0
         self.num_steps = 0
         self.num_aborted = 0
@@ -106,9 +113,8 @@ class Engine:
         self._drain_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []  # pause() calls
         self._thread: threading.Thread | None = None
         self._listeners: list[Callable[[StepStats], None]] = []
-        self._finish_listeners: list[Callable[[list[Any]], None]] = []
+        self._finish_listeners: list[Callable[[list[ServerSequence]], None]] = []
         self._emitted: dict[int, int] = {}  # seq_id -> completion tokens already streamed
-        self._top_k: dict[int, int] = {}    # seq_id -> top logprobs asked for (backend.top_logprobs)
         self._calls: list[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future]] = []  # call_between_steps
         self._num_calls_running = 0
 
@@ -153,7 +159,7 @@ class Engine:
     def add_step_listener(self, fn: Callable[[StepStats], None]) -> None:
         self._listeners.append(fn)
 
-    def add_finish_listener(self, fn: Callable[[list[Any]], None]) -> None:
+    def add_finish_listener(self, fn: Callable[[list[ServerSequence]], None]) -> None:
         """`fn(sequences)` on the engine thread with the sequences that finished in a step, before
         their requests hear of it (server/recording.py starts their commit there); it runs on the
         decode path, so it must be quick, and it must not raise (logged if it does)."""
@@ -174,8 +180,9 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
         with self._cond:
-            for seq in self.scheduler.take_all():
-                self.backend.release(seq)
+            left = self.scheduler.take_all()
+            self.backend.release(left)
+            for seq in left:
                 self._finish(seq)
             calls, self._calls = self._calls, []
         for _, loop, future in calls:  # call_between_steps never run
@@ -183,7 +190,7 @@ class Engine:
         self.backend.close()
 
     # ------------------------------------------------------------------ requests
-    def make_sequences(self, prompts_ids: list[list[int]], params: Any, n: int = 1) -> list[Any]:
+    def make_sequences(self, prompts_ids: list[list[int]], params: SamplingParams, n: int = 1) -> list[ServerSequence]:
         """Validated Sequences, prompt-major; sample i of each prompt uses seed + i (when seeded)."""
         seqs = []
         for ids in prompts_ids:
@@ -192,19 +199,17 @@ class Engine:
                 seqs.append(self.backend.new_sequence(ids, p))
         return seqs
 
-    def submit(self, seqs: list[Any], stream: bool = False, num_top_logprobs: int = 0) -> Request:
+    def submit(self, seqs: list[ServerSequence], stream: bool = False, num_top_logprobs: int = 0) -> Request:
         """Queue the sequences of one request (call from the event loop). Raises QueueFull.
         With `num_top_logprobs` k > 0 each finished sequence gets `seq.top_logprobs`
-        (per completion token the k most likely (id, logprob); see Backend.top_logprobs)."""
+        (per completion token the k most likely (id, logprob); see Runner.top_logprobs)."""
         req = Request(uuid.uuid4().hex, seqs, asyncio.get_running_loop(), stream=stream)
-        for seq in seqs:
-            seq.arrived_at = req.arrival  # server.metrics: queue time, TTFT, end-to-end latency
         with self._cond:
             if not self.is_running:
                 raise EngineStopped("engine is not running")
-            self.scheduler.enqueue(req)
-            if num_top_logprobs > 0:
-                self._top_k.update((s.seq_id, num_top_logprobs) for s in seqs)
+            self.scheduler.enqueue(req)  # stamps arrived_at (server.metrics: queue time, TTFT, latency)
+            for seq in seqs:
+                seq.num_top_logprobs = max(num_top_logprobs, 0)
             self._cond.notify_all()
         return req
 
@@ -227,7 +232,7 @@ class Engine:
                 self._finish(seq)
             self._cond.notify_all()
 
-    async def wait(self, req: Request) -> list[Any]:
+    async def wait(self, req: Request) -> list[ServerSequence]:
         """Wait for every sequence of `req`; returns them in request order."""
         async for kind, index, payload in self.events(req):
             if kind == EngineEvent.ERROR and req.expired:
@@ -236,7 +241,7 @@ class Engine:
                 raise RequestFailed(f"sample {index}: {payload}" if len(req.seqs) > 1 else payload)
         return req.seqs
 
-    async def events(self, req: Request):
+    async def events(self, req: Request) -> AsyncIterator[tuple[EngineEvent, int, Any]]:
         """Yield (kind, seq index, payload) events until every sequence is done or failed.
 
         kinds (EngineEvent): UPDATE (streams only; payload = (completion ids, text) after a block
@@ -358,74 +363,75 @@ class Engine:
             self._fail(pending, f"engine stopped: {type(e).__name__}: {e}")
 
     def _iterate(self) -> bool:
+        """One engine step: schedule -> run -> post-process; False once the engine is stopped."""
+        batch = self._schedule()  # waits for work; None once stopped
+        if batch is None or not batch.running:
+            return batch is not None
+        t0 = time.perf_counter()
+        out = self._forward(batch)  # None: the forward raised (its sequences failed)
+        if out is not None:
+            ended = self.scheduler.postprocess(batch, out, time.monotonic())
+            self._deliver(batch, out, ended, t0)
+        return True
+
+    def _forward(self, batch: ScheduledBatch) -> StepOutput | None:
+        """The runner's step; if it raises, every sequence of the batch fails with the reason."""
+        try:
+            return self.backend.run(batch)
+        except Exception as e:
+            log.exception("engine step failed; failing %d sequences", len(batch.running))
+            self._fail(batch.running, f"engine step failed: {type(e).__name__}: {e}")
+            return None
+
+    def _schedule(self) -> ScheduledBatch | None:
+        """Wait for work, then the scheduler's batch; hand back the sequences it aborted (None: stopped)."""
         with self._cond:
             while (self._state is not EngineState.STOPPED and not self.scheduler.has_work(self.is_paused)
                    and not (self._calls and not self.is_paused)):
                 self._cond.wait()
             if self._state is EngineState.STOPPED:
-                return False
+                return None
             calls, self._calls = ([], self._calls) if self.is_paused else (self._calls, [])
             self._num_calls_running = len(calls)
-            self._expire()
-            for seq in self.scheduler.take_releases():
-                self.backend.release(seq)
+            batch = self.scheduler.schedule(paused=self.is_paused, version=self.version, now=time.monotonic())
+            self.backend.release(batch.released)
+            for seq in batch.dropped + batch.released:
                 self._finish(seq)
-            paused = self.is_paused
-            num = 0 if paused else self.backend.num_admissible(self.scheduler.waiting)
-            admitted = [] if paused else self.scheduler.admit(num)
-            refused = 0 if paused else min(self.scheduler.num_waiting, self.backend.num_free_slots - num)
-            now = time.monotonic()
-            for seq in admitted:
-                seq.trace.version = self.version
-                seq.admitted_at = now
-            batch = list(self.scheduler.running)
             self._wake_drained()
-        if calls:
+        if calls:  # call_between_steps: between two steps, outside the lock
             self._run_calls(calls)
-        if not batch:
-            return True
-        t0 = time.perf_counter()
-        try:
-            if admitted:
-                self.backend.add(admitted)
-            before = [len(s.masked_positions()) for s in batch]
-            finished = self.backend.step(batch)
-            self._score_top_logprobs(finished)
-        except Exception as e:
-            log.exception("engine step failed; failing %d sequences", len(batch))
-            self._fail(batch, f"engine step failed: {type(e).__name__}: {e}")
-            return True
-        for hook in self._finish_listeners if finished else ():
+        return batch
+
+    def _deliver(self, batch: ScheduledBatch, out: StepOutput, ended: list[ServerSequence], t0: float) -> None:
+        """After a step: free the cache of the sequences that ended, score their top logprobs, tell the
+        finish listeners, their requests and the streams; then the step listeners."""
+        self.backend.release(ended)
+        self._score_top_logprobs(ended)
+        for hook in self._finish_listeners if ended else ():
             try:
-                hook(finished)
+                hook(ended)
             except Exception:  # a recording bug must not stop decoding
                 log.exception("finish listener %r failed", hook)
-        stats = StepStats(len(batch), self._committed(batch, before), time.perf_counter() - t0,
-                          len(admitted), self.scheduler.num_waiting, tuple(batch), tuple(admitted), refused)
-        self._after_step(batch, finished)
+        stats = StepStats(len(batch.running), out.num_committed, time.perf_counter() - t0, len(batch.admitted),
+                          self.scheduler.num_waiting, tuple(batch.running), tuple(batch.admitted),
+                          batch.num_cache_refused)
+        self._after_step(batch.running, ended)
         for fn in self._listeners:
             try:
                 fn(stats)
             except Exception:  # a metrics bug must not stop decoding
                 log.exception("step listener %r failed", fn)
-        return True
 
-    def _score_top_logprobs(self, finished: list[Any]) -> None:
+    def _score_top_logprobs(self, finished: list[ServerSequence]) -> None:
         """Top-k logprobs of finished sequences that asked, while their weights are still served."""
         for seq in finished:
-            k = self._top_k.pop(seq.seq_id, 0)
-            if k and seq.completion_ids:
+            if seq.num_top_logprobs and seq.completion_ids and not seq.error:
                 try:
-                    seq.top_logprobs = self.backend.top_logprobs(seq, k)
+                    seq.top_logprobs = self.backend.top_logprobs(seq, seq.num_top_logprobs)
                 except Exception:  # one request's scoring must not fail the batch
                     log.exception("top logprobs of sequence %s failed", seq.seq_id)
 
-    @staticmethod
-    def _committed(batch: list[Any], before: list[int]) -> int:
-        return sum(b if (s.is_finished or s.step_in_block == 0) else b - len(s.masked_positions())
-                   for s, b in zip(batch, before))
-
-    def _after_step(self, batch: list[Any], finished: list[Any]) -> None:
+    def _after_step(self, batch: list[ServerSequence], finished: list[ServerSequence]) -> None:
         with self._cond:
             self.num_steps += 1
             self.max_batch_seen = max(self.max_batch_seen, len(batch))
@@ -438,46 +444,24 @@ class Engine:
             self._cond.notify_all()
             self._wake_drained()
 
-    def _emit_update(self, req: Request, seq: Any) -> None:
+    def _emit_update(self, req: Request, seq: ServerSequence) -> None:
         num = len(seq.completion_ids)
         if num > self._emitted.get(seq.seq_id, 0):
             self._emitted[seq.seq_id] = num
             req.emit((EngineEvent.UPDATE, req.index_of[seq.seq_id], (list(seq.completion_ids), seq.text)))
 
-    def _expire(self) -> None:
-        """Abort the requests past their deadline (lock held): waiting sequences are dropped,
-        running ones released (slots and KV pages freed) below; each fails with the reason."""
-        for req in self.scheduler.expired(time.monotonic()):
-            waited = any(s.slot is None for s in req.seqs if not s.is_finished)
-            req.expired = (f"request deadline exceeded after {time.monotonic() - req.arrival:.1f}s (the request's "
-                           f"`timeout`, capped by server.max_request_s) "
-                           + ("waiting for KV cache pages (prompt + max_tokens = "
-                              f"{req.num_tokens} tokens)" if waited else "during generation")
-                           + "; aborted, its cache freed")
-            for seq in req.seqs:
-                if not seq.is_finished:
-                    seq.error = req.expired
-            for seq in self.scheduler.abort(req):
-                self._finish(seq)
-
-    def _finish(self, seq: Any) -> None:
+    def _finish(self, seq: ServerSequence) -> None:
         """Hand a finished/aborted sequence back to its request (lock held)."""
         self._emitted.pop(seq.seq_id, None)
-        self._top_k.pop(seq.seq_id, None)
-        if seq.trace.finish_reason is None:
-            seq.trace.finish_reason = seq.finish_reason
         self.num_aborted += seq.finish_reason == FinishReason.ABORT
         req = self.scheduler.finish(seq)
-        if req is not None:  # a sequence the decoder failed alone (seq.error) fails its own request only
-            error = getattr(seq, "error", None)
+        if req is not None:  # a sequence the runner failed alone (seq.error) fails its own request only
             index = req.index_of[seq.seq_id]
-            req.emit((EngineEvent.ERROR, index, error) if error else (EngineEvent.DONE, index, None))
+            req.emit((EngineEvent.ERROR, index, seq.error) if seq.error else (EngineEvent.DONE, index, None))
 
-    def _fail(self, batch: list[Any], message: str) -> None:
+    def _fail(self, batch: list[ServerSequence], message: str) -> None:
         with self._cond:
-            for seq in batch:
-                self.backend.release(seq)
-                self._top_k.pop(seq.seq_id, None)
+            self.backend.release(batch)
             for seq, req in self.scheduler.fail(batch):
                 req.emit((EngineEvent.ERROR, req.index_of[seq.seq_id], message))
             self._cond.notify_all()

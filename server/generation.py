@@ -37,9 +37,9 @@ from server.quotas import charge_tokens
 from server.scheduler import seq_tokens
 
 if TYPE_CHECKING:
-    from dllm.sequence import Sequence
     from server.config import ServerConfig
     from server.scheduler import Request as EngineRequest
+    from server.sequence import ServerSequence as Sequence
     from server.state import ServerState
 
 
@@ -144,7 +144,7 @@ async def stream_events(engine: Engine, req: EngineRequest) -> AsyncGenerator[tu
     raises APIError (408 its own `timeout`, 503 `server.max_request_s`), another failure RuntimeError."""
     try:
         async for event in engine.events(req):
-            if event[0] == EngineEvent.ERROR and getattr(req, "expired", None):
+            if event[0] == EngineEvent.ERROR and req.expired:
                 raise APIError(req.deadline_status, req.expired)
             if event[0] == EngineEvent.ERROR:
                 raise RuntimeError(event[2])

@@ -66,8 +66,8 @@ from dllm.trace import FinishReason
 from store.types import ERROR_CAUSES
 
 if TYPE_CHECKING:
-    from dllm.sequence import Sequence
     from server.engine import Engine, StepStats
+    from server.sequence import ServerSequence as Sequence
     from store import FeedbackStore
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -141,12 +141,10 @@ class _ModelLabelled:
 
 
 def kv_pages(engine: Engine) -> tuple[int, int] | None:
-    """(used, total) pages of the backend's paged KV cache (dllm.kv_cache.KVCache), None without one
-    (the one reading of it: /metrics and /health)."""
-    cache = getattr(getattr(engine.backend, "decoder", None), "cache", None)
-    if cache is None or not hasattr(cache, "num_free_pages"):
-        return None
-    return cache.num_pages - cache.num_free_pages, cache.num_pages
+    """(used, total) pages of the paged KV cache as the scheduler accounts for them, None when the
+    runner's cache is unpaged (the one reading of it: /metrics and /health)."""
+    total = engine.scheduler.kv.num_pages
+    return (total - engine.scheduler.free_pages, total) if total else None
 
 
 class ServerMetrics:
@@ -313,7 +311,7 @@ class ServerMetrics:
             self._max_batch = stats.batch_size
             self.max_batch_size.set(stats.batch_size)
         for seq in stats.admitted:
-            if getattr(seq, "arrived_at", None) is not None:
+            if seq.arrived_at is not None and seq.admitted_at is not None:
                 self.queue_time.observe(max(0.0, seq.admitted_at - seq.arrived_at))
         for seq in stats.seqs:
             self._observe_sequence(seq, now)
@@ -323,7 +321,7 @@ class ServerMetrics:
                 del self._seq_times[seq_id]
 
     def _observe_sequence(self, seq: Sequence, now: float) -> None:
-        arrived = getattr(seq, "arrived_at", None)
+        arrived = seq.arrived_at
         if arrived is None:
             return
         num = len(seq.completion_ids)
@@ -347,7 +345,7 @@ class ServerMetrics:
         self.request_generation_tokens.observe(len(seq.completion_ids))
         if times is not None and times[2] > 1:
             self.tpot.observe((times[1] - times[0]) / (times[2] - 1))
-        admitted = getattr(seq, "admitted_at", None)
+        admitted = seq.admitted_at
         if times is not None and admitted is not None:
             self.phase_time["prefill"].observe(max(0.0, times[0] - admitted))
             self.phase_time["decode"].observe(times[1] - times[0])

@@ -29,7 +29,6 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from dllm.sequence import Sequence
 from rollout_client.protocol.chat import (
     ChatChoice,
     ChatChunkChoice,
@@ -55,6 +54,7 @@ from server.engine import EngineEvent
 from server.errors import APIError, error_body
 from server.generation import prepare, run_to_completion, stream_events, submit, trace_model
 from server.recording import record_ids, record_one
+from server.sequence import ServerSequence as Sequence
 from server.state import server_state
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ def completion_logprobs(tok: PreTrainedTokenizerBase, seq: Sequence, k: int) -> 
     for n in added:
         offsets.append(offset)
         offset += n
-    top = getattr(seq, "top_logprobs", None) if k else None
+    top = seq.top_logprobs if k else None
     tops = []
     for j, (text, lp) in enumerate(zip(texts, seq.trace.logprobs)):
         alts = {tok.decode([i]): v for i, v in (top[j] if top else [])}
@@ -134,7 +134,7 @@ def chat_logprobs(tok: PreTrainedTokenizerBase, seq: Sequence, k: int) -> ChatLo
         text = tok.decode([i])
         return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", "replace"))}
 
-    top = getattr(seq, "top_logprobs", None) if k else None
+    top = seq.top_logprobs if k else None
     return ChatLogprobs(content=[
         TokenLogprob(**entry(i, lp), top_logprobs=[TopLogprob(**entry(a, v)) for a, v in (top[j] if top else [])])
         for j, (i, lp) in enumerate(zip(seq.completion_ids, seq.trace.logprobs))])

@@ -45,9 +45,9 @@ import time
 from collections import abc, deque
 from typing import TYPE_CHECKING, Any
 
-from dllm.sequence import Sequence
 from dllm.trace import FinishReason
 from dlrl_config import ConfigError
+from server.sequence import ServerSequence as Sequence
 from server.store_health import StoreHealth
 from store import FeedbackStore, Record, error_cause, new_record_id, open_store
 
@@ -123,7 +123,7 @@ class Recorder:
     def _choose(self, seq: Sequence, prompt: str | None) -> _Sample | None:
         """Decide once whether `seq` is recorded; the decision (its _Sample, or None) stays on it."""
         sample = _Sample(seq, prompt) if self.is_chosen() else None
-        setattr(seq, _SLOT, sample)
+        seq.recording = sample if sample is not None else _NOT_CHOSEN
         return sample
 
     async def record(self, items: list[tuple[Sequence, str | None]]) -> list[str | None]:
@@ -132,8 +132,8 @@ class Recorder:
         ids: list[str | None] = [None] * len(items)
         samples: list[tuple[int, _Sample]] = []
         for i, (seq, prompt) in enumerate(items):
-            sample = getattr(seq, _SLOT, _UNSET)
-            if sample is _UNSET:  # not chosen by expect(): choose now
+            sample = seq.recording
+            if sample is None:  # not decided by expect(): decide now
                 sample = self._choose(seq, prompt)
             if isinstance(sample, _Sample):
                 samples.append((i, sample))
@@ -168,7 +168,7 @@ class Recorder:
 
     def _finished(self, seqs: list[Sequence]) -> None:
         """(engine thread, right after a step) Hand the chosen samples that finished to the writer."""
-        samples = [s for seq in seqs if (s := getattr(seq, _SLOT, None)) is not None]
+        samples = [s for seq in seqs if isinstance(s := seq.recording, _Sample)]
         if samples:
             self._enqueue(samples)
 
@@ -367,8 +367,7 @@ class Recorder:
 
 
 _CHOSEN, _QUEUED, _FAILING, _WRITTEN, _DROPPED = range(5)  # a sample's way to the store
-_SLOT = "dlrl_record"  # the attribute of a Sequence that holds its _Sample (None: not recorded)
-_UNSET = object()
+_NOT_CHOSEN = object()  # ServerSequence.recording of a sequence decided not to be recorded (None: undecided)
 
 
 class _Sample:

@@ -34,7 +34,7 @@ def _health(engine: Engine, is_draining: bool = False) -> HealthResponse:
     used, total = kv_pages(engine) or (None, None)
     return HealthResponse(status=status, model=engine.model_name, version=engine.version,
                             is_paused=engine.is_paused, is_draining=is_draining, num_running=engine.num_running,
-                            num_waiting=engine.num_waiting, num_free_slots=engine.backend.num_free_slots,
+                            num_waiting=engine.num_waiting, num_free_slots=engine.scheduler.num_free_slots,
                             num_kv_pages_used=used, num_kv_pages_total=total)
 
 

@@ -1,70 +1,97 @@
-"""Backend: the Runner of the engine (device work), so other inference engines can plug in.
+"""The model runner: what the engine needs from an inference engine, and nothing more.
 
-The engine's one background thread drives a backend like nano-vllm's ModelRunner:
+One engine step (server/engine.py) is nano-vllm's / vLLM v1's shape:
 
-    seq = backend.new_sequence(prompt_ids, params)   # validate (ValueError "<field>: ...")
-    n = backend.num_admissible(waiting)              # how many waiting sequences fit now
-    backend.add([seq, ...])                          # allocate slots, prefill prompt blocks
-    finished = backend.step(running)                 # one batched denoising forward
-    backend.release(seq)                             # free an aborted sequence's slot
-    top = backend.top_logprobs(seq, k)               # a finished sequence's top-k logprobs per token
+    batch = scheduler.schedule(paused=False, version=v, now=t)   # server.scheduler.ScheduledBatch
+    runner.release(batch.released)                  # aborted sequences: free their cache
+    out = runner.run(batch)                         # ONE forward -> dllm.decoding.StepOutput
+    ended = scheduler.postprocess(batch, out, now)  # stop ids / strings, max_tokens, finish reason
+    runner.release(ended)
 
-Sequences are `dllm.decoding.Sequence` objects: the backend fills their completion ids,
-text, trace (steps, logprobs) and finish_reason. `model` is the torch module whose
-parameters the weight-sync receiver updates in place while the engine is paused.
+A runner only runs steps on its device; it owns no sequence and no policy:
+
+    seq = runner.new_sequence(prompt_ids, params)   # validate (FieldError "<field>: ...") -> ServerSequence
+    runner.kv_budget                                # KVBudget: slots, pages, tokens per page (the
+                                                    # scheduler admits against it)
+    post = runner.postprocessor()                   # the model's stop rules (eos ids, max length), with
+                                                    # a tokenizer of its own for the engine thread
+    out = runner.run(batch)                         # allocate batch.admitted's pages at seq.slot, then
+                                                    # one batched forward over batch.running: per
+                                                    # sequence its block (ids, steps, logprobs), ok
+    runner.release(seqs)                            # free the cache of sequences that left
+    top = runner.top_logprobs(seq, k)               # a finished sequence's top-k logprobs per token
+    runner.model / runner.tokenizer                 # the weights the receiver updates while paused;
+                                                    # the tokenizer the HTTP handlers use
+
+The runners coming next fit the same Protocol:
+- **full attention** (LLaDA, Dream): `kv_budget` with `num_pages=0` in exact mode (no block-causal
+  KV reuse: each forward recomputes the whole sequence, slots bound only the batch), or the pages
+  of its prefix cache in prefix-cache mode; `run` returns the same per-sequence blocks.
+- **LMDeploy in-process**: `run` drives its engine one step; where it cannot report denoising
+  steps and log-probabilities it returns the committed block with `steps`/`logprobs` zero and the
+  sequence's trace marked trace-free (rollouts for evaluation, not for trace replay).
+
+`server.backends.native.NativeBackend` is the one runner today (dllm's `BlockDecoder.run`, whose
+`DecodeStep` and CUDA graphs sit below it). `Backend` is the old name of the Protocol.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
+
+from dllm.decoding import StepOutput
+from dllm.postprocess import Postprocessor
+from dllm.sampling import SamplingParams
+from server.scheduler import KVBudget, ScheduledBatch
+from server.sequence import ServerSequence
 
 
 class BackendUnavailable(RuntimeError):
     """The requested backend cannot run here (missing package, no GPU, ...)."""
 
 
-class Backend(ABC):
-    name: str = "base"
-    model: Any = None       # torch.nn.Module with SDAR parameter names
-    tokenizer: Any = None   # the server-side tokenizer (encode prompts, chat template)
-    block_size: int = 0
-    max_len: int = 0        # longest prompt + completion a sequence may reach
-    max_batch: int = 0
-    vocab_size: int = 0
-    mask_token_id: int = -1
-
-    @abstractmethod
-    def new_sequence(self, prompt_ids: list[int], params: Any) -> Any:
-        """Validate and build a Sequence; raise ValueError('<field>: <message>') on bad input."""
-
-    @abstractmethod
-    def add(self, seqs: list[Any]) -> None:
-        """Give each sequence a slot and prefill its prompt."""
-
-    @abstractmethod
-    def step(self, seqs: list[Any]) -> list[Any]:
-        """One batched forward over `seqs`; returns those that finished (their slots freed)."""
-
-    @abstractmethod
-    def release(self, seq: Any) -> None:
-        """Free the slot of an aborted sequence (finish_reason becomes 'abort')."""
+@runtime_checkable
+class Runner(Protocol):
+    name: str
+    model: Any          # torch.nn.Module with SDAR parameter names (None for a fake)
+    tokenizer: Any      # the server-side tokenizer (encode prompts, chat template)
+    block_size: int
+    max_len: int        # longest prompt + completion a sequence may reach
+    max_batch: int
+    vocab_size: int
+    mask_token_id: int
 
     @property
-    @abstractmethod
-    def num_free_slots(self) -> int:
+    def kv_budget(self) -> KVBudget:
+        """The cache the scheduler admits against."""
         ...
 
-    def num_admissible(self, waiting) -> int:
-        """How many of the waiting sequences, taken in order, can start now (free slots by default;
-        the native backend also counts the KV-cache pages each one needs)."""
-        return min(len(waiting), self.num_free_slots)
+    def new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> ServerSequence:
+        """Validate and build a sequence; raise FieldError('<field>: <message>') on bad input."""
+        ...
 
-    def top_logprobs(self, seq: Any, k: int) -> list[list[tuple[int, float]]]:
+    def postprocessor(self) -> Postprocessor:
+        """The model's stop rules for the scheduler (its own tokenizer instance: engine thread only)."""
+        ...
+
+    def run(self, batch: ScheduledBatch) -> StepOutput:
+        """Allocate the admitted sequences' cache at their slots, then one batched forward over
+        `batch.running`; returns each sequence's outcome (no post-processing)."""
+        ...
+
+    def release(self, seqs: list[ServerSequence]) -> None:
+        """Free the cache of sequences that left the batch (finished, aborted, failed)."""
+        ...
+
+    def top_logprobs(self, seq: ServerSequence, k: int) -> list[list[tuple[int, float]]]:
         """For every completion token of the finished `seq`: the k most likely (token id, logprob) of
         the distribution it was sampled from, best first (OpenAI logprobs). Called in the engine
         thread right after `seq` finished, while the weights it was generated with are served."""
-        raise NotImplementedError(f"backend {self.name}: top logprobs are not supported")
+        ...
 
-    def close(self) -> None:  # noqa: B027 - optional hook
+    def close(self) -> None:
         """Free device resources."""
+        ...
+
+
+Backend = Runner

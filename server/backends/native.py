@@ -26,9 +26,10 @@ replay invariant) and apply the request's temperature / top-k / top-p
 (`dllm.sampling.sampling_logprobs`) to TOP_LOGPROBS_CHUNK tokens' logits at a time: only
 requests that ask for them pay that forward.
 
-The decoder gets its own tokenizer instance (it decodes text and applies stop strings in
-the engine thread) while `backend.tokenizer` is used by HTTP handlers on the event loop,
-so no tokenizer object is shared between threads.
+The scheduler's post-processor gets its own tokenizer instance (`postprocessor()`: it decodes
+text and applies stop strings in the engine thread) while `backend.tokenizer` is used by HTTP
+handlers on the event loop, so no tokenizer object is shared between threads. The scheduler
+accounts for slots and pages (`kv_budget`); the decoder's pool mirrors its account.
 """
 
 from __future__ import annotations
@@ -41,13 +42,15 @@ from typing import Any
 
 import torch
 
-from dllm.decoding import BlockDecoder, Sequence
+from dllm.decoding import BlockDecoder, StepOutput
 from dllm.kv_cache import KVCache
+from dllm.postprocess import Postprocessor
 from dllm.replay import trace_hidden
-from dllm.sampling import sampling_logprobs
+from dllm.sampling import SamplingParams, sampling_logprobs
 from dllm.weights import load_pretrained, parse_dtype
 from dlrl_config import ConfigError
-from server.backends.base import Backend
+from server.scheduler import KVBudget, ScheduledBatch
+from server.sequence import ServerSequence
 
 log = logging.getLogger("dlrl.server")
 DEFAULT_MAX_LEN = 8192
@@ -130,7 +133,10 @@ def weight_bytes(model: Any) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-class NativeBackend(Backend):
+class NativeBackend:
+    """The native runner (server.backends.base.Runner): loads the model, plans the KV cache, runs
+    `BlockDecoder.run` (its DecodeStep / CUDA graphs below), scores top logprobs."""
+
     name = "native"
 
     def __init__(self, model: Any, tokenizer: Any, *, max_batch: int, max_model_len: int = 0,
@@ -149,10 +155,8 @@ class NativeBackend(Backend):
                                      memory=int(kv_cache_memory), fraction=kv_cache_fraction,
                                      available=available_memory(model.device, keep_versions * weight_bytes(model)))
         log.info("%s", self.kv_plan.describe())
-        decode_tok = copy.deepcopy(tokenizer) if tokenizer is not None else None
         self.decoder = BlockDecoder(model, max_batch=max_batch, max_len=self.max_len, eos_ids=self.eos_ids,
-                                    tokenizer=decode_tok, num_pages=self.kv_plan.num_pages, compile=compile,
-                                    cuda_graphs=cuda_graphs)
+                                    num_pages=self.kv_plan.num_pages, compile=compile, cuda_graphs=cuda_graphs)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str = "auto", dtype: str = "auto",
@@ -174,29 +178,37 @@ class NativeBackend(Backend):
                    kv_cache_memory=kv_cache_memory, kv_cache_fraction=kv_cache_fraction, keep_versions=keep_versions,
                    compile=compile, cuda_graphs=cuda_graphs)
 
-    def new_sequence(self, prompt_ids: list[int], params: Any) -> Sequence:
+    def new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> ServerSequence:
         if params.stop_token_ids is not None and not params.ignore_eos:  # vLLM: they add to the eos ids
             params.stop_token_ids = sorted(set(self.eos_ids) | set(params.stop_token_ids))
-        return self.decoder.new_sequence(prompt_ids, params)
+        self.decoder.validate(prompt_ids, params)
+        return ServerSequence(prompt_ids, params, self.block_size, self.mask_token_id)
 
-    def add(self, seqs: list[Sequence]) -> None:
-        self.decoder.add(seqs)
+    @property
+    def kv_budget(self) -> KVBudget:
+        return KVBudget(self.max_batch, self.kv_plan.num_pages, self.kv_plan.page_tokens)
 
-    def step(self, seqs: list[Sequence]) -> list[Sequence]:
-        return self.decoder.step(seqs)
+    def postprocessor(self) -> Postprocessor:
+        tok = copy.deepcopy(self.tokenizer) if self.tokenizer is not None else None
+        return Postprocessor(eos_ids=self.eos_ids, tokenizer=tok, max_len=self.decoder.max_len,
+                             block_size=self.block_size)
 
-    def release(self, seq: Sequence) -> None:
-        self.decoder.release(seq)
+    def run(self, batch: ScheduledBatch) -> StepOutput:
+        if batch.admitted:
+            self.decoder.add(batch.admitted)  # at the slots the scheduler chose; CacheFull if out of step
+        return self.decoder.run(batch.running)
+
+    def release(self, seqs: list[ServerSequence]) -> None:
+        for seq in seqs:
+            self.decoder.release(seq)
 
     @property
     def num_free_slots(self) -> int:
+        """Slots free in the decoder's pool (mirrors the scheduler's account once a step is over)."""
         return self.decoder.num_free_slots
 
-    def num_admissible(self, waiting) -> int:
-        return self.decoder.num_admissible(waiting)
-
     @torch.no_grad()
-    def top_logprobs(self, seq: Sequence, k: int) -> list[list[tuple[int, float]]]:
+    def top_logprobs(self, seq: ServerSequence, k: int) -> list[list[tuple[int, float]]]:
         hidden, out = trace_hidden(self.model, seq), []  # [C, D]
         for first in range(0, hidden.shape[0], TOP_LOGPROBS_CHUNK):
             logits = self.model.lm_head(hidden[first:first + TOP_LOGPROBS_CHUNK])

@@ -15,6 +15,7 @@ from dllm.sampling import SamplingParams
 from dllm.trace import FinishReason
 from server.engine import Engine, EngineEvent, EngineState
 from server.scheduler import InvalidTransition, Request, Scheduler
+from server.sequence import SeqStatus
 from tests.server.test_server_scheduler import FakeBackend
 
 
@@ -25,10 +26,10 @@ class GatedBackend(FakeBackend):
         super().__init__(max_batch)
         self.gate, self.in_step = threading.Event(), threading.Event()
 
-    def step(self, seqs):
+    def run(self, batch):
         self.in_step.set()
         assert self.gate.wait(30), "the test never opened the gate"
-        return super().step(seqs)
+        return super().run(batch)
 
 
 class NoSleep:
@@ -50,7 +51,7 @@ def make_request(backend, loop, *max_tokens):
 def test_scheduler_transitions():
     loop, backend = asyncio.new_event_loop(), FakeBackend()
     try:
-        sched = Scheduler(max_queue=8)
+        sched = Scheduler(max_queue=8, kv=backend.kv_budget, post=backend.postprocessor())
         a, b = make_request(backend, loop, 3, 3), make_request(backend, loop, 2)
         sched.enqueue(a)
         sched.enqueue(b)
@@ -60,20 +61,23 @@ def test_scheduler_transitions():
             sched.finish(b.seqs[0])
         assert sched.num_waiting == 3 and sched.waiting_tokens == 3 * 1 + 3 + 3 + 2
 
-        assert sched.admit(2) == a.seqs and sched.running == tuple(a.seqs) and sched.waiting == tuple(b.seqs)
+        assert sched.schedule(paused=False, version=0, now=0.0).admitted == a.seqs  # two slots: a's two
+        assert sched.running == tuple(a.seqs) and sched.waiting == tuple(b.seqs)
+        assert all(s.status is SeqStatus.RUNNING for s in a.seqs) and sched.num_free_slots == 0
         assert not sched.is_idle and sched.request_of(a.seqs[0]) is a and sched.requests() == [a, b]
 
         assert sched.abort(b) == b.seqs and b.seqs[0].finish_reason == FinishReason.ABORT  # waiting: dropped
         assert sched.finish(b.seqs[0]) is b and b.is_finished and sched.waiting_tokens == 0
         assert sched.abort(a) == [] and sched.running == tuple(a.seqs)  # running: released next iteration
         assert sched.take_releases() == a.seqs and sched.running == () and sched.is_idle
-        assert [sched.finish(s) for s in a.seqs] == [a, a] and a.is_finished
+        assert [sched.finish(s) for s in a.seqs] == [a, a] and a.is_finished and sched.num_free_slots == 2
+        assert {s.status for s in a.seqs} == {SeqStatus.FINISHED}
         assert sched.finish(a.seqs[0]) is None  # done already: nothing left to hand back
 
         c, d = make_request(backend, loop, 4), make_request(backend, loop, 5, 6)
         sched.enqueue(c)
         sched.enqueue(d)
-        sched.admit(2)
+        sched.schedule(paused=False, version=0, now=0.0)
         assert [(s, r) for s, r in sched.fail(list(sched.running))] == [(c.seqs[0], c), (d.seqs[0], d)]
         assert sched.is_idle and sched.waiting == (d.seqs[1],)
         assert sched.take_all() == [d.seqs[1]] and sched.num_waiting == 0 and sched.waiting_tokens == 0

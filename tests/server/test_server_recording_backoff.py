@@ -8,9 +8,9 @@ import sqlite3
 import time
 
 from dllm.sampling import SamplingParams
-from dllm.sequence import Sequence
 from dllm.trace import FinishReason
 from server.recording import Recorder
+from server.sequence import ServerSequence as Sequence
 from store.sqlite import SQLiteStore
 
 

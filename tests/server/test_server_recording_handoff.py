@@ -10,9 +10,9 @@ import threading
 import httpx
 
 from dllm.sampling import SamplingParams
-from dllm.sequence import Sequence
 from dllm.trace import FinishReason
 from server.recording import Recorder
+from server.sequence import ServerSequence as Sequence
 from server.state import server_state
 from store.sqlite import SQLiteStore
 

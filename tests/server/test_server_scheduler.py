@@ -6,45 +6,55 @@ import asyncio
 
 import pytest
 
-from dllm.decoding import Sequence
+from dllm.decoding import Postprocessor, SeqOutput, StepOutput
 from dllm.sampling import SamplingParams
 from server.backends import BackendUnavailable, create_backend
-from server.backends.base import Backend
+from server.backends.base import Runner
 from server.engine import Engine, QueueFull
+from server.scheduler import KVBudget
+from server.sequence import ServerSequence
 
 
-class FakeBackend(Backend):
-    """Commits one token per step; a sequence finishes at max_tokens."""
+class FakeBackend(Runner):
+    """Commits one token per step (blocks of one token); a sequence finishes at max_tokens."""
 
-    block_size, max_len, mask_token_id, vocab_size = 4, 64, 1, 10
+    name, model, tokenizer = "fake", None, None
+    block_size, max_len, mask_token_id, vocab_size = 1, 64, 1, 10
 
     def __init__(self, max_batch: int = 2):
         self.max_batch, self.free, self.batches, self.fail = max_batch, max_batch, [], False
 
+    @property
+    def kv_budget(self):
+        return KVBudget(self.max_batch)
+
+    def postprocessor(self):
+        return Postprocessor(eos_ids=[], tokenizer=None, max_len=self.max_len, block_size=self.block_size)
+
     def new_sequence(self, prompt_ids, params):
-        return Sequence(prompt_ids, params, self.block_size, self.mask_token_id)
+        return ServerSequence(prompt_ids, params, self.block_size, self.mask_token_id)
 
-    def add(self, seqs):
-        for s in seqs:
-            s.slot, self.free = self.free, self.free - 1
-
-    def step(self, seqs):
+    def run(self, batch):
+        self.free -= len(batch.admitted)
         if self.fail:
             raise RuntimeError("boom")
-        self.batches.append(sorted(s.prompt_ids[0] for s in seqs))
-        done = []
-        for s in seqs:
-            s.completion_ids.append(5)
-            if len(s.completion_ids) >= s.params.max_tokens:
-                s.finish_reason = "length"
-                self.release(s)
-                done.append(s)
-        return done
+        self.batches.append(sorted(s.prompt_ids[0] for s in batch.running))
+        for s in batch.running:
+            if s.block_done:
+                s.next_block(owe_cache=False)
+            s.block_ids, s.block_done = [5], True
+        return StepOutput([SeqOutput(s, True) for s in batch.running], len(batch.running))
 
-    def release(self, seq):
-        if seq.slot is not None:
-            self.free, seq.slot = self.free + 1, None
-        seq.finish_reason = seq.finish_reason or "abort"
+    def release(self, seqs):
+        for seq in seqs:
+            if seq.slot is not None:
+                self.free, seq.slot = self.free + 1, None
+
+    def top_logprobs(self, seq, k):
+        raise NotImplementedError
+
+    def close(self):
+        pass
 
     @property
     def num_free_slots(self):

@@ -29,6 +29,7 @@ from fastapi import FastAPI
 
 from server import engine as engine_module
 from server import routes_weights
+from server.scheduler import KVBudget
 from server.state import ServerState, attach
 from server.weight_updates import make_updates
 from tests.helpers import ServedTensors
@@ -172,7 +173,7 @@ class Engine(engine_module.Engine):
     """The real server engine, never started, its backend only a model."""
 
     def __init__(self, model: torch.nn.Module):
-        super().__init__(SimpleNamespace(model=model))
+        super().__init__(SimpleNamespace(model=model, kv_budget=KVBudget(1), postprocessor=lambda: None))
 
 
 def module_of(named: dict[str, torch.Tensor]) -> torch.nn.Module:

@@ -21,6 +21,7 @@ from fastapi.testclient import TestClient
 from dllm.weights import hf_tensors
 from server import engine as engine_module
 from server import routes_weights
+from server.scheduler import KVBudget
 from server.state import ServerState, attach
 from server.weight_updates import WeightUpdates, make_updates
 from weight_sync import weights_digest
@@ -36,7 +37,7 @@ class Engine(engine_module.Engine):
     `busy` = a sequence in flight that only an abort (or clearing busy) ends."""
 
     def __init__(self, model: torch.nn.Module):
-        super().__init__(SimpleNamespace(model=model))
+        super().__init__(SimpleNamespace(model=model, kv_budget=KVBudget(1), postprocessor=lambda: None))
         self.calls, self.busy = [], False
 
     async def pause(self, abort_inflight: bool = False, timeout: float | None = None) -> None:

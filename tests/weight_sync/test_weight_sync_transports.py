@@ -34,6 +34,7 @@ from fastapi import FastAPI
 
 from server import routes_weights
 from server.engine import Engine
+from server.scheduler import KVBudget
 from server.state import ServerState, attach
 from server.weight_updates import make_updates
 from weight_sync import WeightSyncError, push
@@ -96,7 +97,7 @@ class FakeEngine(Engine):
     """The real server.engine.Engine, never started, its backend only a model: what the weight routes use."""
 
     def __init__(self, model: torch.nn.Module):
-        super().__init__(SimpleNamespace(model=model))
+        super().__init__(SimpleNamespace(model=model, kv_budget=KVBudget(1), postprocessor=lambda: None))
 
 
 def make_app(engine: FakeEngine, timeout_s: float = 30.0) -> FastAPI:

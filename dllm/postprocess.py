@@ -1,0 +1,86 @@
+"""Post-processing of a decode step: a completed block joins the completion, checked against stop ids,
+stop strings and max_tokens; a row whose probabilities were not finite ends its sequence.
+
+    post = Postprocessor(eos_ids=[0], tokenizer=tok, max_len=4096, block_size=4)
+    out = decoder.run(running)                  # dllm.decoding.BlockDecoder: the device step
+    finished = post(out)                        # the sequences that ended (finish_reason set once)
+
+Host-only work on plain `dllm.sequence.Sequence` data: the server's scheduler runs it after each
+step (server.scheduler.Scheduler.postprocess), `dllm.decoding.generate` likewise. It owns the
+text of each sequence (`seq.text`, decoded incrementally by `dllm.detokenize.TextStream` with the
+tokenizer given here: one instance per thread).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from dllm.detokenize import TextStream
+from dllm.sequence import Sequence
+from dllm.trace import FinishReason
+
+if TYPE_CHECKING:
+    from dllm.decoding import SeqOutput
+
+
+class Postprocessor:
+    """Stop ids (eos, or a request's stop_token_ids), stop strings and max_tokens; the finish reason."""
+
+    def __init__(self, *, eos_ids: Iterable[int], tokenizer: Any, max_len: int, block_size: int):
+        self.eos_ids, self.tokenizer = set(eos_ids), tokenizer
+        self.max_len, self.block_size = max_len, block_size
+        self.num_tokens = 0  # completion tokens committed so far
+
+    def __call__(self, outputs: Iterable[SeqOutput]) -> list[Sequence]:
+        """Apply one step's outputs; returns the sequences that ended (failed ones first, in order)."""
+        failed, finished = [], []
+        for out in outputs:
+            s = out.seq
+            if not out.ok:
+                fail(s)
+                failed.append(s)
+            elif s.block_done:
+                self.commit_block(s)
+                if s.is_finished:
+                    finished.append(s)
+        return failed + finished
+
+    def commit_block(self, s: Sequence) -> None:
+        """Move the completed block into the completion; apply stop ids, stop strings, max_tokens."""
+        first = max(0, len(s.prompt_ids) - s.block_start)
+        new_ids = s.block_ids[first:]
+        new_steps, new_lp = s.block_steps[first:], s.block_logprobs[first:]
+        p = s.params
+        keep, reason = len(new_ids), None
+        stop_ids = self.eos_ids if p.stop_token_ids is None else set(p.stop_token_ids)
+        if not p.ignore_eos and not stop_ids.isdisjoint(new_ids):
+            keep, reason = next(i for i, t in enumerate(new_ids) if t in stop_ids) + 1, FinishReason.STOP
+        room = p.max_tokens - len(s.completion_ids)
+        if s.text_stream is None and self.tokenizer is not None:
+            s.text_stream = TextStream(self.tokenizer, p.stop)
+        if s.text_stream is not None:
+            n = s.text_stream.push(new_ids[:min(keep, room)])  # decodes only the new tokens
+            s.text = s.text_stream.text
+            if n is not None:
+                keep, reason = n, FinishReason.STOP
+        if keep > room or (keep == room and reason is None):
+            keep, reason = room, FinishReason.LENGTH
+        s.completion_ids += new_ids[:keep]
+        s.trace.steps += new_steps[:keep]
+        s.trace.logprobs += new_lp[:keep]
+        self.num_tokens += keep
+        if reason is None and s.end_pos + self.block_size > self.max_len:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            s.trace.tail_ids = new_ids[keep:]
+            s.trace.tail_steps = new_steps[keep:]
+            s.finish_reason = reason
+
+
+def fail(s: Sequence) -> None:
+    """End a sequence whose probabilities were not finite (finish_reason "error", `seq.error` says why)."""
+    p = s.params
+    s.error = (f"sampling failed: the model's probabilities for this sequence are not finite "
+               f"(temperature={p.temperature}, top_k={p.top_k}, top_p={p.top_p})")
+    s.finish_reason = FinishReason.ERROR
