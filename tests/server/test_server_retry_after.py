@@ -8,13 +8,14 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
 
 import httpx
 import pytest
 
+from dllm.sampling import SamplingParams
 from server.retry_after import RetryAfter
 from server.scheduler import QueueFull, Request, Scheduler
+from server.sequence import ServerSequence
 
 
 def test_nothing_measured_yet_is_one_second_per_place():
@@ -44,8 +45,8 @@ def test_tokens_bound_uses_tokens_admitted_per_second():
 
 
 def _req(n: int, seq0: int, tokens: int = 10) -> Request:
-    seqs = [SimpleNamespace(seq_id=seq0 + i, prompt_ids=[1] * (tokens - 5), params=SimpleNamespace(max_tokens=5),
-                            is_finished=False, finish_reason=None) for i in range(n)]
+    seqs = [ServerSequence([1] * (tokens - 5), SamplingParams(max_tokens=5), block_size=4, mask_id=0, seq_id=seq0 + i)
+            for i in range(n)]
     return Request("r", seqs, loop=None, events=None)  # type: ignore[arg-type]
 
 
@@ -55,15 +56,13 @@ def test_scheduler_refusals_carry_the_estimate(monkeypatch):
     monkeypatch.setattr("server.retry_after.time.monotonic", lambda: clock[0])
     sched = Scheduler(max_queue=4)
     sched.enqueue(_req(2, 0))
-    for seq in sched.admit(2):  # 2 running sequences of 2 s each: 1 per second
-        seq.admitted_at = clock[0]
+    sched.schedule(paused=False, version=0, now=clock[0])  # 2 running sequences of 2 s each: 1 per second
     clock[0] += 2.0
     for seq in sched.running:
         seq.finish_reason = "stop"
         sched.finish(seq)
     sched.enqueue(_req(2, 10))
-    for seq in sched.admit(2):
-        seq.admitted_at = clock[0]
+    sched.schedule(paused=False, version=0, now=clock[0])
     sched.enqueue(_req(4, 20))
     with pytest.raises(QueueFull, match="max_queue=4") as first:
         sched.enqueue(_req(2, 30))  # 4 waiting: 2 places short at 1 sequence/s
@@ -84,7 +83,8 @@ def _burst(url: str, num_clients: int) -> tuple[list[int], list[int], list[bool]
     lock, start = threading.Lock(), threading.Barrier(num_clients)
     refusals: list[tuple[float, int]] = []
     retries: list[bool] = []
-    body = {"prompt": "1+1=", "max_tokens": 8, "ignore_eos": True}
+    # 48 forwards a sequence (one token a step): a queue of even a few sequences takes seconds to drain
+    body = {"prompt": "1+1=", "max_tokens": 48, "ignore_eos": True, "strategy": "static", "steps": 4}
 
     def client(_: int) -> int:
         start.wait()
