@@ -10,7 +10,7 @@ Every server serves a tiny random SDAR model (CPU, one torch thread).
 
 `headers` (issue 28): a slow-header flood with and without the connection bounds. The server
 runs twice with a file limit of `--nofile` descriptors: once as uvicorn serves the app by
-default (no header timeout, no caps), once as `dlrl serve` does (server/connections.py, a 2 s
+default (no header timeout, no caps), once as `dlrl serve` does (server/api/connections.py, a 2 s
 header timeout). Each faces `--sockets` connections from 127.0.0.2 that send their headers one
 byte per second while /health is probed from 127.0.0.1 every 0.1 s. Prints, per mode: /health
 answered, its p50 / p99, the slow sockets the server closed, the log's lines and bytes.
@@ -70,7 +70,7 @@ UNBOUNDED = '''
 import sys, uvicorn
 from server.cli import build_engine
 from server.config import ServerConfig
-from server.app import create_app
+from server.api.app import create_app
 model, port = sys.argv[1], int(sys.argv[2])
 config = ServerConfig(model=model, port=port, device="cpu", dtype="float32", max_batch=2, max_model_len=64)
 app = create_app(build_engine(config, model), config)

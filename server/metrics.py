@@ -36,8 +36,8 @@ The store: dlrl_store_errors_total{op,cause} (failed store operations), dlrl_sto
 dlrl_records_dropped_total{reason} (never written), dlrl_record_ids_withheld_total{reason}
 (answered without an id), dlrl_record_write_seconds, dlrl_record_queue (records waiting for the
 writer). Connections and auth: dlrl_connections_refused_total{reason} (limit, header_timeout,
-read_timeout: server.connections), dlrl_auth_failures_total{what,status} (failed admin/feedback
-token checks, 401/403/429: server.auth). Also dlrl_paused, dlrl_max_batch_size. (The older duplicates
+read_timeout: server.api.connections), dlrl_auth_failures_total{what,status} (failed admin/feedback
+token checks, 401/403/429: server.api.auth). Also dlrl_paused, dlrl_max_batch_size. (The older duplicates
 dlrl_queue_depth, dlrl_running_sequences, dlrl_policy_version and dlrl_aborted_sequences are gone:
 read dlrl_num_requests_waiting, dlrl_num_requests_running, dlrl_served_version and
 dlrl_request_success_total{finished_reason="abort"}.)
@@ -66,8 +66,8 @@ from dllm.trace import FinishReason
 from store.types import ERROR_CAUSES
 
 if TYPE_CHECKING:
-    from server.engine import Engine, StepStats
-    from server.sequence import ServerSequence as Sequence
+    from server.engine.engine import Engine, StepStats
+    from server.engine.sequence import ServerSequence as Sequence
     from store import FeedbackStore
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -83,12 +83,12 @@ _FORWARDS_WINDOW_S = 10.0  # dlrl_forwards_per_second counts the forwards of thi
 
 # the known label values of the labelled counters: each series exists at zero from the start
 ENDPOINTS = ("/generate", "/v1/completions", "/v1/chat/completions")
-FEEDBACK_STATUSES = ("400", "401", "403", "404", "409", "413", "429", "503")  # server/routes_feedback.py
-STORE_OPS, STORE_CAUSES = ("record", "feedback"), (*ERROR_CAUSES, "queue_full")  # server/store_health.py
+FEEDBACK_STATUSES = ("400", "401", "403", "404", "409", "413", "429", "503")  # server/api/routes_feedback.py
+STORE_OPS, STORE_CAUSES = ("record", "feedback"), (*ERROR_CAUSES, "queue_full")  # server/recording/store_health.py
 DROP_REASONS, WITHHELD_REASONS = ("queue_full", "refused", "error"), ("timeout", "store_failing")  # recording
-CONNECTION_REASONS = ("limit", "header_timeout", "read_timeout")  # server/connections.py
-AUTH_WHATS, AUTH_STATUSES = ("admin", "feedback"), ("401", "403", "429")  # server/auth_guard.py
-UPDATE_STEPS = ("begin", "commit")  # server/weight_updates.py
+CONNECTION_REASONS = ("limit", "header_timeout", "read_timeout")  # server/api/connections.py
+AUTH_WHATS, AUTH_STATUSES = ("admin", "feedback"), ("401", "403", "429")  # server/api/auth_guard.py
+UPDATE_STEPS = ("begin", "commit")  # server/weights/weight_updates.py
 
 
 class _Dynamic:
@@ -151,7 +151,7 @@ class ServerMetrics:
     def __init__(self, engine: Engine | None = None) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.engine: Engine | None = None
-        self.store: FeedbackStore | None = None  # set by server.recording when a store is open (store size gauges)
+        self.store: FeedbackStore | None = None  # set by server.recording.recording when a store is open (store size gauges)
         self._store_stats: tuple[float, dict | None] = (0.0, None)
         self.requests = Counter("dlrl_requests", "HTTP generation requests", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("dlrl_prompt_tokens", "prompt tokens of finished sequences", registry=r)
@@ -198,7 +198,7 @@ class ServerMetrics:
         self.feedback_rejected = Counter("dlrl_feedback_rejected", "POST /v1/feedback answered 4xx/5xx",
                                          ["status"], registry=r)
         self.rollbacks = Counter("dlrl_rollbacks", "rollbacks to a kept weight version", registry=r)
-        # feedback store (server/recording.py, server/store_health.py)
+        # feedback store (server/recording/recording.py, server/recording/store_health.py)
         self.store_errors = Counter("dlrl_store_errors", "failed feedback store operations by cause",
                                     ["op", "cause"], registry=r)
         self.store_up = Gauge("dlrl_store_up", "0 while the feedback store is failing", registry=r)
@@ -219,9 +219,9 @@ class ServerMetrics:
                                        registry=r)
         for outcome in ("applied", "failed"):
             self.updates.labels(outcome=outcome)
-        self.connections_refused = Counter(  # server.connections: caps reached, header/read timeouts
+        self.connections_refused = Counter(  # server.api.connections: caps reached, header/read timeouts
             "dlrl_connections_refused", "connections refused or closed by the server's bounds", ["reason"], registry=r)
-        self.auth_failures = Counter("dlrl_auth_failures", "failed bearer-token checks (server.auth)",
+        self.auth_failures = Counter("dlrl_auth_failures", "failed bearer-token checks (server.api.auth)",
                                      ["what", "status"], registry=r)
         self._zero_labelled()
         self._max_batch = 0

@@ -113,5 +113,5 @@ def test_nothing_in_dllm_imports_its_embedded_default() -> None:
 def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
     """The rules bite: an upward import is found and named with its line."""
     f = tmp_path / "x.py"
-    f.write_text("import os\n\ndef lazy():\n    from server.app import build_app\n")
-    assert list(_imports(f)) == [(1, "os", True), (4, "server.app", False)]
+    f.write_text("import os\n\ndef lazy():\n    from server.api.app import build_app\n")
+    assert list(_imports(f)) == [(1, "os", True), (4, "server.api.app", False)]

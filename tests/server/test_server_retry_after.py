@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from dllm.sampling import SamplingParams
-from server.retry_after import RetryAfter
-from server.scheduler import QueueFull, Request, Scheduler
-from server.sequence import ServerSequence
+from server.engine.retry_after import RetryAfter
+from server.engine.scheduler import QueueFull, Request, Scheduler
+from server.engine.sequence import ServerSequence
 
 
 def test_nothing_measured_yet_is_one_second_per_place():
@@ -52,8 +52,8 @@ def _req(n: int, seq0: int, tokens: int = 10) -> Request:
 
 def test_scheduler_refusals_carry_the_estimate(monkeypatch):
     clock = [1000.0]
-    monkeypatch.setattr("server.scheduler.time.monotonic", lambda: clock[0])
-    monkeypatch.setattr("server.retry_after.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("server.engine.scheduler.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("server.engine.retry_after.time.monotonic", lambda: clock[0])
     sched = Scheduler(max_queue=4)
     sched.enqueue(_req(2, 0))
     sched.schedule(paused=False, version=0, now=clock[0])  # 2 running sequences of 2 s each: 1 per second

@@ -1,0 +1,289 @@
+"""Bounds on the server's TCP connections: header and read timeouts, caps, a reserve for probes and admin.
+
+    limits = ConnectionLimits.from_config(config, metrics)        # server.cli
+    uvicorn.Config(app, http=bounded_protocol(limits), timeout_keep_alive=config.keepalive_timeout_s,
+                   backlog=config.listen_backlog, ...)
+
+uvicorn bounds neither a request whose headers arrive one byte at a time nor how many
+connections are open; `BoundedH11Protocol` (a subclass of uvicorn's h11 protocol) adds:
+- header timeout: a request's line and headers must be complete within
+  `server.header_timeout_s` of its first byte (of the connection opening, for the first
+  request), else the connection gets a 408 and is closed;
+- read timeout: a request body that stalls (no byte while the server is ready to read) for
+  `server.read_timeout_s` is a 408 and the connection is closed;
+- idle keep-alive: uvicorn's own `timeout_keep_alive` (`server.keepalive_timeout_s`);
+- caps: at most `server.max_connections` open connections (lowered at start so that they,
+  the reserve and `server.fd_reserve` descriptors fit in the file limit, RLIMIT_NOFILE),
+  and `server.max_connections_per_ip` per client address. Past them a connection may take
+  one of `server.reserved_connections` slots (at most a quarter of them per client), which
+  serve only /health, /ready, /metrics, /weights/* and /admin/* -- any other request there
+  is a 503 -- so probes and the trainer still get an answer under a flood. Past those the
+  connection gets an immediate 503 (`Connection: close`) and is closed.
+Refusals and timeouts count in `dlrl_connections_refused_total{reason}` and are logged at
+most once per `server.resource_log_interval_s` with a count (`RateLimitedLog`), as are the
+event loop's "socket.accept() out of system resource" errors (`install_resource_log`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import resource
+import time
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from uvicorn._types import ASGI3Application, ASGIReceiveCallable, ASGISendCallable, Scope
+from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
+
+from dlrl_config import ConfigError
+from server.api.errors import error_body
+
+if TYPE_CHECKING:
+    from server.config import ServerConfig
+    from server.metrics import ServerMetrics
+
+log = logging.getLogger("dlrl.server")
+RESERVED_PATHS = ("/health", "/ready", "/metrics")
+RESERVED_PREFIXES = ("/weights/", "/admin/")
+_RESOURCE_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+class RateLimitedLog:
+    """Log an event at most once per `interval_s` per key, with how many happened since the last line.
+
+        limiter.event("refused", "refused connection from %s (%s)", ip, why)   # first: logged at once
+        limiter.flush()                                                        # (periodic) report the rest
+    """
+
+    def __init__(self, interval_s: float, logger: logging.Logger = log, level: int = logging.WARNING):
+        self.interval_s, self.logger, self.level = interval_s, logger, level
+        self._last: dict[str, float] = {}
+        self._pending: dict[str, tuple[int, str, tuple]] = {}
+
+    def event(self, key: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        count = self._pending.pop(key, (0, msg, args))[0] + 1
+        if now - self._last.get(key, -1e18) >= self.interval_s:
+            self._emit(key, count, msg, args, now)
+        else:
+            self._pending[key] = (count, msg, args)
+
+    def _emit(self, key: str, count: int, msg: str, args: tuple, now: float) -> None:
+        self._last[key] = now
+        suffix = "" if count == 1 else f" ({count} times in the last {self.interval_s:g}s; logged once per interval)"
+        self.logger.log(self.level, msg + suffix, *args)
+
+    def flush(self) -> None:
+        """Log what was held back once its interval has passed (call periodically)."""
+        now = time.monotonic()
+        for key in [k for k in self._pending if now - self._last.get(k, -1e18) >= self.interval_s]:
+            count, msg, args = self._pending.pop(key)
+            self._emit(key, count, msg, args, now)
+
+
+def install_resource_log(loop: asyncio.AbstractEventLoop, limiter: RateLimitedLog) -> None:
+    """Route the loop's resource errors (accept() out of file descriptors, ...) through `limiter`."""
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        exc = context.get("exception")
+        if isinstance(exc, OSError) and exc.errno in _RESOURCE_ERRNOS:
+            limiter.event(f"resource-{exc.errno}", "%s: %s; lower server.max_connections or raise the file limit "
+                          "(ulimit -n)", context.get("message", "out of system resource"), exc)
+            return
+        loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+
+
+def _nofile() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+class ConnectionLimits:
+    """Open connections per client address and in total; `admit` decides a new one's slot."""
+
+    def __init__(self, max_connections: int, max_per_ip: int, reserved: int, header_timeout_s: float,
+                 read_timeout_s: float, log_interval_s: float = 10.0, metrics: ServerMetrics | None = None):
+        self.max_connections, self.max_per_ip, self.reserved = max_connections, max_per_ip, reserved
+        self.reserve_per_ip = max(1, reserved // 4)
+        self.header_timeout_s, self.read_timeout_s = header_timeout_s, read_timeout_s
+        self.limiter = RateLimitedLog(log_interval_s)
+        self.metrics = metrics
+        self.num_open = self.num_reserve = 0
+        self._per_ip: Counter[str] = Counter()
+        self._reserve_per_ip: Counter[str] = Counter()
+
+    @classmethod
+    def from_config(cls, config: ServerConfig, metrics: ServerMetrics | None = None,
+                    nofile: int | None = None) -> ConnectionLimits:
+        """Caps of `config` (server.*), max_connections lowered to fit the file limit (ConfigError if nothing fits)."""
+        nofile = nofile or _nofile()
+        room = nofile - config.fd_reserve - config.reserved_connections
+        if room < 1:
+            raise ConfigError(f"server.fd_reserve: the file limit (ulimit -n) is {nofile}: no room for connections "
+                              f"after fd_reserve={config.fd_reserve} and reserved_connections="
+                              f"{config.reserved_connections}; raise the limit or lower these")
+        cap = min(config.max_connections, room)
+        if cap < config.max_connections:
+            log.warning("server.max_connections lowered from %d to %d: the file limit (ulimit -n) is %d, "
+                        "server.fd_reserve %d, server.reserved_connections %d", config.max_connections, cap, nofile,
+                        config.fd_reserve, config.reserved_connections)
+        return cls(cap, config.max_connections_per_ip, config.reserved_connections, config.header_timeout_s,
+                   config.read_timeout_s, config.resource_log_interval_s, metrics)
+
+    def admit(self, ip: str) -> str | None:
+        """"normal", "reserve" (probes and admin only) or None (refuse); counted until `release`."""
+        if self.num_open < self.max_connections and self._per_ip[ip] < self.max_per_ip:
+            self.num_open += 1
+            self._per_ip[ip] += 1
+            return "normal"
+        if self.num_reserve < self.reserved and self._reserve_per_ip[ip] < self.reserve_per_ip:
+            self.num_reserve += 1
+            self._reserve_per_ip[ip] += 1
+            return "reserve"
+        return None
+
+    def release(self, ip: str, slot: str) -> None:
+        if slot == "normal":
+            self.num_open -= 1
+            self._per_ip[ip] -= 1
+            if self._per_ip[ip] <= 0:
+                del self._per_ip[ip]
+        elif slot == "reserve":
+            self.num_reserve -= 1
+            self._reserve_per_ip[ip] -= 1
+            if self._reserve_per_ip[ip] <= 0:
+                del self._reserve_per_ip[ip]
+
+    def per_ip(self, ip: str) -> int:
+        return self._per_ip[ip]
+
+    def refused(self, reason: str, ip: str, what: str) -> None:
+        """Count (dlrl_connections_refused_total{reason}) and log, rate-limited, a refusal or timeout."""
+        if self.metrics is not None:
+            self.metrics.connections_refused.labels(reason=reason).inc()
+        self.limiter.event(f"conn-{reason}", "connection from %s closed: %s", ip, what)
+
+
+def _raw_response(status: int, reason: str, message: str, extra: bytes = b"") -> bytes:
+    import json
+
+    body = json.dumps(error_body(status, message)).encode()
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            "connection: close\r\n").encode() + extra + b"\r\n" + body
+
+
+def _is_reserved(path: str) -> bool:
+    return path in RESERVED_PATHS or path.startswith(RESERVED_PREFIXES)
+
+
+def reserve_only(app: ASGI3Application) -> ASGI3Application:
+    """ASGI wrapper of a connection in a reserved slot: only probes and admin routes, else 503."""
+
+    async def wrapped(scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
+        if scope["type"] != "http" or _is_reserved(scope["path"]):
+            return await app(scope, receive, send)
+        body = error_body(503, "too many connections: this server's connection limit is reached "
+                               "(server.max_connections / max_connections_per_ip); retry later")
+        import json
+
+        data = json.dumps(body).encode()
+        await send({"type": "http.response.start", "status": 503, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+            (b"retry-after", b"1"), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": data})
+
+    return wrapped
+
+
+class BoundedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with the header/read timeouts and the connection caps of the module doc."""
+
+    limits: ConnectionLimits  # set by bounded_protocol()
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._ip = self.client[0] if self.client else ""
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._read_timer: asyncio.TimerHandle | None = None
+        self._last_rx = self.loop.time()
+        self._seen_cycle: RequestResponseCycle | None = None
+        self._slot = self.limits.admit(self._ip)
+        if self._slot is None:
+            self.limits.refused("limit", self._ip, f"too many connections ({self.limits.num_open} open, "
+                                f"{self.limits.per_ip(self._ip)} from this client; reserve full)")
+            transport.write(_raw_response(503, "Service Unavailable", "too many connections: this server's "
+                                          "connection limit is reached; retry later", b"retry-after: 1\r\n"))
+            transport.close()
+            return
+        if self._slot == "reserve":
+            self.app = reserve_only(self.app)
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for timer in (self._header_timer, self._read_timer):
+            if timer is not None:
+                timer.cancel()
+        self._header_timer = self._read_timer = None
+        if self._slot is not None:
+            self.limits.release(self._ip, self._slot)
+            self._slot = None
+        super().connection_lost(exc)
+
+    # ---------------------------------------------------------------- timeouts
+    def _arm_header_timer(self) -> None:
+        self._header_timer = self.loop.call_later(self.limits.header_timeout_s, self._on_header_timeout)
+
+    def _idle_between_requests(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def data_received(self, data: bytes) -> None:
+        self._last_rx = self.loop.time()
+        if self._header_timer is None and self._idle_between_requests():
+            self._arm_header_timer()  # the first byte of the next request on a kept-alive connection
+        super().data_received(data)
+        if self.cycle is not None and self.cycle is not self._seen_cycle:  # a request's headers are complete
+            self._seen_cycle = self.cycle
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+            if self.cycle.more_body and self._read_timer is None:
+                self._read_timer = self.loop.call_later(self.limits.read_timeout_s, self._on_read_check)
+
+    def _close_with_408(self, reason: str, what: str) -> None:
+        if self.transport.is_closing():
+            return
+        self.limits.refused(reason, self._ip, what)
+        if self._idle_between_requests() or not self.cycle.response_started:
+            self.transport.write(_raw_response(408, "Request Timeout", what))
+        self.transport.close()
+
+    def _on_header_timeout(self) -> None:  # armed while a request's headers are awaited, cancelled once complete
+        self._header_timer = None
+        self._close_with_408("header_timeout", f"request headers not complete within "
+                                               f"{self.limits.header_timeout_s:g}s (server.header_timeout_s)")
+
+    def _on_read_check(self) -> None:
+        self._read_timer = None
+        cycle = self.cycle
+        if cycle is None or not cycle.more_body or cycle.response_complete or self.transport.is_closing():
+            return  # the body is complete (or the response was sent): nothing to wait for
+        idle = self.loop.time() - self._last_rx
+        if self.flow.read_paused or idle < self.limits.read_timeout_s:  # paused: the app is the slow side
+            delay = self.limits.read_timeout_s - (0 if self.flow.read_paused else idle)
+            self._read_timer = self.loop.call_later(max(delay, 0.05), self._on_read_check)
+            return
+        self._close_with_408("read_timeout", f"request body stalled for {self.limits.read_timeout_s:g}s "
+                                             "(server.read_timeout_s)")
+
+
+def bounded_protocol(limits: ConnectionLimits) -> type[BoundedH11Protocol]:
+    """A BoundedH11Protocol class bound to `limits` (uvicorn.Config(http=...) takes a class)."""
+    return type("BoundedH11Protocol", (BoundedH11Protocol,), {"limits": limits})
+
+
+__all__ = ["BoundedH11Protocol", "ConnectionLimits", "RateLimitedLog", "bounded_protocol", "install_resource_log",
+           "reserve_only"]

@@ -1,0 +1,150 @@
+"""Admin routes of the weight-sync control plane (bearer token: server.api.auth.require_admin).
+
+    POST /weights/connect      ConnectRequest -> ConnectResponse  (one-time: region, staging, dist group)
+    POST /weights/begin        BeginRequest   -> BeginResponse
+    PUT  /weights/bucket/{i}   raw bucket bytes (http transport), headers X-Weights-Version,
+                               X-Weights-Run-Id, X-Bucket-Checksum (xxh3_64) -> {index, nbytes}
+    POST /weights/commit       CommitRequest  -> CommitResponse (200 applied, 202 pending drain)
+    POST /weights/abort        AbortRequest   -> AbortResponse
+    GET  /weights/version      -> VersionResponse
+    GET  /weights/updates/{v}  -> UpdateState  (applied / failed / in progress / unknown)
+    GET  /weights/checksum     -> ChecksumResponse (= weight_sync.weights_digest of the model)
+    POST /weights/rollback     RollbackRequest -> RollbackResponse (404 not kept, 409 update in progress)
+    GET  /weights/kept         -> KeptResponse (versions kept in host memory, server.keep_versions)
+
+Bodies are the pydantic models of weight_sync.protocol, which the sender uses too. Every
+call about an update names its run (`run_id` in the body, the X-Weights-Run-Id header of a
+bucket; absent = the anonymous run ""): a bucket, commit or abort of an update another run
+began is a 409 naming the owner, before anything is read or changed (docs/SECURITY.md).
+Errors are 4xx JSON naming the problem: 409 stale version / update already running / no update,
+400 bad manifest or data (truncated bucket, checksum mismatch, NaN/inf weights), 400 for a
+malformed body (the app's validation mapping). The WeightUpdates glue is
+`ServerState.weight_updates` (server.api.state), the one server.api.app.create_app builds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable
+from typing import Any
+
+from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi.responses import JSONResponse
+
+from rollout_client.protocol.service import ErrorResponse
+from server.api.auth import require_admin
+from server.api.state import server_state
+from server.weights.weight_updates import WeightUpdates
+from weight_sync.errors import WeightSyncError
+from weight_sync.protocol import (
+    AbortRequest,
+    AbortResponse,
+    BeginRequest,
+    BeginResponse,
+    ChecksumResponse,
+    CommitRequest,
+    CommitResponse,
+    ConnectRequest,
+    ConnectResponse,
+    KeptResponse,
+    RollbackRequest,
+    RollbackResponse,
+    UpdateState,
+    VersionResponse,
+)
+from weight_sync.transports.http import CHECKSUM_HEADER, VERSION_HEADER, parse_int_header, parse_run_id_header
+
+log = logging.getLogger("dlrl.server")
+router = APIRouter(prefix="/weights", tags=["weights"], dependencies=[Depends(require_admin)])
+
+
+def get_updates(request: Request) -> WeightUpdates:
+    updates = server_state(request.app).weight_updates
+    if updates is None:  # an app without create_app must attach its own (server.api.state.attach)
+        raise RuntimeError("no WeightUpdates attached to this app")
+    return updates
+
+
+async def _call(step: str, coro: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+    """Await a glue call, turning every failure into a 4xx with a message naming the problem."""
+    try:
+        return await coro
+    except HTTPException:
+        raise
+    except WeightSyncError as e:
+        raise HTTPException(status_code=e.http_status, detail=f"{step}: {e}") from None
+    except TimeoutError as e:
+        raise HTTPException(status_code=409, detail=f"{step}: {e or 'timed out'}") from None
+    except ValueError as e:  # e.g. dllm.weights.WeightLoadError
+        raise HTTPException(status_code=400, detail=f"{step}: {e}") from None
+    except Exception as e:
+        log.exception("weight update %s failed", step)
+        raise HTTPException(status_code=400, detail=f"{step}: failed: {type(e).__name__}: {e}") from None
+
+
+@router.post("/connect", response_model=ConnectResponse)
+async def connect(body: ConnectRequest, request: Request) -> dict[str, Any]:
+    return await _call("connect", get_updates(request).connect(body))
+
+
+@router.post("/begin", response_model=BeginResponse)
+async def begin(body: BeginRequest, request: Request) -> dict[str, Any]:
+    return await _call("begin", get_updates(request).begin(body))
+
+
+@router.put("/bucket/{index}")
+async def put_bucket(index: int, request: Request) -> dict[str, Any]:
+    updates = get_updates(request)
+
+    async def run() -> dict[str, Any]:
+        version = parse_int_header(request.headers, VERSION_HEADER)
+        checksum = parse_int_header(request.headers, CHECKSUM_HEADER)
+        run_id = parse_run_id_header(request.headers)
+        return await updates.put_bucket(index, request.stream(), version, checksum, run_id)
+
+    return await _call("bucket upload", run())
+
+
+@router.post("/commit", response_model=CommitResponse, responses={202: {"model": CommitResponse}})
+async def commit(body: CommitRequest, request: Request) -> Any:
+    result = await _call("commit", get_updates(request).commit(body.version, body.checksums, body.abort_inflight,
+                                                               body.run_id))
+    if result["state"] == "pending":
+        return JSONResponse(CommitResponse.model_validate(result).model_dump(), status_code=202)
+    return result
+
+
+@router.post("/abort", response_model=AbortResponse)
+async def abort(request: Request, body: AbortRequest | None = None) -> dict[str, Any]:
+    body = body or AbortRequest()
+    return await _call("abort", get_updates(request).abort(body.version, body.reason, body.run_id))
+
+
+@router.get("/version", response_model=VersionResponse)
+async def version(request: Request) -> dict[str, Any]:
+    return get_updates(request).status()
+
+
+@router.get("/updates/{version}", response_model=UpdateState)
+async def update_state(version: int, request: Request) -> dict[str, Any]:
+    return get_updates(request).state(version)
+
+
+@router.get("/checksum", response_model=ChecksumResponse)
+async def checksum(request: Request) -> dict[str, Any]:
+    return await _call("checksum", get_updates(request).checksum())
+
+
+@router.post("/rollback", response_model=RollbackResponse, responses={
+    404: {"model": ErrorResponse, "description": "This version is not kept here (GET /weights/kept)"},
+    409: {"model": ErrorResponse, "description": "A weight update is in progress, or in-flight sequences did "
+          "not finish within weight_sync_drain_timeout_s (retry, or pass abort_inflight)"}})
+async def rollback(body: RollbackRequest, request: Request) -> dict[str, Any]:
+    result = await _call("rollback", get_updates(request).rollback(body.version, body.abort_inflight))
+    server_state(request.app).metrics.rollbacks.inc()
+    return result
+
+
+@router.get("/kept", response_model=KeptResponse)
+async def kept(request: Request) -> dict[str, Any]:
+    return get_updates(request).kept_status()

@@ -1,0 +1,77 @@
+"""ServerState: everything a dlrl server's handlers reach, one typed object on the app.
+
+    state = ServerState(engine, config, admin_token=token, metrics=ServerMetrics(engine))   # server.api.app
+    attach(app, state)
+    st = server_state(request.app)          # in a handler or a middleware (scope["app"])
+    st.engine, st.config, st.metrics, st.prompts, st.recorder, st.weight_updates, st.is_draining
+    st.executors, st.refusals
+
+`server.api.app.create_app` builds the whole state; an app made of the weight routes alone (tests
+and benchmarks) attaches a ServerState of its engine with the rest left at the defaults: the
+default config, admin disabled unless `admin_token` is given, metrics of its own registry, no
+recorder, the weight-update glue and the tokenizer worker built on first use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+from starlette.applications import Starlette
+
+from server.api.executors import Executors
+from server.api.prompts import PromptEncoder
+from server.config import ServerConfig
+from server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from server.api.auth_guard import AuthGuard
+    from server.api.gate import Refusals
+    from server.engine.engine import Engine
+    from server.recording.recording import Recorder
+    from server.weights.weight_updates import WeightUpdates
+
+
+@dataclass(eq=False)
+class ServerState:
+    engine: Engine
+    config: ServerConfig = field(default_factory=ServerConfig)
+    admin_token: str = ""  # "" = admin endpoints disabled (server.api.auth)
+    feedback_token: str = ""  # "" = POST /v1/feedback disabled (server.api.routes_feedback)
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    recorder: Recorder | None = None  # server.recording.recording, None without server.store
+    weight_updates: WeightUpdates | None = None  # server.api.routes_weights builds it on first use when None
+    auth_guard: AuthGuard | None = None  # server.api.auth.auth_guard builds it on first use
+    is_draining: bool = False  # set by server.api.lifecycle.drain; read by server.api.middleware.RequestGuard
+    num_inflight: int = 0  # generation requests until their last byte is sent (server.api.middleware)
+    refusals: Refusals | None = None  # server.api.gate: refusals counted, logged once per interval
+
+    @cached_property
+    def executors(self) -> Executors:
+        """The bounded thread pools of store I/O, weight work and the rest (server.api.executors), on first use."""
+        return Executors.from_config(self.config)
+
+    @cached_property
+    def prompts(self) -> PromptEncoder:
+        """The handlers' tokenizer worker (server.api.prompts), built on first use: an app of the
+        weight routes alone (tests, benchmarks: an engine without a tokenizer) never needs one."""
+        return PromptEncoder(self.engine.tokenizer, self.engine.max_model_len)
+
+
+def attach(app: Starlette, state: ServerState) -> ServerState:
+    """Make `state` the one state of `app` (read back with `server_state`)."""
+    app.state.server = state
+    return state
+
+
+def server_state(app: Starlette) -> ServerState:
+    """The ServerState attached to `app` (a `Request.app`, or `scope["app"]` in a middleware)."""
+    state = getattr(app.state, "server", None)
+    if not isinstance(state, ServerState):
+        raise RuntimeError("this app has no ServerState: build it with server.api.app.create_app, or "
+                           "server.api.state.attach(app, ServerState(engine, ...))")
+    return state
+
+
+__all__ = ["ServerState", "attach", "server_state"]

@@ -1,0 +1,307 @@
+"""Glue between weight_sync.WeightReceiver and the Engine: the server's update window.
+
+    updates = make_updates(engine, config)            # one per app (server.api.app creates it)
+    await updates.begin(BeginRequest(...))            # validate against engine.model, stage
+    await updates.commit(7, checksums, run_id="r")    # verify -> drain -> apply -> version -> resume
+
+Every call names its run (`run_id`, "" = the anonymous run): a bucket, commit or abort for
+an update another run began is weight_sync.NotOwner (409 naming the owner), checked
+before anything is read, verified, drained or dropped (weight_sync/receiver.py).
+
+Commit = verify the staged bytes (in the weights pool of server.api.executors: checksums and NaN/inf), then the
+drain: admission stops and in-flight sequences get `drain_timeout_s` to finish. Past that
+bound, with `abort_inflight` they are aborted (finish_reason "abort") and the update is
+applied; without it they finish on the old weights, the commit answers "pending" and the
+update is applied in the background as soon as they are done (the sender polls
+`GET /weights/updates/{v}`; an abort meanwhile cancels it). The window is the engine's
+`apply_update` (drain -> copy -> version -> resume, the engine owning the served version;
+the receiver reads it from there): the copy into the model is `dllm.weights.copy_into_model`
+(the checkpoint-loading path), then the engine sets the version and resumes -- also on
+failure. An engine an admin had paused stays paused. A failed update leaves weights and
+version unchanged; a retried commit of an applied version answers "applied".
+
+Rollback (issue 19): after each applied update (and at start) the served weights are
+copied to host memory in a worker thread (server.weights.weight_versions, the last
+`server.keep_versions`); `rollback(v)` goes through the same `engine.apply_update` window:
+it pauses between sequences like a commit, re-checks the kept copy's digest, copies it back
+with `copy_into_model`, and the engine serves v.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
+from typing import Any
+
+import torch
+
+from server.weights.weight_versions import Kept, KeptVersions, NotKept
+from weight_sync import UpdateConflict, UpdateFailed, WeightReceiver
+from weight_sync.protocol import BeginRequest, ConnectRequest, UpdatePhase
+from weight_sync.transports.http import read_body_into
+
+log = logging.getLogger("dlrl.server")
+
+
+def _hf_tensors(model: Any) -> Any:
+    from dllm.weights import hf_tensors  # HF names: fused parameters split into views
+
+    return hf_tensors(model)
+
+
+def _default_apply(engine: Any) -> Callable[[list[tuple[str, torch.Tensor]]], Any]:
+    from dllm.weights import copy_into_model  # the one function that writes parameters
+
+    return lambda named: copy_into_model(engine.model, named, strict=True)
+
+
+class WeightUpdates:
+    def __init__(
+        self, engine: Any, *, lease_s: float = 30.0, drain_timeout_s: float = 30.0, abort_inflight: bool = False,
+        check_finite: bool = True, apply_fn: Callable[[list[tuple[str, torch.Tensor]]], Any] | None = None,
+        keep_versions: int = 0,
+    ):
+        self.engine = engine
+        self.kept = KeptVersions(keep_versions)
+        self._capture_task: asyncio.Future | None = None
+        self._write_lock = asyncio.Lock()        # one weight change at a time (commit apply or rollback)
+        self._weights_lock = threading.Lock()    # held while a rollback copies or a digest reads
+        self.abort_inflight, self.drain_timeout_s = abort_inflight, drain_timeout_s
+        self.receiver = WeightReceiver(
+            lambda: dict(_hf_tensors(engine.model)), apply_fn or _default_apply(engine),
+            served_version=lambda: int(engine.version), lease_s=lease_s, check_finite=check_finite,
+        )
+        self._commits: dict[int, asyncio.Task] = {}
+        self._verify_s = 0.0
+        self.metrics: Any = None  # server.metrics.ServerMetrics (set by server.api.app): update counts and timings
+        self.executor: Executor | None = None  # server.api.executors' weights pool (set by server.api.app); None = default
+        self._bytes: dict[int, int] = {}  # version -> manifest total_bytes, until applied
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Blocking work in the weights pool (a hung store elsewhere cannot hold its threads)."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+
+    def _refused(self, step: str) -> None:
+        if self.metrics is not None:
+            self.metrics.update_refusals.labels(step=step).inc()
+
+    @property
+    def version(self) -> int:
+        return int(self.engine.version)
+
+    def status(self) -> dict[str, Any]:
+        return {**self.receiver.status(), "is_paused": bool(self.engine.is_paused)}  # version: the engine's
+
+    def state(self, version: int) -> dict[str, Any]:
+        return self.receiver.state(version)  # served_version: the engine's
+
+    async def connect(self, body: ConnectRequest) -> dict[str, Any]:
+        return await self._run(self.receiver.connect, body.transport, body.manifest, body.options, body.run_id)
+
+    async def begin(self, body: BeginRequest) -> dict[str, Any]:
+        try:
+            out = await self._run(self.receiver.begin, body.version, body.transport, body.manifest,
+                                  body.options, body.lease_s, body.run_id)
+        except Exception:
+            self._refused("begin")
+            raise
+        self._bytes = {body.version: int(out.get("total_bytes", 0)) if isinstance(out, dict) else 0}
+        return out
+
+    async def put_bucket(
+        self, index: int, stream: AsyncIterator[bytes], version: int | None, checksum: int | None, run_id: str = "",
+    ) -> dict[str, Any]:
+        """http data plane: stream one request body into the staging bucket (owner only), then verify it."""
+        buf = self.receiver.bucket_buffer(index, version, run_id)  # NotOwner before a byte is read
+        try:
+            nbytes = await read_body_into(stream, buf, self.receiver.touch)
+        except BaseException:
+            self.receiver.bucket_written(index, None, None, version, run_id)  # releases the bucket
+            raise
+        await self._run(self.receiver.bucket_written, index, nbytes, checksum, version, run_id)
+        return {"index": index, "nbytes": nbytes}
+
+    async def commit(self, version: int, checksums: list[int | None] | None = None,
+                     abort_inflight: bool | None = None, run_id: str = "") -> dict[str, Any]:
+        """Verify, drain (bounded), apply. Returns {"state": "applied" | "pending", ...}.
+        NotOwner (409) when `version` (in progress, pending or applied) belongs to another run."""
+        abort = self.abort_inflight if abort_inflight is None else abort_inflight
+        self.receiver.check_owner(version, run_id)  # before anything: a foreign commit changes nothing
+        task = self._commits.get(version)
+        if task is None:
+            if self.receiver.committed(version) and version <= self.version:  # above: applied, then rolled back
+                return {"version": version, "state": "applied", "served_version": self.version}
+            t0 = time.perf_counter()
+            try:
+                await self._run(self.receiver.verify, version, checksums, run_id)
+            except Exception:
+                self._refused("commit")
+                raise
+            self._verify_s = time.perf_counter() - t0
+            task = self._commits[version] = asyncio.create_task(self._drain_and_apply(version, abort))
+            task.add_done_callback(lambda _t: self._commits.pop(version, None))
+        bound = self.drain_timeout_s * (2 if abort else 1) + 2.0
+        try:
+            await asyncio.wait_for(asyncio.shield(task), bound)
+        except TimeoutError:
+            return {"version": version, "state": "pending", "served_version": self.version}
+        return {"version": version, "state": "applied", "served_version": self.version}
+
+    async def _drain_and_apply(self, version: int, abort: bool) -> None:
+        await self.wait_capture()
+        async with self._write_lock:
+            await self._drain_and_apply_locked(version, abort)
+        self.start_capture()  # keep the new version for rollback (reads the weights while serving)
+
+    async def _drain_and_apply_locked(self, version: int, abort: bool) -> None:
+        rx = self.receiver
+        rx.set_draining(version)
+        times = [time.perf_counter()]
+
+        async def drain() -> None:
+            await self._drain(version, abort)
+            times.append(time.perf_counter())
+
+        try:
+            await self.engine.apply_update(version, lambda: rx.apply(version), drain)
+        except BaseException as e:
+            if rx.state(version)["state"] in (UpdatePhase.DRAINING, UpdatePhase.VERIFIED):
+                rx.abort(version, f"drain failed: {e!r}")
+            if self.metrics is not None:
+                self.metrics.updates.labels(outcome="failed").inc()
+            raise
+        drain_s, apply_s = times[1] - times[0], time.perf_counter() - times[1]
+        self._observe_applied(version, drain_s, apply_s)
+        log.info("weights updated to version %d (verify %.3fs, drain %.3fs, apply %.3fs)", self.version,
+                 self._verify_s, drain_s, apply_s)
+
+    def _observe_applied(self, version: int, drain_s: float, apply_s: float) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        m.updates.labels(outcome="applied").inc()
+        m.update_bytes.inc(self._bytes.pop(version, 0))
+        for phase, seconds in (("verify", self._verify_s), ("drain", drain_s), ("apply", apply_s)):
+            m.update_seconds[phase].observe(seconds)
+
+    async def _drain(self, version: int, abort: bool) -> None:
+        """Wait (bounded) for in-flight sequences; then abort them, or keep waiting for them."""
+        try:
+            await self.engine.pause(abort_inflight=False, timeout=self.drain_timeout_s)
+            return
+        except TimeoutError:
+            pass
+        if abort:
+            log.warning("update %d: in-flight sequences still running after %.1fs: aborting them",
+                        version, self.drain_timeout_s)
+            await self.engine.pause(abort_inflight=True, timeout=self.drain_timeout_s)
+            return
+        log.info("update %d pending: in-flight sequences finish on the old weights first", version)
+        while True:
+            if self.receiver.state(version)["state"] is not UpdatePhase.DRAINING:
+                raise UpdateFailed(f"update {version} was aborted while in-flight sequences drained")
+            try:
+                await self.engine.pause(abort_inflight=False, timeout=1.0)
+                return
+            except TimeoutError:
+                continue
+
+    async def abort(self, version: int | None = None, reason: str = "aborted by the sender",
+                    run_id: str | None = "") -> dict[str, Any]:
+        """Abort the update of `run_id` (NotOwner: another run's); aborted False when none matches."""
+        aborted = await self._run(self.receiver.abort, version, reason, run_id)
+        if aborted and self.metrics is not None:
+            self.metrics.update_aborts.inc()
+        return {"aborted": aborted, "version": self.version}
+
+    async def checksum(self) -> dict[str, Any]:
+        def digest() -> str:
+            with self._weights_lock:
+                return self.receiver.digest()
+
+        return {"version": self.version, "digest": await self._run(digest)}
+
+    # ------------------------------------------------------------------ kept versions, rollback
+    def start_capture(self) -> None:
+        """Copy the served weights to host memory as the current version, in a worker thread."""
+        if self.kept.keep == 0:
+            return
+        version, model = self.version, self.engine.model
+
+        def capture() -> None:
+            with self._weights_lock:
+                self.kept.capture(version, _hf_tensors(model))
+
+        self._capture_task = asyncio.ensure_future(self._run(capture))
+
+    async def wait_capture(self) -> None:
+        """Wait for a capture in progress (the weights must not change under it)."""
+        task = self._capture_task
+        if task is not None:
+            try:
+                await asyncio.shield(task)
+            except Exception as e:  # a failed capture only means that version cannot be rolled back to
+                log.error("keeping version for rollback failed: %r", e)
+            self._capture_task = None
+
+    def kept_status(self) -> dict[str, Any]:
+        return {"versions": self.kept.versions(), "served_version": self.version, "keep": self.kept.keep,
+                "num_bytes": self.kept.num_bytes}
+
+    async def rollback(self, version: int, abort_inflight: bool | None = None) -> dict[str, Any]:
+        """Restore kept `version` (NotKept: 404; UpdateConflict: an update is in progress or
+        in-flight sequences did not drain): pause between sequences, copy_into_model, resume."""
+        await self.wait_capture()
+        if self.kept.get(version) is None:  # before anything is paused
+            raise NotKept(f"version: {version} is not kept here (kept: {self.kept.versions()})")
+        if self._write_lock.locked() or self.receiver.status()["update"] is not None:
+            raise UpdateConflict("a weight update is in progress; roll back after it (or abort it)")
+        abort = self.abort_inflight if abort_inflight is None else abort_inflight
+        async with self._write_lock:
+            t0, previous = time.perf_counter(), self.version
+            kept = await self.engine.apply_update(version, lambda: self._restore(version),
+                                                  lambda: self._pause_for_rollback(abort))
+            self.kept.touch(version)
+        seconds = time.perf_counter() - t0
+        log.info("rolled back from version %d to %d in %.3fs", previous, version, seconds)
+        return {"version": version, "previous_version": previous, "digest": kept.digest, "seconds": seconds}
+
+    async def _pause_for_rollback(self, abort: bool) -> None:
+        try:
+            await self.engine.pause(abort_inflight=False, timeout=self.drain_timeout_s)
+        except TimeoutError:
+            if not abort:
+                raise UpdateConflict(f"in-flight sequences did not finish within {self.drain_timeout_s}s; "
+                                     "retry, or pass abort_inflight") from None
+            await self.engine.pause(abort_inflight=True, timeout=self.drain_timeout_s)
+
+    def _restore(self, version: int) -> Kept:
+        from dllm.weights import copy_into_model  # the one function that writes parameters
+
+        with self._weights_lock:
+            kept = self.kept.verified(version)
+            copy_into_model(self.engine.model, list(kept.tensors.items()), strict=True)
+        return kept
+
+    def close(self) -> None:
+        self.receiver.close()
+
+
+def make_updates(engine: Any, config: Any = None) -> WeightUpdates:
+    """WeightUpdates configured from `config` (server.config.ServerConfig weight_sync_* keys)."""
+    return WeightUpdates(
+        engine,
+        lease_s=float(getattr(config, "weight_sync_lease_s", 30.0)),
+        drain_timeout_s=float(getattr(config, "weight_sync_drain_timeout_s", 30.0)),
+        abort_inflight=bool(getattr(config, "weight_sync_abort_inflight", False)),
+        check_finite=bool(getattr(config, "weight_sync_check_finite", True)),
+        keep_versions=int(getattr(config, "keep_versions", 0)),
+    )
+
+
+__all__ = ["WeightUpdates", "make_updates"]
