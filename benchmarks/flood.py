@@ -5,7 +5,7 @@
 Starts a server on a tiny random SDAR model twice, each with a file limit of `--nofile`
 descriptors (RLIMIT_NOFILE set in the child): once as uvicorn serves the app by default
 (no header timeout, no caps: what `dlrl serve` did before issue 28), once as `dlrl serve`
-does now (server/connections.py, default bounds but a 2 s header timeout). Each faces
+does now (server/api/connections.py, default bounds but a 2 s header timeout). Each faces
 `--sockets` connections from 127.0.0.2 that send their request headers one byte per
 second for `--seconds`, while /health is probed from 127.0.0.1 every 0.1 s (1 s timeout).
 Prints, per mode: /health answered, its p50 / p99 latency, the slow sockets the server
@@ -33,7 +33,7 @@ UNBOUNDED = '''
 import sys, uvicorn
 from server.cli import build_engine
 from server.config import ServerConfig
-from server.app import create_app
+from server.api.app import create_app
 model, port = sys.argv[1], int(sys.argv[2])
 config = ServerConfig(model=model, port=port, device="cpu", dtype="float32", max_batch=2, max_model_len=64)
 app = create_app(build_engine(config, model), config)

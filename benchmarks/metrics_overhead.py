@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from benchmarks.serve import model_dir
-    from server.backends.native import NativeBackend
-    from server.engine import Engine
+    from server.engine.backends.native import NativeBackend
+    from server.engine.engine import Engine
     from server.metrics import ServerMetrics
 
     torch.set_num_threads(1)

@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/rollback.py --sizes 100m,500m --dtype bfloat16
 
 For each size (SDAR-shaped random tensors, benchmarks/sync.py `sdar_like`) it starts a
-receiver in ANOTHER process -- the real server.routes_weights + WeightUpdates glue with
+receiver in ANOTHER process -- the real server.api.routes_weights + WeightUpdates glue with
 `keep_versions=2` over uvicorn and an idle engine (never started: its pause is instant, the same for both
 paths) -- and from this process, per transport: connects once, pushes versions 1..N
 (each with different weights), waits after each push until the server has copied it to host
@@ -43,10 +43,10 @@ def serve(size: str, port: int, dtype: str) -> None:
     import uvicorn
     from fastapi import FastAPI
 
-    from server import routes_weights
+    from server.api import routes_weights
+    from server.api.state import ServerState, attach
     from server.config import ServerConfig
-    from server.state import ServerState, attach
-    from server.weight_updates import make_updates
+    from server.weights.weight_updates import make_updates
 
     logging.basicConfig(level=logging.WARNING)
 

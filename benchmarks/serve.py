@@ -76,10 +76,10 @@ class Server:
                  old_ref: str = OLD_ENGINE_REF):
         import uvicorn
 
-        from server.app import create_app
-        from server.backends.native import NativeBackend
+        from server.api.app import create_app
         from server.config import ServerConfig
-        from server.engine import Engine
+        from server.engine.backends.native import NativeBackend
+        from server.engine.engine import Engine
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -126,7 +126,7 @@ class OldEngineRunner:
 
     @property
     def kv_budget(self) -> Any:
-        from server.scheduler import KVBudget
+        from server.engine.scheduler import KVBudget
 
         return KVBudget(self.max_batch)
 

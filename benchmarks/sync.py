@@ -7,7 +7,7 @@
 
 For each size it builds fp32 random tensors shaped like an SDAR/Qwen3 model (embeddings,
 q/k/v/o, gate/up/down, norms, untied lm_head), starts a receiver in ANOTHER process (the
-real server.routes_weights + WeightUpdates glue over uvicorn, with an idle engine), and
+real server.api.routes_weights + WeightUpdates glue over uvicorn, with an idle engine), and
 from this process times, per transport: `WeightSender.connect` (one-time: shm region,
 dist group, server staging), the first push after it and the median of the following
 pushes. Baselines measured in the same run: a same-process memcpy of the same bytes
@@ -78,10 +78,10 @@ def module_from(named: dict[str, torch.Tensor]) -> torch.nn.Module:
 
 # ---- receiver process -----------------------------------------------------------------------
 def idle_engine(model: torch.nn.Module) -> Any:
-    """A real server.engine.Engine, never started (its backend only `model`): the weight window
-    (server.engine.Engine.apply_update) without a decode loop to pause."""
-    from server.engine import Engine
-    from server.scheduler import KVBudget
+    """A real server.engine.engine.Engine, never started (its backend only `model`): the weight window
+    (server.engine.engine.Engine.apply_update) without a decode loop to pause."""
+    from server.engine.engine import Engine
+    from server.engine.scheduler import KVBudget
 
     return Engine(SimpleNamespace(model=model, kv_budget=KVBudget(1), postprocessor=lambda: None))
 
@@ -97,9 +97,9 @@ def serve(size: str, port: int, dtype: str) -> None:
     logging.getLogger("dlrl.server").setLevel(logging.INFO if os.environ.get("SYNC_BENCH_VERBOSE") else logging.WARNING)
 
     from dllm.weights import copy_into_model
-    from server import routes_weights
-    from server.state import ServerState, attach
-    from server.weight_updates import make_updates
+    from server.api import routes_weights
+    from server.api.state import ServerState, attach
+    from server.weights.weight_updates import make_updates
 
     served = {n: t.to(getattr(torch, dtype)) for n, t in sdar_like(size, seed=1).items()}
     engine = idle_engine(module_from(served))

@@ -8,7 +8,7 @@
     dec.add([seq]) if dec.num_admissible([seq]) else ...; finished = dec.step(running)   # standalone
     out = dec.run(running); finished = Postprocessor(...)(out.outputs)  # the split the server uses
 
-`run` is the device step alone (the server's runner, server/backends/native.py, calls it; its
+`run` is the device step alone (the server's runner, server/engine/backends/native.py, calls it; its
 scheduler accounts for slots and pages, and post-processes with `dllm.postprocess`); `step`
 is `run` + post-processing + release, for standalone decoding (`generate`, tests).
 
@@ -155,7 +155,7 @@ class BlockDecoder:
         for s in seqs:
             if s.slot is None:
                 s.slot = self.free_slots.pop()
-            else:  # a slot its caller accounts for (server.scheduler): this pool mirrors it
+            else:  # a slot its caller accounts for (server.engine.scheduler): this pool mirrors it
                 self.free_slots.remove(s.slot)
             if self.cache is not None:
                 self.cache.allocate(s.slot, len(s.prompt_ids) + s.params.max_tokens)
@@ -230,7 +230,7 @@ class BlockDecoder:
 
     def step(self, seqs: list[Sequence]) -> list[Sequence]:
         """Standalone decoding (`generate`, tests): `run`, post-process, release the sequences that
-        ended; returns them (failed ones first). The server splits these (server.scheduler)."""
+        ended; returns them (failed ones first). The server splits these (server.engine.scheduler)."""
         finished = self.postprocess(self.run(seqs).outputs)
         for s in finished:
             self.release(s)

@@ -6,7 +6,7 @@ stop strings and max_tokens; a row whose probabilities were not finite ends its 
     finished = post(out)                        # the sequences that ended (finish_reason set once)
 
 Host-only work on plain `dllm.sequence.Sequence` data: the server's scheduler runs it after each
-step (server.scheduler.Scheduler.postprocess), `dllm.decoding.generate` likewise. It owns the
+step (server.engine.scheduler.Scheduler.postprocess), `dllm.decoding.generate` likewise. It owns the
 text of each sequence (`seq.text`, decoded incrementally by `dllm.detokenize.TextStream` with the
 tokenizer given here: one instance per thread).
 """

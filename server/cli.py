@@ -6,9 +6,9 @@
 `server.model` empty (the default) serves the embedded tiny default, trained on first use
 by `dllm.embedded.tiny.ensure_default_model`. Binds 127.0.0.1 unless told otherwise. The admin
 token comes from `server.admin_token` or the DLRL_ADMIN_TOKEN environment variable.
-SIGTERM / SIGINT shut down gracefully (server.lifecycle): new requests get 503, requests
+SIGTERM / SIGINT shut down gracefully (server.api.lifecycle): new requests get 503, requests
 in flight get up to `server.shutdown_timeout` seconds, then the process exits 0.
-Connections are bounded (server.connections: header/read/keep-alive timeouts, caps per
+Connections are bounded (server.api.connections: header/read/keep-alive timeouts, caps per
 client and in total, a reserve for probes and admin, rate-limited resource errors).
 """
 
@@ -67,8 +67,8 @@ def resolve_model(config: ServerConfig, config_path: str | None, overrides: list
 
 
 def build_engine(config: ServerConfig, model_path: str):
-    from server.backends import create_backend
-    from server.engine import Engine
+    from server.engine.backends import create_backend
+    from server.engine.engine import Engine
 
     backend = create_backend(config.backend, model_path, device=config.device, dtype=config.dtype,
                              max_batch=config.max_batch, max_model_len=config.max_model_len,
@@ -102,10 +102,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    from server.app import create_app
-    from server.connections import ConnectionLimits, bounded_protocol
-    from server.lifecycle import GracefulServer
-    from server.state import server_state
+    from server.api.app import create_app
+    from server.api.connections import ConnectionLimits, bounded_protocol
+    from server.api.lifecycle import GracefulServer
+    from server.api.state import server_state
 
     model_path = resolve_model(config, config_path, args.overrides)
     try:

@@ -7,7 +7,7 @@ first use). `admin_token=""` falls back to the `DLRL_ADMIN_TOKEN` env var; with 
 admin endpoints are disabled. `max_model_len=0` means min(max_position_embeddings, 8192).
 KV-cache memory: `kv_cache_memory` ("4GiB", "512MB", bytes) if not 0, else `kv_cache_fraction`
 of the memory available after loading the weights (free CUDA memory / available RAM less the
-`keep_versions` host copies of the weights); see server.backends.native.plan_kv_cache.
+`keep_versions` host copies of the weights); see server.engine.backends.native.plan_kv_cache.
 The decode step (dllm/step.py) runs eagerly unless `compile` (torch.compile: each variant is
 compiled on first use, tens of seconds on a small CPU) or `cuda_graphs` (CUDA only).
 """
@@ -43,7 +43,7 @@ class ServerConfig(Config):
     max_batch: int = Field(16, ge=1)   # max concurrently decoded sequences (the KV-cache pages may allow fewer)
     max_queue: int = Field(256, ge=1)  # max waiting sequences before 429
     max_queue_tokens: int = Field(0, ge=0)  # max prompt + max_tokens of waiting sequences (0 = 4x the KV cache)
-    api_keys_file: str = ""  # YAML of API keys with rate limits (server/quotas.py); "" = env DLRL_API_KEYS, else open
+    api_keys_file: str = ""  # YAML of API keys with rate limits (server/api/quotas.py); "" = env DLRL_API_KEYS, else open
     max_concurrent_feedback: int = Field(0, ge=0)  # POST /v1/feedback calls in flight (0 = unlimited)
     max_request_s: float = Field(0.0, ge=0)  # longest a request may take (0 = no limit; a client `timeout` is capped)
     max_model_len: int = Field(0, ge=0)  # prompt + completion limit; 0 = min(max_position_embeddings, 8192)
@@ -60,7 +60,7 @@ class ServerConfig(Config):
     log_format: Literal["text", "json"] = "text"  # json: one JSON event per line (request id, version, timing)
     max_body_bytes: int = Field(4 << 20, ge=1)  # request bodies over this are a 413 before being read (weights exempt)
     shutdown_timeout: float = Field(20.0, ge=0)  # SIGTERM: seconds in-flight requests get before they are aborted
-    # connection bounds (server/connections.py) and admin-auth throttling (server/auth.py)
+    # connection bounds (server/api/connections.py) and admin-auth throttling (server/api/auth.py)
     header_timeout_s: float = Field(10.0, gt=0, le=3600)  # request line + headers must arrive within this: else 408
     read_timeout_s: float = Field(60.0, gt=0, le=3600)    # a request body stalled this long: 408, closed
     keepalive_timeout_s: float = Field(5.0, gt=0, le=3600)  # an idle kept-alive connection is closed after this
@@ -78,13 +78,13 @@ class ServerConfig(Config):
     default_strategy: StrategyField = Strategy.dynamic  # strategy of requests that leave it unset
     default_threshold: float = Field(0.9, ge=0, le=1)  # threshold of requests that leave it unset
     default_temperature: float = Field(1.0, ge=0)  # temperature of requests that leave it unset
-    # weight sync (server side of weight_sync; see server/weight_updates.py)
+    # weight sync (server side of weight_sync; see server/weights/weight_updates.py)
     weight_sync_lease_s: float = Field(30.0, gt=0, le=3600)  # an update with no data-plane progress is aborted
     weight_sync_drain_timeout_s: float = Field(30.0, ge=0, le=3600)  # commit waits this long for in-flight...
     weight_sync_abort_inflight: bool = False   # ... then aborts them (true) or lets them finish on the old weights
     weight_sync_check_finite: bool = True      # refuse updates holding NaN/inf (400), nothing applied
     keep_versions: int = Field(2, ge=0, le=64)  # weight versions kept in host memory for POST /weights/rollback
-    # continuous alignment (issue 19): recording, feedback (server/recording.py, server/routes_feedback.py)
+    # continuous alignment (issue 19): recording, feedback (server/recording/recording.py, server/api/routes_feedback.py)
     record: RecordMode = "none"      # none | sample | all: which served samples go to the store
     record_fraction: float = Field(0.1, ge=0, le=1)  # record=sample: the share of samples recorded
     store: str = "runs/feedback.db"  # SQLite feedback store (store.open_store), shared by the servers of a host

@@ -1,6 +1,6 @@
 """Structured logs: `server.log_format: json` writes one JSON object per line on stderr.
 
-    use_json_logs()        # server.app does it for log_format=json (and align/train for theirs)
+    use_json_logs()        # server.api.app does it for log_format=json (and align/train for theirs)
     log.info("request", extra={"request_id": rid, "version": 3, "duration_s": 0.12})
     -> {"ts": "2026-11-26T01:02:03.456Z", "level": "info", "logger": "dlrl.request",
         "message": "request", "request_id": "...", "version": 3, "duration_s": 0.12}

@@ -25,8 +25,8 @@ The store: dlrl_store_errors_total{op,cause} (failed store operations), dlrl_sto
 dlrl_records_dropped_total{reason} (never written), dlrl_record_ids_withheld_total{reason}
 (answered without an id), dlrl_record_write_seconds, dlrl_record_queue (records waiting for the
 writer). Connections and auth: dlrl_connections_refused_total{reason} (limit, header_timeout,
-read_timeout: server.connections), dlrl_auth_failures_total{what,status} (failed admin/feedback
-token checks, 401/403/429: server.auth). Older names kept: dlrl_queue_depth,
+read_timeout: server.api.connections), dlrl_auth_failures_total{what,status} (failed admin/feedback
+token checks, 401/403/429: server.api.auth). Older names kept: dlrl_queue_depth,
 dlrl_running_sequences, dlrl_policy_version, dlrl_paused, dlrl_aborted_sequences, dlrl_max_batch_size.
 """
 
@@ -49,8 +49,8 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 
 if TYPE_CHECKING:
-    from server.engine import Engine, StepStats
-    from server.sequence import ServerSequence as Sequence
+    from server.engine.engine import Engine, StepStats
+    from server.engine.sequence import ServerSequence as Sequence
     from store import FeedbackStore
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -106,7 +106,7 @@ class ServerMetrics:
     def __init__(self, engine: Engine | None = None):
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.engine: Engine | None = None
-        self.store: FeedbackStore | None = None  # set by server.recording when a store is open (store size gauges)
+        self.store: FeedbackStore | None = None  # set by server.recording.recording when a store is open (store size gauges)
         self._store_stats: tuple[float, dict | None] = (0.0, None)
         self.requests = Counter("dlrl_requests", "HTTP generation requests", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("dlrl_prompt_tokens", "prompt tokens of finished sequences", registry=r)
@@ -139,7 +139,7 @@ class ServerMetrics:
         self.feedback_rejected = Counter("dlrl_feedback_rejected", "POST /v1/feedback answered 4xx/5xx",
                                          ["status"], registry=r)
         self.rollbacks = Counter("dlrl_rollbacks", "rollbacks to a kept weight version", registry=r)
-        # feedback store (server/recording.py, server/store_health.py)
+        # feedback store (server/recording/recording.py, server/recording/store_health.py)
         self.store_errors = Counter("dlrl_store_errors", "failed feedback store operations by cause",
                                     ["op", "cause"], registry=r)
         self.store_up = Gauge("dlrl_store_up", "0 while the feedback store is failing", registry=r)
@@ -160,9 +160,9 @@ class ServerMetrics:
                                        registry=r)
         for outcome in ("applied", "failed"):
             self.updates.labels(outcome=outcome)
-        self.connections_refused = Counter(  # server.connections: caps reached, header/read timeouts
+        self.connections_refused = Counter(  # server.api.connections: caps reached, header/read timeouts
             "dlrl_connections_refused", "connections refused or closed by the server's bounds", ["reason"], registry=r)
-        self.auth_failures = Counter("dlrl_auth_failures", "failed bearer-token checks (server.auth)",
+        self.auth_failures = Counter("dlrl_auth_failures", "failed bearer-token checks (server.api.auth)",
                                      ["what", "status"], registry=r)
         self._max_batch = 0
         self._forward_times: deque[float] = deque()

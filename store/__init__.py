@@ -1,7 +1,7 @@
 """store: served samples, user feedback, the version registry and the event log (stdlib only).
 
 The leaf package of continuous alignment (issue 19): the server records what it serves and
-the feedback users give (`server.recording`, `POST /v1/feedback`); `dlrl align` reads
+the feedback users give (`server.recording.recording`, `POST /v1/feedback`); `dlrl align` reads
 labeled records as training data and keeps its version registry and events here. Imports
 no sibling package. `open_store(path)` opens the default SQLite implementation (one host),
 `open_store("postgresql://...")` the PostgreSQL one (a fleet; store/postgres.py, psycopg 3

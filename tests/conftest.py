@@ -61,10 +61,10 @@ def _free_port() -> int:
 def start_server(model_dir: str, port: int | None = None, **overrides) -> RunningServer:
     import uvicorn
 
-    from server.app import create_app
-    from server.backends.native import NativeBackend
+    from server.api.app import create_app
     from server.config import ServerConfig
-    from server.engine import Engine
+    from server.engine.backends.native import NativeBackend
+    from server.engine.engine import Engine
 
     overrides.setdefault("auth_max_failures", 10_000)  # session servers: many tests send wrong tokens on purpose
     config = ServerConfig(model=model_dir, port=port or _free_port(), device="cpu", dtype="float32", **overrides)

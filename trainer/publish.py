@@ -9,7 +9,7 @@
 
 `version` (read-only) is the version the trainer last pushed or adopted; only the Publisher
 changes it (start, push, adopt). The servers each own the version they serve
-(server.engine.Engine); `check_fleet` compares the two.
+(server.engine.engine.Engine); `check_fleet` compares the two.
 
 With `record` (train.record_digests) the digest of every pushed version is appended to
 `versions.jsonl` before the push, so any server's `/weights/checksum` can be matched to the

@@ -2,7 +2,7 @@
 
     body = BeginRequest(version=3, transport="shm", manifest=m.to_dict(), run_id="tiny-rl")
     client.post("/weights/begin", json=body.model_dump())          # weight_sync/sender.py
-    async def begin(body: BeginRequest) -> BeginResponse: ...       # server/routes_weights.py
+    async def begin(body: BeginRequest) -> BeginResponse: ...       # server/api/routes_weights.py
 
 Ownership: every request about an update names its run (`run_id`; the http data plane's
 X-Weights-Run-Id header); only the run that began an update may send its buckets, commit or

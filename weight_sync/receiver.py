@@ -16,7 +16,7 @@ leaves the weights unchanged. Outcomes of recent versions are kept, so a retried
 an applied version succeeds and `state(v)` tells the sender what happened.
 
 The served version is not the receiver's: it reads it from `served_version()` (the
-server's engine, which sets it once the copy of `apply` returned: server.weight_updates),
+server's engine, which sets it once the copy of `apply` returned: server.weights.weight_updates),
 for the stale-begin check and in what it reports.
 
 Lease: an update lives while its data plane makes progress (http chunks, dist buckets,
@@ -387,7 +387,7 @@ class WeightReceiver:
 
     def apply(self, version: int) -> None:
         """Commit, phase 2 (engine paused): apply_fn(named views of the staging). The caller then serves
-        `version` (server.engine.Engine.apply_update sets it once this returned)."""
+        `version` (server.engine.engine.Engine.apply_update sets it once this returned)."""
         with self._lock:
             u = self._current(version, UpdatePhase.VERIFIED, UpdatePhase.DRAINING)
             u.phase = UpdatePhase.APPLYING

@@ -5,7 +5,7 @@ optional field means its default (`NullIsDefault`); strings must be valid Unicod
 surrogate such as `"\\ud800"` is a 400 naming the field); native request bodies refuse
 unknown fields (`StrictRequest`); integers also come as integral numbers such as 3.0
 (`Integral`). Limits that depend on the served model (vocabulary, block size, context
-length) are added to the schema by the server (`server.openapi`).
+length) are added to the schema by the server (`server.api.openapi`).
 
     class MyRequest(StrictRequest):
         count: Annotated[int, Field(ge=1, le=MAX_N), Integral] | None = 1

@@ -152,5 +152,5 @@ def test_dockerignore_keeps_secrets_and_caches_out_of_the_context():
     for path in (".git", ".venv", "runs", "runs/admin_token", "dllm/__pycache__", ".torch_extensions", "build"):
         assert ignored(path), f"{path} must not be sent to the docker build"
     for path in ("pyproject.toml", "README.md", "configs/tiny.yaml", "dlrl/cli.py", "dllm/model.py",
-                 "server/app.py", "trainer/loop.py", "weight_sync/sender.py", "rollout_client/client.py"):
+                 "server/api/app.py", "trainer/loop.py", "weight_sync/sender.py", "rollout_client/client.py"):
         assert not ignored(path), f"{path} is needed by the image"

@@ -181,9 +181,9 @@ def test_hf_state_dict_loads_into_fused_parameters():
 
 @pytest.fixture()
 def served_fused_model():
-    from server import routes_weights
-    from server.state import ServerState, attach
-    from server.weight_updates import WeightUpdates
+    from server.api import routes_weights
+    from server.api.state import ServerState, attach
+    from server.weights.weight_updates import WeightUpdates
 
     torch.manual_seed(0)
     engine = FakeEngine(SDARForCausalLM(small_cfg(attention_bias=True)).eval())

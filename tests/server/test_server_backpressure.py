@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from dllm.sampling import SamplingParams
-from server.scheduler import QueueFull, Request, Scheduler
-from server.sequence import ServerSequence
+from server.engine.scheduler import QueueFull, Request, Scheduler
+from server.engine.sequence import ServerSequence
 from tests.helpers import wait_until
 
 BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # tiny model: layers x (k, v) x kv heads x head_dim x float32
@@ -115,7 +115,7 @@ def _req(n: int, tokens: int = 10) -> Request:
 
 def test_retry_after_follows_recent_throughput(monkeypatch):
     clock = [1000.0]
-    monkeypatch.setattr("server.scheduler.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("server.engine.scheduler.time.monotonic", lambda: clock[0])
     sched = Scheduler(max_queue=4, max_queue_tokens=40)
     sched.enqueue(_req(4))
     with pytest.raises(QueueFull) as e:

@@ -16,7 +16,7 @@ loopback addresses (127.0.0.2, 127.0.0.3) than the probes (127.0.0.1):
 - refusals are counted in /metrics and logged a bounded number of times (once per interval
   with a count);
 - an event loop that runs out of descriptors logs "out of system resource" once per
-  interval with a count (a small asyncio server under a flood, with server.connections'
+  interval with a count (a small asyncio server under a flood, with server.api.connections'
   handler), never once per failed accept;
 - repeated wrong admin tokens are counted and logged, then throttled: 429 with Retry-After.
 """
@@ -198,7 +198,7 @@ def test_failing_admin_tokens_are_counted_logged_and_throttled(srv):
 
 EMFILE_SERVER = '''
 import asyncio, logging, resource, sys
-from server.connections import RateLimitedLog, install_resource_log
+from server.api.connections import RateLimitedLog, install_resource_log
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stdout)
 resource.setrlimit(resource.RLIMIT_NOFILE, (40, 40))
 held = []
@@ -234,8 +234,8 @@ def test_out_of_descriptors_is_logged_once_per_interval():
 
 def test_limits_fit_the_file_limit_and_bad_keys_are_named():
     from dlrl_config import ConfigError
+    from server.api.connections import ConnectionLimits
     from server.config import ServerConfig
-    from server.connections import ConnectionLimits
 
     config = ServerConfig(max_connections=1000, fd_reserve=100, reserved_connections=8)
     assert ConnectionLimits.from_config(config, nofile=4096).max_connections == 1000

@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-import server.engine
+import server.engine.engine
 from dllm.sampling import SamplingParams
 from dllm.trace import FinishReason
-from server.engine import Engine, EngineEvent, EngineState
-from server.scheduler import InvalidTransition, Request, Scheduler
-from server.sequence import SeqStatus
+from server.engine.engine import Engine, EngineEvent, EngineState
+from server.engine.scheduler import InvalidTransition, Request, Scheduler
+from server.engine.sequence import SeqStatus
 from tests.server.test_server_scheduler import FakeBackend
 
 
@@ -93,7 +93,7 @@ def test_pause_waits_on_the_drain_without_polling(monkeypatch):
         req = engine.submit(engine.make_sequences([[2]], SamplingParams(max_tokens=2)))
         assert await asyncio.to_thread(engine.backend.in_step.wait, 30)  # a forward is in flight
 
-        monkeypatch.setattr(server.engine, "asyncio", NoSleep())  # the engine module's asyncio only
+        monkeypatch.setattr(server.engine.engine, "asyncio", NoSleep())  # the engine module's asyncio only
         with pytest.raises(TimeoutError, match="did not drain within 0.05s"):
             await engine.pause(timeout=0.05)  # the forward is still running
         assert engine.state is EngineState.PAUSED and not engine.is_drained and not engine._drain_waiters

@@ -1,4 +1,4 @@
-"""The route edge maps the lower layers' errors-as-data to the API's error bodies (server.errors).
+"""The route edge maps the lower layers' errors-as-data to the API's error bodies (server.api.errors).
 
 A minimal app with the server's handlers whose routes raise what the decoder, the wire
 schemas and the engine raise; FastAPI's TestClient drives it (no model needed).
@@ -8,8 +8,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from dllm.errors import FieldError, TooLong
-from server.engine import RequestExpired, RequestFailed
-from server.errors import install_error_handlers
+from server.api.errors import install_error_handlers
+from server.engine.engine import RequestExpired, RequestFailed
 
 RAISES = {
     "field": FieldError("steps", "must be an integer in [1, block_size=4], got 9"),

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from server.state import server_state
+from server.api.state import server_state
 from store import open_store
 from tests.helpers import start_server_process, wait_until
 

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from server.state import server_state
+from server.api.state import server_state
 
 EIGHT_MIB = 8 << 20
 

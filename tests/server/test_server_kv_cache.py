@@ -12,8 +12,8 @@ import torch
 
 from dllm.config import SDARConfig
 from dlrl_config import ConfigError
-from server.backends.native import GIB, NativeBackend, available_memory, plan_kv_cache
 from server.config import ServerConfig, load_server_config
+from server.engine.backends.native import GIB, NativeBackend, available_memory, plan_kv_cache
 
 SDAR_1_7B = dict(model_type="sdar", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                  num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,

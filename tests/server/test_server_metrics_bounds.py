@@ -5,7 +5,7 @@ anyone scrapes /metrics."""
 from __future__ import annotations
 
 from server import metrics as metrics_mod
-from server.engine import StepStats
+from server.engine.engine import StepStats
 from server.metrics import ServerMetrics
 
 

@@ -215,7 +215,7 @@ def test_stop_string_across_blocks_never_leaks_into_the_stream(client, server, s
 
 
 def test_hold_back_keeps_what_could_start_a_stop_string():
-    from server.openai_api import hold_back
+    from server.api.openai_api import hold_back
 
     assert hold_back("abcde", ["dex"]) == "abc"
     assert hold_back("abcde", ["e!", "cdez"]) == "ab"

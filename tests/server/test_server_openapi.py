@@ -19,8 +19,8 @@ import httpx
 import pytest
 import torch
 
+from server.api.state import server_state
 from server.metrics import CONTENT_TYPE
-from server.state import server_state
 
 CONFIG = """
 [generation]

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from dlrl_config import ConfigError
-from server.quotas import load_keys
+from server.api.quotas import load_keys
 
 ADMIN, FEEDBACK = "quota-admin-token", "quota-feedback-token"
 ALICE, BOB, CAROL = "sk-alice-0123456789abcdef", "sk-bob-0123456789abcdef00", "sk-carol-0123456789abcdef"

@@ -9,8 +9,8 @@ import time
 
 from dllm.sampling import SamplingParams
 from dllm.trace import FinishReason
-from server.recording import Recorder
-from server.sequence import ServerSequence as Sequence
+from server.engine.sequence import ServerSequence as Sequence
+from server.recording.recording import Recorder
 from store.sqlite import SQLiteStore
 
 

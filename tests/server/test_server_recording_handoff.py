@@ -11,9 +11,9 @@ import httpx
 
 from dllm.sampling import SamplingParams
 from dllm.trace import FinishReason
-from server.recording import Recorder
-from server.sequence import ServerSequence as Sequence
-from server.state import server_state
+from server.api.state import server_state
+from server.engine.sequence import ServerSequence as Sequence
+from server.recording.recording import Recorder
 from store.sqlite import SQLiteStore
 
 

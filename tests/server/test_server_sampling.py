@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from dllm.decoding import generate
 from dllm.sampling import SamplingParams
 from dllm.tokenizer import encode
-from server.engine import RequestFailed
+from server.engine.engine import RequestFailed
 from tests.helpers import OverflowingParams
 
 

@@ -8,11 +8,11 @@ import pytest
 
 from dllm.decoding import Postprocessor, SeqOutput, StepOutput
 from dllm.sampling import SamplingParams
-from server.backends import BackendUnavailable, create_backend
-from server.backends.base import Runner
-from server.engine import Engine, QueueFull
-from server.scheduler import KVBudget
-from server.sequence import ServerSequence
+from server.engine.backends import BackendUnavailable, create_backend
+from server.engine.backends.base import Runner
+from server.engine.engine import Engine, QueueFull
+from server.engine.scheduler import KVBudget
+from server.engine.sequence import ServerSequence
 
 
 class FakeBackend(Runner):

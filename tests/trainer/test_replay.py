@@ -42,7 +42,7 @@ def test_replay_reproduces_behaviour_logprobs(model, strategy, steps):
 @pytest.mark.parametrize("strategy,steps,sampling", [
     ("static", 2, {}), ("dynamic", None, {"temperature": 0.7, "top_k": 20}), ("sequential", 4, {"top_p": 0.8})])
 def test_trace_hidden_reproduces_the_sampling_distribution(model, strategy, steps, sampling):
-    """The server's top logprobs (server.backends.native) go through the same replay: each
+    """The server's top logprobs (server.engine.backends.native) go through the same replay: each
     completion token's logits, under the request's temperature / top-k / top-p, give its behaviour
     logprob, and the replay forward is the trainer's (same rows, same values)."""
     params = SamplingParams(max_tokens=11, strategy=strategy, steps=steps, threshold=0.05, seed=4, **sampling)

@@ -27,11 +27,11 @@ import pytest
 import torch
 from fastapi import FastAPI
 
-from server import engine as engine_module
-from server import routes_weights
-from server.scheduler import KVBudget
-from server.state import ServerState, attach
-from server.weight_updates import make_updates
+from server.api import routes_weights
+from server.api.state import ServerState, attach
+from server.engine import engine as engine_module
+from server.engine.scheduler import KVBudget
+from server.weights.weight_updates import make_updates
 from tests.helpers import ServedTensors
 from weight_sync import NonFiniteWeights, UpdateFailed, WeightSender, protocol, weights_digest
 from weight_sync import control as control_module

@@ -91,7 +91,7 @@ def held_push(srv) -> Iterator[HeldPush]:
 
 
 def detail(r: httpx.Response) -> str:
-    return r.json()["error"]["message"]  # the app's error shape (server.errors)
+    return r.json()["error"]["message"]  # the app's error shape (server.api.errors)
 
 
 def expect_409_naming_owner(call: Callable[[], object]) -> None:

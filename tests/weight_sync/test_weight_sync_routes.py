@@ -1,8 +1,8 @@
-"""The /weights/* admin routes (server.routes_weights) in-process: status codes, messages, engine window.
+"""The /weights/* admin routes (server.api.routes_weights) in-process: status codes, messages, engine window.
 
     .venv/bin/python -m pytest -q tests/weight_sync/test_weight_sync_routes.py
 
-Uses FastAPI's TestClient on a minimal app with an idle real `server.engine.Engine` (its
+Uses FastAPI's TestClient on a minimal app with an idle real `server.engine.engine.Engine` (its
 backend only a model; pause records its calls and can simulate a sequence in flight), and
 once a real `dllm.model.SDARForCausalLM` (tied embeddings) with `dllm.weights.copy_into_model`.
 """
@@ -19,11 +19,11 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from dllm.weights import hf_tensors
-from server import engine as engine_module
-from server import routes_weights
-from server.scheduler import KVBudget
-from server.state import ServerState, attach
-from server.weight_updates import WeightUpdates, make_updates
+from server.api import routes_weights
+from server.api.state import ServerState, attach
+from server.engine import engine as engine_module
+from server.engine.scheduler import KVBudget
+from server.weights.weight_updates import WeightUpdates, make_updates
 from weight_sync import weights_digest
 from weight_sync.bucket import pack_stream, plan_buckets, specs_of
 from weight_sync.checksum import checksum as crc32

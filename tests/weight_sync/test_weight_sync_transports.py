@@ -2,7 +2,7 @@
 
     .venv/bin/python -m pytest -q tests/weight_sync/test_weight_sync_transports.py
 
-The receiver is a minimal FastAPI app (server.routes_weights + a fake engine with
+The receiver is a minimal FastAPI app (server.api.routes_weights + a fake engine with
 pause/resume/version/model) served by uvicorn on 127.0.0.1 in a thread of this process;
 the sender is a fresh Python subprocess calling `weight_sync.push` (shm, dist/gloo, http).
 Checks: after a push the served digest equals the sender's and the version is the pushed
@@ -32,11 +32,11 @@ import pytest
 import torch
 from fastapi import FastAPI
 
-from server import routes_weights
-from server.engine import Engine
-from server.scheduler import KVBudget
-from server.state import ServerState, attach
-from server.weight_updates import make_updates
+from server.api import routes_weights
+from server.api.state import ServerState, attach
+from server.engine.engine import Engine
+from server.engine.scheduler import KVBudget
+from server.weights.weight_updates import make_updates
 from weight_sync import WeightSyncError, push
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,7 +94,7 @@ class FakeModel(torch.nn.Module):
 
 
 class FakeEngine(Engine):
-    """The real server.engine.Engine, never started, its backend only a model: what the weight routes use."""
+    """The real server.engine.engine.Engine, never started, its backend only a model: what the weight routes use."""
 
     def __init__(self, model: torch.nn.Module):
         super().__init__(SimpleNamespace(model=model, kv_budget=KVBudget(1), postprocessor=lambda: None))

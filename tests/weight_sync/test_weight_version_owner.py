@@ -18,9 +18,9 @@ import pytest
 import torch
 from fastapi import FastAPI
 
-from server import routes_weights
-from server.state import ServerState, attach
-from server.weight_updates import WeightUpdates
+from server.api import routes_weights
+from server.api.state import ServerState, attach
+from server.weights.weight_updates import WeightUpdates
 from tests.weight_sync.test_weight_sync_transports import TOKEN, FakeEngine, FakeModel, ReceiverServer, make
 from trainer.publish import Publisher
 from weight_sync import WeightSyncError, push, weights_digest

@@ -12,7 +12,7 @@ unknown key 403 (compared in constant time). The admin token is also accepted th
 without quota (the trainer's rollouts). Over a limit is a 429 with `Retry-After`: the
 request rate and the concurrency cap are checked before the body is read; the token rate
 charges prompt + max_tokens of every sequence once the request is tokenised
-(`charge_tokens`, from server.generation.prepare; buckets hold `burst_s` seconds of rate).
+(`charge_tokens`, from server.api.generation.prepare; buckets hold `burst_s` seconds of rate).
 `server.max_concurrent_feedback` (0 = unlimited) caps feedback calls in flight, whoever
 sends them. The feedback and admin tokens keep their roles: keys open nothing else.
 Without keys the generation API is open, as before.
@@ -35,9 +35,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dlrl_config import ConfigError
-from server.errors import APIError, error_body
-from server.middleware import GENERATION_PATHS, _send_json
-from server.state import server_state
+from server.api.errors import APIError, error_body
+from server.api.middleware import GENERATION_PATHS, _send_json
+from server.api.state import server_state
 
 if TYPE_CHECKING:
     from server.config import ServerConfig
@@ -223,7 +223,7 @@ async def _refuse(send: Send, e: APIError) -> None:
 
 
 def install(app: FastAPI, config: ServerConfig) -> None:
-    """Add the QuotaGuard when keys or a feedback cap are configured (server.app)."""
+    """Add the QuotaGuard when keys or a feedback cap are configured (server.api.app)."""
     keys = load_keys(config.api_keys_file)
     if keys or config.max_concurrent_feedback:
         st = server_state(app)

@@ -49,8 +49,8 @@ from dllm.replay import trace_hidden
 from dllm.sampling import SamplingParams, sampling_logprobs
 from dllm.weights import load_pretrained, parse_dtype
 from dlrl_config import ConfigError
-from server.scheduler import KVBudget, ScheduledBatch
-from server.sequence import ServerSequence
+from server.engine.scheduler import KVBudget, ScheduledBatch
+from server.engine.sequence import ServerSequence
 
 log = logging.getLogger("dlrl.server")
 DEFAULT_MAX_LEN = 8192
@@ -134,7 +134,7 @@ def weight_bytes(model: Any) -> int:
 
 
 class NativeBackend:
-    """The native runner (server.backends.base.Runner): loads the model, plans the KV cache, runs
+    """The native runner (server.engine.backends.base.Runner): loads the model, plans the KV cache, runs
     `BlockDecoder.run` (its DecodeStep / CUDA graphs below), scores top logprobs."""
 
     name = "native"

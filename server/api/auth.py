@@ -1,22 +1,22 @@
 """Admin authentication: a FastAPI dependency checking a bearer token.
 
     from fastapi import APIRouter, Depends
-    from server.auth import require_admin
+    from server.api.auth import require_admin
 
     router = APIRouter(dependencies=[Depends(require_admin)])
 
 The token comes from `ServerConfig.admin_token`, else the `DLRL_ADMIN_TOKEN`
 environment variable, else `ServerConfig.admin_token_file` (a file holding the token;
 created with a random token, mode 0600, when missing, so a trainer on the same host can
-read it), resolved once by `server.app.create_app` into `ServerState.admin_token`. With no token configured the admin endpoints are
+read it), resolved once by `server.api.app.create_app` into `ServerState.admin_token`. With no token configured the admin endpoints are
 disabled (403 "admin disabled"), never open. A missing/malformed header is 401,
 a wrong token 403. Tokens are compared in constant time. Failures are counted
 (`dlrl_auth_failures_total{what,status}`), logged at most once per
 `server.resource_log_interval_s` with a count, and a client address with
 `server.auth_max_failures` wrong tokens (403) within `server.auth_failure_window_s` gets 429 with
 Retry-After for `server.auth_throttle_s`, before its token is compared (AuthGuard; the
-feedback token of server.routes_feedback goes through the same check; the guard itself lives in
-server/auth_guard.py).
+feedback token of server.api.routes_feedback goes through the same check; the guard itself lives in
+server/api/auth_guard.py).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from pathlib import Path
 from fastapi import HTTPException, Request
 from starlette.applications import Starlette
 
-from server.auth_guard import AuthGuard
-from server.connections import RateLimitedLog
-from server.state import server_state
+from server.api.auth_guard import AuthGuard
+from server.api.connections import RateLimitedLog
+from server.api.state import server_state
 
 ENV_VAR = "DLRL_ADMIN_TOKEN"
 

@@ -38,7 +38,7 @@ from uvicorn._types import ASGI3Application, ASGIReceiveCallable, ASGISendCallab
 from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
 
 from dlrl_config import ConfigError
-from server.errors import error_body
+from server.api.errors import error_body
 
 if TYPE_CHECKING:
     from server.config import ServerConfig

@@ -1,7 +1,7 @@
-"""The server-side state of one sequence, owned by the scheduler (server/scheduler.py).
+"""The server-side state of one sequence, owned by the scheduler (server/engine/scheduler.py).
 
     seq = runner.new_sequence(prompt_ids, params)   # a ServerSequence, status NEW (validated)
-    seq.deadline, seq.deadline_status = t, 408      # server.generation: before it is submitted
+    seq.deadline, seq.deadline_status = t, 408      # server.api.generation: before it is submitted
     seq.status                                      # SeqStatus: only Scheduler methods change it
     seq.arrived_at, seq.admitted_at, seq.first_token_at, seq.finished_at   # time.monotonic() stamps
 
@@ -45,4 +45,4 @@ class ServerSequence(Sequence):
         self.num_pages = 0                        # KV pages the scheduler gave it (prompt + max_tokens)
         self.num_top_logprobs = 0                 # top logprobs asked for (OpenAI logprobs); 0 = none
         self.top_logprobs: list[list[tuple[int, float]]] | None = None  # per completion token, once finished
-        self.recording: object = None             # server.recording's decision for it (None: not decided)
+        self.recording: object = None             # server.recording.recording's decision for it (None: not decided)

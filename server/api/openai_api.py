@@ -46,12 +46,12 @@ from rollout_client.protocol.openai import (
     CompletionResponse,
     OpenAIBase,
 )
-from server.engine import EngineEvent
-from server.errors import APIError, error_body
-from server.generation import prepare, run_to_completion, stream_events, submit, trace_model
-from server.recording import record_ids, record_one
-from server.sequence import ServerSequence as Sequence
-from server.state import server_state
+from server.api.errors import APIError, error_body
+from server.api.generation import prepare, run_to_completion, stream_events, submit, trace_model
+from server.api.state import server_state
+from server.engine.engine import EngineEvent
+from server.engine.sequence import ServerSequence as Sequence
+from server.recording.recording import record_ids, record_one
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -1,4 +1,4 @@
-"""Admin routes of the weight-sync control plane (bearer token: server.auth.require_admin).
+"""Admin routes of the weight-sync control plane (bearer token: server.api.auth.require_admin).
 
     POST /weights/connect      ConnectRequest -> ConnectResponse  (one-time: region, staging, dist group)
     POST /weights/begin        BeginRequest   -> BeginResponse
@@ -19,7 +19,7 @@ began is a 409 naming the owner, before anything is read or changed (docs/SECURI
 Errors are 4xx JSON naming the problem: 409 stale version / update already running / no update,
 400 bad manifest or data (truncated bucket, checksum mismatch, NaN/inf weights), 400 for a
 malformed body (the app's validation mapping). The WeightUpdates glue is
-`ServerState.weight_updates` (server.state), the one server.app.create_app builds.
+`ServerState.weight_updates` (server.api.state), the one server.api.app.create_app builds.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import JSONResponse
 
 from rollout_client.protocol.service import ErrorResponse
-from server.auth import require_admin
-from server.state import server_state
-from server.weight_updates import WeightUpdates
+from server.api.auth import require_admin
+from server.api.state import server_state
+from server.weights.weight_updates import WeightUpdates
 from weight_sync.errors import WeightSyncError
 from weight_sync.protocol import (
     AbortRequest,
@@ -60,7 +60,7 @@ router = APIRouter(prefix="/weights", tags=["weights"], dependencies=[Depends(re
 
 def get_updates(request: Request) -> WeightUpdates:
     updates = server_state(request.app).weight_updates
-    if updates is None:  # an app without create_app must attach its own (server.state.attach)
+    if updates is None:  # an app without create_app must attach its own (server.api.state.attach)
         raise RuntimeError("no WeightUpdates attached to this app")
     return updates
 

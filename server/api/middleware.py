@@ -1,6 +1,6 @@
 """RequestGuard: the ASGI middleware in front of every route (body limit, drain, in-flight count).
 
-    app.add_middleware(RequestGuard, max_body_bytes=config.max_body_bytes)   # server.app does it
+    app.add_middleware(RequestGuard, max_body_bytes=config.max_body_bytes)   # server.api.app does it
 
 - A request body over `server.max_body_bytes` is a JSON 413 (`param: "body"`) and is never
   parsed: decided from Content-Length before anything is read, else as soon as the chunks
@@ -9,7 +9,7 @@
   connection; beyond that the connection is closed. The weights data plane (`/weights/*`, behind the admin token) streams buckets as
   large as the largest tensor and is exempt. (Starlette's own limiter answers a plain-text
   413, which is not this API's error shape.)
-- While `ServerState.is_draining` (server.lifecycle), new generation requests are answered 503
+- While `ServerState.is_draining` (server.api.lifecycle), new generation requests are answered 503
   with Retry-After and `Connection: close`.
 - `ServerState.num_inflight` counts generation requests until their last byte is sent.
 
@@ -27,8 +27,8 @@ from collections.abc import Sequence
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import BodyTooLarge, error_body
-from server.state import server_state
+from server.api.errors import BodyTooLarge, error_body
+from server.api.state import server_state
 
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 UNLIMITED_PREFIXES = ("/weights/",)

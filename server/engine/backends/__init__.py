@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.backends.base import Backend, BackendUnavailable
+from server.engine.backends.base import Backend, BackendUnavailable
 
 
 def create_backend(name: str, model_path: str, **kwargs: Any) -> Backend:
     if name == "native":
-        from server.backends.native import NativeBackend
+        from server.engine.backends.native import NativeBackend
 
         return NativeBackend.from_pretrained(model_path, **kwargs)
     raise BackendUnavailable(f"backend: unknown {name!r} (known: native)")

@@ -1,6 +1,6 @@
 """The OpenAPI document of a server, made to tell the truth about what it accepts and answers.
 
-    install_openapi(app)        # server.app.create_app does it; GET /openapi.json serves the result
+    install_openapi(app)        # server.api.app.create_app does it; GET /openapi.json serves the result
 
 On top of FastAPI's generated document it:
 - replaces FastAPI's 422 (this server answers validation errors with 400) and adds the
@@ -11,7 +11,7 @@ On top of FastAPI's generated document it:
 - writes the served model's limits into the request schemas, so that a schema-valid request
   is accepted: token ids in [0, vocab) and not the mask id, `steps` up to the block size,
   `max_tokens` and prompt lengths below `max_model_len`, text prompts up to the cheap
-  character bound (`server.prompts.PromptEncoder.max_chars`), `n` and prompt lists up to
+  character bound (`server.api.prompts.PromptEncoder.max_chars`), `n` and prompt lists up to
   `max_queue`. What a schema cannot say -- the token count of a text, prompt + max_tokens,
   prompts x n -- is a documented 413 ("does not fit this server"); feedback labels are the
   server's `feedback_labels`.
@@ -26,12 +26,12 @@ from fastapi.openapi.utils import get_openapi
 
 from rollout_client.protocol.common import MAX_N
 from rollout_client.protocol.service import ErrorResponse
-from server.state import server_state
+from server.api.state import server_state
 
 ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
-ADMIN_PREFIXES = ("/admin/", "/weights/")  # behind server.auth.require_admin
-FEEDBACK_PATHS = ("/v1/feedback",)          # behind the feedback token (server.routes_feedback)
+ADMIN_PREFIXES = ("/admin/", "/weights/")  # behind server.api.auth.require_admin
+FEEDBACK_PATHS = ("/v1/feedback",)          # behind the feedback token (server.api.routes_feedback)
 DESCRIPTIONS = {
     400: "Bad request: the field named in `error.param` is invalid",
     401: "Missing or malformed bearer token",

@@ -1,8 +1,8 @@
 """The model runner: what the engine needs from an inference engine, and nothing more.
 
-One engine step (server/engine.py) is nano-vllm's / vLLM v1's shape:
+One engine step (server/engine/engine.py) is nano-vllm's / vLLM v1's shape:
 
-    batch = scheduler.schedule(paused=False, version=v, now=t)   # server.scheduler.ScheduledBatch
+    batch = scheduler.schedule(paused=False, version=v, now=t)   # server.engine.scheduler.ScheduledBatch
     runner.release(batch.released)                  # aborted sequences: free their cache
     out = runner.run(batch)                         # ONE forward -> dllm.decoding.StepOutput
     ended = scheduler.postprocess(batch, out, now)  # stop ids / strings, max_tokens, finish reason
@@ -31,7 +31,7 @@ The runners coming next fit the same Protocol:
   steps and log-probabilities it returns the committed block with `steps`/`logprobs` zero and the
   sequence's trace marked trace-free (rollouts for evaluation, not for trace replay).
 
-`server.backends.native.NativeBackend` is the one runner today (dllm's `BlockDecoder.run`, whose
+`server.engine.backends.native.NativeBackend` is the one runner today (dllm's `BlockDecoder.run`, whose
 `DecodeStep` and CUDA graphs sit below it). `Backend` is the old name of the Protocol.
 """
 
@@ -42,8 +42,8 @@ from typing import Any, Protocol, runtime_checkable
 from dllm.decoding import StepOutput
 from dllm.postprocess import Postprocessor
 from dllm.sampling import SamplingParams
-from server.scheduler import KVBudget, ScheduledBatch
-from server.sequence import ServerSequence
+from server.engine.scheduler import KVBudget, ScheduledBatch
+from server.engine.sequence import ServerSequence
 
 
 class BackendUnavailable(RuntimeError):

@@ -1,6 +1,6 @@
 """Recording served samples into the feedback store: written before the id is handed out.
 
-    recorder = Recorder.from_config(config, engine, metrics)   # server.app does it; None = no store
+    recorder = Recorder.from_config(config, engine, metrics)   # server.api.app does it; None = no store
     ids = await recorder.record([(seq, prompt), ...])          # record_id per sample, or None
     recorder.add_feedback(record_id, 1.0, "accept")            # in a worker thread (routes_feedback)
 
@@ -10,7 +10,7 @@ recorded (a sample that finished before the rest of its request was aborted or f
 written; its id is never handed out).
 
 An id returned to a client is always valid. `expect()` chooses a request's samples before it
-runs (server/generation.py); the engine thread hands each chosen sample to the writer the
+runs (server/api/generation.py); the engine thread hands each chosen sample to the writer the
 moment it finishes (`Engine.add_finish_listener`), through a bounded queue
 (`server.record_max_pending` records) to one writer thread, which builds the records and
 writes whatever is queued in ONE transaction (batched across the requests that finished in
@@ -27,7 +27,7 @@ are retried with backoff until the store returns; when the queue is full the new
 dropped (`dlrl_records_dropped_total{reason="queue_full"}`), a record the store cannot hold
 (a NUL in PostgreSQL text: `reason="refused"`, alone: the rest of its batch is written) or
 that fails for another reason is dropped too (`reason="error"`), and failures are logged by
-cause (server/store_health.py). Recording never fails a request.
+cause (server/recording/store_health.py). Recording never fails a request.
 
 A crash (SIGKILL, power cut) loses only records whose ids were never returned: the ones
 still queued, and with SQLite's `synchronous=NORMAL` a power cut (not a process crash) may
@@ -47,13 +47,13 @@ from typing import TYPE_CHECKING, Any
 
 from dllm.trace import FinishReason
 from dlrl_config import ConfigError
-from server.sequence import ServerSequence as Sequence
-from server.store_health import StoreHealth
+from server.engine.sequence import ServerSequence as Sequence
+from server.recording.store_health import StoreHealth
 from store import FeedbackStore, Record, error_cause, new_record_id, open_store
 
 if TYPE_CHECKING:
     from server.config import ServerConfig
-    from server.engine import Engine
+    from server.engine.engine import Engine
     from server.metrics import ServerMetrics
 
 log = logging.getLogger("dlrl.server")

@@ -2,7 +2,7 @@
 
 Not thread-safe by itself: the engine calls it while holding its lock (but `postprocess`, which
 touches only the batch's sequences and the KV accounting, both the engine thread's alone). A
-`ServerSequence` (server/sequence.py) moves NEW -> WAITING -> RUNNING -> (RELEASING ->) FINISHED
+`ServerSequence` (server/engine/sequence.py) moves NEW -> WAITING -> RUNNING -> (RELEASING ->) FINISHED
 only through these methods (the engine reads `waiting`, `running`, `is_idle`, never edits them):
 
     sched = Scheduler(max_queue=256, kv=KVBudget(num_slots=16, num_pages=2048, page_tokens=4),
@@ -39,7 +39,7 @@ KV pages; 0 = unbounded); a request over either bound is refused (429) with a `r
 estimated from the recent throughput (sequences or tokens finished per second over the last
 `THROUGHPUT_WINDOW_S`): the time the queue needs to drain enough to take it. A request waits
 in the queue until its pages are free, at most until its deadline (`seq.deadline`,
-server.generation.request_deadline), when `schedule` aborts it (its error names the reason:
+server.api.generation.request_deadline), when `schedule` aborts it (its error names the reason:
 503/408, its slots and pages freed).
 """
 
@@ -56,7 +56,7 @@ from typing import cast
 from dllm.decoding import StepOutput
 from dllm.postprocess import Postprocessor
 from dllm.trace import FinishReason
-from server.sequence import SeqStatus, ServerSequence
+from server.engine.sequence import SeqStatus, ServerSequence
 
 THROUGHPUT_WINDOW_S = 60.0
 

@@ -5,15 +5,15 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)    # see server/cli.py
 
 The app starts the engine thread on startup and stops it on shutdown. State reachable
-from handlers: one typed `server.state.ServerState` (`server_state(request.app)`: the engine,
+from handlers: one typed `server.api.state.ServerState` (`server_state(request.app)`: the engine,
 config, metrics, admin and feedback tokens, the tokenizer worker, the recorder, the weight-update
 glue, the draining flag and the in-flight count). Routers: generation (`/generate`, `/v1/*`), feedback
-(`/v1/feedback`, server.routes_feedback), service
-(`/health`, `/ready`, `/metrics`, `/admin/*`) `server.routes_weights`
-(`/weights/*`). `server.middleware.RequestGuard` answers bodies over
+(`/v1/feedback`, server.api.routes_feedback), service
+(`/health`, `/ready`, `/metrics`, `/admin/*`) `server.api.routes_weights`
+(`/weights/*`). `server.api.middleware.RequestGuard` answers bodies over
 `server.max_body_bytes` 413 before they are read, and new requests 503 while draining.
 `GET /openapi.json` documents every route's statuses and the served model's limits
-(server.openapi).
+(server.api.openapi).
 """
 
 from __future__ import annotations
@@ -24,19 +24,19 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from dlrl_config import ConfigError
-from server import routes_feedback, routes_generate, routes_service, routes_weights
-from server.auth import resolve_admin_token
+from server.api import routes_feedback, routes_generate, routes_service, routes_weights
+from server.api.auth import resolve_admin_token
+from server.api.errors import install_error_handlers
+from server.api.middleware import RequestGuard, RequestLog
+from server.api.openapi import install_openapi
+from server.api.quotas import install as install_quotas
+from server.api.state import ServerState, attach
 from server.config import ServerConfig
-from server.engine import Engine
-from server.errors import install_error_handlers
+from server.engine.engine import Engine
 from server.logs import use_json_logs
 from server.metrics import ServerMetrics
-from server.middleware import RequestGuard, RequestLog
-from server.openapi import install_openapi
-from server.quotas import install as install_quotas
-from server.recording import Recorder
-from server.state import ServerState, attach
-from server.weight_updates import make_updates
+from server.recording.recording import Recorder
+from server.weights.weight_updates import make_updates
 
 log = logging.getLogger("dlrl.server")
 

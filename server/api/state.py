@@ -1,11 +1,11 @@
 """ServerState: everything a dlrl server's handlers reach, one typed object on the app.
 
-    state = ServerState(engine, config, admin_token=token, metrics=ServerMetrics(engine))   # server.app
+    state = ServerState(engine, config, admin_token=token, metrics=ServerMetrics(engine))   # server.api.app
     attach(app, state)
     st = server_state(request.app)          # in a handler or a middleware (scope["app"])
     st.engine, st.config, st.metrics, st.prompts, st.recorder, st.weight_updates, st.is_draining
 
-`server.app.create_app` builds the whole state; an app made of the weight routes alone (tests
+`server.api.app.create_app` builds the whole state; an app made of the weight routes alone (tests
 and benchmarks) attaches a ServerState of its engine with the rest left at the defaults: the
 default config, admin disabled unless `admin_token` is given, metrics of its own registry, no
 recorder, the weight-update glue and the tokenizer worker built on first use.
@@ -19,33 +19,33 @@ from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
 
+from server.api.prompts import PromptEncoder
 from server.config import ServerConfig
 from server.metrics import ServerMetrics
-from server.prompts import PromptEncoder
 
 if TYPE_CHECKING:
-    from server.auth_guard import AuthGuard
-    from server.engine import Engine
-    from server.recording import Recorder
-    from server.weight_updates import WeightUpdates
+    from server.api.auth_guard import AuthGuard
+    from server.engine.engine import Engine
+    from server.recording.recording import Recorder
+    from server.weights.weight_updates import WeightUpdates
 
 
 @dataclass(eq=False)
 class ServerState:
     engine: Engine
     config: ServerConfig = field(default_factory=ServerConfig)
-    admin_token: str = ""  # "" = admin endpoints disabled (server.auth)
-    feedback_token: str = ""  # "" = POST /v1/feedback disabled (server.routes_feedback)
+    admin_token: str = ""  # "" = admin endpoints disabled (server.api.auth)
+    feedback_token: str = ""  # "" = POST /v1/feedback disabled (server.api.routes_feedback)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
-    recorder: Recorder | None = None  # server.recording, None without server.store
-    weight_updates: WeightUpdates | None = None  # server.routes_weights builds it on first use when None
-    auth_guard: AuthGuard | None = None  # server.auth.auth_guard builds it on first use
-    is_draining: bool = False  # set by server.lifecycle.drain; read by server.middleware.RequestGuard
-    num_inflight: int = 0  # generation requests until their last byte is sent (server.middleware)
+    recorder: Recorder | None = None  # server.recording.recording, None without server.store
+    weight_updates: WeightUpdates | None = None  # server.api.routes_weights builds it on first use when None
+    auth_guard: AuthGuard | None = None  # server.api.auth.auth_guard builds it on first use
+    is_draining: bool = False  # set by server.api.lifecycle.drain; read by server.api.middleware.RequestGuard
+    num_inflight: int = 0  # generation requests until their last byte is sent (server.api.middleware)
 
     @cached_property
     def prompts(self) -> PromptEncoder:
-        """The handlers' tokenizer worker (server.prompts), built on first use: an app of the
+        """The handlers' tokenizer worker (server.api.prompts), built on first use: an app of the
         weight routes alone (tests, benchmarks: an engine without a tokenizer) never needs one."""
         return PromptEncoder(self.engine.tokenizer, self.engine.max_model_len)
 
@@ -60,8 +60,8 @@ def server_state(app: Starlette) -> ServerState:
     """The ServerState attached to `app` (a `Request.app`, or `scope["app"]` in a middleware)."""
     state = getattr(app.state, "server", None)
     if not isinstance(state, ServerState):
-        raise RuntimeError("this app has no ServerState: build it with server.app.create_app, or "
-                           "server.state.attach(app, ServerState(engine, ...))")
+        raise RuntimeError("this app has no ServerState: build it with server.api.app.create_app, or "
+                           "server.api.state.attach(app, ServerState(engine, ...))")
     return state
 
 

@@ -18,12 +18,12 @@ from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout_client.protocol.service import EngineStatus, HealthResponse, PauseRequest
-from server.auth import require_admin
-from server.engine import Engine
-from server.errors import error_response
+from server.api.auth import require_admin
+from server.api.errors import error_response
+from server.api.openapi import error_responses
+from server.api.state import server_state
+from server.engine.engine import Engine
 from server.metrics import CONTENT_TYPE, kv_pages
-from server.openapi import error_responses
-from server.state import server_state
 
 router = APIRouter(tags=["service"])
 admin = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])

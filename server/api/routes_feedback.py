@@ -22,11 +22,11 @@ from fastapi import APIRouter, Depends, Request
 
 from rollout_client.protocol.feedback import FeedbackRequest, FeedbackResponse
 from rollout_client.protocol.service import ErrorResponse
-from server.auth import check_bearer
+from server.api.auth import check_bearer
+from server.api.errors import APIError
+from server.api.openapi import error_responses
+from server.api.state import server_state
 from server.config import FEEDBACK_ENV_VAR
-from server.errors import APIError
-from server.openapi import error_responses
-from server.state import server_state
 from store import FeedbackConflict, error_cause
 
 log = logging.getLogger("dlrl.server")
@@ -53,7 +53,7 @@ RESPONSES: dict[int | str, dict[str, Any]] = {**error_responses(400, 413, 503),
 async def feedback(body: FeedbackRequest, request: Request) -> FeedbackResponse:
     st = server_state(request.app)
     recorder = st.recorder
-    if recorder is None:  # create_app opens the store whenever a feedback token is set (server.recording)
+    if recorder is None:  # create_app opens the store whenever a feedback token is set (server.recording.recording)
         raise APIError(503, "feedback store unavailable (no server.store open); retry later")
     if body.label is not None:
         labels = st.config.feedback_labels

@@ -10,12 +10,12 @@
 Each engine step reads schedule -> run -> post-process (`Engine._step`):
 
     batch = scheduler.schedule(...)        # abort expired, release aborted, admit what fits the KV budget
-    out = backend.run(batch)               # the runner (server/backends/base.py): ONE batched forward
+    out = backend.run(batch)               # the runner (server/engine/backends/base.py): ONE batched forward
     ended = scheduler.postprocess(batch, out, now)   # stop ids / strings, max_tokens, finish reason
     deliver: free their cache, top logprobs, finish listeners, request events, stream updates
 
 so concurrent requests share every forward, whatever each sequence's prompt, position, block,
-strategy or sampling params. The scheduler owns every sequence (server/sequence.py: status,
+strategy or sampling params. The scheduler owns every sequence (server/engine/sequence.py: status,
 timings, deadline, slot and pages); the runner only runs. A sequence the runner failed alone
 (`seq.error`, e.g. non-finite probabilities) fails only its own request (`RequestFailed`: the
 server answers a 500 with its message); the others go on.
@@ -31,7 +31,7 @@ pause() waits on a future that the engine thread resolves when it drains (no pol
 Events of a request are (`EngineEvent`, sequence index, payload).
 The engine owns the served version: only `apply_update` (pause -> copy in a worker
 thread -> set version -> resume) changes it, for a weight update and a rollback alike
-(server.weight_updates).
+(server.weights.weight_updates).
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ from typing import Any, TypeVar
 from dllm.decoding import StepOutput
 from dllm.sampling import SamplingParams
 from dllm.trace import FinishReason
-from server.backends.base import Runner
-from server.scheduler import QueueFull, Request, ScheduledBatch, Scheduler
-from server.sequence import ServerSequence
+from server.engine.backends.base import Runner
+from server.engine.scheduler import QueueFull, Request, ScheduledBatch, Scheduler
+from server.engine.sequence import ServerSequence
 
 log = logging.getLogger("dlrl.server")
 T = TypeVar("T")
@@ -81,7 +81,7 @@ class RequestFailed(RuntimeError):
 
 class RequestExpired(RequestFailed):
     """The request ran past its deadline and was aborted; `deadline_status` is the status its deadline was
-    set with (`Sequence.deadline_status`, by server.generation: 408 its own timeout, 503 the server's limit)."""
+    set with (`Sequence.deadline_status`, by server.api.generation: 408 its own timeout, 503 the server's limit)."""
 
     def __init__(self, message: str, deadline_status: int):
         super().__init__(message)
@@ -159,7 +159,7 @@ class Engine:
 
     def add_finish_listener(self, fn: Callable[[list[ServerSequence]], None]) -> None:
         """`fn(sequences)` on the engine thread with the sequences that finished in a step, before
-        their requests hear of it (server/recording.py starts their commit there); it runs on the
+        their requests hear of it (server/recording/recording.py starts their commit there); it runs on the
         decode path, so it must be quick, and it must not raise (logged if it does)."""
         self._finish_listeners.append(fn)
 

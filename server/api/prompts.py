@@ -5,8 +5,8 @@
     ids = await prompts.encode_chat(messages, add_generation_prompt=True)
     out = await prompts.run(fn, *args)                       # anything else that needs the tokenizer
 
-Errors are raised as data (`dllm.errors.FieldError`, `TooLong`); server.errors turns them into
-the 400 / 413 responses naming the field. Imports nothing of the server's state (server/state.py
+Errors are raised as data (`dllm.errors.FieldError`, `TooLong`); server.api.errors turns them into
+the 400 / 413 responses naming the field. Imports nothing of the server's state (server/api/state.py
 holds one of these).
 """
 

@@ -1,6 +1,6 @@
 """Glue between weight_sync.WeightReceiver and the Engine: the server's update window.
 
-    updates = make_updates(engine, config)            # one per app (server.app creates it)
+    updates = make_updates(engine, config)            # one per app (server.api.app creates it)
     await updates.begin(BeginRequest(...))            # validate against engine.model, stage
     await updates.commit(7, checksums, run_id="r")    # verify -> drain -> apply -> version -> resume
 
@@ -21,7 +21,7 @@ failure. An engine an admin had paused stays paused. A failed update leaves weig
 version unchanged; a retried commit of an applied version answers "applied".
 
 Rollback (issue 19): after each applied update (and at start) the served weights are
-copied to host memory in a worker thread (server.weight_versions, the last
+copied to host memory in a worker thread (server.weights.weight_versions, the last
 `server.keep_versions`); `rollback(v)` goes through the same `engine.apply_update` window:
 it pauses between sequences like a commit, re-checks the kept copy's digest, copies it back
 with `copy_into_model`, and the engine serves v.
@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from server.weight_versions import Kept, KeptVersions, NotKept
+from server.weights.weight_versions import Kept, KeptVersions, NotKept
 from weight_sync import UpdateConflict, UpdateFailed, WeightReceiver
 from weight_sync.protocol import BeginRequest, ConnectRequest, UpdatePhase
 from weight_sync.transports.http import read_body_into
@@ -76,7 +76,7 @@ class WeightUpdates:
         )
         self._commits: dict[int, asyncio.Task] = {}
         self._verify_s = 0.0
-        self.metrics: Any = None  # server.metrics.ServerMetrics (set by server.app): update counts and timings
+        self.metrics: Any = None  # server.metrics.ServerMetrics (set by server.api.app): update counts and timings
         self._bytes: dict[int, int] = {}  # version -> manifest total_bytes, until applied
 
     def _refused(self, step: str) -> None:

@@ -1,6 +1,6 @@
 """Request handling shared by every generation route: prompts -> Sequences -> results.
 
-    st = server_state(request.app)                                  # server.state: st.prompts is a PromptEncoder
+    st = server_state(request.app)                                  # server.api.state: st.prompts is a PromptEncoder
     seqs = await prepare(st, prompts, options, max_tokens, n, field="prompt")   # texts or ids
     seqs = await run_to_completion(engine, http_request, seqs)     # aborts if the client leaves
     async for kind, index, payload in stream_events(engine, submit(engine, seqs, stream=True)): ...
@@ -11,8 +11,8 @@ the field; a request that does not fit the server -> 413 (prompt at or over
 `max_model_len`, prompt + max_tokens over it, prompts x n over `max_queue`); full queue
 -> 429; engine stopped -> 503. The decoder checks prompts and sampling values itself
 (`dllm.errors.FieldError`, `TooLong` when it does not fit): they pass through here, named
-after the request's prompt field, and become HTTP errors in `server.errors`. Tokenising
-and chat templates run on one worker thread (server/prompts.py), never on the event loop, after a cheap
+after the request's prompt field, and become HTTP errors in `server.api.errors`. Tokenising
+and chat templates run on one worker thread (server/api/prompts.py), never on the event loop, after a cheap
 bound: a text longer than `max_model_len` x the longest token (in characters) cannot fit,
 so it is a 413 without being tokenised.
 """
@@ -31,16 +31,16 @@ from dllm.sampling import SamplingParams
 from dllm.trace import Trace
 from rollout_client.protocol.common import DecodingOptions
 from rollout_client.protocol.native import Sample
-from server.engine import Engine, EngineEvent, EngineStopped, QueueFull
-from server.errors import APIError
-from server.quotas import charge_tokens
-from server.scheduler import seq_tokens
+from server.api.errors import APIError
+from server.api.quotas import charge_tokens
+from server.engine.engine import Engine, EngineEvent, EngineStopped, QueueFull
+from server.engine.scheduler import seq_tokens
 
 if TYPE_CHECKING:
+    from server.api.state import ServerState
     from server.config import ServerConfig
-    from server.scheduler import Request as EngineRequest
-    from server.sequence import ServerSequence as Sequence
-    from server.state import ServerState
+    from server.engine.scheduler import Request as EngineRequest
+    from server.engine.sequence import ServerSequence as Sequence
 
 
 def to_sampling_params(opts: DecodingOptions, max_tokens: int, config: ServerConfig) -> SamplingParams:
@@ -85,7 +85,7 @@ async def prepare(state: ServerState, prompts: list[str | list[int]], opts: Deco
             seqs += engine.make_sequences([ids], to_sampling_params(opts, num, state.config), n)
         except FieldError as e:  # the decoder's names of the prompt -> the request's prompt field
             raise (e.renamed(field) if e.field in PROMPT_FIELDS and e.field != field else e) from None
-    charge_tokens(sum(seq_tokens(s) for s in seqs))  # the API key's token rate (server/quotas.py)
+    charge_tokens(sum(seq_tokens(s) for s in seqs))  # the API key's token rate (server/api/quotas.py)
     deadline, status = request_deadline(opts, state.config)
     for seq in seqs:
         seq.deadline, seq.deadline_status = deadline, status

@@ -4,12 +4,12 @@
 
 On the first SIGTERM or SIGINT the server starts draining: `/ready` answers 503 (so a
 load balancer stops sending), new generation requests are answered 503 with
-`Retry-After` and `Connection: close` (server.middleware.RequestGuard), and requests
+`Retry-After` and `Connection: close` (server.api.middleware.RequestGuard), and requests
 already in flight run to the end.
 When none is left -- or `server.shutdown_timeout` seconds have passed, after which the
 remaining sequences are aborted (their responses end with finish_reason "abort") -- uvicorn
 closes the listeners and the process exits with status 0, as Kubernetes expects. A
-second signal stops at once. With a `limiter` (server.connections.RateLimitedLog) the event
+second signal stops at once. With a `limiter` (server.api.connections.RateLimitedLog) the event
 loop's resource errors (accept() out of file descriptors) are logged once per interval.
 """
 
@@ -25,8 +25,8 @@ from types import FrameType
 import uvicorn
 from starlette.applications import Starlette
 
-from server.connections import RateLimitedLog, install_resource_log
-from server.state import ServerState, server_state
+from server.api.connections import RateLimitedLog, install_resource_log
+from server.api.state import ServerState, server_state
 
 log = logging.getLogger("dlrl.server")
 ABORT_GRACE_S = 5.0  # after aborting, how long responses may take to finish sending
@@ -61,7 +61,7 @@ class GracefulServer(uvicorn.Server):
                  limiter: RateLimitedLog | None = None):
         super().__init__(config)
         self.app, self.shutdown_timeout = app, shutdown_timeout
-        self.limiter = limiter  # server.connections.RateLimitedLog: resource errors once per interval
+        self.limiter = limiter  # server.api.connections.RateLimitedLog: resource errors once per interval
         self._drain_signal: int | None = None
         self._drain_task: asyncio.Task | None = None
 

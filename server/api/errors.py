@@ -24,8 +24,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dllm.errors import FieldError, TooLong
-from server.engine import RequestExpired, RequestFailed
-from server.state import server_state
+from server.api.state import server_state
+from server.engine.engine import RequestExpired, RequestFailed
 
 log = logging.getLogger("dlrl.server")
 

@@ -4,7 +4,7 @@
     curl -s localhost:8000/v1/completions -d '{"prompt": "12+7=", "max_tokens": 8, "stream": true}'
 
 Handlers stay thin: validation, batching and response building live in
-`server.generation` and `server.openai_api`; schemas in `rollout_client.protocol`.
+`server.api.generation` and `server.api.openai_api`; schemas in `rollout_client.protocol`.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from rollout_client.protocol.chat import ChatCompletionRequest, ChatCompletionRe
 from rollout_client.protocol.common import new_id
 from rollout_client.protocol.native import GenerateRequest, GenerateResponse
 from rollout_client.protocol.openai import CompletionRequest, CompletionResponse, ModelCard, ModelList
-from server import openai_api
-from server.generation import prepare, run_to_completion, to_sample
-from server.openapi import error_responses
-from server.recording import record_ids
-from server.state import server_state
+from server.api import openai_api
+from server.api.generation import prepare, run_to_completion, to_sample
+from server.api.openapi import error_responses
+from server.api.state import server_state
+from server.recording.recording import record_ids
 
 router = APIRouter(tags=["generation"])
 ERRORS = error_responses(400, 404, 408, 413, 429, 503)

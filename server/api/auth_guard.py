@@ -4,8 +4,8 @@
     guard.check("admin", ip)              # 429 with Retry-After while ip is throttled
     guard.failed("admin", ip, 403)        # after a wrong token; guard.succeeded("admin", ip) after a right one
 
-server.auth builds one per app (`ServerState.auth_guard`, from `server.auth_*` config keys) and
-runs every bearer-token check through it, logging through a `server.connections.RateLimitedLog`.
+server.api.auth builds one per app (`ServerState.auth_guard`, from `server.auth_*` config keys) and
+runs every bearer-token check through it, logging through a `server.api.connections.RateLimitedLog`.
 Imports nothing of the server's state.
 """
 
@@ -26,11 +26,11 @@ log = logging.getLogger("dlrl.server")
 
 
 class EventLog(Protocol):
-    """What the guard logs failures through (server.connections.RateLimitedLog)."""
+    """What the guard logs failures through (server.api.connections.RateLimitedLog)."""
 
     def event(self, key: str, msg: str, *args: object) -> None: ...
 
-    def flush(self) -> None: ...  # server.lifecycle reports the held-back lines periodically
+    def flush(self) -> None: ...  # server.api.lifecycle reports the held-back lines periodically
 
 
 class AuthGuard:
@@ -45,7 +45,7 @@ class AuthGuard:
                  metrics: ServerMetrics | None = None, max_clients: int = 10_000):
         self.max_failures, self.window_s, self.throttle_s = max_failures, window_s, throttle_s
         self.metrics, self.max_clients = metrics, max_clients
-        self.limiter = limiter  # server.connections.RateLimitedLog: failures logged once per interval
+        self.limiter = limiter  # server.api.connections.RateLimitedLog: failures logged once per interval
         self._failures: OrderedDict[tuple[str, str], deque[float]] = OrderedDict()
         self._blocked: dict[tuple[str, str], float] = {}
 
