@@ -2,11 +2,16 @@
 
     dlrl serve --config configs/tiny.yaml [server.host=H server.port=P server.max_batch=32 ...]  # --host/--port: aliases
 
-Files: config.py (ServerConfig), engine.py + scheduler.py (continuous batching in a
-background thread), backends/ (native dllm decoder; LMDeploy placeholder), app.py
-(create_app), routes_generate.py / routes_service.py (thin routes), generation.py and
-openai_api.py (request handling; top-k logprobs are the backend's, by dllm.replay),
-openapi.py (the truthful OpenAPI document), middleware.py (body limit, drain 503),
-lifecycle.py (graceful SIGTERM), errors.py, metrics.py, auth.py (admin bearer token),
-cli.py (`dlrl serve`). Schemas live in rollout_client.protocol.
+Sub-packages (imports run downwards only; cli.py sits on top):
+
+    api/        HTTP layer: app, routes_*, openai_api, generation, prompts, gate (refusals before the body),
+                middleware, errors, auth, quotas, executors (bounded thread pools), likelihood, connections,
+                state, lifecycle (graceful SIGTERM), openapi
+    engine/     engine core: Engine (schedule -> run -> postprocess), Scheduler (owns every ServerSequence,
+                its KV pages, post-processing), sequence.py, retry_after.py, backends/ (the Runner Protocol, native runner)
+    weights/    the weight receiver's glue: weight_updates (apply through Engine.apply_update), weight_versions
+    recording/  recording (samples -> feedback store), store_health
+
+and config.py (ServerConfig), metrics.py, logs.py, cli.py (`dlrl serve`). Schemas live in
+rollout_client.protocol.
 """
