@@ -36,11 +36,11 @@ from dllm.embedded.tiny import TINY_SECTIONS
 from dlrl_config import ConfigError, load_sections
 from dlrl_config.cli import add_check_args, print_check
 from trainer.config import ServerKeys, TrainConfig
-from trainer.guards import previous_run
-from trainer.metrics_log import read_jsonl
+from trainer.infra.guards import previous_run
+from trainer.monitor.metrics_log import read_jsonl
 
 if TYPE_CHECKING:  # torch, deepspeed: imported once the command runs (--help and --check never import them)
-    from trainer.publish import Publisher
+    from trainer.infra.publish import Publisher
 
 log = logging.getLogger("dlrl.train")
 
@@ -136,8 +136,8 @@ def _run(cfg: TrainConfig, root: dict[str, Any], args: argparse.Namespace, argv:
 
     ensure_extensions_dir()  # DeepSpeed's op cache, also for the ranks started below (issue 38)
     from rollout_client.client import AdminError, RolloutError
-    from trainer.dist import RankError, select_device
-    from trainer.fleet import FleetError
+    from trainer.infra.dist import RankError, select_device
+    from trainer.infra.fleet import FleetError
     from trainer.loop import StopRequested
     from trainer.run import build_run
     from weight_sync import WeightSyncError

@@ -8,7 +8,7 @@
 Talks to the servers at `eval.servers`; when none answers (and `eval.start_server`), starts
 `dlrl serve` with `eval.model` (and any `server.*` overrides) and stops it at the end;
 `eval.own_server=true` always starts a private one on a free local port. Before evaluating it
-reads what every server holds (model name, weight version, checksum: trainer.eval_check) and,
+reads what every server holds (model name, weight version, checksum: trainer.evaluation.check) and,
 when `eval.model` is set, refuses a server holding other weights (`eval.verify`); what was
 evaluated is recorded in results.json (`served`).
 `eval.block_sizes` decodes with each block size in turn (a started server is restarted with
@@ -35,9 +35,15 @@ from dlrl_config import Config, ConfigError, load_sections
 from dlrl_config.cli import add_check_args, config_file, print_check
 from rollout_client.client import RolloutError
 from trainer.config import ServerKeys
-from trainer.data import report
-from trainer.evaluate import evaluate, format_table, load_eval_examples, make_settings, write_results
-from trainer.local_servers import LocalServer, new_token, resolve_token
+from trainer.data.prompts import report
+from trainer.evaluation.evaluate import (
+    evaluate,
+    format_table,
+    load_eval_examples,
+    make_settings,
+    write_results,
+)
+from trainer.infra.local_servers import LocalServer, new_token, resolve_token
 from trainer.preflight import eval_problems
 from trainer.rewards import build_reward
 
@@ -103,8 +109,10 @@ def load_examples(cfg: EvalConfig, task) -> list[dict]:
 def run(cfg: EvalConfig, task, config_path: str | None, overrides: list[str], server_keys=None) -> tuple[list, dict]:
     """Evaluate against `cfg.servers`, starting local ones where none answers (once per block
     size: a started server is restarted with each). -> (results, what each server held)."""
-    from trainer.eval_check import check_served  # torch: only once the command runs (not --help, --check)
-    from trainer.fleet import ServerFleet
+    from trainer.evaluation.check import (
+        check_served,  # torch: only once the command runs (not --help, --check)
+    )
+    from trainer.infra.fleet import ServerFleet
 
     model_dir = resolve_model(cfg.model, "eval.model") if cfg.model else None
     if cfg.own_server:

@@ -1,9 +1,9 @@
 """The registry of `train.objective` (torch-free: trainer.config builds its choices from it without
-importing torch; trainer/objectives.py registers the built-in losses on import).
+importing torch; trainer/rl/objectives.py registers the built-in losses on import).
 
     @register_objective("mine")                 # before trainer.config is imported
     def loss(cfg, new_lp, old_lp, adv, mask, ref_lp, entropy, weights): ...   -> (loss, metrics)
-    OBJECTIVES["dipo"].loss                      # after `import trainer.objectives`
+    OBJECTIVES["dipo"].loss                      # after `import trainer.rl.objectives`
 """
 
 from __future__ import annotations
@@ -12,18 +12,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-BUILTIN = ("tracerl", "dipo", "random_masking", "coupled")  # trainer/objectives.py, in train.objective's help order
+BUILTIN = ("tracerl", "dipo", "random_masking", "coupled")  # trainer/rl/objectives.py, in train.objective's help order
 
 
 @dataclass(frozen=True)
 class ObjectiveSpec:
     """One `train.objective`: its loss from the train config, and `masks` for the masked-diffusion
     baselines (valid [B,L] -> (masks, ts): the rows are fresh random masks with 1/t ELBO weights,
-    `trainer.learner.baseline_rows`); None: the rows are the replayed trace steps."""
+    `trainer.rl.learner.baseline_rows`); None: the rows are the replayed trace steps."""
 
     name: str
-    loss: Callable[..., Any]  # trainer.objectives.LossFn
-    masks: Callable[..., Any] | None = None  # trainer.objectives.MaskFn
+    loss: Callable[..., Any]  # trainer.rl.objectives.LossFn
+    masks: Callable[..., Any] | None = None  # trainer.rl.objectives.MaskFn
 
 
 OBJECTIVES: dict[str, ObjectiveSpec] = {}
@@ -45,5 +45,5 @@ def register_objective(name: str, masks: Callable[..., Any] | None = None) -> Ca
 
 
 def objective_names() -> tuple[str, ...]:
-    """The built-in names (registered by trainer.objectives), then the others registered."""
+    """The built-in names (registered by trainer.rl.objectives), then the others registered."""
     return BUILTIN + tuple(n for n in OBJECTIVES if n not in BUILTIN)

@@ -71,7 +71,7 @@ def test_train_check_catches_what_the_started_server_would_refuse(tmp_path, caps
     equal server.port is not forwarded twice); a different server.port, or a server key the server refuses,
     is reported by --check, not 5 minutes later in server0.log."""
     from tests.helpers import free_port, is_ready, wait_until
-    from trainer.local_servers import LocalServer, serve_command
+    from trainer.infra.local_servers import LocalServer, serve_command
 
     port = free_port()
     (tmp_path / "c.yaml").write_text("train: {}\n")

@@ -300,7 +300,7 @@ def test_push_end_to_end_reuses_one_shared_region(server: Server):
 
 
 def test_the_trainers_fleet_pushes_over_cuda_ipc(server):
-    from trainer.fleet import ServerFleet
+    from trainer.infra.fleet import ServerFleet
 
     fleet = ServerFleet([server.url], TOKEN, sync_options={"transport": "cuda_ipc", "ipc_allow_cpu": True,
                                                            "run_id": "run-fleet", "timeout": 60})

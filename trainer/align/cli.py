@@ -36,8 +36,8 @@ from trainer.align.replicas import ServingPool
 from trainer.align.report import format_events, format_versions
 from trainer.cli import Stopper
 from trainer.config import TrainConfig
-from trainer.fleet import FleetError
-from trainer.local_servers import resolve_token
+from trainer.infra.fleet import FleetError
+from trainer.infra.local_servers import resolve_token
 from weight_sync.errors import WeightSyncError
 
 if TYPE_CHECKING:  # torch, deepspeed: imported once the command runs (--help and --check never import them)
@@ -100,7 +100,7 @@ def main(argv: list[str], aligner: type[Aligner] | None = None) -> int:
     from trainer.align.console import Console
     from trainer.align.controller import Aligner, align_loop
     from trainer.align.data import NoData
-    from trainer.dist import RankError
+    from trainer.infra.dist import RankError
     from trainer.loop import StopRequested
     from trainer.run import build_run
 

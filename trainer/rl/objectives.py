@@ -6,7 +6,7 @@
   reference.
 - `random_mask` / `complementary_masks`: the masks of the random-masking and coupled
   baselines (diffu-GRPO / coupled-GRPO); the learner scores them through the same surrogate
-  with their 1/t ELBO weights folded into the advantages (`trainer.learner.baseline_rows`).
+  with their 1/t ELBO weights folded into the advantages (`trainer.rl.learner.baseline_rows`).
 - `value_loss`: PPO-style clipped value loss.
 - `OBJECTIVES`: the registry of `train.objective` (`@register_objective(name)` over a loss of the
   train config; the learner and the loop look the objective up there, no branches on its name).

@@ -40,7 +40,7 @@ def check_served_model(fleet, cfg, name: str) -> list[str]:
         return []
     held = ", ".join(f"{u} serves {n!r}" for u, n in others.items())
     if not cfg.take_over_servers:
-        from trainer.fleet import FleetError  # (weight_sync, torch) only when it is raised
+        from trainer.infra.fleet import FleetError  # (weight_sync, torch) only when it is raised
 
         raise FleetError(f"{held}, not the model being trained ({name!r}, train.model={cfg.model or '<default>'}): "
                          "refusing to overwrite its weights. Point train.servers at servers of this model, or "
