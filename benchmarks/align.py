@@ -26,7 +26,7 @@ from examples.align.local import main as align_local  # noqa: E402
 from store import open_store  # noqa: E402
 from trainer.align.registry import NO_PRUNE  # noqa: E402
 from trainer.align.report import plot_serving  # noqa: E402
-from trainer.metrics_log import read_jsonl  # noqa: E402
+from trainer.monitor.metrics_log import read_jsonl  # noqa: E402
 
 
 def report(out: Path, db: Path, png: Path) -> str:

@@ -96,9 +96,9 @@ def update_worker(model: str, stage: int, steps: int) -> None:
     from dllm.config import SDARConfig
     from dllm.model import SDARForCausalLM
     from trainer.config import TrainConfig
-    from trainer.dist import Ranks
+    from trainer.infra.dist import Ranks
     from trainer.loop import learn
-    from trainer.rollouts import Batch
+    from trainer.rl.rollouts import Batch
     from trainer.run import _build_learner
 
     ranks = Ranks.init()
@@ -131,8 +131,8 @@ def update_worker(model: str, stage: int, steps: int) -> None:
 def fetch_worker(url: str, batches: int) -> None:
     import torch
 
-    from trainer.dist import Ranks
-    from trainer.fleet import ServerFleet
+    from trainer.infra.dist import Ranks
+    from trainer.infra.fleet import ServerFleet
 
     ranks = Ranks.init()
     fleet = ServerFleet([url], "")
@@ -160,7 +160,7 @@ def fetch_worker(url: str, batches: int) -> None:
 
 
 def ranks_shard(rank: int, world: int) -> slice:
-    from trainer.dist import Ranks
+    from trainer.infra.dist import Ranks
 
     return Ranks(rank=rank, world_size=world).shard(NUM_PROMPTS)
 

@@ -3,9 +3,9 @@
     .venv/bin/python benchmarks/train_step.py                     # old = OLD_REF, new eager, new compiled
     .venv/bin/python benchmarks/train_step.py --shape tiny --no-compile
 
-One step is what `trainer.learner.Learner` runs per micro-batch: the noisy-copy + clean-copy
+One step is what `trainer.rl.learner.Learner` runs per micro-batch: the noisy-copy + clean-copy
 forward to hidden states (`model(..., output="hidden")`), the chunked vocabulary projection
-of the scored tokens (`trainer.replay.chunked_token_logprobs`, `logprob_chunk` tokens of
+of the scored tokens (`trainer.rl.replay.chunked_token_logprobs`, `logprob_chunk` tokens of
 full-vocabulary logits at a time) and the backward of a policy-gradient-shaped loss. Rows
 are random replay rows (a block-diffusion mask on ~40% of the tokens). Reported per
 variant: ms per step (median of interleaved rounds, all variants in one process), tokens/s
@@ -49,7 +49,7 @@ def make_rows(vocab: int, rows: int, length: int, seed: int = 0):
 
 
 def step(model, batch, chunk: int) -> None:
-    from trainer.replay import chunked_token_logprobs
+    from trainer.rl.replay import chunked_token_logprobs
 
     noisy, clean, pos, valid, target = batch
     hidden = model(noisy, position_ids=pos, clean_ids=clean, valid=valid, output="hidden")  # [R, L, D]

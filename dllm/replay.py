@@ -9,7 +9,7 @@ under the state before step r*s+1); s=1 is exact.
 
 Replay invariant (docs/DESIGN.md): under the same weights, `token_logprobs` of row targets
 equals the trace's behaviour logprobs (fp32, temperature 1, no top-k/top-p). The one
-replay of the project: the trainer scores rollouts with it (trainer.learner, trainer.replay's
+replay of the project: the trainer scores rollouts with it (trainer.rl.learner, trainer.rl.replay's
 chunked log-probs) and the server finds top-k logprobs with it (server.backends.native).
 
 A sample is anything with `prompt_ids`, `completion_ids` and a `trace` (`steps`, `tail_ids`,

@@ -10,7 +10,7 @@ its own thread, on a free port); all stop at the end of the session.
 
 Device: the suite runs on CPU on every machine. Servers get `server.device=cpu`; trainers
 (in-process DeepSpeed engines, `dlrl train` subprocesses, torchrun ranks: they inherit the
-environment) get `DS_ACCELERATOR=cpu`, which `trainer.dist` honours like `train.device=cpu`
+environment) get `DS_ACCELERATOR=cpu`, which `trainer.infra.dist` honours like `train.device=cpu`
 (gloo, CPU tensors). CUDA-only tests are marked `gpu` and set their own devices.
 """
 

@@ -35,13 +35,13 @@ from dlrl_config import ConfigError, load_sections
 from dlrl_config.cli import add_check_args, print_check
 from rollout_client.client import AdminError, RolloutError
 from trainer.config import ServerKeys, TrainConfig
-from trainer.dist import RankError, select_device
-from trainer.fleet import FleetError
-from trainer.guards import previous_run
+from trainer.infra.dist import RankError, select_device
+from trainer.infra.fleet import FleetError
+from trainer.infra.guards import previous_run
+from trainer.infra.publish import Publisher
 from trainer.loop import StopRequested, train_loop
-from trainer.metrics_log import read_jsonl
+from trainer.monitor.metrics_log import read_jsonl
 from trainer.preflight import train_problems
-from trainer.publish import Publisher
 from trainer.run import build_run
 from weight_sync import WeightSyncError
 

@@ -16,17 +16,17 @@ from pydantic import Field
 from dllm.options import SamplingOptions, Threshold
 from dllm.strategy import Strategy, StrategyField
 from dlrl_config import Config
-from trainer.correction import Level, Mode
-from trainer.objectives import objective_names
+from trainer.monitor.trackers import Tracker
 from trainer.rewards.sandbox import SandboxMode
-from trainer.trackers import Tracker
+from trainer.rl.correction import Level, Mode
+from trainer.rl.objectives import objective_names
 from weight_sync.protocol import Transport
 
 DEFAULT_TRACKERS: list[Tracker] = ["tensorboard"]  # train.report_to
 if TYPE_CHECKING:  # a Literal built at import time is not a static type
     Objective = str
 else:
-    Objective = Literal[objective_names()]  # the registered objectives (trainer.objectives.OBJECTIVES)
+    Objective = Literal[objective_names()]  # the registered objectives (trainer.rl.objectives.OBJECTIVES)
 
 
 class ServerKeys(Config, extra="ignore"):
@@ -91,7 +91,7 @@ class TrainConfig(Config, SamplingOptions):
     lam: float = Field(1.0, ge=0, le=1)  # value model: GAE lambda
     value_lr: float = Field(1e-4, gt=0)  # value model learning rate
     value_clip: float = Field(0.2, gt=0)  # value model: value clip range
-    # train-serve mismatch (trainer.correction)
+    # train-serve mismatch (trainer.rl.correction)
     is_correction: Mode = "none"  # train-serve mismatch correction: none | tis (truncated IS) | mis (masked IS)
     is_level: Level = "token"  # importance ratio per token or per sequence
     is_cap: float = Field(2.0, ge=1)  # truncation / mask bound of the importance ratio

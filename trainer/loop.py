@@ -9,8 +9,8 @@ ranks, losses normalised by global token counts) -> push version+1 into every se
 (rank 0; weight_sync) -> metrics reduced over ranks (rank 0 logs).
 
 This module is what a run DOES (functions of a `trainer.run.Run`, which holds what it IS); the
-objective and the advantage estimator come from their registries (trainer.objectives,
-trainer.advantages), the fault hook from `run.faults`.
+objective and the advantage estimator come from their registries (trainer.rl.objectives,
+trainer.rl.advantages), the fault hook from `run.faults`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ import torch
 
 from dllm.replay import Rows, build_rows
 from rollout_client.client import RolloutError
-from trainer.advantages import (
+from trainer.infra.dist import RankError
+from trainer.rewards import score_batch
+from trainer.rl.advantages import (
     ADVANTAGE_ESTIMATORS,
     advantage_estimator,
     filter_zero_variance_groups,
@@ -33,12 +35,10 @@ from trainer.advantages import (
     register_advantage,
     trace_gae,
 )
-from trainer.dist import RankError
-from trainer.learner import baseline_rows
-from trainer.objectives import OBJECTIVES
-from trainer.replay import completion_rows
-from trainer.rewards import score_batch
-from trainer.rollouts import Batch
+from trainer.rl.learner import baseline_rows
+from trainer.rl.objectives import OBJECTIVES
+from trainer.rl.replay import completion_rows
+from trainer.rl.rollouts import Batch
 
 if TYPE_CHECKING:
     from rollout_client.protocol.rollout import Rollout
@@ -86,7 +86,7 @@ def row_minibatches(run: Run, rows: Rows, sample_ids: torch.Tensor, num_samples:
 
 def token_advantages(run: Run, rows: Rows, samples: list[Rollout], rewards: torch.Tensor, seq_adv: torch.Tensor,
                      row_mb: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """Advantages at every row target [R, L], from the run's estimator (trainer.advantages registry)."""
+    """Advantages at every row target [R, L], from the run's estimator (trainer.rl.advantages registry)."""
     estimator = ADVANTAGE_ESTIMATORS[advantage_estimator(run.cfg)]
     return estimator(run, rows, samples, rewards, seq_adv, row_mb, _sequence_weights(run, rows, samples))
 

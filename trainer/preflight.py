@@ -15,15 +15,15 @@ import httpx
 
 from dllm.hub import model_problem
 from dlrl_config.cli import port_problem
-from trainer.data import source_problem
-from trainer.local_servers import is_local
+from trainer.data.prompts import source_problem
+from trainer.infra.local_servers import is_local
+from trainer.monitor.trackers import missing_trackers
 from trainer.rewards import load_reward_fn
 from trainer.run import resolve_token
-from trainer.trackers import missing_trackers
 
 
 def data_problem(spec: str, key: str) -> str:
-    """"" when `spec` is a readable data source (see trainer.data), else a message naming `key`."""
+    """"" when `spec` is a readable data source (see trainer.data.prompts), else a message naming `key`."""
     if not spec:
         return ""
 

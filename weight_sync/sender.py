@@ -253,7 +253,7 @@ def push(
 ) -> dict[str, Any]:
     """Push `named_tensors` as `version` to every server once: a sender for this push, closed after.
 
-    A run that pushes again keeps one `WeightSender` open instead (trainer/fleet.py): its
+    A run that pushes again keeps one `WeightSender` open instead (trainer/infra/fleet.py): its
     connect (shm region, dist group, the servers' staging) is then done once.
     dtype: cast floating tensors to it before sending (None: as they are; "auto": the
     dtype the first server serves, from GET /weights/version). run_id: names the pushing run

@@ -59,7 +59,7 @@ class LocalAlign:
 
     # ------------------------------------------------------------------ processes
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        from trainer.local_servers import _die_with_parent
+        from trainer.infra.local_servers import _die_with_parent
 
         log = open(self.logs / f"{name}.log", "ab")
         proc = subprocess.Popen(cmd, env=env or self.env, stdin=subprocess.DEVNULL, stdout=log,

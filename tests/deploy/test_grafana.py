@@ -30,7 +30,7 @@ SUFFIXES = ("_bucket", "_count", "_sum", "_total", "_created")
 def exported(make_server, tmp_path_factory) -> set[str]:
     """Every family name (and sample name) the three kinds of process export."""
     from trainer.align.metrics import AlignMetrics
-    from trainer.train_metrics import TrainMetrics
+    from trainer.monitor.train_metrics import TrainMetrics
 
     srv = make_server(record="all", store=str(tmp_path_factory.mktemp("store") / "fb.db"), max_model_len=128)
     texts = [httpx.get(srv.url + "/metrics", timeout=10).text, TrainMetrics().render().decode(),

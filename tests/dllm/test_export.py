@@ -78,7 +78,7 @@ def test_export_keeps_source_fields_files_and_dtype(small_sdar_dir, tmp_path):
 
 
 def test_export_hf_from_deepspeed_with_source_dir(small_sdar_dir, tmp_path):
-    from trainer.ds_engine import DSConfig, build_engine, export_hf
+    from trainer.infra.ds_engine import DSConfig, build_engine, export_hf
 
     model = load_pretrained(small_sdar_dir)
     engine = build_engine(model, DSConfig(zero_stage=0, lr=1e-3))

@@ -52,9 +52,9 @@ def global_rollouts(policy) -> list:
 
 def run_case(ranks, objective: str, stage: int, rollouts: list) -> dict:
     from trainer.config import TrainConfig
-    from trainer.ds_engine import named_full_params
+    from trainer.infra.ds_engine import named_full_params
     from trainer.loop import learn
-    from trainer.rollouts import Batch
+    from trainer.rl.rollouts import Batch
     from trainer.run import _build_learner
 
     cfg = TrainConfig(objective="dipo" if objective == "dipo_kl" else "tracerl", zero_stage=stage,
@@ -79,7 +79,7 @@ def run_case(ranks, objective: str, stage: int, rollouts: list) -> dict:
 
 
 def main(out_dir: str) -> None:
-    from trainer.dist import Ranks
+    from trainer.infra.dist import Ranks
 
     ranks = Ranks.init()
     rollouts = global_rollouts(make_policy())

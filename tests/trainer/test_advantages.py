@@ -1,9 +1,9 @@
-"""Tests for trainer.advantages: GRPO group z-scores, DAPO filtering, TraceRL step-wise GAE."""
+"""Tests for trainer.rl.advantages: GRPO group z-scores, DAPO filtering, TraceRL step-wise GAE."""
 
 import pytest
 import torch
 
-from trainer.advantages import (
+from trainer.rl.advantages import (
     filter_zero_variance_groups,
     group_advantages,
     sequence_to_token_rewards,
@@ -168,7 +168,7 @@ def _trace(prompt_len, block_size, steps):
 
 
 def test_shrink_smallest_case_from_the_issue():
-    from trainer.advantages import trace_gae
+    from trainer.rl.advantages import trace_gae
 
     tr = _trace(0, 4, [1, 2, 3, 4])
     _, adv = trace_gae([tr], torch.tensor([[0.1, 0.2, 0.3, 0.4]]), torch.tensor([1.0]), shrink=2, gamma=1.0, lam=0.0)
@@ -179,7 +179,7 @@ def test_shrink_smallest_case_from_the_issue():
 @pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (1.0, 0.0), (0.9, 0.95), (0.5, 0.3)])
 def test_trace_gae_matches_the_paper_formula(shrink, gamma, lam):
     """Random traces: any commit order inside blocks, a prompt ending mid-block, a truncated last block."""
-    from trainer.advantages import trace_gae
+    from trainer.rl.advantages import trace_gae
 
     g = torch.Generator().manual_seed(shrink * 100 + int(gamma * 10) + int(lam * 10))
     traces, values, rewards, B = [], [], [], 4

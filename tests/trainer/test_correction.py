@@ -1,4 +1,4 @@
-"""Train-serve mismatch corrections (trainer.correction): TIS and MIS weights at token and
+"""Train-serve mismatch corrections (trainer.rl.correction): TIS and MIS weights at token and
 sequence level, and the mismatch statistics, on hand-computed cases."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from trainer.correction import is_weights, mismatch_stats
+from trainer.rl.correction import is_weights, mismatch_stats
 
 # two samples over two rows: sample 0 has tokens (0,0), (0,1), (1,0); sample 1 has (1,2)
 MASK = torch.tensor([[True, True, False], [True, False, True]])
@@ -52,7 +52,7 @@ def test_mismatch_stats_and_bad_options():
 def test_rollout_requests_carry_the_stop_settings():
     from rollout_client.protocol.native import GenerateRequest
     from trainer.config import TrainConfig
-    from trainer.rollouts import sampling_kwargs
+    from trainer.rl.rollouts import sampling_kwargs
 
     kw = sampling_kwargs(TrainConfig(stop=["<|im_end|>", "\n\n"], stop_token_ids=[151645]))
     assert kw["stop"] == ["<|im_end|>", "\n\n"] and kw["stop_token_ids"] == [151645]

@@ -1,10 +1,10 @@
-"""Tests for trainer.data: JSONL prompt loading, chat templating, resumable PromptSampler."""
+"""Tests for trainer.data.prompts: JSONL prompt loading, chat templating, resumable PromptSampler."""
 
 import json
 
 import pytest
 
-from trainer.data import PromptSampler, format_prompt, load_prompts
+from trainer.data.prompts import PromptSampler, format_prompt, load_prompts
 
 
 def _write(path, records):

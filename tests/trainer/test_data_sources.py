@@ -11,9 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from trainer.data import load_prompts
-from trainer.data_sources import source_problem
-from trainer.evaluate import load_eval_examples
+from trainer.data.prompts import load_prompts
+from trainer.data.sources import source_problem
+from trainer.evaluation.evaluate import load_eval_examples
 
 ROWS = [{"problem": f"What is {i}+{i}?", "solution": f"It is $\\boxed{{{2 * i}}}$.", "level": i} for i in range(5)]
 
@@ -83,12 +83,12 @@ def test_datasets_folder_and_offline_hub_dataset(tmp_path):
     pq.write_table(pa.Table.from_pylist(ROWS[:2]), snap / "data" / "test-00000-of-00001.parquet")
     (snap.parent.parent / "refs").mkdir()
     (snap.parent.parent / "refs" / "main").write_text("a" * 40)
-    code = ("from trainer.evaluate import load_eval_examples as L; import json; "
+    code = ("from trainer.evaluation.evaluate import load_eval_examples as L; import json; "
             "print(json.dumps([[e['answer'] for e in L('acme/math-mini', split=s)] for s in ('train', 'test')]))")
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [["0", "2", "4", "6", "8"], ["0", "2"]]
-    code = "from trainer.data import load_prompts; load_prompts('acme/not-cached')"
+    code = "from trainer.data.prompts import load_prompts; load_prompts('acme/not-cached')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode != 0 and "hub dataset 'acme/not-cached'" in out.stderr

@@ -20,7 +20,7 @@ from dllm.model import SDARForCausalLM
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[2] / ".torch_extensions"))
 pytest.importorskip("deepspeed")
 
-from trainer.ds_engine import (  # noqa: E402
+from trainer.infra.ds_engine import (  # noqa: E402
     DSConfig,
     build_engine,
     export_hf,
@@ -159,8 +159,8 @@ def test_checkpoint_resume_restores_params_optimizer_scheduler_rng(tmp_path):
 
 
 def test_value_model_gets_its_own_engine():
-    from trainer.objectives import value_loss
-    from trainer.value_model import ValueModel
+    from trainer.rl.objectives import value_loss
+    from trainer.rl.value_model import ValueModel
 
     policy = build_engine(_model(), DSConfig(zero_stage=0, lr=LR))
     value = build_engine(ValueModel(policy.module), DSConfig(zero_stage=2, lr=LR))
@@ -184,7 +184,7 @@ def test_zero3_gather_and_export(tmp_path):
     assert got.keys() == expected.keys()
     for name, t in got.items():
         assert torch.equal(t, expected[name]), name
-    from trainer.value_model import ValueModel
+    from trainer.rl.value_model import ValueModel
 
     value = ValueModel(engine.module)  # copies from the partitioned policy (gathered)
     for name, p in value.backbone.hf_named_tensors():

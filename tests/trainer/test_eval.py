@@ -1,4 +1,4 @@
-"""`dlrl eval` and trainer.evaluate: data loading, pass@k, and accuracy equal to the one computed
+"""`dlrl eval` and trainer.evaluation.evaluate: data loading, pass@k, and accuracy equal to the one computed
 by hand from the generations, against a real server on loopback (and one eval starts itself)."""
 
 import itertools
@@ -8,8 +8,8 @@ import socket
 import pytest
 
 from tests.helpers import ADMIN_TOKEN
-from trainer.eval_cli import main as eval_main
-from trainer.evaluate import EvalError, load_eval_examples, make_settings, pass_at_k
+from trainer.evaluation.cli import main as eval_main
+from trainer.evaluation.evaluate import EvalError, load_eval_examples, make_settings, pass_at_k
 
 
 def test_pass_at_k_matches_enumeration():

@@ -6,7 +6,7 @@ import torch
 
 from dllm.replay import Rows
 from trainer.config import TrainConfig
-from trainer.learner import _policy_loss, baseline_rows
+from trainer.rl.learner import _policy_loss, baseline_rows
 
 B, L, START = 3, 8, 3  # completions at positions 3..6 (row 2 one shorter)
 

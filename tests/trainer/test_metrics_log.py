@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from trainer.metrics_log import MetricsLogger, plot_curves, read_jsonl
+from trainer.monitor.metrics_log import MetricsLogger, plot_curves, read_jsonl
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -1,4 +1,4 @@
-"""Tests for trainer.objectives: each loss and its gradient against loop-based references."""
+"""Tests for trainer.rl.objectives: each loss and its gradient against loop-based references."""
 
 import math
 
@@ -7,8 +7,8 @@ import torch
 
 from dlrl_config import ConfigError, build
 from trainer.config import TrainConfig
-from trainer.learner import _policy_loss
-from trainer.objectives import (
+from trainer.rl.learner import _policy_loss
+from trainer.rl.objectives import (
     OBJECTIVES,
     complementary_masks,
     dipo_loss,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.dist import Ranks
+from trainer.infra.dist import Ranks
 
 WORKER = Path(__file__).with_name("ranks_worker.py")
 
@@ -75,7 +75,7 @@ def test_single_rank_collectives_are_local():
 
 
 def test_train_device_pins_the_trainer(monkeypatch):
-    from trainer.dist import select_device, uses_cuda
+    from trainer.infra.dist import select_device, uses_cuda
 
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
     select_device("auto")

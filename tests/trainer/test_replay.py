@@ -8,7 +8,7 @@ from dllm.model import SDARForCausalLM
 from dllm.replay import build_rows, token_logprobs, trace_hidden
 from dllm.sampling import SamplingParams, sampling_logprobs
 from tests.helpers import tiny_config
-from trainer.replay import completion_rows
+from trainer.rl.replay import completion_rows
 
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16], [30]]
 
@@ -83,7 +83,7 @@ def test_completion_rows_cover_completion_tokens(model):
 def test_chunked_logprobs_match_full_logits_values_and_gradients(chunk):
     """Chunked scoring (full-vocabulary logits for `chunk` tokens at a time, recomputed in
     backward) gives the values and gradients of the unchunked path."""
-    from trainer.replay import chunked_token_logprobs, token_entropy
+    from trainer.rl.replay import chunked_token_logprobs, token_entropy
 
     torch.manual_seed(0)
     head = torch.nn.Linear(16, 40, bias=False)
@@ -105,7 +105,7 @@ def test_chunked_logprobs_match_full_logits_values_and_gradients(chunk):
 
 
 def test_chunked_logprobs_with_no_tokens_still_has_a_graph():
-    from trainer.replay import chunked_token_logprobs
+    from trainer.rl.replay import chunked_token_logprobs
 
     head = torch.nn.Linear(8, 10, bias=False)
     filler = torch.randn(1, 8, requires_grad=True)

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from trainer.metrics_log import MetricsLogger, plot_curves
-from trainer.trackers import missing_trackers, open_trackers
+from trainer.monitor.metrics_log import MetricsLogger, plot_curves
+from trainer.monitor.trackers import missing_trackers, open_trackers
 
 
 def _metrics(step):

@@ -89,7 +89,7 @@ def test_a_server_restarted_between_data_and_commit_is_told_apart_and_pushed_aga
     """The server dies after the data plane and is back (same port, version 0) before the commit
     arrives: the commit does not fail as a bad update but names the restart (FleetError.restarted,
     which `_push_through_restarts` waits out), and pushing the version again applies it."""
-    from trainer.fleet import FleetError, ServerFleet
+    from trainer.infra.fleet import FleetError, ServerFleet
     from weight_sync import WeightSender
 
     srv = start_server_process(tiny_model_dir, TOKEN, tmp_path)

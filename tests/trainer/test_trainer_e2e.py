@@ -123,7 +123,7 @@ def test_unreachable_server_is_an_error(tiny_model_dir, tmp_path, capsys):
 
 def test_version_conflict_is_refused(served, tiny_model_dir, tmp_path):
     from trainer.cli import parse
-    from trainer.fleet import FleetError
+    from trainer.infra.fleet import FleetError
     from trainer.run import build_run
     from weight_sync import push
 

@@ -1,4 +1,4 @@
-"""trainer.faults.Faults, the run's fault hook: fires a real SIGKILL only at its point and step, on rank 0.
+"""trainer.infra.faults.Faults, the run's fault hook: fires a real SIGKILL only at its point and step, on rank 0.
 
     .venv/bin/python -m pytest -q tests/trainer/test_trainer_faults.py
 
@@ -11,11 +11,11 @@ import sys
 
 import pytest
 
-from trainer.faults import Faults
+from trainer.infra.faults import Faults
 
 SCRIPT = """
 import os, sys, time
-from trainer.faults import Faults
+from trainer.infra.faults import Faults
 faults = Faults.from_env()
 for step in (1, 2, 3):
     faults.set_step(step)
@@ -54,7 +54,7 @@ def test_the_default_hook_is_a_no_op():
 
 DURING = """
 import sys, time
-from trainer.faults import Faults
+from trainer.infra.faults import Faults
 faults = Faults.from_env()
 faults.set_step(2)
 try:

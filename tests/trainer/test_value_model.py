@@ -8,8 +8,8 @@ import torch
 
 from dllm.config import SDARConfig
 from dllm.model import SDARForCausalLM
-from trainer.objectives import value_loss
-from trainer.value_model import ValueModel
+from trainer.rl.objectives import value_loss
+from trainer.rl.value_model import ValueModel
 
 B, L = 3, 8
 

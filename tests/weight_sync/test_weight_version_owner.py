@@ -22,7 +22,7 @@ from server import routes_weights
 from server.state import ServerState, attach
 from server.weight_updates import WeightUpdates
 from tests.weight_sync.test_weight_sync_transports import TOKEN, FakeEngine, FakeModel, ReceiverServer, make
-from trainer.publish import Publisher
+from trainer.infra.publish import Publisher
 from weight_sync import WeightSyncError, push, weights_digest
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

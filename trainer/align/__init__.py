@@ -1,7 +1,7 @@
 """Continuous alignment (`dlrl align`): the controller and its parts, a package of its own.
 
 No core trainer module imports this package; it builds on them (trainer.run, trainer.loop,
-trainer.fleet). Each module is one part of the controller:
+trainer.infra.fleet). Each module is one part of the controller:
 
     cli.py         `dlrl align` / `dlrl versions`: the command lines, the rollback of the replicas
     config.py      AlignConfig (section `align`) and the sections `dlrl align` reads

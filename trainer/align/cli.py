@@ -38,8 +38,8 @@ from trainer.align.replicas import ServingPool
 from trainer.align.report import format_events, format_versions
 from trainer.cli import Stopper
 from trainer.config import TrainConfig
-from trainer.dist import RankError
-from trainer.fleet import FleetError
+from trainer.infra.dist import RankError
+from trainer.infra.fleet import FleetError
 from trainer.loop import StopRequested
 from trainer.run import Run, build_run, resolve_token
 from weight_sync import WeightSyncError

@@ -12,7 +12,7 @@ One step (`trainer.loop.rl_step` with `Aligner.collect` and `Aligner.stepped`): 
 from the store -> the step's share of feedback records (none staler
 than `align.max_staleness` versions) -> on-policy rollouts for the rest (`trainer.loop.collect`,
 prompts from the growing source) -> `trainer.loop.learn` on the mixed batch (feedback rewards
-are the users'; importance weights from the recorded behaviour log-probs, `trainer.correction`;
+are the users'; importance weights from the recorded behaviour log-probs, `trainer.rl.correction`;
 advantages: see `trainer.align.data`) -> push to the rollout servers (`Publisher.push`) -> the
 new version in the registry (parent, step, data consumed). Every `align.promote_every` steps the
 policy is a candidate: the gate (`trainer.align.gate`) on the rollout servers, then the rolling
@@ -37,11 +37,11 @@ from trainer.align.gate import Gate
 from trainer.align.metrics import AlignMetrics, CountedStore
 from trainer.align.promote import Candidate, FeedbackTally, Promoter
 from trainer.align.report import plot_serving
-from trainer.ds_engine import named_full_params
+from trainer.infra.ds_engine import named_full_params
 from trainer.loop import LoopHooks, collect, rl_step, train_loop
-from trainer.metrics_log import plot_curves
-from trainer.rollouts import Batch
-from trainer.train_metrics import TrainMetrics
+from trainer.monitor.metrics_log import plot_curves
+from trainer.monitor.train_metrics import TrainMetrics
+from trainer.rl.rollouts import Batch
 
 if TYPE_CHECKING:
     from store import FeedbackStore
@@ -86,7 +86,7 @@ class Aligner(LoopHooks):
         self.promoter: Promoter | None = None
         self.counts = {"promotions": 0, "rollbacks": 0, "gate_failed": 0, "reverts": 0}
         self.promotion_paused = False  # the console's pause: candidates that pass the gate wait (newest kept)
-        if run.prom is None:  # the training step metrics on the controller's port (trainer.train_metrics)
+        if run.prom is None:  # the training step metrics on the controller's port (trainer.monitor.train_metrics)
             run.prom = TrainMetrics(self.metrics.registry)
 
     @property

@@ -18,7 +18,7 @@ Feedback records are exact off-policy data: the server recorded the token ids, t
 trace and the behaviour log-probability of every token under the weights (`version`) that
 generated the whole sample. A record becomes a `rollout_client.protocol.rollout.Rollout` carrying that
 trace and version; the learner's importance correction (`train.is_correction`, see
-`trainer.correction`) recomputes the log-probs under the current weights and weights each
+`trainer.rl.correction`) recomputes the log-probs under the current weights and weights each
 token by pi_current / mu_behaviour, so staleness is corrected exactly (and bounded by
 `align.max_staleness`, except for records of the version serving now: the replicas trail the
 trainer by a whole promotion, canary window included, and no fresher feedback exists). Greedy records (temperature 0) were produced by a deterministic
@@ -50,9 +50,9 @@ import numpy as np
 
 from dllm.trace import Trace
 from rollout_client.protocol.rollout import Rollout
-from trainer.data import example_from_record
+from trainer.data.prompts import example_from_record
 from trainer.loop import StopRequested
-from trainer.rollouts import Batch
+from trainer.rl.rollouts import Batch
 
 log = logging.getLogger("dlrl.align")
 
@@ -142,7 +142,7 @@ class StaticPrompts:
 
 class PromptPool:
     """The trainer's sampler over a growing source (`next_batch`, `state_dict`, `load_state_dict`,
-    as `trainer.data.PromptSampler`); `batch_size` may change between batches."""
+    as `trainer.data.prompts.PromptSampler`); `batch_size` may change between batches."""
 
     def __init__(self, source, batch_size: int, seed: int = 0, wait_s: float = 600.0,
                  should_stop: Callable[[], bool] = lambda: False) -> None:

@@ -5,7 +5,7 @@
     cand = gate.scores(rollout_fleet.generate) | gate.kl(rollout_fleet.generate, policy, reference)
     result = gate.check(cand, serving)       # GateResult(passed, reasons, candidate, serving)
 
-1. **No regression**: greedy held-out accuracy by `trainer.evaluate.evaluate` (the code behind
+1. **No regression**: greedy held-out accuracy by `trainer.evaluation.evaluate.evaluate` (the code behind
    `dlrl eval`) is at least the serving version's minus `align.tolerance`.
 2. **KL budget**: the candidate (the trainer's policy, pushed to the rollout servers) samples
    `align.kl_prompts` held-out prompts; trace replay rebuilds every denoising state and scores the
@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 import torch
 
 from dllm.replay import Rows, build_rows
-from trainer.evaluate import DecodingSetting, SettingResult, evaluate
-from trainer.replay import chunked_token_logprobs
-from trainer.rollouts import sampling_kwargs
+from trainer.evaluation.evaluate import DecodingSetting, SettingResult, evaluate
+from trainer.rl.replay import chunked_token_logprobs
+from trainer.rl.rollouts import sampling_kwargs
 
 _DEGENERATE = re.compile(r"(.{1,4}?)\1{3,}", re.DOTALL)
 

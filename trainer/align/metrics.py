@@ -18,7 +18,7 @@ dlrl_align_feedback_to_serving_seconds (histogram: from a user's feedback to a s
 trained on it), dlrl_align_steps_total, dlrl_align_candidates_total{outcome=passed_gate|gated_out|canary|promoted|
 superseded|rolled_back} (counted from the registry events, `CountedStore`), dlrl_align_promotion_paused.
 The training steps' own metrics (dlrl_train_*: step time by phase, reward, KL, staleness) are
-served on the same port (trainer.train_metrics).
+served on the same port (trainer.monitor.train_metrics).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from trainer.train_metrics import MetricsEndpoint
+from trainer.monitor.train_metrics import MetricsEndpoint
 
 _LATENCY_BUCKETS = (10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400, 43200, 86400)
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainer.align.replicas import LiveStats
-from trainer.fleet import FleetError
+from trainer.infra.fleet import FleetError
 
 log = logging.getLogger("dlrl.align")
 SETTLE_S = 1.0  # after the canary push: requests that waited for it finish before the window opens

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TypedDict
 
 from trainer.align.replicas import ServingPool
-from trainer.fleet import FleetError
+from trainer.infra.fleet import FleetError
 
 
 class _Bounds(TypedDict):

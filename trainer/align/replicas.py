@@ -1,7 +1,7 @@
 """ServingPool: the serving replicas as `dlrl align` sees them, through one `ServerFleet` client.
 
 The serving replicas answer users and receive only promoted versions; the rollout servers the
-trainer generates on are `run.fleet` (trainer.fleet.ServerFleet), a disjoint set.
+trainer generates on are `run.fleet` (trainer.infra.fleet.ServerFleet), a disjoint set.
 
     pool = ServingPool(["http://127.0.0.1:8101", "http://127.0.0.1:8102"], token, sync_options)
     pool.version(url)            # int, or None while the replica is down
@@ -25,7 +25,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from rollout_client.client import AdminError, RolloutError
-from trainer.fleet import FleetError, ServerFleet
+from trainer.infra.fleet import FleetError, ServerFleet
 
 log = logging.getLogger("dlrl.align")
 

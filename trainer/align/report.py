@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import TypeGuard
 
-from trainer.metrics_log import read_jsonl, save_figure
+from trainer.monitor.metrics_log import read_jsonl, save_figure
 
 
 def _num(x: object) -> TypeGuard[int | float]:

@@ -19,7 +19,7 @@ from typing import Any
 
 from trainer.align import cli
 from trainer.align.controller import Aligner
-from trainer.rollouts import Batch
+from trainer.rl.rollouts import Batch
 
 FLIP_ENV = "DLRL_TEST_FLIP_REWARD_STEPS"
 

@@ -28,7 +28,7 @@ from trainer.align.data import (
 from trainer.align.gate import target_logprobs
 from trainer.loop import StopRequested, score, sequence_advantages
 from trainer.rewards import build_reward
-from trainer.rollouts import Batch
+from trainer.rl.rollouts import Batch
 
 
 def test_tailed_jsonl_reads_complete_lines_as_they_are_appended(tmp_path):

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from dllm.export import export_pretrained
-from trainer.dist import init_process_group
+from trainer.infra.dist import init_process_group
 from weight_sync.sources import module_layout, split_parts
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -117,7 +117,7 @@ class _LayerCompilable(Protocol):  # a model that can torch.compile its layers (
 def build_engine(model: nn.Module, cfg: DSConfig):
     """Wrap `model` in a DeepSpeed engine with a torch AdamW (and warmup LambdaLR). Build it
     once per run: the optimizer state (Adam moments, step) persists across RL steps. The
-    process group is the job's (`trainer.dist.init_process_group`: a launcher's ranks, or one).
+    process group is the job's (`trainer.infra.dist.init_process_group`: a launcher's ranks, or one).
     Train with `engine.module.forward_train(...)` (or `engine(...)` for `forward`), then
     `engine.backward(loss)` and `engine.step()` per micro-batch."""
     cfg.validate()

@@ -10,7 +10,7 @@
 and flushed as each step is logged. On restart the file is read back: a torn last line is cut
 off and steps at or below the last logged one are skipped, so re-running a step after a crash
 never duplicates it. TensorBoard (`tb/`) is optional: without the `tensorboard` package only
-the JSONL and the console are written; `trackers` (trainer.trackers: wandb, mlflow, trackio)
+the JSONL and the console are written; `trackers` (trainer.monitor.trackers: wandb, mlflow, trackio)
 get every numeric value too. Non-numeric values go to the JSONL only.
 
 Console: on a terminal a progress bar; when stdout is not one (nohup, Slurm, Kubernetes logs)

@@ -12,7 +12,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from trainer.fleet import FleetError
+from trainer.infra.fleet import FleetError
 
 log = logging.getLogger("dlrl.train")
 

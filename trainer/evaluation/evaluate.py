@@ -1,5 +1,5 @@
 """Evaluation with dlrl servers: pass@1 / pass@k, response length, tokens per forward and
-wall time for each decoding setting. `dlrl eval` (trainer/eval_cli.py) and the trainer's
+wall time for each decoding setting. `dlrl eval` (trainer/evaluation/cli.py) and the trainer's
 periodic evaluation both call `evaluate`.
 
     examples = load_eval_examples("data/math500.jsonl", tokenizer=tok)   # MATH500 / GSM8K style
@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.data import load_prompts
+from trainer.data.prompts import load_prompts
 from trainer.rewards import extract_boxed, score_batch
 
 
@@ -108,7 +108,7 @@ def gold_answer(record: dict, where: str) -> str:
 def load_eval_examples(path: str | Path, prompt_field: str = "", answer_field: str = "", tokenizer=None,
                        prompt_template: str = "{prompt}", system_prompt: str = "", limit: int = 0,
                        split: str = "train", require_answer: bool = True) -> list[dict]:
-    """Records of any source (trainer.data_sources) -> examples with `prompt` (chat-templated when a
+    """Records of any source (trainer.data.sources) -> examples with `prompt` (chat-templated when a
     tokenizer is given) and `answer` (GSM8K's `#### 72` tail, or MATH's \\boxed{} of `solution`)."""
     examples = load_prompts(path, prompt_field=prompt_field or None, answer_field=answer_field or None,
                             require_answer=False, prompt_template=prompt_template, tokenizer=tokenizer,
@@ -125,7 +125,7 @@ def load_eval_examples(path: str | Path, prompt_field: str = "", answer_field: s
 
 def generate(generate_fn, prompts: list, n: int, batch_size: int, **kw) -> list:
     """All rollouts for `prompts` (n each, prompt-major), `batch_size` prompts at a time, through
-    `generate_fn(prompts, n, **sampling)` (a `trainer.fleet.ServerFleet.generate`)."""
+    `generate_fn(prompts, n, **sampling)` (a `trainer.infra.fleet.ServerFleet.generate`)."""
     out = []
     for i in range(0, len(prompts), batch_size):
         out += generate_fn(prompts[i:i + batch_size], n, **kw)

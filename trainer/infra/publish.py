@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from dllm.weights import parse_dtype
-from trainer.dist import Ranks
-from trainer.ds_engine import named_full_params
-from trainer.faults import Faults
-from trainer.fleet import FleetError, ServerFleet
+from trainer.infra.dist import Ranks
+from trainer.infra.ds_engine import named_full_params
+from trainer.infra.faults import Faults
+from trainer.infra.fleet import FleetError, ServerFleet
 from weight_sync import drain, iter_deepspeed_params, weights_digest
 
 log = logging.getLogger("dlrl.train")

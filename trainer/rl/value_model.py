@@ -14,7 +14,7 @@ gradients never reach the policy. Parameters are fp32 unless `dtype` says otherw
 Optimizer: the value model has its own. With `lr` it owns a plain `torch.optim.AdamW`
 (`value.optimizer`; `value.save(path)` / `value.load(path)` checkpoint both), which is what the
 tiny default uses. For large models wrap it in a second DeepSpeed engine instead:
-`trainer.ds_engine.build_engine(ValueModel(policy), DSConfig(...))` (same process group, its
+`trainer.infra.ds_engine.build_engine(ValueModel(policy), DSConfig(...))` (same process group, its
 own AdamW and ZeRO sharding, checkpointed with `ds_engine.save_checkpoint`). The policy may be
 a ZeRO-3 partitioned module: its parameters are gathered while they are copied.
 """
@@ -30,7 +30,7 @@ from torch import nn
 from dllm.config import SDARConfig
 from dllm.model import RMSNorm, SDARForCausalLM
 from dllm.weights import copy_into_model
-from trainer.ds_engine import named_full_params
+from trainer.infra.ds_engine import named_full_params
 
 
 class ValueModel(nn.Module):

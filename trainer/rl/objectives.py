@@ -6,7 +6,7 @@
   reference.
 - `random_mask` / `complementary_masks`: the masks of the random-masking and coupled
   baselines (diffu-GRPO / coupled-GRPO); the learner scores them through the same surrogate
-  with their 1/t ELBO weights folded into the advantages (`trainer.learner.baseline_rows`).
+  with their 1/t ELBO weights folded into the advantages (`trainer.rl.learner.baseline_rows`).
 - `value_loss`: PPO-style clipped value loss.
 - `OBJECTIVES`: the registry of `train.objective` (`@register_objective(name)` over a loss of the
   train config; the learner and the loop look the objective up there, no branches on its name).
@@ -166,7 +166,7 @@ MaskFn = Callable[[torch.Tensor, "torch.Generator | None"], tuple[list[torch.Ten
 class ObjectiveSpec:
     """One `train.objective`: its loss from the train config, and `masks` for the masked-diffusion
     baselines (valid [B,L] -> (masks, ts): the rows are fresh random masks with 1/t ELBO weights,
-    `trainer.learner.baseline_rows`); None: the rows are the replayed trace steps."""
+    `trainer.rl.learner.baseline_rows`); None: the rows are the replayed trace steps."""
 
     name: str
     loss: LossFn

@@ -18,8 +18,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from trainer.dist import Ranks
-from trainer.ds_engine import has_checkpoint, load_checkpoint, read_client_state, save_checkpoint
+from trainer.infra.dist import Ranks
+from trainer.infra.ds_engine import has_checkpoint, load_checkpoint, read_client_state, save_checkpoint
 
 log = logging.getLogger("dlrl.train")
 

@@ -1,7 +1,7 @@
 """Prompt data for RL: loading and a resumable, seeded, epoch-based prompt sampler.
 
 `load_prompts(spec)` reads the records of a JSONL / JSON / Parquet / CSV file, a `datasets`
-save_to_disk folder or a hub dataset id (`trainer.data_sources`; `split`, `limit`) and returns
+save_to_disk folder or a hub dataset id (`trainer.data.sources`; `split`, `limit`) and returns
 examples `{**record, "prompt": <text to generate from>, "answer": <str>}` (rewards read
 `example["answer"]`, code rewards `example["tests"]`). Field names are configurable; by default
 the prompt comes from the first of `question`, `prompt`, `problem` and the answer from
@@ -30,8 +30,8 @@ from typing import Protocol
 
 import numpy as np
 
-from trainer.data_sources import read_records
-from trainer.data_sources import source_problem as problem
+from trainer.data.sources import read_records
+from trainer.data.sources import source_problem as problem
 
 DEFAULT_PROMPT_FIELDS = ("question", "prompt", "problem")
 DEFAULT_ANSWER_FIELDS = ("ground_truth_answer", "answer")
@@ -104,7 +104,7 @@ def example_from_record(record, where: str, prompt_field: str | None = None, ans
 def load_prompts(path: str | Path, prompt_field: str | None = None, answer_field: str | None = None,
                  require_answer: bool = True, prompt_template: str = "{prompt}", tokenizer=None,
                  system_prompt: str | None = None, limit: int | None = None, split: str = "train") -> list[dict]:
-    """Records of `path` (any source of trainer.data_sources; `split` for datasets / hub ids) ->
+    """Records of `path` (any source of trainer.data.sources; `split` for datasets / hub ids) ->
     examples, the first `limit`. Errors name the file, the line / row and the missing field."""
     examples: list[dict] = []
     for where, record in read_records(str(path), split):

@@ -8,7 +8,7 @@
 Talks to the servers at `eval.servers`; when none answers (and `eval.start_server`), starts
 `dlrl serve` with `eval.model` (and any `server.*` overrides) and stops it at the end;
 `eval.own_server=true` always starts a private one on a free local port. Before evaluating it
-reads what every server holds (model name, weight version, checksum: trainer.eval_check) and,
+reads what every server holds (model name, weight version, checksum: trainer.evaluation.check) and,
 when `eval.model` is set, refuses a server holding other weights (`eval.verify`); what was
 evaluated is recorded in results.json (`served`).
 `eval.block_sizes` decodes with each block size in turn (a started server is restarted with
@@ -35,11 +35,17 @@ from dlrl_config import Config, ConfigError, load_sections
 from dlrl_config.cli import add_check_args, config_file, print_check
 from rollout_client.client import RolloutError
 from trainer.config import ServerKeys
-from trainer.data import report
-from trainer.eval_check import check_served
-from trainer.evaluate import evaluate, format_table, load_eval_examples, make_settings, write_results
-from trainer.fleet import ServerFleet
-from trainer.local_servers import LocalServer, new_token
+from trainer.data.prompts import report
+from trainer.evaluation.check import check_served
+from trainer.evaluation.evaluate import (
+    evaluate,
+    format_table,
+    load_eval_examples,
+    make_settings,
+    write_results,
+)
+from trainer.infra.fleet import ServerFleet
+from trainer.infra.local_servers import LocalServer, new_token
 from trainer.preflight import eval_problems
 from trainer.rewards import build_reward
 from trainer.run import resolve_token

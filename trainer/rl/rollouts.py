@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rollout_client.protocol.rollout import Rollout
-from trainer.dist import Ranks
+from trainer.infra.dist import Ranks
 
 log = logging.getLogger("dlrl.train")
 

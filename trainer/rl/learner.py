@@ -27,15 +27,15 @@ from collections.abc import Callable
 import torch
 
 from dllm.replay import Rows, replay_hidden
-from trainer.correction import is_weights, mismatch_stats
-from trainer.dist import Ranks
-from trainer.faults import Faults
-from trainer.objectives import OBJECTIVES, value_loss
-from trainer.replay import chunked_token_logprobs
+from trainer.infra.dist import Ranks
+from trainer.infra.faults import Faults
+from trainer.rl.correction import is_weights, mismatch_stats
+from trainer.rl.objectives import OBJECTIVES, value_loss
+from trainer.rl.replay import chunked_token_logprobs
 
 
 def _policy_loss(cfg, new_lp, old_lp, adv, mask, ref_lp, entropy, weights=None):
-    """The loss of `cfg.objective` from the registry (trainer.objectives.OBJECTIVES). The
+    """The loss of `cfg.objective` from the registry (trainer.rl.objectives.OBJECTIVES). The
     random-masking / coupled baselines are on-policy (ratio 1) with their 1/t ELBO weights and
     per-sequence normalisation folded into the advantages by `baseline_rows`, which gives the
     same gradient as the masked-diffusion baseline losses but lets them share the mini-batch

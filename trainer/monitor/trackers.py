@@ -5,7 +5,7 @@ imported only when asked for.
     for t in trackers: t.log(step, {"reward_mean": 0.4})        # numbers only
     for t in trackers: t.close()
 
-- `tensorboard` is written by trainer.metrics_log.MetricsLogger itself (`output_dir/tb`).
+- `tensorboard` is written by trainer.monitor.metrics_log.MetricsLogger itself (`output_dir/tb`).
 - `wandb`: `wandb.init(project=$WANDB_PROJECT or "dlrl", name=run_name, dir=output_dir)`; all of
   wandb's environment applies (`WANDB_MODE=offline`, `WANDB_API_KEY`, `WANDB_ENTITY`, ...).
 - `mlflow`: the tracking URI from `MLFLOW_TRACKING_URI`, else a local file store in

@@ -14,7 +14,7 @@ client per batch. The weight data plane is `weight_sync` (one sender per server 
 open across pushes). Only rank 0 uses the control plane; every rank may generate.
 
 The three views of "the servers": this module is the CLIENT of the servers a run generates
-on (wherever they run); trainer/local_servers.py holds the PROCESSES the trainer starts itself
+on (wherever they run); trainer/infra/local_servers.py holds the PROCESSES the trainer starts itself
 on this machine when none answers (`start_missing` launches them); trainer/align/replicas.py is
 `dlrl align`'s SERVING replicas (a separate pool that only receives promoted versions), one
 ServerFleet per replica.
@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from rollout_client.client import AdminError, RolloutClient
 from rollout_client.protocol.rollout import Rollout
-from trainer.local_servers import is_local
+from trainer.infra.local_servers import is_local
 from weight_sync import ServerRestarted, WeightSender, WeightSyncError
 
 log = logging.getLogger("dlrl.train")

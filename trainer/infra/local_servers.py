@@ -1,5 +1,5 @@
 """Local server PROCESSES: the `dlrl serve` processes the trainer (and `dlrl eval`) start themselves
-on this machine when none answers at a local address (trainer.fleet.ServerFleet is the client
+on this machine when none answers at a local address (trainer.infra.fleet.ServerFleet is the client
 that talks to them, or to servers running anywhere else).
 
     srv = LocalServer("http://127.0.0.1:8000", "configs/tiny.yaml", model="", overrides=[...],

@@ -1,0 +1,2 @@
+"""What a run reports: the metrics log (JSONL, TensorBoard, lines, curves), Prometheus
+metrics of the training steps, the experiment trackers."""
