@@ -31,7 +31,7 @@ COMMANDS = {
     "generate": ("dllm.generate_cli", "generate_main"),
     "serve": ("server.cli", "main"),
     "train": ("trainer.cli", "main"),
-    "eval": ("trainer.evaluation.cli", "main"),
+    "eval": ("trainer.eval_cli", "main"),
     "align": ("trainer.align.cli", "main"),
     "versions": ("trainer.align.cli", "versions_main"),
 }
@@ -40,7 +40,7 @@ PREFLIGHT_COMMANDS = ("serve", "train", "eval")  # --check also checks files, im
 SECTION_CLASSES = {
     "model": "dllm.embedded.sft:TinyModelConfig", "task": "dllm.embedded.task:ArithmeticTask", "sft": "dllm.embedded.sft:SFTConfig",
     "server": "server.config:ServerConfig", "train": "trainer.config:TrainConfig",
-    "eval": "trainer.evaluation.cli:EvalConfig", "align": "trainer.align.config:AlignConfig",
+    "eval": "trainer.eval_cli:EvalConfig", "align": "trainer.align.config:AlignConfig",
     "users": "trainer.align.config:UsersConfig", "generate": "dllm.generate_cli:GenerateConfig"}
 COMMAND_SECTIONS = {  # command -> (its own section: bare key=value overrides, the sections it reads)
     "sft": ("sft", ["sft", "model", "task"]),

@@ -6,7 +6,7 @@ import yaml
 
 from dlrl_config import load_sections
 from trainer.config import TrainConfig
-from trainer.evaluation.cli import EvalConfig
+from trainer.eval_cli import EvalConfig
 
 
 @pytest.fixture

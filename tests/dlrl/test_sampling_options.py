@@ -13,7 +13,7 @@ from rollout_client.protocol.common import DecodingOptions
 from server.config import ServerConfig
 from trainer.align.config import UsersConfig
 from trainer.config import TrainConfig
-from trainer.evaluation.cli import EvalConfig
+from trainer.eval_cli import EvalConfig
 
 SAMPLING_SECTIONS: list[tuple[type[Config], str]] = [(TrainConfig, "train"), (EvalConfig, "eval"),
                                                      (GenerateConfig, "generate")]

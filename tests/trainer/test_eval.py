@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from tests.helpers import ADMIN_TOKEN
-from trainer.evaluation.cli import main as eval_main
+from trainer.eval_cli import main as eval_main
 from trainer.evaluation.evaluate import EvalError, load_eval_examples, make_settings, pass_at_k
 
 

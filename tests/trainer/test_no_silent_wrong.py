@@ -11,7 +11,7 @@ import pytest
 from dllm.export import export_pretrained
 from dlrl_config import ConfigError, load_sections
 from trainer.config import TrainConfig
-from trainer.evaluation.cli import main as eval_main
+from trainer.eval_cli import main as eval_main
 
 TOKEN = "first-day-token"
 

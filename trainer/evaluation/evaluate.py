@@ -1,5 +1,5 @@
 """Evaluation with dlrl servers: pass@1 / pass@k, response length, tokens per forward and
-wall time for each decoding setting. `dlrl eval` (trainer/evaluation/cli.py) and the trainer's
+wall time for each decoding setting. `dlrl eval` (trainer/eval_cli.py) and the trainer's
 periodic evaluation both call `evaluate`.
 
     examples = load_eval_examples("data/math500.jsonl", tokenizer=tok)   # MATH500 / GSM8K style
