@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections import abc
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -50,6 +51,9 @@ from dllm.sampling import SamplingParams, counter_uniforms, needs_filter
 from dllm.sequence import GenerationOutput, Sequence, step_inputs, to_output
 from dllm.step import DecodeStep, columns, padding_row, sample_and_commit
 from dllm.trace import FinishReason
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["BlockDecoder", "Postprocessor", "SeqOutput", "StepOutput", "CacheFull", "GenerationOutput", "Sequence", "check_fits", "generate", "to_output",
            "transfer_schedule"]
@@ -88,8 +92,8 @@ class StepOutput:
 class BlockDecoder:
     """Batched block decoding over a block-paged KV cache (one slot + its own pages per sequence)."""
 
-    def __init__(self, model: SDARForCausalLM, *, max_batch: int, max_len: int, eos_ids=None,
-                 tokenizer=None, use_cache: bool = True, num_pages: int | None = None, compile: bool | str = False,
+    def __init__(self, model: SDARForCausalLM, *, max_batch: int, max_len: int,
+                 eos_ids: abc.Iterable[int] | None = None, tokenizer: PreTrainedTokenizerBase | None = None, use_cache: bool = True, num_pages: int | None = None, compile: bool | str = False,
                  cuda_graphs: bool = False):
         cfg = model.config
         self.model, self.tokenizer, self.use_cache = model, tokenizer, use_cache
@@ -118,7 +122,7 @@ class BlockDecoder:
     def num_free_slots(self) -> int:
         return len(self.free_slots)
 
-    def new_sequence(self, prompt_ids, params: SamplingParams, seq_id=None) -> Sequence:
+    def new_sequence(self, prompt_ids: list[int], params: SamplingParams, seq_id: int | None = None) -> Sequence:
         """A sequence to `add`; a bad prompt or parameter raises FieldError (TooLong when it does not fit)."""
         self.validate(prompt_ids, params)
         return Sequence(prompt_ids, params, self.block_size, self.mask_id, seq_id)
@@ -136,7 +140,7 @@ class BlockDecoder:
         """KV pages the sequence holds while it runs: its prompt + max_tokens, in blocks."""
         return -(-(len(seq.prompt_ids) + seq.params.max_tokens) // self.block_size) if self.use_cache else 0
 
-    def num_admissible(self, seqs) -> int:
+    def num_admissible(self, seqs: abc.Sequence[Sequence]) -> int:
         """How many of `seqs`, taken in order, can be added now (free slots and free KV pages)."""
         num, pages = 0, self.cache.num_free_pages if self.cache is not None else 0  # None: use_cache=False
         for s in seqs:
@@ -277,7 +281,8 @@ class BlockDecoder:
 
 
 def generate(model: SDARForCausalLM, prompts_ids: list[list[int]], params: SamplingParams | list[SamplingParams],
-             tokenizer=None, use_cache: bool = True, eos_ids=None) -> list[GenerationOutput]:
+             tokenizer: PreTrainedTokenizerBase | None = None, use_cache: bool = True,
+             eos_ids: abc.Iterable[int] | None = None) -> list[GenerationOutput]:
     """Decode all prompts together; returns one GenerationOutput per prompt, in order."""
     plist = params if isinstance(params, list) else [params] * len(prompts_ids)
     bs = model.config.block_size

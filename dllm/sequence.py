@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from dllm.detokenize import TextStream
 from dllm.sampling import SamplingParams, param_row
 from dllm.strategy import Strategy
 from dllm.trace import FinishReason, Trace
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _ids = itertools.count()
 
@@ -116,7 +120,7 @@ def step_inputs(s: Sequence) -> list:
             Strategy(s.params.strategy).code, float(s.params.threshold), s.slot or 0, 1.0, *param_row(s.params)]
 
 
-def to_output(s: Sequence, tokenizer=None) -> GenerationOutput:
+def to_output(s: Sequence, tokenizer: PreTrainedTokenizerBase | None = None) -> GenerationOutput:
     assert s.finish_reason is not None, f"to_output: sequence {s.seq_id} is not finished"
     return GenerationOutput(s.prompt_ids, s.completion_ids, s.text, s.finish_reason, s.trace, s.num_forwards,
                             s.error)

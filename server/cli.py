@@ -17,11 +17,14 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dlrl_config import ConfigError
 from dlrl_config.cli import DEFAULT_CONFIG, add_check_args, config_file, print_check
 from server.config import ServerConfig, load_server_config
+
+if TYPE_CHECKING:
+    from server.engine.engine import Engine
 
 log = logging.getLogger("dlrl.server")
 
@@ -72,7 +75,7 @@ def resolve_model(config: ServerConfig, config_path: str | None, overrides: list
         raise SystemExit(0) from None
 
 
-def build_engine(config: ServerConfig, model_path: str):
+def build_engine(config: ServerConfig, model_path: str) -> Engine:
     from server.engine.backends import create_backend
     from server.engine.engine import Engine
 

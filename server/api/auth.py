@@ -80,7 +80,8 @@ def check_bearer(expected: str, authorization: str | None, what: str = "admin",
     """Raise HTTPException unless `authorization` is `Bearer <expected>` (`what`: whose token).
     With `request`, failures are counted, logged and throttled per client (AuthGuard of the app)."""
     if request is None:
-        return _compare(expected, authorization, what, disabled_hint)
+        _compare(expected, authorization, what, disabled_hint)
+        return
     guard, ip = auth_guard(request.app), request.client.host if request.client else ""
     guard.check(what, ip)
     try:

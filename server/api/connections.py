@@ -185,7 +185,8 @@ def reserve_only(app: ASGI3Application) -> ASGI3Application:
 
     async def wrapped(scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
         if scope["type"] != "http" or _is_reserved(scope["path"]):
-            return await app(scope, receive, send)
+            await app(scope, receive, send)
+            return
         body = error_body(503, "too many connections: this server's connection limit is reached "
                                "(server.max_connections / max_connections_per_ip); retry later")
         import json

@@ -62,14 +62,15 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
                       "param": _printable(param), "code": status}}
 
 
-def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None):
+def error_response(status: int, message: str, param: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
 _UNION_TAGS = {"system", "developer", "user", "assistant", "tool"}  # chat message roles (discriminator)
 
 
-def _is_type_tag(part) -> bool:
+def _is_type_tag(part: object) -> bool:
     return isinstance(part, str) and ("[" in part or part.startswith(("constrained-", "function-"))
                                       or part in {"str", "int", "float", "bool", "list", "dict", "none"})
 
@@ -149,34 +150,34 @@ def _count(request: Request, status: int) -> None:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         _count(request, exc.status)
         return error_response(exc.status, exc.message, exc.param, exc.headers)
 
     @app.exception_handler(FieldError)
-    async def _field_error(request: Request, exc: FieldError):
+    async def _field_error(request: Request, exc: FieldError) -> JSONResponse:
         status = 413 if isinstance(exc, TooLong) else 400
         _count(request, status)
         return error_response(status, str(exc), exc.field)
 
     @app.exception_handler(RequestExpired)
-    async def _request_expired(request: Request, exc: RequestExpired):
+    async def _request_expired(request: Request, exc: RequestExpired) -> JSONResponse:
         status = exc.deadline_status
         _count(request, status)
         return error_response(status, str(exc), None, {"Retry-After": "1"} if status == 503 else None)
 
     @app.exception_handler(RequestFailed)
-    async def _request_failed(request: Request, exc: RequestFailed):
+    async def _request_failed(request: Request, exc: RequestFailed) -> JSONResponse:
         _count(request, 500)
         return error_response(500, str(exc))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError):
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         _count(request, 400)
         return validation_error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         param = exc.param if isinstance(exc, BodyTooLarge) else None
         if param:
@@ -184,7 +185,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status_code, message, param, getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         _count(request, 500)
         return error_response(500, f"internal error: {type(exc).__name__}")

@@ -142,7 +142,7 @@ def chat_logprobs(tok: PreTrainedTokenizerBase, seq: Sequence, k: int) -> ChatLo
 
 # --------------------------------------------------------------------------- endpoints
 
-async def completions(body: CompletionRequest, request: Request):
+async def completions(body: CompletionRequest, request: Request) -> CompletionResponse | StreamingResponse:
     st, t0 = server_state(request.app), time.perf_counter()
     check_model(body.model, st.engine.model_name)
     if body.is_scoring():  # echo + logprobs: prompt log-likelihoods (server/api/likelihood.py)
@@ -177,7 +177,7 @@ async def completions(body: CompletionRequest, request: Request):
                                 usage=usage, version=max(s.trace.version for s in seqs))
 
 
-async def chat(body: ChatCompletionRequest, request: Request):
+async def chat(body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | StreamingResponse:
     st, t0 = server_state(request.app), time.perf_counter()
     check_model(body.model, st.engine.model_name)
     assert body.n is not None and body.add_generation_prompt is not None, "null means the default"

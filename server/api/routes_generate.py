@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
 
 from rollout_client.protocol.chat import ChatCompletionRequest, ChatCompletionResponse
 from rollout_client.protocol.common import new_id
@@ -57,13 +58,13 @@ async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
 
 
 @router.post("/v1/completions", response_model=None, responses={**_json_or_sse(CompletionResponse), **ERRORS})
-async def completions(body: CompletionRequest, request: Request):
+async def completions(body: CompletionRequest, request: Request) -> CompletionResponse | StreamingResponse:
     return await openai_api.completions(body, request)
 
 
 @router.post("/v1/chat/completions", response_model=None,
              responses={**_json_or_sse(ChatCompletionResponse), **ERRORS})
-async def chat_completions(body: ChatCompletionRequest, request: Request):
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | StreamingResponse:
     return await openai_api.chat(body, request)
 
 

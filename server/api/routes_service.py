@@ -50,7 +50,7 @@ async def health(request: Request) -> HealthResponse:
 
 
 @router.get("/ready", response_model=HealthResponse, responses=error_responses(503))
-async def ready(request: Request):
+async def ready(request: Request) -> HealthResponse | Response:
     st = server_state(request.app)
     engine = st.engine
     if st.is_draining:

@@ -171,10 +171,8 @@ def test_vllm_request_metrics_count_the_requests_and_every_series_names_the_mode
 
 def test_json_logs_carry_request_id_version_and_timing(served):
     srv, _ = served
-    events = []
-    for line in srv.log_path.read_text().splitlines():
-        if line.startswith("{"):
-            events.append(json.loads(line))  # every JSON-looking line is one whole event
+    # every JSON-looking line is one whole event
+    events = [json.loads(line) for line in srv.log_path.read_text().splitlines() if line.startswith("{")]
     mine = [e for e in events if e.get("request_id") == "client-42"]
     assert len(mine) == 1, events[-5:]
     e = mine[0]

@@ -58,9 +58,7 @@ def test_sigterm_drains_inflight_stream_refuses_new_and_exits_0(serve_process, l
     def stream() -> None:
         body = {"prompt": "7", "stream": True, "return_trace": True, "max_tokens": DRAIN_TOKENS, **LONG}
         with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=300) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    events.append(json.loads(line[6:]))
+            events.extend(json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {"))
 
     reader = threading.Thread(target=stream)
     reader.start()

@@ -38,7 +38,7 @@ import copy
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -51,6 +51,9 @@ from dllm.weights import load_pretrained, parse_dtype
 from dlrl_config import ConfigError
 from server.engine.scheduler import KVBudget, ScheduledBatch
 from server.engine.sequence import ServerSequence
+
+if TYPE_CHECKING:
+    from dllm.config import SDARConfig
 
 log = logging.getLogger("dlrl.server")
 DEFAULT_MAX_LEN = 8192
@@ -106,7 +109,7 @@ class KVPlan:
                 f"once, up to max_batch={self.max_batch} when shorter")
 
 
-def plan_kv_cache(cfg, dtype: torch.dtype, *, max_batch: int, max_len: int, memory: int, fraction: float,
+def plan_kv_cache(cfg: SDARConfig, dtype: torch.dtype, *, max_batch: int, max_len: int, memory: int, fraction: float,
                   available: int) -> KVPlan:
     """Pages of the KV cache from a memory budget; ConfigError when one max_len sequence does not fit."""
     per_token = KVCache.bytes_per_token(cfg, dtype)
