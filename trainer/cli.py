@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dllm.embedded.sft import SFTStopped
+from dllm.embedded.sft_config import SFTStopped  # torch-free: --help and --check stay light
 from dllm.embedded.tiny import TINY_SECTIONS
 from dlrl_config import ConfigError, load_sections
 from dlrl_config.cli import add_check_args, print_check

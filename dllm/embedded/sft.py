@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from dllm.config import SDARConfig
 from dllm.decoding import generate
-from dllm.embedded.sft_config import SFTConfig, TinyModelConfig
+from dllm.embedded.sft_config import SFTConfig, SFTStopped, TinyModelConfig
 from dllm.embedded.task import ArithmeticTask
 from dllm.model import SDARForCausalLM
 from dllm.sampling import SamplingParams
@@ -114,10 +114,6 @@ def evaluate(model: SDARForCausalLM, tokenizer: PreTrainedTokenizerBase, example
         outs = generate(model, [encode(tokenizer, e["prompt"]) for e in chunk], params, tokenizer)
         correct += sum(o.text.strip() == e["answer"] for o, e in zip(outs, chunk))
     return correct / max(1, len(examples))
-
-
-class SFTStopped(Exception):
-    """The SFT was stopped by a signal; nothing was written (its temporary folder is removed)."""
 
 
 class _Interrupted(BaseException):

@@ -40,3 +40,7 @@ class SFTConfig(Config):
     eval_size: int = Field(200, ge=1)  # held-out problems evaluated at the end
     max_new_tokens: int = Field(8, ge=1)  # answer length at evaluation
     num_threads: int = Field(0, ge=0)  # torch CPU threads (0 = default)
+
+
+class SFTStopped(Exception):
+    """The SFT was stopped by a signal; nothing was written (its temporary folder is removed)."""
