@@ -7,6 +7,11 @@ this holds for keys up to one 128-token flex block: with longer dynamic key leng
 template fails to compile or indexes out of bounds, so the long-length test needs CUDA.
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -26,26 +31,44 @@ def max_flex_sdpa_diff(model, ids, monkeypatch) -> float:
     return (flex - sdpa).abs().max().item()
 
 
-def test_one_compilation_serves_twenty_lengths(monkeypatch):
-    # from a fresh compile: a flex kernel another test of this process compiled (other shapes) would make
-    # more dimensions dynamic, which inductor's CPU flex template does not handle (NaN at 72 keys)
-    torch._dynamo.reset()
-    monkeypatch.setattr(attention, "_flex_compiled", None)
-    torch.manual_seed(0)
-    model = SDARForCausalLM(tiny_config()).eval()
-    import torch.nn.attention.flex_attention as fa
+_TWENTY_LENGTHS = """
+import os, torch
+import torch.nn.attention.flex_attention as fa
+from torch._dynamo.utils import counters
+from dllm.model import SDARForCausalLM
+from tests.helpers import tiny_config
 
-    built = []
-    real = fa.create_block_mask
-    monkeypatch.setattr(fa, "create_block_mask", lambda *a, **kw: built.append(a[3:5]) or real(*a, **kw))
-    before = counters["stats"]["unique_graphs"]
-    lengths = [17 + 5 * i for i in range(20)]  # 17 .. 112: one flex block of keys (see the module docstring)
-    for i, L in enumerate(lengths):
-        ids = torch.randint(0, 63, (2 + i % 2, L))
-        assert max_flex_sdpa_diff(model, ids, monkeypatch) < 1e-4, L
-    compiled = counters["stats"]["unique_graphs"] - before
-    assert 1 <= compiled <= 2, compiled
-    assert built == [(L, L) for L in lengths]  # one block mask per forward, shared by both layers
+torch.manual_seed(0)
+model = SDARForCausalLM(tiny_config()).eval()
+built, real = [], fa.create_block_mask
+fa.create_block_mask = lambda *a, **kw: built.append(a[3:5]) or real(*a, **kw)
+lengths = [17 + 5 * i for i in range(20)]  # 17 .. 112: one flex block of keys (see the module docstring)
+for i, L in enumerate(lengths):
+    ids = torch.randint(0, 63, (2 + i % 2, L))
+    with torch.no_grad():
+        os.environ["DLRL_ATTN"] = "flex"
+        flex = model(ids)
+        os.environ["DLRL_ATTN"] = "sdpa"
+        sdpa = model(ids)
+    diff = (flex - sdpa).abs().max().item()
+    assert diff < 1e-4, (L, diff)
+compiled = counters["stats"]["unique_graphs"]
+assert 1 <= compiled <= 2, compiled
+assert built == [(L, L) for L in lengths], built  # one block mask per forward, shared by both layers
+print("ok", compiled)
+"""
+
+
+def test_one_compilation_serves_twenty_lengths():
+    """In a fresh interpreter: what it measures is compilation from a clean process (the server's
+    case); inside the suite, kernels other tests compiled (other shapes, thread settings) change what
+    inductor's CPU flex template is asked to build, and it then read NaN at 72 keys."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    env.pop("DLRL_ATTN", None)
+    r = subprocess.run([sys.executable, "-c", _TWENTY_LENGTHS], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr[-3000:]
 
 
 def test_block_mask_is_built_once_and_follows_the_mask_rule():
