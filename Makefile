@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[server,train,postgres,data,dev]'
 	$(PY) -m tests.browser  # headless Chromium for the align console test (apt-get as root when missing)
+	$(PY) -m trainer.extensions  # DeepSpeed's CPU op, built once here rather than inside the first `dlrl train`
 	touch $(STAMP)
 
 test: install

@@ -7,6 +7,8 @@
 On CPU, DeepSpeed builds its shared-memory communication op (`deepspeed_shm_comm`) the first
 time a process group starts: minutes on a small box, silently. `dlrl train` / `dlrl align` (and
 `make train`, whose Makefile points at the same folder) build it once into this cache and reuse it.
+`make install` builds it ahead (`python -m trainer.extensions`), so the first `dlrl train` of a fresh
+machine (or of a new virtual environment: torch's build hash includes the venv's paths) does not stall.
 """
 
 from __future__ import annotations
@@ -52,3 +54,17 @@ def announced_build(cpu: bool, op: str = CPU_OP) -> Iterator[None]:
     finally:
         rest = "".join(line for line in out.getvalue().splitlines(keepends=True) if "built successfully" not in line)
         sys.stdout.write(rest)
+
+
+def build_cpu_op() -> bool:
+    """Build (or find built) DeepSpeed's CPU communication op now; False where DeepSpeed has no such op."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    ensure_extensions_dir()
+    from deepspeed.comm.torch import build_shm_op
+
+    with announced_build(cpu=True):
+        return build_shm_op() is not None
+
+
+if __name__ == "__main__":
+    print(f"DeepSpeed CPU op {CPU_OP}: {'ready' if build_cpu_op() else 'not available'} in {ensure_extensions_dir()}")
