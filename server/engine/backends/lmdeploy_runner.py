@@ -187,6 +187,7 @@ class LMDeployRunner:
         self._cond = threading.Condition()
         self._streams: dict[int, _Stream] = {}  # seq_id -> its LMDeploy request
         self._loop = _Loop()
+        self._closed = False
         self._loop.call(self._start_engine)
         self._instances = [self._loop.call(engine.create_instance) for _ in range(max_batch)]
         log.info("%s", settings.describe())
@@ -393,6 +394,9 @@ class LMDeployRunner:
             yield bucket
 
     def close(self) -> None:
+        if self._closed:  # the server's shutdown and a caller's may both close it
+            return
+        self._closed = True
         with self._cond:
             streams, self._streams = list(self._streams.values()), {}
         for stream in streams:
