@@ -194,6 +194,17 @@ def test_missing_lmdeploy_is_a_clear_error(tiny_model_dir, capsys):
     assert "dlrl serve: error: server.backend=lmdeploy: the lmdeploy package is not installed" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("options,key", [
+    ({"device": "cpu"}, "server.device"), ({"kv_cache_memory": 1 << 30}, "server.kv_cache_memory"),
+    ({"compile": True}, "server.compile"),
+])
+def test_native_only_options_name_the_key(options, key):
+    from dlrl_config import ConfigError
+
+    with pytest.raises(ConfigError, match=key):
+        LMDeployRunner.from_pretrained("unused", **options)
+
+
 def test_no_cuda_is_a_clear_error(monkeypatch):
     import sys
     import types

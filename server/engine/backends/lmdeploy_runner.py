@@ -99,6 +99,20 @@ def load_lmdeploy() -> Any:
     return lmdeploy
 
 
+def check_options(*, device: str, kv_cache_memory: int, compile: bool) -> None:
+    """ConfigError naming the server key for native-only options (they would do nothing here)."""
+    from dlrl_config import ConfigError
+
+    if device not in ("", "auto") and not device.startswith("cuda"):
+        raise ConfigError(f"server.device: the lmdeploy backend runs on CUDA only, got {device!r}")
+    if kv_cache_memory:
+        raise ConfigError("server.kv_cache_memory: LMDeploy sizes its KV cache as a share of free memory; set "
+                          "server.kv_cache_fraction instead (0 here)")
+    if compile:
+        raise ConfigError("server.compile: the lmdeploy backend runs LMDeploy's own kernels (server.cuda_graphs "
+                          "turns its CUDA graphs on); set server.compile=false")
+
+
 def lmdeploy_api() -> LMDeployAPI:
     from lmdeploy import GenerationConfig
     from lmdeploy.serve.openai.protocol import UpdateParamsRequest
@@ -201,8 +215,10 @@ class LMDeployRunner:
     def from_pretrained(cls, path: str | Path, *, dtype: str = "auto", max_batch: int = 16, max_model_len: int = 0,
                         trust_remote_code: bool = False, block_size: int = 0, mask_token_id: int = -1,
                         kv_cache_fraction: float = 0.8, cuda_graphs: bool = False, strategy: str = "dynamic",
-                        threshold: float = 0.9, lmdeploy_steps: int = 0, **_: Any) -> LMDeployRunner:
-        """Check lmdeploy and CUDA, load the host copy and dlrl's tokenizer, build LMDeploy's engine."""
+                        threshold: float = 0.9, lmdeploy_steps: int = 0, device: str = "auto",
+                        kv_cache_memory: int = 0, compile: bool = False, **_: Any) -> LMDeployRunner:
+        """Check the options, lmdeploy and CUDA, load the host copy and dlrl's tokenizer, build LMDeploy's engine."""
+        check_options(device=device, kv_cache_memory=kv_cache_memory, compile=compile)
         lmdeploy = load_lmdeploy()
         from lmdeploy.pytorch.engine import Engine as PytorchEngine
 
