@@ -30,12 +30,10 @@ stream out, with its own scheduler, KV cache and CUDA graphs. The Runner Protoco
 Weights: `model` is a host copy of the served weights (dlrl's SDAR module, HF names, the
 served dtype): the weight-sync receiver validates, digests and keeps versions against it, and
 `apply_weights` (the receiver's apply, and rollback's) pushes a full set of tensors with
-LMDeploy's own path, in DiRL's order: `sleep(level=2)` (weights and KV cache released: no
-stale prefix cache can survive) -> `wakeup(["weights"])` -> `update_params` per
-FlattenedTensorBucket (one dtype, at most `update_bucket_bytes`, CUDA IPC in-process; the last
-one `finished=True`) -> `wakeup(["kv_cache"])`, then copies the tensors into the host copy. If
-LMDeploy fails half-way, the host copy (still the served version) is pushed back the same way
-and the update fails (the version does not change). It costs one host copy of the weights.
+LMDeploy's own path in DiRL's order -- sleep level 2 -> wake weights -> update_params per
+FlattenedTensorBucket -> wake KV cache -- then copies them into the host copy; a failure half-way
+pushes the served weights back (server/engine/backends/lmdeploy_weights.py). It costs one host
+copy of the weights.
 
 lmdeploy is imported lazily (`load_lmdeploy`): missing, or no CUDA device, is BackendUnavailable
 naming `server.backend` (LMDeploy's PyTorch engine has no CPU device). Tests drive the runner
@@ -65,6 +63,7 @@ from dllm.sequence import Sequence
 from dllm.trace import FinishReason
 from server.engine.backends.base import BackendUnavailable
 from server.engine.backends.lmdeploy_params import DLLMSettings, engine_kwargs, generation_kwargs
+from server.engine.backends.lmdeploy_weights import apply_full, push
 from server.engine.scheduler import KVBudget, ScheduledBatch
 from server.engine.sequence import ServerSequence
 
@@ -361,53 +360,9 @@ class LMDeployRunner:
 
     # ------------------------------------------------------------------ weights
     def apply_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """A full set of HF-named tensors -> LMDeploy (sleep -> wake weights -> update -> wake KV cache),
-        then the host copy; on an LMDeploy failure the served weights are pushed back (module docstring)."""
-        from dllm.weights import WeightLoadError, copy_into_model, hf_tensors
-
-        named = list(named)
-        missing = {n for n, _ in hf_tensors(self.model)} - {n for n, _ in named}
-        if missing:  # level-2 sleep drops every weight: a partial push would serve garbage
-            raise WeightLoadError(f"lmdeploy backend: an update must carry every tensor; missing "
-                                  f"{sorted(missing)[0]!r} ({len(missing)} in all)")
-        try:
-            self._push(named)
-        except Exception as e:
-            log.error("lmdeploy weight update failed (%r): pushing the served weights back", e)
-            try:
-                self._push(list(hf_tensors(self.model)))
-            except Exception as again:
-                raise RuntimeError(f"lmdeploy weight update failed ({e}) and restoring the served weights failed "
-                                   f"too ({again}): restart the server") from e
-            raise
-        copy_into_model(self.model, named, strict=True)
-
-    def _push(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """DiRL's order: sleep level 2 -> wake weights -> update_params buckets -> wake kv_cache."""
-        self._loop.run(self.engine.sleep(2))
-        self._loop.call(self.engine.wakeup, ["weights"])
-        buckets = list(self.buckets(named))
-        for i, bucket in enumerate(buckets):
-            payload = self.api.serialize_bucket([(n, t.to(self.device)) for n, t in bucket])
-            request = self.api.update_request(serialized_named_tensors=payload, load_format="flattened_bucket",
-                                              finished=i == len(buckets) - 1)
-            self._loop.call(self.engine.update_params, request)
-        self._loop.call(self.engine.wakeup, ["kv_cache"])
-
-    def buckets(self, named: list[tuple[str, torch.Tensor]]) -> Iterable[list[tuple[str, torch.Tensor]]]:
-        """Tensors in the served dtype, grouped by dtype, at most `update_bucket_bytes` each (one tensor at least)."""
-        dtype = self.model.dtype
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, t in named:
-            nbytes = t.numel() * dtype.itemsize
-            if bucket and size + nbytes > self.update_bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, t.to(dtype)))
-            size += nbytes
-        if bucket:
-            yield bucket
+        """A full set of HF-named tensors -> LMDeploy, then the host copy (server/engine/backends/lmdeploy_weights.py)."""
+        apply_full(self.model, named, lambda ts: push(self._loop, self.engine, self.api, ts, dtype=self.model.dtype,
+                                                      device=self.device, bucket_bytes=self.update_bucket_bytes))
 
     def close(self) -> None:
         if self._closed:  # the server's shutdown and a caller's may both close it
