@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the LMDeploy kit for a device machine without network (Python 3.12, torch 2.11 + CUDA, transformers and
 # triton already there): run here, in the repo root (PyPI reachable); the folder is git-ignored, committed nowhere,
-# and travels with `carry: [".whl", ".lmdkit"]` next to benchmarks/device_kit.sh's dlrl wheels (~10 MiB).
+# and travels with `carry: [".whl", ".lmdkit"]` next to benchmarks/device_kit.sh's dlrl wheels (~16 MiB).
 #   .lmdkit/lmdeploy-$LMDEPLOY-*.whl   LMDeploy's wheel WITHOUT the turbomind binary (_turbomind*.so and its
 #                                      static libs: ~350 MiB of the 106 MiB wheel's 390 MiB; the PyTorch engine,
 #                                      which serves SDAR, never loads it), RECORD rewritten to match
@@ -22,7 +22,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 LMDEPLOY=${LMDEPLOY:-0.18.0}
 DEPS=(mmengine-lite yapf addict termcolor platformdirs pybase64 pyzmq shortuuid partial-json-parser xgrammar
-      apache-tvm-ffi==0.1.11)
+      apache-tvm-ffi==0.1.11
+      rich markdown-it-py mdurl pygments colorama pillow)  # imported too; an image with torch may lack them
 PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any)
 exclude=$(git rev-parse --git-path info/exclude)
