@@ -12,7 +12,8 @@ stream out, with its own scheduler, KV cache and CUDA graphs. The Runner Protoco
   sequence run; `run(batch)` starts the admitted sequences there, waits (at most POLL_S) until
   some running sequence has a block's worth of new tokens (or ended), and hands back those
   blocks: a dlrl "step" is one completed block per ready sequence, not one denoising forward
-  (`num_forwards` counts blocks; the step metrics measure blocks);
+  (`num_forwards` counts blocks; a step in which no block was ready within POLL_S hands back
+  nothing, so step metrics count these polls too);
 - dlrl's scheduler admits against slots only (`KVBudget(num_pages=0)`): LMDeploy pages its own
   KV cache and queues what does not fit;
 - dlrl's post-processor still decides stop ids, stop strings, max_tokens and the finish reason
