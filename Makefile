@@ -44,7 +44,8 @@ FAST_TESTS := \
 	tests/trainer/test_rewards.py \
 	tests/trainer/test_rewards_custom.py \
 	tests/trainer/align/test_align_gate.py \
-	tests/weight_sync/test_weight_sync_manifest.py
+	tests/weight_sync/test_weight_sync_manifest.py \
+	tests/server/test_lmdeploy_params.py
 
 test-fast: install
 	$(PY) -m pytest -q -x $(FAST_TESTS) $(ARGS)

@@ -14,6 +14,10 @@ arithmetic (used by replay, advantages and metrics). Torch-free (pydantic only).
     trace = Trace(prompt_len=3, block_size=4, steps=[1, 1, 2], logprobs=[-0.1, -0.5, -0.2])
     trace.global_steps(shrink=2), trace.num_forwards, trace.model_dump()
 
+A trace-free trace (`trace_free=True`, e.g. from the lmdeploy backend, which reports no
+per-token steps) keeps the token count but its steps and logprobs are 0s; `backend` names
+the runner that produced it. Both fields default to the native engine's (wire compatible).
+
 `FinishReason` is why a sequence ended: a `str` enum, so it is its plain string on the wire
 and in stores ("stop", "length", "abort", "error").
 """
@@ -47,6 +51,19 @@ class Trace(BaseModel):
     # full-attention models (dllm.full) only; None for block-causal SDAR (and absent from older traces):
     cache_mode: str | None = None  # "exact" (every forward recomputes every position) or "prefix" (Fast-dLLM)
     canvas_len: int | None = None  # positions every denoising forward saw: prompt + max_tokens, to whole blocks
+    # True: the engine could not report how tokens were committed (steps and logprobs are 0s, not a
+    # trace): objectives that replay traces refuse it; random masking / coupled RL train from it
+    trace_free: bool = False
+    backend: str = ""  # the runner that generated it, when it is not the native one (named in refusals)
+
+    def published(self, finish_reason: FinishReason | None = None) -> Trace:
+        """A copy to hand out (responses, records): a trace-free one carries 0 steps and logprobs,
+        never the decoder's own numbers (a withheld trace stays withheld)."""
+        update: dict[str, object] = {"finish_reason": finish_reason or self.finish_reason}
+        if self.trace_free:
+            update |= {"steps": [0] * len(self.steps), "logprobs": [0.0] * len(self.logprobs),
+                       "tail_steps": [0] * len(self.tail_steps)}
+        return self.model_copy(update=update, deep=True)
 
     def block_of(self, j: int) -> int:
         """Block index of generated token j (blocks are aligned to position 0 of prompt + completion)."""

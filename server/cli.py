@@ -75,6 +75,14 @@ def resolve_model(config: ServerConfig, config_path: str | None, overrides: list
         raise SystemExit(0) from None
 
 
+def backend_options(config: ServerConfig) -> dict[str, Any]:
+    """The keys only one backend reads: lmdeploy's engine-wide decoding, native's withheld traces."""
+    if config.backend == "lmdeploy":
+        return {"strategy": config.default_strategy, "threshold": config.default_threshold,
+                "lmdeploy_steps": config.lmdeploy_steps}
+    return {"trace_free": config.trace_free}
+
+
 def build_engine(config: ServerConfig, model_path: str) -> Engine:
     from server.engine.backends import create_backend
     from server.engine.engine import Engine
@@ -84,7 +92,7 @@ def build_engine(config: ServerConfig, model_path: str) -> Engine:
                              trust_remote_code=config.trust_remote_code, block_size=config.block_size,
                              mask_token_id=config.mask_token_id, kv_cache_memory=config.kv_cache_memory,
                              kv_cache_fraction=config.kv_cache_fraction, keep_versions=config.keep_versions,
-                             compile=config.compile, cuda_graphs=config.cuda_graphs)
+                             compile=config.compile, cuda_graphs=config.cuda_graphs, **backend_options(config))
     return Engine(backend, max_queue=config.max_queue, model_name=config.model_name(model_path))
 
 
@@ -115,10 +123,17 @@ def main(argv: list[str] | None = None) -> int:
     from server.api.connections import ConnectionLimits, bounded_protocol
     from server.api.lifecycle import GracefulServer
     from server.api.state import server_state
+    from server.engine.backends import BackendUnavailable, check_backend
 
+    try:
+        check_backend(config.backend)  # lmdeploy installed, a CUDA device: before a model is resolved or trained
+    except BackendUnavailable as e:
+        parser.exit(2, f"dlrl serve: error: {e}\n")
     model_path = resolve_model(config, config_path, args.overrides)
     try:
         engine = build_engine(config, model_path)
+    except BackendUnavailable as e:
+        parser.exit(2, f"dlrl serve: error: {e}\n")
     except ConfigError as e:  # e.g. the KV cache cannot hold one sequence of max_model_len
         parser.exit(2, f"dlrl serve: error: {e}\n")
     except (ValueError, FileNotFoundError) as e:  # bad folder / option: the message names it

@@ -24,7 +24,7 @@ from dllm.options import Temperature, Threshold
 from dllm.strategy import Strategy, StrategyField
 from dlrl_config import Config, load_section
 
-Backend = Literal["native"]
+Backend = Literal["native", "lmdeploy"]  # lmdeploy: server/engine/backends/lmdeploy_runner.py (CUDA)
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
 RecordMode = Literal["none", "sample", "all"]
@@ -55,6 +55,8 @@ class ServerConfig(Config):
     kv_cache_fraction: float = Field(0.8, gt=0, le=1)  # share of free CUDA memory / available RAM after the weights
     compile: bool = False            # torch.compile the static decode step (dllm/step.py): faster steps, slow start
     cuda_graphs: bool = False        # CUDA only: capture each bucket's decode step once, replay it (ran on an H200)
+    trace_free: bool = False         # withhold traces: rollouts marked trace-free, steps/logprobs 0 (as lmdeploy's)
+    lmdeploy_steps: int = Field(0, ge=0)  # backend=lmdeploy: denoising steps per block, engine-wide (0 = block size)
     trust_remote_code: bool = False  # run the model folder's own Python code (tokenizer/config); never asked
     block_size: int = Field(0, ge=0)  # 0 = config.json's; set it for folders that lack it (or to decode with another)
     mask_token_id: int = Field(-1, ge=-1)  # -1 = config.json's, else the tokenizer's <|MASK|>

@@ -234,10 +234,31 @@ def collect(run: Run, attempts: int = 3) -> Batch:
     raise RuntimeError(f"rollouts failed {attempts} times; last error: {error}")
 
 
+def trace_free_problem(cfg: TrainConfig, rollouts: list[Rollout]) -> str | None:
+    """Why these rollouts cannot train `cfg` (None: they can): a trace-free rollout (Trace.trace_free,
+    e.g. from server.backend=lmdeploy) has no denoising steps or behaviour log-probabilities, which
+    trace replay, the value model's step-wise GAE and the IS corrections need."""
+    free = next((r.trace for r in rollouts if r.trace is not None and r.trace.trace_free), None)
+    if free is None:
+        return None
+    needs = ([f"train.objective={cfg.objective}"] if OBJECTIVES[cfg.objective].masks is None else []) + \
+        (["train.use_value_model=true"] if cfg.use_value_model else [])
+    if not needs:
+        return None
+    working = ", ".join(n for n, spec in OBJECTIVES.items() if spec.masks is not None)
+    return (f"{' and '.join(needs)} needs decoding traces, but the rollouts of server backend "
+            f"{free.backend or 'native'!r} are trace-free (no denoising steps or behaviour log-probabilities); "
+            f"train from them with train.objective in ({working}) and train.use_value_model=false, "
+            "or serve with server.backend=native (exact traces)")
+
+
 def learn(run: Run, batch: Batch, step: int, t: Timer | None = None) -> dict[str, Any]:
     """Rewards -> advantages -> replay -> update on this rank's batch (collective); returns
     the step's training and batch metrics, reduced over all ranks."""
     cfg, t = run.cfg, t if t is not None else Timer()
+    problem = trace_free_problem(cfg, batch.rollouts)
+    if run.ranks.max([float(problem is not None)])[0]:  # one decision for all ranks
+        raise ValueError(problem or "trace-free rollouts on another rank (see its log)")
     with t("reward"):
         rewards = score(run, batch)
     seq_adv, keep, num_filtered = sequence_advantages(cfg, rewards)

@@ -154,7 +154,16 @@ async def stream_events(engine: Engine, req: EngineRequest) -> AsyncGenerator[tu
 
 
 def trace_model(seq: Sequence) -> Trace:
-    return seq.trace.model_copy(update={"finish_reason": seq.finish_reason}, deep=True)
+    """The trace a response carries (a trace-free one: 0 steps and logprobs, `Trace.published`)."""
+    return seq.trace.published(seq.finish_reason)
+
+
+def check_logprobs(engine: Engine, asked: bool, field: str = "logprobs") -> None:
+    """400 naming `field` when log-probabilities are asked of a runner that cannot give them (lmdeploy)."""
+    backend = engine.backend
+    if asked and not getattr(backend, "has_top_logprobs", True):
+        raise APIError(400, f"{field}: the {backend.name} backend returns no log-probabilities aligned to the "
+                            "generated tokens (serve with server.backend=native for logprobs)", field)
 
 
 def to_sample(seq: Sequence, index: int, n: int, return_trace: bool = True) -> Sample:

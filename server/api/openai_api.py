@@ -51,7 +51,14 @@ from rollout_client.protocol.openai import (
 )
 from server.api import likelihood
 from server.api.errors import APIError, error_body
-from server.api.generation import prepare, run_to_completion, stream_events, submit, trace_model
+from server.api.generation import (
+    check_logprobs,
+    prepare,
+    run_to_completion,
+    stream_events,
+    submit,
+    trace_model,
+)
 from server.api.state import server_state
 from server.engine.engine import EngineEvent
 from server.engine.sequence import ServerSequence as Sequence
@@ -145,6 +152,7 @@ def chat_logprobs(tok: PreTrainedTokenizerBase, seq: Sequence, k: int) -> ChatLo
 async def completions(body: CompletionRequest, request: Request) -> CompletionResponse | StreamingResponse:
     st, t0 = server_state(request.app), time.perf_counter()
     check_model(body.model, st.engine.model_name)
+    check_logprobs(st.engine, body.logprobs is not None)
     if body.is_scoring():  # echo + logprobs: prompt log-likelihoods (server/api/likelihood.py)
         return await likelihood.completions(body, request)
     assert body.n is not None, "null means the default (_NullIsDefault)"
@@ -180,6 +188,7 @@ async def completions(body: CompletionRequest, request: Request) -> CompletionRe
 async def chat(body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | StreamingResponse:
     st, t0 = server_state(request.app), time.perf_counter()
     check_model(body.model, st.engine.model_name)
+    check_logprobs(st.engine, bool(body.logprobs))
     assert body.n is not None and body.add_generation_prompt is not None, "null means the default"
     for name in ("max_tokens", "max_completion_tokens"):  # the one not used must be in range too
         if (getattr(body, name) or 0) >= st.engine.max_model_len:

@@ -19,7 +19,7 @@ from rollout_client.protocol.common import new_id
 from rollout_client.protocol.native import GenerateRequest, GenerateResponse
 from rollout_client.protocol.openai import CompletionRequest, CompletionResponse, ModelCard, ModelList
 from server.api import likelihood, openai_api
-from server.api.generation import prepare, run_to_completion, to_sample
+from server.api.generation import check_logprobs, prepare, run_to_completion, to_sample
 from server.api.openapi import error_responses
 from server.api.state import server_state
 from server.recording.recording import record_ids
@@ -43,6 +43,7 @@ async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
     openai_api.check_model(body.model, st.engine.model_name)
     assert body.n is not None and body.return_trace is not None, "null means the default (_NullIsDefault)"
     if body.max_tokens == 0:  # prompt log-likelihoods (server/api/likelihood.py)
+        check_logprobs(st.engine, True, "max_tokens")
         return await likelihood.generate(body, request)
     field = "prompt" if body.prompt is not None else "prompt_ids"
     max_tokens = body.max_tokens if "max_tokens" in body.model_fields_set else None

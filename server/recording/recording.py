@@ -206,7 +206,7 @@ class Recorder:
                 id=sample.id, created=sample.created, server=self.server, version=int(seq.trace.version),
                 prompt=sample.prompt, prompt_ids=list(seq.prompt_ids), completion_ids=list(seq.completion_ids),
                 text=seq.text, finish_reason=seq.finish_reason, sampling=_params(seq.params),
-                trace={**seq.trace.model_dump(), "finish_reason": seq.finish_reason})
+                trace=seq.trace.published(seq.finish_reason).model_dump())
         except Exception as e:  # a record that cannot be built must not fail the request
             log.error("cannot record a sample: %s: %s", type(e).__name__, e)
             self._dropped("error", 1)

@@ -24,7 +24,8 @@ Rollback (issue 19): after each applied update (and at start) the served weights
 copied to host memory in a worker thread (server.weights.weight_versions, the last
 `server.keep_versions`); `rollback(v)` goes through the same `engine.apply_update` window:
 it pauses between sequences like a commit, re-checks the kept copy's digest, copies it back
-with `copy_into_model`, and the engine serves v.
+with `copy_into_model`, and the engine serves v. A runner with its own update path
+(`runner.apply_weights`: lmdeploy's sleep -> update_params -> wakeup) is used for both instead.
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ def _hf_tensors(model: Any) -> Any:
 
 
 def _default_apply(engine: Any) -> Callable[[list[tuple[str, torch.Tensor]]], Any]:
+    """The runner's own `apply_weights` when it has one (lmdeploy: its update path), else copy_into_model."""
+    own = getattr(getattr(engine, "backend", None), "apply_weights", None)
+    if own is not None:
+        return own
     from dllm.weights import copy_into_model  # the one function that writes parameters
 
     return lambda named: copy_into_model(engine.model, named, strict=True)
@@ -72,8 +77,9 @@ class WeightUpdates:
         self._write_lock = asyncio.Lock()        # one weight change at a time (commit apply or rollback)
         self._weights_lock = threading.Lock()    # held while a rollback copies or a digest reads
         self.abort_inflight, self.drain_timeout_s = abort_inflight, drain_timeout_s
+        self.apply_fn = apply_fn or _default_apply(engine)  # updates and rollbacks alike
         self.receiver = WeightReceiver(
-            lambda: dict(_hf_tensors(engine.model)), apply_fn or _default_apply(engine),
+            lambda: dict(_hf_tensors(engine.model)), self.apply_fn,
             served_version=lambda: int(engine.version), lease_s=lease_s, check_finite=check_finite,
         )
         self._commits: dict[int, asyncio.Task] = {}
@@ -281,11 +287,9 @@ class WeightUpdates:
             await self.engine.pause(abort_inflight=True, timeout=self.drain_timeout_s)
 
     def _restore(self, version: int) -> Kept:
-        from dllm.weights import copy_into_model  # the one function that writes parameters
-
         with self._weights_lock:
             kept = self.kept.verified(version)
-            copy_into_model(self.engine.model, list(kept.tensors.items()), strict=True)
+            self.apply_fn(list(kept.tensors.items()))  # copy_into_model, or the runner's own path
         return kept
 
     def close(self) -> None:

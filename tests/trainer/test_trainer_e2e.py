@@ -55,7 +55,7 @@ def test_two_steps_change_every_param_and_sync_the_server(served, tiny_model_dir
 
 @pytest.mark.parametrize("overrides", [
     ["objective=dipo", "kl_coef=0.1", "sync_transport=http"],
-    ["objective=random_masking"],
+    # objective=random_masking alone: tests/trainer/test_trace_free.py (from trace-free rollouts)
     ["objective=coupled", "sync_transport=dist"],
     ["use_value_model=true", "gamma=1.0", "lam=0.95", "norm=sequence"],
     ["zero_stage=2", "shrink=2", "updates_per_step=2", "grad_accum=2"],

@@ -1,8 +1,8 @@
-"""Inference backends of the engine: `native` (dllm BlockDecoder). The `Backend` interface is
-where another engine plugs in (an LMDeploy adapter needs a GPU to be built and tested: see the
-README's GPU notes).
+"""Inference backends of the engine: `native` (dllm BlockDecoder) and `lmdeploy` (an in-process
+LMDeploy PyTorch engine, CUDA only: lmdeploy_runner.py). Each is imported only when chosen.
 
     backend = create_backend("native", model_path, device="auto", dtype="auto", max_batch=16)
+    backend = create_backend("lmdeploy", model_path, max_batch=32, strategy="dynamic", threshold=0.9)
 """
 
 from __future__ import annotations
@@ -12,12 +12,24 @@ from typing import Any
 from server.engine.backends.base import Backend, BackendUnavailable
 
 
+def check_backend(name: str) -> None:
+    """BackendUnavailable (naming server.backend) when `name` cannot run here; cheap, loads no model."""
+    if name == "lmdeploy":
+        from server.engine.backends.lmdeploy_runner import load_lmdeploy
+
+        load_lmdeploy()
+
+
 def create_backend(name: str, model_path: str, **kwargs: Any) -> Backend:
     if name == "native":
         from server.engine.backends.native import NativeBackend
 
         return NativeBackend.from_pretrained(model_path, **kwargs)
-    raise BackendUnavailable(f"backend: unknown {name!r} (known: native)")
+    if name == "lmdeploy":
+        from server.engine.backends.lmdeploy_runner import LMDeployRunner
+
+        return LMDeployRunner.from_pretrained(model_path, **kwargs)
+    raise BackendUnavailable(f"server.backend: unknown {name!r} (known: native, lmdeploy)")
 
 
-__all__ = ["Backend", "BackendUnavailable", "create_backend"]
+__all__ = ["Backend", "BackendUnavailable", "check_backend", "create_backend"]

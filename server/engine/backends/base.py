@@ -27,12 +27,16 @@ The runners coming next fit the same Protocol:
 - **full attention** (LLaDA, Dream): `kv_budget` with `num_pages=0` in exact mode (no block-causal
   KV reuse: each forward recomputes the whole sequence, slots bound only the batch), or the pages
   of its prefix cache in prefix-cache mode; `run` returns the same per-sequence blocks.
-- **LMDeploy in-process**: `run` drives its engine one step; where it cannot report denoising
-  steps and log-probabilities it returns the committed block with `steps`/`logprobs` zero and the
-  sequence's trace marked trace-free (rollouts for evaluation, not for trace replay).
+- **LMDeploy in-process** (server/engine/backends/lmdeploy_runner.py, built): LMDeploy generates
+  whole sequences asynchronously, so `run` hands back, per running sequence, the next block its
+  stream has completed (waiting at most a poll interval for one), with `steps`/`logprobs` zero and
+  the trace marked trace-free (`Trace.trace_free`: random masking / coupled RL train from it, trace
+  replay refuses it); `kv_budget` is unpaged (LMDeploy pages its own cache); it has
+  `apply_weights(named)` (its own update path, which server.weights uses instead of copy_into_model)
+  and `has_top_logprobs = False` (logprobs requests are a 400).
 
-`server.engine.backends.native.NativeBackend` is the one runner today (dllm's `BlockDecoder.run`, whose
-`DecodeStep` and CUDA graphs sit below it). `Backend` is the old name of the Protocol.
+`server.engine.backends.native.NativeBackend` runs dllm's `BlockDecoder.run` (its `DecodeStep` and CUDA
+graphs below it). `Backend` is the old name of the Protocol.
 """
 
 from __future__ import annotations

@@ -30,6 +30,9 @@ The scheduler's post-processor gets its own tokenizer instance (`postprocessor()
 text and applies stop strings in the engine thread) while `backend.tokenizer` is used by HTTP
 handlers on the event loop, so no tokenizer object is shared between threads. The scheduler
 accounts for slots and pages (`kv_budget`); the decoder's pool mirrors its account.
+
+`trace_free` (server.trace_free) withholds the traces: every sequence is marked trace-free and
+published with 0 steps / logprobs, as the lmdeploy backend's are (tests of the trace-free path).
 """
 
 from __future__ import annotations
@@ -144,8 +147,9 @@ class NativeBackend:
 
     def __init__(self, model: Any, tokenizer: Any, *, max_batch: int, max_model_len: int = 0,
                  eos_ids: list[int] | None = None, kv_cache_memory: int = 0, kv_cache_fraction: float = 0.8,
-                 keep_versions: int = 0, compile: bool = False, cuda_graphs: bool = False):
+                 keep_versions: int = 0, compile: bool = False, cuda_graphs: bool = False, trace_free: bool = False):
         cfg = model.config
+        self.trace_free = trace_free  # server.trace_free: withhold traces (Trace.trace_free; tests, evaluation)
         if cuda_graphs and model.device.type != "cuda":
             raise ConfigError(f"server.cuda_graphs: needs a CUDA device (the model is on {model.device})")
         self.eos_ids = sorted(set(cfg.eos_ids if eos_ids is None else eos_ids))
@@ -166,7 +170,7 @@ class NativeBackend:
                         max_batch: int = 16, max_model_len: int = 0, trust_remote_code: bool = False,
                         block_size: int = 0, mask_token_id: int = -1, kv_cache_memory: int = 0,
                         kv_cache_fraction: float = 0.8, keep_versions: int = 0, compile: bool = False,
-                        cuda_graphs: bool = False) -> NativeBackend:
+                        cuda_graphs: bool = False, trace_free: bool = False) -> NativeBackend:
         from dllm.tokenizer import eos_token_ids, load_tokenizer
 
         dev = resolve_device(device)
@@ -179,13 +183,15 @@ class NativeBackend:
         log.info("stop token ids (config.json + generation_config.json + tokenizer): %s", eos_ids)
         return cls(model, tokenizer, max_batch=max_batch, max_model_len=max_model_len, eos_ids=eos_ids,
                    kv_cache_memory=kv_cache_memory, kv_cache_fraction=kv_cache_fraction, keep_versions=keep_versions,
-                   compile=compile, cuda_graphs=cuda_graphs)
+                   compile=compile, cuda_graphs=cuda_graphs, trace_free=trace_free)
 
     def new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> ServerSequence:
         if params.stop_token_ids is not None and not params.ignore_eos:  # vLLM: they add to the eos ids
             params.stop_token_ids = sorted(set(self.eos_ids) | set(params.stop_token_ids))
         self.decoder.validate(prompt_ids, params)
-        return ServerSequence(prompt_ids, params, self.block_size, self.mask_token_id)
+        seq = ServerSequence(prompt_ids, params, self.block_size, self.mask_token_id)
+        seq.trace.trace_free = self.trace_free  # published with 0 steps / logprobs (Trace.published)
+        return seq
 
     @property
     def kv_budget(self) -> KVBudget:
