@@ -36,7 +36,8 @@ class MaskSpec:
     q_noisy: torch.Tensor | None = None  # [B, Lq] bool
     k_noisy: torch.Tensor | None = None  # [B, Lk] bool
     k_valid: torch.Tensor | None = None  # [B, Lk] bool
-    backend: str | None = None  # "sdpa" | "flex": this forward's kernel (None: DLRL_ATTN, else by device)
+    backend: str | None = None  # "sdpa" | "flex": this forward's kernel (None: DLRL_ATTN, else by device);
+    # "flash": the decode step's flash-attn kernel over the cache (`attend_cached`, called by the model)
 
     def dense(self) -> torch.Tensor:
         """Boolean mask [B, 1, Lq, Lk], True = may attend (built once, shared by all layers)."""
@@ -133,3 +134,64 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec) ->
         return _flex(q, k, v, spec)
     # grouped-query attention without materialising repeated K/V (same result, several times faster)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=spec.additive(q.dtype), enable_gqa=k.shape[1] != q.shape[1])
+
+
+# ----------------------------------------------------------------------------- decode over the KV cache
+
+DECODE_BACKENDS = ("auto", "sdpa", "flash")
+
+
+def flash_attn_importable() -> bool:
+    """Whether flash-attn (`flash_attn_with_kvcache`) can be imported here."""
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def decode_backend(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """The decode step's attention kernel: "flash" (flash-attn's `flash_attn_with_kvcache`: CUDA, fp16 /
+    bf16, head_dim a multiple of 8 up to 256) where asked or, for "auto", where it can run; else "sdpa"."""
+    if requested not in DECODE_BACKENDS:
+        raise ValueError(f"attention: unknown decode backend {requested!r} (known: {', '.join(DECODE_BACKENDS)})")
+    fits = (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
+            and head_dim <= 256)
+    if requested == "flash" and not (fits and flash_attn_importable()):
+        raise ValueError("attention: flash needs CUDA, fp16/bf16 weights, head_dim % 8 == 0 (<= 256) and flash-attn")
+    if requested == "auto":
+        return "flash" if fits and flash_attn_importable() else "sdpa"
+    return requested
+
+
+@torch.library.custom_op("dlrl::flash_decode", mutates_args=())
+def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor) -> torch.Tensor:
+    """q: [N, L, H, D] (a block of L queries per row), k/v: [N, KV, Hkv, D] (keys in position order), seqlens:
+    [N] int32 -> [N, L, H, D]: each row's queries over its keys [0, seqlens) with no causal mask (the block
+    sees the cache and all of itself). flash-attn's `flash_attn_with_kvcache` over the keys the step
+    gathered from its pages: its own `block_table` needs pages of 256k tokens (flash-attn 2), ours hold one
+    block. A custom op, so torch.compile (fullgraph) keeps it whole."""
+    from flash_attn import flash_attn_with_kvcache
+
+    return flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=False).contiguous()
+
+
+@flash_decode.register_fake
+def _flash_decode_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor) -> torch.Tensor:
+    return q.new_empty(q.shape)
+
+
+def sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: torch.Tensor) -> torch.Tensor:
+    """`flash_decode`'s definition with SDPA (any device and dtype): same shapes, same rule."""
+    keys = torch.arange(k.shape[1], device=k.device)
+    allowed = (keys[None, :] < seqlens[:, None].long())[:, None, None, :]  # [N, 1, 1, KV]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed,
+                                         enable_gqa=k.shape[2] != q.shape[2])
+    return out.transpose(1, 2)
+
+
+def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec) -> torch.Tensor:
+    """The decode step's attention with `spec.backend == "flash"`: q [N, L, H, D], k/v [N, KV, Hkv, D] ->
+    [N, L, H, D]; keys [0, block end) of each row (its last query position + 1), built once per forward."""
+    seqlens = spec.__dict__.get("_seqlens")
+    if seqlens is None:
+        seqlens = spec.__dict__["_seqlens"] = (spec.q_pos[:, -1] + 1).to(torch.int32)
+    return flash_decode(q, k, v, seqlens)

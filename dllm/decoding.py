@@ -20,7 +20,7 @@ one-block prompts; longer prompts get a cache-filling forward of their own). `ru
 denoising forward for every running sequence, each at its own position with its own
 parameters, as the static decode step (`dllm.step`: rows and keys padded to buckets,
 sampling and the commit rules as tensor ops on the device, optionally torch.compile'd or
-replayed as CUDA graphs: `compile=`, `cuda_graphs=`); the inputs go to the device in one
+replayed as CUDA graphs: `compile=`, `static_shapes=`, `cuda_graphs=`, `attention=`); the inputs go to the device in one
 copy, and one small device-to-host copy per forward brings back each row's block (ids, steps,
 logprobs) and whether its probabilities were finite. A row whose probabilities are not
 finite ends its own sequence (finish_reason "error", `seq.error` says why); the others go
@@ -94,7 +94,7 @@ class BlockDecoder:
 
     def __init__(self, model: SDARForCausalLM, *, max_batch: int, max_len: int,
                  eos_ids: abc.Iterable[int] | None = None, tokenizer: PreTrainedTokenizerBase | None = None, use_cache: bool = True, num_pages: int | None = None, compile: bool | str = False,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, static_shapes: bool = True, attention: str = "auto") -> None:
         cfg = model.config
         self.model, self.tokenizer, self.use_cache = model, tokenizer, use_cache
         self.block_size, self.mask_id = cfg.block_size, cfg.mask_token_id
@@ -105,7 +105,8 @@ class BlockDecoder:
         pages = max_batch * (self.max_len // self.block_size) if num_pages is None else num_pages
         self.cache = (KVCache(cfg, max_batch, self.max_len, model.device, model.dtype, num_pages=pages)
                       if use_cache else None)
-        self.decode = (DecodeStep(model, self.cache, max_rows=2 * max_batch, compile=compile, cuda_graphs=cuda_graphs)
+        self.decode = (DecodeStep(model, self.cache, max_rows=2 * max_batch, compile=compile, cuda_graphs=cuda_graphs,
+                                  static_shapes=static_shapes, attention=attention, max_sampled=max_batch)
                        if use_cache else None)
         self._clean_row = padding_row(self.block_size, self.mask_id)  # a clean row owed to the cache: writes
         self._clean_row[columns(self.block_size)["write"]] = 1.0

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dllm.attention import MaskSpec, attend
+from dllm.attention import MaskSpec, attend, attend_cached
 from dllm.config import SDARConfig
 from dllm.kv_cache import CacheView, KVCache
 
@@ -175,7 +175,10 @@ class Attention(nn.Module):
             k, v = cache.update(self.layer_idx, kv)  # [B, Hkv, kv_len, D] each
         else:
             k, v = k.transpose(1, 2), v.transpose(1, 2)
-        out = attend(q.transpose(1, 2), k, v, spec).transpose(1, 2)  # [B, L, H, D]
+        if spec.backend == "flash":  # the decode step on CUDA: flash-attn over the gathered keys
+            out = attend_cached(q, k.transpose(1, 2), v.transpose(1, 2), spec)  # [B, L, H, D]
+        else:
+            out = attend(q.transpose(1, 2), k, v, spec).transpose(1, 2)  # [B, L, H, D]
         out = out.view(B * L, -1) if out.is_contiguous() else out.reshape(B * L, -1)
         return self.o_proj(out)  # [B * L, hidden]
 
