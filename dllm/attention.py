@@ -13,7 +13,7 @@ The mask (dense: additive float for SDPA; a BlockMask for FlexAttention) is buil
 and cached on the MaskSpec that every layer receives. FlexAttention is compiled once with
 dynamic shapes, so one kernel serves every batch size and length (it also runs on CPU).
 Backend: env DLRL_ATTN=sdpa|flex overrides the automatic choice (flex on CUDA for heads of 16+ dims,
-which torch's flex kernels need; else SDPA) of the dense
+which torch's flex kernels need, except fp32 with grouped-query heads; else SDPA) of the dense
 and training forwards; KV-cache decode forwards always use SDPA (`MaskSpec.backend`): one
 fused kernel over the bucketed keys with the step's dense mask, no compilation per shape.
 """
@@ -74,11 +74,25 @@ class MaskSpec:
 FLEX_MIN_HEAD_DIM = 16  # torch's flex kernels refuse smaller heads ("NYI: embedding dimension ... at least 16")
 
 
-def _backend(device: torch.device, head_dim: int) -> str:
+def _backend(device: torch.device, head_dim: int, dtype: torch.dtype | None = None, gqa: bool = False) -> str:
+    """DLRL_ATTN if set; else flex on CUDA for heads of 16+ dims, except fp32 with grouped-query heads
+    (inductor's flex lowering found no kernel for it on an H200, torch 2.11: NoValidChoicesError); SDPA."""
     forced = os.environ.get("DLRL_ATTN", "").lower()
     if forced in ("sdpa", "flex"):
         return forced
+    if dtype == torch.float32 and gqa:
+        return "sdpa"
     return "flex" if device.type == "cuda" and head_dim >= FLEX_MIN_HEAD_DIM else "sdpa"
+
+
+def prepare(spec: MaskSpec, batch: int, q_len: int, kv_len: int, dtype: torch.dtype, device: torch.device,
+            head_dim: int, gqa: bool) -> None:
+    """Build the forward's mask (SDPA's additive one or flex's BlockMask) before the first layer runs, so
+    that every layer -- compiled ones included -- finds it built (one graph for all layers)."""
+    if (spec.backend or _backend(device, head_dim, dtype, gqa)) == "flex":
+        block_mask(spec, batch, q_len, kv_len, device)
+    else:
+        spec.additive(dtype)
 
 
 _flex_compiled = None
@@ -130,7 +144,7 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec) -> 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec) -> torch.Tensor:
     """q: [B, H, Lq, D], k/v: [B, Hkv, Lk, D] -> [B, H, Lq, D]."""
-    if (spec.backend or _backend(q.device, q.shape[-1])) == "flex":
+    if (spec.backend or _backend(q.device, q.shape[-1], q.dtype, k.shape[1] != q.shape[1])) == "flex":
         return _flex(q, k, v, spec)
     # grouped-query attention without materialising repeated K/V (same result, several times faster)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=spec.additive(q.dtype), enable_gqa=k.shape[1] != q.shape[1])

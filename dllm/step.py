@@ -42,7 +42,7 @@ import torch
 from dllm.attention import MaskSpec, decode_backend
 from dllm.commit import commit_mask
 from dllm.kv_cache import KVCache
-from dllm.model import RMSNorm, SDARForCausalLM
+from dllm.model import SDARForCausalLM
 from dllm.sampling import PARAM_FIELDS, sample_static
 
 log = logging.getLogger("dlrl.dllm")
@@ -129,9 +129,7 @@ class DecodeStep:
         self._rows = {R: torch.empty(R, width(B), dtype=torch.float64, device=dev) for R in self.row_buckets}
         self._k_pos = {KV: torch.arange(KV, device=dev) for KV in self.kv_buckets}
         self._out = {R: torch.arange(R, device=dev) for R in self.row_buckets}
-        for m in model.modules():  # lazy state made now: a compiled graph guards on it
-            if isinstance(m, RMSNorm):
-                m.eps_on(dev)
+        model.norms_on(dev)  # lazy state made now: a compiled graph guards on it
         self.attention = decode_backend(attention, dev, model.dtype, model.config.head_dim)
         self.fn: Callable[..., torch.Tensor] = decode_step
         self.static_shapes = bool(compile) and static_shapes
