@@ -55,6 +55,7 @@ class ServerConfig(Config):
     kv_cache_fraction: float = Field(0.8, gt=0, le=1)  # share of free CUDA memory / available RAM after the weights
     compile: bool = False            # torch.compile the static decode step (dllm/step.py): faster steps, slow start
     cuda_graphs: bool = False        # CUDA only: capture each bucket's decode step once, replay it (ran on an H200)
+    kv_admission: Literal["reserve", "optimistic"] = "reserve"  # optimistic: admit on pages in use, preempt + recompute
     trust_remote_code: bool = False  # run the model folder's own Python code (tokenizer/config); never asked
     block_size: int = Field(0, ge=0)  # 0 = config.json's; set it for folders that lack it (or to decode with another)
     mask_token_id: int = Field(-1, ge=-1)  # -1 = config.json's, else the tokenizer's <|MASK|>
