@@ -61,3 +61,32 @@ def test_optimistic_admission_preempts_and_keeps_exact_traces():
         assert a.completion_ids == b.completion_ids and a.trace.steps == b.trace.steps
         assert torch.allclose(torch.tensor(a.trace.logprobs), torch.tensor(b.trace.logprobs), atol=1e-5, rtol=0)
     assert {s.trace.version for s in optimistic} <= {0, 1}  # one version per sequence, kept across preemption
+
+
+def test_preempted_sequences_count_as_in_flight_and_abort_with_the_running():
+    """Scheduler alone (blocks of one token, one token per page): growing blocks preempt the newest; a
+    preempted sequence keeps the engine from being drained, is re-admitted while paused (only it), and a
+    pause with abort aborts it with the running ones, every page back."""
+    from server.engine.scheduler import KVBudget
+    from server.engine.sequence import SeqStatus
+
+    loop = asyncio.new_event_loop()
+    sched = Scheduler(8, kv=KVBudget(num_slots=4, num_pages=6, page_tokens=1, optimistic=True))
+    seqs = [ServerSequence([7], SamplingParams(max_tokens=4), 1, 1) for _ in range(4)]
+    for i, s in enumerate(seqs):
+        sched.enqueue(Request(f"r{i}", [s], loop))
+    batch = sched.schedule(paused=False, version=3, now=0.0)
+    assert batch.admitted == seqs[:3] and sched.free_pages == 0  # 2 pages each: prompt + the block
+    for s in batch.running:
+        s.block_done = True  # each now needs one page more
+    batch = sched.schedule(paused=True, version=4, now=1.0)
+    assert batch.preempted == [seqs[2]] and batch.admitted == [] and seqs[2].status is SeqStatus.WAITING
+    assert not sched.is_idle and sched.has_work(is_paused=True) and sched.waiting[0] is seqs[2]
+    assert seqs[2].trace.version == 3  # kept: re-admission does not stamp a new version
+    sched.abort_running()
+    released = sched.schedule(paused=True, version=4, now=2.0).released
+    assert set(map(id, released)) == {id(s) for s in seqs[:3]}
+    for s in released:
+        sched.finish(s)
+    assert sched.is_idle and sched.free_pages == 6 and [s.status for s in sched.waiting] == [SeqStatus.WAITING]
+    loop.close()
