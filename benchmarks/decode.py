@@ -71,8 +71,8 @@ def decode(engine, model, prompts, params, **kw) -> tuple[int, float, float, lis
     step = getattr(dec, "decode", None)
     if step is not None:  # the static step runs the model's layers itself: record its forwards' inputs
         fn = step.fn
-        step.fn = lambda m, cache, rows, k_pos, out_rows, filtered: calls.append((cache, rows.clone(), k_pos, out_rows)) or fn(
-            m, cache, rows, k_pos, out_rows, filtered)
+        step.fn = lambda m, cache, rows, k_pos, out_rows, filtered, *rest: calls.append((cache, rows.clone(), k_pos, out_rows)) or fn(
+            m, cache, rows, k_pos, out_rows, filtered, *rest)
     seqs = [dec.new_sequence(p, params) for p in prompts]
     t0, c0 = time.perf_counter(), time.process_time()
     run_to_end(dec, seqs)

@@ -68,8 +68,8 @@ def run_once(dec: BlockDecoder, prompts, params, device: str, record: list | Non
 
     step.run = counting_run
     if record is not None:  # the static step's inputs, for the model-alone replay
-        step.fn = lambda m, cache, rows, k_pos, out_rows, filtered: record.append(
-            (cache, rows.clone(), k_pos, out_rows)) or fn(m, cache, rows, k_pos, out_rows, filtered)
+        step.fn = lambda m, cache, rows, k_pos, out_rows, filtered, *rest: record.append(
+            (cache, rows.clone(), k_pos, out_rows)) or fn(m, cache, rows, k_pos, out_rows, filtered, *rest)
     seqs = [dec.new_sequence(p, params) for p in prompts]
     sync(device)
     t0 = time.perf_counter()
@@ -113,7 +113,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--set", nargs="*", default=[], help="config.json overrides key=int (dry runs)")
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 32, 128])
     ap.add_argument("--strategies", nargs="+", default=["static", "dynamic"])
-    ap.add_argument("--modes", nargs="+", default=["eager", "graphs"], choices=["eager", "graphs", "compile"])
+    ap.add_argument("--modes", nargs="+", default=["eager", "graphs"],
+                    choices=["eager", "graphs", "compile", "compile-graphs"],
+                    help="compile: per-bucket static torch.compile; compile-graphs: that, captured as CUDA graphs")
+    ap.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flash"],
+                    help="the decode step's attention over the cache (flash: flash-attn, CUDA fp16/bf16)")
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
@@ -140,7 +144,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for mode in args.modes:
         t1 = time.perf_counter()
         dec = BlockDecoder(model, max_batch=max(args.batches), max_len=args.prompt_len + args.max_tokens + 4,
-                           eos_ids=[], compile=mode == "compile", cuda_graphs=mode == "graphs")
+                           eos_ids=[], compile=mode.startswith("compile"), cuda_graphs=mode.endswith("graphs"),
+                           attention=args.attention)
         setup = time.perf_counter() - t1
         for strategy in args.strategies:
             params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, strategy=strategy, seed=0,

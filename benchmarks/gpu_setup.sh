@@ -6,7 +6,7 @@ OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/torch_ext
 PY=${PY:-python3}
-DRY=${DRY:-0}
+DRY=${DRY:-${DRY_RUN:-0}}
 START=$(date +%s)
 left() { echo $((BUDGET - ($(date +%s) - START))); }
 pin() {  # pin CPUS CMD...: taskset where there is one

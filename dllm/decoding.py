@@ -20,7 +20,7 @@ one-block prompts; longer prompts get a cache-filling forward of their own). `ru
 denoising forward for every running sequence, each at its own position with its own
 parameters, as the static decode step (`dllm.step`: rows and keys padded to buckets,
 sampling and the commit rules as tensor ops on the device, optionally torch.compile'd or
-replayed as CUDA graphs: `compile=`, `cuda_graphs=`); the inputs go to the device in one
+replayed as CUDA graphs: `compile=`, `static_shapes=`, `cuda_graphs=`, `attention=`); the inputs go to the device in one
 copy, and one small device-to-host copy per forward brings back each row's block (ids, steps,
 logprobs) and whether its probabilities were finite. A row whose probabilities are not
 finite ends its own sequence (finish_reason "error", `seq.error` says why); the others go
@@ -29,7 +29,12 @@ stop strings and max_tokens by `dllm.postprocess.Postprocessor`.
 
 KV memory is paged (`dllm.kv_cache`, pages of block_size tokens): a sequence takes, when
 added, the pages of its own prompt + max_tokens; `num_admissible` says how many waiting
-sequences fit now (free slots and pages).
+sequences fit now (free slots and pages). With `optimistic=True` a sequence takes only the pages
+its next forward touches and grows block by block (`num_pages_short` says how many pages the next
+step lacks); the caller makes room with `preempt(seq)`: its slot and pages go back, and it keeps
+its committed tokens, steps and current block, so when added again its clean prefix is written
+back into the cache by one cache-filling forward (recompute, as vLLM's preemption) and it goes on
+exactly where it stopped: same tokens and trace (the noise is keyed by seed, position and step).
 """
 
 from __future__ import annotations
@@ -96,7 +101,8 @@ class BlockDecoder:
 
     def __init__(self, model: SDARForCausalLM, *, max_batch: int, max_len: int,
                  eos_ids: abc.Iterable[int] | None = None, tokenizer: PreTrainedTokenizerBase | None = None, use_cache: bool = True, num_pages: int | None = None, compile: bool | str = False,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, static_shapes: bool = True, attention: str = "auto",
+                 optimistic: bool = False) -> None:
         cfg = model.config
         self.model, self.tokenizer, self.use_cache = model, tokenizer, use_cache
         self.block_size, self.mask_id = cfg.block_size, cfg.mask_token_id
@@ -107,11 +113,14 @@ class BlockDecoder:
         pages = max_batch * (self.max_len // self.block_size) if num_pages is None else num_pages
         self.cache = (KVCache(cfg, max_batch, self.max_len, model.device, model.dtype, num_pages=pages)
                       if use_cache else None)
-        self.decode = (DecodeStep(model, self.cache, max_rows=2 * max_batch, compile=compile, cuda_graphs=cuda_graphs)
+        self.decode = (DecodeStep(model, self.cache, max_rows=2 * max_batch, compile=compile, cuda_graphs=cuda_graphs,
+                                  static_shapes=static_shapes, attention=attention, max_sampled=max_batch)
                        if use_cache else None)
         self._clean_row = padding_row(self.block_size, self.mask_id)  # a clean row owed to the cache: writes
         self._clean_row[columns(self.block_size)["write"]] = 1.0
         self.free_slots = list(range(max_batch))[::-1]
+        self.optimistic = optimistic and use_cache
+        self.num_preempted = 0
         self.num_forwards = 0  # denoising forwards
         self.num_fill_forwards = 0  # cache-filling forwards of their own (prompts longer than a block)
 
@@ -139,8 +148,35 @@ class BlockDecoder:
                 raise FieldError("prompt_ids", f"invalid token id {t} (vocab {vocab}, mask id {self.mask_id})")
 
     def num_pages_needed(self, seq: Sequence) -> int:
-        """KV pages the sequence holds while it runs: its prompt + max_tokens, in blocks."""
-        return -(-(len(seq.prompt_ids) + seq.params.max_tokens) // self.block_size) if self.use_cache else 0
+        """KV pages the sequence is given when added: its prompt + max_tokens, in blocks (optimistic: the
+        pages its next forward touches)."""
+        if not self.use_cache:
+            return 0
+        return -(-self._tokens_needed(seq) // self.block_size)
+
+    def _tokens_needed(self, seq: Sequence) -> int:
+        if not self.optimistic:
+            return len(seq.prompt_ids) + seq.params.max_tokens
+        return seq.end_pos + (self.block_size if seq.block_done else 0)  # its next forward's block end
+
+    def num_pages_short(self, seqs: abc.Sequence[Sequence]) -> int:
+        """Pages the next step of these (running) sequences lacks (optimistic: 0 = it can run)."""
+        if self.cache is None:
+            return 0
+        grow = sum(max(0, self.cache.pages_for(min(self._tokens_needed(s), self.max_len))
+                       - len(self.cache.slot_pages[s.slot])) for s in seqs if s.slot is not None)
+        return max(0, grow - self.cache.num_free_pages)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Take back a running sequence's slot and KV pages; it keeps its tokens, trace and block (add it
+        again to go on: its clean prefix is recomputed into the cache first)."""
+        if seq.slot is None:
+            raise ValueError("preempt: the sequence holds no slot")
+        if self.cache is not None:
+            self.cache.free(seq.slot)
+        self.free_slots.append(seq.slot)
+        seq.slot, seq.pending, seq.preempted = None, None, True
+        self.num_preempted += 1
 
     def num_admissible(self, seqs: abc.Sequence[Sequence]) -> int:
         """How many of `seqs`, taken in order, can be added now (free slots and free KV pages)."""
@@ -163,10 +199,16 @@ class BlockDecoder:
                 s.slot = self.free_slots.pop()
             else:  # a slot its caller accounts for (server.engine.scheduler): this pool mirrors it
                 self.free_slots.remove(s.slot)
-            if self.cache is not None:
-                self.cache.allocate(s.slot, len(s.prompt_ids) + s.params.max_tokens)
-            if self.use_cache and s.block_start > 0:
+            if s.preempted:  # back after a preemption: the cache refilled from its clean prefix
+                if s.block_done:
+                    s.next_block(owe_cache=False)
+                s.preempted = False
+                clean = (s.prompt_ids + s.completion_ids)[:s.block_start]
+                s.pending = clean if self.use_cache and clean else None
+            elif self.use_cache and s.block_start > 0:
                 s.pending = s.prompt_ids[:s.block_start]  # prefilled with (or just before) the next step
+            if self.cache is not None:
+                self.cache.allocate(s.slot, self._tokens_needed(s))
 
     def release(self, seq: Sequence) -> None:
         if seq.slot is not None:
@@ -204,6 +246,8 @@ class BlockDecoder:
         for s in seqs:
             if s.block_done:
                 s.next_block(owe_cache=self.use_cache)
+            if self.optimistic and self.cache is not None and s.slot is not None:
+                self.cache.allocate(s.slot, s.end_pos)  # the block's pages (CacheFull: preempt first)
         before = sum(len(s.masked_positions()) for s in seqs)
         B, N = self.block_size, len(seqs)
         # clean blocks owed to the cache (a just-finished block, a one-block prompt) ride along with this

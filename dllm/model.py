@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dllm.attention import MaskSpec, attend
+from dllm.attention import MaskSpec, attend, attend_cached, prepare
 from dllm.config import SDARConfig
 from dllm.kv_cache import CacheView, KVCache
 
@@ -175,7 +175,10 @@ class Attention(nn.Module):
             k, v = cache.update(self.layer_idx, kv)  # [B, Hkv, kv_len, D] each
         else:
             k, v = k.transpose(1, 2), v.transpose(1, 2)
-        out = attend(q.transpose(1, 2), k, v, spec).transpose(1, 2)  # [B, L, H, D]
+        if spec.backend == "flash":  # the decode step on CUDA: flash-attn over the gathered keys
+            out = attend_cached(q, k.transpose(1, 2), v.transpose(1, 2), spec)  # [B, L, H, D]
+        else:
+            out = attend(q.transpose(1, 2), k, v, spec).transpose(1, 2)  # [B, L, H, D]
         out = out.view(B * L, -1) if out.is_contiguous() else out.reshape(B * L, -1)
         return self.o_proj(out)  # [B * L, hidden]
 
@@ -223,6 +226,21 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def mark_dynamic_lengths(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: MaskSpec) -> None:
+    """Mark the rows and lengths of a forward's layer inputs dynamic (compiled layers: one graph for every
+    batch and length, never specialised because a length happens to equal a static size such as head_dim)."""
+    mark = torch._dynamo.maybe_mark_dynamic
+    mark(x, 0)
+    for t in (cos, sin, spec.q_pos, spec.k_pos, spec.q_noisy, spec.k_noisy, spec.k_valid):
+        if t is not None:
+            mark(t, 0)
+            mark(t, 1)
+    for name in ("_dense", "_additive"):
+        if (m := spec.__dict__.get(name)) is not None:
+            for d in (0, 2, 3):
+                mark(m, d)
+
+
 class SDARModel(nn.Module):
     def __init__(self, cfg: SDARConfig) -> None:
         super().__init__()
@@ -244,6 +262,7 @@ class SDARForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.gradient_checkpointing = False
+        self._layers_compiled = False
         self.init_weights()
         self._register_load_state_dict_pre_hook(self._fuse_hf_keys)
 
@@ -271,6 +290,13 @@ class SDARForCausalLM(nn.Module):
         graph. `gradient_checkpointing` still applies around each compiled layer."""
         for layer in self.model.layers:
             layer.compile(**{"dynamic": True, **options})
+        self._layers_compiled = True
+
+    def norms_on(self, device: torch.device) -> None:
+        """Make every RMSNorm's lazy eps tensor on `device` now (a compiled graph guards on that state)."""
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.eps_on(device)
 
     def hf_layout(self, remove_duplicate: bool = True) -> list[tuple[str, nn.Parameter, list[tuple[str, int, int]] | None]]:
         """[(parameter name, parameter, parts)]: parts is None where the parameter is one HF tensor
@@ -309,10 +335,18 @@ class SDARForCausalLM(nn.Module):
 
     def hidden_states(self, ids: torch.Tensor, spec: MaskSpec, cache: CacheView | None = None) -> torch.Tensor:
         """ids: [B, L] -> final normed hidden states [B, L, hidden] (spec's mask built once, used by all layers)."""
-        x = self.model.embed_tokens(ids)
-        B, L, _ = x.shape
-        x = x.view(B * L, -1)  # the layers work on [B * L, hidden] (2-D matmuls, no per-layer reshapes)
+        B, L = ids.shape
+        # the layers work on [B * L, hidden] (2-D matmuls, no per-layer reshapes); not a view, so that the
+        # first layer's input is like the others' (compiled layers: one graph)
+        x = self.model.embed_tokens(ids.reshape(B * L))
         cos, sin = rope_cos_sin(spec.q_pos, self.config.head_dim, self.config.rope_theta, x.dtype)
+        if cache is None:  # the mask built before the layers: compiled layers then share one graph
+            cfg = self.config
+            prepare(spec, B, L, spec.k_pos.shape[1], x.dtype, x.device, cfg.head_dim,
+                    cfg.num_key_value_heads != cfg.num_attention_heads)
+            if self._layers_compiled and not torch.compiler.is_compiling():
+                mark_dynamic_lengths(x, cos, sin, spec)
+                self.norms_on(x.device)
         for layer in self.model.layers:
             if self.gradient_checkpointing and self.training:
                 x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, spec, cache, use_reentrant=False)

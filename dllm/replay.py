@@ -17,6 +17,7 @@ A sample is anything with `prompt_ids`, `completion_ids` and a `trace` (`steps`,
 `dllm.decoding.GenerationOutput` or a finished `dllm.sequence.Sequence`.
 
     rows = build_rows(rollouts, block_size, mask_id, pad_id, shrink=1)
+    rows = pad_rows(rows, bucket_length(rows.clean.shape[1], block_size), pad_id)   # optional: length buckets
     hidden = replay_hidden(model, rows)                     # [R, L, D] noisy copy (the replay forward)
     lp = token_logprobs(model.lm_head(hidden), rows.clean, mask_id)   # [R, L]
     old = rows.gather(behaviour_logprobs_per_sample)        # [R, L], zeros off-target
@@ -139,6 +140,30 @@ def build_rows(samples: Sequence[Sample], block_size: int, mask_id: int, pad_id:
             r += 1
     pos = torch.arange(L).expand(R, L).contiguous()
     return Rows(noisy, clean_t, pos, valid, target, sample_idx, token_idx, row_sample)
+
+
+def bucket_length(length: int, block_size: int, smallest: int = 64) -> int:
+    """The length bucket of a row of `length` tokens: the smallest of smallest * 2^k (rounded up to whole
+    blocks) holding it -- a few shapes for a run of varying lengths (one compiled kernel's autotuning each)."""
+    out = -(-smallest // block_size) * block_size
+    while out < length:
+        out *= 2
+    return out
+
+
+def pad_rows(rows: Rows, length: int, pad_id: int) -> Rows:
+    """`rows` padded on the right to `length` columns (>= theirs): padding is neither valid (no key sees it)
+    nor a target, so the loss, its gradients and every gathered value are those of the unpadded rows."""
+    R, L = rows.clean.shape
+    if length < L:
+        raise ValueError(f"length: {length} is shorter than the rows ({L})")
+
+    def pad(t: torch.Tensor, value: int | bool) -> torch.Tensor:
+        return torch.cat([t, torch.full((R, length - L), value, dtype=t.dtype)], 1)
+
+    return Rows(pad(rows.noisy, pad_id), pad(rows.clean, pad_id), torch.arange(length).expand(R, length).contiguous(),
+                pad(rows.valid, False), pad(rows.target, False), pad(rows.sample_idx, -1), pad(rows.token_idx, -1),
+                rows.row_sample)
 
 
 def replay_hidden(model: Any, rows: Rows, device: torch.device | None = None) -> torch.Tensor:

@@ -24,6 +24,14 @@ every row's own temperature / top-k / top-p with the same tensor ops for every r
 parameters are a tensor, no Python branch per row, no data-dependent shape: the static decode
 step runs it) and gathers the sampled tokens' log-probabilities in one op; it is
 token-for-token the row-by-row definition (`sampling_logprobs` + `sample_tokens`).
+
+The greedy argmax of `sample_static` runs in two stages over chunks of `VOCAB_CHUNK` tokens (`vocab_max`: per-chunk max and first
+index, then the first chunk holding the overall max): the same values and indices as
+`torch.max` / `torch.argmax` (ties and NaN: the lowest index), but each argmax is at most
+`VOCAB_CHUNK` wide with a static size, which inductor's Triton codegen compiles (one argmax
+over SDAR's 151,936 tokens with a dynamic row count did not, torch 2.11 on CUDA). The
+log-softmax stays torch's (bit-equal to the definition); the static decode step compiles it
+per bucket with static shapes (dllm.step).
 """
 
 from __future__ import annotations
@@ -34,12 +42,14 @@ from typing import NoReturn
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from dllm.errors import FieldError
 from dllm.ranges import TEMPERATURE, THRESHOLD, TOP_P
 from dllm.strategy import Strategy
 
 GREEDY_BELOW = 1e-5  # temperatures under this floor decode greedily (logits / 1e-38 overflow to inf)
+VOCAB_CHUNK = 2048  # width of the first stage of the sampler's vocabulary-wide max / argmax
 
 
 @dataclass
@@ -171,9 +181,30 @@ def sample_static(logits: torch.Tensor, params: torch.Tensor, uniforms: torch.Te
         x = x.masked_fill(x < kth, float("-inf"))
         top_p = params[:, 2, None, None]
         x = torch.where(top_p < 1.0, _top_p_filter(x, top_p.float()), x)
-    logp = torch.log_softmax(x, dim=-1)  # [N, B, V]
-    ids = torch.where(params[:, 3, None] > 0, logp.argmax(-1), _inverse_cdf(logp, uniforms))
+    logp = torch.log_softmax(x, dim=-1)  # [N, B, V]: bit-equal to the definition's (sampling_logprobs)
+    ids = torch.where(params[:, 3, None] > 0, vocab_max(logp)[1], _inverse_cdf(logp, uniforms))
     return ids, logp.gather(-1, ids[..., None]).squeeze(-1)
+
+
+def vocab_max(x: torch.Tensor, chunk: int = VOCAB_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [..., V] -> (max [...], index of its first occurrence [...]): `torch.max(x, -1)` in two stages.
+
+    Stage 1: the max and first index within each chunk of `chunk` tokens (the last chunk padded
+    with -inf, which never beats a real entry: on ties the lower index wins); stage 2: the first
+    chunk whose max is the overall max. NaN propagates as in torch (the first NaN wins)."""
+    V = x.shape[-1]
+    if chunk >= V:
+        return _first_max(x)
+    n = -(-V // chunk)
+    parts = F.pad(x, (0, n * chunk - V), value=float("-inf")).view(*x.shape[:-1], n, chunk)
+    cmax, cidx = _first_max(parts)  # [..., n] each
+    best, which = _first_max(cmax)  # [...]
+    return best, which * chunk + cidx.gather(-1, which[..., None]).squeeze(-1)
+
+
+def _first_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [..., n] -> (max, first index of it): NaN counts as the max (torch.max's rule)."""
+    return x.amax(-1), x.argmax(-1)
 
 
 # ----------------------------------------------------------------------------- counter-based noise

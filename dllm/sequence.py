@@ -51,6 +51,7 @@ class Sequence:
         self.text = ""
         self.text_stream: TextStream | None = None
         self.pending: list[int] | None = None  # clean ids just before the block whose K/V are not cached yet
+        self.preempted = False  # its cache was taken back (BlockDecoder.preempt): refilled when added again
         # the key of this sequence's sampling noise: the request seed, else drawn from torch's generator
         self.seed = params.seed if params.seed is not None else int(torch.randint(1 << 62, ()))
         self.block_start = len(prompt_ids) // block_size * block_size

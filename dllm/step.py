@@ -17,9 +17,16 @@ rows write into the cache's scratch page and no real row attends to them; their 
 like those of the clean rows, are never read. The caller does the one device-to-host copy.
 
 `compile=True` runs `torch.compile(decode_step, fullgraph=True)` (a string: that backend;
-the tests trace with "eager"): the row and key dims are marked dynamic, so one graph serves
-every bucket (plus the one-row buckets, which torch specialises, and the `filtered`
-variants: top-k / top-p used by some row or not) -- at most 6 compilations, then none. `cuda_graphs=True` (CUDA only) captures each bucket's step once
+the tests trace with "eager"). With `static_shapes=True` (the default) every bucket key (rows,
+sampled rows, keys, filtered: top-k / top-p used by some row or not) gets its own graph with
+static shapes, compiled the first time the key is met or up front by `warmup()`: after it, no
+recompilation whatever the batch or positions (static shapes are what inductor's Triton codegen
+handles best, and CUDA graphs capture per bucket anyway). With `static_shapes=False` the row and
+key dims are marked dynamic, so one graph serves every bucket (plus the one-row buckets, which
+torch specialises, and the `filtered` variants) -- at most 6 compilations, then none.
+`attention`: the kernel of the step's attention over the cache, "sdpa", "flash" (flash-attn's
+`flash_attn_with_kvcache`, CUDA fp16/bf16: `dllm.attention.flash_decode`) or "auto" (flash where it
+can run). `cuda_graphs=True` (CUDA only) captures each bucket's step once
 and replays it (`dllm.cuda_graphs`). Weight updates copy into the parameters in place
 (`dllm.weights.copy_into_model`), so neither the compiled code nor the graphs go stale.
 """
@@ -27,11 +34,12 @@ and replays it (`dllm.cuda_graphs`). Weight updates copy into the parameters in 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from dllm.attention import MaskSpec
+from dllm.attention import MaskSpec, decode_backend
 from dllm.commit import commit_mask
 from dllm.kv_cache import KVCache
 from dllm.model import SDARForCausalLM
@@ -87,9 +95,10 @@ def sample_and_commit(logits: torch.Tensor, rows: torch.Tensor, mask_id: int, fi
 
 
 def decode_step(model: SDARForCausalLM, cache: KVCache, rows: torch.Tensor, k_pos: torch.Tensor, out_rows: torch.Tensor,
-                filtered: bool) -> torch.Tensor:
+                filtered: bool, attention: str = "sdpa") -> torch.Tensor:
     """rows: [R, width(B)] packed inputs, k_pos: [KV] key positions (the bucket), out_rows: [Rn] (its length
-    is the row bucket of the sequences: rows [0, Rn) are sampled) -> [Rn, 3B + 1]."""
+    is the row bucket of the sequences: rows [0, Rn) are sampled) -> [Rn, 3B + 1]. attention: "sdpa" or
+    "flash" (the cache attention's kernel)."""
     B, mask_id = model.config.block_size, model.config.mask_token_id
     col = columns(B)
     R, KV, Rn = rows.shape[0], k_pos.shape[0], out_rows.shape[0]
@@ -97,7 +106,7 @@ def decode_step(model: SDARForCausalLM, cache: KVCache, rows: torch.Tensor, k_po
     pos = rows[:, col["block_start"], None].long() + torch.arange(B, device=rows.device)  # [R, B]
     write = (rows[:, col["write"], None] > 0).expand(R, B)
     kp = k_pos.expand(R, KV)
-    spec = MaskSpec(pos, kp, B, k_valid=kp <= pos[:, -1:], backend="sdpa")  # keys past a row's block: stale
+    spec = MaskSpec(pos, kp, B, k_valid=kp <= pos[:, -1:], backend=attention)  # keys past a row's block: stale
     view = cache.view(rows[:, col["slot"]].long(), pos, k_pos, write)
     logits = model.lm_head(model.hidden_states(ids, spec, view)[:Rn])  # [Rn, B, V]: the sequences' rows
     return sample_and_commit(logits, rows[:Rn], mask_id, filtered)
@@ -107,37 +116,63 @@ class DecodeStep:
     """Bucketed inputs in preallocated buffers -> `decode_step` (eager, compiled or graph-replayed)."""
 
     def __init__(self, model: SDARForCausalLM, cache: KVCache | None, *, max_rows: int, compile: bool | str = False,
-                 cuda_graphs: bool = False, max_graphs: int = 64) -> None:
+                 cuda_graphs: bool = False, max_graphs: int = 64, static_shapes: bool = True,
+                 attention: str = "auto", max_sampled: int | None = None) -> None:
         if cache is None:
             raise ValueError("cache: the decode step runs on a KV cache")
         self.model, self.cache = model, cache
         B, dev = model.config.block_size, model.device
         self.row_buckets = buckets(max_rows)
+        self.max_sampled = max_rows if max_sampled is None else max_sampled  # sequences per step (<= rows)
         self.kv_buckets = [p * cache.page_size for p in buckets(cache.table_pages)]  # powers of two
         self._pad = padding_row(B, model.config.mask_token_id)
         self._rows = {R: torch.empty(R, width(B), dtype=torch.float64, device=dev) for R in self.row_buckets}
         self._k_pos = {KV: torch.arange(KV, device=dev) for KV in self.kv_buckets}
         self._out = {R: torch.arange(R, device=dev) for R in self.row_buckets}
-        self.fn = decode_step
+        model.norms_on(dev)  # lazy state made now: a compiled graph guards on it
+        self.attention = decode_backend(attention, dev, model.dtype, model.config.head_dim)
+        self.fn: Callable[..., torch.Tensor] = decode_step
+        self.static_shapes = bool(compile) and static_shapes
         if compile:
             backend = "inductor" if compile is True else compile  # a name: tests trace with "eager"
-            self.fn = torch.compile(decode_step, fullgraph=True, backend=backend)
-            # variants: 1 row or more, 1 sampled row or more, filtered or not (torch's default limit: 8)
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
-            for t in (*self._rows.values(), *self._k_pos.values(), *self._out.values()):
-                if t.shape[0] > 1:  # one compiled graph for every bucket (torch specialises size 1)
-                    torch._dynamo.maybe_mark_dynamic(t, 0)
+            self.fn = torch.compile(decode_step, fullgraph=True, backend=backend, dynamic=False if static_shapes else None)
+            cfg = torch._dynamo.config
+            if static_shapes:  # one graph per bucket key: the limits must hold them all
+                keys = len(self.keys())
+                cfg.recompile_limit = max(cfg.recompile_limit, keys)
+                cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 2 * keys)
+            else:  # variants: 1 row or more, 1 sampled row or more, filtered or not (torch's default limit: 8)
+                cfg.recompile_limit = max(cfg.recompile_limit, 16)
+                for t in (*self._rows.values(), *self._k_pos.values(), *self._out.values()):
+                    if t.shape[0] > 1:  # one compiled graph for every bucket (torch specialises size 1)
+                        torch._dynamo.maybe_mark_dynamic(t, 0)
         self.graphs = None
         if cuda_graphs:
             from dllm.cuda_graphs import GraphedSteps
 
             self.graphs = GraphedSteps(self.fn, max_graphs)
-        log.info("decode step: %s, row buckets %s, key buckets %s", "compiled" if compile else "eager",
-                 self.row_buckets, self.kv_buckets)
+        log.info("decode step: %s, attention %s, row buckets %s, key buckets %s",
+                 ("compiled, static shapes" if self.static_shapes else "compiled") if compile else "eager",
+                 self.attention, self.row_buckets, self.kv_buckets)
+
+    def keys(self, max_kv: int | None = None, filtered: tuple[bool, ...] = (False, True)) -> list[tuple[int, int, int, bool]]:
+        """Every bucket key (rows, sampled rows, keys, filtered) a step can meet (keys up to `max_kv`)."""
+        kvs = [k for k in self.kv_buckets if max_kv is None or k <= self.bucket(1, max_kv)[1]]
+        sampled = [r for r in self.row_buckets if r <= self.bucket(self.max_sampled, 1)[0]]
+        return [(R, Rn, KV, f) for R in self.row_buckets for Rn in sampled if Rn <= R for KV in kvs for f in filtered]
+
+    def warmup(self, max_kv: int | None = None, filtered: tuple[bool, ...] = (False, True)) -> int:
+        """Run every bucket key's step once on padding rows (they write only the scratch page): each
+        compiled / captured before traffic, so none compiles later. Returns the keys run."""
+        keys = self.keys(max_kv, filtered)
+        for R, Rn, KV, f in keys:
+            self.run(np.tile(self._pad, (R, 1)), Rn, KV, f)
+        return len(keys)
 
     def bucket(self, num_rows: int, kv_len: int) -> tuple[int, int]:
         return (next(r for r in self.row_buckets if r >= num_rows), next(k for k in self.kv_buckets if k >= kv_len))
 
+    @torch.no_grad()
     def run(self, rows: np.ndarray, num_out: int, kv_len: int, filtered: bool) -> torch.Tensor:
         """rows: [n, width(B)] packed (numpy), the first `num_out` sampled; kv_len: the longest row's end
         -> [num_out, 3B + 1] on the device."""
@@ -148,6 +183,6 @@ class DecodeStep:
         host[:n], host[n:] = rows, self._pad
         buf, k_pos, out_rows = self._rows[R], self._k_pos[KV], self._out[Rn]
         buf.copy_(torch.from_numpy(host), non_blocking=True)  # the one host-to-device copy
-        args = (self.model, self.cache, buf, k_pos, out_rows, filtered)
+        args = (self.model, self.cache, buf, k_pos, out_rows, filtered, self.attention)
         out = self.graphs.run((R, Rn, KV, filtered), args) if self.graphs is not None else self.fn(*args)
         return out[:num_out]

@@ -79,8 +79,11 @@ def backend_options(config: ServerConfig) -> dict[str, Any]:
     """The keys only one backend reads: lmdeploy's engine-wide decoding, native's withheld traces."""
     if config.backend == "lmdeploy":
         return {"strategy": config.default_strategy, "threshold": config.default_threshold,
-                "lmdeploy_steps": config.lmdeploy_steps}
-    return {"trace_free": config.trace_free}
+                "lmdeploy_steps": config.lmdeploy_steps, "kv_admission": config.kv_admission}
+    native: dict[str, Any] = {"trace_free": config.trace_free}
+    if config.kv_admission != "reserve":  # other runners never receive it by default
+        native["kv_admission"] = config.kv_admission
+    return native
 
 
 def build_engine(config: ServerConfig, model_path: str) -> Engine:

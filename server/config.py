@@ -57,6 +57,7 @@ class ServerConfig(Config):
     cuda_graphs: bool = False        # CUDA only: capture each bucket's decode step once, replay it (ran on an H200)
     trace_free: bool = False         # withhold traces: rollouts marked trace-free, steps/logprobs 0 (as lmdeploy's)
     lmdeploy_steps: int = Field(0, ge=0)  # backend=lmdeploy: denoising steps per block, engine-wide (0 = block size)
+    kv_admission: Literal["reserve", "optimistic"] = "reserve"  # optimistic: admit on pages in use, preempt + recompute
     trust_remote_code: bool = False  # run the model folder's own Python code (tokenizer/config); never asked
     block_size: int = Field(0, ge=0)  # 0 = config.json's; set it for folders that lack it (or to decode with another)
     mask_token_id: int = Field(-1, ge=-1)  # -1 = config.json's, else the tokenizer's <|MASK|>

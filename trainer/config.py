@@ -106,6 +106,7 @@ class TrainConfig(Config, SamplingOptions):
     updates_per_step: int = Field(1, ge=1)  # optimizer passes over each step's rollouts
     gradient_checkpointing: bool = False  # recompute activations in the backward pass (memory for time)
     compile_layers: bool = False  # torch.compile the policy's decoder layers for the replay forward/backward
+    length_buckets: bool = False  # pad trace-replay rows to length buckets (64 * 2^k): few shapes per run
     device: Literal["auto", "cpu", "cuda"] = "auto"  # trainer ranks: auto = CUDA (NCCL) when a GPU is visible, else CPU (gloo)
     # weight sync
     sync_transport: Transport = "shm"  # weight push: shm (same host) | dist (torch.distributed) | http | cuda_ipc

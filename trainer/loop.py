@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dllm.replay import Rows, build_rows
+from dllm.replay import Rows, bucket_length, build_rows, pad_rows
 from rollout_client.client import RolloutError
 from trainer.infra.dist import RankError
 from trainer.rewards import score_batch
@@ -140,7 +140,10 @@ def replay(run: Run, samples: list[Rollout], num_samples: int) -> tuple[Rows, to
     if OBJECTIVES[run.cfg.objective].masks is not None:
         return baseline_rows(completion_rows(samples, run.block_size, run.pad_id), run.cfg.objective,
                              run.mask_id, run.generator, num_sequences=num_samples)
-    return build_rows(samples, run.block_size, run.mask_id, run.pad_id, run.cfg.shrink), None
+    rows = build_rows(samples, run.block_size, run.mask_id, run.pad_id, run.cfg.shrink)
+    if run.cfg.length_buckets:  # a few shapes per run (compiled layers, flex kernels): padding scores nothing
+        rows = pad_rows(rows, bucket_length(rows.clean.shape[1], run.block_size), run.pad_id)
+    return rows, None
 
 
 class LoopHooks:

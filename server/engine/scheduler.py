@@ -26,7 +26,14 @@ An invalid transition (enqueueing a sequence twice, finishing one that still wai
 KV accounting: `KVBudget` is the runner's cache (slots = rows of its page table, pages of
 `page_tokens` tokens; `num_pages` 0 = unpaged, slots only). A sequence is admitted only when a
 slot and the pages of its prompt + max_tokens are free; it holds them until it ends, so a
-running sequence never runs out of cache mid-generation and nothing is preempted. The runner
+running sequence never runs out of cache mid-generation and nothing is preempted. With
+`KVBudget(optimistic=True)` (server.kv_admission=optimistic) a sequence is admitted on the pages
+its next forward touches and its account grows block by block; when the running sequences' next
+blocks do not fit, the newest ones are preempted (`batch.preempted`: back to the queue's front,
+slot and pages given back; the runner drops their cache but they keep their tokens and trace)
+and re-admitted first, their cache recomputed (vLLM's preemption by recompute). A preempted
+sequence keeps its version: while paused, preempted ones are still re-admitted and the engine is
+drained only once they finish too. The runner
 allocates the physical pages at the slot the scheduler chose (`batch.admitted`) and frees them
 when told (`batch.released`, the finished ones): its pool mirrors this account.
 
@@ -84,9 +91,15 @@ class KVBudget:
     num_slots: int        # sequences at once (rows of the page table)
     num_pages: int = 0    # pages in the pool; 0 = unpaged (only slots count)
     page_tokens: int = 1  # tokens per page (the block size)
+    optimistic: bool = False  # admit on the next forward's pages, grow per block, preempt (see above)
 
     def pages_for(self, seq: ServerSequence) -> int:
-        return -(-seq_tokens(seq) // self.page_tokens) if self.num_pages else 0
+        """Pages a sequence is given: prompt + max_tokens (optimistic: those its next forward touches)."""
+        if not self.num_pages:
+            return 0
+        if not self.optimistic:
+            return -(-seq_tokens(seq) // self.page_tokens)
+        return -(-(seq.end_pos + (seq.block_size if seq.block_done else 0)) // self.page_tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -103,6 +116,8 @@ class ScheduledBatch:
     released: list[ServerSequence]  # aborted while running: out of the batch, the runner frees their cache
     dropped: list[ServerSequence]   # aborted while waiting (deadline): done, never ran
     num_cache_refused: int = 0      # waiting sequences a free slot could take but the KV pages could not
+    preempted: list[ServerSequence] = field(default_factory=list)  # out of the batch, back to waiting: the
+    # runner drops their cache first (optimistic admission)
 
 
 @dataclass
@@ -182,11 +197,16 @@ class Scheduler:
 
     @property
     def is_idle(self) -> bool:
-        """Nothing runs and nothing waits to be released (a paused engine is then drained)."""
-        return not (self._running or self._releasing)
+        """Nothing runs, nothing waits to be released and no preempted sequence waits to go on (a paused
+        engine is then drained)."""
+        return not (self._running or self._releasing or self._has_preempted())
 
     def has_work(self, is_paused: bool) -> bool:
-        return bool(self._running or self._releasing or (self._waiting and not is_paused))
+        return bool(self._running or self._releasing or (self._waiting and not is_paused) or self._has_preempted())
+
+    def _has_preempted(self) -> bool:
+        """A preempted sequence waits (it was admitted once): the front of the queue (they go back there)."""
+        return bool(self._waiting) and self._waiting[0].admitted_at is not None
 
     def request_of(self, seq: ServerSequence) -> Request | None:
         """The request of a sequence not done yet (None once it is)."""
@@ -229,19 +249,48 @@ class Scheduler:
         slots and pages come back), admit waiting ones that fit (none while paused) stamped with `version`."""
         dropped = self._expire(now)
         released = self.take_releases()
-        admitted, refused = ([], 0) if paused else self._admit(version, now)
-        return ScheduledBatch(list(self._running), admitted, released, dropped, refused)
+        preempted = self._grow() if self.kv.optimistic and self.kv.num_pages else []
+        admitted, refused = self._admit(version, now, only_preempted=paused, after=preempted)
+        return ScheduledBatch(list(self._running), admitted, released, dropped, refused, preempted)
 
-    def _admit(self, version: int, now: float) -> tuple[list[ServerSequence], int]:
+    def _grow(self) -> list[ServerSequence]:
+        """Optimistic admission: give every running sequence the pages of its next forward, preempting the
+        newest ones (back to the queue's front) while they do not fit; returns the preempted."""
+        def deficit() -> int:
+            return sum(max(0, self.kv.pages_for(s) - self._holding[s.seq_id][1]) for s in self._running)
+
+        preempted: list[ServerSequence] = []
+        while len(self._running) > 1 and deficit() > self.free_pages:
+            seq = self._running.pop()  # the newest admitted
+            self._give_back(seq)
+            seq.status = SeqStatus.WAITING  # the runner drops its cache (and slot) first: batch.preempted
+            self._waiting.appendleft(seq)
+            self.waiting_tokens += seq_tokens(seq)
+            preempted.append(seq)
+        for s in self._running:
+            slot, held = self._holding[s.seq_id]
+            more = max(0, self.kv.pages_for(s) - held)
+            self._holding[s.seq_id], self.free_pages = (slot, held + more), self.free_pages - more
+            s.num_pages = held + more
+        return preempted
+
+    def _admit(self, version: int, now: float, only_preempted: bool = False,
+               after: list[ServerSequence] | None = None) -> tuple[list[ServerSequence], int]:
         """WAITING -> RUNNING, FIFO, while a slot and the sequence's KV pages are free; (admitted, how
-        many more waiting ones a free slot could take but the pages could not)."""
+        many more waiting ones a free slot could take but the pages could not). `only_preempted` (paused):
+        only preempted sequences go on; `after`: those preempted by this very step wait for the next."""
         admitted: list[ServerSequence] = []
+        just = {s.seq_id for s in after or ()}
         while self._waiting and self.free_slots and self.kv.pages_for(self._waiting[0]) <= self.free_pages:
+            if self._waiting[0].seq_id in just or (only_preempted and self._waiting[0].admitted_at is None):
+                break
             seq = self._waiting.popleft()
             seq.num_pages = self.kv.pages_for(seq)
             seq.slot, self.free_pages = self.free_slots.pop(), self.free_pages - seq.num_pages
             self._holding[seq.seq_id] = (seq.slot, seq.num_pages)
-            seq.status, seq.admitted_at, seq.trace.version = SeqStatus.RUNNING, now, version
+            if seq.admitted_at is None:  # a preempted sequence keeps its version (never mixes two)
+                seq.admitted_at, seq.trace.version = now, version
+            seq.status = SeqStatus.RUNNING
             admitted.append(seq)
         self.waiting_tokens -= sum(seq_tokens(s) for s in admitted)
         self._running.extend(admitted)
@@ -307,11 +356,17 @@ class Scheduler:
         return dropped
 
     def abort_running(self) -> None:
-        """running -> releasing, every running sequence (pause with abort_inflight)."""
+        """running -> releasing, every running sequence (pause with abort_inflight); preempted ones too."""
         for s in self._running:
             if s.status is SeqStatus.RUNNING:
                 s.status = SeqStatus.RELEASING
                 self._releasing.append(s)
+        while self._has_preempted():
+            s = self._waiting.popleft()
+            self.waiting_tokens -= seq_tokens(s)
+            s.status = SeqStatus.RELEASING
+            self._running.append(s)  # taken out with the others by take_releases (it holds nothing)
+            self._releasing.append(s)
 
     def take_releases(self) -> list[ServerSequence]:
         """releasing -> out of the batch, slots and pages given back: the caller frees their cache, then

@@ -108,7 +108,7 @@ def test_zero_recompiles_over_a_mixed_workload(model):
     """After a warm-up that meets each variant once (1 row or more, 1 sampled row or more, top-k / top-p
     used or not),
     any batch size, prompt length, strategy, temperature and key length reuses the compiled step."""
-    dec = BlockDecoder(model, max_batch=8, max_len=64, eos_ids=[0], num_pages=64, compile="eager")
+    dec = BlockDecoder(model, max_batch=8, max_len=64, eos_ids=[0], num_pages=64, compile="eager", static_shapes=False)
     warm = [([5], SamplingParams(max_tokens=6, seed=1, ignore_eos=True)),
             ([5, 6], SamplingParams(max_tokens=6, top_k=3, seed=1, ignore_eos=True))]
     for requests in ([warm[0]], [warm[1]], warm * 2, [(warm[1][0], warm[0][1])] * 3):
@@ -123,7 +123,8 @@ def test_zero_recompiles_over_a_mixed_workload(model):
             done = drive(dec, mixed_requests(random.Random(seed), 14), admit)
             assert all(s.finish_reason in ("stop", "length") for s in done)
         assert counters["stats"]["unique_graphs"] == graphs and events.messages == []
-        other = BlockDecoder(model, max_batch=2, max_len=64, num_pages=20, compile="eager")  # another pool shape
+        other = BlockDecoder(model, max_batch=2, max_len=64, num_pages=20, compile="eager",
+                             static_shapes=False)  # another pool shape
         drive(other, [warm[0]])
         assert events.messages and "kv" in events.messages[0]  # the handler does hear recompiles
     finally:
@@ -138,7 +139,8 @@ def test_weights_pushed_under_the_compiled_step(model):
     pushed = SDARForCausalLM(tiny_config(eos_token_id=0)).eval()
     served = SDARForCausalLM(tiny_config(eos_token_id=0)).eval()
     served.load_state_dict(model.state_dict())
-    dec = BlockDecoder(served, max_batch=2, max_len=32, eos_ids=[0], num_pages=16, compile=True)
+    dec = BlockDecoder(served, max_batch=2, max_len=32, eos_ids=[0], num_pages=16, compile=True,
+                       static_shapes=False)  # one dynamic graph: few inductor compiles on a CPU
     prompts = [([1, 2, 3, 4, 5], SamplingParams(max_tokens=7, seed=4, strategy="static", steps=2)),
                ([6, 7], SamplingParams(max_tokens=6, seed=5, temperature=0.0, strategy="dynamic", threshold=0.3))]
     same_outputs(drive(dec, prompts), drive(BlockDecoder(model, max_batch=2, max_len=32, eos_ids=[0]), prompts))

@@ -196,7 +196,7 @@ def test_missing_lmdeploy_is_a_clear_error(tiny_model_dir, capsys):
 
 @pytest.mark.parametrize("options,key", [
     ({"device": "cpu"}, "server.device"), ({"kv_cache_memory": 1 << 30}, "server.kv_cache_memory"),
-    ({"compile": True}, "server.compile"),
+    ({"compile": True}, "server.compile"), ({"kv_admission": "optimistic"}, "server.kv_admission"),
 ])
 def test_native_only_options_name_the_key(options, key):
     from dlrl_config import ConfigError

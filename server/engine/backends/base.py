@@ -15,7 +15,9 @@ A runner only runs steps on its device; it owns no sequence and no policy:
                                                     # scheduler admits against it)
     post = runner.postprocessor()                   # the model's stop rules (eos ids, max length), with
                                                     # a tokenizer of its own for the engine thread
-    out = runner.run(batch)                         # allocate batch.admitted's pages at seq.slot, then
+    out = runner.run(batch)                         # drop batch.preempted's cache (KVBudget.optimistic
+                                                    # only: they keep tokens and trace), allocate
+                                                    # batch.admitted's pages at seq.slot, then
                                                     # one batched forward over batch.running: per
                                                     # sequence its block (ids, steps, logprobs), ok
     runner.release(seqs)                            # free the cache of sequences that left

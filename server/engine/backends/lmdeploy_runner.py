@@ -99,7 +99,7 @@ def load_lmdeploy() -> Any:
     return lmdeploy
 
 
-def check_options(*, device: str, kv_cache_memory: int, compile: bool) -> None:
+def check_options(*, device: str, kv_cache_memory: int, compile: bool, kv_admission: str = "reserve") -> None:
     """ConfigError naming the server key for native-only options (they would do nothing here)."""
     from dlrl_config import ConfigError
 
@@ -111,6 +111,9 @@ def check_options(*, device: str, kv_cache_memory: int, compile: bool) -> None:
     if compile:
         raise ConfigError("server.compile: the lmdeploy backend runs LMDeploy's own kernels (server.cuda_graphs "
                           "turns its CUDA graphs on); set server.compile=false")
+    if kv_admission != "reserve":
+        raise ConfigError("server.kv_admission: LMDeploy admits and preempts by its own scheduler; set "
+                          "server.kv_admission=reserve")
 
 
 def lmdeploy_api() -> LMDeployAPI:
@@ -216,9 +219,10 @@ class LMDeployRunner:
                         trust_remote_code: bool = False, block_size: int = 0, mask_token_id: int = -1,
                         kv_cache_fraction: float = 0.8, cuda_graphs: bool = False, strategy: str = "dynamic",
                         threshold: float = 0.9, lmdeploy_steps: int = 0, device: str = "auto",
-                        kv_cache_memory: int = 0, compile: bool = False, **_: Any) -> LMDeployRunner:
+                        kv_cache_memory: int = 0, compile: bool = False, kv_admission: str = "reserve",
+                        **_: Any) -> LMDeployRunner:
         """Check the options, lmdeploy and CUDA, load the host copy and dlrl's tokenizer, build LMDeploy's engine."""
-        check_options(device=device, kv_cache_memory=kv_cache_memory, compile=compile)
+        check_options(device=device, kv_cache_memory=kv_cache_memory, compile=compile, kv_admission=kv_admission)
         lmdeploy = load_lmdeploy()
         from lmdeploy.pytorch.engine import Engine as PytorchEngine
 

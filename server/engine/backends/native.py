@@ -147,7 +147,8 @@ class NativeBackend:
 
     def __init__(self, model: Any, tokenizer: Any, *, max_batch: int, max_model_len: int = 0,
                  eos_ids: list[int] | None = None, kv_cache_memory: int = 0, kv_cache_fraction: float = 0.8,
-                 keep_versions: int = 0, compile: bool = False, cuda_graphs: bool = False, trace_free: bool = False):
+                 keep_versions: int = 0, compile: bool = False, cuda_graphs: bool = False, trace_free: bool = False,
+                 kv_admission: str = "reserve"):
         cfg = model.config
         self.trace_free = trace_free  # server.trace_free: withhold traces (Trace.trace_free; tests, evaluation)
         if cuda_graphs and model.device.type != "cuda":
@@ -163,14 +164,15 @@ class NativeBackend:
                                      available=available_memory(model.device, keep_versions * weight_bytes(model)))
         log.info("%s", self.kv_plan.describe())
         self.decoder = BlockDecoder(model, max_batch=max_batch, max_len=self.max_len, eos_ids=self.eos_ids,
-                                    num_pages=self.kv_plan.num_pages, compile=compile, cuda_graphs=cuda_graphs)
+                                    num_pages=self.kv_plan.num_pages, compile=compile, cuda_graphs=cuda_graphs,
+                                    optimistic=kv_admission == "optimistic")
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str = "auto", dtype: str = "auto",
                         max_batch: int = 16, max_model_len: int = 0, trust_remote_code: bool = False,
                         block_size: int = 0, mask_token_id: int = -1, kv_cache_memory: int = 0,
                         kv_cache_fraction: float = 0.8, keep_versions: int = 0, compile: bool = False,
-                        cuda_graphs: bool = False, trace_free: bool = False) -> NativeBackend:
+                        cuda_graphs: bool = False, trace_free: bool = False, kv_admission: str = "reserve") -> NativeBackend:
         from dllm.tokenizer import eos_token_ids, load_tokenizer
 
         dev = resolve_device(device)
@@ -183,7 +185,7 @@ class NativeBackend:
         log.info("stop token ids (config.json + generation_config.json + tokenizer): %s", eos_ids)
         return cls(model, tokenizer, max_batch=max_batch, max_model_len=max_model_len, eos_ids=eos_ids,
                    kv_cache_memory=kv_cache_memory, kv_cache_fraction=kv_cache_fraction, keep_versions=keep_versions,
-                   compile=compile, cuda_graphs=cuda_graphs, trace_free=trace_free)
+                   compile=compile, cuda_graphs=cuda_graphs, trace_free=trace_free, kv_admission=kv_admission)
 
     def new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> ServerSequence:
         if params.stop_token_ids is not None and not params.ignore_eos:  # vLLM: they add to the eos ids
@@ -195,7 +197,7 @@ class NativeBackend:
 
     @property
     def kv_budget(self) -> KVBudget:
-        return KVBudget(self.max_batch, self.kv_plan.num_pages, self.kv_plan.page_tokens)
+        return KVBudget(self.max_batch, self.kv_plan.num_pages, self.kv_plan.page_tokens, self.decoder.optimistic)
 
     def postprocessor(self) -> Postprocessor:
         tok = copy.deepcopy(self.tokenizer) if self.tokenizer is not None else None
@@ -203,6 +205,8 @@ class NativeBackend:
                              block_size=self.block_size)
 
     def run(self, batch: ScheduledBatch) -> StepOutput:
+        for seq in batch.preempted:  # optimistic admission: their cache back; tokens and trace kept
+            self.decoder.preempt(seq)
         if batch.admitted:
             self.decoder.add(batch.admitted)  # at the slots the scheduler chose; CacheFull if out of step
         return self.decoder.run(batch.running)
