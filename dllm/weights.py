@@ -25,7 +25,7 @@ import math
 from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from pathlib import Path
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, Union, overload
 
 import torch
 from safetensors import safe_open
@@ -33,6 +33,11 @@ from safetensors.torch import save_file
 
 from dllm.config import SDARConfig, load_model_config
 from dllm.model import SDARForCausalLM
+
+if TYPE_CHECKING:
+    from dllm.full.model import FullAttentionLM
+
+DiffusionLM = Union[SDARForCausalLM, "FullAttentionLM"]  # what load_pretrained returns (model.attention tells)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -195,12 +200,20 @@ def empty_model(cfg: SDARConfig, device: str | torch.device = "cpu",
 
 
 def load_pretrained(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
-                    block_size: int | None = None, mask_token_id: int | None = None) -> SDARForCausalLM:
+                    block_size: int | None = None, mask_token_id: int | None = None) -> DiffusionLM:
     """Build the model from `path/config.json` and stream the safetensors weights into it.
-    `block_size` / `mask_token_id` are for folders that lack them (see load_model_config)."""
+    `block_size` / `mask_token_id` are for folders that lack them (see load_model_config).
+    A LLaDA or Dream folder (dllm.full.config.detect_family) loads as a `dllm.full.FullAttentionLM`
+    (`load_model` is the same, typed for both)."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model folder not found: {path}")
+    from dllm.full.config import folder_family
+
+    if folder_family(path) != "sdar":  # LLaDA / Dream: full attention (dllm.full)
+        from dllm.full.load import load_full_pretrained
+
+        return load_full_pretrained(path, device, dtype, block_size=block_size, mask_token_id=mask_token_id)
     cfg = load_model_config(path, block_size=block_size, mask_token_id=mask_token_id)
     model = empty_model(cfg, device, parse_dtype(dtype) or torch.float32)
     skip = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
@@ -250,7 +263,7 @@ def save_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], path: str | 
                                               indent=2))
 
 
-def save_pretrained(model: SDARForCausalLM, path: str | Path, max_shard_bytes: int = 4 << 30,
+def save_pretrained(model: DiffusionLM, path: str | Path, max_shard_bytes: int = 4 << 30,
                     dtype: str | torch.dtype | None = None) -> None:
     """Write config.json (torch_dtype = the saved dtype) and the safetensors shards."""
     dtype = parse_dtype(dtype)
