@@ -55,6 +55,8 @@ from dllm.trace import FinishReason
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from dllm.full.model import FullAttentionLM
+
 __all__ = ["BlockDecoder", "Postprocessor", "SeqOutput", "StepOutput", "CacheFull", "GenerationOutput", "Sequence", "check_fits", "generate", "to_output",
            "transfer_schedule"]
 
@@ -280,10 +282,16 @@ class BlockDecoder:
             s.pending = None
 
 
-def generate(model: SDARForCausalLM, prompts_ids: list[list[int]], params: SamplingParams | list[SamplingParams],
-             tokenizer: PreTrainedTokenizerBase | None = None, use_cache: bool = True,
-             eos_ids: abc.Iterable[int] | None = None) -> list[GenerationOutput]:
-    """Decode all prompts together; returns one GenerationOutput per prompt, in order."""
+def generate(model: SDARForCausalLM | FullAttentionLM, prompts_ids: list[list[int]],
+             params: SamplingParams | list[SamplingParams], tokenizer: PreTrainedTokenizerBase | None = None,
+             use_cache: bool = True, eos_ids: abc.Iterable[int] | None = None,
+             cache_mode: str = "exact") -> list[GenerationOutput]:
+    """Decode all prompts together; returns one GenerationOutput per prompt, in order. A full-attention
+    model (LLaDA, Dream) decodes with dllm.full.decoding.generate_full in `cache_mode` ("exact" / "prefix")."""
+    if not isinstance(model, SDARForCausalLM):
+        from dllm.full.decoding import generate_full
+
+        return generate_full(model, prompts_ids, params, tokenizer, cache_mode=cache_mode, eos_ids=eos_ids)
     plist = params if isinstance(params, list) else [params] * len(prompts_ids)
     bs = model.config.block_size
     max_len = max(len(p) + q.max_tokens for p, q in zip(prompts_ids, plist)) + bs

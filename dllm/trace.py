@@ -4,6 +4,8 @@ For completion token j: `steps[j]` is the 1-based index, within its block, of th
 denoising forward that committed it, and `logprobs[j]` the log-probability of that
 token under the distribution it was sampled from (after temperature/top-k/top-p).
 Blocks are aligned to absolute position 0 of prompt + completion.
+Full-attention decoding (dllm.full) adds `cache_mode` ("exact" / "prefix") and `canvas_len` (the
+length of the sequence every denoising forward saw: later blocks were there, masked).
 
 One type from decoder to trainer: the decoder fills it in, the server sends it as JSON (the
 wire schemas of `rollout_client` use it as is), and it is the one home of the block/step
@@ -42,6 +44,9 @@ class Trace(BaseModel):
     finish_reason: FinishReason | None = None
     tail_ids: list[int] = Field(default_factory=list)  # last block's tokens after the truncation point
     tail_steps: list[int] = Field(default_factory=list)
+    # full-attention models (dllm.full) only; None for block-causal SDAR (and absent from older traces):
+    cache_mode: str | None = None  # "exact" (every forward recomputes every position) or "prefix" (Fast-dLLM)
+    canvas_len: int | None = None  # positions every denoising forward saw: prompt + max_tokens, to whole blocks
 
     def block_of(self, j: int) -> int:
         """Block index of generated token j (blocks are aligned to position 0 of prompt + completion)."""

@@ -121,8 +121,10 @@ def build_full_folder(out_dir: str | Path, family: str, seed: int = 0, dtype: to
     model = FullAttentionLM(cfg)
     end = tok.convert_tokens_to_ids("<|eot_id|>" if family == "llada" else "<|im_end|>")
     if eos_scale > 0:
+        weight = model.head.weight
+        assert isinstance(weight, torch.Tensor)
         with torch.no_grad():
-            row = model.head.weight[end]
+            row = weight[end]
             row.mul_(eos_scale / row.norm())
     save_weights(model.hf_named_tensors(), out, dtype=dtype)
     cfg.torch_dtype = str(dtype).removeprefix("torch.")

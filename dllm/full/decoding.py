@@ -1,0 +1,317 @@
+"""Block-wise decoding of full-attention diffusion LMs (LLaDA, Dream) with exact traces; two cache modes.
+
+    outs = generate_full(model, [prompt_ids, ...], SamplingParams(max_tokens=32), tok, cache_mode="exact")
+    dec = FullDecoder(model, max_batch=16, max_len=4096, tokenizer=tok, cache_mode="prefix")
+    seq = dec.new_sequence(prompt_ids, params); dec.add([seq])
+    out = dec.run(running)                      # ONE denoising forward for every sequence (a server Runner's step)
+    finished = dec.postprocess(out.outputs)     # dllm.postprocess.Postprocessor, as for BlockDecoder
+    finished = dec.step(running)                # run + postprocess + release (standalone)
+
+Each sequence decodes on a canvas of `canvas_len` = prompt + max_tokens rounded up to whole blocks (blocks are
+aligned to absolute position 0, as the Trace contract says; a prompt's last partial block is completed by the
+first generated tokens). Blocks are decoded left to right; inside a block, each forward samples every masked
+position (dllm.sampling: temperature, top-k, top-p, counter-based noise) and commits some of them
+(dllm.commit: static k per step, dynamic threshold, sequential) -- exactly BlockDecoder's per-block rules, with
+the sequence's block, steps and log-probabilities in `seq.block_ids / block_steps / block_logprobs`, so
+`dllm.postprocess.Postprocessor` (stop ids, stop strings, max_tokens, the tail of a truncated block) and
+`dllm.decoding.StepOutput` apply unchanged. Per family (the reference rollouts of Gen-Verse/dLLM-RL):
+- Dream: logits are shifted (position i is predicted from the hidden state at i - 1, dllm.full.model);
+  the first forward of a block commits only the block's first masked position (sampled directly: the
+  reference's first-token rule), the rest follow the strategy; `pad_penalty` divides the confidence of a
+  position whose sampled token is the pad id (the reference's `pad_target_penalty`, 1.0 = off).
+- LLaDA: no shift, no first-token rule.
+Stopping: the Postprocessor ends a sequence at the end of the first block holding a stop id (eos/pad) and
+cuts the completion there; later blocks never change earlier ones, so the completion equals the
+reference's (which goes on decoding until a whole block is pad, or to the end) cut at its first stop id.
+
+Cache modes (`cache_mode`, one per decoder, recorded in every trace):
+- "exact": every forward runs the whole canvas (prompt, decoded blocks, the current block, the later still
+  masked blocks), bidirectionally. What it sees is exactly `dllm.full.replay`'s row for that step, so the
+  sampler's log-probabilities are what replay recomputes (fp32: < 1e-4).
+- "prefix" (Fast-dLLM's prefix cache): a block's first forward runs the whole canvas and keeps every layer's
+  K/V of the positions before the block; the block's later forwards run only [block start, canvas end)
+  against those cached K/V. Cheaper; approximate (cached keys/values were computed while the current
+  block was still masked), so replay differs a little (measured in the tests; TIS / MIS correct it).
+Sequences of a batch are padded to the longest canvas (padding is invisible: `valid`); with the prefix
+cache, sequences at a block's first forward and the others run as two forwards of one `run`.
+"""
+
+from __future__ import annotations
+
+from collections import abc
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from dllm.commit import commit_mask, transfer_schedule
+from dllm.decoding import SeqOutput, StepOutput, check_fits
+from dllm.errors import FieldError
+from dllm.full.model import KV, FullAttentionLM
+from dllm.postprocess import Postprocessor
+from dllm.sampling import PARAM_FIELDS, SamplingParams, counter_uniforms, needs_filter, sample_static
+from dllm.sequence import GenerationOutput, Sequence, step_inputs, to_output
+from dllm.step import FIELDS, columns
+from dllm.strategy import Strategy
+from dllm.trace import FinishReason
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+CACHE_MODES = ("exact", "prefix")
+
+
+class FullSequence(Sequence):
+    """A Sequence on a full-attention canvas: `canvas_len`, Dream's first-token rule, the prefix cache."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, block_size: int, mask_id: int,
+                 seq_id: int | None = None, *, first_token_rule: bool = False, cache_mode: str = "exact") -> None:
+        self.first_token_rule = first_token_rule
+        super().__init__(prompt_ids, params, block_size, mask_id, seq_id)
+        self.canvas_len = -(-(len(prompt_ids) + params.max_tokens) // block_size) * block_size
+        self.trace.cache_mode, self.trace.canvas_len = cache_mode, self.canvas_len
+        self.past: list[KV] | None = None  # prefix cache: every layer's K/V [1, Hkv, past_len, D]
+        self.past_len = -1  # the block start the cache was made for
+
+    def _new_block(self) -> None:
+        super()._new_block()
+        n = len(self.masked_positions())
+        if self.first_token_rule and n > 1:  # one forward for the first token, then the strategy's
+            self.schedule = [1, *transfer_schedule(n - 1, max(1, (self.params.steps or self.block_size) - 1))]
+
+    def canvas(self) -> list[int]:
+        """The ids a forward sees now: decoded prefix, the current block, masks up to canvas_len."""
+        done = (self.prompt_ids + self.completion_ids)[:self.block_start]
+        return done + self.block_ids + [self.mask_id] * (self.canvas_len - self.end_pos)
+
+
+class FullDecoder:
+    """Batched block decoding for FullAttentionLM (see the module docstring); BlockDecoder's interface."""
+
+    def __init__(self, model: FullAttentionLM, *, max_batch: int, max_len: int | None = None,
+                 eos_ids: abc.Iterable[int] | None = None, tokenizer: PreTrainedTokenizerBase | None = None,
+                 cache_mode: str = "exact", pad_penalty: float = 1.0) -> None:
+        if cache_mode not in CACHE_MODES:
+            raise FieldError("cache_mode", f"unknown {cache_mode!r} (known: {', '.join(CACHE_MODES)})")
+        if not pad_penalty > 0:
+            raise FieldError("pad_penalty", f"must be > 0, got {pad_penalty!r}")
+        cfg = model.config
+        self.model, self.tokenizer, self.cache_mode, self.pad_penalty = model, tokenizer, cache_mode, pad_penalty
+        self.block_size, self.mask_id = cfg.block_size, cfg.mask_token_id
+        self.pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else -1
+        self.shift = cfg.logit_shift
+        self.eos_ids = list(cfg.eos_ids if eos_ids is None else eos_ids)
+        limit = cfg.max_position_embeddings if max_len is None else max_len
+        self.max_len = -(-limit // self.block_size) * self.block_size
+        self.max_batch = max_batch
+        self.postprocess = Postprocessor(eos_ids=self.eos_ids, tokenizer=tokenizer, max_len=self.max_len,
+                                         block_size=self.block_size)
+        self.free_slots = list(range(max_batch))[::-1]
+        self.num_forwards = 0  # denoising forwards (model calls: a prefix-mode run may make two)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.postprocess.num_tokens
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self.free_slots)
+
+    def new_sequence(self, prompt_ids: list[int], params: SamplingParams, seq_id: int | None = None) -> FullSequence:
+        """A sequence to `add`; a bad prompt or parameter raises FieldError (TooLong when it does not fit)."""
+        self.validate(prompt_ids, params)
+        return FullSequence(prompt_ids, params, self.block_size, self.mask_id, seq_id,
+                            first_token_rule=self.model.family == "dream", cache_mode=self.cache_mode)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        check_fits(len(prompt_ids), params.max_tokens, self.max_len)
+        params.validate(self.block_size)
+        vocab = self.model.config.vocab_size
+        for t in prompt_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab or t == self.mask_id:
+                raise FieldError("prompt_ids", f"invalid token id {t} (vocab {vocab}, mask id {self.mask_id})")
+
+    def num_admissible(self, seqs: abc.Sequence[Sequence]) -> int:
+        """How many of `seqs` can be added now (free slots; no KV pages: the canvas is recomputed)."""
+        return min(len(seqs), len(self.free_slots))
+
+    def add(self, seqs: Sequence | abc.Sequence[Sequence]) -> None:
+        seqs = [seqs] if isinstance(seqs, Sequence) else list(seqs)
+        if self.num_admissible(seqs) < len(seqs):
+            raise FieldError("n", f"cannot add {len(seqs)} sequences: {len(self.free_slots)} free slots")
+        for s in seqs:
+            if s.slot is None:
+                s.slot = self.free_slots.pop()
+            else:
+                self.free_slots.remove(s.slot)
+
+    def release(self, seq: Sequence) -> None:
+        if seq.slot is not None:
+            self.free_slots.append(seq.slot)
+            seq.slot = None
+        if isinstance(seq, FullSequence):
+            seq.past = None
+        if seq.finish_reason is None:
+            seq.finish_reason = FinishReason.ABORT
+
+    @torch.no_grad()
+    def run(self, seqs: abc.Sequence[Sequence]) -> StepOutput:
+        """One denoising forward for every sequence (no post-processing): a sequence whose block completed
+        last time moves on first. Returns per sequence its block after the forward and whether its
+        probabilities were finite (`seq.block_done` tells the Postprocessor the block is complete)."""
+        if not seqs:
+            return StepOutput([], 0)
+        fs = [self._full(s) for s in seqs]
+        for s in fs:
+            if s.block_done:
+                s.next_block(owe_cache=False)
+        before = sum(len(s.masked_positions()) for s in fs)
+        cached = [self.cache_mode == "prefix" and s.past is not None and s.past_len == s.block_start for s in fs]
+        logits: list[torch.Tensor | None] = [None] * len(fs)
+        for use_cache in (False, True):
+            idx = [i for i, c in enumerate(cached) if c == use_cache]
+            if idx:
+                group = [fs[i] for i in idx]
+                out = self._prefix_logits(group) if use_cache else self._canvas_logits(group)
+                for i, row in zip(idx, out):
+                    logits[i] = row
+                self.num_forwards += 1
+        rows = self._pack(fs)
+        filtered = any(needs_filter(s.params) for s in fs)
+        block_logits = torch.stack([t for t in logits if t is not None])  # [N, B, V]
+        res = sample_and_commit_full(block_logits, torch.from_numpy(rows).to(self.model.device), self.mask_id,
+                                     filtered, self.pad_id, self.pad_penalty).cpu()
+        B = self.block_size
+        ids, steps = res[:, :B].long().tolist(), res[:, B:2 * B].long().tolist()
+        logprobs, is_ok = res[:, 2 * B:3 * B].tolist(), res[:, 3 * B].bool().tolist()
+        outputs = []
+        for r, s in enumerate(fs):
+            s.num_forwards += 1
+            s.step_in_block += 1
+            if is_ok[r]:
+                s.block_ids, s.block_steps, s.block_logprobs = ids[r], steps[r], logprobs[r]
+                s.block_done = self.mask_id not in s.block_ids
+            outputs.append(SeqOutput(s, bool(is_ok[r])))
+        after = sum(len(s.masked_positions()) for s in fs if not s.block_done)
+        return StepOutput(outputs, before - after)
+
+    def step(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Standalone decoding: `run`, post-process, release the sequences that ended; returns them."""
+        finished = self.postprocess(self.run(seqs).outputs)
+        for s in finished:
+            self.release(s)
+        return finished
+
+    @staticmethod
+    def _full(s: Sequence) -> FullSequence:
+        if not isinstance(s, FullSequence):
+            raise TypeError("FullDecoder.run: sequences come from FullDecoder.new_sequence")
+        return s
+
+    def _pack(self, seqs: list[FullSequence]) -> np.ndarray:
+        """dllm.step's row layout per sequence (block, step fields, sampling parameters, uniforms); Dream's
+        first forward of a block commits the first masked position only (sequential, k = 1)."""
+        B = self.block_size
+        rows = np.array([step_inputs(s) for s in seqs], dtype=np.float64)
+        col = columns(B)
+        for r, s in enumerate(seqs):
+            if s.first_token_rule and s.step_in_block == 0:
+                rows[r, col["k"]], rows[r, col["strategy"]] = 1, Strategy.sequential.code
+        noise = counter_uniforms([s.seed for s in seqs], rows[:, col["block_start"], None] + np.arange(B),
+                                 rows[:, col["step"]])
+        return np.concatenate([rows, noise], axis=1)
+
+    def _block_rows(self, hidden: torch.Tensor, starts: list[int]) -> torch.Tensor:
+        """hidden [N, L, D], the block's first index per row -> logits of the block's positions [N, B, V]
+        (Dream: from the hidden state one position earlier; index 0 keeps its own, as the reference)."""
+        idx = (torch.tensor(starts)[:, None] + torch.arange(self.block_size) - self.shift).clamp_(min=0)
+        idx = idx.to(hidden.device)
+        picked = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
+        return self.model.head(picked)
+
+    def _canvas_logits(self, seqs: list[FullSequence]) -> torch.Tensor:
+        """The whole canvas of each sequence, bidirectionally -> the block's logits [n, B, V]; in prefix
+        mode each sequence keeps its K/V before the block (the prefix cache of this block)."""
+        dev = self.model.device
+        L = max(s.canvas_len for s in seqs)
+        ids = torch.full((len(seqs), L), self.mask_id, dtype=torch.long)
+        valid = torch.zeros(len(seqs), L, dtype=torch.bool)
+        for r, s in enumerate(seqs):
+            ids[r, :s.canvas_len] = torch.tensor(s.canvas())
+            valid[r, :s.canvas_len] = True
+        pos = torch.arange(L, device=dev).expand(len(seqs), L)
+        keep = self.cache_mode == "prefix"
+        hidden, kv = self.model.hidden_states(ids.to(dev), pos, valid.to(dev), keep_kv=keep)
+        if kv is not None:
+            for r, s in enumerate(seqs):
+                s.past = [(k[r:r + 1, :, :s.block_start].clone(), v[r:r + 1, :, :s.block_start].clone()) for k, v in kv]
+                s.past_len = s.block_start
+        return self._block_rows(hidden, [s.block_start for s in seqs])
+
+    def _prefix_logits(self, seqs: list[FullSequence]) -> torch.Tensor:
+        """Prefix cache: only [block start, canvas end) runs, attending to the cached K/V before it."""
+        dev = self.model.device
+        P = max(s.past_len for s in seqs)
+        W = max(s.canvas_len - s.block_start for s in seqs)
+        ids = torch.full((len(seqs), W), self.mask_id, dtype=torch.long)
+        valid = torch.zeros(len(seqs), W, dtype=torch.bool)
+        pos = torch.zeros(len(seqs), W, dtype=torch.long)
+        past_valid = torch.zeros(len(seqs), P, dtype=torch.bool)
+        for r, s in enumerate(seqs):
+            win = s.canvas()[s.block_start:]
+            ids[r, :len(win)] = torch.tensor(win)
+            valid[r, :len(win)] = True
+            pos[r] = s.block_start + torch.arange(W)
+            past_valid[r, :s.past_len] = True
+        past = []
+        for layer in range(len(self.model.layers)):
+            ks, vs = [], []
+            for s in seqs:
+                assert s.past is not None
+                k, v = s.past[layer]
+                pad = P - k.shape[2]
+                ks.append(torch.nn.functional.pad(k, (0, 0, 0, pad)))
+                vs.append(torch.nn.functional.pad(v, (0, 0, 0, pad)))
+            past.append((torch.cat(ks), torch.cat(vs)))
+        hidden, _ = self.model.hidden_states(ids.to(dev), pos.to(dev), valid.to(dev), past=past,
+                                             past_valid=past_valid.to(dev))
+        return self._block_rows(hidden, [0] * len(seqs))
+
+
+def sample_and_commit_full(logits: torch.Tensor, rows: torch.Tensor, mask_id: int, filtered: bool, pad_id: int,
+                           pad_penalty: float) -> torch.Tensor:
+    """dllm.step.sample_and_commit with the reference's pad-confidence penalty: logits [R, B, V], rows
+    [R, width(B)] -> [R, 3B + 1] (new block ids, steps, logprobs, finite flag)."""
+    R, B = logits.shape[:2]
+    col, f = columns(B), 3 * B + len(FIELDS)
+    params = rows[:, col[PARAM_FIELDS[0]]:col[PARAM_FIELDS[-1]] + 1]
+    tok, lp = sample_static(logits, params, rows[:, f:f + B], mask_id, filtered)
+    masked = rows[:, :B] == mask_id
+    is_ok = (torch.isfinite(lp) | ~masked).all(-1)
+    conf = lp.exp()
+    if pad_penalty != 1.0:
+        conf = torch.where(tok == pad_id, conf / pad_penalty, conf)
+    commit = commit_mask(conf, masked, rows[:, col["k"]].long(), rows[:, col["threshold"]].float(),
+                         rows[:, col["strategy"]].long()) & is_ok[:, None]
+    step = rows[:, col["step"], None].expand(R, B)
+    new = torch.stack([tok.double(), step, lp.double()], 1)
+    block = torch.where(commit[:, None], new, rows[:, :3 * B].reshape(R, 3, B))
+    return torch.cat([block.reshape(R, 3 * B), is_ok[:, None].double()], 1)
+
+
+def generate_full(model: FullAttentionLM, prompts_ids: list[list[int]], params: SamplingParams | list[SamplingParams],
+                  tokenizer: PreTrainedTokenizerBase | None = None, cache_mode: str = "exact",
+                  eos_ids: abc.Iterable[int] | None = None, pad_penalty: float = 1.0) -> list[GenerationOutput]:
+    """Decode all prompts together; one GenerationOutput per prompt, in order (trace included)."""
+    plist = params if isinstance(params, list) else [params] * len(prompts_ids)
+    max_len = max(len(p) + q.max_tokens for p, q in zip(prompts_ids, plist)) + model.config.block_size
+    dec = FullDecoder(model, max_batch=len(prompts_ids), max_len=max_len, eos_ids=eos_ids, tokenizer=tokenizer,
+                      cache_mode=cache_mode, pad_penalty=pad_penalty)
+    seqs = [dec.new_sequence(p, q) for p, q in zip(prompts_ids, plist)]
+    dec.add(seqs)
+    running: list[Sequence] = list(seqs)
+    while running:
+        done = dec.step(running)
+        running = [s for s in running if not s.is_finished]
+        assert done or running
+    return [to_output(s) for s in seqs]

@@ -1,0 +1,130 @@
+"""Trace replay for full-attention models (TraceRL rows): mask every token of step >= s, score step s.
+
+    rows = build_full_rows(samples, mask_id, pad_id, shrink=1)           # dllm.replay.Rows
+    hidden = full_replay_hidden(model, rows)                               # [R, L, D] (Dream's shift applied)
+    lp = token_logprobs(model.lm_head(hidden), rows.clean, mask_id)        # dllm.replay.token_logprobs
+    old = rows.gather(behaviour_logprobs_per_sample)                       # [R, L], zeros off-target
+    logits = model.lm_head(full_trace_hidden(model, sample))               # [C, V] per completion token
+
+A sample (rollout_client.Rollout, dllm GenerationOutput, a finished FullSequence) has `prompt_ids`,
+`completion_ids` and a `trace` with `steps`, `tail_ids`, `tail_steps`, `block_size`, `prompt_len` and
+`canvas_len`. Generated tokens (completion, then the tail of its last block) get a global step from the
+Trace arithmetic (block, then step within the block; `shrink` merges neighbouring steps of a block). For
+each global step g that commits a completion token there is ONE row: the canvas of `canvas_len`
+positions (prompt, generated tokens, masks after them: the later blocks the decoder saw, masked), every
+generated token with global step >= g masked, the completion tokens of step g the targets; full attention
+over the canvas (`valid`). `rows.noisy` is that input, `rows.clean` the ids to score (the tokens as
+sampled). With shrink 1 this is exactly what each denoising forward of the exact-mode decoder saw
+(dllm.full.decoding), so replay reproduces the sampler's log-probabilities (fp32 < 1e-4); a prefix-cache
+trace replays to the exact-mode value, which differs from its sampler's by the cache's approximation.
+
+Unlike SDAR's replay (several blocks' states packed into one row with a clean copy), full attention lets
+every position see every other, so states cannot share a row: a sample costs one row per global step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from dllm.replay import Rows, Sample, trace_of
+
+
+def full_global_steps(prompt_len: int, block_size: int, steps: Sequence[int], shrink: int = 1) -> list[int]:
+    """Trace.global_steps for any list of per-token steps (completion + tail): block, then shrunk step."""
+    if shrink < 1:
+        raise ValueError(f"shrink: must be >= 1, got {shrink}")
+    span = block_size + 1
+    return [(prompt_len + j) // block_size * span + -(-st // shrink) for j, st in enumerate(steps)]
+
+
+def _canvas_len(s: Sample, n_gen: int, block_size: int) -> int:
+    got = getattr(trace_of(s), "canvas_len", None)
+    P = len(s.prompt_ids)
+    least = P + n_gen
+    if got is None:  # a trace without it: the generated tokens to whole blocks
+        return -(-least // block_size) * block_size
+    if not isinstance(got, int) or got < least:
+        raise ValueError(f"trace.canvas_len: {got!r} is shorter than prompt + generated tokens ({least})")
+    return got
+
+
+def _sample_rows(s: Sample, block_size: int, mask_id: int, shrink: int
+                 ) -> tuple[list[int], list[tuple[list[int], list[bool], list[int]]]]:
+    """-> the clean canvas of one sample and its rows (noisy ids, target flags, completion index)."""
+    tr = trace_of(s)
+    P, C = len(s.prompt_ids), len(s.completion_ids)
+    gen_ids = list(s.completion_ids) + list(tr.tail_ids)
+    gen_steps = list(tr.steps) + list(tr.tail_steps)
+    if len(tr.steps) != C or len(tr.tail_steps) != len(tr.tail_ids):
+        raise ValueError(f"trace: {len(tr.steps)} steps for {C} completion tokens "
+                         f"({len(tr.tail_steps)} tail steps for {len(tr.tail_ids)} tail ids)")
+    L = _canvas_len(s, len(gen_ids), block_size)
+    clean = list(s.prompt_ids) + gen_ids + [mask_id] * (L - P - len(gen_ids))
+    g = full_global_steps(P, block_size, gen_steps, shrink)
+    rows = []
+    for step in sorted(set(g[:C])):
+        noisy = list(clean)
+        target, tok = [False] * L, [-1] * L
+        for j, gj in enumerate(g):
+            if gj >= step:
+                noisy[P + j] = mask_id
+            if j < C and gj == step:
+                target[P + j], tok[P + j] = True, j
+        rows.append((noisy, target, tok))
+    return clean, rows
+
+
+def build_full_rows(samples: Sequence[Sample], mask_id: int, pad_id: int, shrink: int = 1,
+                    block_size: int | None = None) -> Rows:
+    """TraceRL rows of full-attention samples (see the module docstring) as dllm.replay.Rows: `noisy` the
+    forward's input, `clean` the ids scored, `valid` the canvas, `pos` 0..L-1. `block_size`: the traces'
+    own unless given."""
+    per = [_sample_rows(s, block_size or trace_of(s).block_size, mask_id, shrink)  # type: ignore[attr-defined]
+           for s in samples]
+    R = sum(len(rows) for _, rows in per)
+    L = max((len(clean) for clean, _ in per), default=1)
+    noisy = torch.full((R, L), pad_id, dtype=torch.long)
+    clean_t = torch.full((R, L), pad_id, dtype=torch.long)
+    valid = torch.zeros(R, L, dtype=torch.bool)
+    target = torch.zeros(R, L, dtype=torch.bool)
+    sample_idx = torch.full((R, L), -1, dtype=torch.long)
+    token_idx = torch.full((R, L), -1, dtype=torch.long)
+    row_sample = torch.zeros(R, dtype=torch.long)
+    r = 0
+    for i, (clean, rows) in enumerate(per):
+        n = len(clean)
+        for nz, tg, tk in rows:
+            noisy[r, :n] = torch.tensor(nz)
+            clean_t[r, :n] = torch.tensor(clean)
+            valid[r, :n] = True
+            target[r, :n] = torch.tensor(tg)
+            token_idx[r, :n] = torch.tensor(tk)
+            sample_idx[r, :n] = torch.where(target[r, :n], i, -1)
+            row_sample[r] = i
+            r += 1
+    pos = torch.arange(L).expand(R, L).contiguous()
+    return Rows(noisy, clean_t, pos, valid, target, sample_idx, token_idx, row_sample)
+
+
+def full_replay_hidden(model: Any, rows: Rows, device: torch.device | None = None) -> torch.Tensor:
+    """The replay forward: hidden states [R, L, D] of the rows (bidirectional over `valid`, Dream's shift
+    applied: `model.lm_head` of row i scores token i). `model` is a FullAttentionLM or anything called
+    like one (a DeepSpeed engine wrapping it)."""
+    dev = device if device is not None else getattr(model, "module", model).device
+    return model(rows.noisy.to(dev), position_ids=rows.pos.to(dev), valid=rows.valid.to(dev), output="hidden")
+
+
+@torch.no_grad()
+def full_trace_hidden(model: Any, sample: Sample, shrink: int = 1) -> torch.Tensor:
+    """Hidden states [C, D] of each completion token at the denoising state that committed it, in
+    completion order (`model.lm_head` of them: the logits the sampler used, before temperature etc.)."""
+    cfg = model.config
+    rows = build_full_rows([sample], cfg.mask_token_id, cfg.pad_token_id or 0, shrink=shrink)
+    hidden = full_replay_hidden(model, rows)
+    picked = hidden[rows.target.to(hidden.device)]
+    out = torch.empty_like(picked)
+    out[rows.token_idx[rows.target].to(out.device)] = picked
+    return out

@@ -1,0 +1,202 @@
+"""Full-attention decoding (LLaDA, Dream) and its replay: exact mode replays the sampler's log-probabilities
+(< 1e-4 fp32), the prefix cache's mismatch is measured, per-family rules, the step-by-step interface."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dllm.decoding import StepOutput, generate
+from dllm.embedded.full_folders import build_full_folder
+from dllm.errors import FieldError
+from dllm.full.decoding import FullDecoder, generate_full, sample_and_commit_full
+from dllm.full.model import FullAttentionLM
+from dllm.full.replay import build_full_rows, full_replay_hidden, full_trace_hidden
+from dllm.replay import token_logprobs
+from dllm.sampling import SamplingParams
+from dllm.sequence import GenerationOutput
+from dllm.step import columns, padding_row
+from dllm.strategy import Strategy
+from dllm.trace import Trace
+
+PROMPTS = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11, 12, 13, 14]]
+CASES = {
+    "greedy-static": SamplingParams(max_tokens=10, temperature=0, strategy="static", steps=2),
+    "sampled-dynamic": SamplingParams(max_tokens=11, temperature=1.0, strategy="dynamic", threshold=0.05, seed=3),
+    "sampled-static": SamplingParams(max_tokens=9, temperature=1.0, strategy="static", steps=3, seed=11),
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, FullAttentionLM]:
+    from dllm.weights import load_pretrained
+
+    root = tmp_path_factory.mktemp("fulldec")
+    out = {}
+    for family in ("llada", "dream"):
+        m = load_pretrained(build_full_folder(root / family, family), block_size=4)
+        assert isinstance(m, FullAttentionLM)
+        out[family] = m
+    return out
+
+
+def replay_diffs(model: FullAttentionLM, outs: list[GenerationOutput], shrink: int = 1) -> torch.Tensor:
+    mask = model.config.mask_token_id
+    rows = build_full_rows(outs, mask, 0, shrink=shrink)
+    with torch.no_grad():
+        lp = token_logprobs(model.lm_head(full_replay_hidden(model, rows)), rows.clean, mask)
+    old = rows.gather([o.trace.logprobs for o in outs])
+    assert int(rows.target.sum()) == sum(len(o.completion_ids) for o in outs)  # every token scored once
+    return (lp - old)[rows.target].abs()
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_exact_mode_replays_the_sampler(models: dict[str, FullAttentionLM], family: str, case: str) -> None:
+    model = models[family]
+    outs = generate_full(model, PROMPTS, CASES[case], cache_mode="exact", eos_ids=[])
+    for o in outs:
+        assert o.trace.cache_mode == "exact" and o.trace.canvas_len is not None
+        assert o.trace.canvas_len % 4 == 0 and o.trace.canvas_len >= len(o.prompt_ids) + len(o.completion_ids)
+        assert len(o.completion_ids) == CASES[case].max_tokens and o.finish_reason == "length"
+        assert model.config.mask_token_id not in o.completion_ids
+    assert replay_diffs(model, outs).max().item() < 1e-4
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_prefix_cache_mismatch_is_measured(models: dict[str, FullAttentionLM], family: str) -> None:
+    model = models[family]
+    diffs = []
+    for params in CASES.values():
+        outs = generate_full(model, PROMPTS, params, cache_mode="prefix", eos_ids=[])
+        assert all(o.trace.cache_mode == "prefix" for o in outs)
+        diffs.append(replay_diffs(model, outs))
+    d = torch.cat(diffs)
+    assert torch.isfinite(d).all()
+    print(f"\n{family} prefix cache: mean |replay - sampler logprob| = {d.mean():.2e}, max {d.max():.2e}")
+    assert d.max().item() > 0  # the prefix cache is an approximation ...
+    assert d.mean().item() < 0.5  # ... of the exact forward, not something else
+
+
+def test_prefix_cache_needs_fewer_positions(models: dict[str, FullAttentionLM]) -> None:
+    model = models["llada"]
+    p = SamplingParams(max_tokens=12, temperature=0, strategy="static", steps=2)
+    exact = generate_full(model, PROMPTS[:1], p, cache_mode="exact", eos_ids=[])
+    prefix = generate_full(model, PROMPTS[:1], p, cache_mode="prefix", eos_ids=[])
+    assert exact[0].num_forwards == prefix[0].num_forwards == 8  # 4 blocks x 2 steps
+    assert exact[0].completion_ids[:4] == prefix[0].completion_ids[:4]  # the first block's first forward is exact
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_shrink_merges_steps(models: dict[str, FullAttentionLM], family: str) -> None:
+    outs = generate_full(models[family], PROMPTS, CASES["sampled-dynamic"], eos_ids=[])
+    one = build_full_rows(outs, models[family].config.mask_token_id, 0, shrink=1)
+    two = build_full_rows(outs, models[family].config.mask_token_id, 0, shrink=2)
+    assert two.noisy.shape[0] < one.noisy.shape[0]
+    assert int(two.target.sum()) == int(one.target.sum())
+    for r in range(two.noisy.shape[0]):  # a row's targets are masked in its input
+        assert (two.noisy[r][two.target[r]] == models[family].config.mask_token_id).all()
+
+
+def test_dream_first_token_rule(models: dict[str, FullAttentionLM]) -> None:
+    outs = generate_full(models["dream"], PROMPTS, CASES["sampled-dynamic"], eos_ids=[])
+    for o in outs:
+        steps = o.trace.steps + o.trace.tail_steps
+        P = len(o.prompt_ids)
+        by_block: dict[int, list[tuple[int, int]]] = {}
+        for j, st in enumerate(steps):
+            by_block.setdefault((P + j) // 4, []).append((P + j, st))
+        for toks in by_block.values():
+            first = min(toks)
+            assert first[1] == 1 and [st for _, st in toks].count(1) == 1  # only the first position at step 1
+    llada = generate_full(models["llada"], PROMPTS[:1], CASES["greedy-static"], eos_ids=[])
+    assert llada[0].trace.steps[1:3] == [1, 1] or llada[0].trace.steps.count(1) > 3  # no such rule for LLaDA
+
+
+def test_stop_ids_end_at_the_block_and_replay(models: dict[str, FullAttentionLM]) -> None:
+    model = models["llada"]
+    p = SamplingParams(max_tokens=16, temperature=0, strategy="static", steps=2)
+    free = generate_full(model, PROMPTS[:1], p, eos_ids=[])[0]
+    stop_id = free.completion_ids[4]
+    out = generate_full(model, PROMPTS[:1], p, eos_ids=[stop_id])[0]
+    assert out.finish_reason == "stop" and out.completion_ids[-1] == stop_id
+    assert out.completion_ids == free.completion_ids[:free.completion_ids.index(stop_id) + 1]
+    assert (len(out.prompt_ids) + len(out.completion_ids) + len(out.trace.tail_ids)) % 4 == 0
+    assert out.trace.canvas_len == free.trace.canvas_len
+    assert replay_diffs(model, [out]).max().item() < 1e-4
+
+
+@pytest.mark.parametrize("mode", ["exact", "prefix"])
+def test_step_by_step_continuous_batching(models: dict[str, FullAttentionLM], mode: str) -> None:
+    model = models["dream"]
+    p = SamplingParams(max_tokens=8, temperature=1.0, strategy="static", steps=2, seed=5)
+    alone = generate_full(model, PROMPTS[1:], p, cache_mode=mode, eos_ids=[])[0]
+    dec = FullDecoder(model, max_batch=2, max_len=64, cache_mode=mode, eos_ids=[])
+    first = dec.new_sequence(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0))
+    dec.add([first])
+    running = [first]
+    out = dec.run(running)
+    assert isinstance(out, StepOutput) and out.num_committed == 1 and out.outputs[0].ok
+    dec.postprocess(out.outputs)
+    late = dec.new_sequence(PROMPTS[1], p)
+    dec.add([late])
+    running.append(late)
+    while running:
+        dec.step(running)
+        running = [s for s in running if not s.is_finished]
+    assert late.completion_ids == alone.completion_ids
+    torch.testing.assert_close(torch.tensor(late.trace.logprobs), torch.tensor(alone.trace.logprobs), atol=1e-5,
+                               rtol=0)
+    assert dec.num_free_slots == 2
+
+
+def test_trace_fields_are_optional_on_the_wire(models: dict[str, FullAttentionLM]) -> None:
+    out = generate_full(models["llada"], PROMPTS[:1], CASES["greedy-static"], cache_mode="prefix", eos_ids=[])[0]
+    wire = out.trace.model_dump(mode="json")
+    assert wire["cache_mode"] == "prefix" and wire["canvas_len"] == out.trace.canvas_len
+    assert Trace.model_validate(wire) == out.trace
+    old = {k: v for k, v in wire.items() if k not in ("cache_mode", "canvas_len")}
+    assert Trace.model_validate(old).cache_mode is None
+
+
+def test_generate_dispatches_and_trace_hidden(models: dict[str, FullAttentionLM]) -> None:
+    model = models["dream"]
+    outs = generate(model, PROMPTS, CASES["sampled-static"], eos_ids=[])
+    assert outs[0].trace.cache_mode == "exact"
+    hidden = full_trace_hidden(model, outs[1])
+    lp = torch.log_softmax(model.lm_head(hidden).masked_fill(
+        torch.arange(model.config.vocab_size) == model.config.mask_token_id, float("-inf")), -1)
+    got = lp.gather(-1, torch.tensor(outs[1].completion_ids)[:, None]).squeeze(-1)
+    torch.testing.assert_close(got, torch.tensor(outs[1].trace.logprobs), atol=1e-4, rtol=0)
+
+
+def test_bad_input_names_the_field(models: dict[str, FullAttentionLM]) -> None:
+    with pytest.raises(FieldError, match="cache_mode"):
+        FullDecoder(models["llada"], max_batch=1, cache_mode="fast")
+    with pytest.raises(FieldError, match="pad_penalty"):
+        FullDecoder(models["llada"], max_batch=1, pad_penalty=0)
+    dec = FullDecoder(models["llada"], max_batch=1, max_len=32)
+    with pytest.raises(FieldError, match="prompt_ids"):
+        dec.new_sequence([1, models["llada"].config.mask_token_id], SamplingParams(max_tokens=4))
+    with pytest.raises(FieldError, match="max_tokens"):
+        dec.new_sequence([1, 2], SamplingParams(max_tokens=40))
+
+
+def test_pad_penalty_lowers_pad_confidence() -> None:
+    B, V, pad, mask = 2, 6, 0, 5
+    logits = torch.full((1, B, V), -10.0)
+    logits[0, 0, pad], logits[0, 1, 3] = 5.0, 3.0  # position 0 predicts pad surely, position 1 token 3 less so
+    row = torch.tensor(padding_row(B, mask))[None]
+    col = columns(B)
+    row[0, col["k"]], row[0, col["strategy"]], row[0, col["greedy"]] = 1, Strategy.static.code, 1.0
+    plain = sample_and_commit_full(logits.clone(), row, mask, False, pad, 1.0)
+    penal = sample_and_commit_full(logits.clone(), row, mask, False, pad, 1e6)
+    assert plain[0, :B].tolist() == [pad, mask] and penal[0, :B].tolist() == [mask, 3]
+
+
+def test_tiny_folder_builder_is_reproducible(tmp_path: Path) -> None:
+    a = build_full_folder(tmp_path / "a", "dream", seed=1)
+    b = build_full_folder(tmp_path / "b", "dream", seed=1)
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
