@@ -84,7 +84,7 @@ def build_engine(config: ServerConfig, model_path: str) -> Engine:
                              trust_remote_code=config.trust_remote_code, block_size=config.block_size,
                              mask_token_id=config.mask_token_id, kv_cache_memory=config.kv_cache_memory,
                              kv_cache_fraction=config.kv_cache_fraction, keep_versions=config.keep_versions,
-                             compile=config.compile, cuda_graphs=config.cuda_graphs)
+                             compile=config.compile, cuda_graphs=config.cuda_graphs, cache_mode=config.cache_mode)
     return Engine(backend, max_queue=config.max_queue, model_name=config.model_name(model_path))
 
 
