@@ -14,6 +14,8 @@ What the folder holds:
   (or there is no `auto_map`), the project's own transformers-compatible SDAR files
   (dllm/hf_sdar/) are shipped and referenced;
 - a `generation_config.json` (eos ids: config.json's plus the tokenizer's) when the source has none;
+- LLaDA / Dream (a `dllm.full.config.FullAttentionConfig`): the official config.json (the source's, or
+  the model's own official fields), no SDAR files shipped, a generation_config.json when the source has none;
 - the weights as safetensors shards, in the source dtype unless `dtype` says otherwise,
   written one shard at a time from the (name, tensor) stream.
 """
@@ -30,6 +32,7 @@ from typing import TypeVar
 import torch
 
 from dllm.config import SDARConfig, read_config_json
+from dllm.full.config import FullAttentionConfig
 from dllm.tokenizer import find_token_id
 from dllm.weights import parse_dtype, save_weights
 
@@ -56,6 +59,19 @@ def export_config(config: SDARConfig, source_dir: Path | None, dtype_name: str |
     data.setdefault("mask_token_id", config.mask_token_id)
     data.setdefault("architectures", ["SDARForCausalLM"])
     data.setdefault("auto_map", dict(OWN_AUTO_MAP))
+    if dtype_name:
+        data["torch_dtype"] = dtype_name
+        if "dtype" in data:
+            data["dtype"] = dtype_name
+    return data
+
+
+def full_export_config(config: FullAttentionConfig, source_dir: Path | None, dtype_name: str | None) -> dict:
+    """config.json of a LLaDA / Dream export: the source's fields verbatim (else the model's official
+    config), `auto_map` kept; the modeling code is the source's (copied when it has it; dlrl ships none)."""
+    data = read_config_json(source_dir) if source_dir and (source_dir / "config.json").is_file() \
+        else config.to_dict()
+    data.setdefault("mask_token_id", config.mask_token_id)
     if dtype_name:
         data["torch_dtype"] = dtype_name
         if "dtype" in data:
@@ -103,7 +119,7 @@ def write_generation_config(config: SDARConfig, out: Path) -> None:
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
 
-def export_pretrained(named_tensors: Iterable[tuple[str, torch.Tensor]], config: SDARConfig,
+def export_pretrained(named_tensors: Iterable[tuple[str, torch.Tensor]], config: SDARConfig | FullAttentionConfig,
                       out_dir: str | Path, source_dir: str | Path | None = None,
                       dtype: str | torch.dtype | None = None, max_shard_bytes: int = 4 << 30) -> Path:
     """Write the export folder (see the module docstring) and return it. `named_tensors` is
@@ -120,10 +136,17 @@ def export_pretrained(named_tensors: Iterable[tuple[str, torch.Tensor]], config:
         src = read_config_json(source) if (source / "config.json").is_file() else {}
         dtype = parse_dtype(src.get("torch_dtype") or src.get("dtype") or None)
     copied = copy_side_files(source, out) if source is not None else []
-    data = export_config(config, source, _dtype_name(dtype) if dtype else None)
-    ship_modeling_files(data["auto_map"], out)
-    if "generation_config.json" not in copied:
-        write_generation_config(config, out)
+    if isinstance(config, FullAttentionConfig):  # LLaDA / Dream: the official layout, no SDAR files
+        data = full_export_config(config, source, _dtype_name(dtype) if dtype else None)
+        if "generation_config.json" not in copied:
+            from dllm.full.load import generation_config
+
+            (out / "generation_config.json").write_text(json.dumps(generation_config(config), indent=2) + "\n")
+    else:
+        data = export_config(config, source, _dtype_name(dtype) if dtype else None)
+        ship_modeling_files(data["auto_map"], out)
+        if "generation_config.json" not in copied:
+            write_generation_config(config, out)
     if dtype is None:  # no source and no request: keep the tensors' own dtype
         named_tensors = iter(named_tensors)
         first = next(named_tensors)

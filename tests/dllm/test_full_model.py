@@ -160,3 +160,18 @@ def test_tied_llada_has_no_output_tensor(tmp_path: Path) -> None:
     hidden = model(ids, output="hidden")
     torch.testing.assert_close(model(ids), hidden @ model.model.transformer.wte.weight.T)  # type: ignore[union-attr]
     assert len(tokenizer_vocab("llada")) <= model.config.vocab_size
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_export_pretrained_writes_the_official_layout(folders: dict[str, Path], family: str, tmp_path: Path) -> None:
+    from dllm.export import export_pretrained
+
+    model = load_pretrained(folders[family])
+    out = export_pretrained(model.hf_named_tensors(), model.config, tmp_path / "exp", dtype="bf16")
+    data = json.loads((out / "config.json").read_text())
+    src = json.loads((folders[family] / "config.json").read_text())
+    assert data["auto_map"] == src["auto_map"] and data["torch_dtype"] == "bfloat16"
+    assert not (out / "modeling_sdar.py").exists() and (out / "generation_config.json").is_file()
+    assert _names(out) == _names(folders[family])
+    again = load_pretrained(out)
+    assert again.config.torch_dtype == "bfloat16" and again.config.family == family
