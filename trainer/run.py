@@ -45,8 +45,8 @@ from trainer.infra.local_servers import LocalServer, new_token, resolve_token  #
 from trainer.infra.publish import Publisher
 from trainer.monitor.metrics_log import MetricsLogger, plot_curves
 from trainer.monitor.trackers import open_trackers
-from trainer.objective_registry import check_family
 from trainer.monitor.train_metrics import TrainMetrics
+from trainer.objective_registry import check_family
 from trainer.rewards import build_reward
 from trainer.rl.learner import Learner
 from trainer.rl.rollouts import RolloutSource
