@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/dlrl/torch_extensions
 ARGS ?=
 
-.PHONY: install test test-fast lint typecheck contracts bench soak serve train sft align clean
+.PHONY: install test test-fast lint typecheck contracts bench soak serve train train-llada sft align clean
 
 install: $(STAMP)
 
@@ -76,6 +76,9 @@ serve: install
 
 train: install
 	$(VENV)/bin/dlrl train --config configs/tiny.yaml $(ARGS)
+
+train-llada: install
+	$(VENV)/bin/dlrl train --config configs/tiny_llada.yaml $(ARGS)
 
 align: install
 	$(PY) -m examples.align.local --config configs/align.yaml $(ARGS)
