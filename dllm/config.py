@@ -24,7 +24,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 SUPPORTED_MODEL_TYPES = ("sdar", "trado", "qwen3")
 MASK_TOKEN = "<|MASK|>"
@@ -90,6 +90,9 @@ class SDARConfig:
     torch_dtype: str = "bfloat16"
     model_type: str = "sdar"
     extra: dict[str, Any] = field(default_factory=dict)
+
+    attention: ClassVar[str] = "block_causal"  # dllm.full.config.FullAttentionConfig's is "full"
+    family: ClassVar[str] = "sdar"
 
     def validate(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:

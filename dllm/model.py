@@ -232,6 +232,9 @@ class SDARModel(nn.Module):
 
 
 class SDARForCausalLM(nn.Module):
+    attention = "block_causal"  # dllm.full.FullAttentionLM's is "full" (LLaDA, Dream)
+    family = "sdar"
+
     def __init__(self, cfg: SDARConfig) -> None:
         super().__init__()
         cfg.validate()

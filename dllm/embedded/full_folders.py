@@ -45,26 +45,49 @@ TEMPLATES = {
               "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
 }
 VOCAB_SIZE = 128
+# the published special ids (GSAI-ML/LLaDA-8B-Instruct, Dream-org/Dream-v0-Instruct-7B), for real_ids folders
+REAL_IDS = {
+    "llada": {"<|endoftext|>": 126081, "<|startoftext|>": 126080, "<|start_header_id|>": 126346,
+              "<|end_header_id|>": 126347, "<|eot_id|>": 126348, "<|mdm_mask|>": 126336},
+    "dream": {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<|beginoftext|>": 151665,
+              "<|mask|>": 151666},
+}
+# the published shapes: build_full_folder(out, family, **PUBLISHED[family], num_hidden_layers=2) for a
+# real-shaped random model with fewer layers (with real_ids=True so the tokenizer has the real special ids)
+PUBLISHED: dict[str, dict[str, Any]] = {
+    "llada": dict(vocab_size=126464, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096),
+    "dream": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                  num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=131072),
+}
 
 
-def tokenizer_vocab(family: str) -> dict[str, int]:
-    """token -> id: the unknown token, the characters, then the family's special tokens (ids < VOCAB_SIZE)."""
+def tokenizer_vocab(family: str, real_ids: bool = False) -> dict[str, int]:
+    """token -> id: the unknown token, the characters, then the family's special tokens (ids < VOCAB_SIZE);
+    with `real_ids` the special tokens sit at their published ids and `<|fill_N|>` tokens fill the gaps."""
     vocab = {UNK: 0}
     for c in CHARS:
         vocab.setdefault(c, len(vocab))
-    for t in SPECIALS[family]:
-        vocab[t] = len(vocab)
-    assert len(vocab) <= VOCAB_SIZE
+    if not real_ids:
+        for t in SPECIALS[family]:
+            vocab[t] = len(vocab)
+        assert len(vocab) <= VOCAB_SIZE
+        return vocab
+    at = {i: t for t, i in REAL_IDS[family].items()}
+    while len(vocab) <= max(at):
+        i = len(vocab)
+        vocab[at.get(i, f"<|fill_{i}|>")] = i
     return vocab
 
 
-def build_family_tokenizer(out_dir: str | Path, family: str) -> PreTrainedTokenizerBase:
-    """Write tokenizer.json + tokenizer_config.json of the family's tiny tokenizer and return it."""
+def build_family_tokenizer(out_dir: str | Path, family: str, real_ids: bool = False) -> PreTrainedTokenizerBase:
+    """Write tokenizer.json + tokenizer_config.json of the family's tiny tokenizer and return it (`real_ids`:
+    special tokens at their published ids)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     from dllm.tokenizer import load_tokenizer
 
-    vocab = tokenizer_vocab(family)
+    vocab = tokenizer_vocab(family, real_ids)
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
@@ -83,9 +106,9 @@ def build_family_tokenizer(out_dir: str | Path, family: str) -> PreTrainedTokeni
     return load_tokenizer(out)
 
 
-def tiny_full_config(family: str, **fields: Any) -> FullAttentionConfig:
+def tiny_full_config(family: str, real_ids: bool = False, **fields: Any) -> FullAttentionConfig:
     """The tiny config of a family (special ids those of its tiny tokenizer); `fields` override."""
-    v = tokenizer_vocab(family)
+    v = tokenizer_vocab(family, real_ids)
     if family == "llada":
         ids = dict(mask_token_id=v["<|mdm_mask|>"], eos_token_id=v["<|endoftext|>"], pad_token_id=v["<|endoftext|>"],
                    bos_token_id=v["<|startoftext|>"], rope_theta=500000.0, rms_norm_eps=1e-5,
@@ -95,7 +118,7 @@ def tiny_full_config(family: str, **fields: Any) -> FullAttentionConfig:
                    bos_token_id=v["<|endoftext|>"], rope_theta=1000000.0, rms_norm_eps=1e-6,
                    rope_full_precision=False, attention_bias=True, num_key_value_heads=2)
     base: dict[str, Any] = dict(family=family, model_type="llada" if family == "llada" else "Dream",
-                                vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                vocab_size=len(v) if real_ids else VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                 num_attention_heads=4, head_dim=8, max_position_embeddings=512, block_size=4,
                                 tie_word_embeddings=False, torch_dtype="float32", **ids)
     base.update(fields)
@@ -105,20 +128,31 @@ def tiny_full_config(family: str, **fields: Any) -> FullAttentionConfig:
 
 
 def build_full_folder(out_dir: str | Path, family: str, seed: int = 0, dtype: torch.dtype = torch.float32,
-                      eos_scale: float = 0.0, **fields: Any) -> Path:
+                      eos_scale: float = 0.0, real_ids: bool = False, **fields: Any) -> Path:
     """A random-weight folder of the family in its official layout (see the module docstring). `eos_scale` > 0
     scales the output row of the chat end token (`<|eot_id|>` / `<|im_end|>`) up so that a random model
-    ends its answers early, as a chat model does. Returns the folder."""
+    ends its answers early, as a chat model does. `real_ids`: special tokens at their published ids (the
+    vocabulary then spans them; pass `**PUBLISHED[family]` for the published shapes). The model is made
+    once, in `dtype`. Returns the folder."""
     from dllm.full.model import FullAttentionLM
     from dllm.weights import save_weights
 
     out = Path(out_dir)
-    cfg = tiny_full_config(family, **fields)
+    if real_ids:
+        ids = REAL_IDS[family]
+        mask, pad = ("<|mdm_mask|>", "<|endoftext|>") if family == "llada" else ("<|mask|>", "<|endoftext|>")
+        bos = "<|startoftext|>" if family == "llada" else "<|endoftext|>"
+        fields = {"mask_token_id": ids[mask], "eos_token_id": ids[pad], "pad_token_id": ids[pad],
+                  "bos_token_id": ids[bos], **fields}
+    cfg = tiny_full_config(family, real_ids, **fields)
     cfg.raw = official_llada_config(cfg) if family == "llada" else official_dream_config(cfg)
     cfg.raw.pop("block_size", None)  # the official configs have no decoding block size
-    tok = build_family_tokenizer(out, family)
+    tok = build_family_tokenizer(out, family, real_ids)
     torch.manual_seed(seed)
-    model = FullAttentionLM(cfg)
+    with torch.device("meta"):
+        model = FullAttentionLM(cfg)
+    model = model.to(dtype).to_empty(device="cpu")
+    model.init_weights()
     end = tok.convert_tokens_to_ids("<|eot_id|>" if family == "llada" else "<|im_end|>")
     if eos_scale > 0:
         weight = model.head.weight
@@ -126,7 +160,7 @@ def build_full_folder(out_dir: str | Path, family: str, seed: int = 0, dtype: to
         with torch.no_grad():
             row = weight[end]
             row.mul_(eos_scale / row.norm())
-    save_weights(model.hf_named_tensors(), out, dtype=dtype)
+    save_weights(model.hf_named_tensors(), out, dtype=dtype, max_shard_bytes=2 << 30)
     cfg.torch_dtype = str(dtype).removeprefix("torch.")
     data = cfg.to_dict()
     data.pop("block_size", None)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from dllm.config import ConfigValueError, check_maths_fields, read_config_json
 
@@ -87,7 +87,7 @@ class FullAttentionConfig:
     model_type: str = "llada"
     raw: dict[str, Any] = field(default_factory=dict)
 
-    attention = "full"  # class attributes: what a caller dispatches on (SDARConfig has none)
+    attention: ClassVar[str] = "full"  # SDARConfig's is "block_causal"
 
     @property
     def logit_shift(self) -> int:

@@ -39,6 +39,7 @@ cache, sequences at a block's first forward and the others run as two forwards o
 from __future__ import annotations
 
 from collections import abc
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -61,28 +62,25 @@ if TYPE_CHECKING:
 CACHE_MODES = ("exact", "prefix")
 
 
-class FullSequence(Sequence):
-    """A Sequence on a full-attention canvas: `canvas_len`, Dream's first-token rule, the prefix cache."""
+@dataclass
+class FullState:
+    """What the decoder keeps per sequence besides its `dllm.sequence.Sequence` (keyed by seq_id)."""
 
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, block_size: int, mask_id: int,
-                 seq_id: int | None = None, *, first_token_rule: bool = False, cache_mode: str = "exact") -> None:
-        self.first_token_rule = first_token_rule
-        super().__init__(prompt_ids, params, block_size, mask_id, seq_id)
-        self.canvas_len = -(-(len(prompt_ids) + params.max_tokens) // block_size) * block_size
-        self.trace.cache_mode, self.trace.canvas_len = cache_mode, self.canvas_len
-        self.past: list[KV] | None = None  # prefix cache: every layer's K/V [1, Hkv, past_len, D]
-        self.past_len = -1  # the block start the cache was made for
+    canvas_len: int  # prompt + max_tokens, to whole blocks: the length every forward sees
+    past: list[KV] | None = None  # prefix cache: every layer's K/V [1, Hkv, past_len, D]
+    past_len: int = -1  # the block start the cache was made for
+    ruled_block: int = -1  # the block start whose schedule got Dream's first-token rule
 
-    def _new_block(self) -> None:
-        super()._new_block()
-        n = len(self.masked_positions())
-        if self.first_token_rule and n > 1:  # one forward for the first token, then the strategy's
-            self.schedule = [1, *transfer_schedule(n - 1, max(1, (self.params.steps or self.block_size) - 1))]
 
-    def canvas(self) -> list[int]:
-        """The ids a forward sees now: decoded prefix, the current block, masks up to canvas_len."""
-        done = (self.prompt_ids + self.completion_ids)[:self.block_start]
-        return done + self.block_ids + [self.mask_id] * (self.canvas_len - self.end_pos)
+def canvas_len(prompt_len: int, max_tokens: int, block_size: int) -> int:
+    """Positions every forward of a sequence sees: prompt + max_tokens, rounded up to whole blocks."""
+    return -(-(prompt_len + max_tokens) // block_size) * block_size
+
+
+def canvas(s: Sequence, length: int) -> list[int]:
+    """The ids a forward sees now: the decoded prefix, the current block, masks up to `length`."""
+    done = (s.prompt_ids + s.completion_ids)[:s.block_start]
+    return done + s.block_ids + [s.mask_id] * (length - s.end_pos)
 
 
 class FullDecoder:
@@ -107,6 +105,7 @@ class FullDecoder:
         self.postprocess = Postprocessor(eos_ids=self.eos_ids, tokenizer=tokenizer, max_len=self.max_len,
                                          block_size=self.block_size)
         self.free_slots = list(range(max_batch))[::-1]
+        self.states: dict[int, FullState] = {}  # per added sequence (seq_id)
         self.num_forwards = 0  # denoising forwards (model calls: a prefix-mode run may make two)
 
     @property
@@ -117,11 +116,11 @@ class FullDecoder:
     def num_free_slots(self) -> int:
         return len(self.free_slots)
 
-    def new_sequence(self, prompt_ids: list[int], params: SamplingParams, seq_id: int | None = None) -> FullSequence:
-        """A sequence to `add`; a bad prompt or parameter raises FieldError (TooLong when it does not fit)."""
+    def new_sequence(self, prompt_ids: list[int], params: SamplingParams, seq_id: int | None = None) -> Sequence:
+        """A sequence to `add` (a plain dllm.sequence.Sequence: a subclass made elsewhere, e.g. the server's,
+        works as well); a bad prompt or parameter raises FieldError (TooLong when it does not fit)."""
         self.validate(prompt_ids, params)
-        return FullSequence(prompt_ids, params, self.block_size, self.mask_id, seq_id,
-                            first_token_rule=self.model.family == "dream", cache_mode=self.cache_mode)
+        return Sequence(prompt_ids, params, self.block_size, self.mask_id, seq_id)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         check_fits(len(prompt_ids), params.max_tokens, self.max_len)
@@ -144,13 +143,15 @@ class FullDecoder:
                 s.slot = self.free_slots.pop()
             else:
                 self.free_slots.remove(s.slot)
+            n = canvas_len(len(s.prompt_ids), s.params.max_tokens, self.block_size)
+            self.states[s.seq_id] = FullState(n)
+            s.trace.cache_mode, s.trace.canvas_len = self.cache_mode, n
 
     def release(self, seq: Sequence) -> None:
         if seq.slot is not None:
             self.free_slots.append(seq.slot)
             seq.slot = None
-        if isinstance(seq, FullSequence):
-            seq.past = None
+        self.states.pop(seq.seq_id, None)
         if seq.finish_reason is None:
             seq.finish_reason = FinishReason.ABORT
 
@@ -161,12 +162,15 @@ class FullDecoder:
         probabilities were finite (`seq.block_done` tells the Postprocessor the block is complete)."""
         if not seqs:
             return StepOutput([], 0)
-        fs = [self._full(s) for s in seqs]
+        fs = list(seqs)
         for s in fs:
+            if s.seq_id not in self.states:
+                raise KeyError(f"FullDecoder.run: sequence {s.seq_id} was not added")
             if s.block_done:
                 s.next_block(owe_cache=False)
+            self._first_token_rule(s)
         before = sum(len(s.masked_positions()) for s in fs)
-        cached = [self.cache_mode == "prefix" and s.past is not None and s.past_len == s.block_start for s in fs]
+        cached = [self.cache_mode == "prefix" and self.states[s.seq_id].past_len == s.block_start for s in fs]
         logits: list[torch.Tensor | None] = [None] * len(fs)
         for use_cache in (False, True):
             idx = [i for i, c in enumerate(cached) if c == use_cache]
@@ -202,20 +206,24 @@ class FullDecoder:
             self.release(s)
         return finished
 
-    @staticmethod
-    def _full(s: Sequence) -> FullSequence:
-        if not isinstance(s, FullSequence):
-            raise TypeError("FullDecoder.run: sequences come from FullDecoder.new_sequence")
-        return s
+    def _first_token_rule(self, s: Sequence) -> None:
+        """Dream: a block's first forward commits its first masked position alone (schedule [1, ...])."""
+        st = self.states[s.seq_id]
+        if self.model.family != "dream" or st.ruled_block == s.block_start:
+            return
+        st.ruled_block = s.block_start
+        n = len(s.masked_positions())
+        if n > 1:
+            s.schedule = [1, *transfer_schedule(n - 1, max(1, (s.params.steps or self.block_size) - 1))]
 
-    def _pack(self, seqs: list[FullSequence]) -> np.ndarray:
+    def _pack(self, seqs: list[Sequence]) -> np.ndarray:
         """dllm.step's row layout per sequence (block, step fields, sampling parameters, uniforms); Dream's
         first forward of a block commits the first masked position only (sequential, k = 1)."""
         B = self.block_size
         rows = np.array([step_inputs(s) for s in seqs], dtype=np.float64)
         col = columns(B)
         for r, s in enumerate(seqs):
-            if s.first_token_rule and s.step_in_block == 0:
+            if self.model.family == "dream" and s.step_in_block == 0 and len(s.masked_positions()) > 1:
                 rows[r, col["k"]], rows[r, col["strategy"]] = 1, Strategy.sequential.code
         noise = counter_uniforms([s.seed for s in seqs], rows[:, col["block_start"], None] + np.arange(B),
                                  rows[:, col["step"]])
@@ -229,46 +237,48 @@ class FullDecoder:
         picked = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
         return self.model.head(picked)
 
-    def _canvas_logits(self, seqs: list[FullSequence]) -> torch.Tensor:
+    def _canvas_logits(self, seqs: list[Sequence]) -> torch.Tensor:
         """The whole canvas of each sequence, bidirectionally -> the block's logits [n, B, V]; in prefix
         mode each sequence keeps its K/V before the block (the prefix cache of this block)."""
         dev = self.model.device
-        L = max(s.canvas_len for s in seqs)
+        states = [self.states[s.seq_id] for s in seqs]
+        L = max(st.canvas_len for st in states)
         ids = torch.full((len(seqs), L), self.mask_id, dtype=torch.long)
         valid = torch.zeros(len(seqs), L, dtype=torch.bool)
-        for r, s in enumerate(seqs):
-            ids[r, :s.canvas_len] = torch.tensor(s.canvas())
-            valid[r, :s.canvas_len] = True
+        for r, (s, st) in enumerate(zip(seqs, states)):
+            ids[r, :st.canvas_len] = torch.tensor(canvas(s, st.canvas_len))
+            valid[r, :st.canvas_len] = True
         pos = torch.arange(L, device=dev).expand(len(seqs), L)
         keep = self.cache_mode == "prefix"
         hidden, kv = self.model.hidden_states(ids.to(dev), pos, valid.to(dev), keep_kv=keep)
         if kv is not None:
-            for r, s in enumerate(seqs):
-                s.past = [(k[r:r + 1, :, :s.block_start].clone(), v[r:r + 1, :, :s.block_start].clone()) for k, v in kv]
-                s.past_len = s.block_start
+            for r, (s, st) in enumerate(zip(seqs, states)):
+                st.past = [(k[r:r + 1, :, :s.block_start].clone(), v[r:r + 1, :, :s.block_start].clone()) for k, v in kv]
+                st.past_len = s.block_start
         return self._block_rows(hidden, [s.block_start for s in seqs])
 
-    def _prefix_logits(self, seqs: list[FullSequence]) -> torch.Tensor:
+    def _prefix_logits(self, seqs: list[Sequence]) -> torch.Tensor:
         """Prefix cache: only [block start, canvas end) runs, attending to the cached K/V before it."""
         dev = self.model.device
-        P = max(s.past_len for s in seqs)
-        W = max(s.canvas_len - s.block_start for s in seqs)
+        states = [self.states[s.seq_id] for s in seqs]
+        P = max(st.past_len for st in states)
+        W = max(st.canvas_len - s.block_start for s, st in zip(seqs, states))
         ids = torch.full((len(seqs), W), self.mask_id, dtype=torch.long)
         valid = torch.zeros(len(seqs), W, dtype=torch.bool)
         pos = torch.zeros(len(seqs), W, dtype=torch.long)
         past_valid = torch.zeros(len(seqs), P, dtype=torch.bool)
-        for r, s in enumerate(seqs):
-            win = s.canvas()[s.block_start:]
+        for r, (s, st) in enumerate(zip(seqs, states)):
+            win = canvas(s, st.canvas_len)[s.block_start:]
             ids[r, :len(win)] = torch.tensor(win)
             valid[r, :len(win)] = True
             pos[r] = s.block_start + torch.arange(W)
-            past_valid[r, :s.past_len] = True
+            past_valid[r, :st.past_len] = True
         past = []
         for layer in range(len(self.model.layers)):
             ks, vs = [], []
-            for s in seqs:
-                assert s.past is not None
-                k, v = s.past[layer]
+            for st in states:
+                assert st.past is not None
+                k, v = st.past[layer]
                 pad = P - k.shape[2]
                 ks.append(torch.nn.functional.pad(k, (0, 0, 0, pad)))
                 vs.append(torch.nn.functional.pad(v, (0, 0, 0, pad)))

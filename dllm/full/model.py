@@ -26,6 +26,7 @@ CPU, FlexAttention on CUDA) with a mask that lets every query see every valid ke
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -237,6 +238,11 @@ class FullAttentionLM(nn.Module):
                         nn.init.zeros_(bias)
                 elif isinstance(m, RMSNorm):
                     nn.init.ones_(m.weight)
+
+    def compile_layers(self, **options: Any) -> None:
+        """torch.compile every layer in place (dynamic shapes), as SDARForCausalLM.compile_layers."""
+        for layer in self.layers:
+            layer.compile(**{"dynamic": True, **options})
 
     def hf_layout(self, remove_duplicate: bool = True) -> list[tuple[str, nn.Parameter, list[tuple[str, int, int]] | None]]:
         """[(official name, parameter, None)]: no fused parameters (SDARForCausalLM.hf_layout's shape)."""

@@ -46,7 +46,7 @@ def replay_diffs(model: FullAttentionLM, outs: list[GenerationOutput], shrink: i
     mask = model.config.mask_token_id
     rows = build_full_rows(outs, mask, 0, shrink=shrink)
     with torch.no_grad():
-        lp = token_logprobs(model.lm_head(full_replay_hidden(model, rows)), rows.clean, mask)
+        lp = token_logprobs(model.lm_head(full_replay_hidden(model, rows)), rows.clean.to(model.device), mask).cpu()
     old = rows.gather([o.trace.logprobs for o in outs])
     assert int(rows.target.sum()) == sum(len(o.completion_ids) for o in outs)  # every token scored once
     return (lp - old)[rows.target].abs()
@@ -69,8 +69,8 @@ def test_exact_mode_replays_the_sampler(models: dict[str, FullAttentionLM], fami
 def test_prefix_cache_mismatch_is_measured(models: dict[str, FullAttentionLM], family: str) -> None:
     model = models[family]
     diffs = []
-    for params in CASES.values():
-        outs = generate_full(model, PROMPTS, params, cache_mode="prefix", eos_ids=[])
+    for case in ("greedy-static", "sampled-dynamic"):
+        outs = generate_full(model, PROMPTS, CASES[case], cache_mode="prefix", eos_ids=[])
         assert all(o.trace.cache_mode == "prefix" for o in outs)
         diffs.append(replay_diffs(model, outs))
     d = torch.cat(diffs)
@@ -200,3 +200,21 @@ def test_tiny_folder_builder_is_reproducible(tmp_path: Path) -> None:
     a = build_full_folder(tmp_path / "a", "dream", seed=1)
     b = build_full_folder(tmp_path / "b", "dream", seed=1)
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FlexAttention path of the full-attention "
+                                                         "decoder and replay, bf16 decoding)")
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_cuda_flex_exact_replay_and_bf16(tmp_path: Path, family: str) -> None:
+    from dllm.full.load import load_full_pretrained
+
+    folder = build_full_folder(tmp_path / family, family, hidden_size=64, num_attention_heads=4)  # head_dim 16: flex
+    model = load_full_pretrained(folder, device="cuda", block_size=4)
+    outs = generate_full(model, PROMPTS, CASES["sampled-dynamic"], cache_mode="exact", eos_ids=[])
+    assert replay_diffs(model, outs).max().item() < 1e-4
+    bf = load_full_pretrained(folder, device="cuda", dtype="bf16", block_size=4)
+    for mode in ("exact", "prefix"):
+        got = generate_full(bf, PROMPTS, CASES["sampled-static"], cache_mode=mode, eos_ids=[])
+        assert all(len(o.completion_ids) == 9 and all(map(torch.isfinite, torch.tensor(o.trace.logprobs)))
+                   for o in got)

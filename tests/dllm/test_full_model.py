@@ -175,3 +175,16 @@ def test_export_pretrained_writes_the_official_layout(folders: dict[str, Path], 
     assert _names(out) == _names(folders[family])
     again = load_pretrained(out)
     assert again.config.torch_dtype == "bfloat16" and again.config.family == family
+
+
+def test_real_ids_folder_has_the_published_special_ids(tmp_path: Path) -> None:
+    from dllm.embedded.full_folders import PUBLISHED, REAL_IDS
+
+    f = build_full_folder(tmp_path / "real", "llada", real_ids=True, dtype=torch.bfloat16, num_hidden_layers=1,
+                          vocab_size=PUBLISHED["llada"]["vocab_size"])
+    cfg = json.loads((f / "config.json").read_text())
+    assert (cfg["mask_token_id"], cfg["eos_token_id"], cfg["vocab_size"]) == (126336, 126081, 126464)
+    tok = load_tokenizer(f)
+    assert all(tok.convert_tokens_to_ids(t) == i for t, i in REAL_IDS["llada"].items())
+    model = load_pretrained(f, dtype="bf16")
+    assert model(torch.tensor([[5, 126080, 126346]])).shape == (1, 3, 126464)
