@@ -21,7 +21,7 @@ The mode is recorded in `/v1/models` (`cache_mode`, with `family`) and in every 
 Decoding is dllm's `FullDecoder` (dllm/full/decoding.py): one denoising forward per `run` over the batch's
 canvases (prompt + max_tokens to whole blocks), the per-family rules (Dream's shift and first-token rule,
 LLaDA's none), the same commit rules, Postprocessor and StepOutput as the block-causal path. The server's
-sequences are `FullServerSequence`: the scheduler's ServerSequence on the decoder's FullSequence.
+sequences are plain ServerSequences: the decoder keeps its per-sequence state (canvas, prefix cache) itself.
 
 Budget for the scheduler (`kv_budget`): there is no block-paged cache (exact mode keeps no K/V; the prefix
 cache is one sequence's own tensors, freed with it), so slots alone bound the batch (`num_pages=0`): at most
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from dllm.decoding import StepOutput
-from dllm.full.decoding import FullDecoder, FullSequence
+from dllm.full.decoding import FullDecoder
 from dllm.full.model import FullAttentionLM
 from dllm.full.replay import full_trace_hidden
 from dllm.postprocess import Postprocessor
@@ -71,11 +71,6 @@ def check_cache_mode(family: str, cache_mode: str) -> None:
     if family == "sdar" and cache_mode != "exact":
         raise ConfigError(f"server.cache_mode: {cache_mode!r} applies to full-attention models (LLaDA, Dream); "
                           "this block-causal SDAR model's KV cache is exact (leave server.cache_mode=exact)")
-
-
-class FullServerSequence(FullSequence, ServerSequence):
-    """A sequence of the full-attention runner: the decoder's FullSequence (canvas, first-token rule, prefix
-    cache) with the scheduler's ServerSequence fields (status, timings, deadline, slot)."""
 
 
 class FullAttentionRunner:
@@ -128,8 +123,7 @@ class FullAttentionRunner:
         if params.stop_token_ids is not None and not params.ignore_eos:  # vLLM: they add to the eos ids
             params.stop_token_ids = sorted(set(self.eos_ids) | set(params.stop_token_ids))
         self.decoder.validate(prompt_ids, params)
-        return FullServerSequence(prompt_ids, params, self.block_size, self.mask_token_id,
-                                  first_token_rule=self.family == "dream", cache_mode=self.cache_mode)
+        return ServerSequence(prompt_ids, params, self.block_size, self.mask_token_id)  # the decoder keeps the rest
 
     @property
     def kv_budget(self) -> KVBudget:
