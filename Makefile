@@ -37,6 +37,7 @@ FAST_TESTS := \
 	tests/trainer/test_advantages.py \
 	tests/trainer/test_correction.py \
 	tests/trainer/test_data.py \
+	tests/trainer/test_full_attention_objectives.py \
 	tests/trainer/test_metrics_log.py \
 	tests/trainer/test_objectives.py \
 	tests/trainer/test_replay.py \
