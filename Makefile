@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/dlrl/torch_extensions
 ARGS ?=
 
-.PHONY: install test test-fast lint typecheck contracts bench soak serve train sft align clean
+.PHONY: install test test-fast lint typecheck contracts bench soak serve train train-llada sft align clean
 
 install: $(STAMP)
 
@@ -38,6 +38,7 @@ FAST_TESTS := \
 	tests/trainer/test_advantages.py \
 	tests/trainer/test_correction.py \
 	tests/trainer/test_data.py \
+	tests/trainer/test_full_attention_objectives.py \
 	tests/trainer/test_metrics_log.py \
 	tests/trainer/test_objectives.py \
 	tests/trainer/test_replay.py \
@@ -78,6 +79,9 @@ serve: install
 
 train: install
 	$(VENV)/bin/dlrl train --config configs/tiny.yaml $(ARGS)
+
+train-llada: install
+	$(VENV)/bin/dlrl train --config configs/tiny_llada.yaml $(ARGS)
 
 align: install
 	$(PY) -m examples.align.local --config configs/align.yaml $(ARGS)

@@ -25,6 +25,7 @@ from dllm.strategy import Strategy, StrategyField
 from dlrl_config import Config, load_section
 
 Backend = Literal["native", "lmdeploy"]  # lmdeploy: server/engine/backends/lmdeploy_runner.py (CUDA)
+CacheMode = Literal["exact", "prefix"]  # full-attention models (LLaDA, Dream): server.engine.backends.full_attention
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
 RecordMode = Literal["none", "sample", "all"]
@@ -39,6 +40,7 @@ class ServerConfig(Config):
     model: str = ""                  # HF-style folder; "" = embedded tiny default
     served_model_name: str = ""      # name in /v1/models; "" = the folder name
     backend: Backend = "native"
+    cache_mode: CacheMode = "exact"  # full-attention models: exact (replayable) | prefix (Fast-dLLM prefix cache: faster, approximate)
     device: str = "auto"             # auto | cpu | cuda | cuda:N
     dtype: Dtype = "auto"            # auto = bf16 on CUDA, fp32 on CPU
     max_batch: int = Field(16, ge=1)   # max concurrently decoded sequences (the KV-cache pages may allow fewer)

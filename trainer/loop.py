@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dllm.full.replay import build_full_rows
 from dllm.replay import Rows, bucket_length, build_rows, pad_rows
 from rollout_client.client import RolloutError
 from trainer.infra.dist import RankError
@@ -35,7 +36,7 @@ from trainer.rl.advantages import (
     register_advantage,
     trace_gae,
 )
-from trainer.rl.learner import baseline_rows
+from trainer.rl.learner import baseline_rows, is_full_attention
 from trainer.rl.objectives import OBJECTIVES
 from trainer.rl.replay import completion_rows
 from trainer.rl.rollouts import Batch
@@ -136,10 +137,14 @@ def score(run: Run, batch: Batch) -> torch.Tensor:
 
 
 def replay(run: Run, samples: list[Rollout], num_samples: int) -> tuple[Rows, torch.Tensor | None]:
-    """Training rows of the kept samples (trace states, or random masks for the baselines)."""
+    """Training rows of the kept samples (trace states, or random masks for the baselines). Full-attention
+    models replay each trace step as one canvas (dllm.full.replay.build_full_rows: tokens of step >= s
+    masked, step s scored, `shrink` merging steps); the baselines' random masks are the same for both."""
     if OBJECTIVES[run.cfg.objective].masks is not None:
         return baseline_rows(completion_rows(samples, run.block_size, run.pad_id), run.cfg.objective,
                              run.mask_id, run.generator, num_sequences=num_samples)
+    if is_full_attention(run.learner.engine):  # LLaDA / Dream: mask step >= s, score step s, one row each
+        return build_full_rows(samples, run.mask_id, run.pad_id, run.cfg.shrink), None
     rows = build_rows(samples, run.block_size, run.mask_id, run.pad_id, run.cfg.shrink)
     if run.cfg.length_buckets:  # a few shapes per run (compiled layers, flex kernels): padding scores nothing
         rows = pad_rows(rows, bucket_length(rows.clean.shape[1], run.block_size), run.pad_id)

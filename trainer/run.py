@@ -46,6 +46,7 @@ from trainer.infra.publish import Publisher
 from trainer.monitor.metrics_log import MetricsLogger, plot_curves
 from trainer.monitor.trackers import open_trackers
 from trainer.monitor.train_metrics import TrainMetrics
+from trainer.objective_registry import check_family
 from trainer.rewards import build_reward
 from trainer.rl.learner import Learner
 from trainer.rl.rollouts import RolloutSource
@@ -277,6 +278,7 @@ def build_run(root: dict, config_path: str | None, overrides: list[str],
     policy = load_pretrained(model_dir, dtype=torch.float32, block_size=cfg.block_size or None,
                              mask_token_id=None if cfg.mask_token_id < 0 else cfg.mask_token_id)
     policy.gradient_checkpointing = cfg.gradient_checkpointing
+    check_family(cfg, getattr(policy, "family", "sdar"))  # full attention (LLaDA / Dream): no value model
     fleet = _start_fleet(cfg, root["server"], ranks, config_path, overrides, out)
     try:
         name = served_name(cfg.model or str(model_dir), root["server"].served_model_name)

@@ -3,7 +3,12 @@ it logs its progress with steps/s and the time left, `progress_line`).
 
     dlrl sft --config configs/tiny.yaml [sft.steps=300 ...]
 
-Loss: masked-token cross entropy weighted by 1/t, noise only on completion tokens,
+A full-attention default (`model.family: llada`, configs/tiny_llada.yaml) trains with LLaDA's SFT
+instead (dllm/embedded/sft_full.py: one masking rate per sequence, EOS-padded answer window):
+`recipe_of(arch)` picks the model, batch, loss, evaluation and save of the family; the loop,
+signals and the folder's atomic appearance below are shared.
+
+Loss (sdar): masked-token cross entropy weighted by 1/t, noise only on completion tokens,
 each block of each sequence masked at its own rate t ~ U(t_min, 1), blocks aligned to
 position 0, in the noisy-copy + clean-copy layout (`SDARForCausalLM.forward_train`).
 Writes a Hugging Face-format folder (config.json, safetensors, tokenizer) and
@@ -22,11 +27,12 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -177,10 +183,42 @@ def run_sft(arch: TinyModelConfig, task: ArithmeticTask, cfg: SFTConfig) -> dict
                      "run again to train the embedded default")
 
 
+@dataclass(frozen=True)
+class SFTRecipe:
+    """What SFT does for one model kind: build the model, draw a batch, its loss, the held-out accuracy,
+    save the folder. `BLOCK_RECIPE` (SDAR, here) and `dllm.embedded.sft_full.FULL_RECIPE` (full attention)."""
+
+    tokenizer: Callable[[Path], PreTrainedTokenizerBase]  # writes its files into the folder, returns it
+    build: Callable[[TinyModelConfig, PreTrainedTokenizerBase], torch.nn.Module]
+    batch: Callable[[list[dict], PreTrainedTokenizerBase, TinyModelConfig, SFTConfig, torch.Generator], Any]
+    loss: Callable[[torch.nn.Module, Any], torch.Tensor]
+    evaluate: Callable[[torch.nn.Module, PreTrainedTokenizerBase, list[dict], int], float]
+    save: Callable[[torch.nn.Module, Path], None]
+
+
+BLOCK_RECIPE = SFTRecipe(
+    tokenizer=build_char_tokenizer,
+    build=lambda arch, tok: SDARForCausalLM(make_model_config(arch, tok)),
+    batch=lambda ex, tok, arch, cfg, gen: sft_batch(ex, tok, arch.block_size, cfg.t_min, gen),
+    loss=lambda model, batch: diffusion_loss(cast(SDARForCausalLM, model), *batch),
+    evaluate=lambda model, tok, ex, n: evaluate(cast(SDARForCausalLM, model), tok, ex, n),
+    save=lambda model, path: save_pretrained(cast(SDARForCausalLM, model), path))
+
+
+def recipe_of(arch: TinyModelConfig) -> SFTRecipe:
+    """The SFT of `arch.family`: block-diffusion (sdar) or LLaDA's full-attention SFT (llada)."""
+    if arch.family == "sdar":
+        return BLOCK_RECIPE
+    from dllm.embedded.sft_full import FULL_RECIPE
+
+    return FULL_RECIPE
+
+
 def _train_and_save(arch: TinyModelConfig, task: ArithmeticTask, cfg: SFTConfig, out: Path, tmp: Path,
                     stop: _SignalStop) -> dict:
-    tokenizer = build_char_tokenizer(tmp)
-    model = SDARForCausalLM(make_model_config(arch, tokenizer))
+    recipe = recipe_of(arch)
+    tokenizer = recipe.tokenizer(tmp)
+    model = recipe.build(arch, tokenizer)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps)
                                               * 0.5 * (1 + math.cos(math.pi * min(1.0, s / cfg.steps))))
@@ -192,9 +230,8 @@ def _train_and_save(arch: TinyModelConfig, task: ArithmeticTask, cfg: SFTConfig,
         if stop.requested:
             raise SFTStopped(f"SFT stopped by {signal.Signals(stop.signum).name} after step {step}/{cfg.steps}: no model "
                              f"written ({tmp} removed); run again to train the embedded default")
-        batch = sft_batch([next(stream) for _ in range(cfg.batch_size)], tokenizer, arch.block_size,
-                          cfg.t_min, gen)
-        loss = diffusion_loss(model, *batch)
+        batch = recipe.batch([next(stream) for _ in range(cfg.batch_size)], tokenizer, arch, cfg, gen)
+        loss = recipe.loss(model, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -208,10 +245,10 @@ def _train_and_save(arch: TinyModelConfig, task: ArithmeticTask, cfg: SFTConfig,
     if stop.requested:
         raise SFTStopped(f"SFT stopped by {signal.Signals(stop.signum).name}: no model written ({tmp} removed); "
                          "run again to train the embedded default")
-    acc = evaluate(model, tokenizer, task.split("heldout", cfg.eval_size), cfg.max_new_tokens)
+    acc = recipe.evaluate(model, tokenizer, task.split("heldout", cfg.eval_size), cfg.max_new_tokens)
     metrics = {"heldout_accuracy": acc, "train_seconds": round(train_s, 1), "steps": cfg.steps,
                "final_loss": loss.item(), "num_params": sum(p.numel() for p in model.parameters())}
-    save_pretrained(model, tmp)
+    recipe.save(model, tmp)
     (tmp / "sft_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     if out.exists():  # replace an old model folder, never anything else
         if any(out.iterdir()) and not (out / "config.json").is_file():

@@ -6,14 +6,20 @@ so `dlrl <command> --help` and `--check` read them without importing torch (dllm
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from dlrl_config import Config
 
 
 class TinyModelConfig(Config):
-    """Section `model`: the architecture of the embedded default (vocab/mask/eos come from the tokenizer)."""
+    """Section `model`: the architecture of the embedded default (vocab/mask/eos come from the tokenizer).
+    `family` picks the layout and the SFT: `sdar` (block-causal, block-diffusion SFT) or `llada` (full
+    attention, LLaDA's SFT: dllm/embedded/sft_full.py). It is left out of `model_dump()` (the other fields
+    are the model config's)."""
 
+    family: Literal["sdar", "llada"] = Field("sdar", exclude=True)  # sdar (block-causal) | llada (full attention)
     hidden_size: int = Field(128, ge=1)  # transformer width
     intermediate_size: int = Field(384, ge=1)  # MLP width
     num_hidden_layers: int = Field(2, ge=1)  # layers

@@ -162,6 +162,8 @@ class ModelCard(BaseModel):
     owned_by: str = "dlrl"
     max_model_len: int | None = None
     version: int | None = None
+    family: str | None = None      # model family: sdar (block-causal) | llada | dream (full attention)
+    cache_mode: str | None = None  # full attention: exact | prefix (the decoder's KV reuse; every trace records it)
 
 
 class ModelList(BaseModel):

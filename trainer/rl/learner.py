@@ -16,7 +16,8 @@ forward, with a dummy row when it has none (ZeRO-3 gathers parameters collective
 Metrics are token-weighted means over all ranks (`*_max`: the maximum).
 
 Policy objectives (TraceRL, DiPO) score replayed trace steps against the behaviour logprobs
-recorded by the server; the baselines (random-masking, coupled) score the completion under
+recorded by the server (full-attention models, LLaDA / Dream: one bidirectional row per trace step,
+dllm.full.replay, behaviour log-probs still the sampler's); the baselines (random-masking, coupled) score the completion under
 fresh random masks (see `baseline_rows`).
 """
 
@@ -26,12 +27,19 @@ from collections.abc import Callable
 
 import torch
 
+from dllm.full.replay import full_replay_hidden
 from dllm.replay import Rows, replay_hidden
 from trainer.infra.dist import Ranks
 from trainer.infra.faults import Faults
 from trainer.rl.correction import is_weights, mismatch_stats
 from trainer.rl.objectives import OBJECTIVES, value_loss
 from trainer.rl.replay import chunked_token_logprobs
+
+
+def is_full_attention(model) -> bool:
+    """A full-attention model (LLaDA / Dream, dllm.full): its rows are one canvas per trace step, its replay
+    forward bidirectional (dllm.full.replay); SDAR's are block-causal with a clean copy (dllm.replay)."""
+    return getattr(getattr(model, "module", model), "attention", "block_causal") == "full"
 
 
 def _policy_loss(cfg, new_lp, old_lp, adv, mask, ref_lp, entropy, weights=None):
@@ -123,7 +131,8 @@ class Learner:
         reference). Full-vocabulary logits only for `logprob_chunk` scored tokens at a time."""
         dev, cfg = self.device, self.cfg
         module = getattr(model, "module", model)
-        hidden = replay_hidden(model, rows, dev)  # [R, L, D]
+        forward = full_replay_hidden if is_full_attention(module) else replay_hidden
+        hidden = forward(model, rows, dev)  # [R, L, D]
         target = rows.target.to(dev)
         n = int(target.sum())
         step = cfg.logprob_chunk if cfg.logprob_chunk > 0 else max(n, 1)

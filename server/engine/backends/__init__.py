@@ -1,5 +1,7 @@
-"""Inference backends of the engine: `native` (dllm BlockDecoder) and `lmdeploy` (an in-process
-LMDeploy PyTorch engine, CUDA only: lmdeploy_runner.py). Each is imported only when chosen.
+"""Inference backends of the engine: `native` (dllm BlockDecoder; a full-attention folder, LLaDA / Dream, gets
+the full-attention runner, server.engine.backends.full_attention, with `cache_mode` exact | prefix) and
+`lmdeploy` (an in-process LMDeploy PyTorch engine, CUDA only: lmdeploy_runner.py). Each is imported only
+when chosen.
 
     backend = create_backend("native", model_path, device="auto", dtype="auto", max_batch=16)
     backend = create_backend("lmdeploy", model_path, max_batch=32, strategy="dynamic", threshold=0.9)
@@ -21,7 +23,14 @@ def check_backend(name: str) -> None:
 
 
 def create_backend(name: str, model_path: str, **kwargs: Any) -> Backend:
+    cache_mode = kwargs.pop("cache_mode", "exact")  # server.cache_mode: full-attention models only
     if name == "native":
+        from server.engine.backends.full_attention import FullAttentionRunner, check_cache_mode, model_family
+
+        family = model_family(model_path)
+        check_cache_mode(family, cache_mode)
+        if family != "sdar":
+            return FullAttentionRunner.from_pretrained(model_path, cache_mode=cache_mode, **kwargs)
         from server.engine.backends.native import NativeBackend
 
         return NativeBackend.from_pretrained(model_path, **kwargs)

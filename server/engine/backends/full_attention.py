@@ -1,0 +1,161 @@
+"""The full-attention runner: LLaDA / Dream folders served like SDAR ones (server.engine.backends.base.Runner).
+
+    runner = FullAttentionRunner.from_pretrained(folder, cache_mode="exact", device="auto", dtype="auto",
+                                                 max_batch=16, max_model_len=0)
+
+`create_backend("native", folder, cache_mode=...)` picks it when the folder's config is a full-attention
+family (`model_family`: LLaDA's `model_type` "llada", Dream's "Dream"); `server.cache_mode` chooses how
+its decoder reuses K/V:
+
+- `exact`: every denoising forward recomputes the whole sequence (prompt, decoded blocks, the current
+  block, the masked rest of the answer window) with bidirectional attention, so the log-probabilities
+  of the trace are exactly what the trainer's replay recomputes (the replay invariant);
+- `prefix` (Fast-dLLM's prefix cache): the K/V of everything before the current block are computed
+  by the block's first forward and reused by its later ones: fewer FLOPs, but stale (in full attention
+  earlier positions' K/V depend on later tokens), so the trace's log-probabilities differ from the
+  replay's; the trainer measures the gap per sample and corrects it (`train.is_correction` tis / mis).
+
+The mode is recorded in `/v1/models` (`cache_mode`, with `family`) and in every trace. A block-causal
+(SDAR) folder with `server.cache_mode=prefix` stops at start (`check_cache_mode`): its KV cache is exact.
+
+Decoding is dllm's `FullDecoder` (dllm/full/decoding.py): one denoising forward per `run` over the batch's
+canvases (prompt + max_tokens to whole blocks), the per-family rules (Dream's shift and first-token rule,
+LLaDA's none), the same commit rules, Postprocessor and StepOutput as the block-causal path. The server's
+sequences are plain ServerSequences: the decoder keeps its per-sequence state (canvas, prefix cache) itself.
+
+Budget for the scheduler (`kv_budget`): there is no block-paged cache (exact mode keeps no K/V; the prefix
+cache is one sequence's own tensors, freed with it), so slots alone bound the batch (`num_pages=0`): at most
+`max_batch` sequences of up to `max_model_len` tokens. `server.compile` / `server.cuda_graphs` are the
+block-causal static step's: refused here (ConfigError naming them); the KV-cache sizing keys do not apply.
+Top logprobs (OpenAI `logprobs`) replay the finished sequence with `dllm.full.replay.full_trace_hidden`
+(one row per denoising step, the exact-mode state; for a prefix-cache sequence that is the exact
+distribution, not the cached approximation it was sampled from).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dllm.decoding import StepOutput
+from dllm.full.decoding import FullDecoder
+from dllm.full.model import FullAttentionLM
+from dllm.full.replay import full_trace_hidden
+from dllm.postprocess import Postprocessor
+from dllm.sampling import SamplingParams, sampling_logprobs
+from dllm.weights import load_pretrained
+from dlrl_config import ConfigError
+from server.engine.backends.native import DEFAULT_MAX_LEN, TOP_LOGPROBS_CHUNK, resolve_device, resolve_dtype
+from server.engine.scheduler import KVBudget, ScheduledBatch
+from server.engine.sequence import ServerSequence
+
+log = logging.getLogger("dlrl.server")
+CACHE_MODES = ("exact", "prefix")
+
+
+def model_family(model_path: str | Path) -> str:
+    """`sdar` (block-causal) or a full-attention family (`llada`, `dream`), from the folder's config.json."""
+    from dllm.full.config import folder_family
+
+    return folder_family(Path(model_path))
+
+
+def check_cache_mode(family: str, cache_mode: str) -> None:
+    """ConfigError naming `server.cache_mode` when it is unknown or does not apply to `family`."""
+    if cache_mode not in CACHE_MODES:
+        raise ConfigError(f"server.cache_mode: unknown {cache_mode!r} (known: {', '.join(CACHE_MODES)})")
+    if family == "sdar" and cache_mode != "exact":
+        raise ConfigError(f"server.cache_mode: {cache_mode!r} applies to full-attention models (LLaDA, Dream); "
+                          "this block-causal SDAR model's KV cache is exact (leave server.cache_mode=exact)")
+
+
+class FullAttentionRunner:
+    """The full-attention runner (server.engine.backends.base.Runner) over dllm's FullDecoder."""
+
+    name = "full_attention"
+
+    def __init__(self, model: FullAttentionLM, tokenizer: Any, *, max_batch: int, cache_mode: str = "exact",
+                 max_model_len: int = 0, eos_ids: list[int] | None = None) -> None:
+        cfg = model.config
+        check_cache_mode(cfg.family, cache_mode)
+        self.family, self.cache_mode = cfg.family, cache_mode
+        self.eos_ids = sorted(set(cfg.eos_ids if eos_ids is None else eos_ids))
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.block_size, self.vocab_size, self.mask_token_id = cfg.block_size, cfg.vocab_size, cfg.mask_token_id
+        self.max_batch = max_batch
+        limit = max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_LEN)
+        self.decoder = FullDecoder(model, max_batch=max_batch, max_len=limit, eos_ids=self.eos_ids,
+                                   cache_mode=cache_mode)
+        self.max_len = self.decoder.max_len
+        log.info("full-attention runner: %s, cache_mode=%s, %d sequences of up to %d tokens at once (no paged KV "
+                 "cache)", self.family, cache_mode, max_batch, self.max_len)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, cache_mode: str = "exact", device: str = "auto",
+                        dtype: str = "auto", max_batch: int = 16, max_model_len: int = 0,
+                        trust_remote_code: bool = False, block_size: int = 0, mask_token_id: int = -1,
+                        compile: bool = False, cuda_graphs: bool = False, **unused: Any) -> FullAttentionRunner:
+        """Load a LLaDA / Dream folder. `unused`: the block-causal KV-cache sizing options (no paged cache)."""
+        from dllm.tokenizer import eos_token_ids, load_tokenizer
+
+        for key, on in (("compile", compile), ("cuda_graphs", cuda_graphs)):
+            if on:
+                raise ConfigError(f"server.{key}: the static decode step is the block-causal runner's; a "
+                                  "full-attention model (LLaDA, Dream) decodes eagerly (leave it false)")
+        dev = resolve_device(device)
+        model = load_pretrained(path, device=dev, dtype=resolve_dtype(dtype, dev), block_size=block_size or None,
+                                mask_token_id=None if mask_token_id < 0 else mask_token_id)
+        if not isinstance(model, FullAttentionLM):
+            raise ConfigError(f"server.model: {path} is not a full-attention (LLaDA / Dream) folder")
+        tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
+        log.info("loaded %s (%s) on %s (%s, %.1fM params)", path, model.family, dev, model.dtype,
+                 sum(p.numel() for p in model.parameters()) / 1e6)
+        eos_ids = eos_token_ids(path, tokenizer, model.config.eos_ids)
+        log.info("stop token ids (config.json + generation_config.json + tokenizer): %s", eos_ids)
+        return cls(model, tokenizer, max_batch=max_batch, cache_mode=cache_mode, max_model_len=max_model_len,
+                   eos_ids=eos_ids)
+
+    def new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> ServerSequence:
+        if params.stop_token_ids is not None and not params.ignore_eos:  # vLLM: they add to the eos ids
+            params.stop_token_ids = sorted(set(self.eos_ids) | set(params.stop_token_ids))
+        self.decoder.validate(prompt_ids, params)
+        return ServerSequence(prompt_ids, params, self.block_size, self.mask_token_id)  # the decoder keeps the rest
+
+    @property
+    def kv_budget(self) -> KVBudget:
+        return KVBudget(self.max_batch)  # slots only: no paged cache to account for
+
+    def postprocessor(self) -> Postprocessor:
+        tok = copy.deepcopy(self.tokenizer) if self.tokenizer is not None else None
+        return Postprocessor(eos_ids=self.eos_ids, tokenizer=tok, max_len=self.max_len, block_size=self.block_size)
+
+    def run(self, batch: ScheduledBatch) -> StepOutput:
+        if batch.admitted:
+            self.decoder.add(batch.admitted)  # at the slots the scheduler chose
+        return self.decoder.run(batch.running)
+
+    def release(self, seqs: list[ServerSequence]) -> None:
+        for seq in seqs:
+            self.decoder.release(seq)
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.decoder.num_free_slots
+
+    @torch.no_grad()
+    def top_logprobs(self, seq: ServerSequence, k: int) -> list[list[tuple[int, float]]]:
+        hidden, out = full_trace_hidden(self.model, seq), []  # [C, D]
+        for first in range(0, hidden.shape[0], TOP_LOGPROBS_CHUNK):
+            logits = self.model.lm_head(hidden[first:first + TOP_LOGPROBS_CHUNK])
+            logp = sampling_logprobs(logits, seq.params, self.mask_token_id)  # [chunk, V]
+            values, ids = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
+            out += [[(t, v) for t, v in zip(row_ids, row_values) if v > float("-inf")]
+                    for row_ids, row_values in zip(ids.tolist(), values.tolist())]
+        return out
+
+    def close(self) -> None:
+        self.decoder.free_slots = []
