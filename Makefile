@@ -3,8 +3,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
-# DeepSpeed's JIT-built ops: the folder `dlrl train` defaults to as well (trainer/extensions.py), built once
-export TORCH_EXTENSIONS_DIR ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/dlrl/torch_extensions
+# DeepSpeed's JIT-built ops: the venv's own folder, which `dlrl train` defaults to as well (trainer/extensions.py);
+# built once by `make install`
+export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 ARGS ?=
 
 .PHONY: install test test-fast lint typecheck contracts bench soak serve train train-llada sft align clean

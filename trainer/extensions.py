@@ -1,6 +1,6 @@
 """Where DeepSpeed's JIT-built C++ ops live, and saying so before the one slow build.
 
-    ensure_extensions_dir()            # TORCH_EXTENSIONS_DIR, default ~/.cache/dlrl/torch_extensions
+    ensure_extensions_dir()            # TORCH_EXTENSIONS_DIR, default <venv>/torch_extensions
     with announced_build(cpu=True):    # around deepspeed.init_distributed: one line before a build,
         deepspeed.init_distributed()   # nothing on later runs (DeepSpeed's "built successfully" is kept quiet)
 
@@ -24,11 +24,19 @@ CPU_OP = "deepspeed_shm_comm"  # deepspeed.comm.torch.build_shm_op on the CPU ac
 BUILD_MINUTES = "1-5"  # measured: ~1 min on an idle 2-core box, 4.5 min on a loaded one (issue 38)
 
 
+def default_extensions_dir() -> Path:
+    """Inside a virtual environment its own `torch_extensions` folder (torch's build hash includes the
+    environment's paths: two environments sharing one folder rebuild the op in turn, and a build one
+    of them kills leaves a lock the other waits on); outside one, ~/.cache/dlrl/torch_extensions."""
+    if sys.prefix != sys.base_prefix:
+        return Path(sys.prefix) / "torch_extensions"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dlrl" / "torch_extensions"
+
+
 def ensure_extensions_dir() -> Path:
     """TORCH_EXTENSIONS_DIR (set to the default when unset, for this process and the ones it starts)."""
     if not os.environ.get("TORCH_EXTENSIONS_DIR"):
-        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-        os.environ["TORCH_EXTENSIONS_DIR"] = str(cache / "dlrl" / "torch_extensions")
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(default_extensions_dir())
     return Path(os.environ["TORCH_EXTENSIONS_DIR"])
 
 

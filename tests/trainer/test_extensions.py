@@ -4,13 +4,19 @@ stable folder, says once, before the build, what it builds and where; later runs
 
 from __future__ import annotations
 
+import sys
+
 from trainer.extensions import CPU_OP, announced_build, ensure_extensions_dir
 
 
 def test_default_folder_is_stable_and_kept_when_set(monkeypatch, tmp_path):
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(sys, "prefix", sys.base_prefix)  # no virtual environment: the user's cache
     assert ensure_extensions_dir() == tmp_path / "cache" / "dlrl" / "torch_extensions"
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "venv"))  # a virtual environment: its own folder
+    assert ensure_extensions_dir() == tmp_path / "venv" / "torch_extensions"
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "mine"))
     assert ensure_extensions_dir() == tmp_path / "mine"
 
