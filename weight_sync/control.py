@@ -36,6 +36,10 @@ from weight_sync.protocol import (
 
 POLL_S = 0.1
 UNREACHABLE_S = 10.0  # a commit whose server refuses connections this long: the server is gone
+# an idle kept-alive connection is dropped here after this, well before the server closes it
+# (server.keepalive_timeout_s, 5 s by default): with httpx's own 5 s both ends raced, and a push that
+# followed a ~5 s training step reused a connection the server was closing (RemoteProtocolError)
+KEEPALIVE_S = 1.0
 
 
 class HTTPStatusError(WeightSyncError):
@@ -55,7 +59,8 @@ class ControlClient:
         self.url, self.timeout = url.rstrip("/"), timeout
         self._down_since: float | None = None  # since when the server refuses connections (commit)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.http = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)))
+        self.http = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+                                 limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S))
 
     def check(self, resp: Any, step: str) -> dict[str, Any]:
         if resp.status_code < 300:
