@@ -25,8 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dllm.full.replay import build_full_rows, full_replay_hidden
 from dllm.replay import Rows, build_rows
 from trainer.evaluation.evaluate import DecodingSetting, SettingResult, evaluate
+from trainer.rl.learner import is_full_attention
 from trainer.rl.replay import chunked_token_logprobs
 from trainer.rl.rollouts import sampling_kwargs
 
@@ -55,8 +57,11 @@ def answer_monitors(result: SettingResult) -> dict[str, float]:
 def target_logprobs(module, rows: Rows, mask_id: int, temperature: float, chunk: int = 1024) -> torch.Tensor:
     """log p of every row target under a plain (unsharded) module: [R, L], zeros off-target."""
     dev = next(module.parameters()).device
-    hidden = module(rows.noisy.to(dev), position_ids=rows.pos.to(dev), clean_ids=rows.clean.to(dev),
-                    valid=rows.valid.to(dev), output="hidden")  # [R, L, D]
+    if is_full_attention(module):  # LLaDA / Dream: one bidirectional canvas per trace step
+        hidden = full_replay_hidden(module, rows, dev)
+    else:
+        hidden = module(rows.noisy.to(dev), position_ids=rows.pos.to(dev), clean_ids=rows.clean.to(dev),
+                        valid=rows.valid.to(dev), output="hidden")  # [R, L, D]
     target = rows.target.to(dev)
     lp, _, _ = chunked_token_logprobs(module.lm_head, hidden[target], rows.clean.to(dev)[target], mask_id,
                                       temperature, chunk=chunk)
@@ -95,7 +100,8 @@ class Gate:
         rollouts = [r for r in rollouts if r.completion_ids]
         if not rollouts:
             return {"kl": 0.0, "kl_k1": 0.0, "kl_tokens": 0}
-        rows = build_rows(rollouts, self.block_size, self.mask_id, self.pad_id, 1)
+        rows = (build_full_rows(rollouts, self.mask_id, self.pad_id) if is_full_attention(policy)
+                else build_rows(rollouts, self.block_size, self.mask_id, self.pad_id, 1))
         temp, chunk = self.train_cfg.temperature, self.train_cfg.logprob_chunk
         cand = target_logprobs(policy, rows, self.mask_id, temp, chunk)
         ref = target_logprobs(reference, rows, self.mask_id, temp, chunk)

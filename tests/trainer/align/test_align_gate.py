@@ -221,3 +221,34 @@ def test_paused_promotion_keeps_the_newest_passing_candidate_until_resumed(tmp_p
     assert al.promoter.started == [6] and al.waiting is None
     kinds = [e["kind"] for e in al.store.events()]
     assert kinds.count("gate_passed") == 2 and "promotion_paused" in kinds and "promotion_resumed" in kinds
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_gate_replays_full_attention_traces_exactly(family, tmp_path):
+    """The gate's KL on LLaDA / Dream: one bidirectional canvas per trace step (dllm.full.replay), so the
+    serving policy's replayed log-probabilities are the sampler's own (exact cache mode) and KL is 0."""
+    from dllm.embedded.full_folders import build_full_folder
+    from trainer.align.gate import build_full_rows, target_logprobs
+
+    model = load_pretrained(build_full_folder(tmp_path / family, family)).eval()
+    cfg = model.config
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    samples = []
+
+    def generate_fn(prompts, n, seed=0, **kw):
+        params = SamplingParams(max_tokens=kw["max_tokens"], strategy=kw["strategy"], temperature=1.0, seed=seed,
+                                ignore_eos=True)
+        samples[:] = generate(model, [p for p in prompts for _ in range(n)], params, cache_mode="exact")
+        return samples
+
+    gate = Gate(AlignConfig(kl_prompts=3), TrainConfig(max_tokens=8), [{"prompt": "", "answer": ""}] * 3, None,
+                lambda e: prompts.pop(0), cfg.mask_token_id, cfg.block_size, cfg.pad_token_id)
+    same = gate.kl(generate_fn, model, copy.deepcopy(model))
+    assert same["kl_tokens"] > 0 and same["kl"] == pytest.approx(0.0, abs=1e-6)
+    for sample in samples:  # the trace's own numbers, token by token (rows are in step order)
+        rows = build_full_rows([sample], cfg.mask_token_id, cfg.pad_token_id)
+        with torch.no_grad():
+            lp = target_logprobs(model, rows, cfg.mask_token_id, 1.0)
+        replayed = torch.empty(len(sample.trace.logprobs))
+        replayed[rows.token_idx[rows.target]] = lp[rows.target]
+        assert (replayed - torch.tensor(sample.trace.logprobs)).abs().max() < 1e-4
