@@ -41,6 +41,9 @@ def _config(tmp: Path) -> Path:
     cfg["train"].update({"tensorboard": False, "prompts_per_step": 4, "group_size": 4, "max_tokens": 6,
                          "filter_zero_variance": False})  # a random model: rewards all 0, still new versions
     cfg["users"].update({"num_users": 2, "think_time_s": 0.3, "feedback_delay_s": 0.3})
+    # every promotion stays rollback-able: the page rolls back to the first one's predecessor, and on a quiet
+    # box more than 3 promotions can land before it does (the default keeps 3: version 0 was gone)
+    cfg["server"]["keep_versions"] = 64
     path = tmp / "align.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
