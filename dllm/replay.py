@@ -116,9 +116,17 @@ def build_rows(samples: Sequence[Sample], block_size: int, mask_id: int, pad_id:
                shrink: int = 1) -> Rows:
     if shrink < 1:
         raise ValueError("shrink: must be >= 1")
-    per = [_sample_rows(s, block_size, mask_id, shrink) for s in samples]
+    return pack_rows([_sample_rows(s, block_size, mask_id, shrink) for s in samples], pad_id, block_size)
+
+
+RowSpec = tuple[list[int], int, list[tuple[list[int], list[bool], list[int]]]]
+
+
+def pack_rows(per: Sequence[RowSpec], pad_id: int, empty_len: int = 1) -> Rows:
+    """Rows from each sample's (clean ids, valid length, [(noisy, target, token index) per row]), padded
+    to the longest (`empty_len` wide for no samples): the one packing of block-causal and full-attention replay rows."""
     R = sum(len(rows) for _, _, rows in per)
-    L = max((len(clean) for clean, _, _ in per), default=block_size)
+    L = max((len(clean) for clean, _, _ in per), default=empty_len)
     noisy = torch.full((R, L), pad_id, dtype=torch.long)
     clean_t = torch.full((R, L), pad_id, dtype=torch.long)
     valid = torch.zeros(R, L, dtype=torch.bool)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from dllm.replay import Rows, Sample, trace_of
+from dllm.replay import Rows, Sample, pack_rows, trace_of
 
 
 def full_global_steps(prompt_len: int, block_size: int, steps: Sequence[int], shrink: int = 1) -> list[int]:
@@ -84,29 +84,7 @@ def build_full_rows(samples: Sequence[Sample], mask_id: int, pad_id: int, shrink
     own unless given."""
     per = [_sample_rows(s, block_size or trace_of(s).block_size, mask_id, shrink)  # type: ignore[attr-defined]
            for s in samples]
-    R = sum(len(rows) for _, rows in per)
-    L = max((len(clean) for clean, _ in per), default=1)
-    noisy = torch.full((R, L), pad_id, dtype=torch.long)
-    clean_t = torch.full((R, L), pad_id, dtype=torch.long)
-    valid = torch.zeros(R, L, dtype=torch.bool)
-    target = torch.zeros(R, L, dtype=torch.bool)
-    sample_idx = torch.full((R, L), -1, dtype=torch.long)
-    token_idx = torch.full((R, L), -1, dtype=torch.long)
-    row_sample = torch.zeros(R, dtype=torch.long)
-    r = 0
-    for i, (clean, rows) in enumerate(per):
-        n = len(clean)
-        for nz, tg, tk in rows:
-            noisy[r, :n] = torch.tensor(nz)
-            clean_t[r, :n] = torch.tensor(clean)
-            valid[r, :n] = True
-            target[r, :n] = torch.tensor(tg)
-            token_idx[r, :n] = torch.tensor(tk)
-            sample_idx[r, :n] = torch.where(target[r, :n], i, -1)
-            row_sample[r] = i
-            r += 1
-    pos = torch.arange(L).expand(R, L).contiguous()
-    return Rows(noisy, clean_t, pos, valid, target, sample_idx, token_idx, row_sample)
+    return pack_rows([(clean, len(clean), rows) for clean, rows in per], pad_id)  # the whole canvas is valid
 
 
 def full_replay_hidden(model: Any, rows: Rows, device: torch.device | None = None) -> torch.Tensor:
