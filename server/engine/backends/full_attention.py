@@ -46,10 +46,10 @@ from dllm.full.decoding import FullDecoder
 from dllm.full.model import FullAttentionLM
 from dllm.full.replay import full_trace_hidden
 from dllm.postprocess import Postprocessor
-from dllm.sampling import SamplingParams, sampling_logprobs
+from dllm.sampling import SamplingParams
 from dllm.weights import load_pretrained
 from dlrl_config import ConfigError
-from server.engine.backends.native import DEFAULT_MAX_LEN, TOP_LOGPROBS_CHUNK, resolve_device, resolve_dtype
+from server.engine.backends.native import DEFAULT_MAX_LEN, resolve_device, resolve_dtype, top_logprobs_of
 from server.engine.scheduler import KVBudget, ScheduledBatch
 from server.engine.sequence import ServerSequence
 
@@ -148,14 +148,7 @@ class FullAttentionRunner:
 
     @torch.no_grad()
     def top_logprobs(self, seq: ServerSequence, k: int) -> list[list[tuple[int, float]]]:
-        hidden, out = full_trace_hidden(self.model, seq), []  # [C, D]
-        for first in range(0, hidden.shape[0], TOP_LOGPROBS_CHUNK):
-            logits = self.model.lm_head(hidden[first:first + TOP_LOGPROBS_CHUNK])
-            logp = sampling_logprobs(logits, seq.params, self.mask_token_id)  # [chunk, V]
-            values, ids = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
-            out += [[(t, v) for t, v in zip(row_ids, row_values) if v > float("-inf")]
-                    for row_ids, row_values in zip(ids.tolist(), values.tolist())]
-        return out
+        return top_logprobs_of(self.model, full_trace_hidden(self.model, seq), seq.params, self.mask_token_id, k)
 
     def close(self) -> None:
         self.decoder.free_slots = []

@@ -139,6 +139,21 @@ def weight_bytes(model: Any) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+@torch.no_grad()
+def top_logprobs_of(model: Any, hidden: torch.Tensor, params: SamplingParams, mask_token_id: int,
+                    k: int) -> list[list[tuple[int, float]]]:
+    """Top-k (token id, logprob) per completion token from the hidden states that committed them ([C, D]),
+    under the request's sampling distribution; chunked over tokens (the full-vocabulary logits are big)."""
+    out: list[list[tuple[int, float]]] = []
+    for first in range(0, hidden.shape[0], TOP_LOGPROBS_CHUNK):
+        logits = model.lm_head(hidden[first:first + TOP_LOGPROBS_CHUNK])
+        logp = sampling_logprobs(logits, params, mask_token_id)  # [chunk, V]
+        values, ids = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)  # [chunk, k]
+        out += [[(t, v) for t, v in zip(row_ids, row_values) if v > float("-inf")]
+                for row_ids, row_values in zip(ids.tolist(), values.tolist())]
+    return out
+
+
 class NativeBackend:
     """The native runner (server.engine.backends.base.Runner): loads the model, plans the KV cache, runs
     `BlockDecoder.run` (its DecodeStep / CUDA graphs below), scores top logprobs."""
@@ -222,14 +237,7 @@ class NativeBackend:
 
     @torch.no_grad()
     def top_logprobs(self, seq: ServerSequence, k: int) -> list[list[tuple[int, float]]]:
-        hidden, out = trace_hidden(self.model, seq), []  # [C, D]
-        for first in range(0, hidden.shape[0], TOP_LOGPROBS_CHUNK):
-            logits = self.model.lm_head(hidden[first:first + TOP_LOGPROBS_CHUNK])
-            logp = sampling_logprobs(logits, seq.params, self.mask_token_id)  # [chunk, V]
-            values, ids = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)  # [chunk, k]
-            out += [[(t, v) for t, v in zip(row_ids, row_values) if v > float("-inf")]
-                    for row_ids, row_values in zip(ids.tolist(), values.tolist())]
-        return out
+        return top_logprobs_of(self.model, trace_hidden(self.model, seq), seq.params, self.mask_token_id, k)
 
     def close(self) -> None:
         self.decoder.cache = None
