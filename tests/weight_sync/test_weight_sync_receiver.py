@@ -307,3 +307,43 @@ def test_refused_begin_or_connect_of_the_same_run_changes_nothing(served):
     finally:
         served.rx.close()
         region.close()
+
+
+def test_a_reader_closed_under_a_polling_thread_never_unmaps_what_it_reads():
+    """The staging thread polls ready stamps while an abort (another thread) closes the reader and
+    the sender unlinks its region: the mapping lives until the last view dies, then it is gone."""
+    from pathlib import Path
+
+    from weight_sync.transports.shm import ShmReader
+
+    region, reader = ShmRegion("run-poll"), ShmReader()
+    name = region.prepare_header(4)
+    stop, reads, errors = threading.Event(), [], []
+
+    def poll() -> None:
+        try:
+            while not stop.is_set():
+                reads.append(reader.ready(3) + reader.heartbeat())
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            errors.append(e)
+
+    try:
+        for _ in range(20):  # each round: attach, poll, close under the poller, sender gone
+            reader.header(name, 4)
+            stamps = reader.stamps
+            thread = threading.Thread(target=poll)
+            thread.start()
+            time.sleep(0.005)
+            reader.close()
+            assert stamps is not None and int(stamps[3]) == 0  # a view alive after close still reads its page
+            stop.set()
+            thread.join()
+            stop.clear()
+        assert reads and not errors
+        region.close()
+        del stamps
+        maps = Path("/proc/self/maps").read_text()
+        assert name.lstrip("/") not in maps  # the last view gone: nothing of the sender's region stays mapped
+    finally:
+        reader.close()
+        region.close()

@@ -39,6 +39,7 @@ from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from weight_sync.errors import ManifestError
@@ -87,19 +88,38 @@ def _populate(shm: shared_memory.SharedMemory, advice: int) -> None:
 
 def attach(name: str) -> shared_memory.SharedMemory:
     """Open an existing region without letting this process's resource_tracker own it."""
-    shm = shared_memory.SharedMemory(name=name, create=False)
+    shm = Segment(name=name, create=False)
     if name not in _CREATED_HERE:
         resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
     return shm
 
 
+class Segment(shared_memory.SharedMemory):
+    """A POSIX shared-memory segment whose close never unmaps memory a live view still reads: with a view
+    alive (another thread's read) the view owns the mapping, which goes with the last view (`mapped`)."""
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except BufferError:
+            self._buf = self._mmap = None
+            fd: int = self._fd  # type: ignore[has-type]
+            if fd >= 0:
+                os.close(fd)
+                self._fd = -1
+
+
+def mapped(shm: shared_memory.SharedMemory) -> torch.Tensor:
+    """The segment as [size] uint8. The tensor holds a buffer export of the mapping (through numpy; a plain
+    torch.frombuffer holds none), so closing the segment cannot unmap it under a view (`Segment.close`)."""
+    assert shm.buf is not None
+    return torch.from_numpy(np.frombuffer(shm.buf, dtype=np.uint8))
+
+
 def _release(shm: shared_memory.SharedMemory | None, unlink: bool) -> None:
     if shm is None:
         return
-    try:
-        shm.close()
-    except BufferError:  # a tensor view is still alive; the mapping goes when it is collected
-        pass
+    shm.close()
     if unlink:
         try:
             shm.unlink()
@@ -163,11 +183,11 @@ class ShmRegion:
         if self.shm is None or self.shm.size < size:
             self.close()
             sweep()  # regions of earlier pushers on this host that died with their resource tracker
-            shm = shared_memory.SharedMemory(name=region_name(self.run_id), create=True, size=size)
+            shm = Segment(name=region_name(self.run_id), create=True, size=size)
             _CREATED_HERE.add(shm.name)
-            fcntl.flock(shm._fd, fcntl.LOCK_SH)  # type: ignore[attr-defined]  # "alive" marker for sweep()
+            fcntl.flock(shm._fd, fcntl.LOCK_SH)  # "alive" marker for sweep()
             _populate(shm, _MADV_POPULATE_WRITE)
-            self.shm, self.data = shm, torch.frombuffer(shm.buf, dtype=torch.uint8)
+            self.shm, self.data = shm, mapped(shm)
         assert self.data is not None
         self.header = self.data[: self.offsets[0]].view(torch.int64)
         self.header[0] = MAGIC
@@ -235,7 +255,7 @@ class ShmReader:
             except FileNotFoundError:
                 raise ManifestError(f"{field}: shared-memory region {name!r} does not exist") from None
             _populate(shm, _MADV_POPULATE_READ)
-            self.shm, self.data = shm, torch.frombuffer(shm.buf, dtype=torch.uint8)
+            self.shm, self.data = shm, mapped(shm)
         assert self.data is not None
         if self.shm.size < HEADER_BYTES or int(self.data[:8].view(torch.int64)[0]) != MAGIC:
             raise ManifestError(f"{field}: region {name!r} has no weight-sync header")
@@ -270,11 +290,13 @@ class ShmReader:
         return views
 
     def heartbeat(self) -> int:
-        return int(self.data[8:16].view(torch.int64)[0]) if self.data is not None else 0
+        data = self.data  # one read: close() may run on another thread
+        return int(data[8:16].view(torch.int64)[0]) if data is not None else 0
 
     def ready(self, index: int) -> int:
         """The version whose bucket `index` the sender has packed (0: none)."""
-        return int(self.stamps[index]) if self.stamps is not None and index < self.stamps.numel() else 0
+        stamps = self.stamps
+        return int(stamps[index]) if stamps is not None and index < stamps.numel() else 0
 
     def close(self) -> None:
         self.data = self.stamps = None
