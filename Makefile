@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: install
-	$(PY) -m pytest -q -x tests $(ARGS)
+	$(PY) -m pytest -q -x --durations=40 tests $(ARGS)
 
 # the fast tier (.ci/run runs it before `make test`): unit tests only, no servers, no DeepSpeed builds;
 # about 2 minutes on a 2-core box. A test file joins when it starts no process and no server.
