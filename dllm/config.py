@@ -68,6 +68,28 @@ class ConfigValueError(ValueError):
     """A model config is unusable; the message names the field."""
 
 
+def eos_list(eos_token_id: int | list[int] | None) -> list[int]:
+    """config.json's eos_token_id (one id, a list or null) as a list."""
+    if eos_token_id is None:
+        return []
+    return [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+
+
+def check_sizes(cfg: Any, names: tuple[str, ...]) -> None:
+    """The checks every model family's config shares (ConfigValueError naming the field): `names` are
+    positive integers, num_key_value_heads divides num_attention_heads, mask_token_id is in the vocabulary."""
+    for name in names:
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ConfigValueError(f"{name}: must be a positive integer, got {v!r}")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ConfigValueError("num_key_value_heads: must divide num_attention_heads "
+                               f"({cfg.num_attention_heads} % {cfg.num_key_value_heads} != 0)")
+    mask = cfg.mask_token_id
+    if isinstance(mask, bool) or not isinstance(mask, int) or not 0 <= mask < cfg.vocab_size:
+        raise ConfigValueError(f"mask_token_id: {mask} is outside the vocabulary (vocab_size={cfg.vocab_size})")
+
+
 @dataclass
 class SDARConfig:
     vocab_size: int = 151936
@@ -98,26 +120,15 @@ class SDARConfig:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigValueError(
                 f"model_type: unsupported {self.model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "block_size"):
-            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int) \
-                    or getattr(self, name) <= 0:
-                raise ConfigValueError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
+        check_sizes(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads", "num_key_value_heads", "head_dim", "block_size"))
         if self.max_position_embeddings % self.block_size:
             raise ConfigValueError(f"block_size: {self.block_size} must divide max_position_embeddings "
                                    f"({self.max_position_embeddings})")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigValueError("num_key_value_heads: must divide num_attention_heads "
-                                   f"({self.num_attention_heads} % {self.num_key_value_heads} != 0)")
-        if not isinstance(self.mask_token_id, int) or not 0 <= self.mask_token_id < self.vocab_size:
-            raise ConfigValueError(f"mask_token_id: {self.mask_token_id} is outside the vocabulary "
-                                   f"(vocab_size={self.vocab_size})")
 
     @property
     def eos_ids(self) -> list[int]:
-        if self.eos_token_id is None:
-            return []
-        return [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id)
+        return eos_list(self.eos_token_id)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, block_size: int | None = None,

@@ -96,7 +96,43 @@ class StepOutput:
     num_committed: int  # tokens committed by the forward (unmasked), over the batch
 
 
-class BlockDecoder:
+class Intake:
+    """What every decoder shares at its door: the free slots, new sequences and their checks. A decoder sets
+    `vocab_size`, `block_size`, `mask_id`, `max_len`, `free_slots` and `postprocess` (BlockDecoder, FullDecoder)."""
+
+    vocab_size: int
+    block_size: int
+    mask_id: int
+    max_len: int
+    free_slots: list[int]
+    postprocess: Postprocessor
+
+    @property
+    def num_tokens(self) -> int:
+        """Completion tokens committed by `step` (standalone decoding)."""
+        return self.postprocess.num_tokens
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self.free_slots)
+
+    def new_sequence(self, prompt_ids: list[int], params: SamplingParams, seq_id: int | None = None) -> Sequence:
+        """A sequence to `add` (a plain dllm.sequence.Sequence; a subclass made elsewhere, e.g. the server's,
+        works as well); a bad prompt or parameter raises FieldError (TooLong when it does not fit)."""
+        self.validate(prompt_ids, params)
+        return Sequence(prompt_ids, params, self.block_size, self.mask_id, seq_id)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """FieldError (TooLong when it does not fit) for a prompt or parameters this decoder cannot run."""
+        check_fits(len(prompt_ids), params.max_tokens, self.max_len)
+        params.validate(self.block_size)
+        vocab = self.vocab_size
+        for t in prompt_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab or t == self.mask_id:
+                raise FieldError("prompt_ids", f"invalid token id {t} (vocab {vocab}, mask id {self.mask_id})")
+
+
+class BlockDecoder(Intake):
     """Batched block decoding over a block-paged KV cache (one slot + its own pages per sequence)."""
 
     def __init__(self, model: SDARForCausalLM, *, max_batch: int, max_len: int,
@@ -105,7 +141,7 @@ class BlockDecoder:
                  optimistic: bool = False) -> None:
         cfg = model.config
         self.model, self.tokenizer, self.use_cache = model, tokenizer, use_cache
-        self.block_size, self.mask_id = cfg.block_size, cfg.mask_token_id
+        self.vocab_size, self.block_size, self.mask_id = cfg.vocab_size, cfg.block_size, cfg.mask_token_id
         self.eos_ids = list(cfg.eos_ids if eos_ids is None else eos_ids)
         self.max_len = (max_len + self.block_size - 1) // self.block_size * self.block_size
         self.postprocess = Postprocessor(eos_ids=self.eos_ids, tokenizer=tokenizer, max_len=self.max_len,
@@ -123,29 +159,6 @@ class BlockDecoder:
         self.num_preempted = 0
         self.num_forwards = 0  # denoising forwards
         self.num_fill_forwards = 0  # cache-filling forwards of their own (prompts longer than a block)
-
-    @property
-    def num_tokens(self) -> int:
-        """Completion tokens committed by `step` (standalone decoding)."""
-        return self.postprocess.num_tokens
-
-    @property
-    def num_free_slots(self) -> int:
-        return len(self.free_slots)
-
-    def new_sequence(self, prompt_ids: list[int], params: SamplingParams, seq_id: int | None = None) -> Sequence:
-        """A sequence to `add`; a bad prompt or parameter raises FieldError (TooLong when it does not fit)."""
-        self.validate(prompt_ids, params)
-        return Sequence(prompt_ids, params, self.block_size, self.mask_id, seq_id)
-
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """FieldError (TooLong when it does not fit) for a prompt or parameters this decoder cannot run."""
-        check_fits(len(prompt_ids), params.max_tokens, self.max_len)
-        params.validate(self.block_size)
-        vocab = self.model.config.vocab_size
-        for t in prompt_ids:
-            if not 0 <= t < vocab or t == self.mask_id:
-                raise FieldError("prompt_ids", f"invalid token id {t} (vocab {vocab}, mask id {self.mask_id})")
 
     def num_pages_needed(self, seq: Sequence) -> int:
         """KV pages the sequence is given when added: its prompt + max_tokens, in blocks (optimistic: the

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from dllm.config import ConfigValueError, check_maths_fields, read_config_json
+from dllm.config import ConfigValueError, check_maths_fields, check_sizes, eos_list, read_config_json
 
 Family = Literal["sdar", "llada", "dream"]
 FULL_FAMILIES = ("llada", "dream")
@@ -96,27 +96,16 @@ class FullAttentionConfig:
 
     @property
     def eos_ids(self) -> list[int]:
-        if self.eos_token_id is None:
-            return []
-        return [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id)
+        return eos_list(self.eos_token_id)
 
     def validate(self) -> None:
         if self.family not in FULL_FAMILIES:
             raise ConfigValueError(f"model_type: {self.family!r} is not a full-attention family ({FULL_FAMILIES})")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "block_size", "max_position_embeddings"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ConfigValueError(f"{name}: must be a positive integer, got {v!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigValueError("num_key_value_heads: must divide num_attention_heads "
-                                   f"({self.num_attention_heads} % {self.num_key_value_heads} != 0)")
+        check_sizes(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads", "num_key_value_heads", "head_dim", "block_size",
+                           "max_position_embeddings"))
         if self.head_dim % 2:
             raise ConfigValueError(f"head_dim: rotary embeddings need an even head size, got {self.head_dim}")
-        if isinstance(self.mask_token_id, bool) or not isinstance(self.mask_token_id, int) \
-                or not 0 <= self.mask_token_id < self.vocab_size:
-            raise ConfigValueError(f"mask_token_id: {self.mask_token_id} is outside the vocabulary "
-                                   f"(vocab_size={self.vocab_size})")
         for i in self.eos_ids + ([self.pad_token_id] if self.pad_token_id is not None else []):
             if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size:
                 raise ConfigValueError(f"eos_token_id: {i!r} is outside the vocabulary (vocab_size={self.vocab_size})")

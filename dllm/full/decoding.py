@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from dllm.commit import commit_mask, transfer_schedule
-from dllm.decoding import SeqOutput, StepOutput, check_fits
+from dllm.decoding import Intake, SeqOutput, StepOutput
 from dllm.errors import FieldError
 from dllm.full.model import KV, FullAttentionLM
 from dllm.postprocess import Postprocessor
@@ -83,7 +83,7 @@ def canvas(s: Sequence, length: int) -> list[int]:
     return done + s.block_ids + [s.mask_id] * (length - s.end_pos)
 
 
-class FullDecoder:
+class FullDecoder(Intake):
     """Batched block decoding for FullAttentionLM (see the module docstring); BlockDecoder's interface."""
 
     def __init__(self, model: FullAttentionLM, *, max_batch: int, max_len: int | None = None,
@@ -95,7 +95,7 @@ class FullDecoder:
             raise FieldError("pad_penalty", f"must be > 0, got {pad_penalty!r}")
         cfg = model.config
         self.model, self.tokenizer, self.cache_mode, self.pad_penalty = model, tokenizer, cache_mode, pad_penalty
-        self.block_size, self.mask_id = cfg.block_size, cfg.mask_token_id
+        self.vocab_size, self.block_size, self.mask_id = cfg.vocab_size, cfg.block_size, cfg.mask_token_id
         self.pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else -1
         self.shift = cfg.logit_shift
         self.eos_ids = list(cfg.eos_ids if eos_ids is None else eos_ids)
@@ -107,28 +107,6 @@ class FullDecoder:
         self.free_slots = list(range(max_batch))[::-1]
         self.states: dict[int, FullState] = {}  # per added sequence (seq_id)
         self.num_forwards = 0  # denoising forwards (model calls: a prefix-mode run may make two)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.postprocess.num_tokens
-
-    @property
-    def num_free_slots(self) -> int:
-        return len(self.free_slots)
-
-    def new_sequence(self, prompt_ids: list[int], params: SamplingParams, seq_id: int | None = None) -> Sequence:
-        """A sequence to `add` (a plain dllm.sequence.Sequence: a subclass made elsewhere, e.g. the server's,
-        works as well); a bad prompt or parameter raises FieldError (TooLong when it does not fit)."""
-        self.validate(prompt_ids, params)
-        return Sequence(prompt_ids, params, self.block_size, self.mask_id, seq_id)
-
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        check_fits(len(prompt_ids), params.max_tokens, self.max_len)
-        params.validate(self.block_size)
-        vocab = self.model.config.vocab_size
-        for t in prompt_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab or t == self.mask_id:
-                raise FieldError("prompt_ids", f"invalid token id {t} (vocab {vocab}, mask id {self.mask_id})")
 
     def num_admissible(self, seqs: abc.Sequence[Sequence]) -> int:
         """How many of `seqs` can be added now (free slots; no KV pages: the canvas is recomputed)."""

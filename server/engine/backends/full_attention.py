@@ -34,7 +34,6 @@ distribution, not the cached approximation it was sampled from).
 
 from __future__ import annotations
 
-import copy
 import logging
 from pathlib import Path
 from typing import Any
@@ -45,11 +44,9 @@ from dllm.decoding import StepOutput
 from dllm.full.decoding import FullDecoder
 from dllm.full.model import FullAttentionLM
 from dllm.full.replay import full_trace_hidden
-from dllm.postprocess import Postprocessor
-from dllm.sampling import SamplingParams
 from dllm.weights import load_pretrained
 from dlrl_config import ConfigError
-from server.engine.backends.native import DEFAULT_MAX_LEN, resolve_device, resolve_dtype, top_logprobs_of
+from server.engine.backends.native import DEFAULT_MAX_LEN, DecoderRunner, resolve_device, resolve_dtype
 from server.engine.scheduler import KVBudget, ScheduledBatch
 from server.engine.sequence import ServerSequence
 
@@ -73,10 +70,11 @@ def check_cache_mode(family: str, cache_mode: str) -> None:
                           "this block-causal SDAR model's KV cache is exact (leave server.cache_mode=exact)")
 
 
-class FullAttentionRunner:
+class FullAttentionRunner(DecoderRunner):
     """The full-attention runner (server.engine.backends.base.Runner) over dllm's FullDecoder."""
 
     name = "full_attention"
+    decoder: FullDecoder
 
     def __init__(self, model: FullAttentionLM, tokenizer: Any, *, max_batch: int, cache_mode: str = "exact",
                  max_model_len: int = 0, eos_ids: list[int] | None = None) -> None:
@@ -119,36 +117,17 @@ class FullAttentionRunner:
         return cls(model, tokenizer, max_batch=max_batch, cache_mode=cache_mode, max_model_len=max_model_len,
                    eos_ids=eos_ids)
 
-    def new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> ServerSequence:
-        if params.stop_token_ids is not None and not params.ignore_eos:  # vLLM: they add to the eos ids
-            params.stop_token_ids = sorted(set(self.eos_ids) | set(params.stop_token_ids))
-        self.decoder.validate(prompt_ids, params)
-        return ServerSequence(prompt_ids, params, self.block_size, self.mask_token_id)  # the decoder keeps the rest
-
     @property
     def kv_budget(self) -> KVBudget:
         return KVBudget(self.max_batch)  # slots only: no paged cache to account for
-
-    def postprocessor(self) -> Postprocessor:
-        tok = copy.deepcopy(self.tokenizer) if self.tokenizer is not None else None
-        return Postprocessor(eos_ids=self.eos_ids, tokenizer=tok, max_len=self.max_len, block_size=self.block_size)
 
     def run(self, batch: ScheduledBatch) -> StepOutput:
         if batch.admitted:
             self.decoder.add(batch.admitted)  # at the slots the scheduler chose
         return self.decoder.run(batch.running)
 
-    def release(self, seqs: list[ServerSequence]) -> None:
-        for seq in seqs:
-            self.decoder.release(seq)
-
-    @property
-    def num_free_slots(self) -> int:
-        return self.decoder.num_free_slots
-
-    @torch.no_grad()
-    def top_logprobs(self, seq: ServerSequence, k: int) -> list[list[tuple[int, float]]]:
-        return top_logprobs_of(self.model, full_trace_hidden(self.model, seq), seq.params, self.mask_token_id, k)
+    def _hidden(self, seq: ServerSequence) -> torch.Tensor:
+        return full_trace_hidden(self.model, seq)
 
     def close(self) -> None:
         self.decoder.free_slots = []

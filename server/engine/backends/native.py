@@ -57,6 +57,7 @@ from server.engine.sequence import ServerSequence
 
 if TYPE_CHECKING:
     from dllm.config import SDARConfig
+    from dllm.full.decoding import FullDecoder
 
 log = logging.getLogger("dlrl.server")
 DEFAULT_MAX_LEN = 8192
@@ -154,18 +155,62 @@ def top_logprobs_of(model: Any, hidden: torch.Tensor, params: SamplingParams, ma
     return out
 
 
-class NativeBackend:
+class DecoderRunner:
+    """What the runners over a dllm decoder share (NativeBackend: BlockDecoder; FullAttentionRunner:
+    FullDecoder): sequences in, post-processing, slots out, top logprobs from the trace's replay (`_hidden`)."""
+
+    model: Any
+    tokenizer: Any
+    decoder: BlockDecoder | FullDecoder
+    eos_ids: list[int]
+    block_size: int
+    mask_token_id: int
+    trace_free = False  # server.trace_free: withhold traces (Trace.trace_free; tests, evaluation)
+
+    def new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> ServerSequence:
+        if params.stop_token_ids is not None and not params.ignore_eos:  # vLLM: they add to the eos ids
+            params.stop_token_ids = sorted(set(self.eos_ids) | set(params.stop_token_ids))
+        self.decoder.validate(prompt_ids, params)
+        seq = ServerSequence(prompt_ids, params, self.block_size, self.mask_token_id)
+        seq.trace.trace_free = self.trace_free  # published with 0 steps / logprobs (Trace.published)
+        return seq
+
+    def postprocessor(self) -> Postprocessor:
+        tok = copy.deepcopy(self.tokenizer) if self.tokenizer is not None else None
+        return Postprocessor(eos_ids=self.eos_ids, tokenizer=tok, max_len=self.decoder.max_len,
+                             block_size=self.block_size)
+
+    def release(self, seqs: list[ServerSequence]) -> None:
+        for seq in seqs:
+            self.decoder.release(seq)
+
+    @property
+    def num_free_slots(self) -> int:
+        """Slots free in the decoder's pool (mirrors the scheduler's account once a step is over)."""
+        return self.decoder.num_free_slots
+
+    def _hidden(self, seq: ServerSequence) -> torch.Tensor:
+        """The final hidden states at the sequence's completion positions, replayed from its trace."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def top_logprobs(self, seq: ServerSequence, k: int) -> list[list[tuple[int, float]]]:
+        return top_logprobs_of(self.model, self._hidden(seq), seq.params, self.mask_token_id, k)
+
+
+class NativeBackend(DecoderRunner):
     """The native runner (server.engine.backends.base.Runner): loads the model, plans the KV cache, runs
     `BlockDecoder.run` (its DecodeStep / CUDA graphs below), scores top logprobs."""
 
     name = "native"
+    decoder: BlockDecoder
 
     def __init__(self, model: Any, tokenizer: Any, *, max_batch: int, max_model_len: int = 0,
                  eos_ids: list[int] | None = None, kv_cache_memory: int = 0, kv_cache_fraction: float = 0.8,
                  keep_versions: int = 0, compile: bool = False, cuda_graphs: bool = False, trace_free: bool = False,
                  kv_admission: str = "reserve"):
         cfg = model.config
-        self.trace_free = trace_free  # server.trace_free: withhold traces (Trace.trace_free; tests, evaluation)
+        self.trace_free = trace_free
         if cuda_graphs and model.device.type != "cuda":
             raise ConfigError(f"server.cuda_graphs: needs a CUDA device (the model is on {model.device})")
         self.eos_ids = sorted(set(cfg.eos_ids if eos_ids is None else eos_ids))
@@ -202,22 +247,9 @@ class NativeBackend:
                    kv_cache_memory=kv_cache_memory, kv_cache_fraction=kv_cache_fraction, keep_versions=keep_versions,
                    compile=compile, cuda_graphs=cuda_graphs, trace_free=trace_free, kv_admission=kv_admission)
 
-    def new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> ServerSequence:
-        if params.stop_token_ids is not None and not params.ignore_eos:  # vLLM: they add to the eos ids
-            params.stop_token_ids = sorted(set(self.eos_ids) | set(params.stop_token_ids))
-        self.decoder.validate(prompt_ids, params)
-        seq = ServerSequence(prompt_ids, params, self.block_size, self.mask_token_id)
-        seq.trace.trace_free = self.trace_free  # published with 0 steps / logprobs (Trace.published)
-        return seq
-
     @property
     def kv_budget(self) -> KVBudget:
         return KVBudget(self.max_batch, self.kv_plan.num_pages, self.kv_plan.page_tokens, self.decoder.optimistic)
-
-    def postprocessor(self) -> Postprocessor:
-        tok = copy.deepcopy(self.tokenizer) if self.tokenizer is not None else None
-        return Postprocessor(eos_ids=self.eos_ids, tokenizer=tok, max_len=self.decoder.max_len,
-                             block_size=self.block_size)
 
     def run(self, batch: ScheduledBatch) -> StepOutput:
         for seq in batch.preempted:  # optimistic admission: their cache back; tokens and trace kept
@@ -226,18 +258,8 @@ class NativeBackend:
             self.decoder.add(batch.admitted)  # at the slots the scheduler chose; CacheFull if out of step
         return self.decoder.run(batch.running)
 
-    def release(self, seqs: list[ServerSequence]) -> None:
-        for seq in seqs:
-            self.decoder.release(seq)
-
-    @property
-    def num_free_slots(self) -> int:
-        """Slots free in the decoder's pool (mirrors the scheduler's account once a step is over)."""
-        return self.decoder.num_free_slots
-
-    @torch.no_grad()
-    def top_logprobs(self, seq: ServerSequence, k: int) -> list[list[tuple[int, float]]]:
-        return top_logprobs_of(self.model, trace_hidden(self.model, seq), seq.params, self.mask_token_id, k)
+    def _hidden(self, seq: ServerSequence) -> torch.Tensor:
+        return trace_hidden(self.model, seq)
 
     def close(self) -> None:
         self.decoder.cache = None
