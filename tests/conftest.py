@@ -58,8 +58,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir: str, port: int | None = None, runner: Any = None, **overrides) -> RunningServer:
-    """A real server of `model_dir` (native backend), or over `runner` when given (tests of other runners)."""
+def start_server(model_dir: str, port: int | None = None, runner: Any = None, build: bool = False,
+                 **overrides) -> RunningServer:
+    """A real server of `model_dir` (native backend), or over `runner` when given (tests of other runners), or
+    with `build` the engine `dlrl serve` builds from the config (the folder's family picks the runner)."""
     import uvicorn
 
     from server.api.app import create_app
@@ -69,11 +71,16 @@ def start_server(model_dir: str, port: int | None = None, runner: Any = None, **
 
     overrides.setdefault("auth_max_failures", 10_000)  # session servers: many tests send wrong tokens on purpose
     config = ServerConfig(model=model_dir, port=port or _free_port(), device="cpu", dtype="float32", **overrides)
-    backend = runner or NativeBackend.from_pretrained(
-        model_dir, device="cpu", dtype="float32", max_batch=config.max_batch, max_model_len=config.max_model_len,
-        kv_cache_memory=config.kv_cache_memory, kv_cache_fraction=config.kv_cache_fraction,
-        keep_versions=config.keep_versions, trace_free=config.trace_free)
-    engine = Engine(backend, max_queue=config.max_queue, model_name=config.model_name())
+    if build:
+        from server.cli import build_engine
+
+        engine = build_engine(config, model_dir)
+    else:
+        backend = runner or NativeBackend.from_pretrained(
+            model_dir, device="cpu", dtype="float32", max_batch=config.max_batch, max_model_len=config.max_model_len,
+            kv_cache_memory=config.kv_cache_memory, kv_cache_fraction=config.kv_cache_fraction,
+            keep_versions=config.keep_versions, trace_free=config.trace_free)
+        engine = Engine(backend, max_queue=config.max_queue, model_name=config.model_name())
     app = create_app(engine, config)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=config.port, log_level="warning",
                                            lifespan="on", timeout_graceful_shutdown=2))

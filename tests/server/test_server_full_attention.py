@@ -5,8 +5,6 @@ official `openai` client with the family's chat template and logprobs, refusals 
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,40 +18,13 @@ from dllm.full.replay import full_trace_hidden
 from dllm.replay import token_logprobs
 from dlrl_config import ConfigError
 from rollout_client.protocol.native import Sample
+from tests.conftest import RunningServer, start_server
 
 CASES = [("llada", "exact"), ("llada", "prefix"), ("dream", "exact"), ("dream", "prefix")]
 
 
-class Served:
-    def __init__(self, url: str, engine: Any, server: Any, thread: threading.Thread) -> None:
-        self.url, self.engine, self.server, self.thread = url, engine, server, thread
-
-
-def _serve(model_dir: str, **overrides: Any) -> Served:
-    import uvicorn
-
-    from server.api.app import create_app
-    from server.cli import build_engine
-    from server.config import ServerConfig
-    from tests.helpers import free_port
-
-    config = ServerConfig(model=model_dir, port=free_port(), device="cpu", dtype="float32", block_size=4,
-                          max_batch=4, **overrides)
-    engine = build_engine(config, model_dir)  # create_backend: the folder's family picks the runner
-    app = create_app(engine, config)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=config.port, log_level="warning",
-                                           lifespan="on", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{config.port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return Served(url, engine, server, thread)
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    raise RuntimeError(f"server on {url} did not start")
+def _serve(model_dir: str, **overrides: Any) -> RunningServer:
+    return start_server(model_dir, build=True, block_size=4, max_batch=4, **overrides)  # the family picks the runner
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +34,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def servers(folders: dict[str, str]) -> Iterator[dict[tuple[str, str], Served]]:
+def servers(folders: dict[str, str]) -> Iterator[dict[tuple[str, str], RunningServer]]:
     started = {(fam, mode): _serve(folders[fam], cache_mode=mode) for fam, mode in CASES}
     yield started
     for s in started.values():
