@@ -40,7 +40,6 @@ exactly where it stopped: same tokens and trace (the noise is keyed by seed, pos
 from __future__ import annotations
 
 from collections import abc
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -48,10 +47,10 @@ import torch
 
 from dllm.attention import MaskSpec
 from dllm.commit import transfer_schedule
-from dllm.errors import FieldError, TooLong
+from dllm.intake import Intake, check_fits
 from dllm.kv_cache import CacheFull, KVCache
 from dllm.model import SDARForCausalLM
-from dllm.postprocess import Postprocessor
+from dllm.postprocess import Postprocessor, SeqOutput, StepOutput
 from dllm.sampling import SamplingParams, counter_uniforms, needs_filter
 from dllm.sequence import GenerationOutput, Sequence, step_inputs, to_output
 from dllm.step import DecodeStep, columns, padding_row, sample_and_commit
@@ -64,72 +63,6 @@ if TYPE_CHECKING:
 
 __all__ = ["BlockDecoder", "Postprocessor", "SeqOutput", "StepOutput", "CacheFull", "GenerationOutput", "Sequence", "check_fits", "generate", "to_output",
            "transfer_schedule"]
-
-
-def check_fits(prompt_len: int, max_tokens: int, max_len: int) -> None:
-    """A prompt has at least one token and, with max_tokens more, fits in max_len (else FieldError / TooLong)."""
-    if not prompt_len:
-        raise FieldError("prompt", "must contain at least one token")
-    if prompt_len >= max_len:
-        raise TooLong("prompt", f"prompt has {prompt_len} tokens; the limit is max_model_len={max_len} "
-                                "(prompt + completion)")
-    if isinstance(max_tokens, int) and prompt_len + max_tokens > max_len:
-        raise TooLong("max_tokens", f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds "
-                                    f"max_model_len={max_len}")
-
-
-@dataclass
-class SeqOutput:
-    """One sequence's outcome of a forward: its block (seq.block_ids / block_steps / block_logprobs, the
-    committed tokens with their steps and log-probabilities) is updated in place; `ok` is False when its
-    probabilities were not finite (the block is then unchanged)."""
-
-    seq: Sequence
-    ok: bool
-
-
-@dataclass
-class StepOutput:
-    """What one forward of a runner hands back: per sequence its outcome, in batch order."""
-
-    outputs: list[SeqOutput]
-    num_committed: int  # tokens committed by the forward (unmasked), over the batch
-
-
-class Intake:
-    """What every decoder shares at its door: the free slots, new sequences and their checks. A decoder sets
-    `vocab_size`, `block_size`, `mask_id`, `max_len`, `free_slots` and `postprocess` (BlockDecoder, FullDecoder)."""
-
-    vocab_size: int
-    block_size: int
-    mask_id: int
-    max_len: int
-    free_slots: list[int]
-    postprocess: Postprocessor
-
-    @property
-    def num_tokens(self) -> int:
-        """Completion tokens committed by `step` (standalone decoding)."""
-        return self.postprocess.num_tokens
-
-    @property
-    def num_free_slots(self) -> int:
-        return len(self.free_slots)
-
-    def new_sequence(self, prompt_ids: list[int], params: SamplingParams, seq_id: int | None = None) -> Sequence:
-        """A sequence to `add` (a plain dllm.sequence.Sequence; a subclass made elsewhere, e.g. the server's,
-        works as well); a bad prompt or parameter raises FieldError (TooLong when it does not fit)."""
-        self.validate(prompt_ids, params)
-        return Sequence(prompt_ids, params, self.block_size, self.mask_id, seq_id)
-
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """FieldError (TooLong when it does not fit) for a prompt or parameters this decoder cannot run."""
-        check_fits(len(prompt_ids), params.max_tokens, self.max_len)
-        params.validate(self.block_size)
-        vocab = self.vocab_size
-        for t in prompt_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab or t == self.mask_id:
-                raise FieldError("prompt_ids", f"invalid token id {t} (vocab {vocab}, mask id {self.mask_id})")
 
 
 class BlockDecoder(Intake):

@@ -14,14 +14,30 @@ tokenizer given here: one instance per thread).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from dllm.detokenize import TextStream
 from dllm.sequence import Sequence
 from dllm.trace import FinishReason
 
-if TYPE_CHECKING:
-    from dllm.decoding import SeqOutput
+
+@dataclass
+class SeqOutput:
+    """One sequence's outcome of a forward: its block (seq.block_ids / block_steps / block_logprobs, the
+    committed tokens with their steps and log-probabilities) is updated in place; `ok` is False when its
+    probabilities were not finite (the block is then unchanged)."""
+
+    seq: Sequence
+    ok: bool
+
+
+@dataclass
+class StepOutput:
+    """What one forward of a runner hands back: per sequence its outcome, in batch order."""
+
+    outputs: list[SeqOutput]
+    num_committed: int  # tokens committed by the forward (unmasked), over the batch
 
 
 class Postprocessor:

@@ -27,19 +27,18 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 
 from dllm.config import SDARConfig
 from dllm.decoding import generate
-from dllm.embedded.sft_config import SFTConfig, SFTStopped, TinyModelConfig
+from dllm.embedded.sft_config import SFTConfig, SFTRecipe, SFTStopped, TinyModelConfig
 from dllm.embedded.task import ArithmeticTask
 from dllm.model import SDARForCausalLM
 from dllm.sampling import SamplingParams
@@ -181,19 +180,6 @@ def run_sft(arch: TinyModelConfig, task: ArithmeticTask, cfg: SFTConfig) -> dict
                 shutil.rmtree(tmp, ignore_errors=True)
     raise SFTStopped(f"SFT stopped by {signal.Signals(stop.signum).name}: no model written ({tmp} removed); "
                      "run again to train the embedded default")
-
-
-@dataclass(frozen=True)
-class SFTRecipe:
-    """What SFT does for one model kind: build the model, draw a batch, its loss, the held-out accuracy,
-    save the folder. `BLOCK_RECIPE` (SDAR, here) and `dllm.embedded.sft_full.FULL_RECIPE` (full attention)."""
-
-    tokenizer: Callable[[Path], PreTrainedTokenizerBase]  # writes its files into the folder, returns it
-    build: Callable[[TinyModelConfig, PreTrainedTokenizerBase], torch.nn.Module]
-    batch: Callable[[list[dict], PreTrainedTokenizerBase, TinyModelConfig, SFTConfig, torch.Generator], Any]
-    loss: Callable[[torch.nn.Module, Any], torch.Tensor]
-    evaluate: Callable[[torch.nn.Module, PreTrainedTokenizerBase, list[dict], int], float]
-    save: Callable[[torch.nn.Module, Path], None]
 
 
 BLOCK_RECIPE = SFTRecipe(

@@ -6,11 +6,18 @@ so `dlrl <command> --help` and `--check` read them without importing torch (dllm
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
 from dlrl_config import Config
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
 
 
 class TinyModelConfig(Config):
@@ -50,3 +57,16 @@ class SFTConfig(Config):
 
 class SFTStopped(Exception):
     """The SFT was stopped by a signal; nothing was written (its temporary folder is removed)."""
+
+
+@dataclass(frozen=True)
+class SFTRecipe:
+    """What SFT does for one model kind: build the model, draw a batch, its loss, the held-out accuracy,
+    save the folder. `dllm.embedded.sft.BLOCK_RECIPE` (SDAR) and `dllm.embedded.sft_full.FULL_RECIPE` (LLaDA)."""
+
+    tokenizer: Callable[[Path], PreTrainedTokenizerBase]  # writes its files into the folder, returns it
+    build: Callable[[TinyModelConfig, PreTrainedTokenizerBase], torch.nn.Module]
+    batch: Callable[[list[dict], PreTrainedTokenizerBase, TinyModelConfig, SFTConfig, torch.Generator], Any]
+    loss: Callable[[torch.nn.Module, Any], torch.Tensor]
+    evaluate: Callable[[torch.nn.Module, PreTrainedTokenizerBase, list[dict], int], float]
+    save: Callable[[torch.nn.Module, Path], None]

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from dllm.embedded.sft_config import SFTRecipe
 from dllm.tokenizer import encode
 
 if TYPE_CHECKING:
@@ -145,9 +146,8 @@ def save_full(model: torch.nn.Module, path: Path) -> None:
     save_full_pretrained(model, path)
 
 
-def _recipe() -> Any:
+def _recipe() -> SFTRecipe:
     from dllm.embedded.full_folders import build_family_tokenizer
-    from dllm.embedded.sft import SFTRecipe
 
     return SFTRecipe(
         tokenizer=lambda path: build_family_tokenizer(path, "llada"),

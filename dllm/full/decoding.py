@@ -46,10 +46,10 @@ import numpy as np
 import torch
 
 from dllm.commit import commit_mask, transfer_schedule
-from dllm.decoding import Intake, SeqOutput, StepOutput
 from dllm.errors import FieldError
 from dllm.full.model import KV, FullAttentionLM
-from dllm.postprocess import Postprocessor
+from dllm.intake import Intake
+from dllm.postprocess import Postprocessor, SeqOutput, StepOutput
 from dllm.sampling import PARAM_FIELDS, SamplingParams, counter_uniforms, needs_filter, sample_static
 from dllm.sequence import GenerationOutput, Sequence, step_inputs, to_output
 from dllm.step import FIELDS, columns

@@ -46,7 +46,7 @@ def load_full_pretrained(path: str | Path, device: str | torch.device = "cpu",
                          dtype: str | torch.dtype | None = None, block_size: int | None = None,
                          mask_token_id: int | None = None) -> FullAttentionLM:
     """Build the model from `path/config.json` and stream the safetensors weights into it (eval mode)."""
-    from dllm.weights import checkpoint_specs, copy_into_model, iter_checkpoint, parse_dtype
+    from dllm.checkpoint import checkpoint_specs, copy_into_model, iter_checkpoint, parse_dtype
 
     path = Path(path)
     if not path.is_dir():
@@ -70,7 +70,7 @@ def save_full_pretrained(model: FullAttentionLM, out_dir: str | Path, source_dir
                          dtype: str | torch.dtype | None = None, max_shard_bytes: int = 4 << 30) -> Path:
     """Write the official layout: config.json (the source's or the model's, torch_dtype = the saved dtype),
     generation_config.json, tokenizer files and modeling code of the source, safetensors shards."""
-    from dllm.weights import parse_dtype, save_weights
+    from dllm.checkpoint import parse_dtype, save_weights
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

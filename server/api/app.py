@@ -30,10 +30,10 @@ from fastapi import FastAPI
 from dlrl_config import ConfigError
 from server.api import routes_feedback, routes_generate, routes_service, routes_weights
 from server.api.auth import resolve_admin_token
-from server.api.errors import install_error_handlers
+from server.api.gate import install as install_gate
+from server.api.handlers import install_error_handlers
 from server.api.middleware import RequestGuard, RequestLog
 from server.api.openapi import install_openapi
-from server.api.quotas import install as install_gate
 from server.api.state import ServerState, attach
 from server.config import ServerConfig
 from server.engine.engine import Engine

@@ -83,6 +83,23 @@ class RateLimitedLog:
             self._emit(key, count, msg, args, now)
 
 
+class Refusals:
+    """Refusals counted (metrics) and logged once per interval per (path, status, cause)."""
+
+    def __init__(self, interval_s: float = 10.0):
+        self.limiter = RateLimitedLog(interval_s)
+        self.counts: dict[tuple[str, int], int] = {}
+
+    def count(self, path: str, status: int, cause: str, message: str) -> None:
+        key = (path, status)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        self.limiter.event(f"refused {path} {status} {cause}", "refused %s %d: %s", path, status, message)
+
+    def flush(self) -> None:
+        self.limiter.flush()
+
+
+
 def install_resource_log(loop: asyncio.AbstractEventLoop, limiter: RateLimitedLog) -> None:
     """Route the loop's resource errors (accept() out of file descriptors, ...) through `limiter`."""
 
@@ -286,5 +303,5 @@ def bounded_protocol(limits: ConnectionLimits) -> type[BoundedH11Protocol]:
     return type("BoundedH11Protocol", (BoundedH11Protocol,), {"limits": limits})
 
 
-__all__ = ["BoundedH11Protocol", "ConnectionLimits", "RateLimitedLog", "bounded_protocol", "install_resource_log",
+__all__ = ["BoundedH11Protocol", "ConnectionLimits", "RateLimitedLog", "Refusals", "bounded_protocol", "install_resource_log",
            "reserve_only"]

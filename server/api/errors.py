@@ -3,7 +3,7 @@
 `APIError(status, message, param)` is raised by the request handlers for what the server
 refuses: a bad request (400), a request too large for it (413), a full queue (429), a
 paused or missing model (503). The layers below raise errors as data, turned into HTTP
-here only, by `install_error_handlers(app)`:
+here only, by `server.api.handlers.install_error_handlers(app)`:
 - `dllm.errors.FieldError` (the decoder's checks, the schemas' own rules) -> 400 with
   `param` = its field; `TooLong` (a prompt over max_model_len) -> 413;
 - the engine's `RequestFailed` (a sequence failed) -> 500 with its message, `RequestExpired`
@@ -16,18 +16,11 @@ here only, by `install_error_handlers(app)`:
 
 from __future__ import annotations
 
-import logging
-
-from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dllm.errors import FieldError, TooLong
-from server.api.state import server_state
-from server.engine.engine import RequestExpired, RequestFailed
-
-log = logging.getLogger("dlrl.server")
+from dllm.errors import FieldError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error", 413: "request_too_large",
@@ -138,54 +131,3 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
     if others:
         message += f" (and {len(others)} more error(s))"
     return error_response(400, message, param)
-
-
-COUNTED = ("/generate", "/v1/completions", "/v1/chat/completions")
-
-
-def _count(request: Request, status: int) -> None:
-    if request.url.path in COUNTED:
-        server_state(request.app).metrics.observe_request(request.url.path, status)
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        _count(request, exc.status)
-        return error_response(exc.status, exc.message, exc.param, exc.headers)
-
-    @app.exception_handler(FieldError)
-    async def _field_error(request: Request, exc: FieldError) -> JSONResponse:
-        status = 413 if isinstance(exc, TooLong) else 400
-        _count(request, status)
-        return error_response(status, str(exc), exc.field)
-
-    @app.exception_handler(RequestExpired)
-    async def _request_expired(request: Request, exc: RequestExpired) -> JSONResponse:
-        status = exc.deadline_status
-        _count(request, status)
-        return error_response(status, str(exc), None, {"Retry-After": "1"} if status == 503 else None)
-
-    @app.exception_handler(RequestFailed)
-    async def _request_failed(request: Request, exc: RequestFailed) -> JSONResponse:
-        _count(request, 500)
-        return error_response(500, str(exc))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        _count(request, 400)
-        return validation_error_response(exc)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
-        param = exc.param if isinstance(exc, BodyTooLarge) else None
-        if param:
-            _count(request, exc.status_code)
-        return error_response(exc.status_code, message, param, getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        _count(request, 500)
-        return error_response(500, f"internal error: {type(exc).__name__}")

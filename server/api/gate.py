@@ -1,6 +1,6 @@
 """RefusalGate: the outermost ASGI middleware; refusals decided from the request line and headers alone.
 
-    app.add_middleware(RefusalGate, quotas=quotas)   # server.api.app: added last, so it runs first
+    install(app, config)   # server.api.app: added last (app.add_middleware(RefusalGate, ...)), so it runs first
 
 Before the body is read or parsed, before routing, pydantic and the per-request log
 (server.api.middleware.RequestLog), the gate answers:
@@ -27,14 +27,19 @@ import contextvars
 import json
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
+from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.api.connections import RateLimitedLog
+from server.api.connections import Refusals
 from server.api.errors import APIError, error_body
 from server.api.middleware import GENERATION_PATHS
-from server.api.quotas import Quotas, current_key, limited
+from server.api.quotas import Quotas, current_key, limited, load_keys
 from server.api.state import server_state
+
+if TYPE_CHECKING:
+    from server.config import ServerConfig
 
 FEEDBACK_PATH = "/v1/feedback"
 KEEPALIVE_BODY_BYTES = 64 * 1024  # a refused request's body up to this size is left to the HTTP parser
@@ -52,22 +57,6 @@ def quiet_access_log() -> None:
     access = logging.getLogger("uvicorn.access")
     if not any(isinstance(f, _AccessLogFilter) for f in access.filters):
         access.addFilter(_AccessLogFilter())
-
-
-class Refusals:
-    """Refusals counted (metrics) and logged once per interval per (path, status, cause)."""
-
-    def __init__(self, interval_s: float = 10.0):
-        self.limiter = RateLimitedLog(interval_s)
-        self.counts: dict[tuple[str, int], int] = {}
-
-    def count(self, path: str, status: int, cause: str, message: str) -> None:
-        key = (path, status)
-        self.counts[key] = self.counts.get(key, 0) + 1
-        self.limiter.event(f"refused {path} {status} {cause}", "refused %s %d: %s", path, status, message)
-
-    def flush(self) -> None:
-        self.limiter.flush()
 
 
 class RefusalGate:
@@ -186,3 +175,15 @@ async def _send(send: Send, status: int, body: dict, headers: Sequence[tuple[byt
 
 
 __all__ = ["RefusalGate", "Refusals", "quiet_access_log"]
+
+
+def install(app: FastAPI, config: ServerConfig) -> None:
+    """Add the RefusalGate, outermost: keys and the feedback cap when configured, the draining 503 and the
+    back-pressure 429 always. Call after every other add_middleware."""
+    st = server_state(app)
+    keys = load_keys(config.api_keys_file)
+    quotas = (Quotas(keys, st.admin_token, st.feedback_token, config.max_concurrent_feedback)
+              if keys or config.max_concurrent_feedback else None)
+    st.refusals = Refusals(config.resource_log_interval_s)
+    quiet_access_log()
+    app.add_middleware(RefusalGate, quotas=quotas)

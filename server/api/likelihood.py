@@ -36,6 +36,7 @@ from rollout_client.protocol.openai import (
 )
 from server.api.errors import APIError
 from server.api.generation import encode_prompts, prepare, run_to_completion, to_sampling_params
+from server.api.logprobs import completion_logprobs, token_texts
 from server.api.quotas import charge_tokens
 from server.api.state import server_state
 
@@ -112,9 +113,7 @@ async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
 
 def _prompt_logprobs(tok: Any, ids: list[int], s: TokenScores, k: int) -> tuple[str, CompletionLogprobs]:
     """(the prompt's text, its OpenAI logprobs): first token null; top_logprobs = k most likely + the token."""
-    from server.api.openai_api import _token_texts
-
-    texts, added = _token_texts(tok, ids)
+    texts, added = token_texts(tok, ids)
     offsets, offset = [], 0
     for n in added:
         offsets.append(offset)
@@ -139,8 +138,6 @@ def _joined(prompt: CompletionLogprobs, prompt_text: str, completion: Completion
 
 async def completions(body: CompletionRequest, request: Request) -> CompletionResponse:
     """POST /v1/completions with echo + logprobs: the prompt's logprobs (then the completion's, if any)."""
-    from server.api.openai_api import completion_logprobs
-
     st, t0 = server_state(request.app), time.perf_counter()
     assert body.logprobs is not None, "checked by CompletionRequest"
     k, prompts, tok = body.logprobs, body.prompt_list(), st.prompts.tokenizer

@@ -38,8 +38,6 @@ from rollout_client.protocol.chat import (
     ChatDelta,
     ChatLogprobs,
     ChatResponseMessage,
-    TokenLogprob,
-    TopLogprob,
 )
 from rollout_client.protocol.common import Usage, new_id
 from rollout_client.protocol.openai import (
@@ -59,16 +57,16 @@ from server.api.generation import (
     submit,
     trace_model,
 )
+from server.api.logprobs import chat_logprobs, completion_logprobs
 from server.api.state import server_state
 from server.engine.engine import EngineEvent
 from server.engine.sequence import ServerSequence as Sequence
 from server.recording.recording import record_ids, record_one
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    pass
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-_WINDOW = 8  # tokens of left context when measuring the text each token adds
 
 
 def check_model(name: str | None, served: str) -> None:
@@ -103,48 +101,6 @@ def hold_back(text: str, stops: list[str]) -> str:
                 keep = min(keep, len(text) - size)
                 break
     return text[:keep]
-
-
-# --------------------------------------------------------------------------- logprobs (tokenizer thread)
-
-def _token_texts(tok: PreTrainedTokenizerBase, ids: list[int]) -> tuple[list[str], list[int]]:
-    """Each token's own text (special tokens shown) and the characters it adds to the decoded text."""
-    texts = tok.batch_decode([[i] for i in ids])
-    added = []
-    for j in range(len(ids)):
-        lo = max(0, j - _WINDOW)
-        before, after = tok.decode(ids[lo:j], skip_special_tokens=True), tok.decode(ids[lo:j + 1],
-                                                                                     skip_special_tokens=True)
-        added.append(max(0, len(after) - len(before)))
-    return texts, added
-
-
-def completion_logprobs(tok: PreTrainedTokenizerBase, seq: Sequence, k: int) -> CompletionLogprobs:
-    """`text_offset` counts from the start of the completion (echo is never combined with logprobs)."""
-    texts, added = _token_texts(tok, seq.completion_ids)
-    offsets, offset = [], 0
-    for n in added:
-        offsets.append(offset)
-        offset += n
-    top = seq.top_logprobs if k else None
-    tops = []
-    for j, (text, lp) in enumerate(zip(texts, seq.trace.logprobs)):
-        alts = {tok.decode([i]): v for i, v in (top[j] if top else [])}
-        alts.setdefault(text, lp)
-        tops.append(alts)
-    return CompletionLogprobs(tokens=texts, token_logprobs=list(seq.trace.logprobs), top_logprobs=tops,
-                                text_offset=offsets)
-
-
-def chat_logprobs(tok: PreTrainedTokenizerBase, seq: Sequence, k: int) -> ChatLogprobs:
-    def entry(i: int, lp: float) -> dict:
-        text = tok.decode([i])
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", "replace"))}
-
-    top = seq.top_logprobs if k else None
-    return ChatLogprobs(content=[
-        TokenLogprob(**entry(i, lp), top_logprobs=[TopLogprob(**entry(a, v)) for a, v in (top[j] if top else [])])
-        for j, (i, lp) in enumerate(zip(seq.completion_ids, seq.trace.logprobs))])
 
 
 # --------------------------------------------------------------------------- endpoints

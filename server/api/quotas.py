@@ -30,15 +30,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import yaml
-from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dlrl_config import ConfigError
 from server.api.errors import APIError
-from server.api.state import server_state
 
 if TYPE_CHECKING:
-    from server.config import ServerConfig
+    pass
 
 ENV_VAR = "DLRL_API_KEYS"
 # the key of the request being served (set by server.api.gate.RefusalGate; read by charge_tokens)
@@ -182,18 +180,4 @@ def charge_tokens(num_tokens: int) -> None:
         raise limited(f"API key {key.name!r}: over {key.spec.tokens_per_s:g} tokens/s", wait)
 
 
-def install(app: FastAPI, config: ServerConfig) -> None:
-    """Add the RefusalGate (server.api.gate), outermost: keys and the feedback cap when configured, the
-    draining 503 and the back-pressure 429 always. Call after every other add_middleware."""
-    from server.api.gate import RefusalGate, Refusals, quiet_access_log
-
-    st = server_state(app)
-    keys = load_keys(config.api_keys_file)
-    quotas = (Quotas(keys, st.admin_token, st.feedback_token, config.max_concurrent_feedback)
-              if keys or config.max_concurrent_feedback else None)
-    st.refusals = Refusals(config.resource_log_interval_s)
-    quiet_access_log()
-    app.add_middleware(RefusalGate, quotas=quotas)
-
-
-__all__ = ["Quotas", "charge_tokens", "current_key", "install", "limited", "load_keys"]
+__all__ = ["Quotas", "charge_tokens", "current_key", "limited", "load_keys"]

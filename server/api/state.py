@@ -27,7 +27,7 @@ from server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
     from server.api.auth_guard import AuthGuard
-    from server.api.gate import Refusals
+    from server.api.connections import Refusals
     from server.engine.engine import Engine
     from server.recording.recording import Recorder
     from server.weights.weight_updates import WeightUpdates
@@ -45,7 +45,7 @@ class ServerState:
     auth_guard: AuthGuard | None = None  # server.api.auth.auth_guard builds it on first use
     is_draining: bool = False  # set by server.api.lifecycle.drain; read by server.api.middleware.RequestGuard
     num_inflight: int = 0  # generation requests until their last byte is sent (server.api.middleware)
-    refusals: Refusals | None = None  # server.api.gate: refusals counted, logged once per interval
+    refusals: Refusals | None = None  # server.api.connections.Refusals (the gate's): refusals counted, logged once per interval
 
     @cached_property
     def executors(self) -> Executors:

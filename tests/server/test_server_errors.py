@@ -8,7 +8,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from dllm.errors import FieldError, TooLong
-from server.api.errors import install_error_handlers
+from server.api.handlers import install_error_handlers
 from server.engine.engine import RequestExpired, RequestFailed
 
 RAISES = {
