@@ -50,7 +50,7 @@ from dllm.commit import transfer_schedule
 from dllm.intake import Intake, check_fits
 from dllm.kv_cache import CacheFull, KVCache
 from dllm.model import SDARForCausalLM
-from dllm.postprocess import Postprocessor, SeqOutput, StepOutput
+from dllm.postprocess import Postprocessor, SeqOutput, StepOutput, apply_step
 from dllm.sampling import SamplingParams, counter_uniforms, needs_filter
 from dllm.sequence import GenerationOutput, Sequence, step_inputs, to_output
 from dllm.step import DecodeStep, columns, padding_row, sample_and_commit
@@ -209,20 +209,9 @@ class BlockDecoder(Intake):
             rows_t = torch.from_numpy(rows[:N]).to(self.model.device)
             out = sample_and_commit(self._logits_no_cache(seqs), rows_t, self.mask_id, filtered)
         self.num_forwards += 1
-        out = out.cpu()  # the one device-to-host copy
-        ids, steps = out[:, :B].long().tolist(), out[:, B:2 * B].long().tolist()
-        logprobs, is_ok = out[:, 2 * B:3 * B].tolist(), out[:, 3 * B].bool().tolist()
-        outputs = []
-        for r, s in enumerate(seqs):
-            s.num_forwards += 1
-            s.step_in_block += 1
+        for s in seqs:
             s.pending = None
-            if is_ok[r]:
-                s.block_ids, s.block_steps, s.block_logprobs = ids[r], steps[r], logprobs[r]
-                s.block_done = self.mask_id not in s.block_ids
-            outputs.append(SeqOutput(s, bool(is_ok[r])))
-        after = sum(len(s.masked_positions()) for s in seqs if not s.block_done)
-        return StepOutput(outputs, before - after)
+        return apply_step(seqs, out.cpu(), B, self.mask_id, before)  # the one device-to-host copy
 
     def step(self, seqs: list[Sequence]) -> list[Sequence]:
         """Standalone decoding (`generate`, tests): `run`, post-process, release the sequences that

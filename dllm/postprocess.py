@@ -13,13 +13,17 @@ tokenizer given here: one instance per thread).
 
 from __future__ import annotations
 
+from collections import abc
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dllm.detokenize import TextStream
 from dllm.sequence import Sequence
 from dllm.trace import FinishReason
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -38,6 +42,24 @@ class StepOutput:
 
     outputs: list[SeqOutput]
     num_committed: int  # tokens committed by the forward (unmasked), over the batch
+
+
+def apply_step(seqs: abc.Sequence[Sequence], out: torch.Tensor, B: int, mask_id: int,
+               num_masked_before: int) -> StepOutput:
+    """A step's packed result on the host (per row: B ids, B steps, B log-probs, ok; the layout of
+    dllm.step.sample_and_commit) written into each sequence's block; a row that is not ok leaves it unchanged."""
+    ids, steps = out[:, :B].long().tolist(), out[:, B:2 * B].long().tolist()
+    logprobs, is_ok = out[:, 2 * B:3 * B].tolist(), out[:, 3 * B].bool().tolist()
+    outputs = []
+    for r, s in enumerate(seqs):
+        s.num_forwards += 1
+        s.step_in_block += 1
+        if is_ok[r]:
+            s.block_ids, s.block_steps, s.block_logprobs = ids[r], steps[r], logprobs[r]
+            s.block_done = mask_id not in s.block_ids
+        outputs.append(SeqOutput(s, bool(is_ok[r])))
+    after = sum(len(s.masked_positions()) for s in seqs if not s.block_done)
+    return StepOutput(outputs, num_masked_before - after)
 
 
 class Postprocessor:

@@ -49,7 +49,7 @@ from dllm.commit import commit_mask, transfer_schedule
 from dllm.errors import FieldError
 from dllm.full.model import KV, FullAttentionLM
 from dllm.intake import Intake
-from dllm.postprocess import Postprocessor, SeqOutput, StepOutput
+from dllm.postprocess import Postprocessor, StepOutput, apply_step
 from dllm.sampling import PARAM_FIELDS, SamplingParams, counter_uniforms, needs_filter, sample_static
 from dllm.sequence import GenerationOutput, Sequence, step_inputs, to_output
 from dllm.step import FIELDS, columns
@@ -163,19 +163,7 @@ class FullDecoder(Intake):
         block_logits = torch.stack([t for t in logits if t is not None])  # [N, B, V]
         res = sample_and_commit_full(block_logits, torch.from_numpy(rows).to(self.model.device), self.mask_id,
                                      filtered, self.pad_id, self.pad_penalty).cpu()
-        B = self.block_size
-        ids, steps = res[:, :B].long().tolist(), res[:, B:2 * B].long().tolist()
-        logprobs, is_ok = res[:, 2 * B:3 * B].tolist(), res[:, 3 * B].bool().tolist()
-        outputs = []
-        for r, s in enumerate(fs):
-            s.num_forwards += 1
-            s.step_in_block += 1
-            if is_ok[r]:
-                s.block_ids, s.block_steps, s.block_logprobs = ids[r], steps[r], logprobs[r]
-                s.block_done = self.mask_id not in s.block_ids
-            outputs.append(SeqOutput(s, bool(is_ok[r])))
-        after = sum(len(s.masked_positions()) for s in fs if not s.block_done)
-        return StepOutput(outputs, before - after)
+        return apply_step(fs, res, self.block_size, self.mask_id, before)
 
     def step(self, seqs: list[Sequence]) -> list[Sequence]:
         """Standalone decoding: `run`, post-process, release the sequences that ended; returns them."""
