@@ -1,11 +1,13 @@
 """Bounds on the server's TCP connections: header and read timeouts, caps, a reserve for probes and admin.
 
     limits = ConnectionLimits.from_config(config, metrics)        # server.cli
-    uvicorn.Config(app, http=bounded_protocol(limits), timeout_keep_alive=config.keepalive_timeout_s,
-                   backlog=config.listen_backlog, ...)
+    uvicorn.Config(app, http=bounded_protocol(limits, config.resolved_http()), loop=config.resolved_loop(),
+                   timeout_keep_alive=config.keepalive_timeout_s, backlog=config.listen_backlog, ...)
 
 uvicorn bounds neither a request whose headers arrive one byte at a time nor how many
-connections are open; `BoundedH11Protocol` (a subclass of uvicorn's h11 protocol) adds:
+connections are open; `ConnectionBounds`, a mixin of uvicorn's protocols (`BoundedH11Protocol`:
+h11, pure Python; `BoundedHttpToolsProtocol`: httptools, a C parser, about half the CPU per
+request -- `server.http`), adds:
 - header timeout: a request's line and headers must be complete within
   `server.header_timeout_s` of its first byte (of the connection opening, for the first
   request), else the connection gets a 408 and is closed;
@@ -21,7 +23,9 @@ connections are open; `BoundedH11Protocol` (a subclass of uvicorn's h11 protocol
   connection gets an immediate 503 (`Connection: close`) and is closed.
 Refusals and timeouts count in `dlrl_connections_refused_total{reason}` and are logged at
 most once per `server.resource_log_interval_s` with a count (`RateLimitedLog`), as are the
-event loop's "socket.accept() out of system resource" errors (`install_resource_log`).
+event loop's "socket.accept() out of system resource" errors (`install_resource_log`; asyncio's
+loop only: uvloop's libuv sheds connections it cannot accept without reporting them -- the caps
+above keep the server below the file limit either way).
 """
 
 from __future__ import annotations
