@@ -2,8 +2,9 @@
 
     .venv/bin/python -m pytest -q tests/server/test_server_connections.py
 
-One server per HTTP protocol (h11 on asyncio; httptools on uvloop, the default when installed), started with a file limit of 256 descriptors (RLIMIT_NOFILE
-set in the child) and short bounds: header timeout 2 s, read timeout 1.5 s, keep-alive
+One server per HTTP protocol (server.http=h11 on asyncio; httptools on uvloop, the default when
+installed), started with a file limit of 256 descriptors (RLIMIT_NOFILE set in the child) and
+short bounds: header timeout 2 s, read timeout 1.5 s, keep-alive
 1 s, max_connections 1000 (lowered at start to fit the file limit: 256 - fd_reserve 208
 - 8 reserved = 40), 30 per client address, 8 reserved slots, a listen backlog of 100 (the
 kernel queues the whole flood: no SYN retries on a loaded box). Floods come from other
