@@ -11,6 +11,8 @@ request -- `server.http`), adds:
 - header timeout: a request's line and headers must be complete within
   `server.header_timeout_s` of its first byte (of the connection opening, for the first
   request), else the connection gets a 408 and is closed;
+- header size: a request line and headers over 16 KiB (`MAX_HEADER_BYTES`) are a 431 and the
+  connection is closed (h11 bounds them itself at the same size, with a 400; httptools does not);
 - read timeout: a request body that stalls (no byte while the server is ready to read) for
   `server.read_timeout_s` is a 408 and the connection is closed;
 - idle keep-alive: uvicorn's own `timeout_keep_alive` (`server.keepalive_timeout_s`);
@@ -54,6 +56,7 @@ log = logging.getLogger("dlrl.server")
 RESERVED_PATHS = ("/health", "/ready", "/metrics")
 RESERVED_PREFIXES = ("/weights/", "/admin/")
 _RESOURCE_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+MAX_HEADER_BYTES = 16 * 1024  # a request line + headers; h11's own bound (uvicorn's h11_max_incomplete_event_size)
 
 
 class RateLimitedLog:
@@ -256,6 +259,7 @@ class ConnectionBounds(asyncio.Protocol):
 
     # ---------------------------------------------------------------- timeouts
     def _arm_header_timer(self) -> None:
+        self._header_bytes = 0
         self._header_timer = self.loop.call_later(self.limits.header_timeout_s, self._on_header_timeout)
 
     def _idle_between_requests(self) -> bool:
@@ -265,7 +269,13 @@ class ConnectionBounds(asyncio.Protocol):
         self._last_rx = self.loop.time()
         if self._header_timer is None and self._idle_between_requests():
             self._arm_header_timer()  # the first byte of the next request on a kept-alive connection
+        if self._header_timer is not None:
+            self._header_bytes += len(data)
         super().data_received(data)
+        if self._header_timer is not None and self._header_bytes > MAX_HEADER_BYTES and self.cycle is self._seen_cycle:
+            self._close_with_status(431, "Request Header Fields Too Large", "header_size", f"request line and "
+                                    f"headers over {MAX_HEADER_BYTES} bytes")  # h11 has this bound, httptools not
+            return
         if self.cycle is not None and self.cycle is not self._seen_cycle:  # a request's headers are complete
             self._seen_cycle = self.cycle
             if self._header_timer is not None:
@@ -274,13 +284,16 @@ class ConnectionBounds(asyncio.Protocol):
             if self.cycle.more_body and self._read_timer is None:
                 self._read_timer = self.loop.call_later(self.limits.read_timeout_s, self._on_read_check)
 
-    def _close_with_408(self, reason: str, what: str) -> None:
+    def _close_with_status(self, status: int, phrase: str, reason: str, what: str) -> None:
         if self.transport.is_closing():
             return
         self.limits.refused(reason, self._ip, what)
         if self._idle_between_requests() or not self.cycle.response_started:
-            self.transport.write(_raw_response(408, "Request Timeout", what))
+            self.transport.write(_raw_response(status, phrase, what))
         self.transport.close()
+
+    def _close_with_408(self, reason: str, what: str) -> None:
+        self._close_with_status(408, "Request Timeout", reason, what)
 
     def _on_header_timeout(self) -> None:  # armed while a request's headers are awaited, cancelled once complete
         self._header_timer = None

@@ -13,7 +13,8 @@ loopback addresses (127.0.0.2, 127.0.0.3) than the probes (127.0.0.1):
   still answer (reserved slots), a generation request there is a 503;
 - connections that dribble their headers are closed (408) after the header timeout,
   however slowly they keep sending; a stalled body after the read timeout; an idle
-  kept-alive connection after the keep-alive timeout;
+  kept-alive connection after the keep-alive timeout; request headers over 16 KiB at once
+  (431, or h11's own 400);
 - refusals are counted in /metrics and logged a bounded number of times (once per interval
   with a count);
 - an event loop that runs out of descriptors logs "out of system resource" once per
@@ -80,7 +81,7 @@ def srv(request, tiny_model_dir, tmp_path_factory):
     wait_until(up, 120, "dlrl serve")
     loop = "asyncio" if http == "h11" else "uvloop"
     assert f"HTTP protocol {http} on the {loop} event loop" in log_path.read_text()
-    proc.url, proc.port, proc.log_path = url, port, log_path
+    proc.url, proc.port, proc.log_path, proc.http = url, port, log_path, http
     yield proc
     proc.terminate()
     try:
@@ -185,6 +186,21 @@ def test_dribbled_headers_stalled_body_and_idle_keepalive_are_closed(srv):
     assert data is not None and data.startswith(b"HTTP/1.1 200") and 0.9 < time.monotonic() - t0 < 3, data
     for s in (dribbler, stalled, idle):
         s.close()
+
+
+@BOTH
+def test_oversized_headers_are_refused_and_closed(srv):
+    big = connect_from("127.0.0.2", srv.port, b"GET /health HTTP/1.1\r\nHost: x\r\n")
+    try:
+        for _ in range(64):  # 64 x 1 KiB of headers, never ending: over the 16 KiB bound
+            big.sendall(b"X-Big: " + b"a" * 1017 + b"\r\n")
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # closed while sending: the answer was sent first
+    data = read_all(big, 3)
+    big.close()
+    status = b"431" if srv.http == "httptools" else b"400"  # h11 bounds the headers itself (16 KiB too)
+    assert data is not None and data.startswith(b"HTTP/1.1 " + status), data
+    assert httpx.get(srv.url + "/health", timeout=5).status_code == 200
 
 
 @pytest.mark.parametrize("srv", ["httptools"], indirect=True)  # not a connection bound: one protocol is enough
