@@ -1,7 +1,7 @@
 """Floods against real `dlrl serve` processes, each measured side by side in one run (issues 28, 37).
 
     .venv/bin/python benchmarks/flood.py headers [--sockets 600] [--seconds 8] [--nofile 512]
-    .venv/bin/python benchmarks/flood.py keys [--seconds 20] [--rate 400] [--conns 32]
+    .venv/bin/python benchmarks/flood.py keys [--seconds 20] [--rate 400] [--conns 32] [--protocols h11,httptools]
     .venv/bin/python benchmarks/flood.py retry [--clients 48] [--bursts 3] [--max-queue 8] [--max-tokens 16]
     .venv/bin/python benchmarks/flood.py store [--posts 48] [--seconds 12]
     .venv/bin/python benchmarks/flood.py all          # keys, retry and store, one after the other
@@ -15,16 +15,17 @@ header timeout). Each faces `--sockets` connections from 127.0.0.2 that send the
 byte per second while /health is probed from 127.0.0.1 every 0.1 s. Prints, per mode: /health
 answered, its p50 / p99, the slow sockets the server closed, the log's lines and bytes.
 
-`keys` (issue 37): a polite key (5 requests/s of POST /generate, 8 tokens, well within its quota)
-alone for `--seconds`, then with a flooding key sending `--rate` requests/s (over `--conns`
+`keys` (issue 37): for each of `--protocols` (a server with server.http=h11 + server.loop=asyncio,
+then one with httptools + uvloop, the default when installed), a polite key (5 requests/s of
+POST /generate, 8 tokens, well within its quota) alone for `--seconds`, then with a flooding key sending `--rate` requests/s (over `--conns`
 keep-alive connections, a raw-socket client in its own process) against a quota of 1 request/s,
 then alone again. Prints the polite key's p50 / p95 / p99 per phase, the flood's answers and
 rate, and the server process's CPU per refused request: (server CPU in the flood phase - server
-CPU in the quiet phases, per second) x seconds / refusals. Goals: polite p95 with the flood
-<= 2x without; <= 0.3 ms CPU per refusal. Then the floor: the CPU per request of uvicorn alone
-(a one-route ASGI app answering 429) under the same flood, with h11 + asyncio as `dlrl serve`
-runs, and with httptools + uvloop given `--floor-path DIR` (they are not dlrl dependencies:
-`pip install --target DIR httptools uvloop`; only the floor's process gets DIR on its path).
+CPU in the quiet phases, per second) x seconds / refusals; then a table of both protocols side by
+side. Goals: polite p95 with the flood <= 2x without; <= 0.3 ms CPU per refusal. Then the floor:
+the CPU per request of uvicorn alone (a one-route ASGI app answering 429) under the same flood,
+with h11 + asyncio, and with httptools + uvloop when installed (the server extra) or given
+`--floor-path DIR` (`pip install --target DIR httptools uvloop`; only the floor's process gets DIR).
 
 `retry` (issue 37): saturating bursts. `--clients` clients send POST /generate (one sequence,
 `--max-tokens` tokens) at the same instant to a server of 4 slots and `--max-queue` waiting
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import multiprocessing
 import os
@@ -313,12 +315,25 @@ def polite_load(url: str, seconds: float, rate: float) -> list[float]:
     return out
 
 
+PROTOCOLS = {"h11": ("h11", "asyncio"), "httptools": ("httptools", "uvloop")}  # --protocols: server.http, server.loop
+
+
 def keys(args: argparse.Namespace, tmp: Path, model: str) -> None:
+    summary = [keys_protocol(name, args, tmp, model) for name in args.protocols.split(",")]
+    print_rows("side by side: CPU per refusal and the polite key's p95, per HTTP protocol (goals <= 0.3 ms, <= 2x)",
+               summary)
+    floors(args, tmp)
+
+
+def keys_protocol(name: str, args: argparse.Namespace, tmp: Path, model: str) -> dict:
+    """The three phases against one `dlrl serve` with server.http / server.loop of PROTOCOLS[name]; its summary row."""
+    http, loop = PROTOCOLS[name]
     keys_file = tmp / "keys.yaml"
     keys_file.write_text(json.dumps({"keys": {"polite": {"key": POLITE, "requests_per_s": 50},
                                               "flooder": {"key": FLOODER, "requests_per_s": 1}}}))
-    proc, url = serve(model, tmp / "keys.log", "server.max_batch=8", "server.max_model_len=64",
-                      f"server.api_keys_file={keys_file}", f"server.log_level={args.log_level}")
+    proc, url = serve(model, tmp / f"keys-{name}.log", "server.max_batch=8", "server.max_model_len=64",
+                      f"server.api_keys_file={keys_file}", f"server.log_level={args.log_level}",
+                      f"server.http={http}", f"server.loop={loop}")
     port = int(url.rsplit(":", 1)[1])
     rows, flood_counts = [], {}
     try:
@@ -341,16 +356,23 @@ def keys(args: argparse.Namespace, tmp: Path, model: str) -> None:
     finally:
         proc.terminate()
         proc.wait(30)
-    print_rows(f"polite key with and without a flooding key ({args.rate:g} req/s over {args.conns} connections)", rows)
+    print_rows(f"{http} + {loop}: polite key with and without a flooding key ({args.rate:g} req/s over "
+               f"{args.conns} connections)", rows)
     refused = sum(v for k, v in flood_counts.items() if k == 429)
     quiet_cpu_per_s = statistics.mean(r["server_cpu_s"] / r["window_s"] for r in rows if r["phase"] != "flood")
     flood_row = rows[1]
     extra = flood_row["server_cpu_s"] - quiet_cpu_per_s * flood_row["window_s"]
     quiet_p95 = max(r["p95_ms"] for r in rows if r["phase"] != "flood")
-    print(f"flood answers: {flood_counts} ({sum(v for v in flood_counts.values()) / args.seconds:.0f} req/s sent)")
-    print(f"server CPU per refusal: {1000 * extra / max(refused, 1):.3f} ms (goal <= 0.3); "
-          f"polite p95 flood / quiet: {flood_row['p95_ms'] / quiet_p95:.2f}x (goal <= 2)")
-    floors(args, tmp)
+    quiet_p50 = max(r["p50_ms"] for r in rows if r["phase"] != "flood")
+    sent = sum(v for v in flood_counts.values()) / args.seconds
+    per_refusal, ratio = 1000 * extra / max(refused, 1), flood_row["p95_ms"] / quiet_p95
+    print(f"flood answers: {flood_counts} ({sent:.0f} req/s sent)")
+    print(f"server CPU per refusal: {per_refusal:.3f} ms (goal <= 0.3); "
+          f"polite p95 flood / quiet: {ratio:.2f}x (goal <= 2)")
+    return {"http": http, "loop": loop, "flood_req_s": round(sent), "refused": refused,
+            "cpu_ms_per_refusal": round(per_refusal, 3), "polite_p50_quiet_ms": quiet_p50,
+            "polite_p50_flood_ms": flood_row["p50_ms"], "polite_p95_quiet_ms": quiet_p95,
+            "polite_p95_flood_ms": flood_row["p95_ms"], "p95_ratio": round(ratio, 2)}
 
 
 # ---------------------------------------------------------------------------------------------- retry (issue 37)
@@ -493,7 +515,7 @@ def floor(http: str, loop: str, args: argparse.Namespace, tmp: Path) -> dict:
 
 def floors(args: argparse.Namespace, tmp: Path) -> None:
     rows = [floor("h11", "asyncio", args, tmp)]
-    if args.floor_path:
+    if args.floor_path or all(importlib.util.find_spec(m) for m in ("httptools", "uvloop")):
         rows.append(floor("httptools", "uvloop", args, tmp))
     print_rows("the floor: uvicorn alone answering 429 to the same flood (no dlrl code)", rows)
 
@@ -522,8 +544,14 @@ def main() -> None:
     p.add_argument("--max-queue", type=int, default=8, help="retry: the server's max_queue")
     p.add_argument("--max-tokens", type=int, default=16, help="retry: tokens per request")
     p.add_argument("--posts", type=int, default=48, help="store: feedback clients")
-    p.add_argument("--floor-path", default="", help="keys: a folder holding httptools and uvloop, for the floor")
+    p.add_argument("--protocols", default="h11,httptools", help="keys: the servers measured one after the other, "
+                   "comma-separated: h11 (server.http=h11 server.loop=asyncio), httptools (httptools + uvloop)")
+    p.add_argument("--floor-path", default="", help="keys: a folder holding httptools and uvloop, for the floor "
+                   "(when they are not installed)")
     args = p.parse_args()
+    unknown = [name for name in args.protocols.split(",") if name not in PROTOCOLS]
+    if unknown:
+        p.error(f"--protocols: unknown {', '.join(unknown)} (known: {', '.join(PROTOCOLS)})")
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         model = tiny_model(tmp / "model")

@@ -155,7 +155,11 @@ def main(argv: list[str] | None = None) -> int:
         limits = ConnectionLimits.from_config(config, server_state(app).metrics)
     except ConfigError as e:  # the file limit leaves no room for connections
         parser.exit(2, f"dlrl serve: error: {e}\n")
-    server = GracefulServer(uvicorn.Config(app, host=config.host, port=config.port, http=bounded_protocol(limits),
+    http, loop = config.resolved_http(), config.resolved_loop()
+    log.info("HTTP protocol %s on the %s event loop (server.http=%s, server.loop=%s)", http, loop, config.http,
+             config.loop)
+    server = GracefulServer(uvicorn.Config(app, host=config.host, port=config.port, loop=loop,
+                                           http=bounded_protocol(limits, http),
                                            # uvicorn annotates an int but hands it to loop.call_later: seconds as float
                                            timeout_keep_alive=config.keepalive_timeout_s,  # type: ignore[arg-type]
                                            backlog=config.listen_backlog,

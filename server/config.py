@@ -14,6 +14,7 @@ compiled on first use, tens of seconds on a small CPU) or `cuda_graphs` (CUDA on
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 from typing import Annotated, Literal
@@ -78,6 +79,8 @@ class ServerConfig(Config):
     reserved_connections: int = Field(16, ge=0)  # extra slots past the caps for /health, /ready, /metrics, admin
     fd_reserve: int = Field(256, ge=16)  # file descriptors kept free of connections (files, stores, accept bursts)
     listen_backlog: int = Field(64, ge=1)  # kernel accept queue; also the most connections accepted in one burst
+    http: Literal["auto", "h11", "httptools"] = "auto"  # HTTP/1.1 parser: auto = httptools (C) when installed
+    loop: Literal["auto", "asyncio", "uvloop"] = "auto"  # event loop: auto = uvloop when installed
     resource_log_interval_s: float = Field(10.0, gt=0)  # refusals, resource errors, auth failures: one line per interval
     auth_max_failures: int = Field(10, ge=1)  # failed admin/feedback token checks of a client within the window ...
     auth_failure_window_s: float = Field(60.0, gt=0)  # ... after which it gets 429 with Retry-After ...
@@ -109,6 +112,10 @@ class ServerConfig(Config):
     feedback_labels: dict[Label, Reward] = Field(default_factory=lambda: {"accept": 1.0, "reject": 0.0})  # feedback label -> reward
 
     def check(self) -> None:
+        for key, module in (("http", "httptools"), ("loop", "uvloop")):
+            if getattr(self, key) == module and not _installed(module):
+                raise ValueError(f"server.{key}: {module} is not installed (pip install '.[server]' or "
+                                 f"pip install {module}); use server.{key}=auto or the pure-Python default")
         if self.listen_backlog >= self.fd_reserve:
             raise ValueError(f"server.listen_backlog: {self.listen_backlog} must be below server.fd_reserve "
                              f"({self.fd_reserve}): a burst of accepted connections needs free descriptors")
@@ -119,6 +126,18 @@ class ServerConfig(Config):
             raise ValueError("server.feedback_token: must differ from the admin token (a feedback client "
                              "must not be able to administer the server)")
 
+    def resolved_http(self) -> Literal["h11", "httptools"]:
+        """The HTTP/1.1 protocol to serve with: `http`, with auto = httptools when importable, else h11."""
+        if self.http == "auto":
+            return "httptools" if _installed("httptools") else "h11"
+        return self.http
+
+    def resolved_loop(self) -> Literal["asyncio", "uvloop"]:
+        """The event loop to serve on: `loop`, with auto = uvloop when importable, else asyncio."""
+        if self.loop == "auto":
+            return "uvloop" if _installed("uvloop") else "asyncio"
+        return self.loop
+
     def resolved_feedback_token(self) -> str:
         """The feedback token: `feedback_token`, else env DLRL_FEEDBACK_TOKEN, else "" (feedback disabled)."""
         return (self.feedback_token or os.environ.get(FEEDBACK_ENV_VAR, "")).strip()
@@ -127,6 +146,10 @@ class ServerConfig(Config):
         from dllm.hub import served_name
 
         return served_name(str(self.model or model_path or ""), self.served_model_name)  # a repo id: its name
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
 
 
 def load_server_config(path: str | Path | None, overrides: list[str] | None = None) -> ServerConfig:

@@ -35,7 +35,7 @@ dlrl_records_total, dlrl_store_records / dlrl_store_feedback / dlrl_store_bytes 
 The store: dlrl_store_errors_total{op,cause} (failed store operations), dlrl_store_up,
 dlrl_records_dropped_total{reason} (never written), dlrl_record_ids_withheld_total{reason}
 (answered without an id), dlrl_record_write_seconds, dlrl_record_queue (records waiting for the
-writer). Connections and auth: dlrl_connections_refused_total{reason} (limit, header_timeout,
+writer). Connections and auth: dlrl_connections_refused_total{reason} (limit, header_timeout, header_size,
 read_timeout: server.api.connections), dlrl_auth_failures_total{what,status} (failed admin/feedback
 token checks, 401/403/429: server.api.auth). Also dlrl_paused, dlrl_max_batch_size. (The older duplicates
 dlrl_queue_depth, dlrl_running_sequences, dlrl_policy_version and dlrl_aborted_sequences are gone:
@@ -86,7 +86,7 @@ ENDPOINTS = ("/generate", "/v1/completions", "/v1/chat/completions")
 FEEDBACK_STATUSES = ("400", "401", "403", "404", "409", "413", "429", "503")  # server/api/routes_feedback.py
 STORE_OPS, STORE_CAUSES = ("record", "feedback"), (*ERROR_CAUSES, "queue_full")  # server/recording/store_health.py
 DROP_REASONS, WITHHELD_REASONS = ("queue_full", "refused", "error"), ("timeout", "store_failing")  # recording
-CONNECTION_REASONS = ("limit", "header_timeout", "read_timeout")  # server/api/connections.py
+CONNECTION_REASONS = ("limit", "header_timeout", "header_size", "read_timeout")  # server/api/connections.py
 AUTH_WHATS, AUTH_STATUSES = ("admin", "feedback"), ("401", "403", "429")  # server/api/auth_guard.py
 UPDATE_STEPS = ("begin", "commit")  # server/weights/weight_updates.py
 

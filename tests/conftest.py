@@ -75,6 +75,7 @@ def start_server(model_dir: str, port: int | None = None, runner: Any = None, bu
     import uvicorn
 
     from server.api.app import create_app
+    from server.api.connections import ConnectionLimits, bounded_protocol
     from server.config import ServerConfig
     from server.engine.backends.native import NativeBackend
     from server.engine.engine import Engine
@@ -92,8 +93,10 @@ def start_server(model_dir: str, port: int | None = None, runner: Any = None, bu
             keep_versions=config.keep_versions, trace_free=config.trace_free)
         engine = Engine(backend, max_queue=config.max_queue, model_name=config.model_name())
     app = create_app(engine, config)
+    limits = ConnectionLimits.from_config(config)  # the protocol and loop `dlrl serve` runs (server.http/loop)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=config.port, log_level="warning",
-                                           lifespan="on", timeout_graceful_shutdown=2))
+                                           lifespan="on", timeout_graceful_shutdown=2, loop=config.resolved_loop(),
+                                           http=bounded_protocol(limits, config.resolved_http())))
     thread = threading.Thread(target=server.run, daemon=True, name=f"uvicorn-{config.port}")
     thread.start()
     url = f"http://127.0.0.1:{config.port}"

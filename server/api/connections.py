@@ -1,14 +1,18 @@
 """Bounds on the server's TCP connections: header and read timeouts, caps, a reserve for probes and admin.
 
     limits = ConnectionLimits.from_config(config, metrics)        # server.cli
-    uvicorn.Config(app, http=bounded_protocol(limits), timeout_keep_alive=config.keepalive_timeout_s,
-                   backlog=config.listen_backlog, ...)
+    uvicorn.Config(app, http=bounded_protocol(limits, config.resolved_http()), loop=config.resolved_loop(),
+                   timeout_keep_alive=config.keepalive_timeout_s, backlog=config.listen_backlog, ...)
 
 uvicorn bounds neither a request whose headers arrive one byte at a time nor how many
-connections are open; `BoundedH11Protocol` (a subclass of uvicorn's h11 protocol) adds:
+connections are open; `ConnectionBounds`, a mixin of uvicorn's protocols (`BoundedH11Protocol`:
+h11, pure Python; `BoundedHttpToolsProtocol`: httptools, a C parser, about half the CPU per
+request -- `server.http`), adds:
 - header timeout: a request's line and headers must be complete within
   `server.header_timeout_s` of its first byte (of the connection opening, for the first
   request), else the connection gets a 408 and is closed;
+- header size: a request line and headers over 16 KiB (`MAX_HEADER_BYTES`) are a 431 and the
+  connection is closed (h11 bounds them itself at the same size, with a 400; httptools does not);
 - read timeout: a request body that stalls (no byte while the server is ready to read) for
   `server.read_timeout_s` is a 408 and the connection is closed;
 - idle keep-alive: uvicorn's own `timeout_keep_alive` (`server.keepalive_timeout_s`);
@@ -21,21 +25,25 @@ connections are open; `BoundedH11Protocol` (a subclass of uvicorn's h11 protocol
   connection gets an immediate 503 (`Connection: close`) and is closed.
 Refusals and timeouts count in `dlrl_connections_refused_total{reason}` and are logged at
 most once per `server.resource_log_interval_s` with a count (`RateLimitedLog`), as are the
-event loop's "socket.accept() out of system resource" errors (`install_resource_log`).
+event loop's "socket.accept() out of system resource" errors (`install_resource_log`; asyncio's
+loop only: uvloop's libuv sheds connections it cannot accept without reporting them -- the caps
+above keep the server below the file limit either way).
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
 import resource
 import time
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from uvicorn._types import ASGI3Application, ASGIReceiveCallable, ASGISendCallable, Scope
-from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
+from uvicorn.protocols.http.flow_control import FlowControl
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from dlrl_config import ConfigError
 from server.api.errors import error_body
@@ -48,6 +56,7 @@ log = logging.getLogger("dlrl.server")
 RESERVED_PATHS = ("/health", "/ready", "/metrics")
 RESERVED_PREFIXES = ("/weights/", "/admin/")
 _RESOURCE_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+MAX_HEADER_BYTES = 16 * 1024  # a request line + headers; h11's own bound (uvicorn's h11_max_incomplete_event_size)
 
 
 class RateLimitedLog:
@@ -217,10 +226,24 @@ def reserve_only(app: ASGI3Application) -> ASGI3Application:
     return wrapped
 
 
-class BoundedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with the header/read timeouts and the connection caps of the module doc."""
+class ConnectionBounds(asyncio.Protocol):
+    """The header/read timeouts and connection caps of the module doc, for any of uvicorn's HTTP/1.1 protocols.
+
+    A mixin placed before the uvicorn protocol class (`BoundedH11Protocol`, `BoundedHttpToolsProtocol`); it relies
+    on what both of uvicorn's protocols (0.54) share: `self.cycle` is replaced by a new `RequestResponseCycle` when
+    a request's headers are complete (inside `data_received`), the cycle's `more_body` turns False once its body is
+    complete, `response_started` / `response_complete` track the response, `self.flow.read_paused` says the app
+    is not reading, and `self.client`, `self.loop`, `self.app`, `self.transport` are set by `connection_made`.
+    """
 
     limits: ConnectionLimits  # set by bounded_protocol()
+    # provided by the uvicorn protocol this is mixed into
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+    client: tuple[str, int] | None
+    flow: FlowControl
+    app: ASGI3Application
+    cycle: Any  # that protocol's RequestResponseCycle (h11_impl's or httptools_impl's), None before the first request
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -228,7 +251,7 @@ class BoundedH11Protocol(H11Protocol):
         self._header_timer: asyncio.TimerHandle | None = None
         self._read_timer: asyncio.TimerHandle | None = None
         self._last_rx = self.loop.time()
-        self._seen_cycle: RequestResponseCycle | None = None
+        self._seen_cycle: object = None
         self._slot = self.limits.admit(self._ip)
         if self._slot is None:
             self.limits.refused("limit", self._ip, f"too many connections ({self.limits.num_open} open, "
@@ -253,16 +276,23 @@ class BoundedH11Protocol(H11Protocol):
 
     # ---------------------------------------------------------------- timeouts
     def _arm_header_timer(self) -> None:
+        self._header_bytes = 0
         self._header_timer = self.loop.call_later(self.limits.header_timeout_s, self._on_header_timeout)
 
     def _idle_between_requests(self) -> bool:
-        return self.cycle is None or self.cycle.response_complete
+        return self.cycle is None or bool(self.cycle.response_complete)
 
     def data_received(self, data: bytes) -> None:
         self._last_rx = self.loop.time()
         if self._header_timer is None and self._idle_between_requests():
             self._arm_header_timer()  # the first byte of the next request on a kept-alive connection
+        if self._header_timer is not None:
+            self._header_bytes += len(data)
         super().data_received(data)
+        if self._header_timer is not None and self._header_bytes > MAX_HEADER_BYTES and self.cycle is self._seen_cycle:
+            self._close_with_status(431, "Request Header Fields Too Large", "header_size", f"request line and "
+                                    f"headers over {MAX_HEADER_BYTES} bytes")  # h11 has this bound, httptools not
+            return
         if self.cycle is not None and self.cycle is not self._seen_cycle:  # a request's headers are complete
             self._seen_cycle = self.cycle
             if self._header_timer is not None:
@@ -271,13 +301,16 @@ class BoundedH11Protocol(H11Protocol):
             if self.cycle.more_body and self._read_timer is None:
                 self._read_timer = self.loop.call_later(self.limits.read_timeout_s, self._on_read_check)
 
-    def _close_with_408(self, reason: str, what: str) -> None:
+    def _close_with_status(self, status: int, phrase: str, reason: str, what: str) -> None:
         if self.transport.is_closing():
             return
         self.limits.refused(reason, self._ip, what)
         if self._idle_between_requests() or not self.cycle.response_started:
-            self.transport.write(_raw_response(408, "Request Timeout", what))
+            self.transport.write(_raw_response(status, phrase, what))
         self.transport.close()
+
+    def _close_with_408(self, reason: str, what: str) -> None:
+        self._close_with_status(408, "Request Timeout", reason, what)
 
     def _on_header_timeout(self) -> None:  # armed while a request's headers are awaited, cancelled once complete
         self._header_timer = None
@@ -298,10 +331,28 @@ class BoundedH11Protocol(H11Protocol):
                                              "(server.read_timeout_s)")
 
 
-def bounded_protocol(limits: ConnectionLimits) -> type[BoundedH11Protocol]:
-    """A BoundedH11Protocol class bound to `limits` (uvicorn.Config(http=...) takes a class)."""
-    return type("BoundedH11Protocol", (BoundedH11Protocol,), {"limits": limits})
+class BoundedH11Protocol(ConnectionBounds, H11Protocol):
+    """uvicorn's h11 protocol (pure Python) with the bounds of `ConnectionBounds`."""
 
 
-__all__ = ["BoundedH11Protocol", "ConnectionLimits", "RateLimitedLog", "Refusals", "bounded_protocol", "install_resource_log",
+@functools.cache
+def _httptools_protocol() -> type[ConnectionBounds]:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol  # needs httptools (the server extra)
+
+    class BoundedHttpToolsProtocol(ConnectionBounds, HttpToolsProtocol):
+        """uvicorn's httptools protocol (C parser, about twice as fast per request) with the same bounds."""
+
+    return BoundedHttpToolsProtocol
+
+
+def bounded_protocol(limits: ConnectionLimits, http: str = "h11") -> type[ConnectionBounds]:
+    """The bounded protocol class for `http` ("h11" or "httptools") bound to `limits` (uvicorn.Config(http=...))."""
+    if http not in ("h11", "httptools"):
+        raise ValueError(f"http must be 'h11' or 'httptools', not {http!r}")
+    base = BoundedH11Protocol if http == "h11" else _httptools_protocol()
+    return type(base.__name__, (base,), {"limits": limits})
+
+
+__all__ = ["BoundedH11Protocol", "ConnectionBounds", "ConnectionLimits", "RateLimitedLog", "Refusals", "bounded_protocol",
+           "install_resource_log",
            "reserve_only"]

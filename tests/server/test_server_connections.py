@@ -2,8 +2,9 @@
 
     .venv/bin/python -m pytest -q tests/server/test_server_connections.py
 
-One server for the module, started with a file limit of 256 descriptors (RLIMIT_NOFILE
-set in the child) and short bounds: header timeout 2 s, read timeout 1.5 s, keep-alive
+One server per HTTP protocol (server.http=h11 on asyncio; httptools on uvloop, the default when
+installed), started with a file limit of 256 descriptors (RLIMIT_NOFILE set in the child) and
+short bounds: header timeout 2 s, read timeout 1.5 s, keep-alive
 1 s, max_connections 1000 (lowered at start to fit the file limit: 256 - fd_reserve 208
 - 8 reserved = 40), 30 per client address, 8 reserved slots, a listen backlog of 100 (the
 kernel queues the whole flood: no SYN retries on a loaded box). Floods come from other
@@ -12,7 +13,8 @@ loopback addresses (127.0.0.2, 127.0.0.3) than the probes (127.0.0.1):
   still answer (reserved slots), a generation request there is a 503;
 - connections that dribble their headers are closed (408) after the header timeout,
   however slowly they keep sending; a stalled body after the read timeout; an idle
-  kept-alive connection after the keep-alive timeout;
+  kept-alive connection after the keep-alive timeout; request headers over 16 KiB at once
+  (431, or h11's own 400);
 - refusals are counted in /metrics and logged a bounded number of times (once per interval
   with a count);
 - an event loop that runs out of descriptors logs "out of system resource" once per
@@ -50,13 +52,18 @@ def _limit_files(n: int):
     return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
 
 
+PROTOCOLS = {"h11": ["server.http=h11", "server.loop=asyncio"], "httptools": []}  # httptools: the default (auto)
+BOTH = pytest.mark.parametrize("srv", list(PROTOCOLS), indirect=True)
+
+
 @pytest.fixture(scope="module")
-def srv(tiny_model_dir, tmp_path_factory):
+def srv(request, tiny_model_dir, tmp_path_factory):
+    http = request.param
     port = free_port()
     log_path = tmp_path_factory.mktemp("conn") / "server.log"
     cmd = [sys.executable, "-m", "server.cli", "--model", tiny_model_dir, "--port", str(port), "server.device=cpu",
            "server.dtype=float32", "server.max_batch=2", "server.max_model_len=64", f"server.admin_token={TOKEN}",
-           *OVERRIDES]
+           *OVERRIDES, *PROTOCOLS[http]]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("DLRL_ADMIN_TOKEN", None)
     with open(log_path, "w") as out:
@@ -72,7 +79,9 @@ def srv(tiny_model_dir, tmp_path_factory):
             return False
 
     wait_until(up, 120, "dlrl serve")
-    proc.url, proc.port, proc.log_path = url, port, log_path
+    loop = "asyncio" if http == "h11" else "uvloop"
+    assert f"HTTP protocol {http} on the {loop} event loop" in log_path.read_text()
+    proc.url, proc.port, proc.log_path, proc.http = url, port, log_path, http
     yield proc
     proc.terminate()
     try:
@@ -109,6 +118,7 @@ def refused(s: socket.socket) -> bool:
     return data is not None and data.startswith(b"HTTP/1.1 503") and b"too many connections" in data
 
 
+@BOTH
 def test_caps_reserve_and_header_timeout(srv):
     log = srv.log_path.read_text()
     assert "server.max_connections lowered from 1000 to 40" in log, log[-2000:]
@@ -150,6 +160,7 @@ def test_caps_reserve_and_header_timeout(srv):
     assert any("times in the last 1s" in ln for ln in lines), lines
 
 
+@BOTH
 def test_dribbled_headers_stalled_body_and_idle_keepalive_are_closed(srv):
     dribbler = connect_from("127.0.0.2", srv.port, b"G")
     t0, closed_after = time.monotonic(), None
@@ -177,6 +188,22 @@ def test_dribbled_headers_stalled_body_and_idle_keepalive_are_closed(srv):
         s.close()
 
 
+@BOTH
+def test_oversized_headers_are_refused_and_closed(srv):
+    big = connect_from("127.0.0.2", srv.port, b"GET /health HTTP/1.1\r\nHost: x\r\n")
+    try:
+        for _ in range(64):  # 64 x 1 KiB of headers, never ending: over the 16 KiB bound
+            big.sendall(b"X-Big: " + b"a" * 1017 + b"\r\n")
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # closed while sending: the answer was sent first
+    data = read_all(big, 3)
+    big.close()
+    status = b"431" if srv.http == "httptools" else b"400"  # h11 bounds the headers itself (16 KiB too)
+    assert data is not None and data.startswith(b"HTTP/1.1 " + status), data
+    assert httpx.get(srv.url + "/health", timeout=5).status_code == 200
+
+
+@pytest.mark.parametrize("srv", ["httptools"], indirect=True)  # not a connection bound: one protocol is enough
 def test_failing_admin_tokens_are_counted_logged_and_throttled(srv):
     bad = {"Authorization": "Bearer wrong"}
     with httpx.Client(base_url=srv.url, timeout=5) as c:
@@ -249,3 +276,22 @@ def test_limits_fit_the_file_limit_and_bad_keys_are_named():
     assert slots == ["normal", "normal", "reserve", None, None, "normal", "reserve", "reserve", None]
     limits.release("a", "normal")
     assert limits.admit("c") == "normal"
+
+
+def test_protocol_choice_and_missing_packages_are_named(monkeypatch):
+    import server.config
+    from dlrl_config import ConfigError, build
+    from server.api.connections import ConnectionBounds, ConnectionLimits, bounded_protocol
+    from server.config import ServerConfig
+
+    limits = ConnectionLimits(3, 2, 4, 1.0, 1.0)
+    for http, base in (("h11", "H11Protocol"), ("httptools", "HttpToolsProtocol")):
+        cls = bounded_protocol(limits, http)
+        assert issubclass(cls, ConnectionBounds) and cls.limits is limits
+        assert [c.__name__ for c in cls.__mro__].index("ConnectionBounds") < [c.__name__ for c in cls.__mro__].index(base)
+    assert (ServerConfig().resolved_http(), ServerConfig().resolved_loop()) == ("httptools", "uvloop")
+    monkeypatch.setattr(server.config, "_installed", lambda module: False)
+    assert (ServerConfig().resolved_http(), ServerConfig().resolved_loop()) == ("h11", "asyncio")
+    for key, module in (("http", "httptools"), ("loop", "uvloop")):
+        with pytest.raises(ConfigError, match=f"server.{key}: {module} is not installed"):
+            build(ServerConfig, {key: module}, "server")
