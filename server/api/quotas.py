@@ -27,16 +27,12 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dlrl_config import ConfigError
 from server.api.errors import APIError
-
-if TYPE_CHECKING:
-    pass
 
 ENV_VAR = "DLRL_API_KEYS"
 # the key of the request being served (set by server.api.gate.RefusalGate; read by charge_tokens)
