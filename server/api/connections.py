@@ -108,7 +108,6 @@ class Refusals:
         self.limiter.flush()
 
 
-
 def install_resource_log(loop: asyncio.AbstractEventLoop, limiter: RateLimitedLog) -> None:
     """Route the loop's resource errors (accept() out of file descriptors, ...) through `limiter`."""
 
