@@ -132,6 +132,8 @@ def main(argv: list[str]) -> int:
 def _run(cfg: TrainConfig, root: dict[str, Any], args: argparse.Namespace, argv: list[str],
          overrides: list[str]) -> int:
     """The command itself, past the checks: torch and DeepSpeed are imported from here on."""
+    if os.environ.get("RANK", "0") == "0":
+        log.info("checks passed; loading torch and DeepSpeed (seconds, up to ~20 s on a loaded box)")
     from trainer.extensions import ensure_extensions_dir
 
     ensure_extensions_dir()  # DeepSpeed's op cache, also for the ranks started below (issue 38)

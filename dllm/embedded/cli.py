@@ -28,10 +28,14 @@ def sft_main(argv: list[str]) -> int:
         ap.error(str(e))
     if args.check:
         return print_check("sft", arch, task, sft)
+    from pathlib import Path
+
     from dllm.embedded.sft import SFTStopped, run_sft  # torch: only once there is something to train
+    from dllm.embedded.tiny import sft_lock
 
     try:
-        metrics = run_sft(arch, task, sft)
+        with sft_lock(Path(sft.output_dir)):  # a server or trainer training the same folder: wait (logged)
+            metrics = run_sft(arch, task, sft)
     except SFTStopped as e:
         print(f"dlrl sft: {e}", file=sys.stderr)
         return 0
