@@ -5,7 +5,7 @@ the default config file, the `--check` report, and the checks run before loading
     path = config_file(args.config)                    # configs/tiny.yaml when none given and it exists
     problems = [port_problem("127.0.0.1", 8000, "server.port / --port"), model_problem(ref, "server.model")]
     fail_early(problems)                              # ValueError listing them all
-    return print_check("serve", cfg)                  # one JSON line, exit code 0
+    return print_check("serve", cfg, facts=[("address", "http://127.0.0.1:8000")])  # a summary; --json: JSON
 
 Each check returns a message naming the config key, or "" when all is well (`model_problem`,
 the model-reference check, is dllm.hub's). `--check-config` skips them (only the command line
@@ -32,19 +32,42 @@ def config_file(given: str | None, default: str = DEFAULT_CONFIG) -> str | None:
 
 
 def add_check_args(ap: argparse.ArgumentParser, check_help: str, overrides_help: str) -> None:
-    """`--check` (with its help), `--check-config` and the positional `key=value` overrides."""
+    """`--check` (with its help), `--check-config`, `--json` and the positional `key=value` overrides."""
     ap.add_argument("--check", action="store_true", help=check_help)
     ap.add_argument("--check-config", action="store_true", help="only parse the command line and the config")
+    add_json_arg(ap)
     ap.add_argument("overrides", nargs="*", help=overrides_help)
 
 
-def print_check(command: str, *sections: Any) -> int:
-    """`dlrl <command> --check`: the command line and config parsed and validated; print the
-    resolved sections as one JSON line and return exit code 0 (errors exit 2 before this)."""
-    out: dict[str, Any] = {"command": command, "ok": True}
-    for sec in sections:
-        out[type(sec).__name__] = sec.model_dump() if isinstance(sec, BaseModel) else str(sec)
-    print(json.dumps(out, default=str))
+def add_json_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--json", action="store_true",
+                    help="with --check: print the report as JSON, every resolved key included (default: a short "
+                         "summary for people)")
+
+
+Facts = list[tuple[str, str]]  # (what, finding): the --check summary's lines
+
+
+def print_check(command: str, *sections: Any, facts: Facts | None = None, as_json: bool = False,
+                flag: str = "--check") -> int:
+    """`dlrl <command> --check` passed: print what it found and return exit code 0 (errors exit 2 before
+    this). By default a short summary for people (`facts`, one line each, else a line per section);
+    `as_json`: one JSON object with `ok`, `summary` (the same facts) and every resolved section."""
+    facts = list(facts or [])
+    if as_json:
+        out: dict[str, Any] = {"command": command, "ok": True, "summary": dict(facts)}
+        for sec in sections:
+            out[type(sec).__name__] = sec.model_dump() if isinstance(sec, BaseModel) else str(sec)
+        print(json.dumps(out, default=str))
+        return 0
+    if not facts:
+        facts = [(type(sec).__name__, f"{len(sec.model_dump())} keys valid") for sec in sections
+                 if isinstance(sec, BaseModel)]
+    width = max((len(k) for k, _ in facts), default=0)
+    print(f"dlrl {command} {flag}: ok")
+    for what, finding in facts:
+        print(f"  {what.ljust(width)}  {finding}")
+    print("  (--json: this report with every resolved key)")
     return 0
 
 

@@ -28,7 +28,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dllm.embedded.sft_config import SFTStopped  # torch-free: --help and --check stay light
@@ -36,7 +35,6 @@ from dllm.embedded.tiny import TINY_SECTIONS
 from dlrl_config import ConfigError, load_sections
 from dlrl_config.cli import add_check_args, print_check
 from trainer.config import ServerKeys, TrainConfig
-from trainer.infra.guards import previous_run
 from trainer.monitor.metrics_log import read_jsonl
 
 if TYPE_CHECKING:  # torch, deepspeed: imported once the command runs (--help and --check never import them)
@@ -91,7 +89,7 @@ def parse(argv: list[str]):
     add_check_args(ap, check_help="parse the command line and the config and check data files, the reward import, "
                    "the model, the servers' ports and admin token; exit 0 (or 2 with the errors)",
                    overrides_help="key=value overrides (e.g. num_steps=5 nproc=2)")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # key=value overrides before and after flags
     overrides = list(args.overrides) + (["train.resume=true"] if args.resume else [])
     try:
         root = load_sections(args.config, overrides, {"train": TrainConfig, **TINY_SECTIONS, "server": ServerKeys},
@@ -101,31 +99,21 @@ def parse(argv: list[str]):
     return args, root, overrides
 
 
-def _previous_run_refusal(cfg) -> str:
-    """An error when output_dir holds an earlier run and neither --resume nor overwrite=true was given."""
-    found = previous_run(Path(cfg.output_dir))
-    if not found or cfg.resume or cfg.overwrite:
-        return ""
-    return (f"train.output_dir={cfg.output_dir} holds a previous run ({', '.join(found)}): continue it with "
-            "--resume, replace it with overwrite=true, or choose another output_dir=...")
-
-
 def main(argv: list[str]) -> int:
     args, root, overrides = parse(argv)
     cfg = root["train"]
     if args.check_config:
-        return print_check("train", cfg)
+        return print_check("train", cfg, as_json=args.json, flag="--check-config")
+    facts: list[tuple[str, str]] = []
     if os.environ.get("RANK", "0") == "0":  # before loading anything (other ranks wait for rank 0's errors)
-        from trainer.preflight import train_problems
+        from trainer.preflight import train_report
 
-        problems = train_problems(cfg, root["server"], args.config, overrides)
-        refusal = _previous_run_refusal(cfg)
-        if problems or refusal:
-            print("\n".join(f"dlrl train: error: {p}" for p in problems + ([refusal] if refusal else [])),
-                  file=sys.stderr)  # one problem per line
+        problems, facts = train_report(cfg, root, args.config, overrides)
+        if problems:
+            print("\n".join(f"dlrl train: error: {p}" for p in problems), file=sys.stderr)  # one problem per line
             return 2
     if args.check:
-        return print_check("train", cfg)
+        return print_check("train", cfg, facts=facts, as_json=args.json)
     return _run(cfg, root, args, argv, overrides)
 
 
