@@ -1,5 +1,6 @@
 """What every dlrl command line shares: the `--check` / `--check-config` / overrides arguments,
-the default config file, the `--check` report, and the checks run before loading weights.
+the default config file, the `--check` report, the checks run before loading weights, and an
+argparse parser whose errors name the nearest known flag (`ArgumentParser`).
 
     add_check_args(ap, check_help="... check the model and the port", overrides_help="e.g. port=8001")
     path = config_file(args.config)                    # configs/tiny.yaml when none given and it exists
@@ -17,11 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic import BaseModel
+
+from dlrl_config import nearest
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
 
@@ -29,6 +33,20 @@ DEFAULT_CONFIG = "configs/tiny.yaml"
 def config_file(given: str | None, default: str = DEFAULT_CONFIG) -> str | None:
     """`--config` as given, else `default` when that file exists (run from the repository), else None."""
     return given or (default if Path(default).is_file() else None)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with typo help: an unknown `--flag` or an invalid choice names the nearest
+    known one (`unrecognized arguments: --chek (did you mean --check?)`), as config keys do."""
+
+    def error(self, message: str) -> NoReturn:
+        found = re.match(r"unrecognized arguments: (.*)", message)
+        if found:
+            flags = [o for a in self._actions for o in a.option_strings]
+            hints = [f"{arg}{nearest(arg.split('=', 1)[0], flags)}" for arg in found.group(1).split()]
+            if any("did you mean" in h for h in hints):
+                message = "unrecognized arguments: " + " ".join(hints)
+        super().error(message)
 
 
 def add_check_args(ap: argparse.ArgumentParser, check_help: str, overrides_help: str) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dlrl_config import ConfigError
-from dlrl_config.cli import DEFAULT_CONFIG, add_check_args, config_file, print_check
+from dlrl_config.cli import DEFAULT_CONFIG, ArgumentParser, add_check_args, config_file, print_check
 from server.config import ServerConfig, load_server_config
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ log = logging.getLogger("dlrl.server")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dlrl serve", description="Serve a block-diffusion LM over HTTP.")
+    p = ArgumentParser(prog="dlrl serve", description="Serve a block-diffusion LM over HTTP.")
     p.add_argument("--config", default=None, help=f"YAML config with a `server` section (default {DEFAULT_CONFIG} "
                                                    "when it exists)")
     p.add_argument("--host", default=None, help="alias of server.host=HOST (bind address, default 127.0.0.1)")

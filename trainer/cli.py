@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from dllm.embedded.sft_config import SFTStopped  # torch-free: --help and --check stay light
 from dllm.embedded.tiny import TINY_SECTIONS
 from dlrl_config import ConfigError, load_sections
-from dlrl_config.cli import add_check_args, print_check
+from dlrl_config.cli import ArgumentParser, add_check_args, print_check
 from trainer.config import ServerKeys, TrainConfig
 from trainer.monitor.metrics_log import read_jsonl
 
@@ -83,7 +83,7 @@ class Stopper:
 
 def parse(argv: list[str]):
     """-> (args, root sections, overrides): the config file read once, every section typed."""
-    ap = argparse.ArgumentParser(prog="dlrl train", description="online RL for block-diffusion LMs")
+    ap = ArgumentParser(prog="dlrl train", description="online RL for block-diffusion LMs")
     ap.add_argument("--config", default="configs/tiny.yaml")
     ap.add_argument("--resume", action="store_true", help="continue from output_dir/checkpoint")
     add_check_args(ap, check_help="parse the command line and the config and check data files, the reward import, "

@@ -18,7 +18,6 @@ decoding setting and writes every metric and generation to `eval.output` (JSON).
 
 from __future__ import annotations
 
-import argparse
 import logging
 import socket
 import sys
@@ -32,7 +31,7 @@ from dllm.hub import resolve_model
 from dllm.options import SamplingOptions, Temperature, Threshold
 from dllm.tokenizer import load_tokenizer
 from dlrl_config import Config, ConfigError, load_sections
-from dlrl_config.cli import add_check_args, config_file, print_check
+from dlrl_config.cli import ArgumentParser, add_check_args, config_file, print_check
 from rollout_client.client import RolloutError
 from trainer.config import ServerKeys
 from trainer.data.prompts import report
@@ -158,7 +157,7 @@ def eval_facts(cfg: EvalConfig, config_path: str | None) -> list[tuple[str, str]
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="dlrl eval", description="evaluate a served block-diffusion LM")
+    ap = ArgumentParser(prog="dlrl eval", description="evaluate a served block-diffusion LM")
     ap.add_argument("--config", default=None, help="YAML config with an `eval` section (default "
                                                    "configs/tiny.yaml when it exists)")
     add_check_args(ap, check_help="parse the command line and the config and check the data file, the reward "

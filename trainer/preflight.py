@@ -26,7 +26,7 @@ from dllm.hub import cached_config, model_problem, served_name
 from dlrl_config.cli import port_problem
 from trainer.data.prompts import source_problem
 from trainer.infra.guards import previous_run, previous_run_refusal, resume_state
-from trainer.infra.local_servers import address_problems, is_local, resolve_token, serve_command
+from trainer.infra.local_servers import ADDRESS_KEYS, address_problems, is_local, resolve_token, serve_command
 from trainer.monitor.trackers import missing_trackers
 from trainer.objective_registry import check_family
 from trainer.rewards import load_reward_fn
@@ -87,21 +87,26 @@ def reward_problem(spec: str, key: str) -> str:
     return ""
 
 
-def start_problem(url: str, launch: tuple[str | None, str, list[str]], prefix: str) -> str:
-    """What the server this command would start at `url` refuses at start (`launch`: config file,
-    model, overrides): its own `dlrl serve --check-config` on the same command line (no torch)."""
+def serve_refusal(url: str, launch: tuple[str | None, str, list[str]]) -> str:
+    """What `dlrl serve --check-config` says of the server command line for `url` (`launch`: config file,
+    model, overrides; no torch): "" when it accepts it, else its errors joined."""
     config_path, model, overrides = launch
     cmd = serve_command(url, config_path, model, overrides) + ["--check-config"]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired) as e:
-        return f"{prefix}.servers ({url}): could not check the server it would start: {e}"
+        return f"could not check it: {e}"
     if proc.returncode == 0:
         return ""
     _, found, said = proc.stderr.partition("dlrl serve: error: ")
-    why = "; ".join(line.removeprefix("dlrl serve: error: ") for line in said.strip().splitlines()) if found \
+    return "; ".join(line.removeprefix("dlrl serve: error: ") for line in said.strip().splitlines()) if found \
         else f"exit code {proc.returncode}"
-    return f"{prefix}.servers ({url}): the server it would start refuses its config: {why}"
+
+
+def start_problem(url: str, launch: tuple[str | None, str, list[str]], prefix: str) -> str:
+    """What the server this command would start at `url` refuses at start: its own config check."""
+    why = serve_refusal(url, launch)
+    return f"{prefix}.servers ({url}): the server it would start refuses its config: {why}" if why else ""
 
 
 def server_problems(urls: list[str], token: str, start_server: bool, prefix: str, needs_token: bool,
@@ -112,6 +117,7 @@ def server_problems(urls: list[str], token: str, start_server: bool, prefix: str
     port free and (with `launch`: the config file, model and overrides it would be started with) a config
     the server accepts. `facts` gets one line per server (what it serves, at which weight version)."""
     problems = address_problems(urls, launch[2], prefix) if launch is not None else []
+    starts = False  # a server of `urls` is started by this command (its config check runs the overrides)
     for url in urls:
         url = url.rstrip("/")
         try:
@@ -134,6 +140,7 @@ def server_problems(urls: list[str], token: str, start_server: bool, prefix: str
                                              f"{prefix}.servers ({url}: nothing answers there, and the server "
                                              "it would start needs the port; server.port)"))
                 if launch is not None:
+                    starts = True
                     problems.append(start_problem(url, launch, prefix))
             continue
         if not token:
@@ -152,7 +159,31 @@ def server_problems(urls: list[str], token: str, start_server: bool, prefix: str
                             f"the server uses ({prefix}.admin_token, env DLRL_ADMIN_TOKEN or server.admin_token_file)")
         elif facts is not None:
             facts.append((url, "accepts the admin token"))
+    if launch is not None and not starts:
+        problems.append(unapplied_server_keys(urls, launch, prefix))
     return [p for p in problems if p]
+
+
+TRAINER_SERVER_KEYS = ("server.admin_token", "server.admin_token_file", "server.served_model_name")  # read here
+
+
+def unapplied_server_keys(urls: list[str], launch: tuple[str | None, str, list[str]], prefix: str) -> str:
+    """`server.*` overrides configure the servers this command starts; when it starts none they would be
+    silently dropped: a typo is named as `dlrl serve` names it (its own --check-config), any other key is
+    refused with what to do (the keys this command reads itself, the admin token and served name, pass)."""
+    keys = [o for o in launch[2] if o.startswith("server.") and o.split("=", 1)[0] not in ADDRESS_KEYS]
+    if not keys:
+        return ""
+    refused = serve_refusal(urls[0].rstrip("/"), (launch[0], launch[1], keys))
+    if refused:
+        return refused
+    unused = [k for k in keys if k.split("=", 1)[0] not in TRAINER_SERVER_KEYS]
+    if not unused:
+        return ""
+    return (f"{' '.join(unused)}: server.* overrides configure the servers dlrl {prefix} starts, and it starts none "
+            f"(every server at {prefix}.servers answers): restart those servers with them (dlrl serve ...), "
+            "or drop them")
+
 
 
 def output_problems(cfg, facts: Facts | None = None) -> list[str]:

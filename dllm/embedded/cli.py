@@ -5,19 +5,18 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 from dlrl_config import ConfigError
-from dlrl_config.cli import add_json_arg, print_check
+from dlrl_config.cli import ArgumentParser, add_json_arg, print_check
 
 
 def sft_main(argv: list[str]) -> int:
     from dllm.embedded.tiny import load_tiny_sections
 
-    ap = argparse.ArgumentParser(prog="dlrl sft", description="block-diffusion SFT of the embedded default")
+    ap = ArgumentParser(prog="dlrl sft", description="block-diffusion SFT of the embedded default")
     ap.add_argument("--config", default="configs/tiny.yaml")
     ap.add_argument("--check", action="store_true", help="only parse the command line and the config; exit 0 "
                                                         "(or 2 with the error)")

@@ -18,7 +18,6 @@ stops at once. `dlrl align` runs one trainer rank.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -27,7 +26,7 @@ import time
 from typing import TYPE_CHECKING
 
 from dlrl_config import ConfigError, build, load_sections, parse_overrides
-from dlrl_config.cli import add_json_arg, print_check
+from dlrl_config.cli import ArgumentParser, add_json_arg, print_check
 from rollout_client.client import AdminError, RolloutError
 from store import open_store
 from trainer.align.config import AlignConfig, align_sections, check_train
@@ -51,7 +50,7 @@ log = logging.getLogger("dlrl.align")
 def parse(argv: list[str]):
     """-> (args, root sections, overrides): the config file read once, every section typed; the
     `train` section as `dlrl align` runs it (servers = align.rollout_servers, ...)."""
-    ap = argparse.ArgumentParser(prog="dlrl align", description="continuous alignment from live traffic")
+    ap = ArgumentParser(prog="dlrl align", description="continuous alignment from live traffic")
     ap.add_argument("--config", default="configs/align.yaml")
     ap.add_argument("--resume", action="store_true", help="continue from align.output_dir/checkpoint")
     ap.add_argument("--check", action="store_true", help="only parse the command line and the config; exit 0 "
@@ -154,7 +153,7 @@ def main(argv: list[str], aligner: type[Aligner] | None = None) -> int:
 
 # ------------------------------------------------------------------------------ dlrl versions
 def versions_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="dlrl versions", description="the version registry of dlrl align")
+    ap = ArgumentParser(prog="dlrl versions", description="the version registry of dlrl align")
     ap.add_argument("--config", default=None, help="align config (store, serving replicas, admin token)")
     ap.add_argument("--store", default=None, help="alias of align.store=PATH (the feedback store path or URL)")
     ap.add_argument("--events", action="store_true", help="list the events (promotions, rollbacks, ...)")
