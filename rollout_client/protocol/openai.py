@@ -193,7 +193,10 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "dlrl"
     max_model_len: int | None = None
-    version: int | None = None
+    version: int | None = Field(None, description="the weight version served: 0 = the weights loaded at start, "
+                                "each update pushed in place (dlrl train) a larger one")
+    weights_run_id: str | None = Field(None, description="the run that pushed the served weights (its run_id, "
+                                       "e.g. tiny-rl-1a2b3c4d); null: the weights loaded at start")
     family: str | None = None      # model family: sdar (block-causal) | llada | dream (full attention)
     cache_mode: str | None = None  # full attention: exact | prefix (the decoder's KV reuse; every trace records it)
 
