@@ -165,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     log.info("serving model %s (%s) from %s with backend %s, max_batch=%d, max_model_len=%d",
              engine.model_name, getattr(engine.model, "dtype", "?"), model_path, config.backend,
              config.max_batch, engine.max_model_len)
+    if getattr(engine.model, "attention", "") == "full":
+        log.info("prompt log-likelihoods (echo + logprobs, prompt_logprobs): LLaDA's Monte Carlo ELBO, %d samples "
+                 "per context / continuation split (server.elbo_samples; server.likelihood applies to block-causal "
+                 "models)", config.elbo_samples)
     log.info("listening on http://%s:%d (admin endpoints %s)", config.host, config.port,
              "enabled" if server_state(app).admin_token else "disabled: no admin token")
     json_logs: dict[str, Any] = {"log_config": None, "access_log": False} if config.log_format == "json" else {}  # server.logs

@@ -168,6 +168,9 @@ class CompletionLogprobs(BaseModel):
     token_logprobs: list[float | None]  # None: an echoed prompt's first token (nothing to condition on)
     top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int]
+    suffix_stderr: list[float | None] | None = Field(
+        None, description="echo with likelihood elbo: per prompt token the standard error of the estimate of the sum "
+                          "of token_logprobs from that token to the prompt's end (squared: the estimator's variance)")
 
 
 class CompletionChoice(SampleExtras):
