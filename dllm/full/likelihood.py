@@ -108,8 +108,8 @@ def text_elbo(model: Any, ids: list[int], num_samples: int, gen: torch.Generator
     est = samples.mean(1)  # E_1 .. E_{L-1}
     se = samples.std(1) / math.sqrt(num_samples) if num_samples > 1 else torch.full_like(est, float("nan"))
     nxt = torch.cat([est[1:], est.new_zeros(1)])
-    values: list[float | None] = [None] + (est - nxt).tolist()
-    errors: list[float | None] = [None] + [None if math.isnan(v) else v for v in se.tolist()]
+    values: list[float | None] = [None, *(float(v) for v in (est - nxt).tolist())]
+    errors: list[float | None] = [None, *(None if math.isnan(v) else float(v) for v in se.tolist())]
     return TokenScores(values, None, noisy.shape[0], stderr=errors, num_samples=num_samples)
 
 
