@@ -152,7 +152,7 @@ def _run(cfg: TrainConfig, root: dict[str, Any], args: argparse.Namespace, argv:
         print(f"dlrl train: {e}", file=sys.stderr, flush=True)
         return 0
     except Interrupted as e:
-        print(f"dlrl train: {e}; continue from the last checkpoint with --resume", file=sys.stderr, flush=True)
+        print(f"dlrl train: {e}; {_how_to_go_on(cfg)}", file=sys.stderr, flush=True)
         return 128 + e.signum
     except (RuntimeError, ValueError, FileNotFoundError, WeightSyncError, RolloutError, AdminError, FleetError,
             RankError) as e:
@@ -163,6 +163,16 @@ def _run(cfg: TrainConfig, root: dict[str, Any], args: argparse.Namespace, argv:
         if run is not None:
             run.close()
         stopper.uninstall()
+
+
+def _how_to_go_on(cfg: TrainConfig) -> str:
+    """After a stop that saved nothing: --resume only when a checkpoint is there to continue."""
+    from trainer.infra.guards import resume_state
+
+    state = resume_state(cfg.replace(resume=True))
+    if state.step is not None and not state.problem:
+        return f"continue from the last checkpoint (step {state.step}) with --resume"
+    return f"nothing to --resume ({state.problem.removeprefix('--resume: ')})"
 
 
 def _train(run, cfg, stopper: Stopper) -> int:
