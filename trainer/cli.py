@@ -120,8 +120,10 @@ def main(argv: list[str]) -> int:
 def _run(cfg: TrainConfig, root: dict[str, Any], args: argparse.Namespace, argv: list[str],
          overrides: list[str]) -> int:
     """The command itself, past the checks: torch and DeepSpeed are imported from here on."""
-    if os.environ.get("RANK", "0") == "0":
-        log.info("checks passed; loading torch and DeepSpeed (seconds, up to ~20 s on a loaded box)")
+    main_rank, t0 = os.environ.get("RANK", "0") == "0", time.monotonic()
+    if main_rank:
+        log.info("checks passed; loading torch and DeepSpeed (a few seconds on an idle box, minutes on a "
+                 "heavily loaded one)")
     from trainer.extensions import ensure_extensions_dir
 
     ensure_extensions_dir()  # DeepSpeed's op cache, also for the ranks started below (issue 38)
@@ -131,6 +133,10 @@ def _run(cfg: TrainConfig, root: dict[str, Any], args: argparse.Namespace, argv:
     from trainer.loop import StopRequested
     from trainer.run import build_run
     from weight_sync import WeightSyncError
+
+    if main_rank:
+        log.info("torch and DeepSpeed loaded in %.0f s; setting up the run (process group, model, servers)",
+                 time.monotonic() - t0)
 
     try:
         select_device(cfg.device)  # before any rank starts: torchrun's ranks inherit it
