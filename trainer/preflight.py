@@ -45,6 +45,17 @@ class Expected:
     take_over: bool = False
 
 
+def _add(facts: Facts | None, what: str, finding: str) -> None:
+    """One line per `what`: a second finding joins the first ("serves ...; accepts the admin token")."""
+    if facts is None:
+        return
+    for i, (w, f) in enumerate(facts):
+        if w == what:
+            facts[i] = (w, f"{f}; {finding}")
+            return
+    facts.append((what, finding))
+
+
 def _json(r: httpx.Response) -> dict[str, Any]:
     try:
         body = r.json()
@@ -57,13 +68,11 @@ def _identity(url: str, health: dict[str, Any], prefix: str, facts: Facts | None
     """The served model's identity at `url` (its /health): a fact, and a problem when it serves another model
     than `expect` (the same refusal as the run's, trainer.infra.guards.check_served_model)."""
     name, version = health.get("model"), health.get("version")
-    if facts is not None:
-        facts.append((url, f"serves {name!r} at weight version {version}"))
+    _add(facts, url, f"serves {name!r} at weight version {version}")
     if expect is None or name is None or name == expect.name:
         return ""
     if expect.take_over:
-        if facts is not None:
-            facts.append((url, f"will be taken over and renamed {expect.name!r} ({prefix}.take_over_servers=true)"))
+        _add(facts, url, f"will be taken over and renamed {expect.name!r} ({prefix}.take_over_servers=true)")
         return ""
     return (f"{prefix}.servers: {url} serves {name!r}, not the model being trained ({expect.name!r}, "
             f"{expect.key}={expect.model or '<default>'}): point {prefix}.servers at a server of this model, or set "
@@ -127,9 +136,9 @@ def server_problems(urls: list[str], token: str, start_server: bool, prefix: str
             up, health = False, {}
         if up:
             problems.append(_identity(url, health, prefix, facts, expect))
-        elif facts is not None:
-            facts.append((url, "nothing answers: this command starts `dlrl serve` there and stops it at the end"
-                          if start_server and is_local(url) else "nothing answers"))
+        else:
+            _add(facts, url, "nothing answers: this command starts `dlrl serve` there and stops it at the end"
+                 if start_server and is_local(url) else "nothing answers")
         if not up:
             u = urlparse(url)
             if not (start_server and is_local(url)):
@@ -157,8 +166,8 @@ def server_problems(urls: list[str], token: str, start_server: bool, prefix: str
         if code in (401, 403):
             problems.append(f"{prefix}.admin_token: {url} rejects the admin token (HTTP {code}); give the one "
                             f"the server uses ({prefix}.admin_token, env DLRL_ADMIN_TOKEN or server.admin_token_file)")
-        elif facts is not None:
-            facts.append((url, "accepts the admin token"))
+        else:
+            _add(facts, url, "accepts the admin token")
     if launch is not None and not starts:
         problems.append(unapplied_server_keys(urls, launch, prefix))
     return [p for p in problems if p]
