@@ -30,7 +30,7 @@ def sft_main(argv: list[str]) -> int:
     if args.check:
         return print_check("sft", arch, task, sft, as_json=args.json, facts=[
             ("model", f"{arch.family}, {arch.num_hidden_layers} layers of {arch.hidden_size}, block size {arch.block_size}"),
-            ("task", f"{task.min_digits}-{task.max_digits} digit addition" + (", fixed width (07+08= -> 015)"
+            ("task", f"{task.min_digits}-{task.max_digits} digit addition" + (", fixed width (37+85= -> 122, 12+34= -> 046)"
                                                                             if task.fixed_width else "")),
             ("sft", f"{sft.steps} steps of {sft.batch_size} into {sft.output_dir}"
                     + (" (replacing the model there)" if Path(sft.output_dir, "config.json").is_file() else ""))])
