@@ -172,14 +172,14 @@ def main(argv: list[str]) -> int:
         assert isinstance(cfg, EvalConfig)  # load_sections built it from EvalConfig
     except (ConfigError, ValueError) as e:
         ap.error(str(e))
+    found: list[tuple[str, str]] = []  # what --check found at each server
     if not args.check_config:  # before loading anything
-
-        problems = eval_problems(cfg, root["server"], config_path, args.overrides)
+        problems = eval_problems(cfg, root["server"], config_path, args.overrides, facts=found)
         if problems:
             print("\n".join(f"dlrl eval: error: {p}" for p in problems), file=sys.stderr)  # one per line
             return 2
     if args.check or args.check_config:
-        return print_check("eval", cfg, facts=eval_facts(cfg, config_path), as_json=args.json,
+        return print_check("eval", cfg, facts=eval_facts(cfg, config_path) + found, as_json=args.json,
                            flag="--check-config" if args.check_config else "--check")
     try:
         results, served = run(cfg, root["task"], config_path, args.overrides, root["server"])

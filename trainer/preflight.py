@@ -43,6 +43,9 @@ class Expected:
     key: str  # the config key that names the model (train.model)
     model: str  # its value ("" = the embedded default)
     take_over: bool = False
+    purpose: str = "the model being trained"
+    remedy: str = ("point train.servers at a server of this model, or set train.take_over_servers=true to train "
+                   "it anyway (it is renamed to {name!r})")
 
 
 def _add(facts: Facts | None, what: str, finding: str) -> None:
@@ -74,9 +77,8 @@ def _identity(url: str, health: dict[str, Any], prefix: str, facts: Facts | None
     if expect.take_over:
         _add(facts, url, f"will be taken over and renamed {expect.name!r} ({prefix}.take_over_servers=true)")
         return ""
-    return (f"{prefix}.servers: {url} serves {name!r}, not the model being trained ({expect.name!r}, "
-            f"{expect.key}={expect.model or '<default>'}): point {prefix}.servers at a server of this model, or set "
-            f"{prefix}.take_over_servers=true to train it anyway (it is renamed to {expect.name!r})")
+    return (f"{prefix}.servers: {url} serves {name!r}, not {expect.purpose} ({expect.name!r}, "
+            f"{expect.key}={expect.model or '<default>'}): {expect.remedy.format(name=expect.name)}")
 
 
 def data_problem(spec: str, key: str) -> str:
@@ -268,15 +270,23 @@ def train_problems(cfg, root: dict[str, Any], config_path: str | None = None,
     return train_report(cfg, root, config_path, overrides)[0]
 
 
-def eval_problems(cfg, server_keys, config_path: str | None = None, overrides: list[str] | None = None) -> list[str]:
+def eval_problems(cfg, server_keys, config_path: str | None = None, overrides: list[str] | None = None,
+                  facts: Facts | None = None) -> list[str]:
+    """What `dlrl eval` checks before loading: files, reward, model reference, and each server (answers, accepts
+    the token; with eval.verify=name and eval.model, serves that model: a checksum needs the weights, so it is
+    compared at start). `facts` gets a line per server."""
     problems = [model_problem(cfg.model, "eval.model"), data_problem(cfg.data, "eval.data")]
     if cfg.reward:
         problems.append(reward_problem(cfg.reward, "eval.reward"))
     if not cfg.own_server:
         token = resolve_token(cfg, server_keys)
+        expect = (Expected(served_name(cfg.model, server_keys.served_model_name), "eval.model", cfg.model,
+                           purpose="eval.model", remedy="point eval.servers at a server of it, or set "
+                           "eval.own_server=true to evaluate it on a private server")
+                  if cfg.model and cfg.verify == "name" else None)
         problems += server_problems(cfg.servers, token, cfg.start_server, "eval",
                                     needs_token=bool(cfg.model) and cfg.verify == "checksum",
                                     why="to compare the weights it serves with eval.model (or set "
                                         "eval.verify=name to compare model names only) ",
-                                    launch=(config_path, cfg.model, list(overrides or [])))
+                                    launch=(config_path, cfg.model, list(overrides or [])), facts=facts, expect=expect)
     return [p for p in problems if p]

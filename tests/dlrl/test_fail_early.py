@@ -110,6 +110,11 @@ def test_check_refuses_a_server_that_serves_another_model(server, tmp_path, caps
     rc, out, err = _run([*common, "take_over_servers=true"], capsys)
     assert rc == 0, err
     assert f"serves {served!r} at weight version" in out and "will be taken over and renamed 'other-model'" in out
+    evaluate = ["eval", "--config", str(tmp_path / "c.yaml"), f"servers=[{server.url}]", "start_server=false",
+                f"model={tmp_path}", "verify=name", "--check"]  # eval.model's name: the folder's
+    rc, _, err = _run(evaluate, capsys)
+    assert rc == 2 and f"eval.servers: {server.url} serves {served!r}, not eval.model ({tmp_path.name!r}" in err, err
+    assert "eval.own_server=true" in err
 
 
 def test_check_refuses_the_family_choices_the_run_refuses(tmp_path, capsys):
