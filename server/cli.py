@@ -17,10 +17,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dlrl_config import ConfigError
-from dlrl_config.cli import DEFAULT_CONFIG, add_check_args, config_file, print_check
+from dlrl_config.cli import DEFAULT_CONFIG, ArgumentParser, add_check_args, config_file, print_check
 from server.config import ServerConfig, load_server_config
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ log = logging.getLogger("dlrl.server")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dlrl serve", description="Serve a block-diffusion LM over HTTP.")
+    p = ArgumentParser(prog="dlrl serve", description="Serve a block-diffusion LM over HTTP.")
     p.add_argument("--config", default=None, help=f"YAML config with a `server` section (default {DEFAULT_CONFIG} "
                                                    "when it exists)")
     p.add_argument("--host", default=None, help="alias of server.host=HOST (bind address, default 127.0.0.1)")
@@ -75,6 +76,21 @@ def resolve_model(config: ServerConfig, config_path: str | None, overrides: list
         raise SystemExit(0) from None
 
 
+def serve_facts(config: ServerConfig, config_path: str | None, overrides: list[str]) -> list[tuple[str, str]]:
+    """The --check summary of `dlrl serve`: where it listens, what it serves (and under which name)."""
+    if config.model:
+        model = f"{config.model}, served as {config.model_name()!r}"
+    else:
+        from dllm.embedded.tiny import load_tiny_sections
+
+        folder = Path(load_tiny_sections(config_path or DEFAULT_CONFIG, overrides)[2].output_dir)
+        made = "" if (folder / "config.json").is_file() else ", trained first (minutes)"
+        model = f"the embedded default in {folder}{made}, served as {config.model_name(folder)!r}"
+    return [("address", f"http://{config.host}:{config.port}"), ("model", model),
+            ("engine", f"{config.backend} backend, max_batch {config.max_batch}, likelihood {config.likelihood}"),
+            ("config", config_path or "defaults (no config file)")]
+
+
 def backend_options(config: ServerConfig) -> dict[str, Any]:
     """The keys only one backend reads: lmdeploy's engine-wide decoding, native's withheld traces."""
     if config.backend == "lmdeploy":
@@ -101,7 +117,7 @@ def build_engine(config: ServerConfig, model_path: str) -> Engine:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # key=value overrides before and after flags
     config_path = config_file(args.config)
     try:
         config = apply_aliases(load_server_config(config_path, args.overrides), args)
@@ -117,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             parser.exit(2, "".join(f"dlrl serve: error: {line}\n" for line in str(e).splitlines()))
     if args.check or args.check_config:
-        return print_check("serve", config)
+        return print_check("serve", config, facts=serve_facts(config, config_path, args.overrides), as_json=args.json,
+                           flag="--check-config" if args.check_config else "--check")
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     import uvicorn
@@ -148,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     log.info("serving model %s (%s) from %s with backend %s, max_batch=%d, max_model_len=%d",
              engine.model_name, getattr(engine.model, "dtype", "?"), model_path, config.backend,
              config.max_batch, engine.max_model_len)
+    if getattr(engine.model, "attention", "") == "full":
+        log.info("prompt log-likelihoods (echo + logprobs, prompt_logprobs): LLaDA's Monte Carlo ELBO, %d samples "
+                 "per context / continuation split (server.elbo_samples; server.likelihood applies to block-causal "
+                 "models)", config.elbo_samples)
     log.info("listening on http://%s:%d (admin endpoints %s)", config.host, config.port,
              "enabled" if server_state(app).admin_token else "disabled: no admin token")
     json_logs: dict[str, Any] = {"log_config": None, "access_log": False} if config.log_format == "json" else {}  # server.logs

@@ -91,8 +91,8 @@ class ServerConfig(Config):
     default_threshold: Threshold = 0.9  # threshold of requests that leave it unset
     default_temperature: Temperature = 1.0  # temperature of requests that leave it unset
     # prompt log-likelihoods (echo + logprobs, max_tokens 0; server/api/likelihood.py, dllm/likelihood.py)
-    likelihood: Literal["sequential", "elbo"] = "sequential"  # exact sequential-policy, or the Monte Carlo ELBO
-    elbo_samples: int = Field(16, ge=1, le=1024)  # likelihood=elbo: masking samples per prompt (seeded)
+    likelihood: Literal["sequential", "elbo"] = "sequential"  # block-causal: exact sequential-policy, or the Monte Carlo ELBO (full attention: always elbo)
+    elbo_samples: int = Field(16, ge=1, le=1024)  # elbo: masking samples per estimate (seeded; LLaDA / Dream: per context / continuation split)
     # weight sync (server side of weight_sync; see server/weights/weight_updates.py)
     weight_sync_lease_s: float = Field(30.0, gt=0, le=3600)  # an update with no data-plane progress is aborted
     weight_sync_drain_timeout_s: float = Field(30.0, ge=0, le=3600)  # commit waits this long for in-flight...

@@ -58,6 +58,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -70,6 +71,7 @@ if TYPE_CHECKING:
     from server.engine.sequence import ServerSequence as Sequence
     from store import FeedbackStore
 
+disable_created_metrics()  # no `*_created` series: a gauge of start times per counter/histogram clutters /metrics
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _TPF_BUCKETS = (0.25, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 16, 32)
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)

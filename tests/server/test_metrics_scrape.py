@@ -92,7 +92,9 @@ def _traffic(url: str, model_dir: str) -> dict:
 
 def test_server_metrics_parse_and_count_what_happened(served):
     srv, _ = served
-    fams = families(httpx.get(srv.url + "/metrics", timeout=10).text)
+    text = httpx.get(srv.url + "/metrics", timeout=10).text
+    assert "_created" not in text  # prometheus_client's start-time series are off (issue 47)
+    fams = families(text)
     for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
         assert value(fams, f"dlrl_{name}", f"dlrl_{name}_count") >= 5, name  # 1 + 1 + 3 sequences
     for name in ("inter_token_latency_seconds", "time_per_output_token_seconds"):  # sequences of 2+ tokens only

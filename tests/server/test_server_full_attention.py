@@ -104,8 +104,8 @@ def test_refusals_name_the_field(servers: dict, folders: dict[str, str], tiny_mo
                                                 "steps": 9}, timeout=30)
     assert r.status_code == 400 and "steps" in r.text
     r = httpx.post(srv.url + "/v1/completions", json={"prompt": "1+1=", "max_tokens": 0, "echo": True,
-                                                      "logprobs": 1}, timeout=30)
-    assert r.status_code == 400 and "full-attention" in r.text
+                                                      "logprobs": 1, "likelihood": "sequential"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "likelihood" and "full-attention" in r.text
     from server.cli import build_engine
     from server.config import ServerConfig
 
