@@ -32,12 +32,14 @@ import torch
 from dllm.replay import Rows, Sample, pack_rows, trace_of
 
 
-def full_global_steps(prompt_len: int, block_size: int, steps: Sequence[int], shrink: int = 1) -> list[int]:
-    """Trace.global_steps for any list of per-token steps (completion + tail): block, then shrunk step."""
+def full_global_steps(prompt_len: int, block_size: int, steps: Sequence[int], shrink: int = 1,
+                      block_origin: int = 0) -> list[int]:
+    """Trace.global_steps for any list of per-token steps (completion + tail): block, then shrunk step (blocks
+    start at absolute position `block_origin`: the prompt's length for LLaDA / Dream traces)."""
     if shrink < 1:
         raise ValueError(f"shrink: must be >= 1, got {shrink}")
     span = block_size + 1
-    return [(prompt_len + j) // block_size * span + -(-st // shrink) for j, st in enumerate(steps)]
+    return [(prompt_len + j - block_origin) // block_size * span + -(-st // shrink) for j, st in enumerate(steps)]
 
 
 def _canvas_len(s: Sample, n_gen: int, block_size: int) -> int:
@@ -63,7 +65,7 @@ def _sample_rows(s: Sample, block_size: int, mask_id: int, shrink: int
                          f"({len(tr.tail_steps)} tail steps for {len(tr.tail_ids)} tail ids)")
     L = _canvas_len(s, len(gen_ids), block_size)
     clean = list(s.prompt_ids) + gen_ids + [mask_id] * (L - P - len(gen_ids))
-    g = full_global_steps(P, block_size, gen_steps, shrink)
+    g = full_global_steps(P, block_size, gen_steps, shrink, getattr(tr, "block_origin", 0))
     rows = []
     for step in sorted(set(g[:C])):
         noisy = list(clean)

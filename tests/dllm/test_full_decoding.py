@@ -11,9 +11,10 @@ import torch
 from dllm.decoding import StepOutput, generate
 from dllm.embedded.full_folders import build_full_folder
 from dllm.errors import FieldError
-from dllm.full.decoding import FullDecoder, generate_full, sample_and_commit_full
+from dllm.full.decoding import FullDecoder, generate_full
 from dllm.full.model import FullAttentionLM
 from dllm.full.replay import build_full_rows, full_replay_hidden, full_trace_hidden
+from dllm.full.sampler import sample_and_commit_full
 from dllm.replay import token_logprobs
 from dllm.sampling import SamplingParams
 from dllm.sequence import GenerationOutput
@@ -59,7 +60,8 @@ def test_exact_mode_replays_the_sampler(models: dict[str, FullAttentionLM], fami
     outs = generate_full(model, PROMPTS, CASES[case], cache_mode="exact", eos_ids=[])
     for o in outs:
         assert o.trace.cache_mode == "exact" and o.trace.canvas_len is not None
-        assert o.trace.canvas_len % 4 == 0 and o.trace.canvas_len >= len(o.prompt_ids) + len(o.completion_ids)
+        P = len(o.prompt_ids)
+        assert o.trace.block_origin == P and o.trace.canvas_len == P + -(-CASES[case].max_tokens // 4) * 4
         assert len(o.completion_ids) == CASES[case].max_tokens and o.finish_reason == "length"
         assert model.config.mask_token_id not in o.completion_ids
     assert replay_diffs(model, outs).max().item() < 1e-4
@@ -85,7 +87,7 @@ def test_prefix_cache_needs_fewer_positions(models: dict[str, FullAttentionLM]) 
     p = SamplingParams(max_tokens=12, temperature=0, strategy="static", steps=2)
     exact = generate_full(model, PROMPTS[:1], p, cache_mode="exact", eos_ids=[])
     prefix = generate_full(model, PROMPTS[:1], p, cache_mode="prefix", eos_ids=[])
-    assert exact[0].num_forwards == prefix[0].num_forwards == 8  # 4 blocks x 2 steps
+    assert exact[0].num_forwards == prefix[0].num_forwards == 6  # 3 blocks (from the prompt's end) x 2 steps
     assert exact[0].completion_ids[:4] == prefix[0].completion_ids[:4]  # the first block's first forward is exact
 
 
@@ -107,7 +109,8 @@ def test_dream_first_token_rule(models: dict[str, FullAttentionLM]) -> None:
         P = len(o.prompt_ids)
         by_block: dict[int, list[tuple[int, int]]] = {}
         for j, st in enumerate(steps):
-            by_block.setdefault((P + j) // 4, []).append((P + j, st))
+            by_block.setdefault(o.trace.block_of(j), []).append((P + j, st))
+        assert o.trace.block_of(0) == 0 and o.trace.block_of(4) == 1  # blocks start at the prompt's end
         for toks in by_block.values():
             first = min(toks)
             assert first[1] == 1 and [st for _, st in toks].count(1) == 1  # only the first position at step 1
@@ -123,7 +126,7 @@ def test_stop_ids_end_at_the_block_and_replay(models: dict[str, FullAttentionLM]
     out = generate_full(model, PROMPTS[:1], p, eos_ids=[stop_id])[0]
     assert out.finish_reason == "stop" and out.completion_ids[-1] == stop_id
     assert out.completion_ids == free.completion_ids[:free.completion_ids.index(stop_id) + 1]
-    assert (len(out.prompt_ids) + len(out.completion_ids) + len(out.trace.tail_ids)) % 4 == 0
+    assert (len(out.completion_ids) + len(out.trace.tail_ids)) % 4 == 0  # blocks start at the prompt's end
     assert out.trace.canvas_len == free.trace.canvas_len
     assert replay_diffs(model, [out]).max().item() < 1e-4
 
@@ -191,8 +194,8 @@ def test_pad_penalty_lowers_pad_confidence() -> None:
     row = torch.tensor(padding_row(B, mask))[None]
     col = columns(B)
     row[0, col["k"]], row[0, col["strategy"]], row[0, col["greedy"]] = 1, Strategy.static.code, 1.0
-    plain = sample_and_commit_full(logits.clone(), row, mask, False, pad, 1.0)
-    penal = sample_and_commit_full(logits.clone(), row, mask, False, pad, 1e6)
+    plain = sample_and_commit_full(logits.clone(), row, mask, False, family="dream", pad_id=pad)
+    penal = sample_and_commit_full(logits.clone(), row, mask, False, family="dream", pad_id=pad, pad_penalty=1e6)
     assert plain[0, :B].tolist() == [pad, mask] and penal[0, :B].tolist() == [mask, 3]
 
 
