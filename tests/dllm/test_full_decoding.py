@@ -221,3 +221,41 @@ def test_cuda_flex_exact_replay_and_bf16(tmp_path: Path, family: str) -> None:
         got = generate_full(bf, PROMPTS, CASES["sampled-static"], cache_mode=mode, eos_ids=[])
         assert all(len(o.completion_ids) == 9 and all(map(torch.isfinite, torch.tensor(o.trace.logprobs)))
                    for o in got)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_prefix_rows_see_what_the_forward_saw(tmp_path: Path, family: str) -> None:
+    """Prefix cache with further_horizon: a block's later forwards saw [0, block end + horizon) only, and so do
+    their replay rows (`valid`); what remains is the cache's staleness, which TIS / MIS correct (for Dream the
+    window brings replay clearly closer to the sampler than the whole canvas would)."""
+    import copy
+
+    from dllm.weights import load_pretrained
+
+    model = load_pretrained(build_full_folder(tmp_path / family, family, seed=3, init_std=0.1), block_size=4)
+    assert isinstance(model, FullAttentionLM)
+    prompts = [[1 + (i * 7 + j) % 80 for j in range(3 + i)] for i in range(4)]
+    p = SamplingParams(max_tokens=16, temperature=1.0, strategy="static", steps=4, seed=1, ignore_eos=True)
+    windowed, whole = [], []
+    for h in (0, 4):
+        outs = generate_full(model, prompts, p, cache_mode="prefix", further_horizon=h, eos_ids=[])
+        assert all(o.trace.further_horizon == h for o in outs)
+        rows = build_full_rows(outs, model.config.mask_token_id, 0)
+        r = 0
+        for o in outs:  # one row per (block, step) that committed tokens; steps >= 2 see the window
+            P, L = len(o.prompt_ids), o.trace.canvas_len
+            assert L is not None
+            for b, step in sorted({(o.trace.block_of(j), st) for j, st in enumerate(o.trace.steps)}):
+                want = L if step == 1 else min(P + 4 * (b + 1) + h, L)
+                assert int(rows.valid[r].sum()) == want, (b, step)
+                r += 1
+        assert r == rows.valid.shape[0]
+        windowed.append(replay_diffs(model, outs).mean())
+        unwindowed = [copy.deepcopy(o) for o in outs]
+        for o in unwindowed:
+            o.trace.further_horizon = None
+        whole.append(replay_diffs(model, unwindowed).mean())
+    print(f"\n{family} prefix replay |diff| mean, horizon 0 / 4: windowed {windowed}, whole canvas {whole}")
+    assert all(0 < w < 0.5 for w in windowed)  # still the cache's staleness: TIS / MIS have something to correct
+    if family == "dream":  # its window hides much of the canvas from the block: closer than the whole canvas
+        assert sum(windowed) < 0.9 * sum(whole)
