@@ -65,6 +65,7 @@ from dllm.full.schedule import (
     schedule_name,
     window_end,
 )
+from dllm.full.step import FullStep
 from dllm.intake import Intake
 from dllm.postprocess import Postprocessor, StepOutput, apply_step
 from dllm.sampling import SamplingParams, counter_uniforms, needs_filter
@@ -113,7 +114,8 @@ class FullDecoder(Intake):
     def __init__(self, model: FullAttentionLM, *, max_batch: int, max_len: int | None = None,
                  eos_ids: abc.Iterable[int] | None = None, tokenizer: PreTrainedTokenizerBase | None = None,
                  cache_mode: str = "exact", further_horizon: int | None = AUTO_HORIZON, ranking: str = "official",
-                 rng: str = "counter", pad_penalty: float = 1.0, eps: float = DREAM_EPS) -> None:
+                 rng: str = "counter", pad_penalty: float = 1.0, eps: float = DREAM_EPS, compile: bool | str = False,
+                 cuda_graphs: bool = False) -> None:
         if cache_mode not in CACHE_MODES:
             raise FieldError("cache_mode", f"unknown {cache_mode!r} (known: {', '.join(CACHE_MODES)})")
         if ranking not in RANKINGS:
@@ -124,6 +126,9 @@ class FullDecoder(Intake):
             raise FieldError("pad_penalty", f"must be > 0, got {pad_penalty!r}")
         if not 0 < eps < 1:
             raise FieldError("eps", f"must be in (0, 1), got {eps!r}")
+        if rng == "official" and (compile or cuda_graphs):
+            raise FieldError("rng", "'official' (per-sequence torch generators, data-dependent draws) runs eagerly: "
+                                    "it cannot be compiled or captured (use rng='counter' or compile=false)")
         try:
             horizon = resolve_horizon(model.family, further_horizon)
         except ValueError as e:
@@ -144,6 +149,11 @@ class FullDecoder(Intake):
         self.free_slots = list(range(max_batch))[::-1]
         self.states: dict[int, FullState] = {}  # per added sequence (seq_id)
         self.num_forwards = 0  # denoising forwards (model calls: a prefix-mode run may make two)
+        self.static: FullStep | None = None  # the static-shape step (compile / cuda_graphs): dllm.full.step
+        if compile or cuda_graphs:
+            self.static = FullStep(model, max_batch=max_batch, max_len=self.max_len, cache_mode=cache_mode,
+                                   further_horizon=self.further_horizon, ranking=ranking, pad_penalty=pad_penalty,
+                                   compile=compile, cuda_graphs=cuda_graphs)
 
     def num_admissible(self, seqs: abc.Sequence[Sequence]) -> int:
         """How many of `seqs` can be added now (free slots; no KV pages: the canvas is recomputed)."""
@@ -192,6 +202,8 @@ class FullDecoder(Intake):
             self._begin_block(s)
         before = sum(len(s.masked_positions()) for s in fs)
         whole = [self.cache_mode == "exact" or self.states[s.seq_id].past_len != s.block_start for s in fs]
+        if self.static is not None:
+            return apply_step(fs, self._static_run(fs, whole), self.block_size, self.mask_id, before)
         logits: list[torch.Tensor | None] = [None] * len(fs)
         for canvas_forward in (True, False):
             idx = [i for i, w in enumerate(whole) if w == canvas_forward]
@@ -211,6 +223,32 @@ class FullDecoder(Intake):
                                      family=self.family, ranking=self.ranking, pad_id=self.pad_id,
                                      pad_penalty=self.pad_penalty, drawn=drawn, topk_layout=layout).cpu()
         return apply_step(fs, res, self.block_size, self.mask_id, before)
+
+    def _static_run(self, fs: list[Sequence], whole: list[bool]) -> torch.Tensor:
+        """The forward, sampling and commit through the static-shape step (dllm.full.step): whole-canvas
+        forwards (writing the prefix cache's slot) and window forwards, as two bucketed calls."""
+        assert self.static is not None
+        rows = self._pack(fs)
+        filtered = any(needs_filter(s.params) for s in fs)
+        out = torch.empty(len(fs), 3 * self.block_size + 1, dtype=torch.float64)
+        for canvas_forward in (True, False):
+            idx = [i for i, w in enumerate(whole) if w == canvas_forward]
+            if not idx:
+                continue
+            group = [fs[i] for i in idx]
+            states = [self.states[s.seq_id] for s in group]
+            if canvas_forward:
+                res = self.static.canvas([canvas(s, st.canvas_len) for s, st in zip(group, states)], rows[idx],
+                                         filtered)
+                for s, st in zip(group, states):
+                    st.past_len = s.block_start  # prefix mode: the slot now holds this block's prefix cache
+            else:
+                ends = [window_end(s.end_pos, st.canvas_len, self.further_horizon) for s, st in zip(group, states)]
+                wins = [canvas(s, st.canvas_len)[s.block_start:e] for s, st, e in zip(group, states, ends)]
+                res = self.static.window(wins, rows[idx], [st.past_len for st in states], filtered)
+            out[idx] = res.cpu()  # the one device-to-host copy of each call
+            self.num_forwards += 1
+        return out
 
     def step(self, seqs: list[Sequence]) -> list[Sequence]:
         """Standalone decoding: `run`, post-process, release the sequences that ended; returns them."""
@@ -328,14 +366,14 @@ def generate_full(model: FullAttentionLM, prompts_ids: list[list[int]], params: 
                   tokenizer: PreTrainedTokenizerBase | None = None, cache_mode: str = "exact",
                   eos_ids: abc.Iterable[int] | None = None, pad_penalty: float = 1.0,
                   further_horizon: int | None = AUTO_HORIZON, ranking: str = "official",
-                  rng: str = "counter") -> list[GenerationOutput]:
+                  rng: str = "counter", compile: bool | str = False) -> list[GenerationOutput]:
     """Decode all prompts together; one GenerationOutput per prompt, in order (trace included)."""
     plist = params if isinstance(params, list) else [params] * len(prompts_ids)
     B = model.config.block_size
     max_len = max(canvas_len(len(p), q.max_tokens, B) for p, q in zip(prompts_ids, plist)) + B
     dec = FullDecoder(model, max_batch=len(prompts_ids), max_len=max_len, eos_ids=eos_ids, tokenizer=tokenizer,
                       cache_mode=cache_mode, pad_penalty=pad_penalty, further_horizon=further_horizon,
-                      ranking=ranking, rng=rng)
+                      ranking=ranking, rng=rng, compile=compile)
     seqs = [dec.new_sequence(p, q) for p, q in zip(prompts_ids, plist)]
     dec.add(seqs)
     running: list[Sequence] = list(seqs)

@@ -113,6 +113,13 @@ def test_refusals_name_the_field(servers: dict, folders: dict[str, str], tiny_mo
 
     with pytest.raises(ConfigError, match=r"server\.cache_mode: 'prefix' applies to full-attention"):
         build_engine(ServerConfig(model=tiny_model_dir, device="cpu", cache_mode="prefix"), tiny_model_dir)
-    with pytest.raises(ConfigError, match=r"server\.compile"):
-        build_engine(ServerConfig(model=folders["llada"], device="cpu", compile=True), folders["llada"])
+    with pytest.raises(ConfigError, match=r"server\.cuda_graphs: CUDA graphs need a CUDA device"):
+        build_engine(ServerConfig(model=folders["llada"], device="cpu", cuda_graphs=True), folders["llada"])
+    with pytest.raises(ConfigError, match=r"server\.rng: 'official' .* runs eagerly"):
+        build_engine(ServerConfig(model=folders["llada"], device="cpu", compile=True, rng="official"), folders["llada"])
+    with pytest.raises(ConfigError, match=r"server\.further_horizon: 8 applies to full-attention"):
+        build_engine(ServerConfig(model=tiny_model_dir, device="cpu", further_horizon=8), tiny_model_dir)
+    eng = build_engine(ServerConfig(model=folders["dream"], device="cpu", compile=True, cache_mode="prefix"),
+                       folders["dream"])  # the static-shape step, compiled per bucket on first use
+    assert eng.backend.decoder.static is not None and eng.backend.decoder.static.cache is not None
     assert Path(folders["dream"], "config.json").is_file()

@@ -27,8 +27,10 @@ sequences are plain ServerSequences: the decoder keeps its per-sequence state (c
 
 Budget for the scheduler (`kv_budget`): there is no block-paged cache (exact mode keeps no K/V; the prefix
 cache is one sequence's own tensors, freed with it), so slots alone bound the batch (`num_pages=0`): at most
-`max_batch` sequences of up to `max_model_len` tokens. `server.compile` / `server.cuda_graphs` are the
-block-causal static step's: refused here (ConfigError naming them); the KV-cache sizing keys do not apply.
+`max_batch` sequences of up to `max_model_len` tokens; the KV-cache sizing keys do not apply. `server.compile` /
+`server.cuda_graphs` run the static-shape step (dllm/full/step.py: canvases padded to buckets, one compiled
+graph per bucket, CUDA graphs on a GPU; the prefix cache then lives in one preallocated slot buffer of
+max_batch x max_model_len positions); `server.rng=official` runs eagerly only (ConfigError naming it).
 Top logprobs (OpenAI `logprobs`) replay the finished sequence with `dllm.full.replay.full_trace_hidden`
 (one row per denoising step, the exact-mode state; for a prefix-cache sequence that is the exact
 distribution, not the cached approximation it was sampled from).
@@ -94,7 +96,8 @@ class FullAttentionRunner(DecoderRunner):
 
     def __init__(self, model: FullAttentionLM, tokenizer: Any, *, max_batch: int, cache_mode: str = "exact",
                  max_model_len: int = 0, eos_ids: list[int] | None = None, further_horizon: int = -1,
-                 ranking: str = "official", rng: str = "counter") -> None:
+                 ranking: str = "official", rng: str = "counter", compile: bool = False,
+                 cuda_graphs: bool = False) -> None:
         cfg = model.config
         check_cache_mode(cfg.family, cache_mode)
         self.family, self.cache_mode = cfg.family, cache_mode
@@ -105,7 +108,8 @@ class FullAttentionRunner(DecoderRunner):
         limit = max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_LEN)
         try:
             self.decoder = FullDecoder(model, max_batch=max_batch, max_len=limit, eos_ids=self.eos_ids,
-                                       cache_mode=cache_mode, further_horizon=further_horizon, ranking=ranking, rng=rng)
+                                       cache_mode=cache_mode, further_horizon=further_horizon, ranking=ranking, rng=rng,
+                                       compile=compile, cuda_graphs=cuda_graphs)
         except FieldError as e:
             raise ConfigError(f"server.{e.field}: {e.message}") from None
         self.max_len = self.decoder.max_len
@@ -121,11 +125,9 @@ class FullAttentionRunner(DecoderRunner):
         """Load a LLaDA / Dream folder. `unused`: the block-causal KV-cache sizing options (no paged cache)."""
         from dllm.tokenizer import eos_token_ids, load_tokenizer
 
-        for key, on in (("compile", compile), ("cuda_graphs", cuda_graphs)):
-            if on:
-                raise ConfigError(f"server.{key}: the static decode step is the block-causal runner's; a "
-                                  "full-attention model (LLaDA, Dream) decodes eagerly (leave it false)")
         dev = resolve_device(device)
+        if cuda_graphs and dev.type != "cuda":
+            raise ConfigError(f"server.cuda_graphs: CUDA graphs need a CUDA device (server.device resolves to {dev})")
         model = load_pretrained(path, device=dev, dtype=resolve_dtype(dtype, dev), block_size=block_size or None,
                                 mask_token_id=None if mask_token_id < 0 else mask_token_id)
         if not isinstance(model, FullAttentionLM):
@@ -136,7 +138,8 @@ class FullAttentionRunner(DecoderRunner):
         eos_ids = eos_token_ids(path, tokenizer, model.config.eos_ids)
         log.info("stop token ids (config.json + generation_config.json + tokenizer): %s", eos_ids)
         return cls(model, tokenizer, max_batch=max_batch, cache_mode=cache_mode, max_model_len=max_model_len,
-                   eos_ids=eos_ids, further_horizon=further_horizon, ranking=ranking, rng=rng)
+                   eos_ids=eos_ids, further_horizon=further_horizon, ranking=ranking, rng=rng, compile=compile,
+                   cuda_graphs=cuda_graphs)
 
     @property
     def kv_budget(self) -> KVBudget:
