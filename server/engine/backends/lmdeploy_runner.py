@@ -99,9 +99,20 @@ def load_lmdeploy() -> Any:
     return lmdeploy
 
 
-def check_options(*, device: str, kv_cache_memory: int, compile: bool, kv_admission: str = "reserve") -> None:
-    """ConfigError naming the server key for native-only options (they would do nothing here)."""
+FULL_ATTENTION_DEFAULTS = {"cache_mode": "exact", "further_horizon": -1, "ranking": "official", "rng": "counter"}
+
+
+def check_options(*, device: str, kv_cache_memory: int, compile: bool, kv_admission: str = "reserve",
+                  **full_attention: object) -> None:
+    """ConfigError naming the server key for native-only options (they would do nothing here), the
+    full-attention decoding keys (`cache_mode`, `further_horizon`, `ranking`, `rng`) included."""
     from dlrl_config import ConfigError
+
+    for key, value in full_attention.items():
+        if value != FULL_ATTENTION_DEFAULTS[key]:
+            raise ConfigError(f"server.{key}: the native full-attention runner's (LLaDA / Dream); the lmdeploy "
+                              f"backend serves SDAR / TraDo with LMDeploy's own cache (set server.{key}="
+                              f"{FULL_ATTENTION_DEFAULTS[key]} or server.backend=native)")
 
     if device not in ("", "auto") and not device.startswith("cuda"):
         raise ConfigError(f"server.device: the lmdeploy backend runs on CUDA only, got {device!r}")
@@ -220,9 +231,11 @@ class LMDeployRunner:
                         kv_cache_fraction: float = 0.8, cuda_graphs: bool = False, strategy: str = "dynamic",
                         threshold: float = 0.9, lmdeploy_steps: int = 0, device: str = "auto",
                         kv_cache_memory: int = 0, compile: bool = False, kv_admission: str = "reserve",
-                        **_: Any) -> LMDeployRunner:
+                        **others: Any) -> LMDeployRunner:
         """Check the options, lmdeploy and CUDA, load the host copy and dlrl's tokenizer, build LMDeploy's engine."""
-        check_options(device=device, kv_cache_memory=kv_cache_memory, compile=compile, kv_admission=kv_admission)
+        full = {k: others[k] for k in FULL_ATTENTION_DEFAULTS if k in others}
+        check_options(device=device, kv_cache_memory=kv_cache_memory, compile=compile, kv_admission=kv_admission,
+                      **full)
         lmdeploy = load_lmdeploy()
         from lmdeploy.pytorch.engine import Engine as PytorchEngine
 
