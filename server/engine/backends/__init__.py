@@ -23,7 +23,7 @@ def check_backend(name: str) -> None:
 
 
 def create_backend(name: str, model_path: str, **kwargs: Any) -> Backend:
-    full = {k: kwargs.pop(k) for k in ("cache_mode", "further_horizon", "ranking", "rng") if k in kwargs}
+    full: dict[str, Any] = {k: kwargs.pop(k) for k in ("cache_mode", "further_horizon", "ranking", "rng") if k in kwargs}
     if name == "lmdeploy":  # refused there by name unless left default
         kwargs |= full
     if name == "native":  # server.cache_mode / further_horizon / ranking / rng: full-attention models only
