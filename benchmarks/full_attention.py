@@ -10,15 +10,16 @@
    vocabulary 126,464; `--layers`, default 1), next to the block-causal SDAR path (dllm.decoding) at the same
    shapes (SDAR-8B-like: 8 KV heads, vocabulary 151,936). Same prompts, max_tokens, block size and static
    steps for all; EOS ignored (random models), batch 1 and 4.
-2. Train-serve mismatch of the prefix cache: samples decoded in prefix mode at temperature 1, replayed
-   exactly (dllm.full.replay, what the trainer computes): mean / max |delta logprob| per token, and the
-   TIS weights `trainer.rl.correction.is_weights` makes of it (token level, cap 2): mean, std, share
-   truncated; exact mode alongside (0 up to float noise).
+2. Train-serve mismatch of the prefix cache: samples decoded in prefix mode at temperature 1 (further_horizon:
+   the official value, 4, 0), replayed as the trainer does (dllm.full.replay: a block's later forwards see the
+   horizon's window, as the sampler did; and, for comparison, rows that see the whole canvas): mean / max
+   |delta logprob| per token, and the TIS weights `trainer.rl.correction.is_weights` makes of it (token level,
+   cap 2): mean, std, share truncated; exact mode alongside (0 up to float noise).
 3. The static-shape step (dllm/full/step.py): seconds per denoising forward of the eager decoder (shapes that
    change every step), the bucketed static step run eagerly, and the static step compiled per bucket by
    torch.compile (inductor; buckets compiled in an untimed first pass), exact and prefix cache (the official
-   horizon), on the tiny LLaDA default and a mid-size random LLaDA (hidden 512, 4 layers, vocabulary 32,768,
-   block 32); tokens checked equal across the three.
+   horizon), on the tiny LLaDA default (batch 4) and a mid-size random LLaDA (hidden 512, 4 layers, vocabulary
+   32,768, block 32, prompt 64, one block of 32; batch 1 and 2); tokens checked equal across the three.
 4. Memory of the bidirectional training forward: bytes saved for backward per token per layer, measured at
    small width with the 8B proportions (saved-tensor hooks, fp32 and bf16), at two lengths to separate the
    linear and the L^2 (CPU SDPA's attention weights) terms, scaled to 8B from the shapes; the SDAR training
@@ -132,12 +133,22 @@ def bench_decode(fa: FullAttentionLM, sdar: SDARForCausalLM, prompt_len: int, ma
 @torch.no_grad()
 def bench_mismatch(fa: FullAttentionLM, prompts: list[list[int]], max_tokens: int, steps: int,
                    n: int) -> dict[str, dict[str, float]]:
+    import copy
+
     out = {}
     cfg = fa.config
-    for mode in ("exact", "prefix"):
+    for mode, horizon, windowed in (("exact", -1, True), ("prefix", -1, True), ("prefix", 4, True),
+                                    ("prefix", 4, False), ("prefix", 0, True), ("prefix", 0, False)):
         params = [SamplingParams(max_tokens=max_tokens, strategy="static", steps=steps, temperature=1.0, seed=s)
                   for s in range(n)]
-        outs = generate_full(fa, [prompts[i % len(prompts)] for i in range(n)], params, cache_mode=mode)
+        outs = generate_full(fa, [prompts[i % len(prompts)] for i in range(n)], params, cache_mode=mode,
+                             further_horizon=horizon)
+        name = mode if mode == "exact" else f"prefix, horizon {outs[0].trace.further_horizon}"
+        if not windowed:  # rows that see the whole canvas: what the replay did before it honoured the horizon
+            outs = [copy.deepcopy(o) for o in outs]
+            for o in outs:
+                o.trace.further_horizon = None
+            name += ", rows see the whole canvas"
         rows = build_full_rows(outs, cfg.mask_token_id, cfg.pad_token_id or 0)
         hidden = full_replay_hidden(fa, rows)
         lp = torch.zeros(rows.target.shape)
@@ -147,7 +158,7 @@ def bench_mismatch(fa: FullAttentionLM, prompts: list[list[int]], max_tokens: in
         d = (lp - behaviour)[rows.target]
         w, stats = is_weights(lp - behaviour, rows.target, rows.sample_idx, "tis", "token", 2.0)
         wt = w[rows.target]
-        out[mode] = {"tokens": int(d.numel()), "mean_abs_dlogprob": float(d.abs().mean()),
+        out[name] = {"tokens": int(d.numel()), "mean_abs_dlogprob": float(d.abs().mean()),
                      "max_abs_dlogprob": float(d.abs().max()), "tis_weight_mean": float(wt.mean()),
                      "tis_weight_std": float(wt.std()), "tis_truncated_frac": stats["is_truncated_frac"]}
     return out
@@ -322,8 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         results["static"] = bench_static(fa, "tiny LLaDA default", 6, 16, 4)
         if not args.quick:
             mid = mid_model()
-            results["static"] += bench_static(mid, "mid LLaDA (512 x 4 layers, vocab 32768)", 64, 64, 1)
-            results["static"] += bench_static(mid, "mid LLaDA (512 x 4 layers, vocab 32768)", 64, 64, 4)
+            for batch in (1, 2):
+                results["static"] += bench_static(mid, "mid LLaDA (512 x 4 layers, vocab 32768)", 64, 32, batch)
         print_table(results["static"])
     print("\n## memory of the training forward (saved for backward), measured small, scaled to 8B (32 layers)")
     for dtype in (torch.float32, torch.bfloat16) if "memory" not in skip else ():

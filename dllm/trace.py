@@ -54,7 +54,7 @@ class Trace(BaseModel):
     tail_steps: list[int] = Field(default_factory=list)
     # full-attention models (dllm.full) only; None for block-causal SDAR (and absent from older traces):
     cache_mode: str | None = None  # "exact" (every forward recomputes every position) or "prefix" (Fast-dLLM)
-    canvas_len: int | None = None  # positions every denoising forward saw: prompt + max_tokens, to whole blocks
+    canvas_len: int | None = None  # positions every forward saw: the prompt, then max_tokens to whole blocks
     block_origin: int = 0  # absolute position where the first block starts (SDAR 0; LLaDA / Dream: prompt_len)
     schedule: str | None = None  # full attention: static decoding's transfer schedule ("llada", "dream eps=0.001")
     further_horizon: int | None = None  # prefix mode: positions after the block a block's later forwards saw

@@ -1,8 +1,9 @@
 """`dlrl align` end to end on the tiny LLaDA default (the architecture and tokenizer of configs/tiny_llada.yaml,
-random weights: the claim is the mechanics for a full-attention model, not a learning curve -- the SDAR run in
-test_align_e2e.py measures that): all real processes on loopback, one rollout server and two serving replicas
-running the full-attention runner, simulated users with feedback, the controller training on their recorded
-traces and promoting a candidate through the gate and the canary.
+random weights and a reward with variance on them, tests.helpers.parity_reward: the claim is the mechanics for a
+full-attention model, not a learning curve -- the SDAR run in test_align_e2e.py measures that): all real
+processes on loopback, one rollout server and two serving replicas running the full-attention runner, simulated
+users with exact-match feedback, the controller training on rollouts and their recorded traces and promoting a
+candidate through the gate and the canary.
 
 Checked: the replicas record full-attention traces (blocks from the prompt's end, exact cache mode) and users'
 feedback lands in the store; `dlrl align` trains on those records (TIS off-policy replay of LLaDA rows) and
@@ -31,10 +32,15 @@ def _config(tmp: Path) -> Path:
     cfg["model"] = yaml.safe_load(Path("configs/tiny_llada.yaml").read_text())["model"]  # family: llada
     cfg["server"].update({"device": "cpu", "default_max_tokens": 4, "max_batch": 16})
     cfg["train"].update({"tensorboard": False, "device": "cpu", "prompts_per_step": 4, "group_size": 4,
-                         "max_tokens": 4, "lr": 1e-4})
+                         "max_tokens": 4, "lr": 1e-4,  # a reward with variance on a random model: it trains
+                         "reward": "tests.helpers:parity_reward"})
     cfg["align"].update({"console_port": 0, "eval_size": 16, "kl_prompts": 8, "promote_every": 2,
                          "canary_window_s": 1, "canary_min_requests": 2, "rollback_on_latency_ratio": 10,
-                         "prompt_source": "task", "feedback_ratio": 0.5, "reconcile_every_s": 1})
+                         "prompt_source": "task", "feedback_ratio": 0.5, "reconcile_every_s": 1,
+                         # a random model's answers: the accuracy and answer monitors are opened (tested
+                         # elsewhere); the KL budget (by full-attention trace replay) is the gate's check here
+                         "tolerance": 1.0, "max_empty_frac": 1.0, "max_degenerate_frac": 1.0,
+                         "max_length_ratio": 100.0, "max_stop_rate_drop": 1.0})
     cfg["users"].update({"num_users": 2, "think_time_s": 0.2, "feedback_delay_s": 0.2, "max_tokens": 4})
     path = tmp / "align_llada.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -57,7 +63,7 @@ def test_align_end_to_end_on_the_tiny_llada_default(tmp_path: Path) -> None:
     urls = [f"http://127.0.0.1:{free_port()}" for _ in range(3)]
     overrides = [f"rollout_servers=[{urls[0]}]", f"serving_replicas=[{urls[1]},{urls[2]}]", f"store={db}",
                  f"output_dir={tmp_path / 'align'}", f"train.model={model}", "max_steps=0",
-                 f"metrics_port={metrics_port}", f"users.stats_path={tmp_path / 'users.json'}"]
+                 f"metrics_port={metrics_port}"]
     stack = LocalAlign(str(_config(tmp_path)), overrides)
     log = lambda: (stack.logs / "align.log").read_text()[-4000:]  # noqa: E731
 
@@ -87,6 +93,7 @@ def test_align_end_to_end_on_the_tiny_llada_default(tmp_path: Path) -> None:
     if serving == first["version"]:
         assert digests == {first["detail"]["digest"]}  # the candidate's weights, on every replica
     assert versions[first["version"]]["eval"]["gate_passed"] is True
+    assert 0 <= versions[first["version"]]["eval"]["kl"] <= 0.5  # KL(candidate || serving) by LLaDA trace replay
     assert sum(v["data"].get("feedback", 0) for v in versions.values()) > 0  # users' records were trained on
     assert traces and all(t["cache_mode"] == "exact" and t["block_origin"] == t["prompt_len"] and
                           t["schedule"] == "llada" for t in traces)  # full-attention traces, blocks from the prompt's end
