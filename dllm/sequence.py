@@ -69,6 +69,15 @@ class Sequence:
         self.block_done = False
         self.schedule = transfer_schedule(B - len(given), self.params.steps or B)
 
+    def start_blocks_at(self, origin: int) -> None:
+        """Blocks start at absolute position `origin` (the prompt's length: full-attention LLaDA / Dream, whose
+        official rollouts start the first block at the prompt's end) instead of a multiple of the block size;
+        before the first forward. Recorded in the trace (`block_origin`)."""
+        if self.step_in_block or self.completion_ids or not 0 <= len(self.prompt_ids) - origin < self.block_size:
+            raise ValueError(f"start_blocks_at({origin}): only before decoding, within the prompt's last block")
+        self.block_start = self.trace.block_origin = origin
+        self._new_block()
+
     def next_block(self, owe_cache: bool = True) -> None:
         """Move on past a completed block (with a cache, its clean ids are owed to it: `pending`)."""
         self.pending = self.block_ids if owe_cache else None

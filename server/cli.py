@@ -93,10 +93,13 @@ def serve_facts(config: ServerConfig, config_path: str | None, overrides: list[s
 
 def backend_options(config: ServerConfig) -> dict[str, Any]:
     """The keys only one backend reads: lmdeploy's engine-wide decoding, native's withheld traces."""
-    if config.backend == "lmdeploy":
+    if config.backend == "lmdeploy":  # the full-attention keys too: refused there by name unless left default
         return {"strategy": config.default_strategy, "threshold": config.default_threshold,
-                "lmdeploy_steps": config.lmdeploy_steps, "kv_admission": config.kv_admission}
-    native: dict[str, Any] = {"trace_free": config.trace_free, "cache_mode": config.cache_mode}
+                "lmdeploy_steps": config.lmdeploy_steps, "kv_admission": config.kv_admission,
+                "cache_mode": config.cache_mode, "further_horizon": config.further_horizon, "ranking": config.ranking,
+                "rng": config.rng}
+    native: dict[str, Any] = {"trace_free": config.trace_free, "cache_mode": config.cache_mode,
+                              "further_horizon": config.further_horizon, "ranking": config.ranking, "rng": config.rng}
     if config.kv_admission != "reserve":  # other runners never receive it by default
         native["kv_admission"] = config.kv_admission
     return native

@@ -42,6 +42,9 @@ class ServerConfig(Config):
     served_model_name: str = ""      # name in /v1/models; "" = the folder name
     backend: Backend = "native"
     cache_mode: CacheMode = "exact"  # full-attention models: exact (replayable) | prefix (Fast-dLLM prefix cache: faster, approximate)
+    further_horizon: int = Field(-1, ge=-1)  # cache_mode=prefix: positions after the block its later forwards see (-1 = the family's official: LLaDA 128, Dream 32)
+    ranking: Literal["official", "tempered"] = "official"  # full attention: confidence of a static forward (official: LLaDA's untempered softmax)
+    rng: Literal["counter", "official"] = "counter"  # full attention: counter-based noise | the official rollouts' torch draws (bit-identical seeded rollouts)
     device: str = "auto"             # auto | cpu | cuda | cuda:N
     dtype: Dtype = "auto"            # auto = bf16 on CUDA, fp32 on CPU
     max_batch: int = Field(16, ge=1)   # max concurrently decoded sequences (the KV-cache pages may allow fewer)

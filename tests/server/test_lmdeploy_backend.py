@@ -320,6 +320,8 @@ def test_missing_lmdeploy_is_a_clear_error(tiny_model_dir, capsys):
 @pytest.mark.parametrize("options,key", [
     ({"device": "cpu"}, "server.device"), ({"kv_cache_memory": 1 << 30}, "server.kv_cache_memory"),
     ({"compile": True}, "server.compile"), ({"kv_admission": "optimistic"}, "server.kv_admission"),
+    ({"cache_mode": "prefix"}, "server.cache_mode"), ({"further_horizon": 8}, "server.further_horizon"),
+    ({"ranking": "tempered"}, "server.ranking"), ({"rng": "official"}, "server.rng"),
 ])
 def test_native_only_options_name_the_key(options, key):
     from dlrl_config import ConfigError
@@ -341,3 +343,16 @@ def test_no_cuda_or_an_old_lmdeploy_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(fake, "__version__", "0.12.3")  # Engine.sleep not yet async
     with pytest.raises(BackendUnavailable, match=r"server.backend=lmdeploy: lmdeploy 0.12.3 is too old.*>= 0.13"):
         load_lmdeploy()
+
+
+def test_cache_mode_under_lmdeploy_is_refused_by_name(tiny_model_dir):
+    """`dlrl serve server.backend=lmdeploy server.cache_mode=prefix`: refused naming the key (it used to be
+    dropped on the way to the backend), before lmdeploy is even imported."""
+    from dlrl_config import ConfigError
+    from server.cli import backend_options, build_engine
+    from server.config import ServerConfig
+
+    cfg = ServerConfig(model=tiny_model_dir, backend="lmdeploy", cache_mode="prefix")
+    assert backend_options(cfg)["cache_mode"] == "prefix"
+    with pytest.raises(ConfigError, match=r"^server\.cache_mode: the native full-attention runner's"):
+        build_engine(cfg, tiny_model_dir)

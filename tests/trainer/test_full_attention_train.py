@@ -26,8 +26,8 @@ def ranks() -> Any:
     return Ranks.init()
 
 
-def _changed(result: dict) -> bool:
-    initial = dict(make_policy().hf_named_tensors())
+def _changed(result: dict, family: str = "llada") -> bool:
+    initial = dict(make_policy(family).hf_named_tensors())
     return any(not torch.equal(p, initial[n]) for n, p in result["policy"].items())
 
 
@@ -41,14 +41,33 @@ def test_tracerl_exact_mode_replays_the_sampler_and_trains(ranks: Any) -> None:
     assert _changed(out) and "pg_loss" in m
 
 
-def test_prefix_cache_rollouts_show_a_mismatch_that_tis_corrects(ranks: Any) -> None:
-    rollouts = global_rollouts(make_policy(), "prefix")
-    assert all(r.trace.cache_mode == "prefix" for r in rollouts)
-    out = run_case(ranks, "tracerl", 0, rollouts, is_correction="tis", is_cap=2.0)
+@pytest.mark.parametrize(("horizon", "correction"), [(-1, "tis"), (0, "tis"), (0, "mis")])
+def test_prefix_cache_rollouts_show_a_mismatch_that_tis_corrects(ranks: Any, horizon: int, correction: str) -> None:
+    """The prefix cache with the official horizon (128: the whole tiny canvas) or horizon 0 (a block's later
+    forwards see the prefix and the block only: the replay rows see the same), corrected by TIS or MIS."""
+    rollouts = global_rollouts(make_policy(), "prefix", further_horizon=horizon)
+    assert all(r.trace.cache_mode == "prefix" and r.trace.further_horizon == (128 if horizon < 0 else 0)
+               for r in rollouts)
+    out = run_case(ranks, "tracerl", 0, rollouts, is_correction=correction, is_cap=2.0)
     m = out["metrics"]
     assert m["mismatch_abs_max"] > 1e-6  # the prefix cache's stale K/V, measured per token
     assert "is_weight_mean" in m and m["is_weight_mean"] != pytest.approx(1.0, abs=1e-9)  # the weights see it
     assert _changed(out)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_value_model_with_stepwise_gae_trains_both(ranks: Any, family: str) -> None:
+    """TraceRL with the value model on LLaDA / Dream rollouts: values over the replay rows, step-wise GAE over
+    the trace's steps, the value model and the policy both updated."""
+    rollouts = global_rollouts(make_policy(family), "exact")
+    out = run_case(ranks, "tracerl", 0, rollouts, family=family, use_value_model=True, lam=0.95)
+    m = out["metrics"]
+    assert {"value_loss", "explained_var"} <= set(m) and m["mismatch_abs_max"] < 1e-4
+    assert _changed(out, family)
+    start = make_policy(family)
+    changed = [n for n, p in out["value"].items() if n.startswith("backbone.") and
+               not torch.equal(p, dict(start.named_parameters())[n.removeprefix("backbone.")])]
+    assert changed and out["value"]["v_head.weight"].abs().sum() > 0  # the value model learned too
 
 
 @pytest.mark.parametrize("objective", ["dipo", "random_masking"])
@@ -68,10 +87,12 @@ def test_two_ranks_make_the_same_update_as_one(ranks: Any, tmp_path: Path) -> No
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for name, objective, stage, mode, options in CASES:
-        one = run_case(ranks, objective, stage, global_rollouts(make_policy(), mode), **options)
+        family = options.get("family", "llada")
+        one = run_case(ranks, objective, stage, global_rollouts(make_policy(family), mode), **options)
         two = torch.load(tmp_path / f"{name}.pt", weights_only=False)
-        for n, p in one["policy"].items():
-            assert (p - two["policy"][n]).abs().max() <= 1e-5, (name, n)
-        assert _changed(one)
+        for part in ("policy", "value") if "value" in one else ("policy",):  # Dream and the value model too
+            for n, p in one[part].items():
+                assert (p - two[part][n]).abs().max() <= 1e-5, (name, part, n)
+        assert _changed(one, family)
         for key, value in one["metrics"].items():  # metrics use global counts
             assert two["metrics"][key] == pytest.approx(value, abs=1e-5), (name, key)

@@ -63,9 +63,20 @@ def load_lmdeploy() -> Any:
     return lmdeploy
 
 
-def check_options(*, device: str, kv_cache_memory: int, compile: bool, kv_admission: str = "reserve") -> None:
-    """ConfigError naming the server key for native-only options (they would do nothing here)."""
+FULL_ATTENTION_DEFAULTS = {"cache_mode": "exact", "further_horizon": -1, "ranking": "official", "rng": "counter"}
+
+
+def check_options(*, device: str, kv_cache_memory: int, compile: bool, kv_admission: str = "reserve",
+                  **full_attention: object) -> None:
+    """ConfigError naming the server key for native-only options (they would do nothing here), the
+    full-attention decoding keys (`cache_mode`, `further_horizon`, `ranking`, `rng`) included."""
     from dlrl_config import ConfigError
+
+    for key, value in full_attention.items():
+        if value != FULL_ATTENTION_DEFAULTS[key]:
+            raise ConfigError(f"server.{key}: the native full-attention runner's (LLaDA / Dream); the lmdeploy "
+                              f"backend serves SDAR / TraDo with LMDeploy's own cache (set server.{key}="
+                              f"{FULL_ATTENTION_DEFAULTS[key]} or server.backend=native)")
 
     if device not in ("", "auto") and not device.startswith("cuda"):
         raise ConfigError(f"server.device: the lmdeploy backend runs on CUDA only, got {device!r}")

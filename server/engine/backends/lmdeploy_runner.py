@@ -74,6 +74,7 @@ from dllm.sampling import SamplingParams
 from dllm.sequence import Sequence
 from dllm.trace import FinishReason
 from server.engine.backends.lmdeploy_engine import (
+    FULL_ATTENTION_DEFAULTS,
     LMDeployAPI,
     LoopThread,
     check_options,
@@ -160,9 +161,11 @@ class LMDeployRunner:
                         kv_cache_fraction: float = 0.8, cuda_graphs: bool = False, strategy: str = "dynamic",
                         threshold: float = 0.9, lmdeploy_steps: int = 0, device: str = "auto",
                         kv_cache_memory: int = 0, compile: bool = False, kv_admission: str = "reserve",
-                        **_: Any) -> LMDeployRunner:
+                        **others: Any) -> LMDeployRunner:
         """Check the options, lmdeploy and CUDA, load the host copy and dlrl's tokenizer, build LMDeploy's engine."""
-        check_options(device=device, kv_cache_memory=kv_cache_memory, compile=compile, kv_admission=kv_admission)
+        full = {k: others[k] for k in FULL_ATTENTION_DEFAULTS if k in others}
+        check_options(device=device, kv_cache_memory=kv_cache_memory, compile=compile, kv_admission=kv_admission,
+                      **full)
         lmdeploy = load_lmdeploy()
         from lmdeploy.pytorch.engine import Engine as PytorchEngine
 
