@@ -117,14 +117,22 @@ def test_check_refuses_a_server_that_serves_another_model(server, tmp_path, caps
     assert "eval.own_server=true" in err
 
 
-def test_check_refuses_the_family_choices_the_run_refuses(tmp_path, capsys):
-    """use_value_model with the LLaDA default: the family comes from the config (no weights loaded)."""
-    from tests.helpers import free_port
+def test_check_refuses_the_family_choices_the_run_refuses(tmp_path, capsys, monkeypatch):
+    """An objective registered for SDAR only (`register_objective(families=...)`), with the LLaDA default: the
+    family comes from the config (no weights loaded). (The value model, once refused for LLaDA / Dream, is
+    supported for every family now.)"""
+    import dataclasses
 
-    argv = ["train", "--config", "configs/tiny_llada.yaml", "use_value_model=true", f"output_dir={tmp_path}/run",
+    import trainer.rl.objectives  # noqa: F401  (registers the built-in objectives)
+    from tests.helpers import free_port
+    from trainer.objective_registry import OBJECTIVES
+
+    monkeypatch.setitem(OBJECTIVES, "dipo", dataclasses.replace(OBJECTIVES["dipo"], families=("sdar",)))
+    argv = ["train", "--config", "configs/tiny_llada.yaml", "objective=dipo", f"output_dir={tmp_path}/run",
             f"servers=[http://127.0.0.1:{free_port()}]", f"sft.output_dir={tmp_path}/sft", "--check"]
     rc, _, err = _run(argv, capsys)
-    assert rc == 2 and "train.use_value_model:" in err and "full-attention llada model" in err, err
+    assert rc == 2 and "train.objective: 'dipo' applies to sdar models, not to this llada model" in err, err
+    monkeypatch.undo()
     rc, out, err = _run(argv[:3] + argv[4:], capsys)
     assert rc == 0, err
     assert f"the embedded default (llada) in {tmp_path}/sft, not trained yet" in out
