@@ -80,7 +80,8 @@ def backend_options(config: ServerConfig) -> dict[str, Any]:
     if config.backend == "lmdeploy":
         return {"strategy": config.default_strategy, "threshold": config.default_threshold,
                 "lmdeploy_steps": config.lmdeploy_steps, "kv_admission": config.kv_admission}
-    native: dict[str, Any] = {"trace_free": config.trace_free, "cache_mode": config.cache_mode}
+    native: dict[str, Any] = {"trace_free": config.trace_free, "cache_mode": config.cache_mode,
+                              "prefix_caching": config.prefix_caching}
     if config.kv_admission != "reserve":  # other runners never receive it by default
         native["kv_admission"] = config.kv_admission
     return native

@@ -62,9 +62,9 @@ async def score(st: ServerState, prompts: list[str | list[int]], field: str, opt
     """(token ids, scores, version) of each prompt; the checks of the module docstring first (and the
     decoding options' own, as a generation request gets them)."""
     engine = st.engine
-    if getattr(engine.model, "attention", "") == "full":  # dllm.likelihood scores block-causal models
-        raise APIError(400, f"{field}: prompt log-likelihoods (max_tokens 0, echo) are computed for block-causal "
-                            "SDAR models; this server's model is full-attention (LLaDA / Dream)", field)
+    if not engine.info.has_likelihoods:  # the runner's declaration (dllm.likelihood scores block-causal models)
+        raise APIError(400, f"{field}: prompt log-likelihoods (max_tokens 0, echo) are not available from this "
+                            f"server's {engine.backend.name} runner: {engine.info.note}", field)
     to_sampling_params(opts, 1, st.config).validate(engine.backend.block_size)
     if len(prompts) > engine.scheduler.max_queue:
         raise APIError(413, f"{field}: {len(prompts)} prompts exceed what the server queues at once "

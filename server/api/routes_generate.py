@@ -72,7 +72,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Cha
 @router.get("/v1/models", response_model=ModelList)
 async def models(request: Request) -> ModelList:
     engine = server_state(request.app).engine
-    runner = engine.backend  # family / cache_mode: a full-attention runner says its own (else block-causal SDAR)
+    info = engine.info  # the runner's declaration: its family and (full attention) cache mode
     return ModelList(data=[ModelCard(id=engine.model_name, max_model_len=engine.max_model_len,
-                                     version=engine.version, family=getattr(runner, "family", "sdar"),
-                                     cache_mode=getattr(runner, "cache_mode", None))])
+                                     version=engine.version, family=info.family, cache_mode=info.cache_mode)])

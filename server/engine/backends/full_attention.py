@@ -46,6 +46,7 @@ from dllm.full.model import FullAttentionLM
 from dllm.full.replay import full_trace_hidden
 from dllm.weights import load_pretrained
 from dlrl_config import ConfigError
+from server.engine.backends.base import RunnerInfo
 from server.engine.backends.native import DEFAULT_MAX_LEN, DecoderRunner, resolve_device, resolve_dtype
 from server.engine.scheduler import KVBudget, ScheduledBatch
 from server.engine.sequence import ServerSequence
@@ -116,6 +117,13 @@ class FullAttentionRunner(DecoderRunner):
         log.info("stop token ids (config.json + generation_config.json + tokenizer): %s", eos_ids)
         return cls(model, tokenizer, max_batch=max_batch, cache_mode=cache_mode, max_model_len=max_model_len,
                    eos_ids=eos_ids)
+
+    @property
+    def info(self) -> RunnerInfo:
+        return RunnerInfo(self.family, self.cache_mode, has_likelihoods=False, note=(
+            f"this model is full-attention ({self.family}): prompt log-likelihoods are computed for block-causal "
+            "SDAR models (dllm.likelihood); no prefix sharing: a prompt's K/V depend on what follows it "
+            "(bidirectional attention), and there is no paged cache"))
 
     @property
     def kv_budget(self) -> KVBudget:
