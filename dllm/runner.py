@@ -17,10 +17,12 @@ Per sequence: a newly admitted one owes the cache its clean prefix past `num_cac
 prompt blocks the prefix cache did not hold; after a preemption, its prompt and completion up to
 its current block: recompute); a sequence whose block completed last step owes that block. Owed
 blocks of one block ride along with the forward as extra rows; when an admitted sequence owes more,
-every admitted sequence's prefix is written first by one cache-filling forward (so a row never
-reads a shared page before the row that computes it has written it: within one forward, each
-layer writes all rows' K/V before any row reads). `use_cache=False` recomputes the whole prefix
-every forward (the baseline the KV cache is tested against).
+every admitted sequence's prefix is written first by cache-filling forwards, in admission order (so
+a row never reads a shared page before the row that computes it has written it: a sequence shares
+only pages registered by sequences admitted before it, and within one forward each layer writes
+all rows' K/V before any row reads), rows of similar lengths together (`_prefill_chunks`: little
+padding; at most `max_prefill_tokens` tokens a forward). `use_cache=False` recomputes the whole
+prefix every forward (the baseline the KV cache is tested against).
 """
 
 from __future__ import annotations
@@ -41,12 +43,11 @@ from dllm.intake import check_request
 from dllm.kv_cache import KVCache
 from dllm.model import SDARForCausalLM
 from dllm.postprocess import Postprocessor, SeqOutput, StepOutput
-from dllm.sampling import SamplingParams, counter_uniforms, needs_filter
+from dllm.sampling import SamplingParams, needs_filter
 from dllm.scheduler import S, ScheduledBatch
 from dllm.sequence import Sequence
 from dllm.step import StepInputs, StepResult, buckets, decode_step, sample_and_commit
-from dllm.step_inputs import StepBuffers
-from dllm.strategy import Strategy
+from dllm.step_inputs import StepBuffers, pack, read_back, slots_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -62,7 +63,7 @@ class BlockRunner:
                  eos_ids: abc.Iterable[int] | None = None, tokenizer: PreTrainedTokenizerBase | None = None,
                  use_cache: bool = True, compile: bool | str = False, cuda_graphs: bool = False,
                  static_shapes: bool = True, attention: str = "auto", optimistic: bool = False,
-                 prefix_sharing: bool = True, max_graphs: int = 64) -> None:
+                 prefix_sharing: bool = True, max_graphs: int = 64, max_prefill_tokens: int = 8192) -> None:
         cfg = model.config
         B, dev = cfg.block_size, model.device
         self.model, self.tokenizer, self.use_cache = model, tokenizer, use_cache
@@ -89,6 +90,7 @@ class BlockRunner:
         self.graphs: GraphedSteps[StepResult] | None = None
         if cuda_graphs:
             self.graphs = GraphedSteps(self.fn, max_graphs)
+        self.max_prefill_tokens = max_prefill_tokens  # padded tokens of one cache-filling forward (memory bound)
         self.num_forwards = 0  # denoising forwards
         self.num_fill_forwards = 0  # cache-filling forwards of their own (an admitted prefix of more than a block)
         self.num_prefill_positions = 0  # clean positions computed for admitted sequences (prompts, recomputes)
@@ -152,7 +154,8 @@ class BlockRunner:
             assert batch.tables is not None, "run: a paged runner needs the block manager's page tables"
             owed = [s for s in batch.admitted if s.pending is not None]
             if any(len(p) > self.block_size for s in owed if (p := s.pending) is not None):
-                self._prefill(owed, batch.tables)  # every admitted prefix in one forward, before any read
+                for chunk in self._prefill_chunks(owed):  # every admitted prefix, in admission order
+                    self._prefill(chunk, batch.tables)
             owed = [s for s in seqs if s.pending is not None]  # one block each: rows of this forward
             R, KV = self.bucket(len(seqs) + len(owed), max(s.end_pos for s in seqs))
             Rn = self.bucket(len(seqs), 1)[0]
@@ -176,48 +179,15 @@ class BlockRunner:
 
     def _prepare(self, seqs: abc.Sequence[Sequence], owed: abc.Sequence[Sequence], tables: np.ndarray | None,
                  R: int, Rn: int, P: int) -> StepInputs:
-        """The step's typed inputs in the bucket's buffers: the sequences' blocks, the owed clean blocks,
-        padding (writes into the scratch page, never read); the first N rows sampled."""
-        N, B = len(seqs), self.block_size
-        n = N + len(owed)
-        h, x = self.buffers.get(R, Rn, P)
-        h["ids"][:N] = [s.block_ids for s in seqs]
-        h["block_start"][:N] = [s.block_start for s in seqs]
-        if owed:
-            h["ids"][N:n] = [s.pending for s in owed]
-            h["block_start"][N:n] = [s.block_start - B for s in owed]
-        h["ids"][n:], h["block_start"][n:] = self.mask_id, 0
-        h["write"][:n], h["write"][n:] = True, False
-        table = h["page_table"]
-        if tables is None:
-            table[:] = 0
-        else:
-            w = min(P, tables.shape[1])
-            table[:n, :w] = tables[_slots([*seqs, *owed]), :w]
-            table[:n, w:], table[n:] = 0, 0
-        params = np.array([_param_row(s) for s in seqs], dtype=np.float64).reshape(N, len(_PAD))  # [N, 7]
-        for j, name in enumerate(("k", "strategy", "threshold", "temperature", "top_k", "top_p", "greedy")):
-            h[name][:N], h[name][N:] = params[:, j], _PAD[name]
-        steps = np.array([s.step_in_block + 1 for s in seqs], dtype=np.int64)
-        positions = h["block_start"][:N, None] + np.arange(B)
-        h["uniforms"][:N] = counter_uniforms([s.seed for s in seqs], positions, steps)
-        h["uniforms"][N:] = 0.5
+        """The step's typed inputs in the bucket's buffers (dllm.step_inputs.pack), on the device."""
+        x = pack(self.buffers, seqs, owed, tables, R, Rn, P, self.mask_id)
         self.buffers.upload(R, Rn, P)
         return x
 
     def _commit(self, seqs: abc.Sequence[Sequence], res: StepResult) -> StepOutput:
-        """The one device-to-host copy, then each sequence's block updated in place (ok rows only)."""
-        N, B = len(seqs), self.block_size
-        if res.ids.device.type == "cpu":
-            ids, lp, com, ok = (t[:N].tolist() for t in res)
-        else:  # one copy: every result as bytes, viewed back on the host
-            parts = [res.ids[:N].contiguous().view(torch.uint8), res.logprobs[:N].contiguous().view(torch.uint8),
-                     res.committed[:N].view(torch.uint8), res.ok[:N, None].view(torch.uint8)]
-            raw = torch.cat(parts, 1).cpu().numpy()
-            ids = raw[:, :8 * B].copy().view(np.int64).tolist()
-            lp = raw[:, 8 * B:12 * B].copy().view(np.float32).tolist()
-            com = raw[:, 12 * B:13 * B].astype(bool).tolist()
-            ok = raw[:, 13 * B].astype(bool).tolist()
+        """The one device-to-host copy (dllm.step_inputs.read_back), then each sequence's block updated in place
+        (ok rows only): committed positions take their token, step and log-probability."""
+        ids, lp, com, ok = read_back(res, len(seqs))
         outputs, num = [], 0
         for r, s in enumerate(seqs):
             s.num_forwards += 1
@@ -234,6 +204,23 @@ class BlockRunner:
             outputs.append(SeqOutput(s, bool(ok[r])))
         return StepOutput(outputs, num)
 
+    def _prefill_chunks(self, owed: abc.Sequence[Sequence]) -> list[list[Sequence]]:
+        """The admitted sequences' prefills as forwards of consecutive sequences (admission order: a
+        sequence reads only pages registered by those admitted before it, so its writer runs in the same
+        forward or an earlier one), each of rows within 2x of one another's length (the padding of a
+        forward stays under half of it) and of at most `max_prefill_tokens` padded tokens."""
+        chunks: list[list[Sequence]] = []
+        lo = hi = 0
+        for s in owed:
+            n = len(s.pending or ())
+            if chunks and max(hi, n) <= 2 * min(lo, n) and (len(chunks[-1]) + 1) * max(hi, n) <= self.max_prefill_tokens:
+                chunks[-1].append(s)
+                lo, hi = min(lo, n), max(hi, n)
+            else:
+                chunks.append([s])
+                lo = hi = n
+        return chunks
+
     def _prefill(self, seqs: abc.Sequence[Sequence], tables: np.ndarray) -> None:
         """One cache-filling forward (no logits) of the admitted sequences' owed prefixes (one row each)."""
         pending = [p for s in seqs if (p := s.pending) is not None]
@@ -246,7 +233,7 @@ class BlockRunner:
         starts = [s.block_start - len(p) for s, p in zip(seqs, pending)]
         dev = self.model.device
         pos = (torch.tensor(starts, device=dev)[:, None] + torch.arange(L, device=dev)).clamp_(max=self.cache_len - 1)
-        table = torch.from_numpy(tables[_slots(seqs)]).to(dev)
+        table = torch.from_numpy(tables[slots_of(seqs)]).to(dev)
         self.model(ids.to(dev), pos, cache=self.cache, page_table=table, kv_len=min(self.cache_len, max(starts) + L),
                    write_mask=valid.to(dev), num_logits=0)
         self.num_fill_forwards += 1
@@ -289,23 +276,3 @@ class BlockRunner:
 
     def close(self) -> None:
         self.cache = None
-
-
-# a padding row's sampling parameters (greedy, commits nothing)
-_PAD = {"k": 0, "strategy": 0, "threshold": 0.0, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "greedy": True}
-
-
-def _slots(seqs: abc.Sequence[Sequence]) -> list[int]:
-    """The slots of running sequences (the rows of the block manager's page tables)."""
-    out = [s.slot for s in seqs if s.slot is not None]
-    assert len(out) == len(seqs), "a running sequence holds a slot"
-    return out
-
-
-def _param_row(s: Sequence) -> tuple[float, ...]:
-    """k, strategy, threshold, temperature, top_k, top_p, greedy of a sequence's next forward."""
-    p = s.params
-    k = s.schedule[min(s.step_in_block, len(s.schedule) - 1)]
-    greedy = p.is_greedy
-    return (k, Strategy(p.strategy).code, float(p.threshold), 1.0 if greedy else float(p.temperature),
-            p.top_k, float(p.top_p), greedy)

@@ -85,6 +85,11 @@ class Scheduler(Generic[S]):
         return self.blocks.num_free_pages
 
     @property
+    def has_left(self) -> bool:
+        """Sequences released since the last schedule: the runner has yet to hear of them (batch.left)."""
+        return bool(self._left)
+
+    @property
     def is_done(self) -> bool:
         """Nothing runs, nothing waits (standalone decoding is over)."""
         return not (self._running or self._waiting)

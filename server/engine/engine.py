@@ -315,8 +315,10 @@ class Engine:
             return self._is_drained()
 
     def _is_drained(self) -> bool:
-        """(lock held) Nothing runs, nothing waits to be released -- so no forward is in flight."""
-        return (self.scheduler.is_idle and not self._num_calls_running) or not self.is_running
+        """(lock held) Nothing runs, nothing waits to be released, the runner has heard of every sequence that
+        left (it may still drop their state) -- so no forward, nor anything of the runner's, is in flight."""
+        return ((self.scheduler.is_idle and not self.scheduler.has_left and not self._num_calls_running)
+                or not self.is_running)
 
     def _wake_drained(self) -> None:
         """(lock held) Resolve the pause() calls waiting for the drain, if it is drained now."""

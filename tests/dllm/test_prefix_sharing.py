@@ -99,3 +99,15 @@ def test_a_weight_push_mid_rollout_never_serves_old_pages(model, monkeypatch, ve
     else:  # what the version in the key prevents: the old weights' K/V read by a new-version sequence
         assert dec.scheduler.blocks.num_hit_tokens == 12
         assert new.completion_ids != want.completion_ids or new.trace.logprobs != pytest.approx(want.trace.logprobs)
+
+
+def test_a_shared_system_prompt_is_computed_once_and_prefilled_without_padding(model):
+    """Requests with one system prompt and their own question: the first computes the system prompt, the
+    others only their question, in a forward of their own (rows of similar length: no padding to 24)."""
+    system = list(range(1, 21))  # 5 blocks
+    reqs = [(system + [30 + i, 31, 32, 33, 34, 35], SamplingParams(max_tokens=8, seed=i, strategy="static",
+                                                                   steps=2, ignore_eos=True)) for i in range(6)]
+    on, off = (BlockRunner(model, max_batch=6, max_len=40, eos_ids=[0], prefix_sharing=s) for s in (True, False))
+    same(drive(on, reqs, admit=6), drive(off, reqs, admit=6))
+    assert (on.num_prefill_positions, off.num_prefill_positions) == (24 + 5 * 4, 6 * 24)
+    assert (on.num_fill_forwards, off.num_fill_forwards) == (2, 1)  # [24], then [4] x 5; vs [24] x 6

@@ -192,13 +192,11 @@ class LMDeployRunner:
     """The Runner (server.engine.backends.base) over an LMDeploy PyTorch engine; see the module docstring."""
 
     name = "lmdeploy"
-    # trace-free: `logprobs` and prompt likelihoods are refused (400). Prefix caching is not mapped:
-    # LMDeploy keeps its own (PytorchEngineConfig.enable_prefix_caching, off here); turning it on is
-    # untested with its dLLM mode and with weights updated in place (update_params), which must never
-    # let a page of older weights serve a newer version.
+    # trace-free: `logprobs` and prompt likelihoods are refused (400). server.prefix_caching is not mapped to
+    # LMDeploy's own (PytorchEngineConfig.enable_prefix_caching, left off): it has not run with its dLLM mode
+    # (an update's sleep level 2 releases its KV cache, so no page of older weights would survive a push).
     info = RunnerInfo("sdar", has_top_logprobs=False, has_likelihoods=False, prefix_sharing=False, weights="runner",
-                      note="trace-free; LMDeploy's own prefix caching is not turned on (untested with its dLLM "
-                           "mode and in-place weight updates)")
+                      note="trace-free; LMDeploy's own prefix caching is not turned on (not run with its dLLM mode)")
 
     def __init__(self, engine: Any, api: LMDeployAPI, model: Any, tokenizer: Any, *, settings: DLLMSettings,
                  eos_ids: list[int], max_batch: int, max_len: int, device: str = "cuda",
