@@ -10,8 +10,9 @@ ignored, max_tokens large enough that none ends), eager (server.compile's defaul
   `BlockDecoder.step(running)` (the step, post-processing, its own slot and page pool);
 - after: `dllm.decoding.Decoder.step()` -- the scheduler's schedule (block manager), the runner's
   typed step, the scheduler's post-processing: the loop the server's engine runs.
-Per step: wall time, the model's forward inside it (`model.hidden_states`, the layers, timed by a
-wrapper), and the rest (inputs, sampling and commit, the copies, the scheduler and post-processing).
+Per step: its time, the model's forward inside it (`model.hidden_states`, the layers, timed by a
+wrapper), and the rest (inputs, sampling and commit, the copies, the scheduler and post-processing),
+in process CPU time (one thread: the engine's own work, whatever else the box runs) and in wall time.
 Before and after alternate `--rounds` times after a warm-up; the median of each is reported.
 """
 
@@ -43,16 +44,18 @@ CFG = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layer
 
 
 class Timed:
-    """Wraps a model's `hidden_states` (the layers) and sums the time spent in it."""
+    """Wraps a model's `hidden_states` (the layers) and sums the wall and CPU time spent in it."""
 
     def __init__(self, model: Any) -> None:
-        self.seconds, self.inner = 0.0, model.hidden_states
+        self.wall = self.cpu = 0.0
+        self.inner = model.hidden_states
         model.hidden_states = self
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = self.inner(*args, **kwargs)
-        self.seconds += time.perf_counter() - t0
+        self.wall += time.perf_counter() - t0
+        self.cpu += time.process_time() - c0
         return out
 
 
@@ -74,16 +77,17 @@ def before(old: Any, model: Any, batch: int, max_len: int) -> Callable[[], None]
     return lambda: dec.step(seqs) and None
 
 
-def measure(step: Callable[[], None], timed: Timed, warmup: int, steps: int) -> tuple[float, float]:
-    """(wall ms per step, forward ms per step) over `steps` steps after `warmup`."""
+def measure(step: Callable[[], None], timed: Timed, warmup: int, steps: int) -> dict[str, float]:
+    """ms per step, CPU and wall, of the step and of the forward inside it, over `steps` steps after `warmup`."""
     for _ in range(warmup):
         step()
-    timed.seconds = 0.0
-    t0 = time.perf_counter()
+    timed.wall = timed.cpu = 0.0
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
         step()
-    wall = (time.perf_counter() - t0) / steps
-    return 1e3 * wall, 1e3 * timed.seconds / steps
+    k = 1e3 / steps
+    return {"step_cpu": k * (time.process_time() - c0), "step_wall": k * (time.perf_counter() - t0),
+            "forward_cpu": k * timed.cpu, "forward_wall": k * timed.wall}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with torch.no_grad():
         for batch in args.batches:
-            got: dict[str, list[tuple[float, float]]] = {"before": [], "after": []}
+            got: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
             for _ in range(args.rounds):
                 for name in ("before", "after"):
                     step = (before(old, old_model, batch, max_len) if name == "before"
@@ -113,20 +117,23 @@ def main(argv: list[str] | None = None) -> int:
                     got[name].append(measure(step, timers[name], args.warmup, args.steps))
             row: dict[str, Any] = {"batch": batch}
             for name, runs in got.items():
-                wall = statistics.median(w for w, _ in runs)
-                fwd = statistics.median(f for _, f in runs)
-                row[name] = {"step_ms": wall, "forward_ms": fwd, "outside_ms": wall - fwd}
+                row[name] = med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+                med["outside_cpu"], med["outside_wall"] = (med["step_cpu"] - med["forward_cpu"],
+                                                           med["step_wall"] - med["forward_wall"])
             rows.append(row)
     print(f"1 layer, width 16, block 4, eager, 1 thread; median of {args.rounds} alternating rounds of "
-          f"{args.steps} steps\n")
-    print("| batch | step ms before | step ms after | forward ms before | forward ms after | outside ms before | "
-          "outside ms after | after / before (step) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        b, a = r["before"], r["after"]
-        print(f"| {r['batch']} | {b['step_ms']:.2f} | {a['step_ms']:.2f} | {b['forward_ms']:.2f} | "
-              f"{a['forward_ms']:.2f} | {b['outside_ms']:.2f} | {a['outside_ms']:.2f} | "
-              f"{a['step_ms'] / b['step_ms']:.2f} |")
+          f"{args.steps} steps")
+    for clock in ("cpu", "wall"):
+        print(f"\n{'process CPU' if clock == 'cpu' else 'wall'} ms per step\n")
+        print("| batch | step before | step after | forward before | forward after | outside before | "
+              "outside after | after / before (step) | after / before (outside) |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            b, a = r["before"], r["after"]
+            print(f"| {r['batch']} | {b['step_' + clock]:.2f} | {a['step_' + clock]:.2f} | "
+                  f"{b['forward_' + clock]:.2f} | {a['forward_' + clock]:.2f} | {b['outside_' + clock]:.2f} | "
+                  f"{a['outside_' + clock]:.2f} | {a['step_' + clock] / b['step_' + clock]:.2f} | "
+                  f"{a['outside_' + clock] / b['outside_' + clock]:.2f} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

@@ -120,13 +120,20 @@ def pack(bufs: StepBuffers, seqs: abc.Sequence[Sequence], owed: abc.Sequence[Seq
 
 
 def read_back(res: StepResult, n: int) -> tuple[list, list, list, list]:
-    """(ids, logprobs, committed, ok) of the first n rows, as lists: on CUDA one copy of all four as bytes."""
+    """(ids, logprobs, committed, ok) of the first n rows, as lists: off the CPU, one copy of all four as bytes."""
     if res.ids.device.type == "cpu":
         return res.ids[:n].tolist(), res.logprobs[:n].tolist(), res.committed[:n].tolist(), res.ok[:n].tolist()
-    B = res.ids.shape[1]
-    parts = [res.ids[:n].contiguous().view(torch.uint8), res.logprobs[:n].contiguous().view(torch.uint8),
-             res.committed[:n].view(torch.uint8), res.ok[:n, None].view(torch.uint8)]
-    raw = torch.cat(parts, 1).cpu().numpy()
+    return from_bytes(as_bytes(res, n).cpu().numpy(), res.ids.shape[1])
+
+
+def as_bytes(res: StepResult, n: int) -> torch.Tensor:
+    """The first n rows of a step's results as one [n, 13 B + 1] uint8 tensor (on their device)."""
+    return torch.cat([res.ids[:n].contiguous().view(torch.uint8), res.logprobs[:n].contiguous().view(torch.uint8),
+                      res.committed[:n].view(torch.uint8), res.ok[:n, None].view(torch.uint8)], 1)
+
+
+def from_bytes(raw: np.ndarray, B: int) -> tuple[list, list, list, list]:
+    """`as_bytes`' rows (on the host) -> (ids, logprobs, committed, ok) as lists."""
     return (raw[:, :8 * B].copy().view(np.int64).tolist(), raw[:, 8 * B:12 * B].copy().view(np.float32).tolist(),
             raw[:, 12 * B:13 * B].astype(bool).tolist(), raw[:, 13 * B].astype(bool).tolist())
 

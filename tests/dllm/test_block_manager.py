@@ -112,3 +112,4 @@ def test_optimistic_growth_and_the_deficit():
     assert len(a.block_table) == 2 and bm.tables is not None and list(bm.tables[a.slot][:2]) == a.block_table
     with pytest.raises(CacheFull):
         bm.grow(b)
+

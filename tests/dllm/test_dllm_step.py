@@ -103,6 +103,18 @@ def test_buckets_are_bounded():
     assert runner.bucket(3, 17) == (4, 32)
 
 
+def test_step_results_read_back_as_bytes_equal_the_lists():
+    """The CUDA read-back (one copy of every result as bytes, dllm.step_inputs.as_bytes / from_bytes) gives
+    what the CPU path's lists give (run here on CPU tensors)."""
+    from dllm.step import StepResult
+    from dllm.step_inputs import as_bytes, from_bytes, read_back
+
+    g = torch.Generator().manual_seed(0)
+    res = StepResult(torch.randint(0, 151936, (6, 4), generator=g), torch.randn(6, 4, generator=g),
+                     torch.rand(6, 4, generator=g) > 0.5, torch.tensor([True, False, True, True, False, True]))
+    assert from_bytes(as_bytes(res, 5).numpy(), 4) == read_back(res, 5)
+
+
 class Recompiles(logging.Handler):
     """torch's recompile events (torch._logging 'recompiles', on the torch._dynamo loggers)."""
 
