@@ -99,7 +99,8 @@ def backend_options(config: ServerConfig) -> dict[str, Any]:
                 "cache_mode": config.cache_mode, "further_horizon": config.further_horizon, "ranking": config.ranking,
                 "rng": config.rng}
     native: dict[str, Any] = {"trace_free": config.trace_free, "cache_mode": config.cache_mode,
-                              "further_horizon": config.further_horizon, "ranking": config.ranking, "rng": config.rng}
+                              "further_horizon": config.further_horizon, "ranking": config.ranking, "rng": config.rng,
+                              "prefix_caching": config.prefix_caching}
     if config.kv_admission != "reserve":  # other runners never receive it by default
         native["kv_admission"] = config.kv_admission
     return native
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("serving model %s (%s) from %s with backend %s, max_batch=%d, max_model_len=%d",
              engine.model_name, getattr(engine.model, "dtype", "?"), model_path, config.backend,
              config.max_batch, engine.max_model_len)
-    if getattr(engine.model, "attention", "") == "full":
+    if engine.info.family != "sdar":
         log.info("prompt log-likelihoods (echo + logprobs, prompt_logprobs): LLaDA's Monte Carlo ELBO, %d samples "
                  "per context / continuation split (server.elbo_samples; server.likelihood applies to block-causal "
                  "models)", config.elbo_samples)

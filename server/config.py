@@ -10,6 +10,9 @@ of the memory available after loading the weights (free CUDA memory / available 
 `keep_versions` host copies of the weights); see server.engine.backends.native.plan_kv_cache.
 The decode step (dllm/step.py) runs eagerly unless `compile` (torch.compile: each variant is
 compiled on first use, tens of seconds on a small CPU) or `cuda_graphs` (CUDA only).
+`prefix_caching` (block-causal models, native backend): the K/V pages of complete prompt blocks are
+shared by the samples of a request and by requests with the same prefix, keyed by their tokens and
+the weight version, and kept until their pages are needed (dllm/block_manager.py).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class ServerConfig(Config):
     trace_free: bool = False         # withhold traces: rollouts marked trace-free, steps/logprobs 0 (as lmdeploy's)
     lmdeploy_steps: int = Field(0, ge=0)  # backend=lmdeploy: denoising steps per block, engine-wide (0 = block size)
     kv_admission: Literal["reserve", "optimistic"] = "reserve"  # optimistic: admit on pages in use, preempt + recompute
+    prefix_caching: bool = True      # block-causal: share complete prompt blocks (n samples, common prefixes), by version
     trust_remote_code: bool = False  # run the model folder's own Python code (tokenizer/config); never asked
     block_size: int = Field(0, ge=0)  # 0 = config.json's; set it for folders that lack it (or to decode with another)
     mask_token_id: int = Field(-1, ge=-1)  # -1 = config.json's, else the tokenizer's <|MASK|>

@@ -24,7 +24,10 @@ dlrl_request_queue_time_seconds (arrival to admission), dlrl_request_prefill_tim
 dlrl_request_inference_time_seconds (admission to the last commit). Load:
 dlrl_num_requests_running / dlrl_num_requests_waiting (sequences), dlrl_kv_cache_pages_used /
 _total / dlrl_kv_cache_usage_perc, dlrl_kv_cache_refusals_total (engine steps that left a
-sequence waiting with a free slot but too few KV pages). Block diffusion: dlrl_forwards_total,
+sequence waiting with a free slot but too few KV pages). Prefix cache (server.prefix_caching, as vLLM's,
+in tokens): dlrl_prefix_cache_queries_total (prompt tokens of every admission),
+dlrl_prefix_cache_hits_total (those whose K/V a cached page held), dlrl_kv_cache_pages_cached (pages
+holding a reusable prompt block, in use or not). Block diffusion: dlrl_forwards_total,
 dlrl_forwards_per_second, dlrl_tokens_per_forward, dlrl_batch_size, dlrl_step_seconds,
 dlrl_prompt_tokens_total, dlrl_generation_tokens_total. Weights: dlrl_model_info{model_name,
 version}, dlrl_served_version, dlrl_weight_updates_total{outcome}, dlrl_weight_update_bytes_total,
@@ -110,8 +113,15 @@ class _Dynamic:
                                      labels=["model_name", "version"])
             info.add_metric([str(engine.model_name), str(engine.version)], 1.0)
             yield info
+            blocks = engine.scheduler.blocks
+            yield CounterMetricFamily("dlrl_prefix_cache_queries", "prompt tokens looked up in the prefix cache "
+                                      "(every admission)", value=blocks.num_queried_tokens)
+            yield CounterMetricFamily("dlrl_prefix_cache_hits", "prompt tokens whose K/V a cached page held",
+                                      value=blocks.num_hit_tokens)
             pages = kv_pages(engine)
             if pages is not None:
+                yield GaugeMetricFamily("dlrl_kv_cache_pages_cached", "KV-cache pages holding a reusable prompt "
+                                        "block (in use or not)", value=blocks.num_cached_pages)
                 used, total = pages
                 yield GaugeMetricFamily("dlrl_kv_cache_pages_used", "KV-cache pages held by running sequences",
                                         value=used)
@@ -146,7 +156,7 @@ def kv_pages(engine: Engine) -> tuple[int, int] | None:
     """(used, total) pages of the paged KV cache as the scheduler accounts for them, None when the
     runner's cache is unpaged (the one reading of it: /metrics and /health)."""
     total = engine.scheduler.kv.num_pages
-    return (total - engine.scheduler.free_pages, total) if total else None
+    return (engine.scheduler.blocks.num_used_pages, total) if total else None
 
 
 class ServerMetrics:

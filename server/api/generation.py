@@ -160,10 +160,9 @@ def trace_model(seq: Sequence) -> Trace:
 
 def check_logprobs(engine: Engine, asked: bool, field: str = "logprobs") -> None:
     """400 naming `field` when log-probabilities are asked of a runner that cannot give them (lmdeploy)."""
-    backend = engine.backend
-    if asked and not getattr(backend, "has_top_logprobs", True):
-        raise APIError(400, f"{field}: the {backend.name} backend returns no log-probabilities aligned to the "
-                            "generated tokens (serve with server.backend=native for logprobs)", field)
+    if asked and not engine.info.has_top_logprobs:
+        raise APIError(400, f"{field}: the {engine.backend.name} backend returns no log-probabilities aligned to "
+                            "the generated tokens (serve with server.backend=native for logprobs)", field)
 
 
 def to_sample(seq: Sequence, index: int, n: int, return_trace: bool = True) -> Sample:

@@ -65,7 +65,10 @@ async def score(st: ServerState, prompts: list[str | list[int]], field: str, opt
     """(token ids, scores, version) of each prompt; the checks of the module docstring first (and the
     decoding options' own, as a generation request gets them)."""
     engine = st.engine
-    full = getattr(engine.model, "attention", "") == "full"  # LLaDA / Dream: LLaDA's ELBO (dllm.full.likelihood)
+    if not engine.info.has_likelihoods:  # the runner's declaration (dllm.likelihood scores block-causal models)
+        raise APIError(400, f"{field}: prompt log-likelihoods (max_tokens 0, echo) are not available from this "
+                            f"server's {engine.backend.name} runner: {engine.info.note}", field)
+    full = engine.info.family != "sdar"  # LLaDA / Dream: LLaDA's ELBO (dllm.full.likelihood)
     if full and method == "sequential":
         raise APIError(400, "likelihood: 'sequential' is the likelihood of a block-causal decoding policy; this "
                             "server's model is full-attention (LLaDA / Dream), scored by the Monte Carlo ELBO "
@@ -100,7 +103,7 @@ async def score(st: ServerState, prompts: list[str | list[int]], field: str, opt
 
 def likelihood_of(st: ServerState, asked: Method | None) -> Method:
     """The method that scores a request: the ELBO for a full-attention model, else the request's or the server's."""
-    if getattr(st.engine.model, "attention", "") == "full":
+    if st.engine.info.family != "sdar":  # the runner's declaration
         return "elbo"
     return asked or st.config.likelihood
 

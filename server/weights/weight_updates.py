@@ -56,10 +56,10 @@ def _hf_tensors(model: Any) -> Any:
 
 
 def _default_apply(engine: Any) -> Callable[[list[tuple[str, torch.Tensor]]], Any]:
-    """The runner's own `apply_weights` when it has one (lmdeploy: its update path), else copy_into_model."""
-    own = getattr(getattr(engine, "backend", None), "apply_weights", None)
-    if own is not None:
-        return own
+    """As the runner declares (RunnerInfo.weights): its own `apply_weights` (lmdeploy: its update path), else
+    copy_into_model into the served parameters in place."""
+    if engine.info.weights == "runner":
+        return engine.backend.apply_weights
     from dllm.weights import copy_into_model  # the one function that writes parameters
 
     return lambda named: copy_into_model(engine.model, named, strict=True)

@@ -1,4 +1,4 @@
-"""Inference backends of the engine: `native` (dllm BlockDecoder; a full-attention folder, LLaDA / Dream, gets
+"""Inference backends of the engine: `native` (dllm BlockRunner: block-causal; a full-attention folder, LLaDA / Dream, gets
 the full-attention runner, server.engine.backends.full_attention, with `cache_mode` exact | prefix) and
 `lmdeploy` (an in-process LMDeploy PyTorch engine, CUDA only: lmdeploy_runner.py). Each is imported only
 when chosen.

@@ -51,6 +51,7 @@ from dllm.full.model import FullAttentionLM
 from dllm.full.replay import full_trace_hidden
 from dllm.weights import load_pretrained
 from dlrl_config import ConfigError
+from server.engine.backends.base import RunnerInfo
 from server.engine.backends.native import DEFAULT_MAX_LEN, DecoderRunner, resolve_device, resolve_dtype
 from server.engine.scheduler import KVBudget, ScheduledBatch
 from server.engine.sequence import ServerSequence
@@ -140,6 +141,13 @@ class FullAttentionRunner(DecoderRunner):
         return cls(model, tokenizer, max_batch=max_batch, cache_mode=cache_mode, max_model_len=max_model_len,
                    eos_ids=eos_ids, further_horizon=further_horizon, ranking=ranking, rng=rng, compile=compile,
                    cuda_graphs=cuda_graphs)
+
+    @property
+    def info(self) -> RunnerInfo:
+        return RunnerInfo(self.family, self.cache_mode, note=(
+            f"this model is full-attention ({self.family}): prompt log-likelihoods are LLaDA's Monte Carlo ELBO "
+            "(dllm.full.likelihood); no prefix sharing: a prompt's K/V depend on what follows it (bidirectional "
+            "attention), and there is no paged cache"))
 
     @property
     def kv_budget(self) -> KVBudget:

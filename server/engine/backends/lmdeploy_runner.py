@@ -73,6 +73,7 @@ from dllm.postprocess import Postprocessor
 from dllm.sampling import SamplingParams
 from dllm.sequence import Sequence
 from dllm.trace import FinishReason
+from server.engine.backends.base import RunnerInfo
 from server.engine.backends.lmdeploy_engine import (
     FULL_ATTENTION_DEFAULTS,
     LMDeployAPI,
@@ -114,22 +115,28 @@ class LMDeployPostprocessor(Postprocessor):
         super().__init__(**kwargs)
         self.ended = ended
 
-    def commit_block(self, s: Sequence) -> None:
-        super().commit_block(s)
-        if s.is_finished:
-            return
+    def commit_block(self, s: Sequence) -> FinishReason | None:
+        reason = super().commit_block(s)
+        if reason is not None:
+            return reason
         drained, error = self.ended(s)
         if error is not None:
-            s.error, s.finish_reason = error, FinishReason.ERROR
-        elif drained:
-            s.finish_reason = FinishReason.LENGTH if len(s.completion_ids) >= s.params.max_tokens else FinishReason.STOP
+            s.error = error
+            return FinishReason.ERROR
+        if drained:
+            return FinishReason.LENGTH if len(s.completion_ids) >= s.params.max_tokens else FinishReason.STOP
+        return None
 
 
 class LMDeployRunner:
     """The Runner (server.engine.backends.base) over an LMDeploy PyTorch engine; see the module docstring."""
 
     name = "lmdeploy"
-    has_top_logprobs = False  # server.api.generation refuses `logprobs` / likelihoods (400)
+    # trace-free: `logprobs` and prompt likelihoods are refused (400). server.prefix_caching is not mapped to
+    # LMDeploy's own (PytorchEngineConfig.enable_prefix_caching, left off): it has not run with its dLLM mode
+    # (an update's sleep level 2 releases its KV cache, so no page of older weights would survive a push).
+    info = RunnerInfo("sdar", has_top_logprobs=False, has_likelihoods=False, prefix_sharing=False, weights="runner",
+                      note="trace-free; LMDeploy's own prefix caching is not turned on (not run with its dLLM mode)")
 
     def __init__(self, engine: Any, api: LMDeployAPI, model: Any, tokenizer: Any, *, settings: DLLMSettings,
                  eos_ids: list[int], max_batch: int, max_len: int, device: str = "cuda",
