@@ -1,12 +1,13 @@
-"""Prompt log-likelihoods behind the generation API (dllm.likelihood run on the engine thread).
+"""Prompt log-likelihoods behind the generation API (dllm.likelihood run by the engine core, between steps).
 
     POST /generate        {"prompt": "12+7=19", "max_tokens": 0, "prompt_logprobs": 0}
     POST /v1/completions  {"prompt": "12+7=19", "echo": true, "logprobs": 1, "max_tokens": 0}
 
 `likelihood` (per request, else `server.likelihood`): `sequential` (exact under the sequential
 decoding policy) or `elbo` (`server.elbo_samples` seeded Monte Carlo samples of the masked-diffusion
-ELBO; the request's `seed`, else 0). Each prompt runs as one `Engine.call_between_steps` (so
-decoding of other requests interleaves, and the weights do not change during it); the response
+ELBO; the request's `seed`, else 0). Each prompt runs in the engine core as one
+`Engine.call_between_steps` (server.core: `Score`; so decoding of other requests interleaves, and the
+weights do not change during it); the response
 carries the version that scored it. Completions with echo + logprobs and max_tokens > 0 (as
 lm-eval-harness's local-completions sends: max_tokens 1, reading all but the last entry; unset:
 server.default_max_tokens) also generate, and the completion's logprobs follow the prompt's.
@@ -18,14 +19,13 @@ the API key's token rate (server.api.quotas), more scoring calls waiting than se
 
 from __future__ import annotations
 
-import asyncio
 import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from dllm.likelihood import Method, TokenScores, prompt_logprobs
+from dllm.likelihood import Method, TokenScores
 from rollout_client.protocol.common import DecodingOptions, Usage, new_id
 from rollout_client.protocol.native import GenerateRequest, GenerateResponse, Sample
 from rollout_client.protocol.openai import (
@@ -42,7 +42,7 @@ from server.api.state import server_state
 
 if TYPE_CHECKING:
     from server.api.state import ServerState
-    from server.engine.engine import Engine
+    from server.core.client import CoreClient as Engine
 
 _pending: weakref.WeakKeyDictionary[Engine, int] = weakref.WeakKeyDictionary()  # scoring calls not yet done
 
@@ -62,7 +62,7 @@ async def score(st: ServerState, prompts: list[str | list[int]], field: str, opt
     """(token ids, scores, version) of each prompt; the checks of the module docstring first (and the
     decoding options' own, as a generation request gets them)."""
     engine = st.engine
-    if getattr(engine.model, "attention", "") == "full":  # dllm.likelihood scores block-causal models
+    if engine.model.attention == "full":  # dllm.likelihood scores block-causal models
         raise APIError(400, f"{field}: prompt log-likelihoods (max_tokens 0, echo) are computed for block-causal "
                             "SDAR models; this server's model is full-attention (LLaDA / Dream)", field)
     to_sampling_params(opts, 1, st.config).validate(engine.backend.block_size)
@@ -77,20 +77,12 @@ async def score(st: ServerState, prompts: list[str | list[int]], field: str, opt
     if _pending.get(engine, 0) + len(ids_list) > engine.scheduler.max_queue:
         raise APIError(429, "too many prompt log-likelihoods waiting; retry later", None, {"Retry-After": "1"})
     how: Method = method or st.config.likelihood
-    samples, seed_ = st.config.elbo_samples, opts.seed or 0
-    model = engine.model
-
-    def job(ids: list[int]) -> Any:
-        return lambda: (prompt_logprobs(model, [ids], how, top_k=top_k, num_samples=samples, seed=seed_)[0],
-                        engine.version)
-
     _pending[engine] = _pending.get(engine, 0) + len(ids_list)
     try:
-        futures = [engine.call_between_steps(job(ids)) for ids in ids_list]
-        results = await asyncio.gather(*futures)
+        results, version = await engine.score(ids_list, how, top_k, st.config.elbo_samples, opts.seed or 0)
     finally:
         _pending[engine] -= len(ids_list)
-    return ids_list, [r[0] for r in results], max(r[1] for r in results)
+    return ids_list, [TokenScores(lp, top, rows) for lp, top, rows in results], version
 
 
 async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:

@@ -53,7 +53,7 @@ from store import FeedbackStore, Record, error_cause, new_record_id, open_store
 
 if TYPE_CHECKING:
     from server.config import ServerConfig
-    from server.engine.engine import Engine
+    from server.core.client import CoreClient
     from server.metrics import ServerMetrics
 
 log = logging.getLogger("dlrl.server")
@@ -83,7 +83,7 @@ class Recorder:
         self._writer.start()
 
     @classmethod
-    def from_config(cls, config: ServerConfig, engine: Engine, metrics: ServerMetrics | None = None) -> Recorder | None:
+    def from_config(cls, config: ServerConfig, engine: CoreClient, metrics: ServerMetrics | None = None) -> Recorder | None:
         """The app's recorder: None when neither recording nor feedback needs the store."""
         if config.record == "none" and not config.resolved_feedback_token():
             return None
