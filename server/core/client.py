@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
+import zmq
 import zmq.asyncio
 
 from dllm.detokenize import TextStream
@@ -92,7 +93,7 @@ class RemoteRequest:
 
     rid: int
     seqs: list[ServerSequence]
-    stream: bool = False
+    stream: bool = False  # UPDATE events go to `events` (the mirrors get every committed block either way)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     num_done: int = 0
     expired: str = ""
@@ -206,12 +207,18 @@ class CoreClient:
         self._detok = copy.deepcopy(self.tokenizer)  # this loop's own instance (tokenizers are not re-entrant)
 
     async def close(self) -> None:
+        """Tell the core this process leaves (its requests, if any, are aborted), close the channel."""
         if self._unwatch is not None:
             self._unwatch()
+        if hasattr(self, "_sock") and not self.dead:
+            try:
+                await asyncio.wait_for(self._sock.send_multipart([m.encode(m.Goodbye())]), 1.0)
+            except (TimeoutError, zmq.ZMQError):
+                pass
         for task in self._tasks:
             task.cancel()
         if hasattr(self, "_sock"):
-            self._sock.close(linger=0)
+            self._sock.close(linger=0 if self.dead else 500)  # the Goodbye still goes out
             self._ctx.term()
 
     def core_gone(self, reason: str) -> None:

@@ -161,7 +161,7 @@ class EngineCore:
             for task in (receiver, heartbeat, *self._tasks):
                 task.cancel()
             await self._shutdown()
-            self.sock.close(linger=1000)  # the last outputs still go out
+            self.sock.close(linger=200)  # the last outputs still go out
             ctx.term()
 
     def stop(self) -> None:
@@ -234,6 +234,8 @@ class EngineCore:
         peer = self.peers.get(ident)
         if peer is None:  # a process the core forgot (it was restarted, or never said hello): ignore it
             log.warning("engine core: %s from unknown API process %r ignored", type(msg).__name__, ident)
+        elif isinstance(msg, m.Goodbye):
+            self._peer_gone(peer, "stopped", quiet=True)
         elif isinstance(msg, m.Submit):
             self._submit(peer, msg)
         elif isinstance(msg, m.Abort):
@@ -285,7 +287,7 @@ class EngineCore:
         log.info("engine core: API process %d (pid %d) connected", msg.index, msg.pid)
         self._send(ident, m.Welcome(msg.cid, self.facts, self.load()))
 
-    def _peer_gone(self, peer: Peer, why: str) -> None:
+    def _peer_gone(self, peer: Peer, why: str, quiet: bool = False) -> None:
         """An API process is gone: abort its requests (their cache freed), release its buckets, forget it."""
         if self.peers.get(peer.identity) is not peer:
             return
@@ -298,8 +300,8 @@ class EngineCore:
             self.engine.abort(req)
         for key in [k for k in self.buckets if k[0] == peer.identity]:
             self._release(self.buckets.pop(key))
-        log.warning("engine core: API process %d (pid %d) %s: %d request(s) aborted, serving the others",
-                    peer.index, peer.pid, why, len(live))
+        log.log(logging.INFO if quiet else logging.WARNING, "engine core: API process %d (pid %d) %s: %d "
+                "request(s) aborted, serving the others", peer.index, peer.pid, why, len(live))
 
     def _ended(self, ident: bytes, rid: int) -> None:
         peer = self.peers.get(ident)
@@ -309,8 +311,9 @@ class EngineCore:
     def _submit(self, peer: Peer, msg: m.Submit) -> None:
         try:
             seqs = [self._sequence(spec) for spec in msg.seqs]
-            req = self.engine.submit(seqs, stream=msg.stream, num_top_logprobs=msg.num_top_logprobs,
-                                     sink=self.outbox.sink)
+            # every request streams inside the core: its API process decodes each committed block's text as the
+            # core's stop-string check did (the same chunks give the same text), streamed or not
+            req = self.engine.submit(seqs, stream=True, num_top_logprobs=msg.num_top_logprobs, sink=self.outbox.sink)
         except (FieldError, QueueFull, EngineStopped) as e:
             self._reply(peer.identity, msg.rid, error=error_of(e))
             return

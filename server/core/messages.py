@@ -143,6 +143,10 @@ class Hello(_Message):
     index: int
 
 
+class Goodbye(_Message):
+    """The API process is stopping (drained): forget it without alarm."""
+
+
 class Submit(_Message):
     rid: int  # the request's id in its API process (the reply's cid too)
     seqs: list[SeqSpec]
@@ -225,7 +229,7 @@ class BucketEnd(_Message):
     ok: bool = True  # False: the body failed half-way (the bucket is released)
 
 
-ToCore = (Hello | Submit | Abort | AbortAll | Pause | Resume | SetModelName | Score | Metrics | MetricsPush | Weights
+ToCore = (Hello | Goodbye | Submit | Abort | AbortAll | Pause | Resume | SetModelName | Score | Metrics | MetricsPush | Weights
           | BucketOpen | BucketData | BucketEnd)
 
 # ------------------------------------------------------------------------------------------ core -> API
@@ -319,6 +323,6 @@ def value(reply: Reply, kind: type[Any]) -> Any:
 
 
 __all__ = ["Abort", "AbortAll", "BucketData", "BucketEnd", "BucketOpen", "Credit", "Done", "Error", "Event",
-           "Facts", "Failed", "Family", "Hello", "Load", "Metrics", "MetricsPush", "Outputs", "Params", "Pause",
+           "Facts", "Failed", "Family", "Goodbye", "Hello", "Load", "Metrics", "MetricsPush", "Outputs", "Params", "Pause",
            "Reply", "Resume", "RunnerFacts", "Score", "SeqSpec", "SetModelName", "Submit", "ToApi", "ToCore",
            "TraceEnd", "Update", "Weights", "Welcome", "decode_to_api", "decode_to_core", "encode", "encode_json", "value"]

@@ -12,7 +12,9 @@ streamed sequence's new completion ids (`Update`: only the ids it did not send y
 final record (`Done`: the rest of its ids, its trace, error, top log-probabilities, timings), a
 failed one's error (`Failed`); grouped by API process, each group one `Outputs` with the core's
 load. So a step of 256 streamed sequences costs the engine thread 256 appends and one wake-up,
-and its API process one message. Text is not sent: API processes detokenise (server.core.client).
+and its API process one message. Text is not sent: API processes detokenise (server.core.client), block
+by block as the core commits them (every request streams inside the core; the API process passes
+the updates of those that asked for a stream on to them).
 """
 
 from __future__ import annotations

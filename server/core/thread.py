@@ -14,6 +14,7 @@ Engine directly).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import threading
 from collections.abc import Callable
@@ -30,6 +31,7 @@ class CoreThread:
     def __init__(self, engine: Engine, config: ServerConfig, model_path: str = ""):
         self.core = EngineCore(engine, config, model_path)
         self.run_dir = make_run_dir()
+        atexit.register(remove_run_dir, self.run_dir)  # a daemon thread may not get to its own cleanup
         self.address = core_address(self.run_dir)
         self._ready = threading.Event()
         self._error: BaseException | None = None

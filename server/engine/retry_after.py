@@ -67,6 +67,7 @@ class Forecast:
     tokens: tuple[int, ...] = ()    # its prompt + max_tokens
     tail_s: float = 1.0             # seconds per departure past the last one (1 s: nothing measured)
     tail_tokens: int = 1            # tokens of a departure past the last one
+    measured: bool = False          # from a measured rate (False: the 1 s per place guess, no margin)
 
     def wait(self, num_seqs: int, num_tokens: int, now: float) -> float:
         """Seconds from `now` until `num_seqs` sequences holding `num_tokens` tokens have left."""
@@ -156,7 +157,7 @@ class RetryAfter:
         times, tokens = _admissions(_with_more(queue, template, horizon), ends, free_slots,
                                     float("inf") if free_pages is None else float(free_pages), rate)
         tail = template.remaining / rate / max(num_slots, 1)  # a full batch of such: num_slots end per run time
-        return Forecast(now, tuple(times), tuple(tokens), max(tail, 1e-3), max(template.tokens, 1))
+        return Forecast(now, tuple(times), tuple(tokens), max(tail, 1e-3), max(template.tokens, 1), measured=True)
 
     # ------------------------------------------------------------------ refusals (event loop)
     def estimate(self, excess_seqs: int, excess_tokens: int, forecast: Forecast, now: float | None = None) -> int:
@@ -171,7 +172,8 @@ class RetryAfter:
                 self._booked_tokens -= tokens
             wait = forecast.wait(excess_seqs + self._booked_seqs,
                                  excess_tokens + self._booked_tokens if excess_tokens else 0, now)
-            seconds = int(min(self.max_s, max(1, math.ceil(wait * (1 + self.margin)))))
+            wait *= 1 + self.margin if forecast.measured else 1
+            seconds = int(min(self.max_s, max(1, math.ceil(wait - 1e-9))))
             heapq.heappush(self._booked, (now + seconds, excess_seqs, excess_tokens))
             self._booked_seqs += excess_seqs
             self._booked_tokens += excess_tokens
