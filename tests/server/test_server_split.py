@@ -25,7 +25,7 @@ import psutil
 from tests.helpers import wait_until
 
 TOKEN = "split-admin-token"
-LONG = {"prompt": "1+1=", "max_tokens": 200, "ignore_eos": True, "strategy": "static", "steps": 4}
+LONG = {"prompt": "1+1=", "max_tokens": 64, "ignore_eos": True, "strategy": "static", "steps": 4}  # 64 forwards
 SHORT = {"prompt": "1+1=", "max_tokens": 8}
 
 
@@ -80,31 +80,63 @@ def post_async(url: str, body: dict, out: list, stream: bool = False) -> threadi
     return t
 
 
-def test_both_processes_serve_report_and_stop_cleanly(serve_process):
-    dirs = run_dirs()
-    srv = serve_process()
+def test_both_processes_serve_report_and_stop_on_sigterm_mid_push(serve_process, tiny_model_dir):
+    """/health and /metrics report both processes; then SIGTERM comes half-way through a weight push's data while a
+    generation runs: the generation finishes (drained), the push is applied in the drain window or fails with a
+    clear error, the server exits 0 and nothing of it is left."""
+    from dllm.weights import load_pretrained
+    from weight_sync import WeightSender, WeightSyncError
+
+    dirs, segments = run_dirs(), shm_segments()
+    srv = serve_process("server.max_batch=2", "server.shutdown_timeout=30", env={"DLRL_ADMIN_TOKEN": TOKEN})
     procs = tree(srv.proc.pid)
-    h = health(srv.url)
-    roles = {p["role"]: p for p in h["processes"]}
+    roles = {p["role"]: p for p in health(srv.url)["processes"]}
     assert roles["engine_core"]["mode"] == "process" and roles["engine_core"]["alive"]
     assert roles["api"]["pid"] != roles["engine_core"]["pid"] != srv.proc.pid
     assert {p.pid for p in procs} >= {srv.proc.pid, roles["api"]["pid"], roles["engine_core"]["pid"]}
     r = httpx.post(srv.url + "/generate", json={**SHORT, "n": 2, "seed": 3}, timeout=60)
     assert r.status_code == 200 and len(r.json()["samples"]) == 2
-    events = []
+    events: list = []
     post_async(srv.url, {**SHORT, "seed": 3}, events, stream=True).join(60)
     assert events[0][0] == 200 and events[0][1][-1] == "data: [DONE]"
-    text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[0][1][:-1] if json.loads(e[6:])["choices"])
-    assert text == r.json()["samples"][0]["text"]  # detokenised in the API process: streamed = whole
-    metrics = httpx.get(srv.url + "/metrics", timeout=10).text
-    step_count = [ln for ln in metrics.splitlines() if ln.startswith("dlrl_step_seconds_count")]
-    assert step_count and float(step_count[0].split()[-1]) > 0, "the engine core's families"
+    chunks = [json.loads(e[6:]) for e in events[0][1][:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == r.json()["samples"][0]["text"]
+    metrics = httpx.get(srv.url + "/metrics", timeout=10).text.splitlines()
+    steps = [ln for ln in metrics if ln.startswith("dlrl_step_seconds_count")]
+    assert steps and float(steps[0].split()[-1]) > 0, "the engine core's families"
     assert any(ln.startswith('dlrl_requests_total{endpoint="/generate"') and 'status="200"' in ln
-               and float(ln.split()[-1]) == 1 for ln in metrics.splitlines()), "the API process's families"
-    assert len([ln for ln in metrics.splitlines() if ln.startswith("# TYPE dlrl_step_seconds ")]) == 1
-    srv.proc.send_signal(signal.SIGTERM)
-    assert srv.proc.wait(60) == 0
-    assert not gone(procs) and run_dirs() <= dirs, srv.log()[-3000:]
+               and float(ln.split()[-1]) == 1 for ln in metrics), "the API process's families"
+    assert len([ln for ln in metrics if ln.startswith("# TYPE dlrl_step_seconds ")]) == 1
+
+    named = [(k, v.detach() + 0.001) for k, v in load_pretrained(tiny_model_dir).hf_named_tensors()]
+    gen: list = []
+    generation = post_async(srv.url, LONG, gen)
+    wait_until(lambda: health(srv.url)["num_running"] == 1, 60, "a request decoding")
+    outcome: list = []
+
+    def source():  # SIGTERM comes half-way through the push's data
+        for i, item in enumerate(named):
+            if i == len(named) // 2:
+                srv.proc.send_signal(signal.SIGTERM)
+                time.sleep(0.5)
+            yield item
+
+    def push() -> None:
+        try:
+            with WeightSender([srv.url], transport="http", token=TOKEN, bucket_bytes=1 << 14, timeout=60) as sender:
+                outcome.append(("ok", sender.push(source(), version=1)))
+        except (WeightSyncError, httpx.HTTPError) as e:
+            outcome.append(("error", f"{type(e).__name__}: {e}"))
+
+    pusher = threading.Thread(target=push, daemon=True)
+    pusher.start()
+    pusher.join(120)
+    generation.join(120)
+    assert gen and gen[0][0] == 200, gen  # the generation in flight was drained, not cut
+    assert len(gen[0][1]["samples"][0]["completion_ids"]) == 64
+    assert outcome and (outcome[0][0] == "ok" or outcome[0][1]), outcome  # applied in the drain window, or a clear error
+    assert srv.proc.wait(90) == 0, srv.log()[-3000:]
+    assert not gone(procs) and run_dirs() <= dirs and shm_segments() <= segments
 
 
 def test_kill_9_of_the_engine_core(serve_process):
@@ -144,7 +176,7 @@ def test_kill_9_of_an_api_process_the_core_serves_the_other(serve_process):
     ok = [r for r in results if r[0] == 200]
     failed = [r for r in results if r[0] != 200]
     assert ok and all(r[0] == "error" for r in failed), results  # cut connections, never a wrong 200
-    assert all(len(r[1]["samples"][0]["completion_ids"]) == 200 for r in ok)
+    assert all(len(r[1]["samples"][0]["completion_ids"]) == 64 for r in ok)
     wait_until(lambda: health(srv.url)["num_running"] == 0, 60, "the dead process's sequences freed")
     for _ in range(4):  # whichever process accepts, it answers
         assert httpx.post(srv.url + "/generate", json=SHORT, timeout=60).status_code == 200
@@ -155,41 +187,3 @@ def test_kill_9_of_an_api_process_the_core_serves_the_other(serve_process):
     srv.proc.send_signal(signal.SIGTERM)
     assert srv.proc.wait(60) == 0
     assert not gone(procs)
-
-
-def test_sigterm_during_a_weight_push(serve_process, tiny_model_dir):
-    from dllm.weights import load_pretrained
-    from weight_sync import WeightSender, WeightSyncError
-
-    dirs, segments = run_dirs(), shm_segments()
-    srv = serve_process("server.max_batch=2", "server.shutdown_timeout=30", env={"DLRL_ADMIN_TOKEN": TOKEN})
-    procs = tree(srv.proc.pid)
-    named = [(k, v.detach() + 0.001) for k, v in load_pretrained(tiny_model_dir).hf_named_tensors()]
-    gen: list = []
-    generation = post_async(srv.url, LONG, gen)
-    wait_until(lambda: health(srv.url)["num_running"] == 1, 60, "a request decoding")
-    outcome: list = []
-
-    def source():  # SIGTERM comes half-way through the push's data
-        for i, item in enumerate(named):
-            if i == len(named) // 2:
-                srv.proc.send_signal(signal.SIGTERM)
-                time.sleep(0.5)
-            yield item
-
-    def push() -> None:
-        try:
-            with WeightSender([srv.url], transport="http", token=TOKEN, bucket_bytes=1 << 14, timeout=60) as sender:
-                outcome.append(("ok", sender.push(source(), version=1)))
-        except (WeightSyncError, httpx.HTTPError) as e:
-            outcome.append(("error", f"{type(e).__name__}: {e}"))
-
-    pusher = threading.Thread(target=push, daemon=True)
-    pusher.start()
-    pusher.join(120)
-    generation.join(120)
-    assert gen and gen[0][0] == 200, gen  # the generation in flight was drained, not cut
-    assert len(gen[0][1]["samples"][0]["completion_ids"]) == 200
-    assert outcome and (outcome[0][0] == "ok" or outcome[0][1]), outcome  # applied in the drain window, or a clear error
-    assert srv.proc.wait(90) == 0, srv.log()[-3000:]
-    assert not gone(procs) and run_dirs() <= dirs and shm_segments() <= segments
