@@ -187,7 +187,8 @@ def install(app: FastAPI, config: ServerConfig) -> None:
     back-pressure 429 always. Call after every other add_middleware."""
     st = server_state(app)
     keys = load_keys(config.api_keys_file)
-    quotas = (Quotas(keys, st.admin_token, st.feedback_token, config.max_concurrent_feedback)
+    share = 1.0 / config.api_processes if config.engine_core == "process" else 1.0  # quotas: each its part
+    quotas = (Quotas(keys, st.admin_token, st.feedback_token, config.max_concurrent_feedback, share)
               if keys or config.max_concurrent_feedback else None)
     st.refusals = Refusals(config.resource_log_interval_s)
     quiet_access_log()

@@ -309,8 +309,10 @@ class CoreClient:
         specs = [m.SeqSpec(s.prompt_ids, params_of(s.params), s.deadline, s.deadline_status) for s in seqs]
         try:
             await self._call(m.Submit(rid, specs, stream, max(num_top_logprobs, 0)), rid)
-        except BaseException:
+        except BaseException as e:
             self._reqs.pop(rid, None)
+            if isinstance(e, asyncio.CancelledError) and not self.dead:  # the core may have taken it: undo
+                self._send_nowait(m.Abort(rid))
             raise
         return req
 
