@@ -123,6 +123,11 @@ class Supervisor:
         self.first_signal = self.first_signal or sig
 
     def run(self) -> int:
+        from server.api.auth import resolve_admin_token
+
+        # once, here: a token file created on first start must not be created by each API process
+        self.config = self.config.model_copy(update={"admin_token": resolve_admin_token(
+            self.config.admin_token, self.config.admin_token_file)})
         c = self.config
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
@@ -149,8 +154,9 @@ class Supervisor:
             self._start_api(i, sock.fileno(), self.core.proc.pid)
         self._wait_ready(list(self.apis.values()), 300.0)
         host, port = sock.getsockname()[:2]
-        log.info("listening on http://%s:%d: engine core pid %d, %d API process(es) pid %s", host, port,
-                 self.core.proc.pid, len(self.apis), ", ".join(str(a.proc.pid) for a in self.apis.values()))
+        log.info("listening on http://%s:%d (admin endpoints %s): engine core pid %d, %d API process(es) pid %s", host,
+                 port, "enabled" if c.admin_token else "disabled: no admin token", self.core.proc.pid, len(self.apis),
+                 ", ".join(str(a.proc.pid) for a in self.apis.values()))
         return self._watch(sock)
 
     def _watch(self, sock: socket.socket) -> int:
