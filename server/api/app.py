@@ -81,7 +81,7 @@ def build_app(client: CoreClient, config: ServerConfig, core: CoreThread | None 
         st.executors.install_default(loop)  # bounded, apart from store and weight work
         if core is not None:
             await asyncio.to_thread(core.start)
-            core.on_exit(lambda: _tell(loop, client, "the engine core stopped"))
+            core.on_exit(lambda: None if core.stopping else _tell(loop, client, "the engine core stopped"))
         await client.connect()
         pusher = asyncio.ensure_future(_push_families(st)) if config.api_processes > 1 else None
         yield
@@ -100,6 +100,7 @@ def build_app(client: CoreClient, config: ServerConfig, core: CoreThread | None 
     st = attach(app, ServerState(client, config, metrics=ServerMetrics(model_name=lambda: client.model_name),
                                  admin_token=resolve_admin_token(config.admin_token, config.admin_token_file),
                                  feedback_token=config.resolved_feedback_token()))
+    st.core_thread = core
     if st.feedback_token and st.feedback_token == st.admin_token:
         raise ConfigError("server.feedback_token: must differ from the admin token")
     st.recorder = Recorder.from_config(config, client, st.metrics)

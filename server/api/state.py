@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from server.api.auth_guard import AuthGuard
     from server.api.connections import Refusals
     from server.core.client import CoreClient
+    from server.core.thread import CoreThread
     from server.recording.recording import Recorder
     from server.weights.weight_updates import WeightControl
 
@@ -48,6 +49,7 @@ class ServerState:
     is_draining: bool = False  # set by server.api.lifecycle.drain; read by server.api.middleware.RequestGuard
     num_inflight: int = 0  # generation requests until their last byte is sent (server.api.middleware)
     refusals: Refusals | None = None  # server.api.connections.Refusals (the gate's): refusals counted, logged once per interval
+    core_thread: CoreThread | None = None  # the engine core when it runs on a thread of this process (server.core.thread)
 
     @cached_property
     def executors(self) -> Executors:

@@ -148,6 +148,7 @@ class EngineCore:
         ctx = zmq.asyncio.Context()
         self.sock = bind_core(ctx, address)
         self.outbox = Outbox(self._loop, self._send_outputs, self.load, self._ended)
+        self.engine.add_step_listener(self.outbox.stepped)
         sweep()  # shared-memory regions left by pushers that died
         self.engine.start()
         self.updates.start_capture()  # keep the starting version for rollback
@@ -348,7 +349,9 @@ class EngineCore:
 
     async def _heartbeat(self) -> None:
         while True:
-            await asyncio.sleep(HEARTBEAT_S / 2)
+            await asyncio.sleep(HEARTBEAT_S / 4)
+            if self.outbox.stale(HEARTBEAT_S / 4):  # the engine thread's events outside a step (a deadline, a
+                self.outbox.flush()                  # failed forward): never those of a step being delivered
             now = time.monotonic()
             stale = [p.identity for p in self.peers.values() if now - p.last_sent >= HEARTBEAT_S]
             if stale:

@@ -1,13 +1,17 @@
 """Outbox: the engine's request events gathered into one Outputs message per API process per step.
 
     outbox = Outbox(loop, send, load)               # the engine core's (server.core.engine_core)
+    engine.add_step_listener(outbox.stepped)        # a step's events go out together, once it delivered them
     req = engine.submit(seqs, stream=True, sink=outbox.sink)
     outbox.own(req, peer=b"api-0", rid=7)           # whose request it is (before the loop runs again)
     outbox.drop_peer(b"api-0")                      # that API process is gone: its events are dropped
 
 The engine hands each event to `sink` on its own thread with its lock held (server.engine.engine:
-`submit(sink=...)`): the sink only appends it and, for the first event since the last flush, wakes
-the core's event loop once. `flush` (on the loop) turns everything gathered into messages: a
+`submit(sink=...)`): the sink only appends it. The engine's step listener (`stepped`, called once a
+step delivered all its events) then wakes the core's event loop once; events that come from another
+thread (an abort, a shutdown) wake it at once, and those of the engine thread outside a step (a
+deadline passed while nothing runs, a failed forward) go with the next heartbeat flush
+(server.core.engine_core). `flush` (on the loop) turns everything gathered into messages: a
 streamed sequence's new completion ids (`Update`: only the ids it did not send yet), an ended one's
 final record (`Done`: the rest of its ids, its trace, error, top log-probabilities, timings), a
 failed one's error (`Failed`); grouped by API process, each group one `Outputs` with the core's
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -57,15 +62,35 @@ class Outbox:
         self._lock = threading.Lock()
         self._events: list[tuple[Request, tuple[Any, ...]]] = []
         self._scheduled = False
+        self._engine_thread: int | None = None  # learnt from the first step
+        self._since = 0.0  # when the first event since the last flush came
         self._owned: dict[str, _Owned] = {}  # request_id -> whose it is
 
     def sink(self, req: Request, event: tuple[Any, ...]) -> None:
-        """(engine thread, or the loop) Gather one event; wake the loop for the first since the last flush."""
+        """Gather one event; from another thread than the engine's, wake the loop (once until the flush)."""
         with self._lock:
+            if not self._events:
+                self._since = time.monotonic()
             self._events.append((req, event))
-            if self._scheduled:
+            if self._scheduled or threading.get_ident() == self._engine_thread:
                 return
             self._scheduled = True
+        self._wake()
+
+    def stepped(self, stats: object = None) -> None:
+        """(engine thread, the step listener) The step delivered its events: wake the loop to send them."""
+        self._engine_thread = threading.get_ident()
+        with self._lock:
+            if self._scheduled or not self._events:
+                return
+            self._scheduled = True
+        self._wake()
+
+    def stale(self, age_s: float) -> bool:
+        """Events have waited longer than `age_s` without a flush (the engine thread's, outside a step)."""
+        return bool(self._events) and time.monotonic() - self._since > age_s
+
+    def _wake(self) -> None:
         try:
             self._loop.call_soon_threadsafe(self.flush)
         except RuntimeError:  # the loop is closed: the core is stopping

@@ -36,6 +36,7 @@ class CoreThread:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._exit: list[Callable[[], None]] = []
+        self.stopping = False  # stop() was called: its end is expected
         self._thread = threading.Thread(target=self._run, name="dlrl-core", daemon=True)
 
     def start(self, timeout: float = 60.0) -> None:
@@ -68,6 +69,7 @@ class CoreThread:
                     log.exception("engine core exit callback failed")
 
     def stop(self, timeout: float = 30.0) -> None:
+        self.stopping = True
         self.core.stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
