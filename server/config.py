@@ -46,6 +46,8 @@ class ServerConfig(Config):
     dtype: Dtype = "auto"            # auto = bf16 on CUDA, fp32 on CPU
     engine_core: Literal["process", "thread"] = "process"  # the step loop in its own process, or a thread of the API's
     api_processes: int = Field(1, ge=1, le=64)  # HTTP processes sharing the port (engine_core=process; server/core)
+    api_nice: int = Field(0, ge=0, le=19)  # engine_core=process: added to the API processes' nice value, so that
+    # under CPU contention (a flood on a small box) the engine core's step loop gets the CPU first
     max_batch: int = Field(16, ge=1)   # max concurrently decoded sequences (the KV-cache pages may allow fewer)
     max_queue: int = Field(256, ge=1)  # max waiting sequences before 429
     max_queue_tokens: int = Field(0, ge=0)  # max prompt + max_tokens of waiting sequences (0 = 4x the KV cache)

@@ -59,10 +59,11 @@ def create_app(engine: Engine, config: ServerConfig | None = None, model_path: s
 
 
 def create_api_app(config: ServerConfig, address: str, *, index: int = 0, core_pid: int | None = None,
-                   on_core_exit: Callable[[str], None] | None = None) -> FastAPI:
-    """The app of an API process whose engine core is another process, at `address` (server.core.process)."""
+                   on_core_exit: Callable[[str], None] | None = None, connect_timeout: float = 3600.0) -> FastAPI:
+    """The app of an API process whose engine core is another process, at `address` (server.core.process);
+    its startup waits for the core (loading a model may take long: its death is seen at once)."""
     client = CoreClient(address, index, core_pid=core_pid, trust_remote_code=config.trust_remote_code,
-                        on_core_exit=on_core_exit)
+                        on_core_exit=on_core_exit, connect_timeout=connect_timeout)
     return build_app(client, config)
 
 

@@ -162,8 +162,9 @@ class QueueView:
 
 class CoreClient:
     def __init__(self, address: str, index: int = 0, *, core_pid: int | None = None, tokenizer: Any = None,
-                 trust_remote_code: bool = False, on_core_exit: Callable[[str], None] | None = None):
-        self.address, self.index, self.core_pid = address, index, core_pid
+                 trust_remote_code: bool = False, on_core_exit: Callable[[str], None] | None = None,
+                 connect_timeout: float = CONNECT_TIMEOUT_S):
+        self.address, self.index, self.core_pid, self.connect_timeout = address, index, core_pid, connect_timeout
         self.trust_remote_code, self.on_core_exit = trust_remote_code, on_core_exit
         self.tokenizer, self._detok = tokenizer, None
         self.dead = ""  # why the engine core is gone ("" while it serves)
@@ -180,8 +181,10 @@ class CoreClient:
         self._unwatch: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ connection
-    async def connect(self, timeout: float = CONNECT_TIMEOUT_S) -> None:
-        """Say hello to the core and learn the served model (its facts), load this process's tokenizer."""
+    async def connect(self, timeout: float | None = None) -> None:
+        """Say hello to the core (queued until it listens) and learn the served model (its facts), load this
+        process's tokenizer."""
+        timeout = self.connect_timeout if timeout is None else timeout
         self._ctx = zmq.asyncio.Context()
         self._sock = connect_api(self._ctx, self.address, self.index)
         self._tasks.append(asyncio.ensure_future(self._receive()))

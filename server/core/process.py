@@ -80,6 +80,10 @@ def run_core(args: argparse.Namespace, config: ServerConfig) -> int:
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, core.stop)
         await core.serve(args.address, lambda: _ready(args.ready_fd, pid=os.getpid()))
 
+    if config.resolved_loop() == "uvloop":  # server.loop: the core's message loop too
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     asyncio.run(main())
     return 0
 
@@ -89,6 +93,8 @@ def run_api(args: argparse.Namespace, config: ServerConfig) -> int:
     from server.api.lifecycle import http_server
 
     _logging(config, f"api-{args.index}")
+    if config.api_nice:
+        os.nice(config.api_nice)
     status = {"code": 0}
     server = None
 

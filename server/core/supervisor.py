@@ -8,8 +8,9 @@
       |- ...           (server.api_processes of them)
 
 Start: the listening socket is bound first (a busy port is an error before anything loads), then the
-engine core is started and waited for (its load errors are `dlrl serve`'s: exit 2), then the API
-processes, each handed the socket and the core's pid; `dlrl serve` is ready when they all are.
+engine core and the API processes start together (each API process is handed the socket and the core's
+pid, and says hello once the core listens); the core's load errors are `dlrl serve`'s (exit 2), and
+`dlrl serve` is ready when they all are.
 Stop (SIGTERM / SIGINT, once): every API process drains (new requests 503, those in flight finish,
 up to `server.shutdown_timeout`, then aborted) and exits; then the engine core stops; exit 0. A
 second signal stops the API processes at once. The channel's socket folder is removed at the end.
@@ -149,9 +150,9 @@ class Supervisor:
     def _serve(self, sock: socket.socket) -> int:
         c = self.config
         self.core = self._spawn("the engine core", ["core", "--model", self.model_path])
-        self._wait_ready([self.core], START_TIMEOUT_S)
-        for i in range(c.api_processes):
+        for i in range(c.api_processes):  # they start while the core loads the model, and wait for it
             self._start_api(i, sock.fileno(), self.core.proc.pid)
+        self._wait_ready([self.core], START_TIMEOUT_S)
         self._wait_ready(list(self.apis.values()), 300.0)
         host, port = sock.getsockname()[:2]
         log.info("listening on http://%s:%d (admin endpoints %s): engine core pid %d, %d API process(es) pid %s", host,

@@ -14,6 +14,7 @@ channel folder removed, no shared-memory segment of ours in /dev/shm.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -46,12 +47,25 @@ def gone(procs: list[psutil.Process]) -> list[str]:
     return left
 
 
-def run_dirs() -> set[str]:
-    return {p.name for p in Path("/tmp").glob("dlrl-serve-*")}
+def run_dir(procs: list[psutil.Process]) -> Path:
+    """The server's channel folder (from its engine core's --address ipc:///tmp/dlrl-serve-XXXX/core.sock)."""
+    for p in procs:
+        cmd = p.cmdline()
+        if "core" in cmd and "--address" in cmd:
+            return Path(cmd[cmd.index("--address") + 1].removeprefix("ipc://")).parent
+    raise AssertionError("no engine core in the server's process tree")
 
 
-def shm_segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("dlrl_ws_*")} if Path("/dev/shm").is_dir() else set()
+def segments(procs: list[psutil.Process]) -> set[str]:
+    """Shared-memory segments of weight sync made by a process of `procs` or this test (dlrl_ws_<tag>_<pid>_*)."""
+    pids = {str(p.pid) for p in procs} | {str(os.getpid())}
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.glob("dlrl_ws_*") if p.name.split("_")[-2] in pids} if shm.is_dir() else set()
+
+
+def left_behind(procs: list[psutil.Process], folder: Path) -> list[str]:
+    """What a stopped server left: processes, its channel folder, shared-memory segments."""
+    return gone(procs) + ([str(folder)] if folder.exists() else []) + sorted(segments(procs))
 
 
 def health(url: str) -> dict:
@@ -87,9 +101,9 @@ def test_both_processes_serve_report_and_stop_on_sigterm_mid_push(serve_process,
     from dllm.weights import load_pretrained
     from weight_sync import WeightSender, WeightSyncError
 
-    dirs, segments = run_dirs(), shm_segments()
     srv = serve_process("server.max_batch=2", "server.shutdown_timeout=30", env={"DLRL_ADMIN_TOKEN": TOKEN})
     procs = tree(srv.proc.pid)
+    folder = run_dir(procs)
     roles = {p["role"]: p for p in health(srv.url)["processes"]}
     assert roles["engine_core"]["mode"] == "process" and roles["engine_core"]["alive"]
     assert roles["api"]["pid"] != roles["engine_core"]["pid"] != srv.proc.pid
@@ -136,14 +150,16 @@ def test_both_processes_serve_report_and_stop_on_sigterm_mid_push(serve_process,
     assert len(gen[0][1]["samples"][0]["completion_ids"]) == 64
     assert outcome and (outcome[0][0] == "ok" or outcome[0][1]), outcome  # applied in the drain window, or a clear error
     assert srv.proc.wait(90) == 0, srv.log()[-3000:]
-    assert not gone(procs) and run_dirs() <= dirs and shm_segments() <= segments
+    assert not left_behind(procs, folder)
 
 
-def test_kill_9_of_the_engine_core(serve_process):
-    dirs, segments = run_dirs(), shm_segments()
-    srv = serve_process("server.max_batch=2")
+def test_kill_9_of_the_engine_core(serve_process, tmp_path):
+    store = tmp_path / "fb.db"
+    srv = serve_process("server.max_batch=2", "server.record=all", f"server.store={store}")
     procs = tree(srv.proc.pid)
+    folder = run_dir(procs)
     core = pids(srv.url)["engine_core"]
+    done = httpx.post(srv.url + "/generate", json=SHORT, timeout=60).json()["samples"][0]  # acknowledged before
     plain, streamed = [], []
     threads = [post_async(srv.url, LONG, plain), post_async(srv.url, LONG, streamed, stream=True)]
     wait_until(lambda: health(srv.url)["num_running"] == 2, 60, "both requests decoding")
@@ -156,9 +172,12 @@ def test_kill_9_of_the_engine_core(serve_process):
     assert status == 200 and any('"code": 503' in e and "engine core" in e for e in events), events
     code = srv.proc.wait(60)
     assert code != 0, "the server exits non-zero when its engine core died"
-    assert not gone(procs), gone(procs)
-    assert run_dirs() <= dirs and shm_segments() <= segments
+    assert not left_behind(procs, folder), left_behind(procs, folder)
     assert "exited with signal SIGKILL" in srv.log()
+    from store import open_store
+
+    record = open_store(str(store)).get_record(done["record_id"])  # what was acknowledged is kept
+    assert record is not None and record.completion_ids == done["completion_ids"]
 
 
 def test_kill_9_of_an_api_process_the_core_serves_the_other(serve_process):
@@ -183,7 +202,7 @@ def test_kill_9_of_an_api_process_the_core_serves_the_other(serve_process):
     wait_until(lambda: len({p.pid for p in tree(srv.proc.pid) if "api" in p.cmdline()} - {victim}) == 2, 120,
                "the dead API process started again")
     assert "API process" in srv.log() and "starting it again" in srv.log()
-    procs = tree(srv.proc.pid)
+    procs, folder = tree(srv.proc.pid), run_dir(tree(srv.proc.pid))
     srv.proc.send_signal(signal.SIGTERM)
     assert srv.proc.wait(60) == 0
-    assert not gone(procs)
+    assert not left_behind(procs, folder)
