@@ -82,6 +82,8 @@ class Postprocessor:
         self.eos_ids, self.tokenizer = set(eos_ids), tokenizer
         self.max_len, self.block_size = max_len, block_size
         self.num_tokens = 0  # completion tokens committed so far
+        self.text_for_stops_only = False  # True: only sequences with stop strings are decoded to text (the
+        # server's engine core: its API processes detokenise what they send, server.core.client)
 
     def decide(self, outputs: Iterable[SeqOutput]) -> list[Ended]:
         """Apply one step's outputs (completed blocks committed); returns the sequences that ended and why
@@ -118,7 +120,7 @@ class Postprocessor:
         if not p.ignore_eos and not stop_ids.isdisjoint(new_ids):
             keep, reason = next(i for i, t in enumerate(new_ids) if t in stop_ids) + 1, FinishReason.STOP
         room = p.max_tokens - len(s.completion_ids)
-        if s.text_stream is None and self.tokenizer is not None:
+        if s.text_stream is None and self.tokenizer is not None and (p.stop or not self.text_for_stops_only):
             s.text_stream = TextStream(self.tokenizer, p.stop)
         if s.text_stream is not None:
             n = s.text_stream.push(new_ids[:min(keep, room)])  # decodes only the new tokens

@@ -50,6 +50,10 @@ class ServerConfig(Config):
     rng: Literal["counter", "official"] = "counter"  # full attention: counter-based noise | the official rollouts' torch draws (bit-identical seeded rollouts)
     device: str = "auto"             # auto | cpu | cuda | cuda:N
     dtype: Dtype = "auto"            # auto = bf16 on CUDA, fp32 on CPU
+    engine_core: Literal["process", "thread"] = "process"  # the step loop in its own process, or a thread of the API's
+    api_processes: int = Field(1, ge=1, le=64)  # HTTP processes sharing the port (engine_core=process; server/core)
+    api_nice: int = Field(0, ge=0, le=19)  # engine_core=process: added to the API processes' nice value, so that
+    # under CPU contention (a flood on a small box) the engine core's step loop gets the CPU first
     max_batch: int = Field(16, ge=1)   # max concurrently decoded sequences (the KV-cache pages may allow fewer)
     max_queue: int = Field(256, ge=1)  # max waiting sequences before 429
     max_queue_tokens: int = Field(0, ge=0)  # max prompt + max_tokens of waiting sequences (0 = 4x the KV cache)
@@ -123,6 +127,9 @@ class ServerConfig(Config):
             if getattr(self, key) == module and not _installed(module):
                 raise ValueError(f"server.{key}: {module} is not installed (pip install '.[server]' or "
                                  f"pip install {module}); use server.{key}=auto or the pure-Python default")
+        if self.api_processes > 1 and self.engine_core == "thread":
+            raise ValueError(f"server.api_processes: {self.api_processes} API processes need the engine in its own "
+                             "process (server.engine_core=process); with engine_core=thread there is one process")
         if self.listen_backlog >= self.fd_reserve:
             raise ValueError(f"server.listen_backlog: {self.listen_backlog} must be below server.fd_reserve "
                              f"({self.fd_reserve}): a burst of accepted connections needs free descriptors")

@@ -130,6 +130,12 @@ def served_process(model_dir: str, token: str, log_dir: Path, *overrides: str) -
         srv.kill(signal.SIGTERM)
 
 
+def engine_core_pid(url: str) -> int:
+    """The pid of a `dlrl serve`'s engine core (where the model and the weight receiver live), from /health."""
+    processes = httpx.get(url + "/health", timeout=10).json()["processes"]
+    return next(p["pid"] for p in processes if p["role"] == "engine_core")
+
+
 def admin_get(url: str, path: str, token: str) -> dict:
     return httpx.get(url + path, headers={"Authorization": f"Bearer {token}"}, timeout=30).json()
 

@@ -1,4 +1,4 @@
-"""Prompt log-likelihoods behind the generation API (dllm.likelihood run on the engine thread).
+"""Prompt log-likelihoods behind the generation API (dllm.likelihood run by the engine core, between steps).
 
     POST /generate        {"prompt": "12+7=19", "max_tokens": 0, "prompt_logprobs": 0}
     POST /v1/completions  {"prompt": "12+7=19", "echo": true, "logprobs": 1, "max_tokens": 0}
@@ -8,8 +8,9 @@ decoding policy) or `elbo` (`server.elbo_samples` seeded Monte Carlo samples of 
 ELBO; the request's `seed`, else 0). A full-attention model (LLaDA, Dream) is always scored by LLaDA's
 ELBO, for every context / continuation split (dllm.full.likelihood; `sequential` is a 400). An ELBO
 reports per token the standard error of the sum from that token on (`prompt_logprobs_stderr`,
-OpenAI `logprobs.suffix_stderr`) and its number of samples. Each prompt runs as one `Engine.call_between_steps` (so
-decoding of other requests interleaves, and the weights do not change during it); the response
+OpenAI `logprobs.suffix_stderr`) and its number of samples. Each prompt runs in the engine core as one
+`Engine.call_between_steps` (server.core: `Score`; so decoding of other requests interleaves, and the
+weights do not change during it); the response
 carries the version that scored it. Completions with echo + logprobs and max_tokens > 0 (as
 lm-eval-harness's local-completions sends: max_tokens 1, reading all but the last entry; unset:
 server.default_max_tokens) also generate, and the completion's logprobs follow the prompt's.
@@ -21,14 +22,13 @@ the API key's token rate (server.api.quotas), more scoring calls waiting than se
 
 from __future__ import annotations
 
-import asyncio
 import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from dllm.likelihood import Method, TokenScores, prompt_logprobs
+from dllm.likelihood import Method, TokenScores
 from rollout_client.protocol.common import DecodingOptions, Usage, new_id
 from rollout_client.protocol.native import GenerateRequest, GenerateResponse, Sample
 from rollout_client.protocol.openai import (
@@ -45,7 +45,7 @@ from server.api.state import server_state
 
 if TYPE_CHECKING:
     from server.api.state import ServerState
-    from server.engine.engine import Engine
+    from server.core.client import CoreClient as Engine
 
 _pending: weakref.WeakKeyDictionary[Engine, int] = weakref.WeakKeyDictionary()  # scoring calls not yet done
 
@@ -85,20 +85,12 @@ async def score(st: ServerState, prompts: list[str | list[int]], field: str, opt
     if _pending.get(engine, 0) + len(ids_list) > engine.scheduler.max_queue:
         raise APIError(429, "too many prompt log-likelihoods waiting; retry later", None, {"Retry-After": "1"})
     how: Method = "elbo" if full else (method or st.config.likelihood)
-    samples, seed_ = st.config.elbo_samples, opts.seed or 0
-    model = engine.model
-
-    def job(ids: list[int]) -> Any:
-        return lambda: (prompt_logprobs(model, [ids], how, top_k=top_k, num_samples=samples, seed=seed_)[0],
-                        engine.version)
-
     _pending[engine] = _pending.get(engine, 0) + len(ids_list)
     try:
-        futures = [engine.call_between_steps(job(ids)) for ids in ids_list]
-        results = await asyncio.gather(*futures)
+        results, version = await engine.score(ids_list, how, top_k, st.config.elbo_samples, opts.seed or 0)
     finally:
         _pending[engine] -= len(ids_list)
-    return ids_list, [r[0] for r in results], max(r[1] for r in results)
+    return ids_list, [TokenScores(lp, top, rows, err, n) for lp, top, rows, err, n in results], version
 
 
 def likelihood_of(st: ServerState, asked: Method | None) -> Method:

@@ -205,11 +205,15 @@ class Engine:
                 seqs.append(self.backend.new_sequence(ids, p))
         return seqs
 
-    def submit(self, seqs: list[ServerSequence], stream: bool = False, num_top_logprobs: int = 0) -> Request:
+    def submit(self, seqs: list[ServerSequence], stream: bool = False, num_top_logprobs: int = 0,
+               sink: Callable[[Request, tuple], None] | None = None) -> Request:
         """Queue the sequences of one request (call from the event loop). Raises QueueFull.
         With `num_top_logprobs` k > 0 each finished sequence gets `seq.top_logprobs`
-        (per completion token the k most likely (id, logprob); see Runner.top_logprobs)."""
-        req = Request(uuid.uuid4().hex, seqs, asyncio.get_running_loop(), stream=stream)
+        (per completion token the k most likely (id, logprob); see Runner.top_logprobs).
+        With a `sink`, the request's events are handed to `sink(request, event)` where they happen (the
+        engine thread, with the engine's lock held: it must only queue them) instead of to `events()`:
+        the engine core batches a step's events of every request into one message (server.core)."""
+        req = Request(uuid.uuid4().hex, seqs, asyncio.get_running_loop(), stream=stream, sink=sink)
         with self._cond:
             if not self.is_running:
                 raise EngineStopped("engine is not running")

@@ -48,7 +48,8 @@ asyncio queue its handler reads events from (filled from the engine thread).
 Back-pressure: the queue is bounded in sequences (`max_queue`) and in tokens
 (`max_queue_tokens`: prompt + max_tokens of every waiting sequence, what they will need in
 KV pages; 0 = unbounded); a request over either bound is refused (429) with a `retry_after`
-from its place in the queue and the measured service rate (server.engine.retry_after.RetryAfter). A request waits
+from the work ahead of it: the tokens the running and waiting sequences have left to decode at the
+measured decode rate (server.engine.retry_after.RetryAfter; `forecast()`). A request waits
 in the queue until its pages are free, at most until its deadline (`seq.deadline`,
 server.api.generation.request_deadline), when `schedule` aborts it (its error names the reason:
 503/408, its slots and pages freed).
@@ -60,6 +61,7 @@ import asyncio
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dllm import scheduler as core
@@ -67,7 +69,7 @@ from dllm.block_manager import KVBudget
 from dllm.postprocess import Postprocessor, StepOutput
 from dllm.scheduler import ScheduledBatch
 from dllm.trace import FinishReason
-from server.engine.retry_after import RetryAfter
+from server.engine.retry_after import Forecast, RetryAfter, Work
 from server.engine.sequence import SeqStatus, ServerSequence
 
 __all__ = ["InvalidTransition", "KVBudget", "QueueFull", "Request", "ScheduledBatch", "Scheduler", "seq_tokens"]
@@ -103,6 +105,7 @@ class Request:
     num_done: int = 0
     is_aborted: bool = False
     expired: str = ""                    # why the request was aborted at its deadline ("" = it was not)
+    sink: Callable[[Request, tuple], None] | None = None  # events go here (engine thread) instead of `events`
 
     def __post_init__(self) -> None:
         self.index_of = {s.seq_id: i for i, s in enumerate(self.seqs)}
@@ -116,7 +119,10 @@ class Request:
         return self.num_done == len(self.seqs)
 
     def emit(self, event: tuple) -> None:
-        """Thread-safe: hand an event to the request's handler on its event loop."""
+        """Thread-safe: hand an event to the request's handler on its event loop (or to its `sink`, at once)."""
+        if self.sink is not None:
+            self.sink(self, event)
+            return
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # loop closed: the client is gone
@@ -132,7 +138,7 @@ class Scheduler(core.Scheduler[ServerSequence]):
                          post or Postprocessor(eos_ids=(), tokenizer=None, max_len=sys.maxsize, block_size=1))
         self.max_queue, self.max_queue_tokens = max_queue, max_queue_tokens
         self.waiting_tokens = 0
-        self.retry = RetryAfter()  # server.engine.retry_after: Retry-After from the queue and the admission rate
+        self.retry = RetryAfter()  # server.engine.retry_after: Retry-After from the work ahead and the decode rate
         self._finished: deque[tuple[float, int]] = deque()  # (time, tokens) of recently finished sequences
         self._with_deadline: list[tuple[float, Request]] = []  # (its deadline, a request that has one)
         self._releasing: list[ServerSequence] = []  # running sequences aborted by a client, a deadline or pause
@@ -198,7 +204,19 @@ class Scheduler(core.Scheduler[ServerSequence]):
 
     def retry_after(self, excess_seqs: int, excess_tokens: int) -> int:
         """Seconds until a refused request fits, `excess` waiting sequences / tokens ahead (server.engine.retry_after)."""
-        return self.retry.estimate(excess_seqs, excess_tokens, len(self._running))
+        now = time.monotonic()
+        return self.retry.estimate(excess_seqs, excess_tokens, self.forecast(now), now)
+
+    def forecast(self, now: float) -> Forecast:
+        """When the waiting sequences leave the queue, from the work ahead (server.engine.retry_after)."""
+        share = self.retry.share()
+        kv = self.blocks.budget  # the block manager's: pages held are the sequence's page table
+        running = [Work(self.retry.expected(s.params.max_tokens, len(s.completion_ids), share), seq_tokens(s),
+                        len(s.block_table)) for s in tuple(self._running)]
+        waiting = [Work(self.retry.expected(s.params.max_tokens, len(s.completion_ids), share), seq_tokens(s),
+                        kv.pages_for(s)) for s in tuple(self._waiting)]
+        return self.retry.forecast(running, waiting, self.num_free_slots, self.free_pages if kv.num_pages else None,
+                                   kv.num_slots, now)
 
     def schedule(self, *, version: int, paused: bool = False, now: float = 0.0) -> ScheduledBatch[ServerSequence]:
         """One step's batch: abort expired requests, take the released sequences out of the batch (their
@@ -220,6 +238,7 @@ class Scheduler(core.Scheduler[ServerSequence]):
         """The runner's outputs -> the sequences that ended (stop ids, stop strings, max_tokens, a failed
         row; finish reason set once); they give back their slot and pages (then the engine finishes them)."""
         ended = super().postprocess(batch, out)
+        self.retry.stepped(len(batch.running), out.num_committed, now)  # the decode rate (retry_after)
         for seq in batch.running:
             if seq.first_token_at is None and seq.completion_ids:
                 seq.first_token_at = now
@@ -313,7 +332,7 @@ class Scheduler(core.Scheduler[ServerSequence]):
         """The recent throughput (retry_after): this sequence's tokens finished now."""
         now = time.monotonic()
         self._finished.append((now, seq_tokens(seq)))
-        self.retry.finished(now - (seq.admitted_at if seq.admitted_at is not None else now), seq_tokens(seq), now)
+        self.retry.finished(len(seq.completion_ids), int(seq.params.max_tokens))
         while self._finished[0][0] < now - THROUGHPUT_WINDOW_S:
             self._finished.popleft()
 
