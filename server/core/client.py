@@ -491,7 +491,8 @@ class CoreClient:
             prompt_len=len(seq.prompt_ids), block_size=seq.block_size, steps=t.steps, logprobs=t.logprobs,
             version=t.version, finish_reason=FinishReason(t.finish_reason) if t.finish_reason else None,
             tail_ids=t.tail_ids, tail_steps=t.tail_steps, cache_mode=t.cache_mode, canvas_len=t.canvas_len,
-            trace_free=t.trace_free, backend=t.backend)
+            trace_free=t.trace_free, backend=t.backend, block_origin=t.block_origin, schedule=t.schedule,
+            further_horizon=t.further_horizon)
         seq.error, seq.num_forwards, seq.status = ev.error, ev.num_forwards, SeqStatus.FINISHED
         seq.top_logprobs = [list(row) for row in ev.top_logprobs] if ev.top_logprobs is not None else None
         seq.params.stop_token_ids = ev.stop_token_ids

@@ -131,6 +131,9 @@ class TraceEnd(msgspec.Struct, array_like=True):
     canvas_len: int | None
     trace_free: bool
     backend: str
+    block_origin: int = 0
+    schedule: str | None = None
+    further_horizon: int | None = None
 
 
 class Family(msgspec.Struct, array_like=True):

@@ -80,3 +80,13 @@ def test_a_steps_outputs_for_every_sequence_go_out_as_one_message(server):
     steps = server.engine.num_steps - steps0
     assert len(sent) <= steps + 8, (len(sent), steps)  # about one message per step, never one per sequence
     assert max(n for _, n in sent) >= 4  # a message carried the sequences of several requests
+
+
+def test_a_trace_crosses_the_channel_whole():
+    """Every field of dllm.trace.Trace reaches the API process (TraceEnd carries all but what the API knows:
+    prompt_len, block_size): a field added to Trace and not to TraceEnd would silently fall back to its
+    default in every response and record (block_origin once did)."""
+    from dllm.trace import Trace
+    from server.core.messages import TraceEnd
+
+    assert set(Trace.model_fields) - {"prompt_len", "block_size"} == set(TraceEnd.__struct_fields__)
