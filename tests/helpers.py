@@ -114,6 +114,39 @@ def served_process(model_dir: str, token: str, log_dir: Path, *overrides: str) -
         srv.kill(signal.SIGTERM)
 
 
+def shm_in_use() -> set[str]:
+    """Names of the /dev/shm segments some live process has open or mapped (/proc/*/fd, /proc/*/maps)."""
+    used: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for fd in (proc / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("/dev/shm/"):
+                    used.add(target[len("/dev/shm/"):].removesuffix(" (deleted)"))
+            for line in (proc / "maps").read_text().splitlines():
+                if " /dev/shm/" in line:
+                    used.add(line.split(" /dev/shm/", 1)[1].removesuffix(" (deleted)"))
+        except OSError:  # the process exited meanwhile, or is not ours to read
+            continue
+    return used
+
+
+def shm_left_behind(before: set[str], settle_s: float = 1.0) -> set[str]:
+    """Segments created since `before` (a listing of /dev/shm) that no live process holds: leaked ones.
+    Segments that other tests' live processes hold (the suite runs on parallel workers) are not leaks;
+    one whose creator is unlinking it right now is gone after `settle_s`."""
+    def candidates() -> set[str]:
+        return set(os.listdir("/dev/shm")) - before - shm_in_use()
+
+    left = candidates()
+    if left:
+        time.sleep(settle_s)
+        left &= candidates()
+    return left
+
+
 def admin_get(url: str, path: str, token: str) -> dict:
     return httpx.get(url + path, headers={"Authorization": f"Bearer {token}"}, timeout=30).json()
 

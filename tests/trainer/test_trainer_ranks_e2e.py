@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from dllm.weights import load_pretrained
-from tests.helpers import admin_get, free_port, start_server_process, wait_until, write_train_config
+from tests.helpers import (admin_get, free_port, shm_left_behind, start_server_process, wait_until,
+                           write_train_config)
 from weight_sync import weights_digest
 
 TOKEN = "ranks-token"
@@ -132,7 +133,7 @@ def test_sigterm_checkpoints_stops_its_server_and_exits_zero(tiny_model_dir, tmp
     assert f"step{state['step']}" == tag
     with pytest.raises(httpx.HTTPError):  # the server it started is gone
         httpx.get(url + "/health", timeout=2)
-    assert set(os.listdir("/dev/shm")) <= shm_before  # no shared-memory segment left behind
+    assert not shm_left_behind(shm_before)  # no shared-memory segment left behind
 
 
 def test_servers_die_with_a_sigkilled_trainer(tiny_model_dir, tmp_path):
