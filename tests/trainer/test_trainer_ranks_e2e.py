@@ -15,8 +15,14 @@ import httpx
 import pytest
 
 from dllm.weights import load_pretrained
-from tests.helpers import (admin_get, free_port, shm_left_behind, start_server_process, wait_until,
-                           write_train_config)
+from tests.helpers import (
+    admin_get,
+    free_port,
+    shm_left_behind,
+    start_server_processes,
+    wait_until,
+    write_train_config,
+)
 from weight_sync import weights_digest
 
 TOKEN = "ranks-token"
@@ -46,7 +52,7 @@ def pushed_digests(tmp: Path) -> dict[int, str]:
 
 @pytest.fixture
 def two_servers(tiny_model_dir, tmp_path):
-    servers = [start_server_process(tiny_model_dir, TOKEN, tmp_path) for _ in range(2)]
+    servers = start_server_processes(2, tiny_model_dir, TOKEN, tmp_path)
     yield servers
     for s in servers:
         s.kill(signal.SIGTERM)
