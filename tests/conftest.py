@@ -237,6 +237,15 @@ def make_server_for():
 
 
 @pytest.fixture(scope="session")
+def one_rank():
+    """This process as a torch.distributed group of one (gloo, in-memory store; trainer.infra.dist.Ranks): for
+    DeepSpeed engines built in the test process (tests/trainer/ranks_worker.py's cases)."""
+    from trainer.infra.dist import Ranks
+
+    return Ranks.init()
+
+
+@pytest.fixture(scope="session")
 def postgres():
     """A real PostgreSQL server for the session (tests/postgres.py), started on first use."""
     from tests.postgres import PostgresServer

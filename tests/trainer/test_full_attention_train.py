@@ -1,50 +1,42 @@
 """TraceRL / DiPO on a full-attention (LLaDA-layout) policy from its traces: the real `trainer.loop.learn`
 step (rewards, advantages, full-attention replay rows, DeepSpeed updates) in-process, the behaviour
 log-probs taken from the sampler (exact mode: the trainer's replay reproduces them; prefix-cache mode: the
-mismatch is measured and the TIS correction sees it), and two ranks making the same update as one."""
+mismatch is measured and the TIS correction sees it). Two ranks making the same update as one: test_ranks.py
+(the `full` cases of ranks_worker.py)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.trainer.full_ranks_worker import CASES, global_rollouts, make_policy, run_case
-
-WORKER = Path(__file__).with_name("full_ranks_worker.py")
+from tests.trainer.ranks_worker import global_rollouts, make_policy, run_case
 
 
-@pytest.fixture(scope="module")
-def ranks() -> Any:
-    from trainer.infra.dist import Ranks
-
-    return Ranks.init()
+def rollouts(cache_mode: str) -> list:
+    return global_rollouts(make_policy("full"), "full", cache_mode)
 
 
 def _changed(result: dict) -> bool:
-    initial = dict(make_policy().hf_named_tensors())
+    initial = dict(make_policy("full").hf_named_tensors())
     return any(not torch.equal(p, initial[n]) for n, p in result["policy"].items())
 
 
-def test_tracerl_exact_mode_replays_the_sampler_and_trains(ranks: Any) -> None:
-    rollouts = global_rollouts(make_policy(), "exact")
-    assert all(r.trace.cache_mode == "exact" for r in rollouts)
-    out = run_case(ranks, "tracerl", 0, rollouts)
+def test_tracerl_exact_mode_replays_the_sampler_and_trains(one_rank: Any) -> None:
+    exact = rollouts("exact")
+    assert all(r.trace.cache_mode == "exact" for r in exact)
+    out = run_case(one_rank, "full", "tracerl", 0, exact)
     m = out["metrics"]
     assert m["num_samples"] == 16 and m["num_rows"] > 16  # one row per trace step of every sample
     assert m["mismatch_abs_max"] < 1e-4  # behaviour log-probs of the sampler == the trainer's replay
     assert _changed(out) and "pg_loss" in m
 
 
-def test_prefix_cache_rollouts_show_a_mismatch_that_tis_corrects(ranks: Any) -> None:
-    rollouts = global_rollouts(make_policy(), "prefix")
-    assert all(r.trace.cache_mode == "prefix" for r in rollouts)
-    out = run_case(ranks, "tracerl", 0, rollouts, is_correction="tis", is_cap=2.0)
+def test_prefix_cache_rollouts_show_a_mismatch_that_tis_corrects(one_rank: Any) -> None:
+    prefix = rollouts("prefix")
+    assert all(r.trace.cache_mode == "prefix" for r in prefix)
+    out = run_case(one_rank, "full", "tracerl", 0, prefix, is_correction="tis", is_cap=2.0)
     m = out["metrics"]
     assert m["mismatch_abs_max"] > 1e-6  # the prefix cache's stale K/V, measured per token
     assert "is_weight_mean" in m and m["is_weight_mean"] != pytest.approx(1.0, abs=1e-9)  # the weights see it
@@ -52,26 +44,9 @@ def test_prefix_cache_rollouts_show_a_mismatch_that_tis_corrects(ranks: Any) -> 
 
 
 @pytest.mark.parametrize("objective", ["dipo", "random_masking"])
-def test_other_objectives_train_a_full_attention_policy(ranks: Any, objective: str) -> None:
+def test_other_objectives_train_a_full_attention_policy(one_rank: Any, objective: str) -> None:
     extra = {"kl_coef": 0.1} if objective == "dipo" else {}
-    out = run_case(ranks, objective, 0, global_rollouts(make_policy(), "exact"), **extra)
+    out = run_case(one_rank, "full", objective, 0, rollouts("exact"), **extra)
     assert _changed(out) and out["metrics"]["num_rows"] > 0
     if objective == "dipo":
         assert "kl_ref" in out["metrics"]
-
-
-@pytest.mark.slow
-def test_two_ranks_make_the_same_update_as_one(ranks: Any, tmp_path: Path) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(WORKER.parents[2]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
-           str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    for name, objective, stage, mode, options in CASES:
-        one = run_case(ranks, objective, stage, global_rollouts(make_policy(), mode), **options)
-        two = torch.load(tmp_path / f"{name}.pt", weights_only=False)
-        for n, p in one["policy"].items():
-            assert (p - two["policy"][n]).abs().max() <= 1e-5, (name, n)
-        assert _changed(one)
-        for key, value in one["metrics"].items():  # metrics use global counts
-            assert two["metrics"][key] == pytest.approx(value, abs=1e-5), (name, key)

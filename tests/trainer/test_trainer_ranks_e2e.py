@@ -85,7 +85,10 @@ def test_deepspeed_launcher_then_resume_with_another_number_of_ranks_is_refused(
                                                                                 tmp_path):
     cfg = write_config(tmp_path, [two_servers[0].url], tiny_model_dir, checkpoint_every=1, num_steps=1,
                        zero_stage=2)
-    deepspeed = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--module"]
+    # a free rendezvous port: DeepSpeed's default (29500) also names its shared-memory buffers, which another
+    # job on the machine using the default would share
+    deepspeed = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(free_port()),
+                 "--module"]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), DS_ACCELERATOR="cpu")
     done = subprocess.run(deepspeed + train_cmd(cfg)[2:], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
