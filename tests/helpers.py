@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -56,6 +57,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_group(cmd: list[str], timeout: float, **popen_kw: Any) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True, timeout=...)` in a session of its own: when it
+    times out or the test is interrupted (pytest-timeout, Ctrl-C), its whole process group is killed, so the
+    servers and ranks it started do not outlive it (subprocess.run would kill only `cmd`). What it leaves
+    behind after exiting by itself is left for the test to see."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                          **popen_kw) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def wait_until(cond: Callable[[], bool], timeout: float, what: str, interval: float = 0.1) -> None:

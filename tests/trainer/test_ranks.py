@@ -6,13 +6,13 @@ Plus the rank helpers themselves."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers import run_group
 from tests.trainer.ranks_worker import FAMILIES, Case, make_policy, run_named_case
 from trainer.infra.dist import Ranks
 
@@ -27,7 +27,7 @@ def two_ranks(tmp_path_factory) -> Path:
     # gloo on CPU ranks, GPU or not (two NCCL ranks cannot share one GPU)
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(WORKER.parents[2]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER), str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_group(cmd, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 

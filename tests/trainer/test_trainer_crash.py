@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dllm.weights import load_pretrained
-from tests.helpers import admin_get, start_server_process, wait_until, write_train_config
+from tests.helpers import admin_get, run_group, start_server_process, wait_until, write_train_config
 from weight_sync import weights_digest
 
 TOKEN = "crash-token"
@@ -30,7 +30,7 @@ def train(config: Path, *overrides: str, fault: str = "", wait: bool = True):
     cmd = [sys.executable, "-m", "dlrl.cli", "train", "--config", str(config), *overrides]
     if not wait:
         return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    return run_group(cmd, timeout=600, env=env)
 
 
 def rows(tmp: Path) -> list[dict]:

@@ -18,6 +18,7 @@ from dllm.weights import load_pretrained
 from tests.helpers import (
     admin_get,
     free_port,
+    run_group,
     shm_left_behind,
     start_server_processes,
     wait_until,
@@ -39,7 +40,7 @@ def train_cmd(config: Path, *overrides: str) -> list[str]:
 
 def run_train(config: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    return subprocess.run(train_cmd(config, *overrides), env=env, capture_output=True, text=True, timeout=timeout)
+    return run_group(train_cmd(config, *overrides), timeout, env=env)
 
 
 def metrics(tmp: Path) -> list[dict]:
@@ -90,7 +91,7 @@ def test_deepspeed_launcher_then_resume_with_another_number_of_ranks_is_refused(
     deepspeed = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(free_port()),
                  "--module"]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), DS_ACCELERATOR="cpu")
-    done = subprocess.run(deepspeed + train_cmd(cfg)[2:], env=env, capture_output=True, text=True, timeout=600)
+    done = run_group(deepspeed + train_cmd(cfg)[2:], timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert '"num_ranks": 2' in done.stdout
     done = run_train(cfg, "num_steps=2", "--resume")
