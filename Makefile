@@ -41,6 +41,8 @@ FAST_TESTS := \
 	tests/dllm/test_dllm_kv_cache.py \
 	tests/dllm/test_dllm_model.py \
 	tests/dllm/test_dllm_weights.py \
+	tests/dllm/test_full_schedule.py \
+	tests/dllm/test_official_equivalence.py \
 	tests/trainer/test_advantages.py \
 	tests/trainer/test_correction.py \
 	tests/trainer/test_data.py \
@@ -50,6 +52,7 @@ FAST_TESTS := \
 	tests/trainer/test_replay.py \
 	tests/trainer/test_rewards.py \
 	tests/trainer/test_rewards_custom.py \
+	tests/trainer/test_value_model.py \
 	tests/trainer/align/test_align_gate.py \
 	tests/weight_sync/test_weight_sync_manifest.py \
 	tests/server/test_lmdeploy_params.py

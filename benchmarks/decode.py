@@ -62,27 +62,44 @@ def build(name: str, package=None) -> SDARForCausalLM:
 
 
 def decode(engine, model, prompts, params, **kw) -> tuple[int, float, float, list]:
-    """Decode with `engine` (a dllm.decoding module; `kw` for its BlockDecoder) -> (tokens, wall s, CPU s,
-    recorded forward calls)."""
+    """Decode with `engine` (a dllm.decoding module; `kw` for its runner, or an older ref's BlockDecoder) ->
+    (tokens, wall s, CPU s, recorded forward calls)."""
     calls = []
     hook = model.register_forward_pre_hook(lambda _m, args, kwargs: calls.append((args, kwargs)), with_kwargs=True)
     kw.setdefault("max_batch", len(prompts))
-    dec = engine.BlockDecoder(model, max_len=len(prompts[0]) + params.max_tokens + 4, eos_ids=[], **kw)
-    step = getattr(dec, "decode", None)
-    if step is not None:  # the static step runs the model's layers itself: record its forwards' inputs
-        fn = step.fn
-        step.fn = lambda m, cache, rows, k_pos, out_rows, filtered, *rest: calls.append((cache, rows.clone(), k_pos, out_rows)) or fn(
-            m, cache, rows, k_pos, out_rows, filtered, *rest)
-    seqs = [dec.new_sequence(p, params) for p in prompts]
+    max_len = len(prompts[0]) + params.max_tokens + 4
+    if hasattr(engine, "BlockDecoder"):  # an older ref's engine: its decoder kept its own pool
+        dec = engine.BlockDecoder(model, max_len=max_len, eos_ids=[], **kw)
+        step = getattr(dec, "decode", None)
+        if step is not None:  # the static step runs the model's layers itself: record its forwards' inputs
+            fn = step.fn
+            step.fn = lambda m, cache, rows, k_pos, out_rows, filtered, *rest: calls.append(
+                (cache, rows.clone(), k_pos, out_rows)) or fn(m, cache, rows, k_pos, out_rows, filtered, *rest)
+        seqs = [dec.new_sequence(p, params) for p in prompts]
+
+        def run() -> None:
+            run_to_end(dec, seqs)
+    else:  # today's: the scheduler, its block manager and the runner (the server engine's loop)
+        runner = engine.BlockRunner(model, max_len=max_len, eos_ids=[], **kw)
+        typed = runner.fn
+        runner.fn = lambda m, cache, x, k_pos, *rest: calls.append(
+            ("typed", cache, type(x)(*(t.clone() for t in x)), k_pos)) or typed(m, cache, x, k_pos, *rest)
+        new = engine.Decoder(runner)
+        seqs = [runner.new_sequence(p, params) for p in prompts]
+
+        def run() -> None:
+            with torch.no_grad():
+                new.add(seqs)
+                new.run()
     t0, c0 = time.perf_counter(), time.process_time()
-    run_to_end(dec, seqs)
+    run()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     hook.remove()
     return sum(len(s.completion_ids) for s in seqs), wall, cpu, calls
 
 
 def run_to_end(dec, seqs) -> None:
-    """Add `seqs` to the decoder and step until every one has finished."""
+    """Add `seqs` to an older ref's decoder and step until every one has finished."""
     with torch.no_grad():
         dec.add(seqs)
         running = list(seqs)
@@ -92,8 +109,8 @@ def run_to_end(dec, seqs) -> None:
 
 
 def static_forward(model, cache, rows, k_pos, out_rows) -> tuple[tuple, dict]:
-    """The model forward of one static step (its bucketed rows and keys, logits of out_rows' count of rows),
-    as model(*args, **kwargs)."""
+    """The model forward of one static step of an older ref (its packed float64 rows and bucketed keys,
+    logits of out_rows' count of rows), as model(*args, **kwargs)."""
     from dllm.step import columns
 
     B = model.config.block_size
@@ -104,9 +121,17 @@ def static_forward(model, cache, rows, k_pos, out_rows) -> tuple[tuple, dict]:
                                            write_mask=write, num_logit_rows=out_rows.shape[0])
 
 
+def typed_forward(model, cache, x, k_pos) -> tuple[tuple, dict]:
+    """The model forward of one of today's steps (dllm.step.StepInputs, bucketed keys), as model(*args, **kwargs)."""
+    pos = x.block_start[:, None] + torch.arange(model.config.block_size, device=x.ids.device)
+    return (x.ids, pos), dict(cache=cache, page_table=x.page_table, kv_len=k_pos.shape[0],
+                              write_mask=x.write[:, None].expand_as(pos), num_logit_rows=x.k.shape[0])
+
+
 def replay(model, calls) -> tuple[float, float]:
     """Run the recorded forwards again, in order, without the engine -> (wall s, CPU s)."""
-    calls = [static_forward(model, *c) if len(c) == 4 else c for c in calls]
+    calls = [typed_forward(model, *c[1:]) if c[0] == "typed" else static_forward(model, *c) if len(c) == 4 else c
+             for c in calls]
     cuda = model.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
@@ -120,7 +145,7 @@ def replay(model, calls) -> tuple[float, float]:
 
 
 def measure(engines: dict, prompts, params, repeats: int) -> dict[str, dict]:
-    """engines: name -> (dllm.decoding module, model[, BlockDecoder kwargs]). Runs alternate between the
+    """engines: name -> (dllm.decoding module, model[, runner kwargs]). Runs alternate between the
     engines (drift on a shared box hits all alike); best of `repeats` for decode and replay separately."""
     runs: dict[str, list] = {name: [] for name in engines}
     for _ in range(repeats):

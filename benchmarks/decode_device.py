@@ -6,7 +6,7 @@ tok/s and ms per denoising forward for eager / CUDA-graph / compiled static deco
     python benchmarks/decode_device.py --device cpu --layers 1 --batches 1 2 --max-tokens 8 \\
         --set hidden_size=256 intermediate_size=512 vocab_size=4096 --modes eager compile   # dry run
 
-One BlockDecoder per mode with `max_batch` = the largest batch (one cache shape for every batch,
+One BlockRunner per mode (driven by dllm.decoding.Decoder: the scheduler's loop) with `max_batch` = the largest batch (one cache shape for every batch,
 as a server has). Per (mode, strategy, batch): an untimed warm-up run (CUDA graphs are captured,
 compiled variants built here), then the best of `--repeats` timed runs (seeded sampling at
 temperature 1, EOS ignored; the random model is never confident, so dynamic decoding commits
@@ -31,10 +31,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.decode import replay, run_to_end  # noqa: E402
+from benchmarks.decode import replay  # noqa: E402
 from dllm.config import SDARConfig  # noqa: E402
-from dllm.decoding import BlockDecoder  # noqa: E402
+from dllm.decoding import Decoder  # noqa: E402
 from dllm.model import SDARForCausalLM  # noqa: E402
+from dllm.runner import BlockRunner  # noqa: E402
 from dllm.sampling import SamplingParams  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "fixtures" / "sdar-1.7b-chat.config.json"
@@ -56,47 +57,41 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_once(dec: BlockDecoder, prompts, params, device: str, record: list | None = None):
-    """Decode `prompts` to the end -> (tokens, wall s, forwards, completions); slots freed after."""
-    step = dec.decode
-    counted = [0]
-    run, fn = step.run, step.fn
-
-    def counting_run(*a, **k):
-        counted[0] += 1
-        return run(*a, **k)
-
-    step.run = counting_run
+def run_once(runner: BlockRunner, prompts, params, device: str, record: list | None = None):
+    """Decode `prompts` to the end -> (tokens, wall s, forwards, completions); pages and slots back after."""
+    fn, forwards = runner.fn, runner.num_forwards
     if record is not None:  # the static step's inputs, for the model-alone replay
-        step.fn = lambda m, cache, rows, k_pos, out_rows, filtered, *rest: record.append(
-            (cache, rows.clone(), k_pos, out_rows)) or fn(m, cache, rows, k_pos, out_rows, filtered, *rest)
-    seqs = [dec.new_sequence(p, params) for p in prompts]
+        runner.fn = lambda m, cache, x, k_pos, *rest: record.append(
+            ("typed", cache, type(x)(*(t.clone() for t in x)), k_pos)) or fn(m, cache, x, k_pos, *rest)
+    dec = Decoder(runner)
+    seqs = [runner.new_sequence(p, params) for p in prompts]
     sync(device)
     t0 = time.perf_counter()
-    run_to_end(dec, seqs)
+    with torch.no_grad():
+        dec.add(seqs)
+        dec.run()
     sync(device)
     wall = time.perf_counter() - t0
-    step.run, step.fn = run, fn
-    for s in seqs:
-        dec.release(s)
-    return sum(len(s.completion_ids) for s in seqs), wall, counted[0], [s.completion_ids for s in seqs]
+    runner.fn = fn
+    return (sum(len(s.completion_ids) for s in seqs), wall, runner.num_forwards - forwards,
+            [s.completion_ids for s in seqs])
 
 
-def count_kernels(dec: BlockDecoder, prompt, params, out: Path | None, label: str, device: str) -> int:
+def count_kernels(runner: BlockRunner, prompt, params, out: Path | None, label: str, device: str) -> int:
     """CUDA kernels launched by one decode step mid-decode (batch 1); 0 on a CPU (a dry run)."""
     from torch.profiler import ProfilerActivity, profile
 
-    seq = dec.new_sequence(prompt, params)
+    dec = Decoder(runner)
     with torch.no_grad():
-        dec.add([seq])
-        dec.step([seq])
-        dec.step([seq])
+        dec.add(runner.new_sequence(prompt, params))
+        dec.step()
+        dec.step()
         sync(device)
         cuda = device.startswith("cuda")
         with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
-            dec.step([seq])
+            dec.step()
             sync(device)
-    dec.release(seq)
+        dec.run()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     if out is not None:
         sort = "device_time_total" if device.startswith("cuda") else "cpu_time_total"
@@ -143,9 +138,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
           "tokens = eager |\n|---|---|---:|---:|---:|---:|---:|---:|---|", flush=True)
     for mode in args.modes:
         t1 = time.perf_counter()
-        dec = BlockDecoder(model, max_batch=max(args.batches), max_len=args.prompt_len + args.max_tokens + 4,
-                           eos_ids=[], compile=mode.startswith("compile"), cuda_graphs=mode.endswith("graphs"),
-                           attention=args.attention)
+        dec = BlockRunner(model, max_batch=max(args.batches), max_len=args.prompt_len + args.max_tokens + 4,
+                          eos_ids=[], compile=mode.startswith("compile"), cuda_graphs=mode.endswith("graphs"),
+                          attention=args.attention)
         setup = time.perf_counter() - t1
         for strategy in args.strategies:
             params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, strategy=strategy, seed=0,

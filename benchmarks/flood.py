@@ -1,10 +1,14 @@
-"""Floods against real `dlrl serve` processes, each measured side by side in one run (issues 28, 37).
+"""Floods against real `dlrl serve` processes, each measured side by side in one run (issues 28, 37, 46).
 
     .venv/bin/python benchmarks/flood.py headers [--sockets 600] [--seconds 8] [--nofile 512]
     .venv/bin/python benchmarks/flood.py keys [--seconds 20] [--rate 400] [--conns 32] [--protocols h11,httptools]
-    .venv/bin/python benchmarks/flood.py retry [--clients 48] [--bursts 3] [--max-queue 8] [--max-tokens 16]
+    .venv/bin/python benchmarks/flood.py retry [--clients 48] [--bursts 3] [--max-queue 8] [--lengths 16,384]
     .venv/bin/python benchmarks/flood.py store [--posts 48] [--seconds 12]
+    .venv/bin/python benchmarks/flood.py split [--seconds 20] [--conns 64] [--layouts main,thread,process]
+    .venv/bin/python benchmarks/flood.py stream [--stream-clients 256] [--requests 2] [--layouts main,thread,process]
     .venv/bin/python benchmarks/flood.py all          # keys, retry and store, one after the other
+
+`split` and `stream` (issue 46: the engine core in its own process vs one process): benchmarks/flood_split.py.
 
 Every server serves a tiny random SDAR model (CPU, one torch thread).
 
@@ -27,9 +31,10 @@ the CPU per request of uvicorn alone (a one-route ASGI app answering 429) under 
 with h11 + asyncio, and with httptools + uvloop when installed (the server extra) or given
 `--floor-path DIR` (`pip install --target DIR httptools uvloop`; only the floor's process gets DIR).
 
-`retry` (issue 37): saturating bursts. `--clients` clients send POST /generate (one sequence,
-`--max-tokens` tokens) at the same instant to a server of 4 slots and `--max-queue` waiting
-sequences; a client refused 429 sleeps exactly its Retry-After and sends the same request
+`retry` (issues 37, 46): saturating bursts, for each of `--lengths` (tokens per request). `--clients`
+clients send POST /generate (one sequence of that many tokens, ignore_eos) at the same instant to a
+server (`--layout`, see flood_split.py) of 4 slots and `--max-queue` waiting sequences; a client refused 429
+sleeps exactly its Retry-After and sends the same request
 again, until admitted; `--bursts` bursts one after the other. Prints, per burst, the Retry-After
 values seen (and the first refusal of each client, in time order: they grow with the queue),
 the share of retries made at Retry-After that were admitted (goal: >= 70 %), and how long
@@ -128,11 +133,11 @@ def serve(model: str, log_path: Path, *overrides: str, nofile: int | None = None
 
 
 def _start(cmd: list[str], port: int, log_path: Path, nofile: int | None,
-           env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+           env: dict[str, str] | None = None, cwd: str | Path = ROOT) -> tuple[subprocess.Popen, str]:
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))) if nofile else None
     out = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT, preexec_fn=limit)
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=cwd, preexec_fn=limit)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 180
     while time.monotonic() < deadline and proc.poll() is None:
         try:
@@ -417,18 +422,22 @@ def burst(url: str, clients: int, max_tokens: int) -> dict:
 
 
 def retry(args: argparse.Namespace, tmp: Path, model: str) -> None:
-    proc, url = serve(model, tmp / "retry.log", "server.max_batch=4", f"server.max_queue={args.max_queue}",
-                      "server.max_model_len=96", "server.log_level=warning")
-    rows = []
-    try:
-        rows.extend({"burst": i + 1, **burst(url, args.clients, args.max_tokens)} for i in range(args.bursts))
-    finally:
-        proc.terminate()
-        proc.wait(30)
-    print(f"\n## saturating bursts: {args.clients} clients at once, 4 slots, max_queue {args.max_queue}, "
-          f"{args.max_tokens} tokens each; a refused client waits exactly Retry-After")
-    for row in rows:
-        print(json.dumps(row))
+    from benchmarks.flood_split import start_layout
+
+    for length in [int(x) for x in args.lengths.split(",")]:
+        proc, url = start_layout(args.layout, model, tmp / f"retry-{length}.log", [
+            "server.max_batch=4", f"server.max_queue={args.max_queue}", f"server.max_model_len={length + 32}",
+            "server.log_level=warning"], args.baseline_root)
+        rows = []
+        try:
+            rows.extend({"burst": i + 1, **burst(url, args.clients, length)} for i in range(args.bursts))
+        finally:
+            proc.terminate()
+            proc.wait(60)
+        print(f"\n## saturating bursts ({args.layout}): {args.clients} clients at once, 4 slots, max_queue "
+              f"{args.max_queue}, {length} tokens each; a refused client waits exactly Retry-After")
+        for row in rows:
+            print(json.dumps(row))
 
 
 # ---------------------------------------------------------------------------------------------- store (issue 37)
@@ -530,7 +539,8 @@ def print_rows(title: str, rows: list[dict]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("scenario", nargs="?", default="headers", choices=("headers", "keys", "retry", "store", "all"))
+    p.add_argument("scenario", nargs="?", default="headers",
+                   choices=("headers", "keys", "retry", "store", "split", "stream", "all"))
     p.add_argument("--sockets", type=int, default=600, help="headers: slow sockets")
     p.add_argument("--seconds", type=float, default=None, help="length of each phase (headers 8, keys 20, retry 20, "
                                                                 "store 12)")
@@ -542,7 +552,14 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=48, help="retry: clients in each burst")
     p.add_argument("--bursts", type=int, default=3, help="retry: bursts, one after the other")
     p.add_argument("--max-queue", type=int, default=8, help="retry: the server's max_queue")
-    p.add_argument("--max-tokens", type=int, default=16, help="retry: tokens per request")
+    p.add_argument("--lengths", default="16", help="retry: tokens per request, comma-separated (one server each)")
+    p.add_argument("--max-tokens", type=int, default=32, help="stream: tokens per request")
+    p.add_argument("--layout", default="process", help="retry: the server's layout (process, thread, main)")
+    p.add_argument("--layouts", default="main,thread,process", help="split, stream: layouts side by side "
+                   "(process: the engine core in its own process; thread: one process; main: --baseline-root's code)")
+    p.add_argument("--baseline-root", default="/work/main", help="split, stream: the source tree of layout main")
+    p.add_argument("--stream-clients", type=int, default=256, help="stream: concurrent streaming clients")
+    p.add_argument("--requests", type=int, default=2, help="stream: requests per client, one after the other")
     p.add_argument("--posts", type=int, default=48, help="store: feedback clients")
     p.add_argument("--protocols", default="h11,httptools", help="keys: the servers measured one after the other, "
                    "comma-separated: h11 (server.http=h11 server.loop=asyncio), httptools (httptools + uvloop)")
@@ -558,8 +575,15 @@ def main() -> None:
         scenarios = ("keys", "retry", "store") if args.scenario == "all" else (args.scenario,)
         given = args.seconds
         for name in scenarios:
-            args.seconds = given or {"headers": 8.0, "keys": 20.0, "retry": 0.0, "store": 12.0}[name]
-            globals()[name](args, tmp, model)
+            args.seconds = given or {"headers": 8.0, "keys": 20.0, "retry": 0.0, "store": 12.0, "split": 20.0,
+                                     "stream": 0.0}[name]
+            if name in ("split", "stream"):
+                from benchmarks import flood_split
+
+                args.clients = args.stream_clients if name == "stream" else args.clients
+                getattr(flood_split, name)(args, tmp, model)
+            else:
+                globals()[name](args, tmp, model)
 
 
 if __name__ == "__main__":

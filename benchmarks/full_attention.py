@@ -10,11 +10,17 @@
    vocabulary 126,464; `--layers`, default 1), next to the block-causal SDAR path (dllm.decoding) at the same
    shapes (SDAR-8B-like: 8 KV heads, vocabulary 151,936). Same prompts, max_tokens, block size and static
    steps for all; EOS ignored (random models), batch 1 and 4.
-2. Train-serve mismatch of the prefix cache: samples decoded in prefix mode at temperature 1, replayed
-   exactly (dllm.full.replay, what the trainer computes): mean / max |delta logprob| per token, and the
-   TIS weights `trainer.rl.correction.is_weights` makes of it (token level, cap 2): mean, std, share
-   truncated; exact mode alongside (0 up to float noise).
-3. Memory of the bidirectional training forward: bytes saved for backward per token per layer, measured at
+2. Train-serve mismatch of the prefix cache: samples decoded in prefix mode at temperature 1 (further_horizon:
+   the official value, 4, 0), replayed as the trainer does (dllm.full.replay: a block's later forwards see the
+   horizon's window, as the sampler did; and, for comparison, rows that see the whole canvas): mean / max
+   |delta logprob| per token, and the TIS weights `trainer.rl.correction.is_weights` makes of it (token level,
+   cap 2): mean, std, share truncated; exact mode alongside (0 up to float noise).
+3. The static-shape step (dllm/full/step.py): seconds per denoising forward of the eager decoder (shapes that
+   change every step), the bucketed static step run eagerly, and the static step compiled per bucket by
+   torch.compile (inductor; buckets compiled in an untimed first pass), exact and prefix cache (the official
+   horizon), on the tiny LLaDA default (batch 4) and a mid-size random LLaDA (hidden 512, 4 layers, vocabulary
+   32,768, block 32, prompt 64, one block of 32; batch 1 and 2); tokens checked equal across the three.
+4. Memory of the bidirectional training forward: bytes saved for backward per token per layer, measured at
    small width with the 8B proportions (saved-tensor hooks, fp32 and bf16), at two lengths to separate the
    linear and the L^2 (CPU SDPA's attention weights) terms, scaled to 8B from the shapes; the SDAR training
    layout (noisy + clean copy: 2L tokens a row) measured the same way; rows per sample of each replay.
@@ -37,7 +43,7 @@ from dllm.config import SDARConfig  # noqa: E402
 from dllm.decoding import generate  # noqa: E402
 from dllm.embedded.full_folders import tiny_full_config  # noqa: E402
 from dllm.full.config import FullAttentionConfig  # noqa: E402
-from dllm.full.decoding import generate_full  # noqa: E402
+from dllm.full.decoding import FullDecoder, generate_full  # noqa: E402
 from dllm.full.model import FullAttentionLM  # noqa: E402
 from dllm.full.replay import build_full_rows, full_replay_hidden  # noqa: E402
 from dllm.model import SDARForCausalLM  # noqa: E402
@@ -127,12 +133,22 @@ def bench_decode(fa: FullAttentionLM, sdar: SDARForCausalLM, prompt_len: int, ma
 @torch.no_grad()
 def bench_mismatch(fa: FullAttentionLM, prompts: list[list[int]], max_tokens: int, steps: int,
                    n: int) -> dict[str, dict[str, float]]:
+    import copy
+
     out = {}
     cfg = fa.config
-    for mode in ("exact", "prefix"):
+    for mode, horizon, windowed in (("exact", -1, True), ("prefix", -1, True), ("prefix", 4, True),
+                                    ("prefix", 4, False), ("prefix", 0, True), ("prefix", 0, False)):
         params = [SamplingParams(max_tokens=max_tokens, strategy="static", steps=steps, temperature=1.0, seed=s)
                   for s in range(n)]
-        outs = generate_full(fa, [prompts[i % len(prompts)] for i in range(n)], params, cache_mode=mode)
+        outs = generate_full(fa, [prompts[i % len(prompts)] for i in range(n)], params, cache_mode=mode,
+                             further_horizon=horizon)
+        name = mode if mode == "exact" else f"prefix, horizon {outs[0].trace.further_horizon}"
+        if not windowed:  # rows that see the whole canvas: what the replay did before it honoured the horizon
+            outs = [copy.deepcopy(o) for o in outs]
+            for o in outs:
+                o.trace.further_horizon = None
+            name += ", rows see the whole canvas"
         rows = build_full_rows(outs, cfg.mask_token_id, cfg.pad_token_id or 0)
         hidden = full_replay_hidden(fa, rows)
         lp = torch.zeros(rows.target.shape)
@@ -142,10 +158,62 @@ def bench_mismatch(fa: FullAttentionLM, prompts: list[list[int]], max_tokens: in
         d = (lp - behaviour)[rows.target]
         w, stats = is_weights(lp - behaviour, rows.target, rows.sample_idx, "tis", "token", 2.0)
         wt = w[rows.target]
-        out[mode] = {"tokens": int(d.numel()), "mean_abs_dlogprob": float(d.abs().mean()),
+        out[name] = {"tokens": int(d.numel()), "mean_abs_dlogprob": float(d.abs().mean()),
                      "max_abs_dlogprob": float(d.abs().max()), "tis_weight_mean": float(wt.mean()),
                      "tis_weight_std": float(wt.std()), "tis_truncated_frac": stats["is_truncated_frac"]}
     return out
+
+
+def decode_all(dec: FullDecoder, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], int]:
+    """Decode every prompt with `dec`; -> (completions, denoising forwards)."""
+    seqs = [dec.new_sequence(p, params) for p in prompts]
+    dec.add(seqs)
+    running, before = list(seqs), dec.num_forwards
+    while running:
+        dec.step(running)
+        running = [s for s in running if not s.is_finished]
+    return [s.completion_ids for s in seqs], dec.num_forwards - before
+
+
+def bench_static(fa: FullAttentionLM, name: str, prompt_len: int, max_tokens: int, batch: int) -> list[dict[str, Any]]:
+    """Eager vs the static step eagerly vs compiled (inductor), both cache modes: seconds per forward."""
+    from dllm.full.step import FullStep
+
+    g = torch.Generator().manual_seed(0)
+    vocab = fa.config.vocab_size
+    prompts = [[t for t in torch.randint(1, vocab, (prompt_len,), generator=g).tolist() if t != fa.config.mask_token_id]
+               for _ in range(batch)]
+    params = SamplingParams(max_tokens=max_tokens, strategy="static", temperature=1.0, seed=1, ignore_eos=True)
+    max_len = prompt_len + max_tokens + fa.config.block_size
+    rows = []
+    for mode in ("exact", "prefix"):
+        base: dict[str, Any] = {}
+        for kind in ("eager", "static eager", "static compiled"):
+            dec = FullDecoder(fa, max_batch=batch, max_len=max_len, cache_mode=mode, eos_ids=[],
+                              compile="inductor" if kind == "static compiled" else False)
+            if kind == "static eager":
+                dec.static = FullStep(fa, max_batch=batch, max_len=dec.max_len, cache_mode=mode,
+                                      further_horizon=dec.further_horizon)
+            t0 = time.perf_counter()
+            decode_all(dec, prompts, params)  # first pass: compiles the buckets met (untimed for the ratio)
+            first = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            out, fwd = decode_all(dec, prompts, params)
+            per = (time.perf_counter() - t0) / fwd
+            base.setdefault("per", per)
+            base.setdefault("out", out)
+            rows.append({"model": name, "cache": mode, "batch": batch, "step": kind, "ms_per_forward": round(per * 1e3, 2),
+                         "vs_eager": round(base["per"] / per, 2), "first_pass_s": round(first, 1),
+                         "same_tokens": out == base["out"]})
+    return rows
+
+
+def mid_model() -> FullAttentionLM:
+    torch.manual_seed(0)
+    cfg = tiny_full_config("llada", block_size=32, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                           num_attention_heads=8, num_key_value_heads=8, vocab_size=32768, max_position_embeddings=1024,
+                           mask_token_id=32000, eos_token_id=32001, pad_token_id=32001)
+    return FullAttentionLM(cfg).eval()
 
 
 def saved_bytes(model: torch.nn.Module, fn: Any) -> int:
@@ -220,7 +288,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny models only")
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: tiny, mismatch, big, memory")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: tiny, mismatch, big, static, memory")
     ap.add_argument("--layers", type=int, default=1, help="layers of the 8B-shaped models")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     ap.add_argument("--json", default="", help="write every number here too")
@@ -259,6 +327,15 @@ def main(argv: list[str] | None = None) -> int:
         results["8b_decode"] = bench_decode(fa8, sdar8, 64, 32, 16, [1], warmup=False)
         print_table(results["8b_decode"])
         del fa8, sdar8
+    if "static" not in skip:
+        print("\n## the static-shape step: eager vs bucketed static step vs compiled per bucket (inductor), "
+              "static steps = block size, temperature 1")
+        results["static"] = bench_static(fa, "tiny LLaDA default", 6, 16, 4)
+        if not args.quick:
+            mid = mid_model()
+            for batch in (1, 2):
+                results["static"] += bench_static(mid, "mid LLaDA (512 x 4 layers, vocab 32768)", 64, 32, batch)
+        print_table(results["static"])
     print("\n## memory of the training forward (saved for backward), measured small, scaled to 8B (32 layers)")
     for dtype in (torch.float32, torch.bfloat16) if "memory" not in skip else ():
         mem = bench_memory(dtype)

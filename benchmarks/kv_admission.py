@@ -7,15 +7,17 @@ Each request has an actual length (uniform 1..2 x mean - 1, EOS ignored: the len
 rollout stops) and declares max_tokens = 4 x the mean, as rollouts do. One KV pool of `--pool-seqs`
 worst-case sequences' pages is shared; the decoder's own cache is sized past it, so the admission rule
 alone decides how many run. Three rules, same requests, same seeds:
-- `reserve`: today's scheduler (server/engine/scheduler.py): a sequence is admitted when the pages of its
-  prompt + max_tokens are free and holds them until it ends;
-- `optimistic`: `BlockDecoder(optimistic=True)` on a cache of exactly the pool: admitted when the pages
-  its next forward touches are free, growing block by block; when the running sequences' next blocks no
-  longer fit, the newest is preempted (`preempt`: pages back, tokens and trace kept) and, re-added, its
+- `reserve`: the scheduler's default (dllm.scheduler, server.kv_admission=reserve): a sequence is admitted
+  when the pages of its prompt + max_tokens are free and holds them until it ends;
+- `optimistic`: `KVBudget(optimistic=True)` (server.kv_admission=optimistic): admitted when the pages its
+  next forward touches are free, growing block by block; when the running sequences' next blocks no
+  longer fit, the newest is preempted (pages back, tokens and trace kept) and, re-admitted, its
   clean prefix is recomputed into the cache by one cache-filling forward (vLLM's preemption by
   recompute). Its tokens and steps must equal `reserve`'s (checked: `same`);
 - `oracle`: admitted on the pages its actual length needs, reserved up front (perfect knowledge of where
   each rollout stops, never preempted; optimistic admission can beat it: it counts only pages in use).
+Every rule runs the scheduler (its block manager decides admission, on the same pool of pages) and the
+runner, as the server's engine does (`dllm.decoding.Decoder`); prefix sharing is off (distinct prompts).
 Reported: tokens/s, mean running sequences per forward, forwards, cache-refill forwards, preemptions.
 """
 
@@ -35,10 +37,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dllm.config import SDARConfig  # noqa: E402
-from dllm.decoding import BlockDecoder  # noqa: E402
+from dllm.decoding import Decoder  # noqa: E402
 from dllm.model import SDARForCausalLM  # noqa: E402
+from dllm.postprocess import Postprocessor  # noqa: E402
+from dllm.runner import BlockRunner  # noqa: E402
 from dllm.sampling import SamplingParams  # noqa: E402
 from dllm.sequence import Sequence  # noqa: E402
+from dllm.trace import FinishReason  # noqa: E402
 
 TINY: dict[str, Any] = dict(vocab_size=100, hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, block_size=4, mask_token_id=99, eos_token_id=0)
@@ -62,44 +67,46 @@ def pages(tokens: int, block: int) -> int:
     return -(-tokens // block)
 
 
+class StopsAtLength(Postprocessor):
+    """Ends each sequence at its job's actual length (where the rollout stops), whatever max_tokens it
+    declared (what the scheduler reserves pages for)."""
+
+    def __init__(self, actual: dict[int, int], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.actual = actual
+
+    def commit_block(self, s: Sequence) -> FinishReason | None:
+        declared = s.params.max_tokens
+        s.params.max_tokens = min(declared, self.actual[s.seq_id])
+        try:
+            return super().commit_block(s)
+        finally:
+            s.params.max_tokens = declared
+
+
 def run(model: SDARForCausalLM, jobs: list[Job], rule: str, pool: int, max_batch: int) -> dict:
     B = model.config.block_size
     need = max(pages(len(j.prompt) + j.declared, B) for j in jobs)
-    optimistic = rule == "optimistic"
-    dec = BlockDecoder(model, max_batch=max_batch, max_len=need * B, eos_ids=[0], optimistic=optimistic,
-                       num_pages=pool if optimistic else max_batch * need)  # optimistic: the real pool decides
-    seqs = [dec.new_sequence(j.prompt, SamplingParams(max_tokens=j.length, seed=j.seed, ignore_eos=True,
-                                                      strategy="static")) for j in jobs]
-    waiting = list(range(len(jobs)))
-    running: dict[int, Sequence] = {}
+    runner = BlockRunner(model, max_batch=max_batch, max_len=need * B, eos_ids=[0], num_pages=pool,
+                         optimistic=rule == "optimistic", prefix_sharing=False)
+    seqs = [runner.new_sequence(j.prompt, SamplingParams(max_tokens=j.length if rule == "oracle" else j.declared,
+                                                         seed=j.seed, ignore_eos=True, strategy="static"))
+            for j in jobs]
+    dec = Decoder(runner)
+    dec.scheduler.post = StopsAtLength({s.seq_id: j.length for s, j in zip(seqs, jobs)}, eos_ids=[0],
+                                       tokenizer=None, max_len=runner.cache_len, block_size=B)
+    dec.add(seqs)
     forwards = running_sum = 0
-    reserved = {"reserve": lambda i: pages(len(jobs[i].prompt) + jobs[i].declared, B),
-                "oracle": lambda i: pages(len(jobs[i].prompt) + jobs[i].length, B)}.get(rule)
-
-    def fits(i: int) -> bool:
-        if reserved is None:
-            return dec.num_admissible([seqs[i]]) == 1
-        return sum(reserved(k) for k in running) + reserved(i) <= pool
-
     t0 = time.perf_counter()
-    while waiting or running:
-        while waiting and len(running) < max_batch and fits(waiting[0]):
-            i = waiting.pop(0)
-            dec.add(seqs[i])
-            running[i] = seqs[i]
-        while optimistic and len(running) > 1 and dec.num_pages_short(list(running.values())):
-            i = max(running)  # the newest admitted (FIFO ids): preempted, back to the queue's front
-            dec.preempt(running.pop(i))
-            waiting.insert(0, i)
-        batch = list(running.values())
-        dec.step(batch)
+    while not dec.is_done:
+        ended = dec.step()
         forwards += 1
-        running_sum += len(batch)
-        running = {i: s for i, s in running.items() if not s.is_finished}
+        running_sum += dec.scheduler.num_running + len(ended)  # the step's batch
     wall = time.perf_counter() - t0
     tokens = sum(len(s.completion_ids) for s in seqs)
     return dict(rule=rule, wall_s=wall, tokens=tokens, tok_s=tokens / wall, mean_running=running_sum / forwards,
-                forwards=forwards, fill_forwards=dec.num_fill_forwards, preempted=dec.num_preempted,
+                forwards=forwards, fill_forwards=runner.num_fill_forwards,
+                preempted=sum(s.num_preemptions for s in seqs),
                 outputs=[(s.completion_ids, s.trace.steps, s.trace.logprobs) for s in seqs])
 
 

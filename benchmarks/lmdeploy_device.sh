@@ -2,8 +2,10 @@
 # The LMDeploy device check, in one go under 10 minutes on a lent CUDA machine (no network there):
 #   1. the kits: .whl (benchmarks/device_kit.sh: dlrl's deps) into /tmp/site, .lmdkit (benchmarks/lmdeploy_kit.sh)
 #      into /tmp/lmdsite, both on PYTHONPATH; versions, nvidia-smi
-#   2. the GPU test of server.backend=lmdeploy (tests/server/test_lmdeploy_gpu.py: serve, push, fresh engine)
-#      and the LMDeploy runner's CPU tests (the same adapter against LMDeploy's double)
+#   2. the GPU test of server.backend=lmdeploy (tests/server/test_lmdeploy_gpu.py: serve, push into the uni
+#      executor's model agent, close releases the executor, fresh engine) and the LMDeploy runner's CPU tests
+#      (the same adapter against LMDeploy's double; with lmdeploy importable, the weight handoff through
+#      lmdeploy's own BaseModelAgent.update_params too)
 #   3. benchmarks/lmdeploy_vs_native.py at the SDAR-1.7B shape (28 layers, bf16), batch 1 / 32 / 128, static and
 #      dynamic, native (CUDA graphs) vs LMDeploy: the table into $OUT/compare.md, rows into $OUT/compare.json
 #
@@ -23,6 +25,7 @@ left() { echo $((BUDGET - ($(date +%s) - START))); }
 echo "== 1. kits ($(left)s left)"
 if [ -z "${DRY:-}" ]; then
     [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:$PWD  # dlrl's wheels (pydantic, ...) before the kit's import check
     # shellcheck source=/dev/null
     source benchmarks/lmdeploy_kit_setup.sh
     export PYTHONPATH=/tmp/lmdsite:/tmp/site:$PWD

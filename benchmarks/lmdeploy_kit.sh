@@ -17,7 +17,10 @@
 # LMDeploy's own pins (0.18.0): torch <= 2.12.1, transformers >= 4.56 (not 5.0-5.5.0, 5.7-5.9), triton <= 3.7.1:
 # the device's torch 2.11 fits; `--no-deps` keeps its torch, CUDA and triton (the nvidia-*-cu12 wheels LMDeploy
 # lists are not needed with them). Optional engine features (ray, tilelang, flash-linear-attention, rdkit,
-# opencv, peft) are left out: the SDAR path does not import them. Add a package to DEPS if the device reports one.
+# opencv, peft) are left out: the SDAR path does not import them. Ray in particular: dlrl's weight path loads
+# into the 'uni' executor's model agent in-process (server/engine/backends/lmdeploy_weights.py), not through
+# Ray's workers; ray 2.60.0's cp312 wheel is 75 MiB (42 MiB without its jars and dashboard), over the 64 MiB
+# carry on its own. Add a package to DEPS if the device reports one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LMDEPLOY=${LMDEPLOY:-0.18.0}

@@ -111,6 +111,7 @@ async def decode(engine: Any, batch: list[list[int]], params: Any) -> tuple[list
 def run_part(backend: str, strategy: str, model_dir: str, args: argparse.Namespace) -> list[dict]:
     import torch
 
+    from dllm.runner import BlockRunner
     from dllm.sampling import SamplingParams
     from dllm.weights import hf_tensors
     from server.engine.engine import Engine
@@ -128,9 +129,10 @@ def run_part(backend: str, strategy: str, model_dir: str, args: argparse.Namespa
             if device == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-            forwards0 = getattr(getattr(runner, "decoder", None), "num_forwards", 0)
+            native = isinstance(runner, BlockRunner)  # LMDeploy counts no denoising forwards of its own
+            forwards0 = runner.num_forwards if native else 0
             tokens, seconds = asyncio.run(decode(engine, batch, params))
-            forwards = getattr(getattr(runner, "decoder", None), "num_forwards", 0) - forwards0
+            forwards = runner.num_forwards - forwards0 if native else 0
             num = sum(map(len, tokens))
             blocks = -(-args.max_tokens // runner.block_size)
             rows.append({"backend": backend, "strategy": strategy, "batch": b, "tokens": num, "seconds": seconds,

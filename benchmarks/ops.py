@@ -32,6 +32,16 @@ OLD_REF = "2bdf442"  # main before fused QKV / gate-up and the cheaper norms, ro
 PARTS = ("cache.update", "attend")
 
 
+def _cache(pkg, cfg, batch: int, max_len: int, dtype: torch.dtype) -> tuple:
+    """(a KV cache of `batch` rows of `max_len` positions, the model kwargs addressing it): today's cache is
+    addressed by page tables, an older ref's by slots."""
+    kv = pkg.kv_cache.KVCache
+    if hasattr(kv, "fixed_table"):
+        cache = kv(cfg, num_pages=batch * -(-max_len // cfg.block_size), device="cpu", dtype=dtype)
+        return cache, {"page_table": cache.fixed_table(batch, max_len)}
+    return kv(cfg, num_slots=batch, max_len=max_len, device="cpu", dtype=dtype), {"slots": torch.arange(batch)}
+
+
 def _count(pkg, num_layers: int, dtype: torch.dtype, batch: int, prompt: int) -> dict[str, int]:
     """aten ops of one mid-decode forward of a `num_layers` model of package `pkg` (dllm or an old copy)."""
     from dllm.embedded.sft import TinyModelConfig
@@ -41,8 +51,7 @@ def _count(pkg, num_layers: int, dtype: torch.dtype, batch: int, prompt: int) ->
     torch.manual_seed(0)
     model = pkg.model.SDARForCausalLM(cfg).to(dtype).eval()
     bs = cfg.block_size
-    cache = pkg.kv_cache.KVCache(cfg, num_slots=batch, max_len=prompt + 4 * bs, device="cpu", dtype=dtype)
-    slots = torch.arange(batch)
+    cache, rows = _cache(pkg, cfg, batch, prompt + 4 * bs, dtype)
     ids = torch.randint(0, 90, (batch, prompt))
     pos = torch.arange(prompt).expand(batch, prompt)
     view_cls = pkg.kv_cache.CacheView
@@ -57,14 +66,14 @@ def _count(pkg, num_layers: int, dtype: torch.dtype, batch: int, prompt: int) ->
             return attend(*a, **k)
 
     with torch.inference_mode():
-        model(ids, pos, cache=cache, slots=slots, kv_len=prompt)  # prefill
+        model(ids, pos, cache=cache, **rows, kv_len=prompt)  # prefill
         step = torch.full((batch, bs), 95)
         step_pos = torch.arange(prompt, prompt + bs).expand(batch, bs)
-        model(step, step_pos, cache=cache, slots=slots, kv_len=prompt + bs)  # warm-up decode step
+        model(step, step_pos, cache=cache, **rows, kv_len=prompt + bs)  # warm-up decode step
         view_cls.update, pkg.model.attend = traced_update, traced_attend
         try:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
-                model(step, step_pos, cache=cache, slots=slots, kv_len=prompt + bs, num_logits=bs)
+                model(step, step_pos, cache=cache, **rows, kv_len=prompt + bs, num_logits=bs)
         finally:
             view_cls.update, pkg.model.attend = update, attend
     counts = {"total": 0, **dict.fromkeys(PARTS, 0)}
@@ -90,17 +99,16 @@ def _decode_forward(pkg, dtype: torch.dtype, batch: int, prompt: int):
     torch.manual_seed(0)
     model = pkg.model.SDARForCausalLM(cfg).to(dtype).eval()
     bs = cfg.block_size
-    cache = pkg.kv_cache.KVCache(cfg, num_slots=batch, max_len=prompt + 4 * bs, device="cpu", dtype=dtype)
-    slots = torch.arange(batch)
+    cache, rows = _cache(pkg, cfg, batch, prompt + 4 * bs, dtype)
     step = torch.full((batch, bs), 95)
     step_pos = torch.arange(prompt, prompt + bs).expand(batch, bs)
     with torch.inference_mode():
         model(torch.randint(0, 90, (batch, prompt)), torch.arange(prompt).expand(batch, prompt),
-              cache=cache, slots=slots, kv_len=prompt)
+              cache=cache, **rows, kv_len=prompt)
 
     def run():
         with torch.inference_mode():
-            model(step, step_pos, cache=cache, slots=slots, kv_len=prompt + bs, num_logits=bs)
+            model(step, step_pos, cache=cache, **rows, kv_len=prompt + bs, num_logits=bs)
     return run, batch * bs
 
 

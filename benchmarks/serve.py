@@ -130,12 +130,18 @@ class OldEngineRunner:
 
         return KVBudget(self.max_batch)
 
-    def postprocessor(self) -> Any:
-        from dllm.postprocess import Postprocessor
+    @property
+    def info(self) -> Any:
+        from server.engine.backends.base import RunnerInfo
 
-        class _Ended(Postprocessor):
-            def __call__(self, outputs: Any) -> list[Any]:
-                return [o.seq for o in outputs if o.seq.is_finished]
+        return RunnerInfo("sdar", has_top_logprobs=False)
+
+    def postprocessor(self) -> Any:
+        from dllm.postprocess import Ended, Postprocessor
+
+        class _Ended(Postprocessor):  # the old decoder decided: hand its decisions to the scheduler
+            def decide(self, outputs: Any) -> list[Ended]:
+                return [Ended(o.seq, o.seq.finish_reason, o.seq.error) for o in outputs if o.seq.is_finished]
 
         return _Ended(eos_ids=(), tokenizer=None, max_len=self.max_len, block_size=self.block_size)
 

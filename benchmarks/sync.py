@@ -88,10 +88,12 @@ def module_from(named: dict[str, torch.Tensor]) -> torch.nn.Module:
 def idle_engine(model: torch.nn.Module) -> Any:
     """A real server.engine.engine.Engine, never started (its backend only `model`): the weight window
     (server.engine.engine.Engine.apply_update) without a decode loop to pause."""
+    from server.engine.backends.base import RunnerInfo
     from server.engine.engine import Engine
     from server.engine.scheduler import KVBudget
 
-    return Engine(SimpleNamespace(model=model, kv_budget=KVBudget(1), postprocessor=lambda: None))
+    return Engine(SimpleNamespace(model=model, kv_budget=KVBudget(1), postprocessor=lambda: None,
+                                  info=RunnerInfo("sdar")))
 
 
 def serve(size: str, port: int, dtype: str) -> None:

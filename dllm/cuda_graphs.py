@@ -1,12 +1,12 @@
 """CUDA graphs over the static decode step: each bucket's step captured once, then replayed.
 
-    graphs = GraphedSteps(decode_step, max_graphs=64)   # dllm.step.DecodeStep makes it (cuda_graphs=True)
-    out = graphs.run((R, Rn, KV, filtered), (model, cache, rows_buf, k_pos, out_rows, filtered))
+    graphs = GraphedSteps(decode_step, max_graphs=64)   # dllm.runner.BlockRunner makes it (cuda_graphs=True)
+    out = graphs.run((R, Rn, KV, filtered), (model, cache, inputs, k_pos, filtered, attention))
 
-The step reads only persistent storage -- the bucket's input buffer (the caller copies the
-next inputs into it before `run`), the KV pool and page table, the parameters -- so a
-graph captured once stays valid: weight updates copy into the same parameter storage
-(`dllm.weights.copy_into_model`), page-table changes are in-place writes. All graphs share
+The step reads only persistent storage -- the bucket's typed input buffers (dllm.step_inputs: the
+caller copies the next inputs, page tables included, into them before `run`), the KV pools, the
+parameters -- so a graph captured once stays valid: weight updates copy into the same parameter
+storage (`dllm.weights.copy_into_model`). All graphs share
 one memory pool (as nano-vllm's capture); the first `max_graphs` keys are captured lazily,
 each logged, later keys run eagerly (logged once). `server.cuda_graphs` is off by default; it
 ran on an H200 (torch 2.11: same tokens as eager, 3-4x faster steps at the SDAR-1.7B shape,
@@ -17,20 +17,22 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Generic, TypeVar
 
 import torch
 
 log = logging.getLogger("dlrl.dllm")
+T = TypeVar("T")  # what the step returns (tensors the graph's replays overwrite in place)
 
 
-class GraphedSteps:
-    def __init__(self, fn: Callable[..., torch.Tensor], max_graphs: int = 64) -> None:
+class GraphedSteps(Generic[T]):
+    def __init__(self, fn: Callable[..., T], max_graphs: int = 64) -> None:
         self.fn, self.max_graphs = fn, max_graphs
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, T]] = {}
         self.pool: torch.cuda._POOL_HANDLE | None = None  # the memory pool all graphs share
         self._warned = False
 
-    def run(self, key: tuple, args: tuple) -> torch.Tensor:
+    def run(self, key: tuple, args: tuple) -> T:
         entry = self.graphs.get(key)
         if entry is None:
             if len(self.graphs) >= self.max_graphs:
@@ -45,7 +47,7 @@ class GraphedSteps:
         graph.replay()
         return out
 
-    def _capture(self, args: tuple) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, args: tuple) -> tuple[torch.cuda.CUDAGraph, T]:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up outside the capture (lazy init, autotuning)

@@ -1,6 +1,6 @@
 """`FieldError`: a bad value of one named input field, as data (no HTTP here); `TooLong`: one that does not fit.
 
-Raised where an input is checked -- `SamplingParams.validate`, `BlockDecoder.new_sequence`,
+Raised where an input is checked -- `SamplingParams.validate`, `BlockRunner.new_sequence`,
 the wire schemas' own rules (`rollout_client.protocol`) -- and turned into a response only at
 the edge (the server's exception handlers map it to a 400 whose `param` is `field`, a `TooLong`
 to a 413). It is a

@@ -24,7 +24,7 @@ from pydantic import Field
 from dllm.options import SamplingOptions, Temperature, Threshold
 from dllm.strategy import Strategy, StrategyField
 from dlrl_config import Config, ConfigError, build, load_sections
-from dlrl_config.cli import print_check
+from dlrl_config.cli import ArgumentParser, add_json_arg, print_check
 
 TEXT_KEYS = ("prompt", "stop")  # raw text, repeatable
 ALIASES = {  # --flag -> key; store_true flags set the key to true
@@ -60,11 +60,12 @@ class GenerateConfig(Config, SamplingOptions):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="dlrl generate", description="generate with block diffusion; options are "
+    ap = ArgumentParser(prog="dlrl generate", description="generate with block diffusion; options are "
                                  "key=value (see the config keys below); the --flags are aliases of those keys")
     ap.add_argument("--config", default=None, help="YAML file with a `generate` section (default: none)")
     ap.add_argument("--check", action="store_true", help="only parse the command line and the config; exit 0 "
                                                         "(or 2 with the error)")
+    add_json_arg(ap)
     for flag, key in ALIASES.items():
         if flag in FLAGS:
             ap.add_argument(flag, dest=key, action="store_const", const=True, default=None,
@@ -123,7 +124,7 @@ def generate_main(argv: list[str]) -> int:
     except (ConfigError, ValueError) as e:
         ap.error(_name_aliases(str(e)))
     if args.check:
-        return print_check("generate", cfg)
+        return print_check("generate", cfg, as_json=args.json)
     return run(cfg, ap)
 
 

@@ -11,6 +11,7 @@ A repo id is resolved through `huggingface_hub.snapshot_download` with its usual
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from pathlib import Path
@@ -47,12 +48,50 @@ def split_revision(ref: str) -> tuple[str, str | None]:
 
 def served_name(model: str, served_model_name: str = "") -> str:
     """The model name a server reports (/health, /v1/models) for `server.model=model` (the
-    folder's name, a repo id's name; the embedded default is served from runs/tiny-sft: "tiny-sft")."""
+    folder's name, a repo id's name; the embedded default is served from runs/tiny-sft: "tiny-sft";
+    a `dlrl train` export, runs/tiny-rl/final, is named after its run: "tiny-rl", `export_info`)."""
     if served_model_name:
         return served_model_name
     if not model:
         return DEFAULT_MODEL_NAME
-    return Path(split_revision(str(model))[0] if is_repo_id(str(model)) else str(model)).name
+    if is_repo_id(str(model)):
+        return Path(split_revision(str(model))[0]).name
+    return str(export_info(model).get("name") or "") or Path(str(model)).name
+
+
+EXPORT_INFO = "dlrl_version.json"  # written into `dlrl train`'s export: {"name", "run_id", "version"}
+_NAME = re.compile(r"^[\w.\-]{1,128}$")
+
+
+def export_info(folder: str | Path) -> dict[str, object]:
+    """What `dlrl train` wrote into its export folder (the run's name, its run id, the weight version);
+    {} for any other folder (or an unreadable / malformed file; a name must be 1-128 of [A-Za-z0-9_.-])."""
+    try:
+        info = json.loads((Path(folder) / EXPORT_INFO).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(info, dict):
+        return {}
+    if not (isinstance(info.get("name"), str) and _NAME.match(info["name"])):
+        info.pop("name", None)
+    return info
+
+
+def cached_config(ref: str) -> Path | None:
+    """The config.json of `ref` without downloading anything: the folder's own, or the Hugging Face
+    cache's for a repo id (None when it is not there yet)."""
+    if Path(ref).is_dir():
+        path = Path(ref) / "config.json"
+        return path if path.is_file() else None
+    if not is_repo_id(ref):
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # pragma: no cover - huggingface_hub comes with transformers
+        return None
+    repo, revision = split_revision(ref)
+    found = try_to_load_from_cache(repo, "config.json", revision=revision)
+    return Path(found) if isinstance(found, str) else None
 
 
 def resolve_model(ref: str | Path, key: str = "model") -> Path:

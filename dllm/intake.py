@@ -1,8 +1,12 @@
-"""What every decoder shares at its door (dllm.decoding.BlockDecoder, dllm.full.decoding.FullDecoder): free
-slots, new sequences and the checks a prompt and its parameters pass before a slot is taken.
+"""What every runner checks at its door (dllm.runner.BlockRunner, dllm.full.decoding.FullDecoder): a prompt
+and its parameters, before a sequence is made.
 
     check_fits(len(prompt_ids), params.max_tokens, max_len)   # FieldError / TooLong naming the field
+    check_request(prompt_ids, params, max_len=..., block_size=..., vocab_size=..., mask_id=...)
     seq = decoder.new_sequence(prompt_ids, params)            # Intake: validated, then a dllm.sequence.Sequence
+
+`Intake` is the full-attention decoder's door (its free slots with it, until it runs on the
+scheduler, dllm.scheduler, whose block manager owns every slot).
 """
 
 from __future__ import annotations
@@ -25,9 +29,19 @@ def check_fits(prompt_len: int, max_tokens: int, max_len: int) -> None:
                                     f"max_model_len={max_len}")
 
 
+def check_request(prompt_ids: list[int], params: SamplingParams, *, max_len: int, block_size: int, vocab_size: int,
+                  mask_id: int) -> None:
+    """FieldError (TooLong when it does not fit) for a prompt or parameters a decoder cannot run."""
+    check_fits(len(prompt_ids), params.max_tokens, max_len)
+    params.validate(block_size)
+    for t in prompt_ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size or t == mask_id:
+            raise FieldError("prompt_ids", f"invalid token id {t} (vocab {vocab_size}, mask id {mask_id})")
+
+
 class Intake:
-    """What every decoder shares at its door: the free slots, new sequences and their checks. A decoder sets
-    `vocab_size`, `block_size`, `mask_id`, `max_len`, `free_slots` and `postprocess` (BlockDecoder, FullDecoder)."""
+    """The full-attention decoder's door: its free slots, new sequences and their checks. It sets
+    `vocab_size`, `block_size`, `mask_id`, `max_len`, `free_slots` and `postprocess` (FullDecoder)."""
 
     vocab_size: int
     block_size: int
@@ -53,9 +67,5 @@ class Intake:
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """FieldError (TooLong when it does not fit) for a prompt or parameters this decoder cannot run."""
-        check_fits(len(prompt_ids), params.max_tokens, self.max_len)
-        params.validate(self.block_size)
-        vocab = self.vocab_size
-        for t in prompt_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab or t == self.mask_id:
-                raise FieldError("prompt_ids", f"invalid token id {t} (vocab {vocab}, mask id {self.mask_id})")
+        check_request(prompt_ids, params, max_len=self.max_len, block_size=self.block_size,
+                      vocab_size=self.vocab_size, mask_id=self.mask_id)

@@ -17,7 +17,10 @@ x gets a log-probability; token 0 has none (OpenAI's first `token_logprobs` entr
   samples (one row per sample). Its expectation is the mean over all decoding orders of a
   block of the any-order log-likelihood, a lower bound of the log of the model's
   order-averaged likelihood; each token's value is its share (the sum over tokens is the
-  estimate). Token 0 is never masked (it is the context of the first block).
+  estimate). Token 0 is never masked (it is the context of the first block). Each token also gets the
+  standard error of the estimate of the sum from it to the end (`TokenScores.stderr`).
+- full-attention models (LLaDA, Dream): LLaDA's own estimator for every context / continuation split,
+  dllm/full/likelihood.py (`prompt_logprobs` dispatches there).
 
     scores = sequential_logprobs(model, [[5, 6, 7, 8]], top_k=2)   # [TokenScores]
     scores[0].logprobs                                              # [None, lp1, lp2, lp3]
@@ -44,11 +47,15 @@ HEAD_CHUNK = 64  # scored tokens whose full-vocabulary logits exist at once
 @dataclass
 class TokenScores:
     """One text's scores: per token its logprob (None for token 0) and, when asked, its top-k
-    alternatives [(id, logprob)] (an empty list for token 0)."""
+    alternatives [(id, logprob)] (an empty list for token 0). A Monte Carlo estimate (`elbo`) also gives
+    per token the standard error of the sum of the values from that token on (`stderr`; its square is
+    the estimator's variance) and the number of samples it averages."""
 
     logprobs: list[float | None]
     top: list[list[tuple[int, float]]] | None
     num_rows: int  # forward rows this text cost
+    stderr: list[float | None] | None = None
+    num_samples: int | None = None
 
 
 def _padded(ids: list[int], block_size: int, mask_id: int) -> tuple[torch.Tensor, int]:
@@ -164,6 +171,7 @@ def _run(model: Any, texts: list[list[int]], per_row: list[Any], weights: list[t
     sums = [torch.zeros(len(t), dtype=torch.float64) for t in texts]
     tops: list[list[list[tuple[int, float]]]] = [[[] for _ in t] for t in texts]
     counts = [0] * len(texts)
+    per_sample: list[list[torch.Tensor]] = [[] for _ in texts]  # elbo: each sample row's weighted values [L]
     pad_id = 0
     for part in _chunks(per_row, max_row_tokens):
         rows = _stack(per_row[part], pad_id)
@@ -174,13 +182,31 @@ def _run(model: Any, texts: list[list[int]], per_row: list[Any], weights: list[t
         for i in text_of.unique().tolist():
             here = text_of == i
             sums[i].index_add_(0, c_idx[here], vals[here])
+        if weights is not None:
+            dense = torch.zeros(rows.noisy.shape, dtype=torch.float64)
+            dense[r_idx, c_idx] = vals
+            for r in range(rows.noisy.shape[0]):
+                i = int(rows.row_sample[r])
+                per_sample[i].append(dense[r, :len(texts[i])])
         if top is not None:
             for j, (r, c) in enumerate(zip(r_idx.tolist(), c_idx.tolist())):
                 tops[int(rows.row_sample[r])][c] = [(int(a), float(b)) for a, b in top[j].tolist() if b > float("-inf")]
         for r in range(rows.noisy.shape[0]):
             counts[int(rows.row_sample[r])] += 1
-    return [TokenScores([None] + [float(v) for v in s[1:]], t if top_k else None, n)
-            for s, t, n in zip(sums, tops, counts)]
+    return [TokenScores([None] + [float(v) for v in s[1:]], t if top_k else None, n,
+                        *(_suffix_stderr(rows_i, len(s)) if weights is not None else (None, None)))
+            for s, t, n, rows_i in zip(sums, tops, counts, per_sample)]
+
+
+def _suffix_stderr(rows: list[torch.Tensor], length: int) -> tuple[list[float | None], int]:
+    """(per token the standard error of the estimate of the sum from that token on, number of samples), from
+    the sample rows' weighted values (each 1/N of a sample's estimate)."""
+    n = len(rows)
+    if n < 2:
+        return [None] * length, n
+    suffix = torch.stack(rows).flip(1).cumsum(1).flip(1) * n  # [N, L]: each sample's estimate of every suffix
+    se = (suffix.std(0) / n ** 0.5).tolist()
+    return [None] + [float(v) for v in se[1:]], n
 
 
 def sequential_logprobs(model: Any, texts: list[list[int]], top_k: int = 0,
@@ -203,7 +229,15 @@ def elbo_logprobs(model: Any, texts: list[list[int]], num_samples: int, seed: in
 
 def prompt_logprobs(model: Any, texts: list[list[int]], method: Method, *, top_k: int = 0,
                     num_samples: int = 16, seed: int = 0) -> list[TokenScores]:
-    """The server's entry: `method` sequential (top-k alternatives when asked) or elbo (no alternatives)."""
+    """The server's entry: `method` sequential (top-k alternatives when asked) or elbo (no alternatives). A
+    full-attention model (LLaDA, Dream) is scored by LLaDA's conditional ELBO for every split
+    (dllm.full.likelihood); `sequential` is a block-causal policy's and does not apply to it."""
+    if getattr(model, "attention", "") == "full":
+        if method != "elbo":
+            raise ValueError("likelihood: full-attention models are scored by the Monte Carlo ELBO ('elbo')")
+        from dllm.full.likelihood import elbo_logprobs as full_elbo
+
+        return full_elbo(model, texts, num_samples, seed)
     if method == "sequential":
         return sequential_logprobs(model, texts, top_k)
     return elbo_logprobs(model, texts, num_samples, seed)

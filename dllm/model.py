@@ -8,7 +8,7 @@ export, weight sync and digests keep the HF layout (see dllm.weights).
 
     model = SDARForCausalLM(cfg)
     logits = model(ids, pos)                                   # dense block-causal forward
-    logits = model(ids, pos, cache=cache, slots=slots)         # KV-cache decode (dllm.kv_cache, dllm.decoding)
+    logits = model(ids, pos, cache=cache, page_table=table)    # KV-cache forward (dllm.kv_cache, dllm.runner)
     logits = model.forward_train(noisy, clean, pos, valid)     # noisy-copy + clean-copy layout
     dict(model.hf_named_tensors())                             # {HF name: tensor or view}
 """
@@ -355,15 +355,15 @@ class SDARForCausalLM(nn.Module):
         return self.model.norm(x).view(B, L, -1)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                cache: KVCache | None = None, slots: torch.Tensor | None = None,
+                cache: KVCache | None = None, page_table: torch.Tensor | None = None,
                 k_valid: torch.Tensor | None = None, kv_len: int | None = None, write_mask: torch.Tensor | None = None,
                 num_logits: int | None = None, num_logit_rows: int | None = None, clean_ids: torch.Tensor | None = None,
                 valid: torch.Tensor | None = None,
                 output: str = "logits") -> torch.Tensor:
         """Block-causal forward. input_ids/position_ids: [B, L] -> logits [B, L, V].
 
-        With `cache` and `slots` ([B] cache rows), the tokens' K/V are written into the
-        cache at their positions (tokens where write_mask [B, L] is False write nowhere
+        With `cache` and `page_table` ([B, P] each row's KV pages), the tokens' K/V are written into
+        the cache at their positions (tokens where write_mask [B, L] is False write nowhere
         that is read) and attention runs over cache positions [0, kv_len) (kv_len: max
         position + 1; pass it to spare a device sync). `num_logits` / `num_logit_rows`: logits
         of the last n positions / rows only (0 positions: a forward that only fills the cache).
@@ -387,13 +387,13 @@ class SDARForCausalLM(nn.Module):
             return self.lm_head(self.hidden_states(input_ids, spec))
         if kv_len is None:
             kv_len = int(position_ids.max()) + 1
-        if slots is None:
-            raise ValueError("slots: a forward on the KV cache needs each row's cache slot")
+        if page_table is None:
+            raise ValueError("page_table: a forward on the KV cache needs each row's KV pages")
         k_pos = torch.arange(kv_len, device=input_ids.device).expand(B, kv_len)
         # keys beyond each row's own last position are stale cache entries
         k_valid = k_pos <= position_ids.max(dim=1, keepdim=True).values
         spec = MaskSpec(position_ids, k_pos, bs, k_valid=k_valid, backend="sdpa")  # decode: SDPA (dllm.attention)
-        hidden = self.hidden_states(input_ids, spec, cache.view(slots, position_ids, kv_len, write_mask))
+        hidden = self.hidden_states(input_ids, spec, cache.view(page_table, position_ids, kv_len, write_mask))
         return self.lm_head(hidden[B - (num_logit_rows if num_logit_rows is not None else B):,
                                    L - (num_logits if num_logits is not None else L):])
 

@@ -2,13 +2,16 @@
 stop strings and max_tokens; a row whose probabilities were not finite ends its sequence.
 
     post = Postprocessor(eos_ids=[0], tokenizer=tok, max_len=4096, block_size=4)
-    out = decoder.run(running)                  # dllm.decoding.BlockDecoder: the device step
-    finished = post(out)                        # the sequences that ended (finish_reason set once)
+    out = runner.run(batch)                     # dllm.runner.BlockRunner: the device step
+    ended = post.decide(out.outputs)            # [Ended(seq, reason, error)]: which ended, and why
 
-Host-only work on plain `dllm.sequence.Sequence` data: the server's scheduler runs it after each
-step (server.engine.scheduler.Scheduler.postprocess), `dllm.decoding.generate` likewise. It owns the
-text of each sequence (`seq.text`, decoded incrementally by `dllm.detokenize.TextStream` with the
-tokenizer given here: one instance per thread).
+Host-only work on plain `dllm.sequence.Sequence` data, run by the scheduler after each step
+(dllm.scheduler.Scheduler.postprocess, for the server and `dllm.decoding.generate` alike): it
+commits blocks into the completion and the trace, and says which sequences ended and why; the
+scheduler writes their finish reason (`post(outputs)`, which writes it too, is for the
+full-attention decoder's standalone loop, dllm.full.decoding, until it runs on the scheduler). It
+owns the text of each sequence (`seq.text`, decoded incrementally by `dllm.detokenize.TextStream`
+with the tokenizer given here: one instance per thread).
 """
 
 from __future__ import annotations
@@ -44,10 +47,20 @@ class StepOutput:
     num_committed: int  # tokens committed by the forward (unmasked), over the batch
 
 
+@dataclass
+class Ended:
+    """A sequence the post-processor ended, and why (the scheduler writes it: `Scheduler._end`)."""
+
+    seq: Sequence
+    reason: FinishReason
+    error: str | None = None  # why it failed (reason "error")
+
+
 def apply_step(seqs: abc.Sequence[Sequence], out: torch.Tensor, B: int, mask_id: int,
                num_masked_before: int) -> StepOutput:
-    """A step's packed result on the host (per row: B ids, B steps, B log-probs, ok; the layout of
-    dllm.step.sample_and_commit) written into each sequence's block; a row that is not ok leaves it unchanged."""
+    """A step's packed float64 result on the host (per row: B ids, B steps, B log-probs, ok: the
+    full-attention decoder's layout, dllm.full.decoding) written into each sequence's block; a row that
+    is not ok leaves it unchanged."""
     ids, steps = out[:, :B].long().tolist(), out[:, B:2 * B].long().tolist()
     logprobs, is_ok = out[:, 2 * B:3 * B].tolist(), out[:, 3 * B].bool().tolist()
     outputs = []
@@ -69,23 +82,35 @@ class Postprocessor:
         self.eos_ids, self.tokenizer = set(eos_ids), tokenizer
         self.max_len, self.block_size = max_len, block_size
         self.num_tokens = 0  # completion tokens committed so far
+        self.text_for_stops_only = False  # True: only sequences with stop strings are decoded to text (the
+        # server's engine core: its API processes detokenise what they send, server.core.client)
 
-    def __call__(self, outputs: Iterable[SeqOutput]) -> list[Sequence]:
-        """Apply one step's outputs; returns the sequences that ended (failed ones first, in order)."""
+    def decide(self, outputs: Iterable[SeqOutput]) -> list[Ended]:
+        """Apply one step's outputs (completed blocks committed); returns the sequences that ended and why
+        (failed ones first, in order). Writes no finish reason: the scheduler does."""
         failed, finished = [], []
         for out in outputs:
             s = out.seq
             if not out.ok:
-                fail(s)
-                failed.append(s)
+                failed.append(Ended(s, FinishReason.ERROR, failure(s)))
             elif s.block_done:
-                self.commit_block(s)
-                if s.is_finished:
-                    finished.append(s)
+                reason = self.commit_block(s)
+                if reason is not None:
+                    finished.append(Ended(s, reason, s.error if reason == FinishReason.ERROR else None))
         return failed + finished
 
-    def commit_block(self, s: Sequence) -> None:
-        """Move the completed block into the completion; apply stop ids, stop strings, max_tokens."""
+    def __call__(self, outputs: Iterable[SeqOutput]) -> list[Sequence]:
+        """`decide` and write the finish reasons: the full-attention decoder's standalone loop
+        (dllm.full.decoding.FullDecoder.step), which has no scheduler yet."""
+        ended = self.decide(outputs)
+        for e in ended:
+            e.seq.error = e.error if e.error is not None else e.seq.error
+            e.seq.finish_reason = e.reason
+        return [e.seq for e in ended]
+
+    def commit_block(self, s: Sequence) -> FinishReason | None:
+        """Move the completed block into the completion; apply stop ids, stop strings, max_tokens; returns
+        why the sequence ends here (None: it goes on)."""
         first = max(0, len(s.prompt_ids) - s.block_start)
         new_ids = s.block_ids[first:]
         new_steps, new_lp = s.block_steps[first:], s.block_logprobs[first:]
@@ -95,7 +120,7 @@ class Postprocessor:
         if not p.ignore_eos and not stop_ids.isdisjoint(new_ids):
             keep, reason = next(i for i, t in enumerate(new_ids) if t in stop_ids) + 1, FinishReason.STOP
         room = p.max_tokens - len(s.completion_ids)
-        if s.text_stream is None and self.tokenizer is not None:
+        if s.text_stream is None and self.tokenizer is not None and (p.stop or not self.text_for_stops_only):
             s.text_stream = TextStream(self.tokenizer, p.stop)
         if s.text_stream is not None:
             n = s.text_stream.push(new_ids[:min(keep, room)])  # decodes only the new tokens
@@ -113,12 +138,11 @@ class Postprocessor:
         if reason is not None:
             s.trace.tail_ids = new_ids[keep:]
             s.trace.tail_steps = new_steps[keep:]
-            s.finish_reason = reason
+        return reason
 
 
-def fail(s: Sequence) -> None:
-    """End a sequence whose probabilities were not finite (finish_reason "error", `seq.error` says why)."""
+def failure(s: Sequence) -> str:
+    """Why a sequence whose probabilities were not finite ends (finish_reason "error")."""
     p = s.params
-    s.error = (f"sampling failed: the model's probabilities for this sequence are not finite "
-               f"(temperature={p.temperature}, top_k={p.top_k}, top_p={p.top_p})")
-    s.finish_reason = FinishReason.ERROR
+    return (f"sampling failed: the model's probabilities for this sequence are not finite "
+            f"(temperature={p.temperature}, top_k={p.top_k}, top_p={p.top_p})")

@@ -4,7 +4,9 @@
     logp = sampling_logprobs(logits, params, mask_id)      # [..., V]: the distribution (the definition)
     ids, lp = sample_tokens(logp, params, u)               # one sequence's positions, row by row
     ids, lp = sample_batch(logits, params_list, u, mask_id)  # [N, B, V]: every running sequence at once
-    ids, lp = sample_static(logits, param_rows, u, mask_id, filtered)  # the same, no host sync (decode step)
+    ids, lp = sample_typed(logits, temperature, top_k, top_p, greedy, u, mask_id, filtered)  # the same, no
+                                                           # host sync: the decode step's (dllm.step)
+    ids, lp = sample_static(logits, param_rows, u, mask_id, filtered)  # the same, parameters as [N, 4]
     u = counter_uniforms(seeds, positions, steps)          # [N, B] noise (numpy): a pure function of its inputs
 
 The distribution: logits with the mask token removed, divided by the temperature, then
@@ -19,13 +21,13 @@ cumulative probability reaches u x total. The uniforms come from a counter-based
 (splitmix64) of (request seed, absolute position, denoising step), computed on the host and
 shipped with the step's other inputs, so a seeded request gives the same tokens whatever
 else shares its batch, on any device, with no generator state to carry (unseeded sequences
-draw their seed from torch's global generator). `sample_static` applies
+draw their seed from torch's global generator). `sample_typed` applies
 every row's own temperature / top-k / top-p with the same tensor ops for every row (the
 parameters are a tensor, no Python branch per row, no data-dependent shape: the static decode
 step runs it) and gathers the sampled tokens' log-probabilities in one op; it is
 token-for-token the row-by-row definition (`sampling_logprobs` + `sample_tokens`).
 
-The greedy argmax of `sample_static` runs in two stages over chunks of `VOCAB_CHUNK` tokens (`vocab_max`: per-chunk max and first
+The greedy argmax of `sample_typed` runs in two stages over chunks of `VOCAB_CHUNK` tokens (`vocab_max`: per-chunk max and first
 index, then the first chunk holding the overall max): the same values and indices as
 `torch.max` / `torch.argmax` (ties and NaN: the lowest index), but each argmax is at most
 `VOCAB_CHUNK` wide with a static size, which inductor's Triton codegen compiles (one argmax
@@ -163,26 +165,35 @@ def needs_filter(p: SamplingParams) -> bool:
 
 def sample_static(logits: torch.Tensor, params: torch.Tensor, uniforms: torch.Tensor, mask_token_id: int,
                   filtered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_typed` with the parameters as one [N, 4] tensor (PARAM_FIELDS' columns, from `param_row`):
+    `sample_batch` and the full-attention decoder's packed rows (dllm.full.decoding)."""
+    return sample_typed(logits, params[:, 0], params[:, 1].long(), params[:, 2], params[:, 3] > 0, uniforms,
+                        mask_token_id, filtered)
+
+
+def sample_typed(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 greedy: torch.Tensor, uniforms: torch.Tensor, mask_token_id: int,
+                 filtered: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The batched sampler with no host sync and no data-dependent shape (the static decode step's).
 
-    logits: [N, B, V], params: [N, 4] (PARAM_FIELDS, from `param_row`), uniforms: [N, B] -> (ids [N, B],
-    logprobs [N, B] fp32). Every row runs the same ops: temperature 1 divides exactly, top-k with k=0
-    keeps everything (its k-th largest is the mask token's -inf), top-p applies where < 1 only
-    (so rows without it are untouched by rounding in the cumulative sum). `filtered` (a Python
-    bool: part of the compiled step's key) is False when no row uses top-k / top-p: no sort."""
+    logits: [N, B, V]; per row temperature [N] (float64; 1 for greedy rows), top_k [N] int64 (0 = off),
+    top_p [N] float64, greedy [N] bool; uniforms: [N, B] -> (ids [N, B], logprobs [N, B] fp32). Every
+    row runs the same ops: temperature 1 divides exactly, top-k with k=0 keeps everything (its k-th
+    largest is the mask token's -inf), top-p applies where < 1 only (so rows without it are untouched
+    by rounding in the cumulative sum). `filtered` (a Python bool: part of the compiled step's key) is
+    False when no row uses top-k / top-p: no sort."""
     V = logits.shape[-1]
     x = logits.float()  # [N, B, V]: a copy unless already fp32 (then the caller's logits are consumed)
     x[..., mask_token_id] = float("-inf")
-    x = x / params[:, 0, None, None].float()
+    x = x / temperature[:, None, None].float()
     if filtered:
-        top_k = params[:, 1].long()
         k = torch.where((top_k > 0) & (top_k < V), top_k, V)  # [N]
         kth = torch.sort(x, dim=-1, descending=True).values.gather(-1, (k - 1)[:, None, None].expand(-1, x.shape[1], 1))
         x = x.masked_fill(x < kth, float("-inf"))
-        top_p = params[:, 2, None, None]
-        x = torch.where(top_p < 1.0, _top_p_filter(x, top_p.float()), x)
+        p = top_p[:, None, None]
+        x = torch.where(p < 1.0, _top_p_filter(x, p.float()), x)
     logp = torch.log_softmax(x, dim=-1)  # [N, B, V]: bit-equal to the definition's (sampling_logprobs)
-    ids = torch.where(params[:, 3, None] > 0, vocab_max(logp)[1], _inverse_cdf(logp, uniforms))
+    ids = torch.where(greedy[:, None], vocab_max(logp)[1], _inverse_cdf(logp, uniforms))
     return ids, logp.gather(-1, ids[..., None]).squeeze(-1)
 
 

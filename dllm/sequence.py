@@ -5,18 +5,25 @@
     seq.completion_ids, seq.text, seq.trace, seq.finish_reason, seq.error
     to_output(seq) -> GenerationOutput
 
-Plain data: `dllm.decoding.BlockDecoder.run` advances its block, `dllm.decoding.Postprocessor`
-commits finished blocks (stop ids, stop strings, max_tokens) and ends it. `finish_reason` is
-stored once, in the trace (`seq.finish_reason` reads and writes `seq.trace.finish_reason`). `seed` keys the sequence's sampling
-noise (the request seed, else drawn from torch's global generator); `pending` holds clean
-tokens just before the current block whose K/V the cache does not have yet (new prompt
-blocks, a just-finished block) and that the decoder's next forward writes.
+Plain data with one writer per part: the scheduler (dllm.scheduler) moves its `status`
+(`SeqStatus`) and writes `finish_reason` (stored once, in the trace: `seq.finish_reason` reads and
+writes `seq.trace.finish_reason`); its block manager (dllm.block_manager) writes `slot`,
+`block_table` (the KV pages it holds, page j = positions [j B, (j + 1) B)), `num_cached_tokens`
+(the prefix whose K/V were found in the prefix cache) and `prefix_keys`; the runner
+(dllm.runner) advances the block being denoised, and `dllm.postprocess.Postprocessor` commits
+finished blocks into the completion and the trace. `seed` keys the sequence's sampling noise
+(the request seed, else drawn from torch's global generator); `pending` holds clean tokens just
+before the current block whose K/V the cache does not have yet (new prompt blocks, a
+just-finished block, a preempted sequence's prefix) and that the runner's next forward writes.
+
+    NEW -> WAITING -> RUNNING -> FINISHED    (RUNNING -> WAITING: preempted; the server adds RELEASING)
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,6 +40,14 @@ if TYPE_CHECKING:
 _ids = itertools.count()
 
 
+class SeqStatus(StrEnum):
+    NEW = "new"              # made and validated, not scheduled yet
+    WAITING = "waiting"      # in the scheduler's queue (a preempted sequence is back there)
+    RUNNING = "running"      # in every forward; holds a slot and its KV pages
+    RELEASING = "releasing"  # (server) aborted while running: leaves at the next step
+    FINISHED = "finished"    # done (finished, aborted or failed)
+
+
 class Sequence:
     """Decoding state of one sample (plain data; the decoder mutates it)."""
 
@@ -47,11 +62,15 @@ class Sequence:
         self.trace = Trace(prompt_len=len(prompt_ids), block_size=block_size)
         self.error: str | None = None  # why the sequence failed (finish_reason "error")
         self.num_forwards = 0
-        self.slot: int | None = None
+        self.status = SeqStatus.NEW
+        self.num_preemptions = 0  # times the scheduler took its pages back (it is then re-admitted, recomputed)
+        self.slot: int | None = None  # the slot it was given at its last admission (kept once released)
+        self.block_table: list[int] = []  # its KV pages while it runs (dllm.block_manager)
+        self.num_cached_tokens = 0  # prefix positions whose K/V its shared pages held when admitted
+        self.prefix_keys: tuple[int, list[bytes]] | None = None  # (version, keys of its complete prompt blocks)
         self.text = ""
         self.text_stream: TextStream | None = None
         self.pending: list[int] | None = None  # clean ids just before the block whose K/V are not cached yet
-        self.preempted = False  # its cache was taken back (BlockDecoder.preempt): refilled when added again
         # the key of this sequence's sampling noise: the request seed, else drawn from torch's generator
         self.seed = params.seed if params.seed is not None else int(torch.randint(1 << 62, ()))
         self.block_start = len(prompt_ids) // block_size * block_size
@@ -68,6 +87,15 @@ class Sequence:
         self.step_in_block = 0
         self.block_done = False
         self.schedule = transfer_schedule(B - len(given), self.params.steps or B)
+
+    def start_blocks_at(self, origin: int) -> None:
+        """Blocks start at absolute position `origin` (the prompt's length: full-attention LLaDA / Dream, whose
+        official rollouts start the first block at the prompt's end) instead of a multiple of the block size;
+        before the first forward. Recorded in the trace (`block_origin`)."""
+        if self.step_in_block or self.completion_ids or not 0 <= len(self.prompt_ids) - origin < self.block_size:
+            raise ValueError(f"start_blocks_at({origin}): only before decoding, within the prompt's last block")
+        self.block_start = self.trace.block_origin = origin
+        self._new_block()
 
     def next_block(self, owe_cache: bool = True) -> None:
         """Move on past a completed block (with a cache, its clean ids are owed to it: `pending`)."""
@@ -113,9 +141,10 @@ class GenerationOutput:
 
 
 def step_inputs(s: Sequence) -> list:
-    """One sequence's inputs of a denoising step, as numbers: block ids, steps, logprobs [3B], then
-    dllm.step.FIELDS' values (step is 1-based, k from the schedule, write 1, the sampling parameters).
-    The decoder adds the noise."""
+    """One sequence's inputs of a denoising step as one float64 row (the full-attention decoder's layout,
+    dllm.full.decoding, until it takes the typed step of dllm.step): block ids, steps, logprobs [3B],
+    then dllm.step.FIELDS' values (step is 1-based, k from the schedule, write 1, the sampling
+    parameters). The decoder adds the noise."""
     k = s.schedule[min(s.step_in_block, len(s.schedule) - 1)]
     return [*s.block_ids, *s.block_steps, *s.block_logprobs, s.block_start, s.step_in_block + 1, k,
             Strategy(s.params.strategy).code, float(s.params.threshold), s.slot or 0, 1.0, *param_row(s.params)]

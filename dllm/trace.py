@@ -3,9 +3,13 @@
 For completion token j: `steps[j]` is the 1-based index, within its block, of the
 denoising forward that committed it, and `logprobs[j]` the log-probability of that
 token under the distribution it was sampled from (after temperature/top-k/top-p).
-Blocks are aligned to absolute position 0 of prompt + completion.
-Full-attention decoding (dllm.full) adds `cache_mode` ("exact" / "prefix") and `canvas_len` (the
-length of the sequence every denoising forward saw: later blocks were there, masked).
+Blocks start at absolute position `block_origin` of prompt + completion: 0 for block-causal SDAR
+(aligned to position 0, a prompt's last partial block is completed first), the prompt's length for
+full-attention LLaDA / Dream (blocks start at the prompt's end, as their official rollouts decode).
+Full-attention decoding (dllm.full) adds `cache_mode` ("exact" / "prefix"), `canvas_len` (the length
+of the sequence every denoising forward saw: later blocks were there, masked), `schedule` (the static
+transfer schedule: "llada" or "dream eps=0.001") and `further_horizon` (prefix mode: the positions after
+the block that a block's later forwards saw; None: the rest of the canvas).
 
 One type from decoder to trainer: the decoder fills it in, the server sends it as JSON (the
 wire schemas of `rollout_client` use it as is), and it is the one home of the block/step
@@ -50,7 +54,10 @@ class Trace(BaseModel):
     tail_steps: list[int] = Field(default_factory=list)
     # full-attention models (dllm.full) only; None for block-causal SDAR (and absent from older traces):
     cache_mode: str | None = None  # "exact" (every forward recomputes every position) or "prefix" (Fast-dLLM)
-    canvas_len: int | None = None  # positions every denoising forward saw: prompt + max_tokens, to whole blocks
+    canvas_len: int | None = None  # positions every forward saw: the prompt, then max_tokens to whole blocks
+    block_origin: int = 0  # absolute position where the first block starts (SDAR 0; LLaDA / Dream: prompt_len)
+    schedule: str | None = None  # full attention: static decoding's transfer schedule ("llada", "dream eps=0.001")
+    further_horizon: int | None = None  # prefix mode: positions after the block a block's later forwards saw
     # True: the engine could not report how tokens were committed (steps and logprobs are 0s, not a
     # trace): objectives that replay traces refuse it; random masking / coupled RL train from it
     trace_free: bool = False
@@ -66,8 +73,8 @@ class Trace(BaseModel):
         return self.model_copy(update=update, deep=True)
 
     def block_of(self, j: int) -> int:
-        """Block index of generated token j (blocks are aligned to position 0 of prompt + completion)."""
-        return (self.prompt_len + j) // self.block_size
+        """Block index of generated token j (blocks start at absolute position `block_origin`)."""
+        return (self.prompt_len + j - self.block_origin) // self.block_size
 
     def global_steps(self, shrink: int = 1) -> list[int]:
         """Per completion token: an id of the denoising forward that committed it, increasing

@@ -77,13 +77,12 @@ def print_keys(command: str) -> None:
 
 def config_main(argv: list[str]) -> int:
     """`dlrl config show [--command C] [--config FILE] [key=value ...]`: the resolved config as YAML."""
-    import argparse
 
     from dlrl_config import ConfigError, load_sections
-    from dlrl_config.cli import config_file
+    from dlrl_config.cli import ArgumentParser, config_file
     from dlrl_config.describe import dump_yaml
 
-    ap = argparse.ArgumentParser(prog="dlrl config", description="print the resolved config as YAML")
+    ap = ArgumentParser(prog="dlrl config", description="print the resolved config as YAML")
     ap.add_argument("action", choices=["show"])
     ap.add_argument("--command", choices=sorted(COMMAND_SECTIONS), default=None,
                     help="only the sections this command reads (bare key=value overrides are its own section's)")
@@ -136,7 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print(__doc__.strip())
         if argv and argv[0] not in ("-h", "--help"):
-            print(f"\ndlrl: error: unknown command {argv[0]!r}", file=sys.stderr)
+            from dlrl_config import nearest
+
+            print(f"\ndlrl: error: unknown command {argv[0]!r}{nearest(argv[0], [*COMMANDS, 'config'])}",
+                  file=sys.stderr)
             return 2
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -143,9 +143,10 @@ def _is_list(annotation: Any) -> bool:
     return any(_is_list(a) for a in typing.get_args(annotation) if a is not type(None))
 
 
-def _message(e: ValidationError, section: str, origin: Mapping[str, str] | None = None) -> str:
+def _message(e: ValidationError, section: str, origin: Mapping[str, str] | None = None,
+             known: typing.Iterable[str] = ()) -> str:
     """One line per error; an error in a key read from a file starts with the file:line (`origin`:
-    key -> where it was read)."""
+    key -> where it was read); an unknown key gets the nearest of `known` (the section's keys)."""
     prefix = f"{section}." if section else ""
     parts = []
     for err in e.errors():
@@ -154,7 +155,7 @@ def _message(e: ValidationError, section: str, origin: Mapping[str, str] | None 
         where = (origin or {}).get(str(err["loc"][0])) if err["loc"] else None
         at = f"{where}: " if where else ""
         if err["type"] == "extra_forbidden":
-            parts.append(f"{at}unknown config key '{prefix}{key}'")
+            parts.append(f"{at}unknown config key '{prefix}{key}'{nearest(key, known)}")
         elif key:
             parts.append(f"{at}config key {prefix}{key}: {msg} (got {err.get('input')!r})")
         else:
@@ -172,7 +173,7 @@ def build(cls: type[T], values: dict[str, Any], section: str = "", origin: Mappi
     try:
         return cls.model_validate(values)
     except ValidationError as e:
-        raise ConfigError(_message(e, section, origin)) from None
+        raise ConfigError(_message(e, section, origin, cls.model_fields)) from None
 
 
 def load_section(cls: type[T], path: str | Path | None, section: str,

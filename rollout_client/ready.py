@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 
 import httpx
 
+WAIT_LOG_S = 15.0  # the command's line about a wait at least this often
+
 
 class ServerExited(RuntimeError):
     """The process behind a url exited before the server became ready."""
@@ -29,16 +31,22 @@ def is_ready(url: str, timeout: float = 2.0) -> bool:
 
 
 def wait_ready(urls: Sequence[str], timeout: float, exited: Callable[[str], bool] | None = None,
-               interval: float = 0.2) -> None:
+               interval: float = 0.2, on_wait: Callable[[str, float], None] | None = None,
+               wait_log_s: float = WAIT_LOG_S) -> None:
     """Return once every url answers /ready with 200; ServerExited as soon as `exited(url)`,
-    TimeoutError past `timeout` seconds (both name the url)."""
-    deadline = time.monotonic() + timeout
+    TimeoutError past `timeout` seconds (both name the url). `on_wait(url, seconds so far)` is
+    called every `wait_log_s` while a url is not ready (the command prints a line: no silent wait)."""
+    t0 = time.monotonic()
+    deadline, next_log = t0 + timeout, t0 + wait_log_s
     for url in urls:
         while not is_ready(url):
             if exited is not None and exited(url):
                 raise ServerExited(f"the server for {url} exited (see its log)")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{url} not ready in time")
+            if on_wait is not None and time.monotonic() >= next_log:
+                next_log = time.monotonic() + wait_log_s
+                on_wait(url, time.monotonic() - t0)
             time.sleep(interval)
 
 
@@ -62,8 +70,12 @@ def main(argv: list[str] | None = None) -> int:
         if not url or not pid.isdigit():
             ap.error(f"{item!r} is not URL=PID")
         pids[url] = int(pid)
+    def say(url: str, seconds: float) -> None:
+        print(f"{args.name}: waiting for {url} to be ready ({seconds:.0f} s so far, at most {args.timeout:.0f} s)",
+              file=sys.stderr, flush=True)
+
     try:
-        wait_ready(list(pids), args.timeout, exited=lambda url: pid_exited(pids[url]))
+        wait_ready(list(pids), args.timeout, exited=lambda url: pid_exited(pids[url]), on_wait=say)
     except (ServerExited, TimeoutError) as e:
         print(f"{args.name}: {e}", file=sys.stderr)
         return 1

@@ -6,8 +6,11 @@
 `server.model` empty (the default) serves the embedded tiny default, trained on first use
 by `dllm.embedded.tiny.ensure_default_model`. Binds 127.0.0.1 unless told otherwise. The admin
 token comes from `server.admin_token` or the DLRL_ADMIN_TOKEN environment variable.
-SIGTERM / SIGINT shut down gracefully (server.api.lifecycle): new requests get 503, requests
-in flight get up to `server.shutdown_timeout` seconds, then the process exits 0.
+By default the engine runs in its own process and HTTP in `server.api_processes` others sharing the
+port (server.core.supervisor); `server.engine_core=thread` serves from one process, the engine on a
+thread of it (as before the split). SIGTERM / SIGINT shut down gracefully (server.api.lifecycle): new
+requests get 503, requests in flight get up to `server.shutdown_timeout` seconds, then the process
+exits 0 (1 if the engine core died).
 Connections are bounded (server.api.connections: header/read/keep-alive timeouts, caps per
 client and in total, a reserve for probes and admin, rate-limited resource errors).
 """
@@ -17,10 +20,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dlrl_config import ConfigError
-from dlrl_config.cli import DEFAULT_CONFIG, add_check_args, config_file, print_check
+from dlrl_config.cli import DEFAULT_CONFIG, ArgumentParser, add_check_args, config_file, print_check
 from server.config import ServerConfig, load_server_config
 
 if TYPE_CHECKING:
@@ -30,7 +34,7 @@ log = logging.getLogger("dlrl.server")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dlrl serve", description="Serve a block-diffusion LM over HTTP.")
+    p = ArgumentParser(prog="dlrl serve", description="Serve a block-diffusion LM over HTTP.")
     p.add_argument("--config", default=None, help=f"YAML config with a `server` section (default {DEFAULT_CONFIG} "
                                                    "when it exists)")
     p.add_argument("--host", default=None, help="alias of server.host=HOST (bind address, default 127.0.0.1)")
@@ -75,12 +79,31 @@ def resolve_model(config: ServerConfig, config_path: str | None, overrides: list
         raise SystemExit(0) from None
 
 
+def serve_facts(config: ServerConfig, config_path: str | None, overrides: list[str]) -> list[tuple[str, str]]:
+    """The --check summary of `dlrl serve`: where it listens, what it serves (and under which name)."""
+    if config.model:
+        model = f"{config.model}, served as {config.model_name()!r}"
+    else:
+        from dllm.embedded.tiny import load_tiny_sections
+
+        folder = Path(load_tiny_sections(config_path or DEFAULT_CONFIG, overrides)[2].output_dir)
+        made = "" if (folder / "config.json").is_file() else ", trained first (minutes)"
+        model = f"the embedded default in {folder}{made}, served as {config.model_name(folder)!r}"
+    return [("address", f"http://{config.host}:{config.port}"), ("model", model),
+            ("engine", f"{config.backend} backend, max_batch {config.max_batch}, likelihood {config.likelihood}"),
+            ("config", config_path or "defaults (no config file)")]
+
+
 def backend_options(config: ServerConfig) -> dict[str, Any]:
     """The keys only one backend reads: lmdeploy's engine-wide decoding, native's withheld traces."""
-    if config.backend == "lmdeploy":
+    if config.backend == "lmdeploy":  # the full-attention keys too: refused there by name unless left default
         return {"strategy": config.default_strategy, "threshold": config.default_threshold,
-                "lmdeploy_steps": config.lmdeploy_steps, "kv_admission": config.kv_admission}
-    native: dict[str, Any] = {"trace_free": config.trace_free, "cache_mode": config.cache_mode}
+                "lmdeploy_steps": config.lmdeploy_steps, "kv_admission": config.kv_admission,
+                "cache_mode": config.cache_mode, "further_horizon": config.further_horizon, "ranking": config.ranking,
+                "rng": config.rng}
+    native: dict[str, Any] = {"trace_free": config.trace_free, "cache_mode": config.cache_mode,
+                              "further_horizon": config.further_horizon, "ranking": config.ranking, "rng": config.rng,
+                              "prefix_caching": config.prefix_caching}
     if config.kv_admission != "reserve":  # other runners never receive it by default
         native["kv_admission"] = config.kv_admission
     return native
@@ -101,7 +124,7 @@ def build_engine(config: ServerConfig, model_path: str) -> Engine:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # key=value overrides before and after flags
     config_path = config_file(args.config)
     try:
         config = apply_aliases(load_server_config(config_path, args.overrides), args)
@@ -117,15 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             parser.exit(2, "".join(f"dlrl serve: error: {line}\n" for line in str(e).splitlines()))
     if args.check or args.check_config:
-        return print_check("serve", config)
+        return print_check("serve", config, facts=serve_facts(config, config_path, args.overrides), as_json=args.json,
+                           flag="--check-config" if args.check_config else "--check")
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    import uvicorn
-
-    from server.api.app import create_app
-    from server.api.connections import ConnectionLimits, bounded_protocol
-    from server.api.lifecycle import GracefulServer
-    from server.api.state import server_state
     from server.engine.backends import BackendUnavailable, check_backend
 
     try:
@@ -133,6 +151,22 @@ def main(argv: list[str] | None = None) -> int:
     except BackendUnavailable as e:
         parser.exit(2, f"dlrl serve: error: {e}\n")
     model_path = resolve_model(config, config_path, args.overrides)
+    if config.engine_core == "process":
+        from server.core.supervisor import Supervisor
+
+        code = Supervisor(config, model_path).run()
+        log.info("server stopped")
+        return code
+    return serve_in_one_process(parser, config, model_path)
+
+
+def serve_in_one_process(parser: argparse.ArgumentParser, config: ServerConfig, model_path: str) -> int:
+    """server.engine_core=thread: the engine core on a thread of the one HTTP process."""
+    from server.api.app import create_app
+    from server.api.lifecycle import http_server
+    from server.api.state import server_state
+    from server.engine.backends import BackendUnavailable
+
     try:
         engine = build_engine(config, model_path)
     except BackendUnavailable as e:
@@ -142,33 +176,22 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:  # bad folder / option: the message names it
         parser.exit(2, f"dlrl serve: error: cannot load {model_path}: {e}\n")
     try:
-        app = create_app(engine, config)
-    except ConfigError as e:  # e.g. server.store cannot be opened, feedback token = admin token
+        app = create_app(engine, config, model_path)
+        server = http_server(app, config)
+    except ConfigError as e:  # e.g. server.store cannot be opened, feedback token = admin token, no file room
         parser.exit(2, f"dlrl serve: error: {e}\n")
     log.info("serving model %s (%s) from %s with backend %s, max_batch=%d, max_model_len=%d",
              engine.model_name, getattr(engine.model, "dtype", "?"), model_path, config.backend,
              config.max_batch, engine.max_model_len)
+    if engine.info.family != "sdar":
+        log.info("prompt log-likelihoods (echo + logprobs, prompt_logprobs): LLaDA's Monte Carlo ELBO, %d samples "
+                 "per context / continuation split (server.elbo_samples; server.likelihood applies to block-causal "
+                 "models)", config.elbo_samples)
     log.info("listening on http://%s:%d (admin endpoints %s)", config.host, config.port,
              "enabled" if server_state(app).admin_token else "disabled: no admin token")
-    json_logs: dict[str, Any] = {"log_config": None, "access_log": False} if config.log_format == "json" else {}  # server.logs
-    try:
-        limits = ConnectionLimits.from_config(config, server_state(app).metrics)
-    except ConfigError as e:  # the file limit leaves no room for connections
-        parser.exit(2, f"dlrl serve: error: {e}\n")
-    http, loop = config.resolved_http(), config.resolved_loop()
-    log.info("HTTP protocol %s on the %s event loop (server.http=%s, server.loop=%s)", http, loop, config.http,
-             config.loop)
-    server = GracefulServer(uvicorn.Config(app, host=config.host, port=config.port, loop=loop,
-                                           http=bounded_protocol(limits, http),
-                                           # uvicorn annotates an int but hands it to loop.call_later: seconds as float
-                                           timeout_keep_alive=config.keepalive_timeout_s,  # type: ignore[arg-type]
-                                           backlog=config.listen_backlog,
-                                           **json_logs,
-                                           log_level=config.log_level.lower(), timeout_graceful_shutdown=5),
-                            app, shutdown_timeout=config.shutdown_timeout, limiter=limits.limiter)
     server.run()
     log.info("server stopped")
-    return 0
+    return 1 if server_state(app).engine.dead and not server_state(app).is_draining else 0
 
 
 if __name__ == "__main__":

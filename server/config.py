@@ -10,6 +10,9 @@ of the memory available after loading the weights (free CUDA memory / available 
 `keep_versions` host copies of the weights); see server.engine.backends.native.plan_kv_cache.
 The decode step (dllm/step.py) runs eagerly unless `compile` (torch.compile: each variant is
 compiled on first use, tens of seconds on a small CPU) or `cuda_graphs` (CUDA only).
+`prefix_caching` (block-causal models, native backend): the K/V pages of complete prompt blocks are
+shared by the samples of a request and by requests with the same prefix, keyed by their tokens and
+the weight version, and kept until their pages are needed (dllm/block_manager.py).
 """
 
 from __future__ import annotations
@@ -42,8 +45,15 @@ class ServerConfig(Config):
     served_model_name: str = ""      # name in /v1/models; "" = the folder name
     backend: Backend = "native"
     cache_mode: CacheMode = "exact"  # full-attention models: exact (replayable) | prefix (Fast-dLLM prefix cache: faster, approximate)
+    further_horizon: int = Field(-1, ge=-1)  # cache_mode=prefix: positions after the block its later forwards see (-1 = the family's official: LLaDA 128, Dream 32)
+    ranking: Literal["official", "tempered"] = "official"  # full attention: confidence of a static forward (official: LLaDA's untempered softmax)
+    rng: Literal["counter", "official"] = "counter"  # full attention: counter-based noise | the official rollouts' torch draws (bit-identical seeded rollouts)
     device: str = "auto"             # auto | cpu | cuda | cuda:N
     dtype: Dtype = "auto"            # auto = bf16 on CUDA, fp32 on CPU
+    engine_core: Literal["process", "thread"] = "process"  # the step loop in its own process, or a thread of the API's
+    api_processes: int = Field(1, ge=1, le=64)  # HTTP processes sharing the port (engine_core=process; server/core)
+    api_nice: int = Field(0, ge=0, le=19)  # engine_core=process: added to the API processes' nice value, so that
+    # under CPU contention (a flood on a small box) the engine core's step loop gets the CPU first
     max_batch: int = Field(16, ge=1)   # max concurrently decoded sequences (the KV-cache pages may allow fewer)
     max_queue: int = Field(256, ge=1)  # max waiting sequences before 429
     max_queue_tokens: int = Field(0, ge=0)  # max prompt + max_tokens of waiting sequences (0 = 4x the KV cache)
@@ -61,6 +71,7 @@ class ServerConfig(Config):
     trace_free: bool = False         # withhold traces: rollouts marked trace-free, steps/logprobs 0 (as lmdeploy's)
     lmdeploy_steps: int = Field(0, ge=0)  # backend=lmdeploy: denoising steps per block, engine-wide (0 = block size)
     kv_admission: Literal["reserve", "optimistic"] = "reserve"  # optimistic: admit on pages in use, preempt + recompute
+    prefix_caching: bool = True      # block-causal: share complete prompt blocks (n samples, common prefixes), by version
     trust_remote_code: bool = False  # run the model folder's own Python code (tokenizer/config); never asked
     block_size: int = Field(0, ge=0)  # 0 = config.json's; set it for folders that lack it (or to decode with another)
     mask_token_id: int = Field(-1, ge=-1)  # -1 = config.json's, else the tokenizer's <|MASK|>
@@ -91,8 +102,8 @@ class ServerConfig(Config):
     default_threshold: Threshold = 0.9  # threshold of requests that leave it unset
     default_temperature: Temperature = 1.0  # temperature of requests that leave it unset
     # prompt log-likelihoods (echo + logprobs, max_tokens 0; server/api/likelihood.py, dllm/likelihood.py)
-    likelihood: Literal["sequential", "elbo"] = "sequential"  # exact sequential-policy, or the Monte Carlo ELBO
-    elbo_samples: int = Field(16, ge=1, le=1024)  # likelihood=elbo: masking samples per prompt (seeded)
+    likelihood: Literal["sequential", "elbo"] = "sequential"  # block-causal: exact sequential-policy, or the Monte Carlo ELBO (full attention: always elbo)
+    elbo_samples: int = Field(16, ge=1, le=1024)  # elbo: masking samples per estimate (seeded; LLaDA / Dream: per context / continuation split)
     # weight sync (server side of weight_sync; see server/weights/weight_updates.py)
     weight_sync_lease_s: float = Field(30.0, gt=0, le=3600)  # an update with no data-plane progress is aborted
     weight_sync_drain_timeout_s: float = Field(30.0, ge=0, le=3600)  # commit waits this long for in-flight...
@@ -116,6 +127,9 @@ class ServerConfig(Config):
             if getattr(self, key) == module and not _installed(module):
                 raise ValueError(f"server.{key}: {module} is not installed (pip install '.[server]' or "
                                  f"pip install {module}); use server.{key}=auto or the pure-Python default")
+        if self.api_processes > 1 and self.engine_core == "thread":
+            raise ValueError(f"server.api_processes: {self.api_processes} API processes need the engine in its own "
+                             "process (server.engine_core=process); with engine_core=thread there is one process")
         if self.listen_backlog >= self.fd_reserve:
             raise ValueError(f"server.listen_backlog: {self.listen_backlog} must be below server.fd_reserve "
                              f"({self.fd_reserve}): a burst of accepted connections needs free descriptors")

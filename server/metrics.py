@@ -24,7 +24,10 @@ dlrl_request_queue_time_seconds (arrival to admission), dlrl_request_prefill_tim
 dlrl_request_inference_time_seconds (admission to the last commit). Load:
 dlrl_num_requests_running / dlrl_num_requests_waiting (sequences), dlrl_kv_cache_pages_used /
 _total / dlrl_kv_cache_usage_perc, dlrl_kv_cache_refusals_total (engine steps that left a
-sequence waiting with a free slot but too few KV pages). Block diffusion: dlrl_forwards_total,
+sequence waiting with a free slot but too few KV pages). Prefix cache (server.prefix_caching, as vLLM's,
+in tokens): dlrl_prefix_cache_queries_total (prompt tokens of every admission),
+dlrl_prefix_cache_hits_total (those whose K/V a cached page held), dlrl_kv_cache_pages_cached (pages
+holding a reusable prompt block, in use or not). Block diffusion: dlrl_forwards_total,
 dlrl_forwards_per_second, dlrl_tokens_per_forward, dlrl_batch_size, dlrl_step_seconds,
 dlrl_prompt_tokens_total, dlrl_generation_tokens_total. Weights: dlrl_model_info{model_name,
 version}, dlrl_served_version, dlrl_weight_updates_total{outcome}, dlrl_weight_update_bytes_total,
@@ -58,6 +61,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -66,10 +70,12 @@ from dllm.trace import FinishReason
 from store.types import ERROR_CAUSES
 
 if TYPE_CHECKING:
+    from server.core.client import CoreClient
     from server.engine.engine import Engine, StepStats
     from server.engine.sequence import ServerSequence as Sequence
     from store import FeedbackStore
 
+disable_created_metrics()  # no `*_created` series: a gauge of start times per counter/histogram clutters /metrics
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _TPF_BUCKETS = (0.25, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 16, 32)
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -108,8 +114,15 @@ class _Dynamic:
                                      labels=["model_name", "version"])
             info.add_metric([str(engine.model_name), str(engine.version)], 1.0)
             yield info
+            blocks = engine.scheduler.blocks
+            yield CounterMetricFamily("dlrl_prefix_cache_queries", "prompt tokens looked up in the prefix cache "
+                                      "(every admission)", value=blocks.num_queried_tokens)
+            yield CounterMetricFamily("dlrl_prefix_cache_hits", "prompt tokens whose K/V a cached page held",
+                                      value=blocks.num_hit_tokens)
             pages = kv_pages(engine)
             if pages is not None:
+                yield GaugeMetricFamily("dlrl_kv_cache_pages_cached", "KV-cache pages holding a reusable prompt "
+                                        "block (in use or not)", value=blocks.num_cached_pages)
                 used, total = pages
                 yield GaugeMetricFamily("dlrl_kv_cache_pages_used", "KV-cache pages held by running sequences",
                                         value=used)
@@ -140,15 +153,34 @@ class _ModelLabelled:
             yield family
 
 
-def kv_pages(engine: Engine) -> tuple[int, int] | None:
+def kv_pages(engine: Engine | CoreClient) -> tuple[int, int] | None:
     """(used, total) pages of the paged KV cache as the scheduler accounts for them, None when the
     runner's cache is unpaged (the one reading of it: /metrics and /health)."""
     total = engine.scheduler.kv.num_pages
-    return (total - engine.scheduler.free_pages, total) if total else None
+    return (total - engine.scheduler.free_pages, total) if total else None  # the block manager's: held by running
+
+
+# the families the engine core updates (the engine's steps and sequences, the weights); an API process updates
+# the rest (HTTP, feedback, the store, connections, auth). With the engine in its own process each side sends
+# only its own to the one /metrics (server.core.families).
+ENGINE_FAMILIES = frozenset({
+    "dlrl_generation_tokens", "dlrl_forwards", "dlrl_tokens_per_forward", "dlrl_batch_size", "dlrl_max_batch_size",
+    "dlrl_step_seconds", "dlrl_time_to_first_token_seconds", "dlrl_inter_token_latency_seconds",
+    "dlrl_time_per_output_token_seconds", "dlrl_e2e_request_latency_seconds", "dlrl_request_queue_time_seconds",
+    "dlrl_request_prefill_time_seconds", "dlrl_request_decode_time_seconds", "dlrl_request_inference_time_seconds",
+    "dlrl_request_prompt_tokens", "dlrl_request_generation_tokens", "dlrl_kv_cache_refusals",
+    "dlrl_weight_updates", "dlrl_weight_update_bytes", "dlrl_weight_update_verify_seconds",
+    "dlrl_weight_update_drain_seconds", "dlrl_weight_update_apply_seconds", "dlrl_weight_update_aborts",
+    "dlrl_weight_update_refusals", "dlrl_request_success", "dlrl_model_info", "dlrl_kv_cache_pages_used",
+    "dlrl_kv_cache_pages_total", "dlrl_kv_cache_usage_perc", "dlrl_num_requests_waiting", "dlrl_prefix_cache_queries",
+    "dlrl_prefix_cache_hits", "dlrl_kv_cache_pages_cached",
+    "dlrl_num_requests_running", "dlrl_served_version", "dlrl_paused", "dlrl_forwards_per_second"})
 
 
 class ServerMetrics:
-    def __init__(self, engine: Engine | None = None) -> None:
+    def __init__(self, engine: Engine | None = None, model_name: Callable[[], str] | None = None) -> None:
+        """`engine`: the engine whose steps and state this registry reads (the engine core's); `model_name`:
+        where the served name comes from without one (an API process: its engine client)."""
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.engine: Engine | None = None
         self.store: FeedbackStore | None = None  # set by server.recording.recording when a store is open (store size gauges)
@@ -229,7 +261,8 @@ class ServerMetrics:
         self._lock = threading.Lock()
         self._seq_times: dict[int, list[float]] = {}  # seq_id -> [first token, last commit, tokens at last commit]
         r.register(_Dynamic(self))
-        self._scraped = _ModelLabelled(r, lambda: None if self.engine is None else str(self.engine.model_name))
+        self._scraped = _ModelLabelled(r, lambda: str(self.engine.model_name) if self.engine is not None
+                                       else model_name() if model_name is not None else None)
         if engine is not None:
             self.bind_engine(engine)
 
@@ -382,6 +415,11 @@ class ServerMetrics:
                 stats = None
             self._store_stats = (time.monotonic(), stats)
         return stats
+
+    def families(self, engine_part: bool | None = None) -> list[Metric]:
+        """The families as scraped (model_name labelled): all of them (None), the engine core's (True:
+        ENGINE_FAMILIES) or the API process's (False: the rest)."""
+        return [f for f in self._scraped.collect() if engine_part is None or (f.name in ENGINE_FAMILIES) == engine_part]
 
     def render(self) -> bytes:
         return generate_latest(self._scraped)  # type: ignore[arg-type,unused-ignore]  # any object with collect()

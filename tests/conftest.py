@@ -105,7 +105,7 @@ def start_server(model_dir: str, port: int | None = None, runner: Any = None, bu
         backend = runner or NativeBackend.from_pretrained(
             model_dir, device="cpu", dtype="float32", max_batch=config.max_batch, max_model_len=config.max_model_len,
             kv_cache_memory=config.kv_cache_memory, kv_cache_fraction=config.kv_cache_fraction,
-            keep_versions=config.keep_versions, trace_free=config.trace_free)
+            keep_versions=config.keep_versions, trace_free=config.trace_free, prefix_caching=config.prefix_caching)
         engine = Engine(backend, max_queue=config.max_queue, model_name=config.model_name())
     app = create_app(engine, config)
     limits = ConnectionLimits.from_config(config)  # the protocol and loop `dlrl serve` runs (server.http/loop)

@@ -1,6 +1,7 @@
 """Helpers shared by test modules (tests never import each other): free ports, real `dlrl serve`
 subprocesses on loopback, admin calls, waiting on a condition with a deadline, the tiny
-random SDAR config of the dllm tests, a weight receiver serving a dict of tensors (ServedTensors).
+random SDAR config of the dllm tests, continuous batching of standalone decoding (`drive`), a weight
+receiver serving a dict of tensors (ServedTensors).
 
     with served_process(model_dir, token="t", log_dir=tmp) as srv:   # a real server process
         admin_get(srv.url, "/weights/version", "t")
@@ -36,6 +37,21 @@ def tiny_config(**kw) -> SDARConfig:
                 rope_theta=10000.0)
     base.update(kw)
     return SDARConfig(**base)
+
+
+def drive(runner, requests: list[tuple[list[int], SamplingParams]], admit: int = 2, decoder=None) -> list:
+    """Continuous batching with dllm's scheduler (dllm.decoding.Decoder): `admit` more sequences join the
+    queue every step while others run -> the sequences, in request order, once all ended."""
+    from dllm.decoding import Decoder
+
+    dec = decoder or Decoder(runner)
+    seqs = [dec.runner.new_sequence(p, q) for p, q in requests]
+    waiting = list(seqs)
+    while waiting or not dec.is_done:
+        dec.add(waiting[:admit])
+        waiting = waiting[admit:]
+        dec.step()
+    return seqs
 
 
 class OverflowingParams(SamplingParams):
@@ -204,6 +220,12 @@ def shm_left_behind(before: set[str], settle_s: float = 1.0) -> set[str]:
         time.sleep(settle_s)
         left &= candidates()
     return left
+
+
+def engine_core_pid(url: str) -> int:
+    """The pid of a `dlrl serve`'s engine core (where the model and the weight receiver live), from /health."""
+    processes = httpx.get(url + "/health", timeout=10).json()["processes"]
+    return next(p["pid"] for p in processes if p["role"] == "engine_core")
 
 
 def admin_get(url: str, path: str, token: str) -> dict:

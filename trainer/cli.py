@@ -28,15 +28,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dllm.embedded.sft_config import SFTStopped  # torch-free: --help and --check stay light
 from dllm.embedded.tiny import TINY_SECTIONS
 from dlrl_config import ConfigError, load_sections
-from dlrl_config.cli import add_check_args, print_check
+from dlrl_config.cli import ArgumentParser, add_check_args, print_check
 from trainer.config import ServerKeys, TrainConfig
-from trainer.infra.guards import previous_run
 from trainer.monitor.metrics_log import read_jsonl
 
 if TYPE_CHECKING:  # torch, deepspeed: imported once the command runs (--help and --check never import them)
@@ -85,13 +83,13 @@ class Stopper:
 
 def parse(argv: list[str]):
     """-> (args, root sections, overrides): the config file read once, every section typed."""
-    ap = argparse.ArgumentParser(prog="dlrl train", description="online RL for block-diffusion LMs")
+    ap = ArgumentParser(prog="dlrl train", description="online RL for block-diffusion LMs")
     ap.add_argument("--config", default="configs/tiny.yaml")
     ap.add_argument("--resume", action="store_true", help="continue from output_dir/checkpoint")
     add_check_args(ap, check_help="parse the command line and the config and check data files, the reward import, "
                    "the model, the servers' ports and admin token; exit 0 (or 2 with the errors)",
                    overrides_help="key=value overrides (e.g. num_steps=5 nproc=2)")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # key=value overrides before and after flags
     overrides = list(args.overrides) + (["train.resume=true"] if args.resume else [])
     try:
         root = load_sections(args.config, overrides, {"train": TrainConfig, **TINY_SECTIONS, "server": ServerKeys},
@@ -101,37 +99,31 @@ def parse(argv: list[str]):
     return args, root, overrides
 
 
-def _previous_run_refusal(cfg) -> str:
-    """An error when output_dir holds an earlier run and neither --resume nor overwrite=true was given."""
-    found = previous_run(Path(cfg.output_dir))
-    if not found or cfg.resume or cfg.overwrite:
-        return ""
-    return (f"train.output_dir={cfg.output_dir} holds a previous run ({', '.join(found)}): continue it with "
-            "--resume, replace it with overwrite=true, or choose another output_dir=...")
-
-
 def main(argv: list[str]) -> int:
     args, root, overrides = parse(argv)
     cfg = root["train"]
     if args.check_config:
-        return print_check("train", cfg)
+        return print_check("train", cfg, as_json=args.json, flag="--check-config")
+    facts: list[tuple[str, str]] = []
     if os.environ.get("RANK", "0") == "0":  # before loading anything (other ranks wait for rank 0's errors)
-        from trainer.preflight import train_problems
+        from trainer.preflight import train_report
 
-        problems = train_problems(cfg, root["server"], args.config, overrides)
-        refusal = _previous_run_refusal(cfg)
-        if problems or refusal:
-            print("\n".join(f"dlrl train: error: {p}" for p in problems + ([refusal] if refusal else [])),
-                  file=sys.stderr)  # one problem per line
+        problems, facts = train_report(cfg, root, args.config, overrides)
+        if problems:
+            print("\n".join(f"dlrl train: error: {p}" for p in problems), file=sys.stderr)  # one problem per line
             return 2
     if args.check:
-        return print_check("train", cfg)
+        return print_check("train", cfg, facts=facts, as_json=args.json)
     return _run(cfg, root, args, argv, overrides)
 
 
 def _run(cfg: TrainConfig, root: dict[str, Any], args: argparse.Namespace, argv: list[str],
          overrides: list[str]) -> int:
     """The command itself, past the checks: torch and DeepSpeed are imported from here on."""
+    main_rank, t0 = os.environ.get("RANK", "0") == "0", time.monotonic()
+    if main_rank:
+        log.info("checks passed; loading torch and DeepSpeed (a few seconds on an idle box, minutes on a "
+                 "heavily loaded one)")
     from trainer.extensions import ensure_extensions_dir
 
     ensure_extensions_dir()  # DeepSpeed's op cache, also for the ranks started below (issue 38)
@@ -141,6 +133,10 @@ def _run(cfg: TrainConfig, root: dict[str, Any], args: argparse.Namespace, argv:
     from trainer.loop import StopRequested
     from trainer.run import build_run
     from weight_sync import WeightSyncError
+
+    if main_rank:
+        log.info("torch and DeepSpeed loaded in %.0f s; setting up the run (process group, model, servers)",
+                 time.monotonic() - t0)
 
     try:
         select_device(cfg.device)  # before any rank starts: torchrun's ranks inherit it
@@ -162,7 +158,7 @@ def _run(cfg: TrainConfig, root: dict[str, Any], args: argparse.Namespace, argv:
         print(f"dlrl train: {e}", file=sys.stderr, flush=True)
         return 0
     except Interrupted as e:
-        print(f"dlrl train: {e}; continue from the last checkpoint with --resume", file=sys.stderr, flush=True)
+        print(f"dlrl train: {e}; {_how_to_go_on(cfg)}", file=sys.stderr, flush=True)
         return 128 + e.signum
     except (RuntimeError, ValueError, FileNotFoundError, WeightSyncError, RolloutError, AdminError, FleetError,
             RankError) as e:
@@ -173,6 +169,16 @@ def _run(cfg: TrainConfig, root: dict[str, Any], args: argparse.Namespace, argv:
         if run is not None:
             run.close()
         stopper.uninstall()
+
+
+def _how_to_go_on(cfg: TrainConfig) -> str:
+    """After a stop that saved nothing: --resume only when a checkpoint is there to continue."""
+    from trainer.infra.guards import resume_state
+
+    state = resume_state(cfg.replace(resume=True))
+    if state.step is not None and not state.problem:
+        return f"continue from the last checkpoint (step {state.step}) with --resume"
+    return f"nothing to --resume ({state.problem.removeprefix('--resume: ')})"
 
 
 def _train(run, cfg, stopper: Stopper) -> int:

@@ -18,7 +18,6 @@ decoding setting and writes every metric and generation to `eval.output` (JSON).
 
 from __future__ import annotations
 
-import argparse
 import logging
 import socket
 import sys
@@ -32,7 +31,7 @@ from dllm.hub import resolve_model
 from dllm.options import SamplingOptions, Temperature, Threshold
 from dllm.tokenizer import load_tokenizer
 from dlrl_config import Config, ConfigError, load_sections
-from dlrl_config.cli import add_check_args, config_file, print_check
+from dlrl_config.cli import ArgumentParser, add_check_args, config_file, print_check
 from rollout_client.client import RolloutError
 from trainer.config import ServerKeys
 from trainer.data.prompts import report
@@ -147,14 +146,24 @@ def run(cfg: EvalConfig, task, config_path: str | None, overrides: list[str], se
     return results, served
 
 
+def eval_facts(cfg: EvalConfig, config_path: str | None) -> list[tuple[str, str]]:
+    """The --check summary of `dlrl eval`."""
+    where = "a private server of eval.model" if cfg.own_server else ", ".join(cfg.servers)
+    return [("servers", where), ("model", cfg.model or "whatever the servers serve (eval.model empty)"),
+            ("data", f"{cfg.data or 'the embedded task'} (split {cfg.split}{f', limit {cfg.limit}' if cfg.limit else ''})"),
+            ("settings", f"static steps {cfg.static_steps}, dynamic thresholds {cfg.dynamic_thresholds}, pass@1.."
+                         f"{cfg.num_samples}"),
+            ("output", cfg.output), ("config", config_path or "defaults (no config file)")]
+
+
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="dlrl eval", description="evaluate a served block-diffusion LM")
+    ap = ArgumentParser(prog="dlrl eval", description="evaluate a served block-diffusion LM")
     ap.add_argument("--config", default=None, help="YAML config with an `eval` section (default "
                                                    "configs/tiny.yaml when it exists)")
     add_check_args(ap, check_help="parse the command line and the config and check the data file, the reward "
                    "import, the model, the servers' ports and admin token; exit 0 (or 2)",
                    overrides_help="key=value overrides (e.g. data=math500.jsonl num_samples=4)")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # key=value overrides before and after flags
     config_path = config_file(args.config)
     try:
         root = load_sections(config_path, args.overrides, {"eval": EvalConfig, "task": ArithmeticTask,
@@ -163,14 +172,15 @@ def main(argv: list[str]) -> int:
         assert isinstance(cfg, EvalConfig)  # load_sections built it from EvalConfig
     except (ConfigError, ValueError) as e:
         ap.error(str(e))
+    found: list[tuple[str, str]] = []  # what --check found at each server
     if not args.check_config:  # before loading anything
-
-        problems = eval_problems(cfg, root["server"], config_path, args.overrides)
+        problems = eval_problems(cfg, root["server"], config_path, args.overrides, facts=found)
         if problems:
             print("\n".join(f"dlrl eval: error: {p}" for p in problems), file=sys.stderr)  # one per line
             return 2
     if args.check or args.check_config:
-        return print_check("eval", cfg)
+        return print_check("eval", cfg, facts=eval_facts(cfg, config_path) + found, as_json=args.json,
+                           flag="--check-config" if args.check_config else "--check")
     try:
         results, served = run(cfg, root["task"], config_path, args.overrides, root["server"])
     except (RuntimeError, ValueError, FileNotFoundError, RolloutError) as e:

@@ -9,10 +9,9 @@ importing torch; trainer/rl/objectives.py registers the built-in losses on impor
 Model families (dllm's `family` of the loaded config): `sdar` (block-causal SDAR / TraDo) and the
 full-attention `llada` / `dream`. Every built-in objective applies to both kinds (TraceRL / DiPO replay
 the trace's steps with the family's own rows; the random-masking / coupled baselines draw their masks
-over the completion). The diffusion value model with step-wise GAE does not carry over: it is an SDAR
-backbone over the block layout, and the reference (Gen-Verse/dLLM-RL) trains none for LLaDA / Dream;
-`check_family` refuses `train.use_value_model` there. An objective registered with `families=(...)`
-is refused for the others.
+over the completion), and so does the diffusion value model with step-wise GAE (`train.use_value_model`:
+trainer.rl.value_model builds the family's backbone, bidirectional for LLaDA / Dream, over the same rows).
+An objective registered with `families=(...)` is refused for the others.
 """
 
 from __future__ import annotations
@@ -67,7 +66,3 @@ def check_family(cfg: Any, family: str) -> None:
     if spec is not None and spec.families is not None and family not in spec.families:
         raise ValueError(f"train.objective: {cfg.objective!r} applies to {', '.join(spec.families)} models, "
                          f"not to this {family} model")
-    if family in FULL_ATTENTION_FAMILIES and cfg.use_value_model:
-        raise ValueError(f"train.use_value_model: the diffusion value model (step-wise GAE) is built for block-causal "
-                         f"SDAR models; it does not carry over to this full-attention {family} model (the reference "
-                         "trains none for LLaDA / Dream): use the group advantages (use_value_model=false)")

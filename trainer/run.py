@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dllm.embedded.tiny import ensure_default_model
-from dllm.hub import resolve_model, served_name
+from dllm.hub import EXPORT_INFO, resolve_model, served_name
 from dllm.tokenizer import encode, load_tokenizer
 from dllm.weights import load_pretrained
 from trainer.data.prompts import PromptSampler, report
@@ -137,11 +137,13 @@ class Run:
         self.checkpointer.save(step, state)
 
     def export(self) -> Path:
-        """Hugging Face SDAR folder of the policy (collective under ZeRO-3; rank 0 writes)."""
+        """Hugging Face folder of the policy in its family's layout (collective under ZeRO-3; rank 0 writes),
+        with dlrl_version.json: the run's name (what a server of the folder is called), run id, version."""
         final = self.out / "final"  # loads in transformers like the source (config, code, tokenizer, dtype)
         export_hf(self.learner.engine, self.learner.engine.module.config, final, source_dir=self.model_dir)
         if self.ranks.is_main:
-            (final / "dlrl_version.json").write_text(json.dumps({"version": self.version}) + "\n")
+            info = {"name": self.out.resolve().name, "run_id": run_id(self.out), "version": self.version}
+            (final / EXPORT_INFO).write_text(json.dumps(info) + "\n")  # its served name: the run's (dllm.hub)
         self.ranks.barrier()
         return final
 

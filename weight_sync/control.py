@@ -17,6 +17,7 @@ more, so it reports success exactly when the server applied the update. A server
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -35,6 +36,8 @@ from weight_sync.protocol import (
 )
 
 POLL_S = 0.1
+WAIT_LOG_S = 10.0  # a line about a wait for another run's update at least this often
+log = logging.getLogger("dlrl.weight_sync")
 UNREACHABLE_S = 10.0  # a commit whose server refuses connections this long: the server is gone
 # an idle kept-alive connection is dropped here after this, well before the server closes it
 # (server.keepalive_timeout_s, 5 s by default): with httpx's own 5 s both ends raced, and a push that
@@ -93,6 +96,7 @@ class ControlClient:
     def _post_when_free(self, path: str, body: ConnectRequest | BeginRequest) -> dict[str, Any]:
         """POST; while another run's update holds the server, wait for its lease (up to `timeout`)."""
         deadline, idle_retry = time.monotonic() + self.timeout, True
+        next_log = time.monotonic()
         while True:
             try:
                 return self.post(path, body)
@@ -107,6 +111,11 @@ class ControlClient:
                         or time.monotonic() > deadline:
                     raise  # a stale version, or nothing to wait for
                 idle_retry = True
+                if time.monotonic() >= next_log:  # never a silent wait (issue 47)
+                    next_log = time.monotonic() + WAIT_LOG_S
+                    log.info("%s is receiving run %r's update (version %d, lease %.0f s left): waiting up to %.0f s "
+                             "more before %s", self.url, busy.run_id, busy.version, busy.lease_left_s,
+                             deadline - time.monotonic(), path)
                 time.sleep(min(busy.lease_left_s + 0.1, 1.0))
 
     def abort(self, body: AbortRequest) -> None:
@@ -116,9 +125,15 @@ class ControlClient:
         """Commit and make sure of the outcome; raises WeightSyncError unless the version was applied."""
         import httpx
 
-        deadline, send = time.monotonic() + self.timeout, True
+        t0 = time.monotonic()
+        deadline, send, next_log = t0 + self.timeout, True, t0 + WAIT_LOG_S
         self._down_since = None
         while time.monotonic() < deadline:
+            if time.monotonic() >= next_log:  # e.g. long in-flight sequences hold the update back: say so
+                next_log = time.monotonic() + WAIT_LOG_S
+                log.info("waiting for %s to apply version %d (%.0f s so far, at most %.0f s; it applies once "
+                         "its in-flight sequences finish, server.weight_sync_drain_timeout_s)", self.url,
+                         body.version, time.monotonic() - t0, self.timeout)
             if send:  # (re)send: commit is idempotent on the server
                 send = False
                 try:

@@ -128,8 +128,9 @@ def tiny_full_config(family: str, real_ids: bool = False, **fields: Any) -> Full
 
 
 def build_full_folder(out_dir: str | Path, family: str, seed: int = 0, dtype: torch.dtype = torch.float32,
-                      eos_scale: float = 0.0, real_ids: bool = False, **fields: Any) -> Path:
-    """A random-weight folder of the family in its official layout (see the module docstring). `eos_scale` > 0
+                      eos_scale: float = 0.0, real_ids: bool = False, init_std: float = 0.02, **fields: Any) -> Path:
+    """A random-weight folder of the family in its official layout (see the module docstring). `init_std`: the
+    std of the random linear / embedding weights (larger: more peaked next-token distributions). `eos_scale` > 0
     scales the output row of the chat end token (`<|eot_id|>` / `<|im_end|>`) up so that a random model
     ends its answers early, as a chat model does. `real_ids`: special tokens at their published ids (the
     vocabulary then spans them; pass `**PUBLISHED[family]` for the published shapes). The model is made
@@ -152,7 +153,7 @@ def build_full_folder(out_dir: str | Path, family: str, seed: int = 0, dtype: to
     with torch.device("meta"):
         model = FullAttentionLM(cfg)
     model = model.to(dtype).to_empty(device="cpu")
-    model.init_weights()
+    model.init_weights(init_std)
     end = tok.convert_tokens_to_ids("<|eot_id|>" if family == "llada" else "<|im_end|>")
     if eos_scale > 0:
         weight = model.head.weight

@@ -40,6 +40,7 @@ from dllm.config import SDARConfig
 from dllm.decoding import generate
 from dllm.embedded.sft_config import SFTConfig, SFTRecipe, SFTStopped, TinyModelConfig
 from dllm.embedded.task import ArithmeticTask
+from dllm.embedded.tiny import PROGRESS_FILE  # <output_dir>.tmp/progress: the last progress line, for waiters
 from dllm.model import SDARForCausalLM
 from dllm.sampling import SamplingParams
 from dllm.tokenizer import IM_END, build_char_tokenizer, encode
@@ -225,15 +226,19 @@ def _train_and_save(arch: TinyModelConfig, task: ArithmeticTask, cfg: SFTConfig,
         sched.step()
         now = time.time()
         if step % 50 == 0 or step == cfg.steps - 1 or now - last_log >= PROGRESS_EVERY_S:
-            log.info("%s", progress_line(step + 1, cfg.steps, loss.item(), now - t0))
+            line = progress_line(step + 1, cfg.steps, loss.item(), now - t0)
+            log.info("%s", line)
+            (tmp / PROGRESS_FILE).write_text(line + "\n")  # for processes waiting on this SFT (dllm.embedded.tiny)
             last_log = now
     train_s = time.time() - t0
     if stop.requested:
         raise SFTStopped(f"SFT stopped by {signal.Signals(stop.signum).name}: no model written ({tmp} removed); "
                          "run again to train the embedded default")
+    (tmp / PROGRESS_FILE).write_text(f"sft trained ({cfg.steps} steps): evaluating on the held-out split\n")
     acc = recipe.evaluate(model, tokenizer, task.split("heldout", cfg.eval_size), cfg.max_new_tokens)
     metrics = {"heldout_accuracy": acc, "train_seconds": round(train_s, 1), "steps": cfg.steps,
                "final_loss": loss.item(), "num_params": sum(p.numel() for p in model.parameters())}
+    (tmp / PROGRESS_FILE).unlink(missing_ok=True)
     recipe.save(model, tmp)
     (tmp / "sft_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     if out.exists():  # replace an old model folder, never anything else

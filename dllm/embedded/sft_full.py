@@ -4,8 +4,8 @@ full-attention family (configs/tiny_llada.yaml):
     dlrl sft --config configs/tiny_llada.yaml [sft.steps=300 ...]
 
 Each training sequence is the prompt, then its answer window: the answer, EOS, and EOS again up to the
-decoder's canvas (prompt + `sft.max_new_tokens`, to whole blocks: dllm.full.decoding's `canvas_len`, every
-position of which a full-attention decode sees), so SFT shows the model the shape it decodes; the trailing
+decoder's canvas (the prompt, then `sft.max_new_tokens` to whole blocks from the prompt's end: dllm.full.decoding's
+`canvas_len`, every position of which a full-attention decode sees), so SFT shows the model the shape it decodes; the trailing
 EOS are answer tokens, as in LLaDA's SFT, and teach it where to stop. Per SEQUENCE one masking ratio
 p = eps + (1 - eps) t, t ~ U(0, 1) (LLaDA's `forward_process`, eps = `sft.t_min`): every answer
 token is masked with probability p, the prompt never. Loss: cross entropy of the masked tokens
@@ -55,13 +55,13 @@ class FullSFTBatch:
 def answer_window(examples: list[dict], tokenizer: PreTrainedTokenizerBase, answer_len: int,
                   block_size: int = 1) -> tuple[list[list[int]], list[int]]:
     """-> (prompt + answer window ids per example, prompt lengths). The window is the answer, then EOS up
-    to the canvas: prompt + `answer_len` tokens rounded up to whole blocks (at least one EOS: longer answers
-    keep theirs whole)."""
+    to the canvas: the prompt, then `answer_len` tokens rounded up to whole blocks from the prompt's end, as
+    dllm.full.decoding's canvas (at least one EOS: longer answers keep theirs whole)."""
     eos = tokenizer.eos_token_id
     seqs, prompt_lens = [], []
     for ex in examples:
         prompt, answer = encode(tokenizer, ex["prompt"]), encode(tokenizer, ex["answer"]) + [eos]
-        canvas = -(-(len(prompt) + answer_len) // block_size) * block_size
+        canvas = len(prompt) + -(-answer_len // block_size) * block_size
         answer += [eos] * (canvas - len(prompt) - len(answer))
         seqs.append(prompt + answer)
         prompt_lens.append(len(prompt))

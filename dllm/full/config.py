@@ -5,7 +5,8 @@
     cfg.to_dict()                                          # the official config.json back (auto_map kept)
 
 The family comes from `model_type`, else `architectures`, else the module names of `auto_map`
-(`modeling_llada` / `modeling_dream`): nothing from the folder is imported or executed. LLaDA configs
+(`modeling_llada` / `modeling_dream`): nothing from the folder is imported or executed (dllm/family.py,
+torch-free; re-exported here). LLaDA configs
 use OLMo field names (`d_model`, `n_heads`, `n_kv_heads`, `n_layers`, `mlp_hidden_size`,
 `embedding_size`, `weight_tying`, `max_sequence_length`, ...), Dream configs Qwen2's. Both are read into
 one dataclass with Qwen-style names; the folder's dict is kept verbatim in `raw` and written back with
@@ -23,41 +24,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 from dllm.config import ConfigValueError, check_maths_fields, check_sizes, eos_list, read_config_json
+from dllm.family import FULL_FAMILIES, SDAR_TYPES, Family, detect_family, folder_family  # noqa: F401  (re-exported)
 
-Family = Literal["sdar", "llada", "dream"]
-FULL_FAMILIES = ("llada", "dream")
 DEFAULT_BLOCK_SIZE = 32  # the reference rollouts' block_length
 LLADA_MASK_ID, LLADA_EOS_ID = 126336, 126081
 DREAM_MASK_ID, DREAM_PAD_ID, DREAM_EOS_ID = 151666, 151643, 151645  # <|mask|>, <|endoftext|>, <|im_end|>
-SDAR_TYPES = ("sdar", "trado", "qwen3")
-
-
-def detect_family(d: dict[str, Any]) -> Family:
-    """The model family of a config.json dict, from its fields only (ConfigValueError naming
-    `model_type` when none matches)."""
-    mt = str(d.get("model_type", "")).lower()
-    if mt == "llada":
-        return "llada"
-    if mt == "dream":
-        return "dream"
-    if mt in SDAR_TYPES:
-        return "sdar"
-    arch = " ".join(str(a) for a in d.get("architectures") or [])
-    auto = " ".join(str(v) for v in (d.get("auto_map") or {}).values()) if isinstance(d.get("auto_map"), dict) else ""
-    for family, names in (("llada", ("LLaDAModelLM", "modeling_llada")), ("dream", ("DreamModel", "modeling_dream")),
-                          ("sdar", ("SDARForCausalLM", "modeling_sdar"))):
-        if any(n in arch or n in auto for n in names):
-            return family  # type: ignore[return-value]
-    raise ConfigValueError(f"model_type: unsupported {d.get('model_type')!r} (supported: "
-                           f"{', '.join(SDAR_TYPES)} (block-causal SDAR / TraDo), llada, Dream (full attention))")
-
-
-def folder_family(folder: str | Path) -> Family:
-    """The family of a model folder (its config.json)."""
-    return detect_family(read_config_json(folder))
 
 
 @dataclass

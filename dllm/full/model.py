@@ -40,9 +40,11 @@ ALL_ONE_BLOCK = 1 << 62  # MaskSpec's block size for full attention: every posit
 KV = tuple[torch.Tensor, torch.Tensor]  # one layer's keys and values [N, Hkv, L, D] (rope applied)
 
 
-def full_spec(q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor | None) -> MaskSpec:
-    """Bidirectional attention as a MaskSpec: every query sees every valid key."""
-    return MaskSpec(q_pos, k_pos, ALL_ONE_BLOCK, k_valid=k_valid)
+def full_spec(q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor | None,
+              backend: str | None = None) -> MaskSpec:
+    """Bidirectional attention as a MaskSpec: every query sees every valid key (`backend`: the kernel, None =
+    by device)."""
+    return MaskSpec(q_pos, k_pos, ALL_ONE_BLOCK, k_valid=k_valid, backend=backend)
 
 
 class SelfAttention(nn.Module):
@@ -262,11 +264,11 @@ class FullAttentionLM(nn.Module):
 
     def hidden_states(self, ids: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor | None = None,
                       past: list[KV] | None = None, past_valid: torch.Tensor | None = None,
-                      keep_kv: bool = False) -> tuple[torch.Tensor, list[KV] | None]:
+                      keep_kv: bool = False, attention: str | None = None) -> tuple[torch.Tensor, list[KV] | None]:
         """ids, pos: [N, L] (valid: [N, L] bool, False = padding nobody sees) -> the final normed hidden
         states [N, L, D] (NOT shifted), and with keep_kv every layer's K/V of these L tokens. `past`: per
         layer K/V [N, Hkv, P, D] of earlier positions (a prefix cache; past_valid [N, P]) that the
-        tokens attend to besides themselves."""
+        tokens attend to besides themselves. `attention`: "sdpa" | "flex" (None: by device)."""
         N, L = ids.shape
         x = self.embed(ids).view(N * L, -1)
         cos, sin = rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta, torch.float32)
@@ -275,9 +277,9 @@ class FullAttentionLM(nn.Module):
             pv = past_valid if past_valid is not None else torch.ones(N, P, dtype=torch.bool, device=ids.device)
             kv_valid = torch.cat([pv, valid if valid is not None else torch.ones_like(ids, dtype=torch.bool)], 1)
             k_pos = torch.cat([torch.zeros(N, P, dtype=pos.dtype, device=pos.device), pos], 1)
-            spec = full_spec(pos, k_pos, kv_valid)
+            spec = full_spec(pos, k_pos, kv_valid, attention)
         else:
-            spec = full_spec(pos, pos, valid)
+            spec = full_spec(pos, pos, valid, attention)
         keep: list[KV] | None = [] if keep_kv else None
         for i, layer in enumerate(self.layers):
             layer_past = past[i] if past is not None else None

@@ -11,24 +11,26 @@ logprobs with the k most likely alternatives (`top_logprobs`) as OpenAI returns 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, Field, field_validator
 
+from dllm.errors import FieldError
 from rollout_client.protocol.common import (
     MAX_TOKENS_CAP,
     MAX_TOP_LOGPROBS,
     FinishReason,
     Integral,
-    NullIsDefault,
+    Neutral,
+    StrictRequest,
     Text,
     Usage,
 )
-from rollout_client.protocol.openai import OpenAIBase
+from rollout_client.protocol.openai import OPENAI_NEUTRAL, OpenAIBase
 from rollout_client.protocol.sample import SampleExtras
 
 
-class TextPart(NullIsDefault):
+class TextPart(StrictRequest):
     """An OpenAI content part; only text parts are supported."""
     type: Literal["text"]
     text: Text
@@ -37,7 +39,12 @@ class TextPart(NullIsDefault):
 Content = Text | Annotated[list[TextPart], Field(min_length=1)]
 
 
-class _Message(NullIsDefault):
+class _Message(StrictRequest):
+    """A chat turn: unknown fields are a 400 naming them. An assistant turn a client sends back as OpenAI
+    returned it may carry `refusal`, `annotations`, `audio` and `function_call` (null or empty): accepted,
+    they are not part of the prompt."""
+
+    NEUTRAL: ClassVar[dict[str, Neutral]] = {}
     name: Text | None = None
 
     def text(self) -> str:
@@ -67,6 +74,13 @@ class UserMessage(_Message):
 class AssistantMessage(_Message):
     """An assistant turn; `content` may be null (a tool-call turn)."""
 
+    NEUTRAL: ClassVar[dict[str, Neutral]] = {
+        "refusal": Neutral(("",), "refusal: an assistant turn that refused has no text to continue from; drop it"),
+        "annotations": Neutral(([],), "annotations: not part of the prompt; send [] or drop them"),
+        "audio": Neutral((), "audio: not supported; drop it"),
+        "function_call": Neutral((), "function_call: function calls are not supported; drop it"),
+    }
+
     role: Literal["assistant"]
     content: Content | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -82,7 +96,23 @@ ChatMessage = Annotated[Union[SystemMessage, UserMessage, AssistantMessage, Tool
                         Field(discriminator="role")]
 
 
+def _null_only(field: str, what: str) -> Neutral:
+    return Neutral((), f"{what} is not supported by this server; drop `{field}`")
+
+
 class ChatCompletionRequest(OpenAIBase):
+    NEUTRAL: ClassVar[dict[str, Neutral]] = {
+        **OPENAI_NEUTRAL,
+        "parallel_tool_calls": Neutral((True, False), ""),  # only with tools, which are refused
+        "functions": Neutral(([],), "functions: function calls are not supported (no tool-call parser for "
+                                    "block-diffusion output); drop `functions`"),
+        "function_call": Neutral(("none",), 'function_call: function calls are not supported; drop it (or send "none")'),
+        "modalities": Neutral((["text"],), 'modalities: text only (send ["text"] or drop it)'),
+        "audio": _null_only("audio", "audio output"),
+        "prediction": _null_only("prediction", "predicted outputs"),
+        "reasoning_effort": _null_only("reasoning_effort", "reasoning effort"),
+        "web_search_options": _null_only("web_search_options", "web search"),
+    }
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_CAP), Integral] | None = None
     logprobs: bool | None = False
@@ -98,15 +128,16 @@ class ChatCompletionRequest(OpenAIBase):
     @classmethod
     def _no_tools(cls, v: Any) -> Any:
         if v:
-            raise ValueError("tools are not supported by this server (no tool-call parser for block-diffusion "
-                             "output); drop `tools`")
+            raise FieldError("tools", "tools are not supported by this server (no tool-call parser for "
+                             "block-diffusion output); drop `tools`")
         return v
 
     @field_validator("tool_choice", mode="before")
     @classmethod
     def _no_tool_choice(cls, v: Any) -> Any:
         if v is not None and v != "none":
-            raise ValueError('tool calls are not supported by this server; drop `tool_choice` (or send "none")')
+            raise FieldError("tool_choice", 'tool calls are not supported by this server; drop `tool_choice` (or send '
+                             '"none")')
         return v
 
 

@@ -2,8 +2,10 @@
 
 Request rules (what the JSON schema says is what the server accepts): `null` for an
 optional field means its default (`NullIsDefault`); strings must be valid Unicode (a lone
-surrogate such as `"\\ud800"` is a 400 naming the field); native request bodies refuse
-unknown fields (`StrictRequest`); integers also come as integral numbers such as 3.0
+surrogate such as `"\\ud800"` is a 400 naming the field); every request body refuses
+unknown fields, as OpenAI does (`StrictRequest`: a 400 naming the field, with "did you mean"
+for a near miss; fields of the OpenAI API this server does not implement are accepted only at
+their neutral value, `Neutral`); integers also come as integral numbers such as 3.0
 (`Integral`). Limits that depend on the served model (vocabulary, block size, context
 length) are added to the schema by the server (`server.api.openapi`).
 
@@ -14,11 +16,15 @@ length) are added to the schema by the server (`server.api.openapi`).
 
 from __future__ import annotations
 
+import difflib
 import uuid
-from typing import Annotated, Any, Literal
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from dllm.errors import FieldError
 from dllm.options import Temperature, Threshold, TopK, TopP
 from dllm.strategy import Strategy, StrategyField
 
@@ -80,10 +86,62 @@ class NullIsDefault(BaseModel):
         return {k: v for k, v in data.items() if v is not None or k not in optional}
 
 
+@dataclass(frozen=True)
+class Neutral:
+    """A field of the OpenAI API this server does not implement: accepted (and dropped) only at one of
+    its `values`, where it changes nothing; any other value is a 400 naming it and saying `why`."""
+
+    values: tuple[Any, ...]
+    why: str
+
+    def accepts(self, value: Any) -> bool:
+        return value is None or any(_same(value, v) for v in self.values)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """JSON equality: 0 == 0.0, but false != 0."""
+    def number(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+    if number(a) or number(b):
+        return number(a) and number(b) and a == b
+    return type(a) is type(b) and a == b
+
+
+def unknown_field(name: str, known: Iterable[str]) -> FieldError:
+    """The 400 of a request field this API does not have: named, with the nearest known name."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return FieldError(name, f"unrecognized request field{hint}; this server refuses fields it does not "
+                            "implement rather than ignore them")
+
+
 class StrictRequest(NullIsDefault):
-    """Base of the native request bodies: unknown fields are an error."""
+    """Base of every request body: an unknown field is a 400 naming it (with "did you mean" for a near
+    miss), never silently ignored; `NEUTRAL` lists the API's fields this server does not implement,
+    accepted only at their neutral value."""
 
     model_config = ConfigDict(extra="forbid")
+    NEUTRAL: ClassVar[dict[str, Neutral]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        out = {}
+        for key, value in data.items():
+            if key in cls.model_fields:
+                out[key] = value
+            elif isinstance(key, str) and key in cls.NEUTRAL:
+                if not cls.NEUTRAL[key].accepts(value):
+                    raise FieldError(key, cls.NEUTRAL[key].why)
+            else:
+                try:
+                    valid_unicode(str(key))
+                except ValueError as e:
+                    raise FieldError("body", f"a field name {e}") from None
+                raise unknown_field(str(key), [*cls.model_fields, *cls.NEUTRAL])
+        return out
 
 
 class DecodingOptions(StrictRequest):

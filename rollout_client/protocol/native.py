@@ -95,6 +95,12 @@ class Sample(Generated):
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = Field(None, description="per prompt token its "
                                                                        "k most likely (id, logprob)")
     likelihood: Likelihood | None = None
+    prompt_logprobs_stderr: list[float | None] | None = Field(
+        None, description="elbo: per prompt token the standard error of the estimate of the sum of prompt_logprobs "
+                          "from that token to the end (what a harness sums for a continuation starting there; "
+                          "squared: the estimator's variance); None for the first token")
+    likelihood_samples: int | None = Field(None, description="elbo: Monte Carlo samples per estimate "
+                                           "(server.elbo_samples)")
 
 
 class GenerateResponse(BaseModel):

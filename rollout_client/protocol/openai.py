@@ -4,14 +4,17 @@
     CompletionResponse(id, model, choices=[CompletionChoice(index, text, finish_reason, ...)])
 
 `OpenAIBase` holds what completions and chat (`protocol.chat`) share: OpenAI's fields plus the
-dLLM decoding options (`common.DecodingOptions`) as extra fields; unknown OpenAI fields are
-ignored (as vLLM does). Each choice may also carry its `version`, `trace` and `record_id`.
+dLLM decoding options (`common.DecodingOptions`) as extra fields. As OpenAI does, an unknown field
+is a 400 naming it (with "did you mean" for a near miss); OpenAI fields this server does not
+implement (`OPENAI_NEUTRAL`: penalties, logit_bias, response_format, best_of, suffix, ...) are
+accepted only at their neutral value, else a 400 saying why. Each choice may also carry its
+`version`, `trace` and `record_id`.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -25,8 +28,9 @@ from rollout_client.protocol.common import (
     FinishReason,
     Integral,
     Likelihood,
+    Neutral,
     NonEmptyText,
-    NullIsDefault,
+    StrictRequest,
     Text,
     TokenIds,
     Usage,
@@ -34,16 +38,37 @@ from rollout_client.protocol.common import (
 from rollout_client.protocol.sample import SampleExtras
 
 
-class StreamOptions(NullIsDefault):
+class StreamOptions(StrictRequest):
     include_usage: bool | None = Field(False, description="a last chunk with the request's usage")
     continuous_usage_stats: bool | None = Field(False, description="usage in every chunk (as vLLM): the "
                                                 "choice's prompt and its completion tokens so far")
 
 
-class OpenAIBase(DecodingOptions):
-    """Fields common to completions and chat. Unknown OpenAI fields are ignored (as vLLM does)."""
+def _unsupported(field: str, what: str) -> str:
+    return f"{what}; drop `{field}`"
 
-    model_config = ConfigDict(extra="ignore")
+
+OPENAI_NEUTRAL = {  # OpenAI fields not implemented here: accepted at the value that changes nothing
+    "frequency_penalty": Neutral((0,), _unsupported("frequency_penalty", "frequency penalties are not supported "
+                                                    "(only 0)")),
+    "presence_penalty": Neutral((0,), _unsupported("presence_penalty", "presence penalties are not supported (only 0)")),
+    "logit_bias": Neutral(({},), _unsupported("logit_bias", "logit_bias is not supported by this server yet (only "
+                                             "{} or null)")),
+    "response_format": Neutral(({"type": "text"},), "response_format: constrained decoding (JSON mode, JSON schema) "
+                               "is not supported: block diffusion commits several tokens per forward in parallel and "
+                               'no grammar constrains them; send {"type": "text"} or drop `response_format`'),
+    "store": Neutral((False,), _unsupported("store", "this server does not store completions for OpenAI's "
+                                            "evals / distillation (server.record is its own recording; only false)")),
+    "metadata": Neutral(({},), _unsupported("metadata", "metadata goes with `store`, which is not supported")),
+    "service_tier": Neutral(("auto", "default"), _unsupported("service_tier", "one service tier here "
+                                                              "(only \"auto\" or \"default\")")),
+}
+
+
+class OpenAIBase(DecodingOptions):
+    """Fields common to completions and chat: unknown fields are a 400 naming them, as OpenAI answers."""
+
+    NEUTRAL: ClassVar[dict[str, Neutral]] = OPENAI_NEUTRAL
     model: Text | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N), Integral] | None = 1
     max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_CAP), Integral] | None = None
@@ -84,6 +109,13 @@ class CompletionRequest(OpenAIBase):
     """With `echo` and `logprobs` it scores the prompt (prompt log-likelihoods, as lm-eval-harness's
     local-completions asks), then generates `max_tokens` (0: none); `likelihood` picks how the prompt
     is scored (server.likelihood by default)."""
+
+    NEUTRAL: ClassVar[dict[str, Neutral]] = {
+        **OPENAI_NEUTRAL,
+        "best_of": Neutral((1,), _unsupported("best_of", "best_of is not supported (only 1): ask for n samples and "
+                                              "rank them yourself")),
+        "suffix": Neutral(("",), _unsupported("suffix", "suffix (insertion) is not supported (only \"\" or null)")),
+    }
 
     model_config = ConfigDict(json_schema_extra=_scoring_schema)
     max_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_CAP), Integral] | None = Field(
@@ -136,6 +168,9 @@ class CompletionLogprobs(BaseModel):
     token_logprobs: list[float | None]  # None: an echoed prompt's first token (nothing to condition on)
     top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int]
+    suffix_stderr: list[float | None] | None = Field(
+        None, description="echo with likelihood elbo: per prompt token the standard error of the estimate of the sum "
+                          "of token_logprobs from that token to the prompt's end (squared: the estimator's variance)")
 
 
 class CompletionChoice(SampleExtras):
@@ -161,7 +196,10 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "dlrl"
     max_model_len: int | None = None
-    version: int | None = None
+    version: int | None = Field(None, description="the weight version served: 0 = the weights loaded at start, "
+                                "each update pushed in place (dlrl train) a larger one")
+    weights_run_id: str | None = Field(None, description="the run that pushed the served weights (its run_id, "
+                                       "e.g. tiny-rl-1a2b3c4d); null: the weights loaded at start")
     family: str | None = None      # model family: sdar (block-causal) | llada | dream (full attention)
     cache_mode: str | None = None  # full attention: exact | prefix (the decoder's KV reuse; every trace records it)
 

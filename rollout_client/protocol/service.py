@@ -15,6 +15,17 @@ from pydantic import BaseModel
 from rollout_client.protocol.common import StrictRequest
 
 
+class ProcessHealth(BaseModel):
+    """One process of a server: the API process that answered, or the engine core (server.core)."""
+
+    role: str                  # "api" or "engine_core"
+    pid: int
+    index: int | None = None   # an API process's index (server.api_processes)
+    alive: bool = True
+    mode: str | None = None    # the engine core's: "process" (its own) or "thread" (of the API process)
+    reason: str | None = None  # why it is not alive
+
+
 class HealthResponse(BaseModel):
     status: str
     model: str
@@ -26,6 +37,7 @@ class HealthResponse(BaseModel):
     num_free_slots: int | None = None  # free sequence slots (max_batch less running), kept for compatibility
     num_kv_pages_used: int | None = None   # KV-cache pages in use (pages of block_size tokens)
     num_kv_pages_total: int | None = None  # KV-cache pages in all (None: the backend has no paged cache)
+    processes: list[ProcessHealth] | None = None  # the API process that answered and the engine core
 
 
 class PauseRequest(StrictRequest):

@@ -1,28 +1,30 @@
-"""create_app(engine, config): the FastAPI application of a dlrl server.
+"""The FastAPI application of a dlrl server (an API process: HTTP in front of the engine core).
 
-    engine = Engine(NativeBackend.from_pretrained(path), max_queue=256, model_name="tiny")
-    app = create_app(engine, ServerConfig())
+    app = create_app(engine, ServerConfig())        # the engine core on a thread of this process
+    app = create_api_app(config, address, index=0, core_pid=pid, on_core_exit=fn)   # an API process of
+                                                    # `dlrl serve` (server.core.process), the core elsewhere
     uvicorn.run(app, host="127.0.0.1", port=8000)    # see server/cli.py
 
-The app starts the engine thread on startup and stops it on shutdown. State reachable
-from handlers: one typed `server.api.state.ServerState` (`server_state(request.app)`: the engine,
-config, metrics, admin and feedback tokens, the tokenizer worker, the recorder, the weight-update
-glue, the draining flag and the in-flight count). Routers: generation (`/generate`, `/v1/*`), feedback
-(`/v1/feedback`, server.api.routes_feedback), service
-(`/health`, `/ready`, `/metrics`, `/admin/*`) `server.api.routes_weights`
-(`/weights/*`). `server.api.gate.RefusalGate`, the outermost middleware, refuses before any other
-work: new generation requests while draining (503), keys and quotas (server.api.quotas), a full queue
-(429). `server.api.middleware.RequestGuard` answers bodies over `server.max_body_bytes` 413 before
-they are read.
-`GET /openapi.json` documents every route's statuses and the served model's limits
-(server.api.openapi).
+Either way the handlers talk to the engine through `server.core.client.CoreClient` (the Engine's
+surface over the channel, server.core); with `create_app` the engine core runs on a thread
+(server.core.thread), started on startup and stopped on shutdown. State reachable from handlers:
+one typed `server.api.state.ServerState` (`server_state(request.app)`: the engine client, config,
+metrics, admin and feedback tokens, the tokenizer worker, the recorder, the weight-update glue
+(forwarding to the core: server.core.remote_weights), the draining flag and the in-flight count).
+Routers: generation (`/generate`, `/v1/*`), feedback (`/v1/feedback`, server.api.routes_feedback),
+service (`/health`, `/ready`, `/metrics`, `/admin/*`) `server.api.routes_weights` (`/weights/*`).
+`server.api.gate.RefusalGate`, the outermost middleware, refuses before any other work: new
+generation requests while draining or with the engine core gone (503), keys and quotas
+(server.api.quotas), a full queue (429). `server.api.middleware.RequestGuard` answers bodies over
+`server.max_body_bytes` 413 before they are read. `GET /openapi.json` documents every route's
+statuses and the served model's limits (server.api.openapi).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -36,55 +38,76 @@ from server.api.middleware import RequestGuard, RequestLog
 from server.api.openapi import install_openapi
 from server.api.state import ServerState, attach
 from server.config import ServerConfig
+from server.core.client import CoreClient
+from server.core.families import to_wire
+from server.core.remote_weights import RemoteWeights
+from server.core.thread import CoreThread
 from server.engine.engine import Engine
 from server.logs import use_json_logs
 from server.metrics import ServerMetrics
 from server.recording.recording import Recorder
-from server.weights.weight_updates import make_updates
 
 log = logging.getLogger("dlrl.server")
+METRICS_PUSH_S = 1.0  # with several API processes, each sends its families to the core this often
 
 
-def kv_cache_tokens(engine: Engine) -> int:
-    """Tokens the KV cache holds (the scheduler's account: pages x tokens per page); unpaged: max_batch x max_len."""
-    return engine.scheduler.kv.num_tokens or engine.backend.max_batch * engine.backend.max_len
-
-
-def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
+def create_app(engine: Engine, config: ServerConfig | None = None, model_path: str = "") -> FastAPI:
+    """The app of `engine`, whose engine core runs on a thread of this process (server.core.thread)."""
     config = config or ServerConfig()
+    core = CoreThread(engine, config, model_path)
+    return build_app(CoreClient(core.address, tokenizer=engine.tokenizer), config, core)
 
+
+def create_api_app(config: ServerConfig, address: str, *, index: int = 0, core_pid: int | None = None,
+                   on_core_exit: Callable[[str], None] | None = None, connect_timeout: float = 3600.0) -> FastAPI:
+    """The app of an API process whose engine core is another process, at `address` (server.core.process);
+    its startup waits for the core (loading a model may take long: its death is seen at once)."""
+    client = CoreClient(address, index, core_pid=core_pid, trust_remote_code=config.trust_remote_code,
+                        on_core_exit=on_core_exit, connect_timeout=connect_timeout)
+    return build_app(client, config)
+
+
+async def _push_families(st: ServerState) -> None:
+    """Several API processes: this one's families to the core, for the others' scrapes (server.core.families)."""
+    while True:
+        await asyncio.sleep(METRICS_PUSH_S)
+        if not st.engine.dead:
+            st.engine.push_families(to_wire(st.metrics.families(engine_part=False)))
+
+
+def build_app(client: CoreClient, config: ServerConfig, core: CoreThread | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        from weight_sync.transports.shm import sweep
-
-        sweep()  # shared-memory regions left by pushers that died
-        st.executors.install_default(asyncio.get_running_loop())  # bounded, apart from store and weight work
-        engine.start()
-        if st.weight_updates is not None:
-            st.weight_updates.start_capture()  # keep the starting version for rollback
+        loop = asyncio.get_running_loop()
+        st.executors.install_default(loop)  # bounded, apart from store and weight work
+        if core is not None:
+            await asyncio.to_thread(core.start)
+            core.on_exit(lambda: None if core.stopping else _tell(loop, client, "the engine core stopped"))
+        await client.connect()
+        pusher = asyncio.ensure_future(_push_families(st)) if config.api_processes > 1 else None
         yield
-        engine.shutdown()
+        if pusher is not None:
+            pusher.cancel()
+        await client.close()
+        if core is not None:
+            await asyncio.to_thread(core.stop)
         st.prompts.close()
         if st.recorder is not None:
             st.recorder.close()
-        if st.weight_updates is not None:
-            st.weight_updates.close()
         st.executors.shutdown()
 
     app = FastAPI(title="dlrl server", version="0.1.0", lifespan=lifespan,
                   description="Block-diffusion LM generation (native and OpenAI-compatible) and admin API.")
-    st = attach(app, ServerState(engine, config, metrics=ServerMetrics(engine),
+    st = attach(app, ServerState(client, config, metrics=ServerMetrics(model_name=lambda: client.model_name),
                                  admin_token=resolve_admin_token(config.admin_token, config.admin_token_file),
                                  feedback_token=config.resolved_feedback_token()))
+    st.core_thread = core
     if st.feedback_token and st.feedback_token == st.admin_token:
         raise ConfigError("server.feedback_token: must differ from the admin token")
-    st.recorder = Recorder.from_config(config, engine, st.metrics)
-    engine.scheduler.max_queue_tokens = config.max_queue_tokens or 4 * kv_cache_tokens(engine)
+    st.recorder = Recorder.from_config(config, client, st.metrics)
     if st.recorder is not None:
         st.metrics.store = st.recorder.store  # store size gauges
-    st.weight_updates = make_updates(engine, config)  # the one WeightUpdates (routes_weights uses it)
-    st.weight_updates.metrics = st.metrics
-    st.weight_updates.executor = st.executors.weights  # server.api.executors: weight work apart from store I/O
+    st.weight_updates = RemoteWeights(client)  # the core's WeightUpdates, through the channel
     install_error_handlers(app)
     app.add_middleware(RequestGuard, max_body_bytes=config.max_body_bytes)
     app.add_middleware(RequestLog)  # X-Request-Id, one log event per request, feedback counts
@@ -100,3 +123,10 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     if not st.admin_token:
         log.info("no admin token configured: admin endpoints are disabled")
     return app
+
+
+def _tell(loop: asyncio.AbstractEventLoop, client: CoreClient, reason: str) -> None:
+    try:
+        loop.call_soon_threadsafe(client.core_gone, reason)
+    except RuntimeError:  # the loop is closed: the app is gone already
+        pass

@@ -81,9 +81,11 @@ def _param_of(err: dict) -> str | None:
         loc = loc[1:]
     if err.get("type", "").startswith("union_tag"):
         loc.append(str(err.get("ctx", {}).get("discriminator", "")).strip("'\""))
+    raised = _field_error(err)
     if not loc or err.get("type") == "json_invalid":
-        raised = _field_error(err)
         return raised.field if raised else ("body" if err.get("type") in ("json_invalid", "string_unicode") else None)
+    if raised is not None and str(loc[-1]) != raised.field:  # a nested model's own rule: its field, under its path
+        loc.append(raised.field)
     return ".".join(str(p) for p in loc)
 
 
@@ -100,7 +102,9 @@ def _message(err: dict, param: str | None) -> str:
         return f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}"
     if kind == "missing" and param:
         return f"{param}: field required"
-    if kind == "string_unicode":
+    if kind == "extra_forbidden":  # admin / weight bodies (the generation API's own check says "did you mean")
+        msg = "unrecognized request field; this server refuses fields it does not implement rather than ignore them"
+    elif kind == "string_unicode":
         msg = "contains a lone surrogate or other invalid Unicode; strings must be valid Unicode"
     elif kind and kind.startswith("union_tag"):
         ctx = err.get("ctx", {})
@@ -108,8 +112,13 @@ def _message(err: dict, param: str | None) -> str:
     elif (field_error := _field_error(err)) is not None:
         msg = field_error.message
     else:
-        msg = err.get("msg", "invalid value")
+        msg = str(err.get("msg", "invalid value"))
+        for prefix in PYDANTIC_PREFIXES:  # a validator's own message, without pydantic's wrapping
+            msg = msg.removeprefix(prefix)
     return f"{param}: {msg}" if param else msg
+
+
+PYDANTIC_PREFIXES = ("Value error, ", "Assertion failed, ")
 
 
 NOT_AN_OBJECT = ("model_attributes_type", "dict_type", "model_type")

@@ -5,10 +5,12 @@
 Before the body is read or parsed, before routing, pydantic and the per-request log
 (server.api.middleware.RequestLog), the gate answers:
 - generation routes (`/generate`, `/v1/completions`, `/v1/chat/completions`):
-  503 + Retry-After while the server drains (server.api.lifecycle); with API keys
+  503 + Retry-After while the server drains (server.api.lifecycle) or once the engine core is gone
+  (naming why: server.core.client); with API keys
   (server.api.quotas) 401 / 403 for a missing / unknown key and 429 + Retry-After over the key's
   request rate or concurrency cap; 429 + Retry-After when the engine's waiting queue is full
-  (back-pressure: `server.max_queue` sequences wait; Retry-After from the queue, server.engine.retry_after);
+  (back-pressure: `server.max_queue` sequences wait, as the engine core's last load says; Retry-After from
+  the work ahead, server.engine.retry_after: the core's forecast, this process's bookings);
 - `POST /v1/feedback`: 429 over `server.max_concurrent_feedback` calls in flight.
 A refusal costs one JSON error body and the HTTP exchange: it is counted
 (`dlrl_requests_total{endpoint,status}` for generation routes, `dlrl_feedback_rejected_total`
@@ -36,7 +38,7 @@ from server.api.connections import Refusals
 from server.api.errors import APIError, error_body
 from server.api.middleware import GENERATION_PATHS
 from server.api.quotas import Quotas, current_key, limited, load_keys
-from server.api.state import server_state
+from server.api.state import ServerState, server_state
 
 if TYPE_CHECKING:
     from server.config import ServerConfig
@@ -80,6 +82,9 @@ class RefusalGate:
         if state.is_draining:
             return await self._refuse(scope, send, APIError(503, "server is shutting down; retry on another replica",
                                                             None, {"Retry-After": "1"}), "draining", close=True)
+        if state.engine.dead:
+            return await self._refuse(scope, send, APIError(503, f"{state.engine.dead}; this server is stopping",
+                                                            None, {"Retry-After": "1"}), "engine core gone", close=True)
         key = None
         if self.quotas is not None and self.quotas.keys:
             try:
@@ -154,9 +159,9 @@ def _must_close(scope: Scope) -> bool:
     return expect or (length is not None and length > KEEPALIVE_BODY_BYTES)
 
 
-def _queue_full(state: object) -> APIError | None:
-    """429 when the engine's waiting queue cannot take one more sequence (Retry-After from the queue)."""
-    sched = state.engine.scheduler  # type: ignore[attr-defined]
+def _queue_full(state: ServerState) -> APIError | None:
+    """429 when the engine's waiting queue cannot take one more sequence (Retry-After from the work ahead)."""
+    sched = state.engine.scheduler
     waiting, bound = sched.num_waiting, sched.max_queue
     if waiting < bound:
         return None
@@ -182,7 +187,8 @@ def install(app: FastAPI, config: ServerConfig) -> None:
     back-pressure 429 always. Call after every other add_middleware."""
     st = server_state(app)
     keys = load_keys(config.api_keys_file)
-    quotas = (Quotas(keys, st.admin_token, st.feedback_token, config.max_concurrent_feedback)
+    share = 1.0 / config.api_processes if config.engine_core == "process" else 1.0  # quotas: each its part
+    quotas = (Quotas(keys, st.admin_token, st.feedback_token, config.max_concurrent_feedback, share)
               if keys or config.max_concurrent_feedback else None)
     st.refusals = Refusals(config.resource_log_interval_s)
     quiet_access_log()

@@ -3,7 +3,7 @@
     st = server_state(request.app)                                  # server.api.state: st.prompts is a PromptEncoder
     seqs = await prepare(st, prompts, options, max_tokens, n, field="prompt")   # texts or ids
     seqs = await run_to_completion(engine, http_request, seqs)     # aborts if the client leaves
-    async for kind, index, payload in stream_events(engine, submit(engine, seqs, stream=True)): ...
+    async for kind, index, payload in stream_events(engine, await submit(engine, seqs, stream=True)): ...
     sample = to_sample(seq, index, n)
 
 Validation follows the API contract: invalid token ids / bad sampling values -> 400 naming
@@ -33,13 +33,14 @@ from rollout_client.protocol.common import DecodingOptions
 from rollout_client.protocol.native import Sample
 from server.api.errors import APIError
 from server.api.quotas import charge_tokens
-from server.engine.engine import Engine, EngineEvent, EngineStopped, QueueFull
+from server.engine.engine import EngineEvent, EngineStopped, QueueFull
 from server.engine.scheduler import seq_tokens
 
 if TYPE_CHECKING:
     from server.api.state import ServerState
     from server.config import ServerConfig
-    from server.engine.scheduler import Request as EngineRequest
+    from server.core.client import CoreClient as Engine
+    from server.core.client import RemoteRequest as EngineRequest
     from server.engine.sequence import ServerSequence as Sequence
 
 
@@ -107,9 +108,10 @@ def request_deadline(opts: DecodingOptions, config: ServerConfig) -> tuple[float
     return time.monotonic() + cap, 503
 
 
-def submit(engine: Engine, seqs: list[Sequence], stream: bool = False, num_top_logprobs: int = 0) -> EngineRequest:
+async def submit(engine: Engine, seqs: list[Sequence], stream: bool = False, num_top_logprobs: int = 0) -> EngineRequest:
+    """Queue the sequences in the engine core (its answer awaited: a refusal is a 429 / 503 before any byte)."""
     try:
-        return engine.submit(seqs, stream=stream, num_top_logprobs=num_top_logprobs)
+        return await engine.submit(seqs, stream=stream, num_top_logprobs=num_top_logprobs)
     except QueueFull as e:
         raise APIError(429, str(e), None, {"Retry-After": str(e.retry_after)}) from None
     except EngineStopped as e:
@@ -124,7 +126,7 @@ async def _wait_disconnect(request: Request) -> None:
 async def run_to_completion(engine: Engine, request: Request, seqs: list[Sequence],
                             num_top_logprobs: int = 0) -> list[Sequence]:
     """Run the sequences to the end; a client disconnect aborts them (slots freed)."""
-    req = submit(engine, seqs, num_top_logprobs=num_top_logprobs)
+    req = await submit(engine, seqs, num_top_logprobs=num_top_logprobs)
     waiter = asyncio.ensure_future(engine.wait(req))
     gone = asyncio.ensure_future(_wait_disconnect(request))
     try:
@@ -160,10 +162,9 @@ def trace_model(seq: Sequence) -> Trace:
 
 def check_logprobs(engine: Engine, asked: bool, field: str = "logprobs") -> None:
     """400 naming `field` when log-probabilities are asked of a runner that cannot give them (lmdeploy)."""
-    backend = engine.backend
-    if asked and not getattr(backend, "has_top_logprobs", True):
-        raise APIError(400, f"{field}: the {backend.name} backend returns no log-probabilities aligned to the "
-                            "generated tokens (serve with server.backend=native for logprobs)", field)
+    if asked and not engine.info.has_top_logprobs:
+        raise APIError(400, f"{field}: the {engine.backend.name} backend returns no log-probabilities aligned to "
+                            "the generated tokens (serve with server.backend=native for logprobs)", field)
 
 
 def to_sample(seq: Sequence, index: int, n: int, return_trace: bool = True) -> Sample:

@@ -20,13 +20,18 @@ import logging
 import signal
 import socket
 import time
+from collections.abc import Callable
 from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from starlette.applications import Starlette
 
 from server.api.connections import RateLimitedLog, install_resource_log
 from server.api.state import ServerState, server_state
+
+if TYPE_CHECKING:
+    from server.config import ServerConfig
 
 log = logging.getLogger("dlrl.server")
 ABORT_GRACE_S = 5.0  # after aborting, how long responses may take to finish sending
@@ -54,14 +59,34 @@ async def drain(app: Starlette, timeout: float) -> None:
         log.warning("%d response(s) still sending after the abort; closing anyway", state.num_inflight)
 
 
+def http_server(app: Starlette, config: ServerConfig, on_started: Callable[[], None] | None = None) -> GracefulServer:
+    """The uvicorn server `dlrl serve` runs `app` with: bounded connections (server.api.connections: ConfigError
+    when the file limit leaves no room), server.http / server.loop, keep-alive, backlog, logs."""
+    from server.api.connections import ConnectionLimits, bounded_protocol
+
+    limits = ConnectionLimits.from_config(config, server_state(app).metrics)
+    http, loop = config.resolved_http(), config.resolved_loop()
+    log.info("HTTP protocol %s on the %s event loop (server.http=%s, server.loop=%s)", http, loop, config.http,
+             config.loop)
+    json_logs: dict[str, Any] = {"log_config": None, "access_log": False} if config.log_format == "json" else {}
+    return GracefulServer(uvicorn.Config(app, host=config.host, port=config.port, loop=loop,
+                                         http=bounded_protocol(limits, http),
+                                         # uvicorn annotates an int but hands it to loop.call_later: seconds as float
+                                         timeout_keep_alive=config.keepalive_timeout_s,  # type: ignore[arg-type]
+                                         backlog=config.listen_backlog, **json_logs,
+                                         log_level=config.log_level.lower(), timeout_graceful_shutdown=5),
+                          app, shutdown_timeout=config.shutdown_timeout, limiter=limits.limiter, on_started=on_started)
+
+
 class GracefulServer(uvicorn.Server):
     """uvicorn.Server whose first SIGTERM/SIGINT drains (see module doc) instead of stopping."""
 
     def __init__(self, config: uvicorn.Config, app: Starlette, shutdown_timeout: float,
-                 limiter: RateLimitedLog | None = None):
+                 limiter: RateLimitedLog | None = None, on_started: Callable[[], None] | None = None):
         super().__init__(config)
         self.app, self.shutdown_timeout = app, shutdown_timeout
         self.limiter = limiter  # server.api.connections.RateLimitedLog: resource errors once per interval
+        self.on_started = on_started  # told once the app started and the listeners accept (server.core.process)
         self._drain_signal: int | None = None
         self._drain_task: asyncio.Task | None = None
 
@@ -69,6 +94,8 @@ class GracefulServer(uvicorn.Server):
         if self.limiter is not None:
             install_resource_log(asyncio.get_running_loop(), self.limiter)
         await super().startup(sockets=sockets)
+        if self.on_started is not None and self.started:
+            self.on_started()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:  # signal handler: only set flags
         if self._drain_signal is None:

@@ -1,12 +1,16 @@
-"""Prompt log-likelihoods behind the generation API (dllm.likelihood run on the engine thread).
+"""Prompt log-likelihoods behind the generation API (dllm.likelihood run by the engine core, between steps).
 
     POST /generate        {"prompt": "12+7=19", "max_tokens": 0, "prompt_logprobs": 0}
     POST /v1/completions  {"prompt": "12+7=19", "echo": true, "logprobs": 1, "max_tokens": 0}
 
 `likelihood` (per request, else `server.likelihood`): `sequential` (exact under the sequential
 decoding policy) or `elbo` (`server.elbo_samples` seeded Monte Carlo samples of the masked-diffusion
-ELBO; the request's `seed`, else 0). Each prompt runs as one `Engine.call_between_steps` (so
-decoding of other requests interleaves, and the weights do not change during it); the response
+ELBO; the request's `seed`, else 0). A full-attention model (LLaDA, Dream) is always scored by LLaDA's
+ELBO, for every context / continuation split (dllm.full.likelihood; `sequential` is a 400). An ELBO
+reports per token the standard error of the sum from that token on (`prompt_logprobs_stderr`,
+OpenAI `logprobs.suffix_stderr`) and its number of samples. Each prompt runs in the engine core as one
+`Engine.call_between_steps` (server.core: `Score`; so decoding of other requests interleaves, and the
+weights do not change during it); the response
 carries the version that scored it. Completions with echo + logprobs and max_tokens > 0 (as
 lm-eval-harness's local-completions sends: max_tokens 1, reading all but the last entry; unset:
 server.default_max_tokens) also generate, and the completion's logprobs follow the prompt's.
@@ -18,14 +22,13 @@ the API key's token rate (server.api.quotas), more scoring calls waiting than se
 
 from __future__ import annotations
 
-import asyncio
 import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from dllm.likelihood import Method, TokenScores, prompt_logprobs
+from dllm.likelihood import Method, TokenScores
 from rollout_client.protocol.common import DecodingOptions, Usage, new_id
 from rollout_client.protocol.native import GenerateRequest, GenerateResponse, Sample
 from rollout_client.protocol.openai import (
@@ -42,7 +45,7 @@ from server.api.state import server_state
 
 if TYPE_CHECKING:
     from server.api.state import ServerState
-    from server.engine.engine import Engine
+    from server.core.client import CoreClient as Engine
 
 _pending: weakref.WeakKeyDictionary[Engine, int] = weakref.WeakKeyDictionary()  # scoring calls not yet done
 
@@ -62,9 +65,14 @@ async def score(st: ServerState, prompts: list[str | list[int]], field: str, opt
     """(token ids, scores, version) of each prompt; the checks of the module docstring first (and the
     decoding options' own, as a generation request gets them)."""
     engine = st.engine
-    if getattr(engine.model, "attention", "") == "full":  # dllm.likelihood scores block-causal models
-        raise APIError(400, f"{field}: prompt log-likelihoods (max_tokens 0, echo) are computed for block-causal "
-                            "SDAR models; this server's model is full-attention (LLaDA / Dream)", field)
+    if not engine.info.has_likelihoods:  # the runner's declaration (dllm.likelihood scores block-causal models)
+        raise APIError(400, f"{field}: prompt log-likelihoods (max_tokens 0, echo) are not available from this "
+                            f"server's {engine.backend.name} runner: {engine.info.note}", field)
+    full = engine.info.family != "sdar"  # LLaDA / Dream: LLaDA's ELBO (dllm.full.likelihood)
+    if full and method == "sequential":
+        raise APIError(400, "likelihood: 'sequential' is the likelihood of a block-causal decoding policy; this "
+                            "server's model is full-attention (LLaDA / Dream), scored by the Monte Carlo ELBO "
+                            "('elbo', the default here)", "likelihood")
     to_sampling_params(opts, 1, st.config).validate(engine.backend.block_size)
     if len(prompts) > engine.scheduler.max_queue:
         raise APIError(413, f"{field}: {len(prompts)} prompts exceed what the server queues at once "
@@ -76,21 +84,20 @@ async def score(st: ServerState, prompts: list[str | list[int]], field: str, opt
     charge_tokens(sum(len(ids) for ids in ids_list))
     if _pending.get(engine, 0) + len(ids_list) > engine.scheduler.max_queue:
         raise APIError(429, "too many prompt log-likelihoods waiting; retry later", None, {"Retry-After": "1"})
-    how: Method = method or st.config.likelihood
-    samples, seed_ = st.config.elbo_samples, opts.seed or 0
-    model = engine.model
-
-    def job(ids: list[int]) -> Any:
-        return lambda: (prompt_logprobs(model, [ids], how, top_k=top_k, num_samples=samples, seed=seed_)[0],
-                        engine.version)
-
+    how: Method = "elbo" if full else (method or st.config.likelihood)
     _pending[engine] = _pending.get(engine, 0) + len(ids_list)
     try:
-        futures = [engine.call_between_steps(job(ids)) for ids in ids_list]
-        results = await asyncio.gather(*futures)
+        results, version = await engine.score(ids_list, how, top_k, st.config.elbo_samples, opts.seed or 0)
     finally:
         _pending[engine] -= len(ids_list)
-    return ids_list, [r[0] for r in results], max(r[1] for r in results)
+    return ids_list, [TokenScores(lp, top, rows, err, n) for lp, top, rows, err, n in results], version
+
+
+def likelihood_of(st: ServerState, asked: Method | None) -> Method:
+    """The method that scores a request: the ELBO for a full-attention model, else the request's or the server's."""
+    if st.engine.info.family != "sdar":  # the runner's declaration
+        return "elbo"
+    return asked or st.config.likelihood
 
 
 async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
@@ -100,10 +107,11 @@ async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
     assert body.prompt_logprobs is not None, "checked by GenerateRequest"
     ids_list, scores, version = await score(st, body.prompt_list(), field, body, body.likelihood,
                                             body.prompt_logprobs)
+    how = likelihood_of(st, body.likelihood)
     samples = [Sample(index=i, prompt_index=i, prompt_ids=ids, completion_ids=[], text="", finish_reason="length",
                       version=version, num_forwards=s.num_rows, prompt_logprobs=s.logprobs,
-                      prompt_top_logprobs=s.top if body.prompt_logprobs else None,
-                      likelihood=body.likelihood or st.config.likelihood)
+                      prompt_top_logprobs=s.top if body.prompt_logprobs else None, likelihood=how,
+                      prompt_logprobs_stderr=s.stderr, likelihood_samples=s.num_samples)
                for i, (ids, s) in enumerate(zip(ids_list, scores))]
     num = sum(len(ids) for ids in ids_list)
     st.metrics.observe_request("/generate", 200, time.perf_counter() - t0, num)
@@ -125,15 +133,17 @@ def _prompt_logprobs(tok: Any, ids: list[int], s: TokenScores, k: int) -> tuple[
         tops.append(alts)
     text = tok.decode(ids, skip_special_tokens=True)
     return text, CompletionLogprobs(tokens=texts, token_logprobs=list(s.logprobs), top_logprobs=tops,
-                                    text_offset=offsets)
+                                    text_offset=offsets, suffix_stderr=s.stderr)
 
 
 def _joined(prompt: CompletionLogprobs, prompt_text: str, completion: CompletionLogprobs) -> CompletionLogprobs:
     assert prompt.top_logprobs is not None and completion.top_logprobs is not None
+    stderr = None if prompt.suffix_stderr is None else prompt.suffix_stderr + [None] * len(completion.tokens)
     return CompletionLogprobs(tokens=prompt.tokens + completion.tokens,
                               token_logprobs=prompt.token_logprobs + completion.token_logprobs,
                               top_logprobs=prompt.top_logprobs + completion.top_logprobs,
-                              text_offset=prompt.text_offset + [len(prompt_text) + o for o in completion.text_offset])
+                              text_offset=prompt.text_offset + [len(prompt_text) + o for o in completion.text_offset],
+                              suffix_stderr=stderr)
 
 
 async def completions(body: CompletionRequest, request: Request) -> CompletionResponse:

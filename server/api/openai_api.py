@@ -124,7 +124,7 @@ async def completions(body: CompletionRequest, request: Request) -> CompletionRe
         return None if k is None else completion_logprobs(st.prompts.tokenizer, seq, k)
 
     if body.stream:
-        return _stream(request, "/v1/completions", body, seqs, lambda rid, i, text, reason, lp=None: CompletionResponse(
+        return await _stream(request, "/v1/completions", body, seqs, lambda rid, i, text, reason, lp=None: CompletionResponse(
             id=rid, model=st.engine.model_name,
             choices=[CompletionChoice(index=i, text=text, finish_reason=reason, logprobs=lp)]),
             prefixes, logprobs, k or 0, prompts)
@@ -158,7 +158,7 @@ async def chat(body: ChatCompletionRequest, request: Request) -> ChatCompletionR
         return None if k is None else chat_logprobs(st.prompts.tokenizer, seq, k)
 
     if body.stream:
-        return _stream(request, "/v1/chat/completions", body, seqs, lambda rid, i, delta, reason, lp=None:
+        return await _stream(request, "/v1/chat/completions", body, seqs, lambda rid, i, delta, reason, lp=None:
                        ChatCompletionChunk(id=rid, model=st.engine.model_name, choices=[ChatChunkChoice(
                            index=i, delta=ChatDelta(content=delta), finish_reason=reason, logprobs=lp)]),
                        None, logprobs, k or 0)
@@ -174,7 +174,7 @@ async def chat(body: ChatCompletionRequest, request: Request) -> ChatCompletionR
                                     usage=usage, version=max(s.trace.version for s in seqs))
 
 
-def _stream(request: Request, endpoint: str, body: OpenAIBase, seqs: list[Sequence], chunk: Callable[..., Any],
+async def _stream(request: Request, endpoint: str, body: OpenAIBase, seqs: list[Sequence], chunk: Callable[..., Any],
             prefixes: list[str] | None, logprobs: Callable[[Sequence], BaseModel | None], num_top: int,
             prompts: list[str | list[int]] | None = None) -> StreamingResponse:
     """SSE response: per-block text deltas, a finish chunk per choice (with its record_id), usage, [DONE]."""
@@ -182,7 +182,7 @@ def _stream(request: Request, endpoint: str, body: OpenAIBase, seqs: list[Sequen
     is_chat = endpoint.endswith("chat/completions")
     rid = new_id("chatcmpl" if is_chat else "cmpl")
     stops = body.stop_list()
-    events = stream_events(st.engine, submit(st.engine, seqs, stream=True, num_top_logprobs=num_top))  # 429 now
+    events = stream_events(st.engine, await submit(st.engine, seqs, stream=True, num_top_logprobs=num_top))  # 429 now
 
     async def body_iter() -> AsyncIterator[str]:
         assert body.n is not None, "null means the default (_NullIsDefault)"

@@ -16,6 +16,10 @@ charges prompt + max_tokens of every sequence once the request is tokenised
 `server.max_concurrent_feedback` (0 = unlimited) caps feedback calls in flight, whoever
 sends them. The feedback and admin tokens keep their roles: keys open nothing else.
 Without keys the generation API is open, as before.
+With `server.api_processes` N > 1 each API process enforces its share (`share` = 1/N): a key's rates
+refill at 1/N of theirs in each (bursts up to the key's whole bucket), its concurrency cap and the
+feedback cap are divided, rounded up; the kernel spreads connections over the processes, so a key's
+traffic meets the whole limit when its connections are spread too (one connection: its process's share).
 """
 
 from __future__ import annotations
@@ -54,10 +58,10 @@ class KeysFile(BaseModel):
 
 
 class Bucket:
-    """A token bucket: `rate` per second, holding at most rate x burst_s (at least `floor`)."""
+    """A token bucket: `rate` per second, holding at most rate x burst_s (at least `floor`) or `capacity`."""
 
-    def __init__(self, rate: float, burst_s: float, floor: float = 1.0):
-        self.rate, self.capacity = rate, max(rate * burst_s, floor)
+    def __init__(self, rate: float, burst_s: float, floor: float = 1.0, capacity: float | None = None):
+        self.rate, self.capacity = rate, max(rate * burst_s if capacity is None else capacity, floor)
         self.level, self.t = self.capacity, time.monotonic()
 
     def take(self, amount: float) -> float:
@@ -72,10 +76,14 @@ class Bucket:
 
 
 class KeyState:
-    def __init__(self, name: str, spec: KeySpec):
+    def __init__(self, name: str, spec: KeySpec, share: float = 1.0):
+        """`share`: this process's part of the key's rates and concurrency (1/server.api_processes)."""
         self.name, self.spec, self.in_flight = name, spec, 0
-        self.requests = Bucket(spec.requests_per_s, spec.burst_s) if spec.requests_per_s else None
-        self.tokens = Bucket(spec.tokens_per_s, spec.burst_s) if spec.tokens_per_s else None
+        self.max_concurrent = math.ceil(spec.max_concurrent * share)
+        self.requests = Bucket(spec.requests_per_s * share, spec.burst_s, capacity=spec.requests_per_s * spec.burst_s) \
+            if spec.requests_per_s else None
+        self.tokens = Bucket(spec.tokens_per_s * share, spec.burst_s, capacity=spec.tokens_per_s * spec.burst_s) \
+            if spec.tokens_per_s else None
 
 
 def load_keys(path: str) -> dict[str, KeySpec]:
@@ -104,12 +112,12 @@ def load_keys(path: str) -> dict[str, KeySpec]:
 
 class Quotas:
     def __init__(self, keys: dict[str, KeySpec], admin_token: str = "", feedback_token: str = "",
-                 max_concurrent_feedback: int = 0):
+                 max_concurrent_feedback: int = 0, share: float = 1.0):
         for name, spec in keys.items():
             if spec.key in (admin_token, feedback_token) and spec.key:
                 raise ConfigError(f"api key {name!r}: must differ from the admin and feedback tokens")
-        self.keys = [KeyState(n, s) for n, s in keys.items()]
-        self.admin_token, self.max_feedback = admin_token, max_concurrent_feedback
+        self.keys = [KeyState(n, s, share) for n, s in keys.items()]
+        self.admin_token, self.max_feedback = admin_token, math.ceil(max_concurrent_feedback * share)
         self.feedback_in_flight = 0
         self._lock = threading.Lock()
 
@@ -133,9 +141,10 @@ class Quotas:
     def admit(self, key: KeyState) -> None:
         """Count a request against its key (rate, concurrency) or raise a 429."""
         with self._lock:
-            if key.spec.max_concurrent and key.in_flight >= key.spec.max_concurrent:
+            if key.max_concurrent and key.in_flight >= key.max_concurrent:
                 raise limited(f"API key {key.name!r}: {key.in_flight} requests in flight (max_concurrent="
-                               f"{key.spec.max_concurrent})", 1.0)
+                               f"{key.spec.max_concurrent}{_per_process(key.max_concurrent, key.spec.max_concurrent)})",
+                              1.0)
             wait = key.requests.take(1) if key.requests else 0.0
             if wait:
                 raise limited(f"API key {key.name!r}: over {key.spec.requests_per_s:g} requests/s", wait)
@@ -156,6 +165,10 @@ class Quotas:
     def give_feedback(self) -> None:
         with self._lock:
             self.feedback_in_flight -= 1
+
+
+def _per_process(mine: int, whole: int) -> str:
+    return f", {mine} in this API process" if mine != whole else ""
 
 
 def limited(message: str, wait_s: float) -> APIError:

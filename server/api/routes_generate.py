@@ -71,8 +71,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Cha
 
 @router.get("/v1/models", response_model=ModelList)
 async def models(request: Request) -> ModelList:
-    engine = server_state(request.app).engine
-    runner = engine.backend  # family / cache_mode: a full-attention runner says its own (else block-causal SDAR)
-    return ModelList(data=[ModelCard(id=engine.model_name, max_model_len=engine.max_model_len,
-                                     version=engine.version, family=getattr(runner, "family", "sdar"),
-                                     cache_mode=getattr(runner, "cache_mode", None))])
+    st = server_state(request.app)
+    engine = st.engine
+    info = engine.info  # the runner's declaration: its family and (full attention) cache mode
+    version, pushed_by = engine.version, None
+    if version and st.weight_updates is not None:  # who pushed the served version (its recorded outcome)
+        pushed_by = (await st.weight_updates.state(version)).get("run_id") or None
+    return ModelList(data=[ModelCard(id=engine.model_name, max_model_len=engine.max_model_len, version=version,
+                                     weights_run_id=pushed_by, family=info.family, cache_mode=info.cache_mode)])

@@ -34,8 +34,7 @@ from fastapi.responses import JSONResponse
 from rollout_client.protocol.service import ErrorResponse
 from server.api.auth import require_admin
 from server.api.state import server_state
-from server.weights.weight_updates import WeightUpdates
-from weight_sync.errors import WeightSyncError
+from server.weights.weight_updates import WeightControl, describe_error
 from weight_sync.protocol import (
     AbortRequest,
     AbortResponse,
@@ -58,7 +57,7 @@ log = logging.getLogger("dlrl.server")
 router = APIRouter(prefix="/weights", tags=["weights"], dependencies=[Depends(require_admin)])
 
 
-def get_updates(request: Request) -> WeightUpdates:
+def get_updates(request: Request) -> WeightControl:
     updates = server_state(request.app).weight_updates
     if updates is None:  # an app without create_app must attach its own (server.api.state.attach)
         raise RuntimeError("no WeightUpdates attached to this app")
@@ -66,20 +65,15 @@ def get_updates(request: Request) -> WeightUpdates:
 
 
 async def _call(step: str, coro: Awaitable[dict[str, Any]]) -> dict[str, Any]:
-    """Await a glue call, turning every failure into a 4xx with a message naming the problem."""
+    """Await a glue call, turning every failure into a 4xx with a message naming the problem
+    (server.weights.weight_updates.describe_error; the engine core's failures come described)."""
     try:
         return await coro
     except HTTPException:
         raise
-    except WeightSyncError as e:
-        raise HTTPException(status_code=e.http_status, detail=f"{step}: {e}") from None
-    except TimeoutError as e:
-        raise HTTPException(status_code=409, detail=f"{step}: {e or 'timed out'}") from None
-    except ValueError as e:  # e.g. dllm.weights.WeightLoadError
-        raise HTTPException(status_code=400, detail=f"{step}: {e}") from None
     except Exception as e:
-        log.exception("weight update %s failed", step)
-        raise HTTPException(status_code=400, detail=f"{step}: failed: {type(e).__name__}: {e}") from None
+        status, message = describe_error(e)
+        raise HTTPException(status_code=status, detail=f"{step}: {message}") from None
 
 
 @router.post("/connect", response_model=ConnectResponse)
@@ -122,12 +116,12 @@ async def abort(request: Request, body: AbortRequest | None = None) -> dict[str,
 
 @router.get("/version", response_model=VersionResponse)
 async def version(request: Request) -> dict[str, Any]:
-    return get_updates(request).status()
+    return await _call("version", get_updates(request).status())
 
 
 @router.get("/updates/{version}", response_model=UpdateState)
 async def update_state(version: int, request: Request) -> dict[str, Any]:
-    return get_updates(request).state(version)
+    return await _call("update state", get_updates(request).state(version))
 
 
 @router.get("/checksum", response_model=ChecksumResponse)
@@ -147,4 +141,4 @@ async def rollback(body: RollbackRequest, request: Request) -> dict[str, Any]:
 
 @router.get("/kept", response_model=KeptResponse)
 async def kept(request: Request) -> dict[str, Any]:
-    return get_updates(request).kept_status()
+    return await _call("kept", get_updates(request).kept_status())

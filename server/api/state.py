@@ -1,13 +1,15 @@
 """ServerState: everything a dlrl server's handlers reach, one typed object on the app.
 
-    state = ServerState(engine, config, admin_token=token, metrics=ServerMetrics(engine))   # server.api.app
+    state = ServerState(client, config, admin_token=token, metrics=ServerMetrics())   # server.api.app
     attach(app, state)
     st = server_state(request.app)          # in a handler or a middleware (scope["app"])
     st.engine, st.config, st.metrics, st.prompts, st.recorder, st.weight_updates, st.is_draining
+    # st.engine: the engine as the handlers reach it, server.core.client.CoreClient (the core may be another process)
     st.executors, st.refusals
 
 `server.api.app.create_app` builds the whole state; an app made of the weight routes alone (tests
-and benchmarks) attaches a ServerState of its engine with the rest left at the defaults: the
+and benchmarks) attaches a ServerState of an in-process Engine and its own WeightUpdates (the routes
+only use `weight_updates`) with the rest left at the defaults: the
 default config, admin disabled unless `admin_token` is given, metrics of its own registry, no
 recorder, the weight-update glue and the tokenizer worker built on first use.
 """
@@ -28,24 +30,26 @@ from server.metrics import ServerMetrics
 if TYPE_CHECKING:
     from server.api.auth_guard import AuthGuard
     from server.api.connections import Refusals
-    from server.engine.engine import Engine
+    from server.core.client import CoreClient
+    from server.core.thread import CoreThread
     from server.recording.recording import Recorder
-    from server.weights.weight_updates import WeightUpdates
+    from server.weights.weight_updates import WeightControl
 
 
 @dataclass(eq=False)
 class ServerState:
-    engine: Engine
+    engine: CoreClient
     config: ServerConfig = field(default_factory=ServerConfig)
     admin_token: str = ""  # "" = admin endpoints disabled (server.api.auth)
     feedback_token: str = ""  # "" = POST /v1/feedback disabled (server.api.routes_feedback)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     recorder: Recorder | None = None  # server.recording.recording, None without server.store
-    weight_updates: WeightUpdates | None = None  # server.api.routes_weights builds it on first use when None
+    weight_updates: WeightControl | None = None  # the routes' weight-update glue (server.api.routes_weights)
     auth_guard: AuthGuard | None = None  # server.api.auth.auth_guard builds it on first use
     is_draining: bool = False  # set by server.api.lifecycle.drain; read by server.api.middleware.RequestGuard
     num_inflight: int = 0  # generation requests until their last byte is sent (server.api.middleware)
     refusals: Refusals | None = None  # server.api.connections.Refusals (the gate's): refusals counted, logged once per interval
+    core_thread: CoreThread | None = None  # the engine core when it runs on a thread of this process (server.core.thread)
 
     @cached_property
     def executors(self) -> Executors:

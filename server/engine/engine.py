@@ -7,16 +7,19 @@
     await engine.wait(req)                 # -> the finished Sequences (completion, text, trace)
     await engine.apply_update(7, copy)     # weight update window: pause -> copy -> version 7 -> resume
 
-Each engine step reads schedule -> run -> post-process (`Engine._step`):
+Each engine step reads schedule -> run -> post-process (`Engine._iterate`), three layers down to the
+model (Engine -> Runner -> the model's step):
 
     batch = scheduler.schedule(...)        # abort expired, release aborted, admit what fits the KV budget
+    backend.release(batch.left)            # the one place the runner hears which sequences left
     out = backend.run(batch)               # the runner (server/engine/backends/base.py): ONE batched forward
-    ended = scheduler.postprocess(batch, out, now)   # stop ids / strings, max_tokens, finish reason
-    deliver: free their cache, top logprobs, finish listeners, request events, stream updates
+    ended = scheduler.postprocess(batch, out, now)   # stop ids / strings, max_tokens, finish reason, pages back
+    deliver: top logprobs, finish listeners, request events, stream updates
 
 so concurrent requests share every forward, whatever each sequence's prompt, position, block,
 strategy or sampling params. The scheduler owns every sequence (server/engine/sequence.py: status,
-timings, deadline, slot and pages); the runner only runs. A sequence the runner failed alone
+timings, deadline) and, through its block manager (dllm.block_manager), every slot and KV page:
+the runner only runs. A sequence the runner failed alone
 (`seq.error`, e.g. non-finite probabilities) fails only its own request (`RequestFailed`: the
 server answers a 500 with its message); the others go on.
 
@@ -46,10 +49,10 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any, TypeVar
 
-from dllm.decoding import StepOutput
+from dllm.postprocess import StepOutput
 from dllm.sampling import SamplingParams
 from dllm.trace import FinishReason
-from server.engine.backends.base import Runner
+from server.engine.backends.base import Runner, RunnerInfo
 from server.engine.scheduler import QueueFull, Request, ScheduledBatch, Scheduler
 from server.engine.sequence import ServerSequence
 
@@ -133,6 +136,11 @@ class Engine:
         return self.backend.tokenizer
 
     @property
+    def info(self) -> RunnerInfo:
+        """What the runner supports (family, cache mode, logprobs, likelihoods, prefix sharing, weights)."""
+        return self.backend.info
+
+    @property
     def max_model_len(self) -> int:
         return self.backend.max_len
 
@@ -180,9 +188,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
         with self._cond:
-            left = self.scheduler.take_all()
-            self.backend.release(left)
-            for seq in left:
+            for seq in self.scheduler.take_all():
                 self._finish(seq)
             calls, self._calls = self._calls, []
         for _, loop, future in calls:  # call_between_steps never run
@@ -199,11 +205,15 @@ class Engine:
                 seqs.append(self.backend.new_sequence(ids, p))
         return seqs
 
-    def submit(self, seqs: list[ServerSequence], stream: bool = False, num_top_logprobs: int = 0) -> Request:
+    def submit(self, seqs: list[ServerSequence], stream: bool = False, num_top_logprobs: int = 0,
+               sink: Callable[[Request, tuple], None] | None = None) -> Request:
         """Queue the sequences of one request (call from the event loop). Raises QueueFull.
         With `num_top_logprobs` k > 0 each finished sequence gets `seq.top_logprobs`
-        (per completion token the k most likely (id, logprob); see Runner.top_logprobs)."""
-        req = Request(uuid.uuid4().hex, seqs, asyncio.get_running_loop(), stream=stream)
+        (per completion token the k most likely (id, logprob); see Runner.top_logprobs).
+        With a `sink`, the request's events are handed to `sink(request, event)` where they happen (the
+        engine thread, with the engine's lock held: it must only queue them) instead of to `events()`:
+        the engine core batches a step's events of every request into one message (server.core)."""
+        req = Request(uuid.uuid4().hex, seqs, asyncio.get_running_loop(), stream=stream, sink=sink)
         with self._cond:
             if not self.is_running:
                 raise EngineStopped("engine is not running")
@@ -309,8 +319,10 @@ class Engine:
             return self._is_drained()
 
     def _is_drained(self) -> bool:
-        """(lock held) Nothing runs, nothing waits to be released -- so no forward is in flight."""
-        return (self.scheduler.is_idle and not self._num_calls_running) or not self.is_running
+        """(lock held) Nothing runs, nothing waits to be released, the runner has heard of every sequence that
+        left (it may still drop their state) -- so no forward, nor anything of the runner's, is in flight."""
+        return ((self.scheduler.is_idle and not self.scheduler.has_left and not self._num_calls_running)
+                or not self.is_running)
 
     def _wake_drained(self) -> None:
         """(lock held) Resolve the pause() calls waiting for the drain, if it is drained now."""
@@ -394,7 +406,7 @@ class Engine:
             calls, self._calls = ([], self._calls) if self.is_paused else (self._calls, [])
             self._num_calls_running = len(calls)
             batch = self.scheduler.schedule(paused=self.is_paused, version=self.version, now=time.monotonic())
-            self.backend.release(batch.released)
+            self.backend.release(batch.left)  # the one call: every sequence whose pages came back
             for seq in batch.dropped + batch.released:
                 self._finish(seq)
             self._wake_drained()
@@ -403,9 +415,8 @@ class Engine:
         return batch
 
     def _deliver(self, batch: ScheduledBatch, out: StepOutput, ended: list[ServerSequence], t0: float) -> None:
-        """After a step: free the cache of the sequences that ended, score their top logprobs, tell the
-        finish listeners, their requests and the streams; then the step listeners."""
-        self.backend.release(ended)
+        """After a step: score the top logprobs of the sequences that ended, tell the finish listeners,
+        their requests and the streams; then the step listeners."""
         self._score_top_logprobs(ended)
         for hook in self._finish_listeners if ended else ():
             try:
@@ -461,7 +472,6 @@ class Engine:
 
     def _fail(self, batch: list[ServerSequence], message: str) -> None:
         with self._cond:
-            self.backend.release(batch)
             for seq, req in self.scheduler.fail(batch):
                 req.emit((EngineEvent.ERROR, req.index_of[seq.seq_id], message))
             self._cond.notify_all()

@@ -6,27 +6,20 @@
     seq.arrived_at, seq.admitted_at, seq.first_token_at, seq.finished_at   # time.monotonic() stamps
 
 `ServerSequence` is `dllm.sequence.Sequence` (the decoding state the runner advances: block,
-completion, trace, `finish_reason` stored once in the trace) with the server's fields declared:
-its status and timings, its deadline, the KV slot and pages the scheduler accounts for, the
-top logprobs it asked for and got, and the recorder's decision. Status moves only forward:
+completion, trace, `finish_reason` stored once in the trace; its status, slot and KV pages, which
+the scheduler and its block manager write) with the server's fields declared: its timings, its
+deadline, the top logprobs it asked for and got, and the recorder's decision. Status moves only
+forward (RUNNING -> WAITING: preempted, server.kv_admission=optimistic):
 
     NEW -> WAITING -> RUNNING -> (RELEASING ->) FINISHED      (WAITING -> FINISHED: aborted in the queue)
 """
 
 from __future__ import annotations
 
-from enum import StrEnum
-
 from dllm.sampling import SamplingParams
-from dllm.sequence import Sequence
+from dllm.sequence import SeqStatus, Sequence
 
-
-class SeqStatus(StrEnum):
-    NEW = "new"              # made and validated, not submitted yet
-    WAITING = "waiting"      # in the scheduler's queue
-    RUNNING = "running"      # in every forward; holds a slot and its KV pages
-    RELEASING = "releasing"  # aborted while running (client gone, deadline, pause): leaves at the next step
-    FINISHED = "finished"    # done (finished, aborted or failed); its request has heard of it
+__all__ = ["SeqStatus", "ServerSequence"]
 
 
 class ServerSequence(Sequence):
@@ -35,14 +28,12 @@ class ServerSequence(Sequence):
     def __init__(self, prompt_ids: list[int], params: SamplingParams, block_size: int, mask_id: int,
                  seq_id: int | None = None):
         super().__init__(prompt_ids, params, block_size, mask_id, seq_id)
-        self.status = SeqStatus.NEW
         self.arrived_at: float | None = None      # submitted (Engine.submit)
-        self.admitted_at: float | None = None     # waiting -> running
+        self.admitted_at: float | None = None     # waiting -> running (the first time)
         self.first_token_at: float | None = None  # its first block committed
         self.finished_at: float | None = None     # -> finished
         self.deadline: float | None = None        # time.monotonic() by which its request must end
         self.deadline_status = 0                  # the HTTP status past it (408 the client's, 503 the server's)
-        self.num_pages = 0                        # KV pages the scheduler gave it (prompt + max_tokens)
         self.num_top_logprobs = 0                 # top logprobs asked for (OpenAI logprobs); 0 = none
         self.top_logprobs: list[list[tuple[int, float]]] | None = None  # per completion token, once finished
         self.recording: object = None             # server.recording.recording's decision for it (None: not decided)

@@ -10,8 +10,9 @@ recorded (a sample that finished before the rest of its request was aborted or f
 written; its id is never handed out).
 
 An id returned to a client is always valid. `expect()` chooses a request's samples before it
-runs (server/api/generation.py); the engine thread hands each chosen sample to the writer the
-moment it finishes (`Engine.add_finish_listener`), through a bounded queue
+runs (server/api/generation.py); each chosen sample is handed to the writer the moment the engine
+core's message says it finished, before its request hears of it (`CoreClient.add_finish_listener`,
+server.core.client), through a bounded queue
 (`server.record_max_pending` records) to one writer thread, which builds the records and
 writes whatever is queued in ONE transaction (batched across the requests that finished in
 the same step, off the event loop) and wakes the waiting requests with one
@@ -53,7 +54,7 @@ from store import FeedbackStore, Record, error_cause, new_record_id, open_store
 
 if TYPE_CHECKING:
     from server.config import ServerConfig
-    from server.engine.engine import Engine
+    from server.core.client import CoreClient
     from server.metrics import ServerMetrics
 
 log = logging.getLogger("dlrl.server")
@@ -83,7 +84,7 @@ class Recorder:
         self._writer.start()
 
     @classmethod
-    def from_config(cls, config: ServerConfig, engine: Engine, metrics: ServerMetrics | None = None) -> Recorder | None:
+    def from_config(cls, config: ServerConfig, engine: CoreClient, metrics: ServerMetrics | None = None) -> Recorder | None:
         """The app's recorder: None when neither recording nor feedback needs the store."""
         if config.record == "none" and not config.resolved_feedback_token():
             return None
@@ -111,7 +112,7 @@ class Recorder:
 
     def expect(self, seqs: list[Sequence], prompts: abc.Sequence[object] | None = None, n: int = 1) -> None:
         """Choose, before a request runs, which of its samples are recorded (prompt-major, n per
-        prompt; text prompts are stored, token-id prompts as None). The engine thread then hands each
+        prompt; text prompts are stored, token-id prompts as None). The engine client then hands each
         chosen sample to the writer the moment it finishes (`_finished`), so its commit runs while
         the request is still on its way back through the event loop, and `record()` only waits for
         what is left."""
@@ -167,7 +168,7 @@ class Recorder:
         return ids
 
     def _finished(self, seqs: list[Sequence]) -> None:
-        """(engine thread, right after a step) Hand the chosen samples that finished to the writer."""
+        """(the API loop, as the core says they ended) Hand the chosen samples that finished to the writer."""
         samples = [s for seq in seqs if isinstance(s := seq.recording, _Sample)]
         if samples:
             self._enqueue(samples)

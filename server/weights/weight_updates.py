@@ -37,12 +37,12 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from server.weights.weight_versions import Kept, KeptVersions, NotKept
-from weight_sync import UpdateConflict, UpdateFailed, WeightReceiver
+from weight_sync import UpdateConflict, UpdateFailed, WeightReceiver, WeightSyncError
 from weight_sync.protocol import BeginRequest, ConnectRequest, UpdatePhase
 from weight_sync.transports.http import read_body_into
 
@@ -56,13 +56,33 @@ def _hf_tensors(model: Any) -> Any:
 
 
 def _default_apply(engine: Any) -> Callable[[list[tuple[str, torch.Tensor]]], Any]:
-    """The runner's own `apply_weights` when it has one (lmdeploy: its update path), else copy_into_model."""
-    own = getattr(getattr(engine, "backend", None), "apply_weights", None)
-    if own is not None:
-        return own
+    """As the runner declares (RunnerInfo.weights): its own `apply_weights` (lmdeploy: its update path), else
+    copy_into_model into the served parameters in place."""
+    if engine.info.weights == "runner":
+        return engine.backend.apply_weights
     from dllm.weights import copy_into_model  # the one function that writes parameters
 
     return lambda named: copy_into_model(engine.model, named, strict=True)
+
+
+class WeightControl(Protocol):
+    """What the admin routes (server.api.routes_weights) call: WeightUpdates in this process, or its proxy
+    in an API process whose engine runs in the engine core (server.core.remote_weights.RemoteWeights)."""
+
+    async def connect(self, body: ConnectRequest) -> dict[str, Any]: ...
+    async def begin(self, body: BeginRequest) -> dict[str, Any]: ...
+    async def put_bucket(self, index: int, stream: AsyncIterator[bytes], version: int | None, checksum: int | None,
+                         run_id: str = "") -> dict[str, Any]: ...
+    async def commit(self, version: int, checksums: list[int | None] | None = None,
+                     abort_inflight: bool | None = None, run_id: str = "") -> dict[str, Any]: ...
+    async def abort(self, version: int | None = None, reason: str = "aborted by the sender",
+                    run_id: str | None = "") -> dict[str, Any]: ...
+    async def status(self) -> dict[str, Any]: ...
+    async def state(self, version: int) -> dict[str, Any]: ...
+    async def checksum(self) -> dict[str, Any]: ...
+    async def rollback(self, version: int, abort_inflight: bool | None = None) -> dict[str, Any]: ...
+    async def kept_status(self) -> dict[str, Any]: ...
+    def close(self) -> None: ...
 
 
 class WeightUpdates:
@@ -100,10 +120,10 @@ class WeightUpdates:
     def version(self) -> int:
         return int(self.engine.version)
 
-    def status(self) -> dict[str, Any]:
+    async def status(self) -> dict[str, Any]:
         return {**self.receiver.status(), "is_paused": bool(self.engine.is_paused)}  # version: the engine's
 
-    def state(self, version: int) -> dict[str, Any]:
+    async def state(self, version: int) -> dict[str, Any]:
         return self.receiver.state(version)  # served_version: the engine's
 
     async def connect(self, body: ConnectRequest) -> dict[str, Any]:
@@ -123,12 +143,24 @@ class WeightUpdates:
         self, index: int, stream: AsyncIterator[bytes], version: int | None, checksum: int | None, run_id: str = "",
     ) -> dict[str, Any]:
         """http data plane: stream one request body into the staging bucket (owner only), then verify it."""
-        buf = self.receiver.bucket_buffer(index, version, run_id)  # NotOwner before a byte is read
+        buf = self.open_bucket(index, version, run_id)  # NotOwner before a byte is read
         try:
             nbytes = await read_body_into(stream, buf, self.receiver.touch)
         except BaseException:
-            self.receiver.bucket_written(index, None, None, version, run_id)  # releases the bucket
+            await self.bucket_done(index, None, None, version, run_id)  # releases the bucket
             raise
+        return await self.bucket_done(index, nbytes, checksum, version, run_id)
+
+    def open_bucket(self, index: int, version: int | None, run_id: str = "") -> torch.Tensor:
+        """The staging buffer ([nbytes] uint8) bucket `index` is written into (NotOwner: another run's update)."""
+        return self.receiver.bucket_buffer(index, version, run_id)
+
+    async def bucket_done(self, index: int, nbytes: int | None, checksum: int | None, version: int | None,
+                          run_id: str = "") -> dict[str, Any]:
+        """A bucket's body ended (`nbytes` None: it failed half-way, the bucket is released): check it."""
+        if nbytes is None:
+            self.receiver.bucket_written(index, None, None, version, run_id)
+            return {"index": index, "nbytes": 0}
         await self._run(self.receiver.bucket_written, index, nbytes, checksum, version, run_id)
         return {"index": index, "nbytes": nbytes}
 
@@ -255,7 +287,7 @@ class WeightUpdates:
                 log.error("keeping version for rollback failed: %r", e)
             self._capture_task = None
 
-    def kept_status(self) -> dict[str, Any]:
+    async def kept_status(self) -> dict[str, Any]:
         return {"versions": self.kept.versions(), "served_version": self.version, "keep": self.kept.keep,
                 "num_bytes": self.kept.num_bytes}
 
@@ -296,6 +328,19 @@ class WeightUpdates:
         self.receiver.close()
 
 
+def describe_error(e: BaseException) -> tuple[int, str]:
+    """(HTTP status, message) of a failed weight call, as the admin routes answer it (the route prefixes
+    the step): the error's own status for weight_sync errors, 409 a timeout, 400 anything else."""
+    if isinstance(e, WeightSyncError):
+        return e.http_status, str(e)
+    if isinstance(e, TimeoutError):
+        return 409, str(e) or "timed out"
+    if isinstance(e, ValueError):  # e.g. dllm.weights.WeightLoadError
+        return 400, str(e)
+    log.error("weight update call failed: %s: %s", type(e).__name__, e, exc_info=e)
+    return 400, f"failed: {type(e).__name__}: {e}"
+
+
 def make_updates(engine: Any, config: Any = None) -> WeightUpdates:
     """WeightUpdates configured from `config` (server.config.ServerConfig weight_sync_* keys)."""
     return WeightUpdates(
@@ -308,4 +353,4 @@ def make_updates(engine: Any, config: Any = None) -> WeightUpdates:
     )
 
 
-__all__ = ["WeightUpdates", "make_updates"]
+__all__ = ["WeightControl", "WeightUpdates", "describe_error", "make_updates"]

@@ -171,7 +171,7 @@ def run_check(argv: list[str]) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            code = main([*argv, "--check-config"])
+            code = main([*argv, "--check-config", "--json"])
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 2
     return code, out.getvalue(), err.getvalue()

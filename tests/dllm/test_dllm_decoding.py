@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from dllm.decoding import BlockDecoder, generate, transfer_schedule
+from dllm.decoding import generate, transfer_schedule
 from dllm.errors import TooLong
 from dllm.model import SDARForCausalLM
+from dllm.runner import BlockRunner
 from dllm.sampling import SamplingParams, sampling_logprobs
 from dllm.tokenizer import build_char_tokenizer
 from tests.helpers import tiny_config
@@ -146,7 +147,7 @@ def test_trace_logprobs_equal_sampling_distribution(model):
 
 
 def test_invalid_sampling_params_name_the_field(model):
-    dec = BlockDecoder(model, max_batch=1, max_len=68)  # room for the default max_tokens: one error per case
+    dec = BlockRunner(model, max_batch=1, max_len=68)  # room for the default max_tokens: one error per case
     for kwargs, field in [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"),
                           ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"), ({"strategy": "magic"}, "strategy"),
                           ({"steps": 9}, "steps"), ({"threshold": 2}, "threshold"), ({"seed": -1}, "seed"),

@@ -1,11 +1,13 @@
-"""Block-paged KV cache: scattered pages equal the dense forward; memory follows sequence lengths."""
+"""Block-paged KV cache: scattered pages equal the dense forward; memory follows sequence lengths (the
+scheduler's block manager admits what fits, dllm.block_manager)."""
 
 import pytest
 import torch
 
-from dllm.decoding import BlockDecoder, CacheFull, generate
+from dllm.decoding import CacheFull, Decoder, generate
 from dllm.kv_cache import KVCache
 from dllm.model import SDARForCausalLM
+from dllm.runner import BlockRunner
 from dllm.sampling import SamplingParams
 from tests.helpers import tiny_config
 
@@ -18,44 +20,36 @@ def model():
 
 def test_scattered_pages_equal_dense_forward(model):
     ids = torch.randint(0, 63, (2, 16))
-    cache = KVCache(model.config, num_slots=3, max_len=32, device="cpu", dtype=torch.float32, num_pages=12)
-    slots = torch.tensor([2, 0])
+    cache = KVCache(model.config, num_pages=12, device="cpu", dtype=torch.float32)
+    table = torch.tensor([[1, 4, 6, 9], [3, 5, 8, 10]])  # pages not contiguous, interleaved between the rows
     with torch.no_grad():
         dense = model(ids)
-        got = []
-        for b in range(0, 16, 4):  # pages handed out interleaved (and one taken by slot 1 in between)
-            cache.allocate(2, b + 4)
-            cache.allocate(1, b // 2 + 1)
-            cache.allocate(0, b + 4)
-            got.append(model(ids[:, b:b + 4], torch.arange(b, b + 4).expand(2, 4), cache=cache, slots=slots,
-                             kv_len=b + 4))
-    assert cache.slot_pages[2] == [1, 4, 6, 9] and cache.slot_pages[0] == [3, 5, 8, 10]  # not contiguous
+        got = [model(ids[:, b:b + 4], torch.arange(b, b + 4).expand(2, 4), cache=cache, page_table=table,
+                     kv_len=b + 4) for b in range(0, 16, 4)]
     assert (torch.cat(got, dim=1) - dense).abs().max().item() < 1e-5
-    used = {p for pages in cache.slot_pages for p in pages}
-    assert len(used) == 4 + 4 + 2 and cache.num_free_pages == 12 - 10 and 0 not in used
-    cache.free(2)
-    assert cache.num_free_pages == 6 and cache.slot_pages[2] == [] and int(cache.page_table[2].max()) == 0
-    with pytest.raises(CacheFull):
-        cache.allocate(2, 7 * 4)
+    with pytest.raises(ValueError, match="fixed_table"):
+        cache.fixed_table(4, 16)  # 4 rows of 4 pages: more than the pool's 12
 
 
 def test_sequences_hold_only_their_own_pages(model):
-    dec = BlockDecoder(model, max_batch=4, max_len=64, eos_ids=[], num_pages=10)
-    short = dec.new_sequence([1, 2, 3], SamplingParams(max_tokens=5))      # 8 tokens: 2 pages
-    long = dec.new_sequence([1] * 9, SamplingParams(max_tokens=23))        # 32 tokens: 8 pages
-    extra = dec.new_sequence([4, 5], SamplingParams(max_tokens=2))         # 1 page
-    assert [dec.num_pages_needed(s) for s in (short, long, extra)] == [2, 8, 1]
-    assert dec.num_admissible([short, long, extra]) == 2  # 2 + 8 pages fill the pool; 4 slots are not the limit
-    dec.add([short, long])
-    assert dec.cache.num_free_pages == 0 and dec.num_admissible([extra]) == 0
+    runner = BlockRunner(model, max_batch=4, max_len=64, eos_ids=[], num_pages=10, prefix_sharing=False)
+    dec = Decoder(runner)
+    short = runner.new_sequence([1, 2, 3], SamplingParams(max_tokens=5))      # 8 tokens: 2 pages
+    long = runner.new_sequence([1] * 9, SamplingParams(max_tokens=23))        # 32 tokens: 8 pages
+    extra = runner.new_sequence([4, 5], SamplingParams(max_tokens=2))         # 1 page
+    assert [runner.kv_budget.pages_for(s) for s in (short, long, extra)] == [2, 8, 1]
+    blocks = dec.scheduler.blocks
+    dec.add([short, long, extra])
+    dec.step()  # 2 + 8 pages fill the pool; 4 slots are not the limit
+    assert (short.status, long.status, extra.status) == ("running", "running", "waiting")
+    assert blocks.num_free_pages == 0 and len(short.block_table) == 2 and len(long.block_table) == 8
     with pytest.raises(CacheFull):
-        dec.add(extra)
-    running = [short, long]
+        blocks.admit(extra, 0)
     while not short.is_finished:
-        dec.step(running)
-        running = [s for s in running if not s.is_finished]
-    assert dec.cache.num_free_pages == 2 and dec.num_admissible([extra]) == 1  # short's pages came back
-    dec.add(extra)
+        dec.step()
+    assert blocks.num_free_pages == 2 and short.block_table == []  # short's pages came back ...
+    dec.step()
+    assert extra.status == "running" and len(extra.block_table) == 1  # ... and extra took one of them
 
 
 def test_small_pool_decodes_in_waves_with_the_same_results(model):
@@ -63,17 +57,14 @@ def test_small_pool_decodes_in_waves_with_the_same_results(model):
     prompts = [[1 + i, 2, 3, 4, 5 + i] for i in range(6)]
     params = SamplingParams(max_tokens=11, seed=4, strategy="static", steps=2)
     want = generate(model, prompts, params)
-    dec = BlockDecoder(model, max_batch=6, max_len=32, eos_ids=model.config.eos_ids, num_pages=8)
-    waiting = [dec.new_sequence(p, params) for p in prompts]
-    seqs, running, widest = list(waiting), [], 0
-    while waiting or running:
-        n = dec.num_admissible(waiting)
-        dec.add(waiting[:n])
-        running, waiting = running + waiting[:n], waiting[n:]
-        widest = max(widest, len(running))
-        dec.step(running)
-        running = [s for s in running if not s.is_finished]
-    assert widest == 2 and dec.cache.num_free_pages == 8
+    dec = Decoder(BlockRunner(model, max_batch=6, max_len=32, eos_ids=model.config.eos_ids, num_pages=8))
+    seqs = [dec.runner.new_sequence(p, params) for p in prompts]
+    dec.add(seqs)
+    widest = 0
+    while not dec.is_done:
+        ended = dec.step()
+        widest = max(widest, dec.scheduler.num_running + len(ended))  # the step's batch
+    assert widest == 2 and dec.scheduler.free_pages == 8
     assert [s.completion_ids for s in seqs] == [o.completion_ids for o in want]
     assert [s.trace.steps for s in seqs] == [o.trace.steps for o in want]
 

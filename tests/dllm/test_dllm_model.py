@@ -33,10 +33,10 @@ def test_kv_cache_equals_dense_block_causal_forward():
     ids = torch.randint(0, 63, (2, 16))
     with torch.no_grad():
         dense = m(ids)  # [2, 16, V]
-        cache = KVCache(m.config, num_slots=4, max_len=16, device="cpu", dtype=torch.float32)
-        slots = torch.tensor([3, 1])
-        got = [m(ids[:, :8], torch.arange(8).expand(2, 8), cache=cache, slots=slots)]
-        got += [m(ids[:, b:b + 4], torch.arange(b, b + 4).expand(2, 4), cache=cache, slots=slots)
+        cache = KVCache(m.config, num_pages=16, device="cpu", dtype=torch.float32)
+        table = cache.fixed_table(4, 16)[[3, 1]]  # rows 3 and 1 of the fixed layout
+        got = [m(ids[:, :8], torch.arange(8).expand(2, 8), cache=cache, page_table=table)]
+        got += [m(ids[:, b:b + 4], torch.arange(b, b + 4).expand(2, 4), cache=cache, page_table=table)
                 for b in (8, 12)]  # block by block
     assert (torch.cat(got, dim=1) - dense).abs().max().item() < 1e-5
 

@@ -1,6 +1,6 @@
-"""The static decode step (dllm/step.py): the previous engine's tokens, steps and logprobs through
-bucketed shapes, zero recompiles over a mixed workload, weights pushed under a compiled step,
-and (on CUDA only) captured graphs replayed."""
+"""The static decode step (dllm/step.py, run by dllm.runner.BlockRunner over typed inputs): the previous
+engines' tokens, steps and logprobs through bucketed shapes, zero recompiles over a mixed workload,
+weights pushed under a compiled step, and (on CUDA only) captured graphs replayed."""
 
 import logging
 import random
@@ -12,15 +12,17 @@ import torch
 from torch._dynamo.utils import counters
 
 from benchmarks.oldref import load_package
-from dllm.decoding import BlockDecoder, generate
+from dllm.decoding import generate
 from dllm.model import SDARForCausalLM
 from dllm.replay import build_rows, token_logprobs
+from dllm.runner import BlockRunner
 from dllm.sampling import SamplingParams
 from dllm.step import buckets
 from dllm.weights import copy_into_model
-from tests.helpers import tiny_config
+from tests.helpers import drive, tiny_config
 
 PREVIOUS = "2bdf442"  # main before the static step: the engine it must reproduce
+BEFORE_BLOCK_MANAGER = "1cd46a0"  # main before the block manager and the typed step (issue 43)
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +44,8 @@ def mixed_requests(rng: random.Random, n: int) -> list[tuple[list[int], Sampling
     return out
 
 
-def drive(dec, requests, admit_per_step: int = 2):
-    """Continuous batching: admit a few sequences per step while others run -> finished sequences in order."""
+def drive_old(dec, requests, admit_per_step: int = 2):
+    """The previous engines' continuous batching (their BlockDecoder kept its own slots and pages)."""
     seqs = [dec.new_sequence(p, q) for p, q in requests]
     waiting, running = list(seqs), []
     while waiting or running:
@@ -62,14 +64,23 @@ def same_outputs(a, b):
         assert torch.allclose(torch.tensor(x.trace.logprobs), torch.tensor(y.trace.logprobs), atol=1e-5, rtol=0)
 
 
-def test_static_step_reproduces_the_previous_engine(model):
-    has_ref = subprocess.run(["git", "cat-file", "-e", f"{PREVIOUS}^{{commit}}"], cwd=Path(__file__).parent,
+def old_engine(ref: str, model):
+    """dllm as it was at `ref` and a copy of `model` for it (skips in a shallow clone that lacks the ref)."""
+    has_ref = subprocess.run(["git", "cat-file", "-e", f"{ref}^{{commit}}"], cwd=Path(__file__).parent,
                              capture_output=True).returncode == 0
     if not has_ref:  # only a shallow clone lacks it (CI and developers clone the whole history)
-        pytest.skip(f"needs commit {PREVIOUS} of this repository's history (a shallow clone)")
-    old = load_package("dllm", PREVIOUS)
+        pytest.skip(f"needs commit {ref} of this repository's history (a shallow clone)")
+    old = load_package("dllm", ref)
     old_model = old.model.SDARForCausalLM(old.config.SDARConfig.from_dict(model.config.to_dict())).eval()
     old_model.load_state_dict(dict(model.hf_named_tensors()), strict=not model.config.tie_word_embeddings)
+    return old, old_model
+
+
+@pytest.mark.parametrize("ref", [PREVIOUS, BEFORE_BLOCK_MANAGER])
+def test_static_step_reproduces_the_previous_engines(model, ref):
+    """The float64-row step (2bdf442) and the engine before the block manager (1cd46a0): same tokens, steps,
+    logprobs, for whole batches and under continuous batching (sharing on: these prompts share no block)."""
+    old, old_model = old_engine(ref, model)
     rng = random.Random(0)
     for trial in range(4):  # whole batches of 1..9 sequences (rows padded to 1, 2, 4, 8, 16) ...
         requests = mixed_requests(rng, [1, 3, 6, 9][trial])
@@ -78,18 +89,30 @@ def test_static_step_reproduces_the_previous_engine(model):
                      old.decoding.generate(old_model, [p for p, _ in requests], plist))
     for admit in (1, 3):  # ... and continuous batching: sequences join and leave a running batch
         requests = mixed_requests(rng, 10)
-        new = drive(BlockDecoder(model, max_batch=6, max_len=40, eos_ids=[0], num_pages=40), requests, admit)
-        prev = drive(old.decoding.BlockDecoder(old_model, max_batch=6, max_len=40, eos_ids=[0], num_pages=40),
-                     requests, admit)
+        new = drive(BlockRunner(model, max_batch=6, max_len=40, eos_ids=[0], num_pages=40), requests, admit)
+        prev = drive_old(old.decoding.BlockDecoder(old_model, max_batch=6, max_len=40, eos_ids=[0], num_pages=40),
+                         requests, admit)
         same_outputs(new, prev)
 
 
 def test_buckets_are_bounded():
     assert buckets(1) == [1] and buckets(12) == [1, 2, 4, 8, 12] and buckets(64) == [1, 2, 4, 8, 16, 32, 64]
-    dec = BlockDecoder(SDARForCausalLM(tiny_config()), max_batch=5, max_len=100, num_pages=30)
-    assert dec.decode.row_buckets == [1, 2, 4, 8, 10]  # sequences + the clean blocks they owe the cache
-    assert dec.decode.kv_buckets == [4, 8, 16, 32, 64, 128]  # page-aligned powers of two, past max_len=100
-    assert dec.decode.bucket(3, 17) == (4, 32)
+    runner = BlockRunner(SDARForCausalLM(tiny_config()), max_batch=5, max_len=100, num_pages=30)
+    assert runner.row_buckets == [1, 2, 4, 8, 10]  # sequences + the clean blocks they owe the cache
+    assert runner.kv_buckets == [4, 8, 16, 32, 64, 128]  # page-aligned powers of two, past max_len=100
+    assert runner.bucket(3, 17) == (4, 32)
+
+
+def test_step_results_read_back_as_bytes_equal_the_lists():
+    """The CUDA read-back (one copy of every result as bytes, dllm.step_inputs.as_bytes / from_bytes) gives
+    what the CPU path's lists give (run here on CPU tensors)."""
+    from dllm.step import StepResult
+    from dllm.step_inputs import as_bytes, from_bytes, read_back
+
+    g = torch.Generator().manual_seed(0)
+    res = StepResult(torch.randint(0, 151936, (6, 4), generator=g), torch.randn(6, 4, generator=g),
+                     torch.rand(6, 4, generator=g) > 0.5, torch.tensor([True, False, True, True, False, True]))
+    assert from_bytes(as_bytes(res, 5).numpy(), 4) == read_back(res, 5)
 
 
 class Recompiles(logging.Handler):
@@ -108,7 +131,7 @@ def test_zero_recompiles_over_a_mixed_workload(model):
     """After a warm-up that meets each variant once (1 row or more, 1 sampled row or more, top-k / top-p
     used or not),
     any batch size, prompt length, strategy, temperature and key length reuses the compiled step."""
-    dec = BlockDecoder(model, max_batch=8, max_len=64, eos_ids=[0], num_pages=64, compile="eager", static_shapes=False)
+    dec = BlockRunner(model, max_batch=8, max_len=64, eos_ids=[0], num_pages=64, compile="eager", static_shapes=False)
     warm = [([5], SamplingParams(max_tokens=6, seed=1, ignore_eos=True)),
             ([5, 6], SamplingParams(max_tokens=6, top_k=3, seed=1, ignore_eos=True))]
     for requests in ([warm[0]], [warm[1]], warm * 2, [(warm[1][0], warm[0][1])] * 3):
@@ -123,8 +146,8 @@ def test_zero_recompiles_over_a_mixed_workload(model):
             done = drive(dec, mixed_requests(random.Random(seed), 14), admit)
             assert all(s.finish_reason in ("stop", "length") for s in done)
         assert counters["stats"]["unique_graphs"] == graphs and events.messages == []
-        other = BlockDecoder(model, max_batch=2, max_len=64, num_pages=20, compile="eager",
-                             static_shapes=False)  # another pool shape
+        other = BlockRunner(model, max_batch=2, max_len=64, num_pages=20, compile="eager",
+                            static_shapes=False)  # another pool shape
         drive(other, [warm[0]])
         assert events.messages and "kv" in events.messages[0]  # the handler does hear recompiles
     finally:
@@ -139,15 +162,15 @@ def test_weights_pushed_under_the_compiled_step(model):
     pushed = SDARForCausalLM(tiny_config(eos_token_id=0)).eval()
     served = SDARForCausalLM(tiny_config(eos_token_id=0)).eval()
     served.load_state_dict(model.state_dict())
-    dec = BlockDecoder(served, max_batch=2, max_len=32, eos_ids=[0], num_pages=16, compile=True,
-                       static_shapes=False)  # one dynamic graph: few inductor compiles on a CPU
+    dec = BlockRunner(served, max_batch=2, max_len=32, eos_ids=[0], num_pages=16, compile=True,
+                      static_shapes=False)  # one dynamic graph: few inductor compiles on a CPU
     prompts = [([1, 2, 3, 4, 5], SamplingParams(max_tokens=7, seed=4, strategy="static", steps=2)),
                ([6, 7], SamplingParams(max_tokens=6, seed=5, temperature=0.0, strategy="dynamic", threshold=0.3))]
-    same_outputs(drive(dec, prompts), drive(BlockDecoder(model, max_batch=2, max_len=32, eos_ids=[0]), prompts))
+    same_outputs(drive(dec, prompts), drive(BlockRunner(model, max_batch=2, max_len=32, eos_ids=[0]), prompts))
     graphs = counters["stats"]["unique_graphs"]
     copy_into_model(served, list(pushed.hf_named_tensors()))
     after = drive(dec, prompts)
-    same_outputs(after, drive(BlockDecoder(pushed, max_batch=2, max_len=32, eos_ids=[0]), prompts))
+    same_outputs(after, drive(BlockRunner(pushed, max_batch=2, max_len=32, eos_ids=[0]), prompts))
     assert counters["stats"]["unique_graphs"] == graphs
     rows = build_rows(after, 4, served.config.mask_token_id, pad_id=0)
     with torch.no_grad():
@@ -164,12 +187,13 @@ def test_cuda_graphs_replay_each_bucket_and_survive_weight_pushes(model):
     served = SDARForCausalLM(tiny_config(eos_token_id=0)).cuda().eval()
     served.load_state_dict(model.state_dict())
     requests = mixed_requests(random.Random(7), 8)
-    graphed = BlockDecoder(served, max_batch=4, max_len=40, eos_ids=[0], num_pages=40, cuda_graphs=True)
-    eager = BlockDecoder(served, max_batch=4, max_len=40, eos_ids=[0], num_pages=40)
+    graphed = BlockRunner(served, max_batch=4, max_len=40, eos_ids=[0], num_pages=40, cuda_graphs=True)
+    eager = BlockRunner(served, max_batch=4, max_len=40, eos_ids=[0], num_pages=40)
     same_outputs(drive(graphed, requests), drive(eager, requests))
-    num_graphs = len(graphed.decode.graphs.graphs)
-    assert 1 <= num_graphs <= len(graphed.decode.row_buckets) ** 2 * len(graphed.decode.kv_buckets) * 2
+    assert graphed.graphs is not None
+    num_graphs = len(graphed.graphs.graphs)
+    assert 1 <= num_graphs <= len(graphed.row_buckets) ** 2 * len(graphed.kv_buckets) * 2
     copy_into_model(served, list(pushed.hf_named_tensors()))
-    fresh = BlockDecoder(pushed, max_batch=4, max_len=40, eos_ids=[0], num_pages=40)
+    fresh = BlockRunner(pushed, max_batch=4, max_len=40, eos_ids=[0], num_pages=40)
     same_outputs(drive(graphed, requests), drive(fresh, requests))
-    assert len(graphed.decode.graphs.graphs) == num_graphs  # the pushed weights replayed through the same graphs
+    assert len(graphed.graphs.graphs) == num_graphs  # the pushed weights replayed through the same graphs

@@ -11,9 +11,10 @@ import torch
 from dllm.decoding import StepOutput, generate
 from dllm.embedded.full_folders import build_full_folder
 from dllm.errors import FieldError
-from dllm.full.decoding import FullDecoder, generate_full, sample_and_commit_full
+from dllm.full.decoding import FullDecoder, generate_full
 from dllm.full.model import FullAttentionLM
 from dllm.full.replay import build_full_rows, full_replay_hidden, full_trace_hidden
+from dllm.full.sampler import sample_and_commit_full
 from dllm.replay import token_logprobs
 from dllm.sampling import SamplingParams
 from dllm.sequence import GenerationOutput
@@ -59,7 +60,8 @@ def test_exact_mode_replays_the_sampler(models: dict[str, FullAttentionLM], fami
     outs = generate_full(model, PROMPTS, CASES[case], cache_mode="exact", eos_ids=[])
     for o in outs:
         assert o.trace.cache_mode == "exact" and o.trace.canvas_len is not None
-        assert o.trace.canvas_len % 4 == 0 and o.trace.canvas_len >= len(o.prompt_ids) + len(o.completion_ids)
+        P = len(o.prompt_ids)
+        assert o.trace.block_origin == P and o.trace.canvas_len == P + -(-CASES[case].max_tokens // 4) * 4
         assert len(o.completion_ids) == CASES[case].max_tokens and o.finish_reason == "length"
         assert model.config.mask_token_id not in o.completion_ids
     assert replay_diffs(model, outs).max().item() < 1e-4
@@ -85,7 +87,7 @@ def test_prefix_cache_needs_fewer_positions(models: dict[str, FullAttentionLM]) 
     p = SamplingParams(max_tokens=12, temperature=0, strategy="static", steps=2)
     exact = generate_full(model, PROMPTS[:1], p, cache_mode="exact", eos_ids=[])
     prefix = generate_full(model, PROMPTS[:1], p, cache_mode="prefix", eos_ids=[])
-    assert exact[0].num_forwards == prefix[0].num_forwards == 8  # 4 blocks x 2 steps
+    assert exact[0].num_forwards == prefix[0].num_forwards == 6  # 3 blocks (from the prompt's end) x 2 steps
     assert exact[0].completion_ids[:4] == prefix[0].completion_ids[:4]  # the first block's first forward is exact
 
 
@@ -107,7 +109,8 @@ def test_dream_first_token_rule(models: dict[str, FullAttentionLM]) -> None:
         P = len(o.prompt_ids)
         by_block: dict[int, list[tuple[int, int]]] = {}
         for j, st in enumerate(steps):
-            by_block.setdefault((P + j) // 4, []).append((P + j, st))
+            by_block.setdefault(o.trace.block_of(j), []).append((P + j, st))
+        assert o.trace.block_of(0) == 0 and o.trace.block_of(4) == 1  # blocks start at the prompt's end
         for toks in by_block.values():
             first = min(toks)
             assert first[1] == 1 and [st for _, st in toks].count(1) == 1  # only the first position at step 1
@@ -123,7 +126,7 @@ def test_stop_ids_end_at_the_block_and_replay(models: dict[str, FullAttentionLM]
     out = generate_full(model, PROMPTS[:1], p, eos_ids=[stop_id])[0]
     assert out.finish_reason == "stop" and out.completion_ids[-1] == stop_id
     assert out.completion_ids == free.completion_ids[:free.completion_ids.index(stop_id) + 1]
-    assert (len(out.prompt_ids) + len(out.completion_ids) + len(out.trace.tail_ids)) % 4 == 0
+    assert (len(out.completion_ids) + len(out.trace.tail_ids)) % 4 == 0  # blocks start at the prompt's end
     assert out.trace.canvas_len == free.trace.canvas_len
     assert replay_diffs(model, [out]).max().item() < 1e-4
 
@@ -191,8 +194,8 @@ def test_pad_penalty_lowers_pad_confidence() -> None:
     row = torch.tensor(padding_row(B, mask))[None]
     col = columns(B)
     row[0, col["k"]], row[0, col["strategy"]], row[0, col["greedy"]] = 1, Strategy.static.code, 1.0
-    plain = sample_and_commit_full(logits.clone(), row, mask, False, pad, 1.0)
-    penal = sample_and_commit_full(logits.clone(), row, mask, False, pad, 1e6)
+    plain = sample_and_commit_full(logits.clone(), row, mask, False, family="dream", pad_id=pad)
+    penal = sample_and_commit_full(logits.clone(), row, mask, False, family="dream", pad_id=pad, pad_penalty=1e6)
     assert plain[0, :B].tolist() == [pad, mask] and penal[0, :B].tolist() == [mask, 3]
 
 
@@ -218,3 +221,41 @@ def test_cuda_flex_exact_replay_and_bf16(tmp_path: Path, family: str) -> None:
         got = generate_full(bf, PROMPTS, CASES["sampled-static"], cache_mode=mode, eos_ids=[])
         assert all(len(o.completion_ids) == 9 and all(map(torch.isfinite, torch.tensor(o.trace.logprobs)))
                    for o in got)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_prefix_rows_see_what_the_forward_saw(tmp_path: Path, family: str) -> None:
+    """Prefix cache with further_horizon: a block's later forwards saw [0, block end + horizon) only, and so do
+    their replay rows (`valid`); what remains is the cache's staleness, which TIS / MIS correct (for Dream the
+    window brings replay clearly closer to the sampler than the whole canvas would)."""
+    import copy
+
+    from dllm.weights import load_pretrained
+
+    model = load_pretrained(build_full_folder(tmp_path / family, family, seed=3, init_std=0.1), block_size=4)
+    assert isinstance(model, FullAttentionLM)
+    prompts = [[1 + (i * 7 + j) % 80 for j in range(3 + i)] for i in range(4)]
+    p = SamplingParams(max_tokens=16, temperature=1.0, strategy="static", steps=4, seed=1, ignore_eos=True)
+    windowed, whole = [], []
+    for h in (0, 4):
+        outs = generate_full(model, prompts, p, cache_mode="prefix", further_horizon=h, eos_ids=[])
+        assert all(o.trace.further_horizon == h for o in outs)
+        rows = build_full_rows(outs, model.config.mask_token_id, 0)
+        r = 0
+        for o in outs:  # one row per (block, step) that committed tokens; steps >= 2 see the window
+            P, L = len(o.prompt_ids), o.trace.canvas_len
+            assert L is not None
+            for b, step in sorted({(o.trace.block_of(j), st) for j, st in enumerate(o.trace.steps)}):
+                want = L if step == 1 else min(P + 4 * (b + 1) + h, L)
+                assert int(rows.valid[r].sum()) == want, (b, step)
+                r += 1
+        assert r == rows.valid.shape[0]
+        windowed.append(replay_diffs(model, outs).mean())
+        unwindowed = [copy.deepcopy(o) for o in outs]
+        for o in unwindowed:
+            o.trace.further_horizon = None
+        whole.append(replay_diffs(model, unwindowed).mean())
+    print(f"\n{family} prefix replay |diff| mean, horizon 0 / 4: windowed {windowed}, whole canvas {whole}")
+    assert all(0 < w < 0.5 for w in windowed)  # still the cache's staleness: TIS / MIS have something to correct
+    if family == "dream":  # its window hides much of the canvas from the block: closer than the whole canvas
+        assert sum(windowed) < 0.9 * sum(whole)

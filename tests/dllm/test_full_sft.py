@@ -21,7 +21,7 @@ def test_batch_masks_the_answer_window_at_one_rate_per_sequence(tmp_path: Path) 
     examples = ArithmeticTask().split("train", 64)
     b = full_sft_batch(examples, tok, answer_len=8, eps=0.1, gen=torch.Generator().manual_seed(0), block_size=4)
     prompt_len = len(tok.encode(examples[0]["prompt"], add_special_tokens=False))
-    assert b.clean.shape == (64, 16)  # the decoder's canvas: prompt 6 + 8 answer tokens, to whole blocks of 4
+    assert b.clean.shape == (64, 14)  # the decoder's canvas: prompt 6, then 8 answer tokens (whole blocks of 4)
     assert not b.is_answer[:, :prompt_len].any() and b.is_answer[:, prompt_len:].all()
     answer = [tok.decode(row[prompt_len:prompt_len + 3]) for row in b.clean.tolist()]
     assert answer == [e["answer"] for e in examples]
@@ -32,7 +32,7 @@ def test_batch_masks_the_answer_window_at_one_rate_per_sequence(tmp_path: Path) 
     for i in range(64):  # one weight per sequence: 1 / (p * answer length), p in [eps, 1]
         w = b.weights[i][masked[i]]
         if w.numel():
-            assert torch.allclose(w, w[0].expand_as(w)) and 1 / 10 - 1e-6 <= float(w[0]) <= 1 / (0.1 * 10) + 1e-6
+            assert torch.allclose(w, w[0].expand_as(w)) and 1 / 8 - 1e-6 <= float(w[0]) <= 1 / (0.1 * 8) + 1e-6
     rates = masked[:, prompt_len:].float().mean(1)
     assert rates.std() > 0.15  # rates spread over [eps, 1] by sequence, not one rate for the batch
 

@@ -1,4 +1,4 @@
-"""The decode step compiled per bucket with static shapes (dllm/step.py, `static_shapes=True`): after
+"""The decode step compiled per bucket with static shapes (dllm.runner, `static_shapes=True`): after
 `warmup()` a run of varying batch sizes, prompt lengths and positions compiles nothing more and gives the
 eager step's tokens, steps and logprobs; the flash-attn decode path equals SDPA (CUDA only). An
 inductor-compiled bucket against eager (equality, kernels, time per step): benchmarks/static_step.py."""
@@ -12,10 +12,10 @@ import torch
 from torch._dynamo.utils import counters
 
 from dllm.attention import flash_attn_importable, flash_decode, sdpa_decode
-from dllm.decoding import BlockDecoder
 from dllm.model import SDARForCausalLM
+from dllm.runner import BlockRunner
 from dllm.sampling import SamplingParams
-from tests.helpers import tiny_config
+from tests.helpers import drive, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -44,24 +44,12 @@ def requests(seed: int, n: int) -> list[tuple[list[int], SamplingParams]]:
             for _ in range(n)]
 
 
-def drive(dec: BlockDecoder, reqs: list[tuple[list[int], SamplingParams]], admit: int) -> list:
-    seqs = [dec.new_sequence(p, q) for p, q in reqs]
-    waiting, running = list(seqs), []
-    while waiting or running:
-        new = waiting[:min(admit, dec.num_admissible(waiting))]
-        dec.add(new)
-        waiting, running = waiting[len(new):], running + new
-        dec.step(running)
-        running = [s for s in running if not s.is_finished]
-    return seqs
-
-
 def test_static_buckets_compile_once_then_never(model: SDARForCausalLM):
     torch._dynamo.reset()
     counters.clear()
-    static = BlockDecoder(model, max_batch=1, max_len=8, eos_ids=[0], num_pages=4, compile="eager")
-    assert static.decode.static_shapes
-    keys = static.decode.warmup(filtered=(False,))
+    static = BlockRunner(model, max_batch=1, max_len=8, eos_ids=[0], num_pages=4, compile="eager")
+    assert static.static_shapes
+    keys = static.warmup(filtered=(False,))
     assert keys == counters["stats"]["unique_graphs"] == 4  # rows 1 / 2 (the clean block owed), keys 4 / 8
     events, logger = Recompiles(), logging.getLogger("torch._dynamo")
     torch._logging.set_logs(recompiles=True)
@@ -69,7 +57,7 @@ def test_static_buckets_compile_once_then_never(model: SDARForCausalLM):
     try:
         for seed in (1, 2):
             got = drive(static, requests(seed, 4), 1)
-            ref = drive(BlockDecoder(model, max_batch=1, max_len=8, eos_ids=[0], num_pages=4), requests(seed, 4), 1)
+            ref = drive(BlockRunner(model, max_batch=1, max_len=8, eos_ids=[0], num_pages=4), requests(seed, 4), 1)
             for x, y in zip(got, ref, strict=True):
                 assert x.completion_ids == y.completion_ids and x.trace.steps == y.trace.steps
                 assert np.allclose(x.trace.logprobs, y.trace.logprobs, atol=1e-5, rtol=0)
@@ -112,7 +100,7 @@ def test_flash_decode_equals_sdpa_on_cuda(model: SDARForCausalLM):
     # the whole compiled decode step with each kernel, bf16: same greedy tokens nearly everywhere
     served = SDARForCausalLM(tiny_config(eos_token_id=0, head_dim=64)).to("cuda", torch.bfloat16).eval()
     reqs = [(p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)) for p, _ in requests(3, 6)]
-    runs = {a: drive(BlockDecoder(served, max_batch=4, max_len=16, eos_ids=[0], num_pages=32, compile=True,
-                                  attention=a), reqs, 2) for a in ("flash", "sdpa")}
+    runs = {a: drive(BlockRunner(served, max_batch=4, max_len=16, eos_ids=[0], num_pages=32, compile=True,
+                                 attention=a), reqs, 2) for a in ("flash", "sdpa")}
     same = sum(x == y for a, b in zip(runs["flash"], runs["sdpa"]) for x, y in zip(a.completion_ids, b.completion_ids))
     assert same >= 0.9 * sum(len(s.completion_ids) for s in runs["sdpa"])

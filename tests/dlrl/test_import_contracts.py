@@ -37,7 +37,7 @@ TORCH_FREE_DLLM = {"dllm.trace", "dllm.strategy", "dllm.ranges", "dllm.errors", 
 # heavy or optional libraries -> the packages that may import them (lazily or not)
 HEAVY: dict[str, set[str]] = {
     "deepspeed": {"trainer", "weight_sync"},  # weight_sync.sources gathers ZeRO-3 shards
-    "fastapi": {"server"}, "starlette": {"server"}, "uvicorn": {"server"},
+    "fastapi": {"server"}, "starlette": {"server"}, "uvicorn": {"server"}, "zmq": {"server"}, "msgspec": {"server"},
     "datasets": {"trainer"}, "pyarrow": {"trainer"}, "wandb": {"trainer"}, "mlflow": {"trainer"},
     "trackio": {"trainer"}, "matplotlib": {"trainer"}, "math_verify": {"trainer"}, "sympy": {"trainer"},
     "psycopg": {"store"}, "psycopg_pool": {"store"},

@@ -110,6 +110,6 @@ def test_the_readme_recipe_runs(small_sdar_dir, tmp_path):
     assert held["model"] == "SDAR-1.7B-Chat" and held["version"] == 0 and held["checksum"]
     assert base["results"][0]["problems"][0]["prompt"].startswith("<|im_start|>user\nWhat is 0 + 0?\nPlease reason")
     final = json.loads((run_dir / "eval-final.json").read_text())
-    assert list(final["served"].values())[0]["model"] == "final"  # the private server of the export
+    assert list(final["served"].values())[0]["model"] == "sdar-math"  # the export, named after its run
     assert (run_dir / "final" / "config.json").is_file() and (run_dir / "curves.png").is_file()
     assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]

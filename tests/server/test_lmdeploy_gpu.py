@@ -2,8 +2,9 @@
 
 A small SDAR-shaped folder (2 layers, the stand-in Qwen tokenizer) served through the real server:
 OpenAI completions and native /generate (trace-free), then an in-place push through dlrl's weight
-sync (LMDeploy's sleep -> update_params -> wakeup) after which greedy generations equal those of a
-fresh engine loaded from the pushed weights. Skipped without CUDA or without lmdeploy.
+sync (LMDeploy's sleep -> the uni executor's model agent's update_params -> wakeup) after which greedy
+generations equal those of a fresh engine loaded from the pushed weights; closing the first releases
+its executor. Skipped without CUDA or without lmdeploy.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ def test_lmdeploy_serves_pushes_and_matches_a_fresh_engine(make_server_for, smal
     folder = tmp_path / "pushed"
     export_pretrained(new.hf_named_tensors(), new.config, folder, source_dir=small_sdar_dir)
     srv.stop()
+    agent = srv.engine.backend.engine.executor.model_agent  # the uni executor's, where the push loaded
     srv.engine.shutdown()  # LMDeploy's engine and its memory go before the fresh one starts
+    assert agent.patched_model is None  # its main task's cleanup ran: executor.release()
     fresh = make_server_for(str(folder), runner=runner_for(str(folder)), max_batch=8)
     assert greedy(fresh.url) == after

@@ -29,6 +29,7 @@ def test_engine_config_carries_the_dllm_settings(strategy, unmasking):
     s = DLLMSettings.from_server(block_size=4, strategy=strategy, steps=0, threshold=0.85)
     kw = engine_kwargs(s, max_batch=32, max_len=4096, dtype="auto", kv_cache_fraction=0.8, cuda_graphs=True)
     assert kw == {"dtype": "auto", "max_batch_size": 32, "session_len": 4096, "cache_max_entry_count": 0.8,
+                  "distributed_executor_backend": "uni",  # the model agent in this process (lmdeploy_weights)
                   "eager_mode": False, "enable_prefix_caching": False, "dllm_block_length": 4,
                   "dllm_unmasking_strategy": unmasking, "dllm_denoising_steps": 4, "dllm_confidence_threshold": 0.85}
 

@@ -30,10 +30,10 @@ def small_cache(make_server):
 
 
 def _assert_cache_free(srv) -> None:
-    dec = srv.engine.backend.decoder
+    sched = srv.engine.scheduler  # its block manager holds every page and slot (cached prompt blocks are free)
     wait_until(lambda: srv.engine.num_running == 0 and srv.engine.num_waiting == 0, 30, "engine idle")
-    assert dec.cache.num_free_pages == srv.engine.backend.kv_plan.num_pages
-    assert dec.num_free_slots == 8 and srv.engine.scheduler.waiting_tokens == 0
+    assert sched.free_pages == srv.engine.backend.kv_plan.num_pages
+    assert sched.num_free_slots == 8 and sched.waiting_tokens == 0
 
 
 def test_long_requests_filling_the_cache_complete_or_get_a_reason(small_cache):
@@ -88,9 +88,9 @@ def test_deadlines_abort_waiting_and_running_requests_and_free_the_cache(long_ca
     assert errors and errors[0]["code"] == 408 and "deadline exceeded" in errors[0]["message"], streamed.text
     bad = httpx.post(url + "/generate", json={"prompt": "1+1=", "timeout": -1}, timeout=10)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "timeout"
-    dec = long_cache.engine.backend.decoder
+    sched = long_cache.engine.scheduler
     wait_until(lambda: long_cache.engine.num_running == 0 and long_cache.engine.num_waiting == 0, 30, "engine idle")
-    assert dec.cache.num_free_pages == long_cache.engine.backend.kv_plan.num_pages and dec.num_free_slots == 8
+    assert sched.free_pages == long_cache.engine.backend.kv_plan.num_pages and sched.num_free_slots == 8
 
 
 def test_server_max_request_s_caps_every_request(make_server):
@@ -101,4 +101,4 @@ def test_server_max_request_s_caps_every_request(make_server):
                                                   range(3))]
     assert codes == [503, 503, 503], codes
     wait_until(lambda: srv.engine.num_running == 0 and srv.engine.num_waiting == 0, 30, "engine idle")
-    assert srv.engine.backend.decoder.num_free_slots == 1
+    assert srv.engine.scheduler.num_free_slots == 1

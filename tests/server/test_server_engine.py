@@ -165,7 +165,7 @@ def test_client_disconnect_frees_slot(limits_server):
             task = asyncio.create_task(c.post(url + "/generate", json=LONG))
             await until(lambda: engine.num_running == 1)
             await cancel(task)  # closes the connection mid-request
-        await until(lambda: engine.num_running == 0 and engine.backend.num_free_slots == 1)
+        await until(lambda: engine.num_running == 0 and engine.scheduler.num_free_slots == 1)
 
     asyncio.run(main())
     assert engine.num_aborted == aborted + 1
@@ -179,5 +179,5 @@ def test_stream_disconnect_frees_slot(limits_server):
     with httpx.stream("POST", url + "/v1/completions", json={**LONG, "stream": True}, timeout=60) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
-    asyncio.run(until(lambda: engine.num_running == 0 and engine.backend.num_free_slots == 1))
+    asyncio.run(until(lambda: engine.num_running == 0 and engine.scheduler.num_free_slots == 1))
     assert engine.num_aborted == aborted + 1

@@ -59,7 +59,9 @@ def test_models_and_native_generate_with_traces(servers: dict, family: str, mode
         tr = s.trace
         assert tr is not None and tr.cache_mode == mode and tr.block_size == 4
         assert len(tr.steps) == len(tr.logprobs) == len(s.completion_ids) > 0
-        assert tr.canvas_len == -(-(len(s.prompt_ids) + 9) // 4) * 4
+        assert tr.canvas_len == len(s.prompt_ids) + 12 and tr.block_origin == len(s.prompt_ids)  # from the prompt's end
+        assert tr.schedule == ("llada" if family == "llada" else "dream eps=0.001")
+        assert tr.further_horizon == (None if mode == "exact" else {"llada": 128, "dream": 32}[family])
         assert model.config.mask_token_id not in s.completion_ids and 1 <= min(tr.steps) <= max(tr.steps) <= 2
         with torch.no_grad():  # the trainer's replay of this sample under the served weights
             lp = token_logprobs(model.lm_head(full_trace_hidden(model, s)), torch.tensor(s.completion_ids),
@@ -104,13 +106,20 @@ def test_refusals_name_the_field(servers: dict, folders: dict[str, str], tiny_mo
                                                 "steps": 9}, timeout=30)
     assert r.status_code == 400 and "steps" in r.text
     r = httpx.post(srv.url + "/v1/completions", json={"prompt": "1+1=", "max_tokens": 0, "echo": True,
-                                                      "logprobs": 1}, timeout=30)
-    assert r.status_code == 400 and "full-attention" in r.text
+                                                      "logprobs": 1, "likelihood": "sequential"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "likelihood" and "full-attention" in r.text
     from server.cli import build_engine
     from server.config import ServerConfig
 
     with pytest.raises(ConfigError, match=r"server\.cache_mode: 'prefix' applies to full-attention"):
         build_engine(ServerConfig(model=tiny_model_dir, device="cpu", cache_mode="prefix"), tiny_model_dir)
-    with pytest.raises(ConfigError, match=r"server\.compile"):
-        build_engine(ServerConfig(model=folders["llada"], device="cpu", compile=True), folders["llada"])
+    with pytest.raises(ConfigError, match=r"server\.cuda_graphs: CUDA graphs need a CUDA device"):
+        build_engine(ServerConfig(model=folders["llada"], device="cpu", cuda_graphs=True), folders["llada"])
+    with pytest.raises(ConfigError, match=r"server\.rng: 'official' .* runs eagerly"):
+        build_engine(ServerConfig(model=folders["llada"], device="cpu", compile=True, rng="official"), folders["llada"])
+    with pytest.raises(ConfigError, match=r"server\.further_horizon: 8 applies to full-attention"):
+        build_engine(ServerConfig(model=tiny_model_dir, device="cpu", further_horizon=8), tiny_model_dir)
+    eng = build_engine(ServerConfig(model=folders["dream"], device="cpu", compile=True, cache_mode="prefix"),
+                       folders["dream"])  # the static-shape step, compiled per bucket on first use
+    assert eng.backend.decoder.static is not None and eng.backend.decoder.static.cache is not None
     assert Path(folders["dream"], "config.json").is_file()

@@ -63,9 +63,9 @@ def test_backend_logs_the_plan(tiny_model_dir, caplog):
         backend = NativeBackend.from_pretrained(tiny_model_dir, device="cpu", dtype="float32", max_batch=4,
                                                 max_model_len=64, kv_cache_memory=64 * 1024)
     plan = backend.kv_plan
-    assert plan.num_bytes <= 64 * 1024 and backend.decoder.cache.num_pages == plan.num_pages
+    assert plan.num_bytes <= 64 * 1024 and backend.cache.num_pages == plan.num_pages
     assert any("KV cache" in r.message and "kv_cache_memory" in r.message for r in caplog.records)
-    assert backend.decoder.cache.num_bytes <= plan.num_bytes + plan.page_tokens * plan.bytes_per_token
+    assert backend.cache.num_bytes <= plan.num_bytes + plan.page_tokens * plan.bytes_per_token
     assert plan.num_bytes / GIB < 1
 
 

@@ -1,5 +1,5 @@
 """Prompt log-likelihoods over HTTP: native /generate (max_tokens 0, prompt_logprobs) and OpenAI completions
-(echo + logprobs, through the official `openai` client), their refusals, and lm-eval-harness's local-completions.
+(echo + logprobs, through the official `openai` client) and their refusals (lm-eval-harness: test_lm_eval_recipe.py).
 
     python -m pytest -q tests/server/test_server_likelihood.py
 """
@@ -7,8 +7,6 @@
 from __future__ import annotations
 
 import json
-import math
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -124,62 +122,7 @@ def test_openai_hostile(client: openai.OpenAI, server: Any, kwargs: dict, param:
     assert param in json.dumps(e.value.body)
 
 
-# --------------------------------------------------------------------------- lm-eval-harness
-
-DOCS = [{"question": "12+7=", "choices": ["19", "18", "91"], "answer": 0},
-        {"question": "3+4=", "choices": ["7", "8", "1"], "answer": 0},
-        {"question": "20+5=", "choices": ["25", "52", "30"], "answer": 0}]
-
-
-def _write_task(root: Path) -> None:
-    data = root / "tiny_mc.jsonl"
-    data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
-    (root / "tiny_mc.yaml").write_text(
-        "task: tiny_mc\n"
-        "dataset_path: json\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
-        "test_split: test\n"
-        "output_type: multiple_choice\n"
-        "doc_to_text: \"{{question}}\"\n"
-        "doc_to_choice: \"{{choices}}\"\n"
-        "doc_to_target: answer\n"
-        "target_delimiter: \"\"\n"
-        "metric_list:\n  - metric: acc\n")
-
-
-@pytest.mark.slow
-def test_lm_eval_local_completions(server: Any, serve_process: Any, tiny_model_dir: str, tmp_path: Path,
-                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """lm-eval-harness's `local-completions` loglikelihood and a multiple-choice task, unchanged, offline,
-    against a real `dlrl serve` (the reference scores come from the in-process server of the same folder)."""
-    import lm_eval
-
-    served = serve_process("server.likelihood=sequential")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-datasets"))
-    from lm_eval.api.instance import Instance
-    from lm_eval.models.openai_completions import LocalCompletionsAPI
-    from lm_eval.tasks import TaskManager
-
-    lm = LocalCompletionsAPI(base_url=served.url + "/v1/completions", model=server.engine.model_name,
-                             tokenizer_backend="huggingface", tokenizer=tiny_model_dir, max_retries=1)
-    reqs = [Instance("loglikelihood", {}, ("12+7=", c), i) for i, c in enumerate(["19", "18"])]
-    got = lm.loglikelihood(reqs)
-    for (ll, _), cont in zip(got, ["19", "18"]):
-        ids = _ids(server, "12+7=" + cont)
-        ref = sequential_logprobs(server.engine.model, [ids])[0].logprobs
-        assert math.isclose(ll, sum(ref[len(ids) - len(cont):]), abs_tol=1e-4)  # type: ignore[arg-type]
-    _write_task(tmp_path)
-    out = lm_eval.simple_evaluate(model=lm, tasks=["tiny_mc"], task_manager=TaskManager(include_path=str(tmp_path)))
-    assert out is not None
-
-    def loglik(question: str, choice: str) -> float:
-        ids, num = _ids(server, question + choice), len(_ids(server, choice))
-        return sum(sequential_logprobs(server.engine.model, [ids])[0].logprobs[len(ids) - num:])  # type: ignore[arg-type]
-
-    expected = sum(max(range(3), key=lambda c: loglik(d["question"], d["choices"][c])) == d["answer"] for d in DOCS)
-    assert out["results"]["tiny_mc"]["acc,none"] == pytest.approx(expected / len(DOCS))
+# lm-eval-harness through these routes: tests/server/test_lm_eval_recipe.py (the README's recipe)
 
 
 def test_call_between_steps_runs_on_the_engine_thread_never_while_paused(server: Any) -> None:

@@ -89,3 +89,34 @@ def test_bad_key_files_name_the_key(tmp_path, text, named):
     path.write_text(text)
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
         load_keys(str(path))
+
+
+def test_several_api_processes_each_enforce_their_share(monkeypatch):
+    """server.api_processes=2: each process refills a key's rates at half speed (bursts: the whole bucket) and
+    takes half of its concurrency cap and of the feedback cap, rounded up."""
+    from server.api.errors import APIError
+    from server.api.quotas import KeySpec, Quotas
+
+    clock = [100.0]
+    monkeypatch.setattr("server.api.quotas.time.monotonic", lambda: clock[0])
+    spec = KeySpec(key="sk-share-0123456789abcdef", requests_per_s=10, max_concurrent=3)
+    quotas = Quotas({"k": spec}, max_concurrent_feedback=5, share=0.5)
+    key = quotas.keys[0]
+    assert (key.max_concurrent, quotas.max_feedback, key.requests.capacity) == (2, 3, 10)
+    for _ in range(2):
+        quotas.admit(key)
+    with pytest.raises(APIError, match=r"max_concurrent=3, 2 in this API process"):
+        quotas.admit(key)
+    quotas.release(key)
+    quotas.release(key)
+    for _ in range(8):  # the burst: the key's whole bucket (10, 2 taken above)
+        quotas.admit(key)
+        quotas.release(key)
+    with pytest.raises(APIError, match="over 10 requests/s"):
+        quotas.admit(key)
+    clock[0] += 1.0  # refilled at 5/s here, the other process refills the other 5
+    for _ in range(5):
+        quotas.admit(key)
+        quotas.release(key)
+    with pytest.raises(APIError):
+        quotas.admit(key)

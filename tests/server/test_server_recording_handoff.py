@@ -1,5 +1,6 @@
-"""Recording starts when a sample finishes: the engine thread hands the chosen samples to the writer
-(Engine.add_finish_listener), so the commit runs while the request is still on its way back and
+"""Recording starts when a sample finishes: the API process hands the chosen samples to the writer the moment
+the engine core's message says they ended (CoreClient.add_finish_listener, before their request hears of it),
+so the commit runs while the request is still on its way back and
 `record()` only waits for what is left. Aborted and failed samples are never written."""
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def test_aborted_failed_and_unchosen_samples_are_never_written(tmp_path):
         sampled.close()
 
 
-def test_the_server_hands_finished_samples_over_from_the_engine_thread(make_server, tmp_path):
+def test_the_server_hands_finished_samples_over_as_the_engine_core_says_they_ended(make_server, tmp_path):
     srv = make_server(max_batch=4, max_model_len=64, record="all", store=str(tmp_path / "fb.db"))
     st = server_state(srv.app)
     recorder = st.recorder
@@ -114,11 +115,12 @@ def test_the_server_hands_finished_samples_over_from_the_engine_thread(make_serv
         handed.extend((threading.current_thread().name, s.seq_id) for s in seqs)
         real(seqs)
 
-    st.engine._finish_listeners[:] = [spy]  # the engine calls the bound method it was given
+    st.engine._finish_listeners[:] = [spy]  # the engine client calls the bound method it was given
     r = httpx.post(srv.url + "/generate", json={"prompt": "1+1=", "n": 3, "max_tokens": 4}, timeout=60)
     assert r.status_code == 200
     ids = [s["record_id"] for s in r.json()["samples"]]
-    assert all(ids) and len(handed) == 3 and {name for name, _ in handed} == {"dlrl-engine"}
+    # on the API process's event loop, as the core's message that they ended is read: before the request hears
+    assert all(ids) and len(handed) == 3 and {name for name, _ in handed} == {srv.thread.name}
     assert all(recorder.store.get_record(rid) is not None for rid in ids)
 
 

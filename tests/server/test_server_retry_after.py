@@ -1,7 +1,7 @@
-"""Retry-After from the queue (issue 37): the estimator on a fake clock (position / service rate,
-booked places), the scheduler's QueueFull
-carrying it, and a real server under a saturating burst whose refused clients wait exactly
-Retry-After: the values grow with the queue and most retries are admitted."""
+"""Retry-After from the work ahead (issues 37, 46): the estimator on a fake clock (the queue draining at the
+measured decode rate, booked places), the scheduler's QueueFull carrying it, and a real server under a
+saturating burst whose refused clients wait exactly Retry-After: the values grow with the queue and
+most retries are admitted."""
 
 from __future__ import annotations
 
@@ -13,35 +13,61 @@ import httpx
 import pytest
 
 from dllm.sampling import SamplingParams
-from server.engine.retry_after import RetryAfter
-from server.engine.scheduler import QueueFull, Request, Scheduler
+from server.engine.retry_after import Forecast, RetryAfter, Work
+from server.engine.scheduler import KVBudget, QueueFull, Request, Scheduler
 from server.engine.sequence import ServerSequence
+
+
+def measured(rate_per_seq: float, now: float = 10.0) -> RetryAfter:
+    """An estimator that saw steps decoding `rate_per_seq` tokens per second per sequence."""
+    est = RetryAfter()
+    for i in range(20):
+        est.stepped(4, int(4 * rate_per_seq * 0.1), now=now - 2.0 + 0.1 * i)
+    return est
 
 
 def test_nothing_measured_yet_is_one_second_per_place():
     est = RetryAfter()
-    assert [est.estimate(1, now=100.0) for _ in range(3)] == [1, 2, 3]  # each refusal books its place
-    assert est.estimate(1, now=103.5) == 1  # the three booked places were due by now: forgotten
+    fc = est.forecast([Work(10, 20, 0)], [Work(10, 20, 0)], 0, None, num_slots=1, now=100.0)
+    assert [est.estimate(1, 0, fc, now=100.0) for _ in range(3)] == [1, 2, 3]  # each refusal books its place
+    assert est.estimate(1, 0, fc, now=103.5) == 1  # the three booked places were due by now: forgotten
 
 
-def test_position_over_the_measured_service_rate():
+def test_the_wait_is_the_work_ahead_not_the_count():
+    est = measured(20.0)  # 20 tokens/s per sequence
+    assert est.rate(now=10.0) == pytest.approx(20.0)
+    running, waiting = [Work(100, 110, 0)] * 4, [Work(100, 110, 0)] * 2  # 5 s of work left each
+    fc = est.forecast(running, waiting, 0, None, num_slots=4, now=10.0)
+    assert fc.times[:4] == pytest.approx([5.0] * 4)  # 4 end at 5 s: the 2 waiting + 2 more are admitted
+    assert fc.times[4] == pytest.approx(10.0)  # the next slot frees 5 s later
+    waits = [est.estimate(1, 0, fc, now=10.0) for _ in range(5)]
+    assert waits == [6, 6, 6, 6, 11]  # 5 s (+10 %), the fifth refusal behind four booked places: 10 s
+    short = measured(20.0)
+    fc = short.forecast([Work(10, 20, 0)] * 4, [Work(10, 20, 0)] * 2, 0, None, num_slots=4, now=10.0)
+    assert short.estimate(1, 0, fc, now=10.0) == 1  # the same sequences with a tenth of the work: 0.5 s
+    long = measured(20.0)
+    fc = long.forecast([Work(380, 390, 0)] * 4, [Work(384, 390, 0)] * 10, 0, None, num_slots=4, now=10.0)
+    assert long.estimate(1, 0, fc, now=10.0) == 21  # 384-token sequences: 19 s, not "1"
+
+
+def test_pages_and_the_token_bound():
+    est = measured(10.0)
+    # 2 free slots but pages for one: the second waiting sequence waits for the running one's 8 pages
+    fc = est.forecast([Work(50, 60, 8)], [Work(20, 30, 4), Work(20, 30, 8)], 2, 4, num_slots=3, now=10.0)
+    assert fc.times[:2] == pytest.approx([0.0, 5.0])
+    assert fc.wait(0, 50, now=10.0) == pytest.approx(5.0)  # 30 + 30 tokens have left by 5 s
+    assert Forecast(0.0, (1.0, 2.0), (10, 10), tail_s=0.5, tail_tokens=10).wait(0, 45, now=0.0) == pytest.approx(3.5)
+    assert Forecast(0.0, (1.0,), (10,), tail_s=0.5).wait(1, 0, now=0.6) == pytest.approx(0.4)  # made 0.6 s ago
+
+
+def test_a_sequence_is_expected_to_generate_what_recent_ones_did():
     est = RetryAfter()
-    for i in range(8):
-        est.finished(2.0, now=float(i))  # sequences run 2 s each: 4 running finish 2 per second
-    assert est.rate(4, now=8.0)[0] == pytest.approx(2.0)
-    waits = [est.estimate(1, num_running=4, now=8.0) for _ in range(6)]
-    assert waits == [1, 1, 2, 2, 3, 3]  # the k-th refused of a burst: k places / 2 per s, rounded up
-    assert est.estimate(5, num_running=4, now=8.0) == 6  # 6 booked + 5 ahead = 11 places: 5.5 s
-    assert est.estimate(1, num_running=8, now=8.0) == 3  # 8 running: 4 per s; 11 booked + 1 = 12 places
-    assert est.estimate(1, num_running=4, now=20.0) == 1  # every booking was due by now: forgotten
-    assert RetryAfter().estimate(0, 40, now=0.0) == 1  # tokens, nothing measured: at least 1
-
-
-def test_tokens_bound_uses_tokens_admitted_per_second():
-    est = RetryAfter()
-    for i in range(4):
-        est.finished(1.0, 25, now=float(i))  # 2 running, 1 s each: 2 sequences/s of 25 tokens = 50 tokens/s
-    assert est.estimate(0, 120, num_running=2, now=4.0) == 3
+    assert est.expected(64) == 64  # nothing finished: all of max_tokens
+    for _ in range(4):
+        est.finished(16, 64)
+    assert est.share() == pytest.approx(0.25)
+    assert est.expected(64) == 16 and est.expected(64, 10) == 6 and est.expected(64, 30) == 1
+    assert est.expected(64, 64) == 0
 
 
 def _req(n: int, seq0: int, tokens: int = 10) -> Request:
@@ -54,21 +80,17 @@ def test_scheduler_refusals_carry_the_estimate(monkeypatch):
     clock = [1000.0]
     monkeypatch.setattr("server.engine.scheduler.time.monotonic", lambda: clock[0])
     monkeypatch.setattr("server.engine.retry_after.time.monotonic", lambda: clock[0])
-    sched = Scheduler(max_queue=4)
+    sched = Scheduler(max_queue=4, kv=KVBudget(2))  # 2 slots
+    for i in range(10):  # 2 running sequences decode 1 token per second each
+        sched.retry.stepped(2, 2, now=clock[0] - 10 + i)
     sched.enqueue(_req(2, 0))
-    sched.schedule(paused=False, version=0, now=clock[0])  # 2 running sequences of 2 s each: 1 per second
-    clock[0] += 2.0
-    for seq in sched.running:
-        seq.finish_reason = "stop"
-        sched.finish(seq)
-    sched.enqueue(_req(2, 10))
-    sched.schedule(paused=False, version=0, now=clock[0])
-    sched.enqueue(_req(4, 20))
+    sched.schedule(paused=False, version=0, now=clock[0])  # 2 running, 5 tokens left each: they end in 5 s
+    sched.enqueue(_req(4, 20))  # max_queue=4: 4 waiting, the queue is full
     with pytest.raises(QueueFull, match="max_queue=4") as first:
-        sched.enqueue(_req(2, 30))  # 4 waiting: 2 places short at 1 sequence/s
+        sched.enqueue(_req(2, 30))  # 2 places short: the 2nd waiting leaves when the 2 running end, at 5 s
     with pytest.raises(QueueFull) as second:
-        sched.enqueue(_req(2, 40))  # behind the first's 2 booked places
-    assert (first.value.retry_after, second.value.retry_after) == (2, 4)
+        sched.enqueue(_req(2, 40))  # behind the first's 2 booked places: 4 departures, at 10 s
+    assert (first.value.retry_after, second.value.retry_after) == (6, 11)
 
 
 @pytest.fixture(scope="module")

@@ -74,7 +74,7 @@ def test_non_finite_row_ends_only_its_own_request(server):
         want = reference(server, prompt, max_tokens=12, seed=i, ignore_eos=True)
         sample = r.json()["samples"][0]
         assert sample["completion_ids"] == want.completion_ids and sample["trace"]["steps"] == want.trace.steps
-    assert engine.num_running == 0 and engine.backend.num_free_slots == engine.backend.max_batch
+    assert engine.num_running == 0 and engine.scheduler.num_free_slots == engine.backend.max_batch
 
 
 floats = st.floats(allow_nan=False, allow_infinity=False)

@@ -9,7 +9,7 @@ import pytest
 from dllm.decoding import Postprocessor, SeqOutput, StepOutput
 from dllm.sampling import SamplingParams
 from server.engine.backends import BackendUnavailable, create_backend
-from server.engine.backends.base import Runner
+from server.engine.backends.base import Runner, RunnerInfo
 from server.engine.engine import Engine, QueueFull
 from server.engine.scheduler import KVBudget
 from server.engine.sequence import ServerSequence
@@ -20,9 +20,10 @@ class FakeBackend(Runner):
 
     name, model, tokenizer = "fake", None, None
     block_size, max_len, mask_token_id, vocab_size = 1, 64, 1, 10
+    info = RunnerInfo("sdar")
 
     def __init__(self, max_batch: int = 2):
-        self.max_batch, self.free, self.batches, self.fail = max_batch, max_batch, [], False
+        self.max_batch, self.batches, self.fail, self.left = max_batch, [], False, []
 
     @property
     def kv_budget(self):
@@ -35,7 +36,6 @@ class FakeBackend(Runner):
         return ServerSequence(prompt_ids, params, self.block_size, self.mask_token_id)
 
     def run(self, batch):
-        self.free -= len(batch.admitted)
         if self.fail:
             raise RuntimeError("boom")
         self.batches.append(sorted(s.prompt_ids[0] for s in batch.running))
@@ -46,19 +46,13 @@ class FakeBackend(Runner):
         return StepOutput([SeqOutput(s, True) for s in batch.running], len(batch.running))
 
     def release(self, seqs):
-        for seq in seqs:
-            if seq.slot is not None:
-                self.free, seq.slot = self.free + 1, None
+        self.left += seqs  # the engine's one call: every sequence whose slot came back
 
     def top_logprobs(self, seq, k):
         raise NotImplementedError
 
     def close(self):
         pass
-
-    @property
-    def num_free_slots(self):
-        return self.free
 
 
 def run_engine(fn, max_batch=2, max_queue=8):
@@ -102,11 +96,12 @@ def test_step_failure_fails_requests_and_engine_survives():
         with pytest.raises(RuntimeError, match="boom"):
             await engine.wait(engine.submit(seqs(engine, 2, 3)))
         engine.backend.fail = False
+        failed = list(engine.backend.left)  # the failed sequence's slot came back, and the runner heard of it
         done = await engine.wait(engine.submit(seqs(engine, 3, 2)))
-        return done, engine.backend.free
+        return done, failed, engine.scheduler.num_free_slots
 
-    done, free = run_engine(main)
-    assert done[0].finish_reason == "length" and free == 2
+    done, failed, free = run_engine(main)
+    assert done[0].finish_reason == "length" and free == 2 and [s.prompt_ids for s in failed] == [[2]]
 
 
 def test_queue_full_and_abort_waiting():

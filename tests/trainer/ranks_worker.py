@@ -6,10 +6,11 @@ in-process for one rank (tests call `run_case`), or under torchrun for two (test
 
 Two families of cases: `sdar` (a block-diffusion SDAR policy: TraceRL, DiPO with KL to the reference and
 TraceRL with the value model, each at ZeRO-0/2/3) and `full` (a LLaDA-layout full-attention policy from
-dllm.full.decoding's traces: TraceRL at ZeRO-2, DiPO with KL at ZeRO-3; its one-rank tests are in
-test_full_attention_train.py). Every rank decodes the same global batch (same seeds and weights), keeps its
+dllm.full.decoding's traces: TraceRL at ZeRO-2, DiPO with KL at ZeRO-3) and `dream` (a Dream-layout one: TraceRL
+on prefix-cache rollouts with TIS at ZeRO-2, TraceRL with the value model at ZeRO-3); the full-attention
+one-rank tests are in test_full_attention_train.py. Every rank decodes the same global batch (same seeds and weights), keeps its
 own shard of whole prompt groups and runs `learn`; rank 0 saves the updated policy (and value model), and
-the step's metrics, per case to OUT_DIR/<family>-<case>.pt. One torchrun runs both families: the launch,
+the step's metrics, per case to OUT_DIR/<family>-<case>.pt. One torchrun runs every family: the launch,
 DeepSpeed's import and the process group are paid once.
 """
 
@@ -44,31 +45,35 @@ def _sdar_policy() -> Any:
     return SDARForCausalLM(tiny_config())
 
 
-def _full_policy() -> Any:
+def _full_policy(family: str = "llada") -> Any:
     from dllm.embedded.full_folders import tiny_full_config
     from dllm.full.model import FullAttentionLM
 
     torch.manual_seed(0)
-    return FullAttentionLM(tiny_full_config("llada", block_size=4, hidden_size=32, intermediate_size=64,
+    return FullAttentionLM(tiny_full_config(family, block_size=4, hidden_size=32, intermediate_size=64,
                                             num_hidden_layers=2, num_attention_heads=4))
 
 
-def _sdar_decode(policy: Any, prompts: list[list[int]], params: list, cache_mode: str) -> list:
+def _sdar_decode(policy: Any, prompts: list[list[int]], params: list, cache_mode: str,
+                 further_horizon: int | None = -1) -> list:
     from dllm.decoding import generate
 
     return generate(policy.eval(), prompts, params, eos_ids=[7])
 
 
-def _full_decode(policy: Any, prompts: list[list[int]], params: list, cache_mode: str) -> list:
+def _full_decode(policy: Any, prompts: list[list[int]], params: list, cache_mode: str,
+                 further_horizon: int | None = -1) -> list:
+    """`further_horizon`: the prefix cache's window (-1: the family's official value)."""
     from dllm.full.decoding import generate_full
 
-    return generate_full(policy.eval(), prompts, params, cache_mode=cache_mode, eos_ids=[7])
+    return generate_full(policy.eval(), prompts, params, cache_mode=cache_mode, eos_ids=[7],
+                         further_horizon=further_horizon)
 
 
 @dataclass(frozen=True)
 class Family:
     make_policy: Callable[[], Any]
-    decode: Callable[[Any, list[list[int]], list, str], list]
+    decode: Callable[..., list]  # (policy, prompts, params, cache_mode, further_horizon=-1) -> outputs
     prompts: list[list[int]]
     group: int
     max_tokens: int
@@ -95,6 +100,11 @@ FAMILIES: dict[str, Family] = {
         _full_policy, _full_decode, [[10 + p, 11, 12 + 2 * p, 13][: 2 + p % 3] for p in range(4)], group=4,
         max_tokens=7, pad_id=None, options=(),
         cases=[Case("tracerl-zero2", "tracerl", 2), Case("dipo_kl-zero3", "dipo", 3, options=(("kl_coef", 0.5),))]),
+    "dream": Family(
+        lambda: _full_policy("dream"), _full_decode, [[10 + p, 11, 12 + 2 * p, 13][: 2 + p % 3] for p in range(4)],
+        group=4, max_tokens=7, pad_id=None, options=(),
+        cases=[Case("tracerl-tis-zero2", "tracerl", 2, "prefix", options=(("is_correction", "tis"),)),
+               Case("value-zero3", "tracerl", 3, options=(("use_value_model", True), ("lam", 0.95)))]),
 }
 
 
@@ -102,8 +112,9 @@ def make_policy(family: str = "sdar") -> Any:
     return FAMILIES[family].make_policy()
 
 
-def global_rollouts(policy: Any, family: str = "sdar", cache_mode: str = "exact") -> list:
-    """The step's rollouts, identical on every rank (one process each, same seeds)."""
+def global_rollouts(policy: Any, family: str = "sdar", cache_mode: str = "exact", further_horizon: int | None = -1) -> list:
+    """The step's rollouts, identical on every rank (one process each, same seeds); `further_horizon`: the
+    full-attention prefix cache's window (-1: the family's official value)."""
     from dllm.sampling import SamplingParams
     from rollout_client.protocol.rollout import Rollout
 
@@ -111,7 +122,7 @@ def global_rollouts(policy: Any, family: str = "sdar", cache_mode: str = "exact"
     group = fam.group
     params = [SamplingParams(max_tokens=fam.max_tokens, strategy="static", steps=2, seed=100 * p + i)
               for p in range(fam.num_prompts) for i in range(group)]
-    outs = fam.decode(policy, [p for p in fam.prompts for _ in range(group)], params, cache_mode)
+    outs = fam.decode(policy, [p for p in fam.prompts for _ in range(group)], params, cache_mode, further_horizon)
     return [Rollout(prompt_index=k // group, sample_index=k % group, prompt_ids=o.prompt_ids,
                     completion_ids=o.completion_ids, text=" ".join(map(str, o.completion_ids)),
                     finish_reason=o.finish_reason, version=0,

@@ -137,11 +137,12 @@ def test_sequence_reward_on_last_step():
 
 
 # ------------------------------------------------------------- step-wise GAE on shrunk traces (issue 18)
-def _paper_gae(prompt_len, block_size, steps, values, reward, shrink, gamma, lam):
+def _paper_gae(prompt_len, block_size, steps, values, reward, shrink, gamma, lam, origin=0):
     """TraceRL's step-wise GAE written out directly: tokens -> (block, ceil(step / shrink)) steps in
-    decoding order; one value per step (the mean over its tokens); the reward on the last step;
-    backward recursions for the step returns and GAE; each token: its own value and the next step's."""
-    key = [((prompt_len + j) // block_size, -(-st // shrink)) for j, st in enumerate(steps)]
+    decoding order (blocks from absolute position `origin`); one value per step (the mean over its tokens);
+    the reward on the last step; backward recursions for the step returns and GAE; each token: its own
+    value and the next step's."""
+    key = [((prompt_len + j - origin) // block_size, -(-st // shrink)) for j, st in enumerate(steps)]
     order = sorted(set(key))
     T = len(order)
     v_step = [sum(v for k, v in zip(key, values) if k == o) / sum(k == o for k in key) for o in order]
@@ -161,10 +162,11 @@ def _paper_gae(prompt_len, block_size, steps, values, reward, shrink, gamma, lam
     return out_ret, out_adv
 
 
-def _trace(prompt_len, block_size, steps):
+def _trace(prompt_len, block_size, steps, origin=0):
     from dllm.trace import Trace
 
-    return Trace(prompt_len=prompt_len, block_size=block_size, steps=steps, logprobs=[0.0] * len(steps))
+    return Trace(prompt_len=prompt_len, block_size=block_size, steps=steps, logprobs=[0.0] * len(steps),
+                 block_origin=origin)
 
 
 def test_shrink_smallest_case_from_the_issue():
@@ -208,3 +210,34 @@ def test_trace_gae_matches_the_paper_formula(shrink, gamma, lam):
         assert ret[i, :n].tolist() == pytest.approx(exp_ret, abs=1e-5)
         assert adv[i, :n].tolist() == pytest.approx(exp_adv, abs=1e-5)
         assert torch.count_nonzero(adv[i, n:]) == 0
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.9, 0.95), (1.0, 0.0)])
+def test_trace_gae_full_attention_traces(gamma, lam):
+    """Hand-made LLaDA / Dream traces (blocks from the prompt's end, `block_origin` = prompt length): Dream's
+    schedule [1, 0, 1, 2] leaves step 2 empty, a stop cuts the last block, prompts of unaligned lengths. The
+    returns and advantages of the value model's step-wise GAE equal the direct computation."""
+    from trainer.rl.advantages import trace_gae
+
+    B = 4
+    cases = [  # (prompt length, steps of the completion tokens)
+        (6, [1, 3, 4, 4, 2, 1, 4, 3, 1]),  # LLaDA-like, 1 token per step; last block cut after 1 token
+        (5, [1, 4, 3, 4, 1, 4, 4, 3]),  # Dream-like: step 2 of every block commits nothing
+        (9, [1, 1, 2, 2, 2, 1, 2]),  # 2 tokens per step
+    ]
+    traces = [_trace(P, B, st, origin=P) for P, st in cases]
+    values = [[0.1 * (j % 5) - 0.2 for j in range(len(st))] for _, st in cases]
+    rewards = [1.0, 0.0, 0.5]
+    tok_v = torch.zeros(3, 9)
+    for i, v in enumerate(values):
+        tok_v[i, :len(v)] = torch.tensor(v)
+    ret, adv = trace_gae(traces, tok_v, torch.tensor(rewards), 1, gamma, lam)
+    for i, (P, st) in enumerate(cases):
+        exp_ret, exp_adv = _paper_gae(P, B, st, values[i], rewards[i], 1, gamma, lam, origin=P)
+        assert ret[i, :len(st)].tolist() == pytest.approx(exp_ret, abs=1e-6)
+        assert adv[i, :len(st)].tolist() == pytest.approx(exp_adv, abs=1e-6)
+        wrong = _paper_gae(P, B, st, values[i], rewards[i], 1, gamma, lam, origin=0)[1]
+        if (gamma, lam) != (1.0, 1.0):  # (with both 1 the advantage telescopes to R - V_j whatever the steps)
+            assert adv[i, :len(st)].tolist() != pytest.approx(wrong, abs=1e-6)  # the alignment matters
+    # Dream's empty step 2: tokens of step 1 take the value of step 3 as their next step's
+    assert traces[1].global_steps()[:4] == [1, 4, 3, 4]

@@ -80,6 +80,6 @@ def test_check_mode_parses_command_and_config_only(argv, code, capsys):
     assert rc == code
     out = capsys.readouterr()
     if code == 0:
-        assert '"ok": true' in out.out
+        assert f"dlrl {argv[0]} --check" in out.out and ": ok" in out.out  # a summary (JSON with --json)
     else:
         assert "error" in out.err

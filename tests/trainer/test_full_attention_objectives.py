@@ -1,5 +1,5 @@
-"""Which train options apply to full-attention models (LLaDA / Dream): the objectives' registry and
-`check_family` refuse the others by key, with no torch model built."""
+"""Which train options apply to full-attention models (LLaDA / Dream): every built-in objective and the value
+model do; the objectives' registry and `check_family` refuse the others by key, with no torch model built."""
 
 from __future__ import annotations
 
@@ -16,11 +16,10 @@ def test_every_builtin_objective_applies_to_every_family(objective: str, family:
     check_family(TrainConfig(objective=objective), family)
 
 
-@pytest.mark.parametrize("family", ["llada", "dream"])
-def test_value_model_is_refused_for_full_attention_by_key(family: str) -> None:
-    with pytest.raises(ValueError, match=r"^train\.use_value_model: .*full-attention"):
-        check_family(TrainConfig(use_value_model=True), family)
-    check_family(TrainConfig(use_value_model=True), "sdar")  # block-causal: the value model applies
+@pytest.mark.parametrize("family", ["sdar", "llada", "dream"])
+def test_value_model_applies_to_every_family(family: str) -> None:
+    for objective in ("tracerl", "dipo"):  # TraceRL's value model + step-wise GAE: bidirectional for LLaDA / Dream
+        check_family(TrainConfig(objective=objective, use_value_model=True), family)
 
 
 def test_an_objective_registered_for_some_families_is_refused_for_the_others() -> None:

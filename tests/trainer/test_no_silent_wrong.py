@@ -95,7 +95,7 @@ def test_train_refuses_another_model_unless_taking_over(other_server, tiny_model
 
     url = other_server.url
     before = other_server.engine.version
-    assert train_main(["--config", _train_config(tmp_path, url, tiny_model_dir)]) == 1
+    assert train_main(["--config", _train_config(tmp_path, url, tiny_model_dir)]) == 2  # before anything loads
     err = capsys.readouterr().err
     assert f"{url} serves 'other-model'" in err and "train.take_over_servers=true" in err
     assert other_server.engine.version == before  # untouched

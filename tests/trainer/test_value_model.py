@@ -123,3 +123,41 @@ def test_bf16_policy_gives_fp32_value_model(policy):
     value = ValueModel(policy.to(torch.bfloat16))
     assert all(p.dtype == torch.float32 for p in value.parameters())
     assert value.optimizer is None
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_full_attention_value_model_is_bidirectional_over_the_replay_rows(family: str, tied: bool) -> None:
+    """LLaDA / Dream: the family's backbone without its vocabulary projection, weights copied under the official
+    names, values read where the policy scores each token (Dream's shift), every position seeing every other."""
+    from dllm.embedded.full_folders import tiny_full_config
+    from dllm.full.model import FullAttentionLM
+
+    torch.manual_seed(0)
+    policy = FullAttentionLM(tiny_full_config(family, block_size=4, tie_word_embeddings=tied))
+    value = ValueModel(policy, lr=1e-3)
+    head = {"llada": "model.transformer.ff_out.weight", "dream": "lm_head.weight"}[family]
+    names = {n for n, _ in value.backbone.named_parameters()}
+    assert names == {n for n, _ in policy.named_parameters()} - {head}
+    pol = dict(policy.named_parameters())
+    for name, p in value.backbone.named_parameters():
+        assert torch.equal(p, pol[name]) and p.data_ptr() != pol[name].data_ptr()
+    noisy, clean, pos, valid = _batch()
+    noisy = noisy.clamp(max=policy.config.vocab_size - 1)
+    assert torch.count_nonzero(value(noisy, clean, pos, valid)) == 0  # zero-initialised head
+    value.reset_head(std=0.1)
+    hidden = policy(noisy, position_ids=pos, valid=valid, output="hidden")
+    expected = hidden @ value.v_head.weight[0] + value.v_head.bias
+    got = value(noisy, clean, pos, valid)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    later = noisy.clone()
+    later[:, -3] = (later[:, -3] + 1) % 10 + 1  # a later position changes an earlier value: full attention
+    assert not torch.allclose(value(later, clean, pos, valid)[1, :3], got[1, :3])
+    returns = torch.ones(B, L)
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    loss, _ = value_loss(value(noisy, clean, pos, valid), got.detach(), returns, valid, clip=None)
+    loss.backward()
+    value.optimizer.step()
+    assert all(p.grad is None for p in policy.parameters())
+    assert all(torch.equal(p, before[n]) for n, p in policy.named_parameters())
+    assert value_loss(value(noisy, clean, pos, valid), got.detach(), returns, valid, clip=None)[0] < loss

@@ -13,7 +13,7 @@
   trainer's; the region is shared once and reused; hostile options are 400s naming the
   option; corrupted bytes (checksum mismatch), NaN, an abort, a lapsed lease and another
   run's commit/abort all leave the served weights and version unchanged; a gone sender's
-  region is unmapped by the server (/proc/<pid>/maps);
+  region is unmapped by the server (/proc/<pid>/maps of its engine core);
 - `gpu`: the same push through a real CUDA IPC handle into a CUDA server process.
 """
 
@@ -30,7 +30,7 @@ import httpx
 import pytest
 import torch
 
-from tests.helpers import ServerProcess, start_server_process
+from tests.helpers import ServerProcess, engine_core_pid, start_server_process
 from weight_sync import ManifestError, WeightSender, WeightSyncError, weights_digest
 from weight_sync.bucket import pack_stream, pieces, plan_buckets, specs_of
 from weight_sync.devhash import CHUNK_WORDS, device_scan, mlh64, mlh64_reference
@@ -355,13 +355,13 @@ def test_a_gone_senders_region_is_unmapped_by_the_server(server):
     try:
         assert push.begin().status_code == 200
         push.pack(upto=1)
-        assert name in maps(server.proc.pid)  # the server maps the trainer's region
+        assert name in maps(engine_core_pid(server.url))  # the server's engine core maps the trainer's region
     finally:
         push.close()  # the sender is gone: its header unlinked, its storage freed on its side
     r = post(server.url, "/weights/abort", {"version": push.version, "run_id": "run-gone"})
     assert r.status_code == 200 and r.json()["aborted"] is True, r.text
     deadline = time.monotonic() + 10
-    while name in maps(server.proc.pid):
+    while name in maps(engine_core_pid(server.url)):
         assert time.monotonic() < deadline, "the server still maps a gone sender's region"
         time.sleep(0.2)
     unchanged(server, before)

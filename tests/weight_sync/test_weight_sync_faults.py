@@ -28,7 +28,7 @@ import httpx
 import pytest
 import torch
 
-from tests.helpers import start_server_process
+from tests.helpers import engine_core_pid, start_server_process
 from weight_sync import WeightSender, WeightSyncError, weights_digest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -191,13 +191,14 @@ def test_aborted_dist_updates_leak_no_threads(server):
     try:
         v = get(server.url, "/weights/version")["version"] + 1
         sender.push(named, v)  # warm-up: the server has joined a group once
-        baseline = num_threads(server.pid)
+        core = engine_core_pid(server.url)  # the receiver's threads live in the engine core
+        baseline = num_threads(core)
         for _ in range(20):
             with pytest.raises(WeightSyncError, match="gather failed"):
                 sender.push(failing_source, v + 1)
         deadline = time.monotonic() + 20
-        while num_threads(server.pid) > baseline + 2:
-            assert time.monotonic() < deadline, f"threads {baseline} -> {thread_names(server.pid)}"
+        while num_threads(core) > baseline + 2:
+            assert time.monotonic() < deadline, f"threads {baseline} -> {thread_names(core)}"
             time.sleep(0.2)
         assert get(server.url, "/weights/version")["update"] is None
         sender.push(named, v + 1)  # and the channel still works

@@ -30,6 +30,7 @@ from fastapi import FastAPI
 from server.api import routes_weights
 from server.api.state import ServerState, attach
 from server.engine import engine as engine_module
+from server.engine.backends.base import RunnerInfo
 from server.engine.scheduler import KVBudget
 from server.weights.weight_updates import make_updates
 from tests.helpers import ServedTensors
@@ -173,7 +174,8 @@ class Engine(engine_module.Engine):
     """The real server engine, never started, its backend only a model."""
 
     def __init__(self, model: torch.nn.Module):
-        super().__init__(SimpleNamespace(model=model, kv_budget=KVBudget(1), postprocessor=lambda: None))
+        super().__init__(SimpleNamespace(model=model, kv_budget=KVBudget(1), postprocessor=lambda: None,
+                                         info=RunnerInfo("sdar")))
 
 
 def module_of(named: dict[str, torch.Tensor]) -> torch.nn.Module:

@@ -22,6 +22,7 @@ from dllm.weights import hf_tensors
 from server.api import routes_weights
 from server.api.state import ServerState, attach
 from server.engine import engine as engine_module
+from server.engine.backends.base import RunnerInfo
 from server.engine.scheduler import KVBudget
 from server.weights.weight_updates import WeightUpdates, make_updates
 from weight_sync import weights_digest
@@ -37,7 +38,8 @@ class Engine(engine_module.Engine):
     `busy` = a sequence in flight that only an abort (or clearing busy) ends."""
 
     def __init__(self, model: torch.nn.Module):
-        super().__init__(SimpleNamespace(model=model, kv_budget=KVBudget(1), postprocessor=lambda: None))
+        super().__init__(SimpleNamespace(model=model, kv_budget=KVBudget(1), postprocessor=lambda: None,
+                                         info=RunnerInfo("sdar")))
         self.calls, self.busy = [], False
 
     async def pause(self, abort_inflight: bool = False, timeout: float | None = None) -> None:

@@ -34,6 +34,7 @@ from fastapi import FastAPI
 
 from server.api import routes_weights
 from server.api.state import ServerState, attach
+from server.engine.backends.base import RunnerInfo
 from server.engine.engine import Engine
 from server.engine.scheduler import KVBudget
 from server.weights.weight_updates import make_updates
@@ -97,7 +98,8 @@ class FakeEngine(Engine):
     """The real server.engine.engine.Engine, never started, its backend only a model: what the weight routes use."""
 
     def __init__(self, model: torch.nn.Module):
-        super().__init__(SimpleNamespace(model=model, kv_budget=KVBudget(1), postprocessor=lambda: None))
+        super().__init__(SimpleNamespace(model=model, kv_budget=KVBudget(1), postprocessor=lambda: None,
+                                         info=RunnerInfo("sdar")))
 
 
 def make_app(engine: FakeEngine, timeout_s: float = 30.0) -> FastAPI:

@@ -18,7 +18,6 @@ stops at once. `dlrl align` runs one trainer rank.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -27,7 +26,7 @@ import time
 from typing import TYPE_CHECKING
 
 from dlrl_config import ConfigError, build, load_sections, parse_overrides
-from dlrl_config.cli import print_check
+from dlrl_config.cli import ArgumentParser, add_json_arg, print_check
 from rollout_client.client import AdminError, RolloutError
 from store import open_store
 from trainer.align.config import AlignConfig, align_sections, check_train
@@ -51,13 +50,14 @@ log = logging.getLogger("dlrl.align")
 def parse(argv: list[str]):
     """-> (args, root sections, overrides): the config file read once, every section typed; the
     `train` section as `dlrl align` runs it (servers = align.rollout_servers, ...)."""
-    ap = argparse.ArgumentParser(prog="dlrl align", description="continuous alignment from live traffic")
+    ap = ArgumentParser(prog="dlrl align", description="continuous alignment from live traffic")
     ap.add_argument("--config", default="configs/align.yaml")
     ap.add_argument("--resume", action="store_true", help="continue from align.output_dir/checkpoint")
     ap.add_argument("--check", action="store_true", help="only parse the command line and the config; exit 0 "
                                                         "(or 2 with the error)")
+    add_json_arg(ap)
     ap.add_argument("overrides", nargs="*", help="key=value (align section) or train.key=value overrides")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # key=value overrides before and after flags
     overrides = list(args.overrides)
     try:
         root = load_sections(args.config, overrides, align_sections(), primary="align")
@@ -96,7 +96,10 @@ def main(argv: list[str], aligner: type[Aligner] | None = None) -> int:
     args, root, overrides = parse(argv)
     cfg, train = root["align"], root["train"]
     if args.check:
-        return print_check("align", cfg, train)
+        return print_check("align", cfg, train, as_json=args.json, facts=[
+            ("rollout servers", ", ".join(cfg.rollout_servers)), ("serving replicas", ", ".join(cfg.serving_replicas)),
+            ("store", cfg.store), ("prompts", cfg.prompt_source), ("output_dir", cfg.output_dir),
+            ("console", f"http://{cfg.console_host}:{cfg.console_port}" if cfg.console_port else "off")])
     from trainer.align.console import Console
     from trainer.align.controller import Aligner, align_loop
     from trainer.align.data import NoData
@@ -150,11 +153,13 @@ def main(argv: list[str], aligner: type[Aligner] | None = None) -> int:
 
 # ------------------------------------------------------------------------------ dlrl versions
 def versions_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="dlrl versions", description="the version registry of dlrl align")
+    ap = ArgumentParser(prog="dlrl versions", description="the version registry of dlrl align")
     ap.add_argument("--config", default=None, help="align config (store, serving replicas, admin token)")
     ap.add_argument("--store", default=None, help="alias of align.store=PATH (the feedback store path or URL)")
     ap.add_argument("--events", action="store_true", help="list the events (promotions, rollbacks, ...)")
     ap.add_argument("--json", action="store_true", help="print JSON")
+    ap.add_argument("--check", action="store_true", help="only parse the command line and the config; exit 0 "
+                                                        "(or 2 with the error)")
     ap.add_argument("--rollback", type=int, default=None, metavar="VERSION",
                     help="roll every serving replica back to VERSION (a version that served before)")
     ap.add_argument("overrides", nargs="*", help="align key=value overrides (e.g. store=runs/feedback.db)")
@@ -169,6 +174,8 @@ def versions_main(argv: list[str]) -> int:
         ap.error(str(e))
     cfg = root["align"]
     assert isinstance(cfg, AlignConfig)  # load_sections (or build) made it from AlignConfig
+    if args.check:
+        return print_check("versions", cfg, facts=[("store", cfg.store)], as_json=args.json)
     path = cfg.store
 
     if "://" not in path and not os.path.isfile(path):  # a postgresql:// URL is checked by open_store

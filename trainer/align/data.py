@@ -55,6 +55,7 @@ from trainer.loop import StopRequested
 from trainer.rl.rollouts import Batch
 
 log = logging.getLogger("dlrl.align")
+WAIT_LOG_S = 15.0  # a line about a wait for prompts at least this often
 
 
 class NoData(RuntimeError):
@@ -160,13 +161,18 @@ class PromptPool:
     def next_batch(self) -> list[dict]:
         if self.batch_size <= 0:
             return []
-        deadline = time.monotonic() + self.wait_s
+        t0 = time.monotonic()
+        deadline, next_log = t0 + self.wait_s, t0 + WAIT_LOG_S
         self.refill()
         while not self.pool:
             if self.should_stop():
                 raise StopRequested("stopped while waiting for prompts")
             if time.monotonic() > deadline:
                 raise NoData(f"align.prompt_source: no prompts after {self.wait_s:.0f}s (align.prompt_wait_s)")
+            if time.monotonic() >= next_log:
+                next_log = time.monotonic() + WAIT_LOG_S
+                log.info("waiting for the first prompts from align.prompt_source (%.0f s so far, at most %.0f s: "
+                         "align.prompt_wait_s)", time.monotonic() - t0, self.wait_s)
             time.sleep(0.5)
             self.refill()
         take = min(self.batch_size, len(self.pool) - self.fresh)

@@ -27,9 +27,11 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from trainer.monitor.train_metrics import MetricsEndpoint
+
+disable_created_metrics()  # no `*_created` series (process-wide, as server/metrics.py)
 
 _LATENCY_BUCKETS = (10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400, 43200, 86400)
 

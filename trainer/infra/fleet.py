@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
 from rollout_client.client import AdminError, RolloutClient
@@ -36,6 +37,18 @@ from weight_sync.errors import ServerRestarted, WeightSyncError
 
 log = logging.getLogger("dlrl.train")
 T = TypeVar("T")
+WAIT_LOG_S = 10.0  # a line about a wait for servers at least this often
+
+
+def last_line(path: Path, max_bytes: int = 4096) -> str:
+    """The last non-empty line of a (log) file, shortened to 300 characters; "" when unreadable."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - max_bytes))
+            lines = [ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:300] if lines else ""
 
 
 class FleetError(RuntimeError):
@@ -99,10 +112,13 @@ class ServerFleet:
                                  "or set train.start_server=true for a local address)")
             self.local.append(launch(url, i))
 
-    def wait_ready(self, timeout: float, urls: list[str] | None = None) -> None:
-        """Wait until the servers answer /ready; a local server that exits is an error naming it."""
+    def wait_ready(self, timeout: float, urls: list[str] | None = None, log_every_s: float = WAIT_LOG_S) -> None:
+        """Wait until the servers answer /ready; a local server that exits is an error naming it. Never
+        silent: after `log_every_s` (and again every `log_every_s`) one line says which servers it waits
+        for, for how long so far and at most, and the last line of the log of those this run started."""
         pending = list(urls or self.urls)
-        deadline = time.monotonic() + timeout
+        t0 = time.monotonic()
+        deadline, next_log = t0 + timeout, t0 + log_every_s
         while pending:
             for srv in self.local:
                 if srv.url.rstrip("/") in pending and srv.exited() is not None:
@@ -112,8 +128,17 @@ class ServerFleet:
             pending = [u for u, ok in zip(pending, ready) if not ok]
             if pending and time.monotonic() > deadline:
                 raise FleetError(f"servers: {', '.join(pending)} unreachable/not ready after {timeout:.0f}s")
+            if pending and time.monotonic() >= next_log:
+                next_log = time.monotonic() + log_every_s
+                log.info("waiting for %s to be ready (%.0f s so far, at most %.0f s)%s", ", ".join(pending),
+                         time.monotonic() - t0, timeout, self._last_lines(pending))
             if pending:
                 time.sleep(0.25)
+
+    def _last_lines(self, urls: list[str]) -> str:
+        """'; http://... (log PATH): <its log's last line>' for the servers of `urls` this fleet started."""
+        return "".join(f"; {srv.url} (log {srv.log_path}): {last_line(srv.log_path) or 'no output yet'}"
+                       for srv in self.local if srv.url.rstrip("/") in urls)
 
     def close(self) -> None:
         for sender in self._senders.values():

@@ -20,7 +20,17 @@ import time
 from collections import deque
 from typing import Any, TypeGuard
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+    start_http_server,
+)
+
+disable_created_metrics()  # no `*_created` series (process-wide, as server/metrics.py)
 
 PHASES = ("rollout", "reward", "replay", "train", "sync", "eval", "step")
 _STEP_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)

@@ -5,11 +5,17 @@
     loss, metrics = value_loss(values, old_values, returns, mask)
     value.optimizer.zero_grad(); loss.backward(); value.optimizer.step()
 
-The backbone is an `SDARForCausalLM` built from the policy's config (its `lm_head` dropped:
-values come from the last hidden states of the noisy copy, `hidden_train`), followed by
-`v_head = nn.Linear(hidden, 1)`, zero-initialised by default so the first values are 0 and
-the first update only moves the head. It shares no tensor with the policy, so value-loss
-gradients never reach the policy. Parameters are fp32 unless `dtype` says otherwise.
+The backbone is the policy's family built from its config, its vocabulary projection dropped, followed by
+`v_head = nn.Linear(hidden, 1)`, zero-initialised by default so the first values are 0 and the first update
+only moves the head:
+- block-causal SDAR (`SDARForCausalLM`): values from the last hidden states of the noisy copy of the
+  block-causal training rows (`hidden_train`);
+- full attention, LLaDA / Dream (`dllm.full.FullAttentionLM`): a bidirectional value head over the same rows
+  the policy replays (dllm.full.replay: one canvas per trace step, `clean` unused), read where the policy
+  scores each token (Dream's shift applied), so V_j is the value of the state that committed token j.
+It shares no tensor with the policy, so value-loss gradients never reach the policy. Parameters are fp32
+unless `dtype` says otherwise. The step-wise GAE over its values is trainer.rl.advantages' (the same
+recursions for every family: the trace's global steps, blocks from its `block_origin`).
 
 Optimizer: the value model has its own. With `lr` it owns a plain `torch.optim.AdamW`
 (`value.optimizer`; `value.save(path)` / `value.load(path)` checkpoint both), which is what the
@@ -28,13 +34,37 @@ import torch
 from torch import nn
 
 from dllm.config import SDARConfig
+from dllm.full.config import FullAttentionConfig
+from dllm.full.model import FullAttentionLM, LLaDABody
 from dllm.model import RMSNorm, SDARForCausalLM
 from dllm.weights import copy_into_model
 from trainer.infra.ds_engine import named_full_params
 
+Policy = SDARForCausalLM | FullAttentionLM
+HEADS = {"llada": "model.transformer.ff_out.", "dream": "lm_head."}  # an untied vocabulary projection's names
+PolicyConfig = SDARConfig | FullAttentionConfig
+
+
+def _headless_backbone(cfg: PolicyConfig) -> Policy:
+    """The family's model on the meta device without its untied vocabulary projection (a tied one is the
+    embedding, which the backbone keeps)."""
+    with torch.device("meta"):
+        if isinstance(cfg, FullAttentionConfig):
+            full = FullAttentionLM(cfg)
+            if not cfg.tie_word_embeddings:
+                if isinstance(full.model, LLaDABody):
+                    full.model.transformer.register_module("ff_out", None)
+                else:
+                    full.register_module("lm_head", None)
+            full.__dict__["_head"] = None  # values are read from hidden states: no vocab projection
+            return full
+        backbone = SDARForCausalLM(cfg)
+    backbone.register_module("lm_head", None)
+    return backbone
+
 
 class ValueModel(nn.Module):
-    def __init__(self, policy: SDARForCausalLM | SDARConfig, lr: float | None = None,
+    def __init__(self, policy: Policy | PolicyConfig, lr: float | None = None,
                  weight_decay: float = 0.0, head_init_std: float = 0.0,
                  device: str | torch.device | None = None, dtype: torch.dtype = torch.float32):
         """policy: a policy model (its weights are copied) or a config (random backbone).
@@ -46,10 +76,7 @@ class ValueModel(nn.Module):
             cfg, device = policy.config, device or next(policy.parameters()).device
         else:
             cfg, device = policy, device or "cpu"
-        with torch.device("meta"):
-            backbone = SDARForCausalLM(cfg)
-        backbone.register_module("lm_head", None)  # values are read from hidden states: no vocab projection
-        self.backbone = backbone.to_empty(device=device).to(dtype)
+        self.backbone = _headless_backbone(cfg).to_empty(device=device).to(dtype)
         self.v_head = nn.Linear(cfg.hidden_size, 1, device=device, dtype=dtype)
         self.reset_head(head_init_std)
         if is_model:
@@ -64,7 +91,7 @@ class ValueModel(nn.Module):
             self.optimizer = torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=weight_decay)
 
     @property
-    def config(self) -> SDARConfig:
+    def config(self) -> PolicyConfig:
         return self.backbone.config
 
     @property
@@ -88,16 +115,20 @@ class ValueModel(nn.Module):
             nn.init.zeros_(self.v_head.bias)
 
     def load_backbone(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy policy weights (SDAR names; `lm_head.*` ignored) into the backbone. Every
-        backbone parameter must be given; shapes are checked before anything is copied."""
-        items = [(n, t) for n, t in named_tensors if not n.startswith("lm_head.")]
+        """Copy policy weights (the family's official names; the vocabulary projection ignored) into the
+        backbone. Every backbone parameter must be given; shapes are checked before anything is copied."""
+        head = HEADS.get(getattr(self.config, "family", "sdar"), "lm_head.")
+        items = [(n, t) for n, t in named_tensors if not n.startswith(head)]
         copy_into_model(self.backbone, items, strict=True)
 
     def forward(self, noisy_ids: torch.Tensor, clean_ids: torch.Tensor, position_ids: torch.Tensor,
                 valid: torch.Tensor) -> torch.Tensor:
-        """All inputs [B, L] (training layout of `SDARForCausalLM.forward_train`) -> values [B, L]
-        fp32 at the noisy-copy positions."""
-        hidden = self.backbone.hidden_train(noisy_ids, clean_ids, position_ids, valid)  # [B, L, D]
+        """All inputs [B, L] (SDAR: the training layout of `SDARForCausalLM.forward_train`; full attention: the
+        replay rows, `clean_ids` unused) -> values [B, L] fp32 at the noisy positions."""
+        if isinstance(self.backbone, FullAttentionLM):
+            hidden = self.backbone(noisy_ids, position_ids=position_ids, valid=valid, output="hidden")  # [B, L, D]
+        else:
+            hidden = self.backbone.hidden_train(noisy_ids, clean_ids, position_ids, valid)  # [B, L, D]
         values = self.v_head(hidden.to(self.v_head.weight.dtype)).squeeze(-1)  # [B, L]
         return values.float()
 

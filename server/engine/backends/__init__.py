@@ -1,4 +1,4 @@
-"""Inference backends of the engine: `native` (dllm BlockDecoder; a full-attention folder, LLaDA / Dream, gets
+"""Inference backends of the engine: `native` (dllm BlockRunner: block-causal; a full-attention folder, LLaDA / Dream, gets
 the full-attention runner, server.engine.backends.full_attention, with `cache_mode` exact | prefix) and
 `lmdeploy` (an in-process LMDeploy PyTorch engine, CUDA only: lmdeploy_runner.py). Each is imported only
 when chosen.
@@ -23,14 +23,20 @@ def check_backend(name: str) -> None:
 
 
 def create_backend(name: str, model_path: str, **kwargs: Any) -> Backend:
-    cache_mode = kwargs.pop("cache_mode", "exact")  # server.cache_mode: full-attention models only
-    if name == "native":
-        from server.engine.backends.full_attention import FullAttentionRunner, check_cache_mode, model_family
+    full: dict[str, Any] = {k: kwargs.pop(k) for k in ("cache_mode", "further_horizon", "ranking", "rng") if k in kwargs}
+    if name == "lmdeploy":  # refused there by name unless left default
+        kwargs |= full
+    if name == "native":  # server.cache_mode / further_horizon / ranking / rng: full-attention models only
+        from server.engine.backends.full_attention import (
+            FullAttentionRunner,
+            check_full_options,
+            model_family,
+        )
 
         family = model_family(model_path)
-        check_cache_mode(family, cache_mode)
+        check_full_options(family, **full)
         if family != "sdar":
-            return FullAttentionRunner.from_pretrained(model_path, cache_mode=cache_mode, **kwargs)
+            return FullAttentionRunner.from_pretrained(model_path, **full, **kwargs)
         from server.engine.backends.native import NativeBackend
 
         return NativeBackend.from_pretrained(model_path, **kwargs)

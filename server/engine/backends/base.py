@@ -1,52 +1,45 @@
 """The model runner: what the engine needs from an inference engine, and nothing more.
 
-One engine step (server/engine/engine.py) is nano-vllm's / vLLM v1's shape:
+One engine step (server/engine/engine.py) is nano-vllm's / vLLM v1's shape, three layers down to the
+model (Engine -> Runner -> the model's step):
 
-    batch = scheduler.schedule(paused=False, version=v, now=t)   # server.engine.scheduler.ScheduledBatch
-    runner.release(batch.released)                  # aborted sequences: free their cache
-    out = runner.run(batch)                         # ONE forward -> dllm.decoding.StepOutput
+    batch = scheduler.schedule(paused=False, version=v, now=t)   # dllm.scheduler.ScheduledBatch
+    runner.release(batch.left)                      # sequences whose pages came back: drop what you keep
+    out = runner.run(batch)                         # ONE forward -> dllm.postprocess.StepOutput
     ended = scheduler.postprocess(batch, out, now)  # stop ids / strings, max_tokens, finish reason
-    runner.release(ended)
 
-A runner only runs steps on its device; it owns no sequence and no policy:
+A runner only runs steps on its device; it owns no sequence, no policy and no account of slots or
+pages (the scheduler's block manager, dllm.block_manager, holds those):
 
+    runner.info                                     # RunnerInfo: what it supports (below)
     seq = runner.new_sequence(prompt_ids, params)   # validate (FieldError "<field>: ...") -> ServerSequence
-    runner.kv_budget                                # KVBudget: slots, pages, tokens per page (the
-                                                    # scheduler admits against it)
+    runner.kv_budget                                # KVBudget: slots, pages, tokens per page, prefix
+                                                    # sharing (the scheduler admits against it)
     post = runner.postprocessor()                   # the model's stop rules (eos ids, max length), with
                                                     # a tokenizer of its own for the engine thread
-    out = runner.run(batch)                         # drop batch.preempted's cache (KVBudget.optimistic
-                                                    # only: they keep tokens and trace), allocate
-                                                    # batch.admitted's pages at seq.slot, then
-                                                    # one batched forward over batch.running: per
-                                                    # sequence its block (ids, steps, logprobs), ok
-    runner.release(seqs)                            # free the cache of sequences that left
+    out = runner.run(batch)                         # one batched forward over batch.running, writing K/V
+                                                    # through each sequence's page table (seq.block_table):
+                                                    # per sequence its block (ids, steps, logprobs), ok
+    runner.release(seqs)                            # sequences that left: drop per-sequence state (the
+                                                    # engine's one call, batch.left)
     top = runner.top_logprobs(seq, k)               # a finished sequence's top-k logprobs per token
     runner.model / runner.tokenizer                 # the weights the receiver updates while paused;
                                                     # the tokenizer the HTTP handlers use
 
-The runners coming next fit the same Protocol:
-- **full attention** (LLaDA, Dream): `kv_budget` with `num_pages=0` in exact mode (no block-causal
-  KV reuse: each forward recomputes the whole sequence, slots bound only the batch), or the pages
-  of its prefix cache in prefix-cache mode; `run` returns the same per-sequence blocks.
-- **LMDeploy in-process** (server/engine/backends/lmdeploy_runner.py, built): LMDeploy generates
-  whole sequences asynchronously, so `run` hands back, per running sequence, the next block its
-  stream has completed (waiting at most a poll interval for one), with `steps`/`logprobs` zero and
-  the trace marked trace-free (`Trace.trace_free`: random masking / coupled RL train from it, trace
-  replay refuses it); `kv_budget` is unpaged (LMDeploy pages its own cache); it has
-  `apply_weights(named)` (its own update path, which server.weights uses instead of copy_into_model)
-  and `has_top_logprobs = False` (logprobs requests are a 400).
-
-`server.engine.backends.native.NativeBackend` runs dllm's `BlockDecoder.run` (its `DecodeStep` and CUDA
-graphs below it). `Backend` is the old name of the Protocol.
+Runners: native block-causal (server.engine.backends.native: dllm's BlockRunner), full attention
+(LLaDA / Dream: server.engine.backends.full_attention, slots only, no paged cache) and LMDeploy
+in-process (server.engine.backends.lmdeploy_runner: generates whole sequences asynchronously, `run`
+hands back the next block each stream completed; trace-free; unpaged: LMDeploy pages its own cache).
+Callers read what a runner supports from `runner.info` (never by probing its attributes).
+`Backend` is the old name of the Protocol.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, runtime_checkable
 
-from dllm.decoding import StepOutput
-from dllm.postprocess import Postprocessor
+from dllm.postprocess import Postprocessor, StepOutput
 from dllm.sampling import SamplingParams
 from server.engine.scheduler import KVBudget, ScheduledBatch
 from server.engine.sequence import ServerSequence
@@ -54,6 +47,20 @@ from server.engine.sequence import ServerSequence
 
 class BackendUnavailable(RuntimeError):
     """The requested backend cannot run here (missing package, no GPU, ...)."""
+
+
+@dataclass(frozen=True)
+class RunnerInfo:
+    """What a runner supports, declared by it (read by the API, the weight receiver and /v1/models)."""
+
+    family: str                   # "sdar" (block-causal), "llada" / "dream" (full attention)
+    cache_mode: str | None = None  # full attention: "exact" | "prefix" (Fast-dLLM); None: block-causal, exact
+    has_top_logprobs: bool = True  # OpenAI `logprobs`: per completion token, the top-k of its distribution
+    has_likelihoods: bool = True   # prompt log-likelihoods (max_tokens 0, echo; dllm.likelihood: block-causal)
+    prefix_sharing: bool = False   # complete prompt blocks shared across samples and requests (server.prefix_caching)
+    weights: Literal["copy", "runner"] = "copy"  # an update is copied into `model` in place (copy_into_model),
+    # or handed to the runner's own `apply_weights(named)` (lmdeploy)
+    note: str = ""                 # why a capability is missing, when it is (logged, in the README)
 
 
 @runtime_checkable
@@ -68,6 +75,11 @@ class Runner(Protocol):
     mask_token_id: int
 
     @property
+    def info(self) -> RunnerInfo:
+        """What this runner supports."""
+        ...
+
+    @property
     def kv_budget(self) -> KVBudget:
         """The cache the scheduler admits against."""
         ...
@@ -80,13 +92,14 @@ class Runner(Protocol):
         """The model's stop rules for the scheduler (its own tokenizer instance: engine thread only)."""
         ...
 
-    def run(self, batch: ScheduledBatch) -> StepOutput:
-        """Allocate the admitted sequences' cache at their slots, then one batched forward over
-        `batch.running`; returns each sequence's outcome (no post-processing)."""
+    def run(self, batch: ScheduledBatch[ServerSequence]) -> StepOutput:
+        """One batched forward over `batch.running` (K/V written through each sequence's page table);
+        returns each sequence's outcome (no post-processing)."""
         ...
 
     def release(self, seqs: list[ServerSequence]) -> None:
-        """Free the cache of sequences that left the batch (finished, aborted, failed)."""
+        """Drop what the runner keeps of sequences that left the batch (finished, aborted, failed): their
+        slots and pages are already back in the scheduler's block manager."""
         ...
 
     def top_logprobs(self, seq: ServerSequence, k: int) -> list[list[tuple[int, float]]]:

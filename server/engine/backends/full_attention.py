@@ -19,14 +19,18 @@ The mode is recorded in `/v1/models` (`cache_mode`, with `family`) and in every 
 (SDAR) folder with `server.cache_mode=prefix` stops at start (`check_cache_mode`): its KV cache is exact.
 
 Decoding is dllm's `FullDecoder` (dllm/full/decoding.py): one denoising forward per `run` over the batch's
-canvases (prompt + max_tokens to whole blocks), the per-family rules (Dream's shift and first-token rule,
-LLaDA's none), the same commit rules, Postprocessor and StepOutput as the block-causal path. The server's
+canvases (the prompt, then max_tokens to whole blocks starting at the prompt's end), as the official LLaDA /
+Dream rollouts decode (their schedules, ranking, Dream's shift and first-token rule; `server.further_horizon`
+bounds a prefix-cache forward's window, `server.ranking` / `server.rng` pick the confidence and the random
+stream), with the Postprocessor and StepOutput of the block-causal path. The server's
 sequences are plain ServerSequences: the decoder keeps its per-sequence state (canvas, prefix cache) itself.
 
 Budget for the scheduler (`kv_budget`): there is no block-paged cache (exact mode keeps no K/V; the prefix
 cache is one sequence's own tensors, freed with it), so slots alone bound the batch (`num_pages=0`): at most
-`max_batch` sequences of up to `max_model_len` tokens. `server.compile` / `server.cuda_graphs` are the
-block-causal static step's: refused here (ConfigError naming them); the KV-cache sizing keys do not apply.
+`max_batch` sequences of up to `max_model_len` tokens; the KV-cache sizing keys do not apply. `server.compile` /
+`server.cuda_graphs` run the static-shape step (dllm/full/step.py: canvases padded to buckets, one compiled
+graph per bucket, CUDA graphs on a GPU; the prefix cache then lives in one preallocated slot buffer of
+max_batch x max_model_len positions); `server.rng=official` runs eagerly only (ConfigError naming it).
 Top logprobs (OpenAI `logprobs`) replay the finished sequence with `dllm.full.replay.full_trace_hidden`
 (one row per denoising step, the exact-mode state; for a prefix-cache sequence that is the exact
 distribution, not the cached approximation it was sampled from).
@@ -41,11 +45,13 @@ from typing import Any
 import torch
 
 from dllm.decoding import StepOutput
+from dllm.errors import FieldError
 from dllm.full.decoding import FullDecoder
 from dllm.full.model import FullAttentionLM
 from dllm.full.replay import full_trace_hidden
 from dllm.weights import load_pretrained
 from dlrl_config import ConfigError
+from server.engine.backends.base import RunnerInfo
 from server.engine.backends.native import DEFAULT_MAX_LEN, DecoderRunner, resolve_device, resolve_dtype
 from server.engine.scheduler import KVBudget, ScheduledBatch
 from server.engine.sequence import ServerSequence
@@ -61,13 +67,26 @@ def model_family(model_path: str | Path) -> str:
     return folder_family(Path(model_path))
 
 
+FULL_DEFAULTS = {"cache_mode": "exact", "further_horizon": -1, "ranking": "official", "rng": "counter"}
+
+
 def check_cache_mode(family: str, cache_mode: str) -> None:
     """ConfigError naming `server.cache_mode` when it is unknown or does not apply to `family`."""
+    check_full_options(family, cache_mode=cache_mode)
+
+
+def check_full_options(family: str, **options: object) -> None:
+    """ConfigError naming the server key (`cache_mode`, `further_horizon`, `ranking`, `rng`) when its value is
+    unknown or does not apply to `family` (a block-causal SDAR model takes the defaults only)."""
+    cache_mode = options.get("cache_mode", "exact")
     if cache_mode not in CACHE_MODES:
         raise ConfigError(f"server.cache_mode: unknown {cache_mode!r} (known: {', '.join(CACHE_MODES)})")
-    if family == "sdar" and cache_mode != "exact":
-        raise ConfigError(f"server.cache_mode: {cache_mode!r} applies to full-attention models (LLaDA, Dream); "
-                          "this block-causal SDAR model's KV cache is exact (leave server.cache_mode=exact)")
+    if family != "sdar":
+        return
+    for key, value in options.items():
+        if value != FULL_DEFAULTS[key]:
+            raise ConfigError(f"server.{key}: {value!r} applies to full-attention models (LLaDA, Dream); this "
+                              f"block-causal SDAR model's KV cache is exact (leave server.{key}={FULL_DEFAULTS[key]})")
 
 
 class FullAttentionRunner(DecoderRunner):
@@ -77,7 +96,9 @@ class FullAttentionRunner(DecoderRunner):
     decoder: FullDecoder
 
     def __init__(self, model: FullAttentionLM, tokenizer: Any, *, max_batch: int, cache_mode: str = "exact",
-                 max_model_len: int = 0, eos_ids: list[int] | None = None) -> None:
+                 max_model_len: int = 0, eos_ids: list[int] | None = None, further_horizon: int = -1,
+                 ranking: str = "official", rng: str = "counter", compile: bool = False,
+                 cuda_graphs: bool = False) -> None:
         cfg = model.config
         check_cache_mode(cfg.family, cache_mode)
         self.family, self.cache_mode = cfg.family, cache_mode
@@ -86,25 +107,28 @@ class FullAttentionRunner(DecoderRunner):
         self.block_size, self.vocab_size, self.mask_token_id = cfg.block_size, cfg.vocab_size, cfg.mask_token_id
         self.max_batch = max_batch
         limit = max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_LEN)
-        self.decoder = FullDecoder(model, max_batch=max_batch, max_len=limit, eos_ids=self.eos_ids,
-                                   cache_mode=cache_mode)
+        try:
+            self.decoder = FullDecoder(model, max_batch=max_batch, max_len=limit, eos_ids=self.eos_ids,
+                                       cache_mode=cache_mode, further_horizon=further_horizon, ranking=ranking, rng=rng,
+                                       compile=compile, cuda_graphs=cuda_graphs)
+        except FieldError as e:
+            raise ConfigError(f"server.{e.field}: {e.message}") from None
         self.max_len = self.decoder.max_len
         log.info("full-attention runner: %s, cache_mode=%s, %d sequences of up to %d tokens at once (no paged KV "
                  "cache)", self.family, cache_mode, max_batch, self.max_len)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, *, cache_mode: str = "exact", device: str = "auto",
+    def from_pretrained(cls, path: str | Path, *, cache_mode: str = "exact", further_horizon: int = -1,
+                        ranking: str = "official", rng: str = "counter", device: str = "auto",
                         dtype: str = "auto", max_batch: int = 16, max_model_len: int = 0,
                         trust_remote_code: bool = False, block_size: int = 0, mask_token_id: int = -1,
                         compile: bool = False, cuda_graphs: bool = False, **unused: Any) -> FullAttentionRunner:
         """Load a LLaDA / Dream folder. `unused`: the block-causal KV-cache sizing options (no paged cache)."""
         from dllm.tokenizer import eos_token_ids, load_tokenizer
 
-        for key, on in (("compile", compile), ("cuda_graphs", cuda_graphs)):
-            if on:
-                raise ConfigError(f"server.{key}: the static decode step is the block-causal runner's; a "
-                                  "full-attention model (LLaDA, Dream) decodes eagerly (leave it false)")
         dev = resolve_device(device)
+        if cuda_graphs and dev.type != "cuda":
+            raise ConfigError(f"server.cuda_graphs: CUDA graphs need a CUDA device (server.device resolves to {dev})")
         model = load_pretrained(path, device=dev, dtype=resolve_dtype(dtype, dev), block_size=block_size or None,
                                 mask_token_id=None if mask_token_id < 0 else mask_token_id)
         if not isinstance(model, FullAttentionLM):
@@ -115,7 +139,15 @@ class FullAttentionRunner(DecoderRunner):
         eos_ids = eos_token_ids(path, tokenizer, model.config.eos_ids)
         log.info("stop token ids (config.json + generation_config.json + tokenizer): %s", eos_ids)
         return cls(model, tokenizer, max_batch=max_batch, cache_mode=cache_mode, max_model_len=max_model_len,
-                   eos_ids=eos_ids)
+                   eos_ids=eos_ids, further_horizon=further_horizon, ranking=ranking, rng=rng, compile=compile,
+                   cuda_graphs=cuda_graphs)
+
+    @property
+    def info(self) -> RunnerInfo:
+        return RunnerInfo(self.family, self.cache_mode, note=(
+            f"this model is full-attention ({self.family}): prompt log-likelihoods are LLaDA's Monte Carlo ELBO "
+            "(dllm.full.likelihood); no prefix sharing: a prompt's K/V depend on what follows it (bidirectional "
+            "attention), and there is no paged cache"))
 
     @property
     def kv_budget(self) -> KVBudget:

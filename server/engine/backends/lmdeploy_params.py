@@ -86,6 +86,8 @@ def engine_kwargs(settings: DLLMSettings, *, max_batch: int, max_len: int, dtype
         "dtype": DTYPES[dtype], "max_batch_size": max_batch, "session_len": max_len,
         # the share of FREE memory for the KV cache; LMDeploy asserts 0 < x < 1
         "cache_max_entry_count": min(float(kv_cache_fraction), 0.95),
+        # the model agent in this process: weight updates load into it (lmdeploy_weights.py says why)
+        "distributed_executor_backend": "uni",
         "eager_mode": not cuda_graphs, "enable_prefix_caching": False,  # no stale prefix across weight updates
         "dllm_block_length": settings.block_size, "dllm_unmasking_strategy": settings.unmasking,
         "dllm_denoising_steps": settings.steps, "dllm_confidence_threshold": settings.threshold,

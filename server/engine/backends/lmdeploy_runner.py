@@ -18,7 +18,10 @@ stream out, with its own scheduler, KV cache and CUDA graphs. The Runner Protoco
   KV cache and queues what does not fit;
 - dlrl's post-processor still decides stop ids, stop strings, max_tokens and the finish reason
   (`LMDeployPostprocessor`; a stream that ended inside a block ends the sequence with the rest);
-  a sequence that left (finished, aborted) is cancelled in LMDeploy by `release`;
+  a sequence that left (finished, aborted) is cancelled in LMDeploy by `release`; a request LMDeploy
+  ended otherwise than with FINISH -- a CANCEL dlrl did not ask for (LMDeploy cancels every request
+  while asleep), an error status, a stream that stopped without a final status -- ends its sequence
+  with finish reason "error" and the cause (the server answers 500), never as a normal end;
 - traces: LMDeploy reports no per-token denoising step, and its log-probabilities are per
   forward over all block candidates, not the final tokens'. Its unmasking hook
   (`DLLMModelAgentStrategy.unmasking_processor`, replaceable without patching files) sees the
@@ -30,14 +33,22 @@ stream out, with its own scheduler, KV cache and CUDA graphs. The Runner Protoco
 
 Weights: `model` is a host copy of the served weights (dlrl's SDAR module, HF names, the
 served dtype): the weight-sync receiver validates, digests and keeps versions against it, and
-`apply_weights` (the receiver's apply, and rollback's) pushes a full set of tensors with
-LMDeploy's own path in DiRL's order -- sleep level 2 -> wake weights -> update_params per
-FlattenedTensorBucket -> wake KV cache -- then copies them into the host copy; a failure half-way
-pushes the served weights back (server/engine/backends/lmdeploy_weights.py). It costs one host
-copy of the weights.
+`apply_weights` (the receiver's apply, and rollback's) pushes a full set of tensors into LMDeploy's
+model agent in this process (LMDeploy runs its 'uni' executor, `distributed_executor_backend="uni"`)
+in DiRL's order -- sleep level 2 -> wake weights -> the agent's update_params per FlattenedTensorBucket
+-> wake KV cache, always -- then copies them into the host copy; a failure half-way pushes the served
+weights back (server/engine/backends/lmdeploy_weights.py says why this path and not Engine.update_params).
+If the push-back fails too, every request fails with that error until a full push succeeds. It costs
+one host copy of the weights.
 
-lmdeploy is imported lazily (`load_lmdeploy`): missing, or no CUDA device, is BackendUnavailable
-naming `server.backend` (LMDeploy's PyTorch engine has no CPU device). Tests drive the runner
+`close` lets LMDeploy's main task clean up: the consumers are cancelled, then
+`engine.close()` cancels the main task and `engine.wait_tasks()` waits (at most CLOSE_TIMEOUT_S) for its
+cleanup -- the engine loop stopped, `executor.release()` (the model and KV cache's GPU memory) -- before the
+runner's loop stops, so a second engine in the same process finds the memory free.
+
+lmdeploy is imported lazily (`load_lmdeploy`, server/engine/backends/lmdeploy_engine.py, with the loop
+thread): missing, older than 0.13 (async sleep, requests cancelled while asleep), or no CUDA device, is
+BackendUnavailable naming `server.backend` (LMDeploy's PyTorch engine has no CPU device). Tests drive the runner
 with a double of LMDeploy's engine interface (`engine` and `api` are injected).
 """
 
@@ -49,10 +60,10 @@ import copy
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -62,98 +73,25 @@ from dllm.postprocess import Postprocessor
 from dllm.sampling import SamplingParams
 from dllm.sequence import Sequence
 from dllm.trace import FinishReason
-from server.engine.backends.base import BackendUnavailable
+from server.engine.backends.base import RunnerInfo
+from server.engine.backends.lmdeploy_engine import (
+    FULL_ATTENTION_DEFAULTS,
+    LMDeployAPI,
+    LoopThread,
+    check_options,
+    lmdeploy_api,
+    load_lmdeploy,
+)
 from server.engine.backends.lmdeploy_params import DLLMSettings, engine_kwargs, generation_kwargs
-from server.engine.backends.lmdeploy_weights import apply_full, push
+from server.engine.backends.lmdeploy_weights import LMDeployBroken, apply_full, in_process_agent, push
 from server.engine.scheduler import KVBudget, ScheduledBatch
 from server.engine.sequence import ServerSequence
 
 log = logging.getLogger("dlrl.server")
-T = TypeVar("T")
 POLL_S = 0.05  # longest `run` waits for a block before handing control back (aborts, admissions)
-CALL_TIMEOUT_S = 600.0  # an engine call (sleep, update, wakeup) that takes longer is a failure
+CLOSE_TIMEOUT_S = 30.0  # longest close waits for LMDeploy's main task to release its executor
 DEFAULT_MAX_LEN = 8192
 _sessions = itertools.count(1)
-
-
-@dataclass
-class LMDeployAPI:
-    """What the runner calls of lmdeploy besides the engine (injected by tests)."""
-
-    generation_config: Callable[..., Any]  # lmdeploy.GenerationConfig
-    update_request: Callable[..., Any]     # lmdeploy.serve.openai.protocol.UpdateParamsRequest
-    serialize_bucket: Callable[[list[tuple[str, torch.Tensor]]], Any]  # one dtype's tensors -> payload
-
-
-def load_lmdeploy() -> Any:
-    """The lmdeploy module, or BackendUnavailable naming server.backend (missing package, no CUDA)."""
-    try:
-        import lmdeploy
-    except ImportError as e:
-        raise BackendUnavailable(
-            f"server.backend=lmdeploy: the lmdeploy package is not installed ({e}); install it in its own "
-            "environment: pip install 'dlrl[lmdeploy]' (README: LMDeploy backend)") from None
-    if not torch.cuda.is_available():
-        raise BackendUnavailable("server.backend=lmdeploy: LMDeploy's PyTorch engine needs a CUDA device and none "
-                                 "is visible; use server.backend=native on CPU")
-    return lmdeploy
-
-
-def check_options(*, device: str, kv_cache_memory: int, compile: bool, kv_admission: str = "reserve") -> None:
-    """ConfigError naming the server key for native-only options (they would do nothing here)."""
-    from dlrl_config import ConfigError
-
-    if device not in ("", "auto") and not device.startswith("cuda"):
-        raise ConfigError(f"server.device: the lmdeploy backend runs on CUDA only, got {device!r}")
-    if kv_cache_memory:
-        raise ConfigError("server.kv_cache_memory: LMDeploy sizes its KV cache as a share of free memory; set "
-                          "server.kv_cache_fraction instead (0 here)")
-    if compile:
-        raise ConfigError("server.compile: the lmdeploy backend runs LMDeploy's own kernels (server.cuda_graphs "
-                          "turns its CUDA graphs on); set server.compile=false")
-    if kv_admission != "reserve":
-        raise ConfigError("server.kv_admission: LMDeploy admits and preempts by its own scheduler; set "
-                          "server.kv_admission=reserve")
-
-
-def lmdeploy_api() -> LMDeployAPI:
-    from lmdeploy import GenerationConfig
-    from lmdeploy.serve.openai.protocol import UpdateParamsRequest
-    from lmdeploy.utils import FlattenedTensorBucket, serialize_state_dict
-
-    def serialize(named: list[tuple[str, torch.Tensor]]) -> str:
-        bucket = FlattenedTensorBucket(named_tensors=named)
-        return serialize_state_dict({"flattened_tensor": bucket.get_flattened_tensor(),
-                                     "metadata": bucket.get_metadata()})
-
-    return LMDeployAPI(GenerationConfig, UpdateParamsRequest, serialize)
-
-
-class _Loop:
-    """An asyncio loop in a daemon thread: LMDeploy's engine loop and the sequences' consumers."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="dlrl-lmdeploy", daemon=True)
-        self.thread.start()
-
-    def spawn(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = CALL_TIMEOUT_S) -> T:
-        return self.spawn(coro).result(timeout)
-
-    def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """fn(*args) on the loop's thread (LMDeploy's engine state belongs to it)."""
-
-        async def call() -> T:
-            return fn(*args)
-
-        return self.run(call())
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5.0)
 
 
 @dataclass
@@ -164,7 +102,9 @@ class _Stream:
     tokens: list[int] = field(default_factory=list)  # received, not yet handed to the scheduler
     done: bool = False
     error: str | None = None
+    cancelled: bool = False  # dlrl cancelled it (`release`, `close`): LMDeploy's CANCEL is then its end
     future: concurrent.futures.Future[None] | None = None
+    task: asyncio.Task[None] | None = None  # its consumer, on the loop
 
 
 class LMDeployPostprocessor(Postprocessor):
@@ -175,22 +115,28 @@ class LMDeployPostprocessor(Postprocessor):
         super().__init__(**kwargs)
         self.ended = ended
 
-    def commit_block(self, s: Sequence) -> None:
-        super().commit_block(s)
-        if s.is_finished:
-            return
+    def commit_block(self, s: Sequence) -> FinishReason | None:
+        reason = super().commit_block(s)
+        if reason is not None:
+            return reason
         drained, error = self.ended(s)
         if error is not None:
-            s.error, s.finish_reason = error, FinishReason.ERROR
-        elif drained:
-            s.finish_reason = FinishReason.LENGTH if len(s.completion_ids) >= s.params.max_tokens else FinishReason.STOP
+            s.error = error
+            return FinishReason.ERROR
+        if drained:
+            return FinishReason.LENGTH if len(s.completion_ids) >= s.params.max_tokens else FinishReason.STOP
+        return None
 
 
 class LMDeployRunner:
     """The Runner (server.engine.backends.base) over an LMDeploy PyTorch engine; see the module docstring."""
 
     name = "lmdeploy"
-    has_top_logprobs = False  # server.api.generation refuses `logprobs` / likelihoods (400)
+    # trace-free: `logprobs` and prompt likelihoods are refused (400). server.prefix_caching is not mapped to
+    # LMDeploy's own (PytorchEngineConfig.enable_prefix_caching, left off): it has not run with its dLLM mode
+    # (an update's sleep level 2 releases its KV cache, so no page of older weights would survive a push).
+    info = RunnerInfo("sdar", has_top_logprobs=False, has_likelihoods=False, prefix_sharing=False, weights="runner",
+                      note="trace-free; LMDeploy's own prefix caching is not turned on (not run with its dLLM mode)")
 
     def __init__(self, engine: Any, api: LMDeployAPI, model: Any, tokenizer: Any, *, settings: DLLMSettings,
                  eos_ids: list[int], max_batch: int, max_len: int, device: str = "cuda",
@@ -201,9 +147,11 @@ class LMDeployRunner:
         self.block_size, self.vocab_size, self.mask_token_id = settings.block_size, cfg.vocab_size, cfg.mask_token_id
         self.max_batch, self.max_len, self.device = max_batch, max_len, device
         self.update_bucket_bytes = update_bucket_bytes
+        self._agent = in_process_agent(engine)  # where apply_weights loads (BackendUnavailable: not here)
         self._cond = threading.Condition()
         self._streams: dict[int, _Stream] = {}  # seq_id -> its LMDeploy request
-        self._loop = _Loop()
+        self._broken: str | None = None  # LMDeploy holds no consistent weights: every request fails with it
+        self._loop = LoopThread()
         self._closed = False
         self._loop.call(self._start_engine)
         self._instances = [self._loop.call(engine.create_instance) for _ in range(max_batch)]
@@ -220,9 +168,11 @@ class LMDeployRunner:
                         kv_cache_fraction: float = 0.8, cuda_graphs: bool = False, strategy: str = "dynamic",
                         threshold: float = 0.9, lmdeploy_steps: int = 0, device: str = "auto",
                         kv_cache_memory: int = 0, compile: bool = False, kv_admission: str = "reserve",
-                        **_: Any) -> LMDeployRunner:
+                        **others: Any) -> LMDeployRunner:
         """Check the options, lmdeploy and CUDA, load the host copy and dlrl's tokenizer, build LMDeploy's engine."""
-        check_options(device=device, kv_cache_memory=kv_cache_memory, compile=compile, kv_admission=kv_admission)
+        full = {k: others[k] for k in FULL_ATTENTION_DEFAULTS if k in others}
+        check_options(device=device, kv_cache_memory=kv_cache_memory, compile=compile, kv_admission=kv_admission,
+                      **full)
         lmdeploy = load_lmdeploy()
         from lmdeploy.pytorch.engine import Engine as PytorchEngine
 
@@ -298,22 +248,37 @@ class LMDeployRunner:
         stream = _Stream(next(_sessions))
         with self._cond:
             self._streams[seq.seq_id] = stream
+            if self._broken is not None:
+                stream.done, stream.error = True, f"lmdeploy engine: not serving: {self._broken}"
+                return
         instance = self._instances[seq.slot or 0]
         stream.future = self._loop.spawn(self._consume(instance, stream, list(seq.prompt_ids),
                                                        self.gen_config(seq.params)))
 
     async def _consume(self, instance: Any, stream: _Stream, prompt_ids: list[int], gen_config: Any) -> None:
-        """Read one LMDeploy request's outputs into its stream (on the loop thread)."""
-        error = None
+        """Read one LMDeploy request's outputs into its stream (on the loop thread). Only FINISH, or a CANCEL
+        dlrl asked for, ends it normally; anything else is the sequence's error."""
+        stream.task = asyncio.current_task()
+        error: str | None = None
+        final = False  # LMDeploy sent its last status (its stream then ends: it is read to the end)
         try:
             async for out in instance.async_stream_infer(stream.session_id, prompt_ids, gen_config=gen_config):
                 status = getattr(out.status, "name", str(out.status))
+                if final:
+                    continue
+                final = status != "SUCCESS"
                 if status in ("SUCCESS", "FINISH"):
                     with self._cond:
                         stream.tokens += list(out.token_ids)
                         self._cond.notify_all()
-                elif status != "CANCEL":
+                elif status == "CANCEL":
+                    if not stream.cancelled:
+                        error = ("lmdeploy engine: LMDeploy cancelled the request (its engine is asleep for a weight "
+                                 "update, or stopping)")
+                else:
                     error = f"lmdeploy engine: request failed ({status})"
+            if not final and not stream.cancelled:
+                error = "lmdeploy engine: the request's stream ended without FINISH"
         except Exception as e:
             error = f"lmdeploy engine: {type(e).__name__}: {e}"
         finally:
@@ -349,6 +314,8 @@ class LMDeployRunner:
         for seq in seqs:
             with self._cond:
                 stream = self._streams.pop(seq.seq_id, None)
+                if stream is not None:
+                    stream.cancelled = True
             if stream is not None and not stream.done:
                 self._loop.spawn(self._cancel(self._instances[seq.slot or 0], stream))
 
@@ -365,9 +332,20 @@ class LMDeployRunner:
 
     # ------------------------------------------------------------------ weights
     def apply_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """A full set of HF-named tensors -> LMDeploy, then the host copy (server/engine/backends/lmdeploy_weights.py)."""
-        apply_full(self.model, named, lambda ts: push(self._loop, self.engine, self.api, ts, dtype=self.model.dtype,
-                                                      device=self.device, bucket_bytes=self.update_bucket_bytes))
+        """A full set of HF-named tensors -> LMDeploy, then the host copy (server/engine/backends/lmdeploy_weights.py).
+        If LMDeploy is left without consistent weights (LMDeployBroken), requests fail until one succeeds."""
+        try:
+            apply_full(self.model, named, self._push)
+        except LMDeployBroken as e:
+            with self._cond:
+                self._broken = str(e)
+            raise
+        with self._cond:
+            self._broken = None
+
+    def _push(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        return push(self._loop, self.engine, self._agent, self.api, named, dtype=self.model.dtype, device=self.device,
+                    bucket_bytes=self.update_bucket_bytes)
 
     def close(self) -> None:
         if self._closed:  # the server's shutdown and a caller's may both close it
@@ -375,10 +353,31 @@ class LMDeployRunner:
         self._closed = True
         with self._cond:
             streams, self._streams = list(self._streams.values()), {}
-        for stream in streams:
+            for stream in streams:
+                stream.cancelled = True
+        for stream in streams:  # one not started yet never starts
             if stream.future is not None:
                 stream.future.cancel()
         try:
-            self._loop.call(self.engine.close)
+            self._loop.run(self._shutdown(streams), CLOSE_TIMEOUT_S * 2 + 5)
+        except Exception as e:
+            log.warning("lmdeploy engine did not shut down cleanly: %r", e)
         finally:
             self._loop.close()
+
+    async def _shutdown(self, streams: list[_Stream]) -> None:
+        """(on the loop) Consumers cancelled and awaited, then LMDeploy's main task cancelled and awaited: its
+        cleanup stops the engine loop and releases the executor (GPU memory)."""
+        tasks = [s.task for s in streams if s.task is not None and not s.task.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT_S)
+        self.engine.close()
+        try:
+            await asyncio.wait_for(self.engine.wait_tasks(), CLOSE_TIMEOUT_S)
+        except asyncio.CancelledError:  # its main task ended cancelled: the expected end
+            pass
+        except TimeoutError:
+            log.warning("lmdeploy engine: its main task did not finish within %.0f s of close; its GPU memory may "
+                        "still be held", CLOSE_TIMEOUT_S)

@@ -1,8 +1,16 @@
-"""The native backend: dllm's `BlockDecoder` (PyTorch; its static decode step, SDPA; bf16 on CUDA).
+"""The native backend: dllm's block-causal runner (`dllm.runner.BlockRunner`: PyTorch, its static decode step,
+SDPA; bf16 on CUDA), loaded from a folder, with the KV cache sized from memory.
 
     backend = NativeBackend.from_pretrained("runs/tiny/model", device="auto", dtype="auto", max_batch=16,
                                             max_model_len=0, kv_cache_memory=0, kv_cache_fraction=0.8,
-                                            trust_remote_code=False, compile=False, cuda_graphs=False)
+                                            trust_remote_code=False, compile=False, cuda_graphs=False,
+                                            prefix_caching=True)
+
+It is the runner itself (a BlockRunner with the server's sequences, stop ids and top logprobs), so an
+engine step is Engine -> this runner's `run` -> the model's step (dllm.step.decode_step).
+`prefix_caching` (server.prefix_caching, on by default) shares complete prompt blocks across the
+samples of a request and across requests, keyed by their tokens and the weight version
+(dllm.block_manager); off, every sequence computes and holds its own prompt.
 
 `compile` (server.compile) runs the decode step through torch.compile; `cuda_graphs`
 (server.cuda_graphs, CUDA only, a ConfigError elsewhere) captures it per bucket (dllm/step.py).
@@ -28,8 +36,8 @@ requests that ask for them pay that forward.
 
 The scheduler's post-processor gets its own tokenizer instance (`postprocessor()`: it decodes
 text and applies stop strings in the engine thread) while `backend.tokenizer` is used by HTTP
-handlers on the event loop, so no tokenizer object is shared between threads. The scheduler
-accounts for slots and pages (`kv_budget`); the decoder's pool mirrors its account.
+handlers on the event loop, so no tokenizer object is shared between threads. The scheduler's
+block manager accounts for every slot and page (`kv_budget`); the runner keeps no account.
 
 `trace_free` (server.trace_free) withholds the traces: every sequence is marked trace-free and
 published with 0 steps / logprobs, as the lmdeploy backend's are (tests of the trace-free path).
@@ -45,14 +53,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dllm.decoding import BlockDecoder, StepOutput
 from dllm.kv_cache import KVCache
 from dllm.postprocess import Postprocessor
 from dllm.replay import trace_hidden
+from dllm.runner import BlockRunner
 from dllm.sampling import SamplingParams, sampling_logprobs
 from dllm.weights import load_pretrained, parse_dtype
 from dlrl_config import ConfigError
-from server.engine.scheduler import KVBudget, ScheduledBatch
+from server.engine.backends.base import RunnerInfo
 from server.engine.sequence import ServerSequence
 
 if TYPE_CHECKING:
@@ -155,39 +163,28 @@ def top_logprobs_of(model: Any, hidden: torch.Tensor, params: SamplingParams, ma
     return out
 
 
-class DecoderRunner:
-    """What the runners over a dllm decoder share (NativeBackend: BlockDecoder; FullAttentionRunner:
-    FullDecoder): sequences in, post-processing, slots out, top logprobs from the trace's replay (`_hidden`)."""
+class ServedRunner:
+    """What the server's runners share: sequences in (a request's stop ids add to the eos ids), trace-free
+    marking, top logprobs from the trace's replay (`_hidden`)."""
 
     model: Any
     tokenizer: Any
-    decoder: BlockDecoder | FullDecoder
     eos_ids: list[int]
     block_size: int
     mask_token_id: int
     trace_free = False  # server.trace_free: withhold traces (Trace.trace_free; tests, evaluation)
 
-    def new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> ServerSequence:
+    def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """FieldError for a prompt or parameters the runner cannot run (each runner's own checks)."""
+        raise NotImplementedError
+
+    def new_sequence(self, prompt_ids: list[int], params: SamplingParams, seq_id: int | None = None) -> ServerSequence:
         if params.stop_token_ids is not None and not params.ignore_eos:  # vLLM: they add to the eos ids
             params.stop_token_ids = sorted(set(self.eos_ids) | set(params.stop_token_ids))
-        self.decoder.validate(prompt_ids, params)
-        seq = ServerSequence(prompt_ids, params, self.block_size, self.mask_token_id)
+        self._check(prompt_ids, params)
+        seq = ServerSequence(prompt_ids, params, self.block_size, self.mask_token_id, seq_id)
         seq.trace.trace_free = self.trace_free  # published with 0 steps / logprobs (Trace.published)
         return seq
-
-    def postprocessor(self) -> Postprocessor:
-        tok = copy.deepcopy(self.tokenizer) if self.tokenizer is not None else None
-        return Postprocessor(eos_ids=self.eos_ids, tokenizer=tok, max_len=self.decoder.max_len,
-                             block_size=self.block_size)
-
-    def release(self, seqs: list[ServerSequence]) -> None:
-        for seq in seqs:
-            self.decoder.release(seq)
-
-    @property
-    def num_free_slots(self) -> int:
-        """Slots free in the decoder's pool (mirrors the scheduler's account once a step is over)."""
-        return self.decoder.num_free_slots
 
     def _hidden(self, seq: ServerSequence) -> torch.Tensor:
         """The final hidden states at the sequence's completion positions, replayed from its trace."""
@@ -198,41 +195,59 @@ class DecoderRunner:
         return top_logprobs_of(self.model, self._hidden(seq), seq.params, self.mask_token_id, k)
 
 
-class NativeBackend(DecoderRunner):
+class DecoderRunner(ServedRunner):
+    """The full-attention runner's base (server.engine.backends.full_attention): a dllm FullDecoder, which
+    keeps its own slots and per-sequence state (until it runs on dllm's scheduler like the native one)."""
+
+    decoder: FullDecoder
+
+    def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.decoder.validate(prompt_ids, params)
+
+    def postprocessor(self) -> Postprocessor:
+        tok = copy.deepcopy(self.tokenizer) if self.tokenizer is not None else None
+        return Postprocessor(eos_ids=self.eos_ids, tokenizer=tok, max_len=self.decoder.max_len,
+                             block_size=self.block_size)
+
+    def release(self, seqs: list[ServerSequence]) -> None:
+        for seq in seqs:
+            self.decoder.release(seq)
+
+
+class NativeBackend(ServedRunner, BlockRunner):
     """The native runner (server.engine.backends.base.Runner): loads the model, plans the KV cache, runs
-    `BlockDecoder.run` (its DecodeStep / CUDA graphs below), scores top logprobs."""
+    batches (BlockRunner.run: the static decode step / CUDA graphs below), scores top logprobs."""
 
     name = "native"
-    decoder: BlockDecoder
 
     def __init__(self, model: Any, tokenizer: Any, *, max_batch: int, max_model_len: int = 0,
                  eos_ids: list[int] | None = None, kv_cache_memory: int = 0, kv_cache_fraction: float = 0.8,
                  keep_versions: int = 0, compile: bool = False, cuda_graphs: bool = False, trace_free: bool = False,
-                 kv_admission: str = "reserve"):
+                 kv_admission: str = "reserve", prefix_caching: bool = True):
         cfg = model.config
         self.trace_free = trace_free
         if cuda_graphs and model.device.type != "cuda":
             raise ConfigError(f"server.cuda_graphs: needs a CUDA device (the model is on {model.device})")
         self.eos_ids = sorted(set(cfg.eos_ids if eos_ids is None else eos_ids))
-        self.model, self.tokenizer = model.eval(), tokenizer
-        self.block_size, self.vocab_size, self.mask_token_id = cfg.block_size, cfg.vocab_size, cfg.mask_token_id
+        self.mask_token_id = cfg.mask_token_id
         # 0 = the model's limit, capped at DEFAULT_MAX_LEN; set server.max_model_len to go higher
-        self.max_len = max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_LEN)
-        self.max_batch = max_batch
-        self.kv_plan = plan_kv_cache(cfg, model.dtype, max_batch=max_batch, max_len=self.max_len,
+        max_len = max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_LEN)
+        self.kv_plan = plan_kv_cache(cfg, model.dtype, max_batch=max_batch, max_len=max_len,
                                      memory=int(kv_cache_memory), fraction=kv_cache_fraction,
                                      available=available_memory(model.device, keep_versions * weight_bytes(model)))
-        log.info("%s", self.kv_plan.describe())
-        self.decoder = BlockDecoder(model, max_batch=max_batch, max_len=self.max_len, eos_ids=self.eos_ids,
-                                    num_pages=self.kv_plan.num_pages, compile=compile, cuda_graphs=cuda_graphs,
-                                    optimistic=kv_admission == "optimistic")
+        log.info("%s; prefix caching %s", self.kv_plan.describe(), "on" if prefix_caching else "off")
+        BlockRunner.__init__(self, model.eval(), max_batch=max_batch, max_len=max_len, eos_ids=self.eos_ids,
+                             tokenizer=tokenizer, num_pages=self.kv_plan.num_pages, compile=compile,
+                             cuda_graphs=cuda_graphs, optimistic=kv_admission == "optimistic",
+                             prefix_sharing=prefix_caching)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str = "auto", dtype: str = "auto",
                         max_batch: int = 16, max_model_len: int = 0, trust_remote_code: bool = False,
                         block_size: int = 0, mask_token_id: int = -1, kv_cache_memory: int = 0,
                         kv_cache_fraction: float = 0.8, keep_versions: int = 0, compile: bool = False,
-                        cuda_graphs: bool = False, trace_free: bool = False, kv_admission: str = "reserve") -> NativeBackend:
+                        cuda_graphs: bool = False, trace_free: bool = False, kv_admission: str = "reserve",
+                        prefix_caching: bool = True) -> NativeBackend:
         from dllm.tokenizer import eos_token_ids, load_tokenizer
 
         dev = resolve_device(device)
@@ -245,21 +260,19 @@ class NativeBackend(DecoderRunner):
         log.info("stop token ids (config.json + generation_config.json + tokenizer): %s", eos_ids)
         return cls(model, tokenizer, max_batch=max_batch, max_model_len=max_model_len, eos_ids=eos_ids,
                    kv_cache_memory=kv_cache_memory, kv_cache_fraction=kv_cache_fraction, keep_versions=keep_versions,
-                   compile=compile, cuda_graphs=cuda_graphs, trace_free=trace_free, kv_admission=kv_admission)
+                   compile=compile, cuda_graphs=cuda_graphs, trace_free=trace_free, kv_admission=kv_admission,
+                   prefix_caching=prefix_caching)
+
+    def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.validate(prompt_ids, params)
 
     @property
-    def kv_budget(self) -> KVBudget:
-        return KVBudget(self.max_batch, self.kv_plan.num_pages, self.kv_plan.page_tokens, self.decoder.optimistic)
+    def info(self) -> RunnerInfo:
+        return RunnerInfo("sdar", prefix_sharing=self.kv_budget.prefix_sharing)
 
-    def run(self, batch: ScheduledBatch) -> StepOutput:
-        for seq in batch.preempted:  # optimistic admission: their cache back; tokens and trace kept
-            self.decoder.preempt(seq)
-        if batch.admitted:
-            self.decoder.add(batch.admitted)  # at the slots the scheduler chose; CacheFull if out of step
-        return self.decoder.run(batch.running)
+    @property
+    def optimistic(self) -> bool:
+        return self.kv_budget.optimistic
 
     def _hidden(self, seq: ServerSequence) -> torch.Tensor:
         return trace_hidden(self.model, seq)
-
-    def close(self) -> None:
-        self.decoder.cache = None

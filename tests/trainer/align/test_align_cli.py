@@ -12,7 +12,8 @@ from store import open_store
 
 
 def test_align_check_resolves_both_sections(capsys):
-    assert dlrl(["align", "--config", "configs/align.yaml", "--check", "promote_every=5", "train.lr=2e-4"]) == 0
+    assert dlrl(["align", "--config", "configs/align.yaml", "--check", "--json", "promote_every=5",
+                 "train.lr=2e-4"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["AlignConfig"]["promote_every"] == 5 and out["TrainConfig"]["lr"] == 2e-4
     assert out["TrainConfig"]["servers"] == out["AlignConfig"]["rollout_servers"]  # every push goes there
