@@ -21,12 +21,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m trainer.extensions  # DeepSpeed's CPU op, built once here rather than inside the first `dlrl train`
 	touch $(STAMP)
 
+# make test's parallel workers (pytest-xdist): whole test files per worker, the files with a `slow` test first
+# (tests/conftest.py); 2 = one per core of the 2-core box. JOBS=0 runs the suite in this one process.
+JOBS ?= 2
+XDIST := $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile --no-loadscope-reorder)
+
 test: install
-	$(PY) -m pytest -q -x --durations=40 tests $(ARGS)
+	$(PY) -m pytest -q -x --durations=40 $(XDIST) tests $(ARGS)
 
 # the fast tier (.ci/run runs it before `make test`): unit tests only, no servers, no DeepSpeed builds;
-# about 40 seconds on a 2-core box (measured in a clean clone, as the README says). A test file joins when it
-# starts no process and no server.
+# under a minute on a 2-core box. A test file joins when it starts no process and no server.
 FAST_TESTS := \
 	tests/dlrl/test_import_contracts.py \
 	tests/dlrl/test_sampling_options.py \

@@ -30,6 +30,21 @@ from dllm.embedded.tiny import SMALL_ARCH, random_tiny_folder
 from tests.helpers import ADMIN_TOKEN, FIXTURE_CONFIG  # noqa: F401  (shared with test modules)
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # trainers on CPU even where a GPU is visible (see above)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # one of `make test`'s parallel workers (one per core): one torch thread here and in every process it
+    # starts, as two OpenMP threads per forward on a shared core spin against each other's
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Files with a `slow` test run first (the order is kept otherwise, and a file's tests stay together):
+    `make test` hands whole files to its workers (pytest-xdist `--dist loadfile`) in this order, so the
+    long files start at once instead of one of them ending the run on a single worker."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
 
 
 @pytest.fixture(scope="session")
@@ -219,6 +234,15 @@ def make_server_for():
 
     yield make
     stop_all(started)
+
+
+@pytest.fixture(scope="session")
+def one_rank():
+    """This process as a torch.distributed group of one (gloo, in-memory store; trainer.infra.dist.Ranks): for
+    DeepSpeed engines built in the test process (tests/trainer/ranks_worker.py's cases)."""
+    from trainer.infra.dist import Ranks
+
+    return Ranks.init()
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -74,6 +75,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_group(cmd: list[str], timeout: float, **popen_kw: Any) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True, timeout=...)` in a session of its own: when it
+    times out or the test is interrupted (pytest-timeout, Ctrl-C), its whole process group is killed, so the
+    servers and ranks it started do not outlive it (subprocess.run would kill only `cmd`). What it leaves
+    behind after exiting by itself is left for the test to see."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                          **popen_kw) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def wait_until(cond: Callable[[], bool], timeout: float, what: str, interval: float = 0.1) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -91,34 +108,76 @@ def is_ready(url: str) -> bool:
 
 @dataclass
 class ServerProcess:
+    """A `dlrl serve` subprocess on loopback (start_server_process); its output goes to `log_path`."""
+
     url: str
     proc: subprocess.Popen
     log_path: Path
+    model_dir: str = ""
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             self.proc.wait(timeout=30)
 
+    def stop(self, timeout: float = 20) -> None:
+        """SIGTERM, then SIGKILL when it has not exited within `timeout` seconds."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
 
-def start_server_process(model_dir: str, token: str, log_dir: Path, *overrides: str,
-                         port: int | None = None) -> ServerProcess:
+
+def launch_server_process(model_dir: str, token: str, log_dir: Path, *overrides: str, port: int | None = None,
+                          env: dict[str, str] | None = None) -> ServerProcess:
+    """Start `dlrl serve` (CPU, fp32, 64 slots, admin token `token`; `overrides` win) without waiting for it."""
     port = port or free_port()
-    url = f"http://127.0.0.1:{port}"
     log_path = Path(log_dir) / f"server-{port}.log"
     cmd = [sys.executable, "-m", "dlrl.cli", "serve", "--model", model_dir, "--port", str(port), "server.max_batch=64",
            "server.device=cpu", "server.dtype=float32", *overrides]
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, env=dict(os.environ, DLRL_ADMIN_TOKEN=token), stdout=log, stderr=subprocess.STDOUT)
-    srv = ServerProcess(url, proc, log_path)
+        proc = subprocess.Popen(cmd, env={**os.environ, "DLRL_ADMIN_TOKEN": token, **(env or {})}, stdout=log,
+                                stderr=subprocess.STDOUT)
+    return ServerProcess(f"http://127.0.0.1:{port}", proc, log_path, model_dir)
+
+
+def wait_server_ready(servers: list[ServerProcess], timeout: float = 120) -> None:
+    """Wait (bounded) until every server's /ready answers 200; on any failure kill them all, naming the one
+    that exited with the end of its log."""
     try:
-        wait_until(lambda: is_ready(url) or proc.poll() is not None, 120, f"server {url}")
-        if proc.poll() is not None:
-            raise RuntimeError(f"server {url} exited: {log_path.read_text()[-2000:]}")
+        for srv in servers:
+            wait_until(lambda srv=srv: is_ready(srv.url) or srv.proc.poll() is not None, timeout, f"server {srv.url}")
+            if srv.proc.poll() is not None:
+                raise RuntimeError(f"server {srv.url} exited: {srv.log()[-2000:]}")
     except BaseException:
-        srv.kill()
+        for srv in servers:
+            srv.kill()
         raise
+
+
+def start_server_process(model_dir: str, token: str, log_dir: Path, *overrides: str, port: int | None = None,
+                         env: dict[str, str] | None = None, timeout: float = 120) -> ServerProcess:
+    """`dlrl serve` on a free loopback port (or `port`), ready when this returns."""
+    srv = launch_server_process(model_dir, token, log_dir, *overrides, port=port, env=env)
+    wait_server_ready([srv], timeout)
     return srv
+
+
+def start_server_processes(count: int, model_dir: str, token: str, log_dir: Path, *overrides: str,
+                           timeout: float = 120) -> list[ServerProcess]:
+    """`count` servers started together (they load at the same time rather than one after the other)."""
+    servers = [launch_server_process(model_dir, token, log_dir, *overrides) for _ in range(count)]
+    wait_server_ready(servers, timeout)
+    return servers
 
 
 @contextlib.contextmanager
@@ -128,6 +187,39 @@ def served_process(model_dir: str, token: str, log_dir: Path, *overrides: str) -
         yield srv
     finally:
         srv.kill(signal.SIGTERM)
+
+
+def shm_in_use() -> set[str]:
+    """Names of the /dev/shm segments some live process has open or mapped (/proc/*/fd, /proc/*/maps)."""
+    used: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for fd in (proc / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("/dev/shm/"):
+                    used.add(target[len("/dev/shm/"):].removesuffix(" (deleted)"))
+            for line in (proc / "maps").read_text().splitlines():
+                if " /dev/shm/" in line:
+                    used.add(line.split(" /dev/shm/", 1)[1].removesuffix(" (deleted)"))
+        except OSError:  # the process exited meanwhile, or is not ours to read
+            continue
+    return used
+
+
+def shm_left_behind(before: set[str], settle_s: float = 1.0) -> set[str]:
+    """Segments created since `before` (a listing of /dev/shm) that no live process holds: leaked ones.
+    Segments that other tests' live processes hold (the suite runs on parallel workers) are not leaks;
+    one whose creator is unlinking it right now is gone after `settle_s`."""
+    def candidates() -> set[str]:
+        return set(os.listdir("/dev/shm")) - before - shm_in_use()
+
+    left = candidates()
+    if left:
+        time.sleep(settle_s)
+        left &= candidates()
+    return left
 
 
 def engine_core_pid(url: str) -> int:

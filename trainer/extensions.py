@@ -68,6 +68,9 @@ def build_cpu_op() -> bool:
     """Build (or find built) DeepSpeed's CPU communication op now; False where DeepSpeed has no such op."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     ensure_extensions_dir()
+    from trainer.infra.ds_import import import_deepspeed
+
+    import_deepspeed()
     from deepspeed.comm.torch import build_shm_op
 
     with announced_build(cpu=True):

@@ -10,7 +10,6 @@ import json
 import os
 import random
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import httpx
 import pytest
 
 from dllm.weights import load_pretrained
+from tests.helpers import run_group
 from weight_sync import weights_digest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,7 +47,7 @@ def test_two_servers_and_two_ranks_end_on_the_trainers_weights(tiny_model_dir, t
     cmd = ["bash", str(LOCAL), "--model", tiny_model_dir, "--steps", "2", "--out", str(out), "--port", str(port),
            "--device", "cpu", "--", "train.prompts_per_step=4", "train.group_size=4", "train.max_tokens=6",
            "train.eval_every=0", "train.tensorboard=false", "train.reward=tests.helpers:parity_reward"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    done = run_group(cmd, timeout=600, env=env)
     logs = "\n".join(p.read_text()[-2000:] for p in out.glob("server-*.log"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + logs
 

@@ -4,11 +4,12 @@ Qwen tokenizer and a MATH-style JSONL: `dlrl serve`, `dlrl eval` and 2 steps of 
 in benchmarks/RESULTS.md). Chat turns use the template and stop at <|im_end|>."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import run_group
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,9 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_real_shape_serve_eval_train(tmp_path):
     summary_path = tmp_path / "summary.json"
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "real_shape.py"), "--workdir", str(tmp_path),
-                          "--json", str(summary_path), "--layers", "1", "--steps", "2"],
-                         capture_output=True, text=True, timeout=1200, cwd=ROOT)
+    out = run_group([sys.executable, str(ROOT / "benchmarks" / "real_shape.py"), "--workdir", str(tmp_path),
+                     "--json", str(summary_path), "--layers", "1", "--steps", "2"], timeout=1200, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     s = json.loads(summary_path.read_text())
     assert s["params_millions"] > 600  # vocab 151936 x hidden 2048, embeddings untied

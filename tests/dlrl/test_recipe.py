@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.helpers import free_port, is_ready, wait_until
+from tests.helpers import free_port, is_ready, run_group, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 REV = "5eed0000" * 5
@@ -90,7 +90,7 @@ def test_the_readme_recipe_runs(small_sdar_dir, tmp_path):
                 wait_until(lambda proc=server: is_ready(url) or proc.poll() is not None, 300, "recipe server")
                 assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
                 continue
-            out = subprocess.run(full, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+            out = run_group(full, timeout=600, cwd=ROOT, env=env)
             (tmp_path / f"step{i}.log").write_text(out.stdout + out.stderr)
             assert out.returncode == 0, f"{argv}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
             if argv[0] == "train" and "--check" not in argv:

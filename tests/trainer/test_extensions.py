@@ -40,3 +40,33 @@ def test_one_line_before_the_first_build_and_nothing_after(monkeypatch, tmp_path
     with announced_build(cpu=True):  # other local ranks wait for the same build quietly
         pass
     assert capsys.readouterr() == ("", "")
+
+
+DS_IMPORT_PROBE = """
+import importlib.util, json, sys
+from trainer.infra.ds_import import import_deepspeed
+ds = import_deepspeed()
+from deepspeed.autotuning import autotuner
+out = {"mlflow_during": "mlflow" in sys.modules, "has_mlflow": autotuner.has_mlflow,
+       "same": import_deepspeed() is ds, "installed": importlib.util.find_spec("mlflow") is not None}
+if out["installed"]:
+    import mlflow  # the tracker's import afterwards is untouched
+    out["after"] = mlflow.__name__
+print(json.dumps(out))
+"""
+
+
+def test_deepspeed_is_imported_without_the_autotuners_mlflow():
+    """trainer.infra.ds_import: a fresh process imports DeepSpeed without mlflow (its autotuner's, ~2.7 s of
+    CPU), and mlflow still imports afterwards for train.report_to."""
+    import json
+    import os
+    import subprocess
+
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run([sys.executable, "-c", DS_IMPORT_PROBE], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["mlflow_during"] is False and out["has_mlflow"] is False and out["same"] is True
+    assert out.get("after", "mlflow") == "mlflow"

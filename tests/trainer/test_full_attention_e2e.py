@@ -6,6 +6,7 @@ official layout again."""
 from __future__ import annotations
 
 import json
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,13 @@ import torch
 from dllm.embedded.full_folders import build_dream_folder, build_llada_folder
 from dllm.full.model import FullAttentionLM
 from dllm.weights import load_pretrained
-from tests.helpers import ServerProcess, admin_get, served_process, write_train_config
+from tests.helpers import (
+    ServerProcess,
+    admin_get,
+    launch_server_process,
+    wait_server_ready,
+    write_train_config,
+)
 from weight_sync import weights_digest
 
 TOKEN = "fa-e2e-token"
@@ -27,9 +34,14 @@ SERVE = {"llada": ("server.cache_mode=exact",), "dream": ("server.cache_mode=pre
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[str, ServerProcess]]]:
     root = tmp_path_factory.mktemp("fa-e2e")
     folders = {"llada": str(build_llada_folder(root / "llada")), "dream": str(build_dream_folder(root / "dream"))}
-    with served_process(folders["llada"], TOKEN, root, "server.block_size=4", *SERVE["llada"]) as llada, \
-            served_process(folders["dream"], TOKEN, root, "server.block_size=4", *SERVE["dream"]) as dream:
-        yield {"llada": (folders["llada"], llada), "dream": (folders["dream"], dream)}
+    servers = {family: launch_server_process(folder, TOKEN, root, "server.block_size=4", *SERVE[family])
+               for family, folder in folders.items()}
+    try:
+        wait_server_ready(list(servers.values()))  # the two load side by side
+        yield {family: (folders[family], srv) for family, srv in servers.items()}
+    finally:
+        for srv in servers.values():
+            srv.kill(signal.SIGTERM)
 
 
 @pytest.mark.parametrize("family,overrides", [

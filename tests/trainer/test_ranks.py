@@ -1,59 +1,58 @@
 """Data parallelism: 2 ranks make the same update as 1 rank with the same global batch, for
-ZeRO-0/2/3 x (TraceRL, DiPO with KL to the reference, TraceRL with the value model), real
-DeepSpeed and torch.distributed (gloo) under torchrun. Plus the rank helpers themselves."""
+ZeRO-0/2/3 x (TraceRL, DiPO with KL to the reference, TraceRL with the value model) of an SDAR policy and
+for a full-attention one, real DeepSpeed and torch.distributed (gloo) under torchrun (tests/trainer/ranks_worker.py).
+Plus the rank helpers themselves."""
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers import run_group
+from tests.trainer.ranks_worker import FAMILIES, Case, make_policy, run_named_case
 from trainer.infra.dist import Ranks
 
 WORKER = Path(__file__).with_name("ranks_worker.py")
-
-
-def _run_worker(nproc: int, out: Path) -> None:
-    out.mkdir()
-    # gloo on CPU ranks, GPU or not (two NCCL ranks cannot share one GPU)
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(WORKER.parent.parent))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(WORKER), str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+CASES = [(family, case) for family, fam in FAMILIES.items() for case in fam.cases]
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict[int, Path]:
-    root = tmp_path_factory.mktemp("ranks")
-    for n in (1, 2):
-        _run_worker(n, root / f"n{n}")
-    return {1: root / "n1", 2: root / "n2"}
+def two_ranks(tmp_path_factory) -> Path:
+    """Every case of ranks_worker.py (both families) on two ranks: one torchrun."""
+    out = tmp_path_factory.mktemp("ranks")
+    # gloo on CPU ranks, GPU or not (two NCCL ranks cannot share one GPU)
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(WORKER.parents[2]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER), str(out)]
+    proc = run_group(cmd, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("objective", ["tracerl", "dipo_kl", "value"])
-@pytest.mark.parametrize("stage", [0, 2, 3])
-def test_two_ranks_make_the_same_update_as_one(results, objective, stage):
-    one = torch.load(results[1] / f"{objective}-zero{stage}.pt", weights_only=False)
-    two = torch.load(results[2] / f"{objective}-zero{stage}.pt", weights_only=False)
-    from tests.trainer.ranks_worker import make_policy
-
-    initial = dict(make_policy().hf_named_tensors())
-    for part in ("policy", "value") if objective == "value" else ("policy",):
+@pytest.mark.parametrize("family,case", CASES, ids=[f"{family}-{case.name}" for family, case in CASES])
+def test_two_ranks_make_the_same_update_as_one(two_ranks: Path, one_rank: Ranks, family: str, case: Case) -> None:
+    """The same global batch on one rank (in this process) and on two (torchrun): the same update, and the
+    same metrics (they use global counts). SDAR: TraceRL, DiPO + KL, TraceRL + value model at ZeRO-0/2/3;
+    a full-attention (LLaDA-layout) policy: TraceRL at ZeRO-2, DiPO + KL at ZeRO-3."""
+    one = run_named_case(one_rank, family, case)
+    two = torch.load(two_ranks / f"{family}-{case.name}.pt", weights_only=False)
+    assert one.keys() == two.keys()
+    for part in one.keys() - {"metrics"}:  # the policy, and the value model when there is one
         for name, p in one[part].items():
             assert (p - two[part][name]).abs().max() <= 1e-5, (part, name)
-        assert any(not torch.equal(p, initial[n]) for n, p in one["policy"].items())  # it did train
-    assert one["metrics"]["num_samples"] == two["metrics"]["num_samples"] == 24
+    initial = dict(make_policy(family).hf_named_tensors())
+    assert any(not torch.equal(p, initial[n]) for n, p in one["policy"].items())  # it did train
+    fam = FAMILIES[family]
+    assert one["metrics"]["num_samples"] == two["metrics"]["num_samples"] == fam.num_prompts * fam.group
     for key, value in one["metrics"].items():  # metrics use global counts
         assert two["metrics"][key] == pytest.approx(value, abs=1e-5), key
-    if objective == "dipo_kl":
+    if dict(case.options).get("kl_coef"):
         assert one["metrics"]["kl_ref"] > 0
-    if objective == "value":
+    if dict(case.options).get("use_value_model"):
         assert "value_loss" in one["metrics"] and "explained_var" in one["metrics"]
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dllm.weights import load_pretrained
-from tests.helpers import admin_get, start_server_process, wait_until, write_train_config
+from tests.helpers import admin_get, run_group, start_server_process, wait_until, write_train_config
 from weight_sync import weights_digest
 
 TOKEN = "crash-token"
@@ -30,7 +30,7 @@ def train(config: Path, *overrides: str, fault: str = "", wait: bool = True):
     cmd = [sys.executable, "-m", "dlrl.cli", "train", "--config", str(config), *overrides]
     if not wait:
         return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    return run_group(cmd, timeout=600, env=env)
 
 
 def rows(tmp: Path) -> list[dict]:
@@ -64,7 +64,9 @@ def test_kill_9_in_rollouts_optimizer_and_push_then_resume(server, tiny_model_di
 def test_a_restarted_server_is_detected_and_resynced(tiny_model_dir, tmp_path):
     srv = start_server_process(tiny_model_dir, TOKEN, tmp_path)
     port = int(srv.url.rsplit(":", 1)[1])
-    cfg = write_config(tmp_path, [srv.url], tiny_model_dir, num_steps=40, checkpoint_every=0, server_wait_s=120)
+    # 12 steps: the server is killed as soon as 2 are logged, long before the run can end; the trainer waits for
+    # it (server_wait_s), tells the restart apart and re-syncs it, and pushes the steps left to it
+    cfg = write_config(tmp_path, [srv.url], tiny_model_dir, num_steps=12, checkpoint_every=0, server_wait_s=120)
     proc = train(cfg, wait=False)
     try:
         jsonl = tmp_path / "run" / "metrics.jsonl"
@@ -77,7 +79,7 @@ def test_a_restarted_server_is_detected_and_resynced(tiny_model_dir, tmp_path):
         final = weights_digest(load_pretrained(tmp_path / "run" / "final").hf_named_tensors())
         assert admin_get(srv.url, "/weights/checksum", TOKEN)["digest"] == final
         assert admin_get(srv.url, "/weights/version", TOKEN)["version"] == rows(tmp_path)[-1]["version"]
-        assert rows(tmp_path)[-1]["step"] == 40
+        assert rows(tmp_path)[-1]["step"] == 12
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -15,7 +15,15 @@ import httpx
 import pytest
 
 from dllm.weights import load_pretrained
-from tests.helpers import admin_get, free_port, start_server_process, wait_until, write_train_config
+from tests.helpers import (
+    admin_get,
+    free_port,
+    run_group,
+    shm_left_behind,
+    start_server_processes,
+    wait_until,
+    write_train_config,
+)
 from weight_sync import weights_digest
 
 TOKEN = "ranks-token"
@@ -32,7 +40,7 @@ def train_cmd(config: Path, *overrides: str) -> list[str]:
 
 def run_train(config: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    return subprocess.run(train_cmd(config, *overrides), env=env, capture_output=True, text=True, timeout=timeout)
+    return run_group(train_cmd(config, *overrides), timeout, env=env)
 
 
 def metrics(tmp: Path) -> list[dict]:
@@ -45,7 +53,7 @@ def pushed_digests(tmp: Path) -> dict[int, str]:
 
 @pytest.fixture
 def two_servers(tiny_model_dir, tmp_path):
-    servers = [start_server_process(tiny_model_dir, TOKEN, tmp_path) for _ in range(2)]
+    servers = start_server_processes(2, tiny_model_dir, TOKEN, tmp_path)
     yield servers
     for s in servers:
         s.kill(signal.SIGTERM)
@@ -78,9 +86,12 @@ def test_deepspeed_launcher_then_resume_with_another_number_of_ranks_is_refused(
                                                                                 tmp_path):
     cfg = write_config(tmp_path, [two_servers[0].url], tiny_model_dir, checkpoint_every=1, num_steps=1,
                        zero_stage=2)
-    deepspeed = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--module"]
+    # a free rendezvous port: DeepSpeed's default (29500) also names its shared-memory buffers, which another
+    # job on the machine using the default would share
+    deepspeed = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(free_port()),
+                 "--module"]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), DS_ACCELERATOR="cpu")
-    done = subprocess.run(deepspeed + train_cmd(cfg)[2:], env=env, capture_output=True, text=True, timeout=600)
+    done = run_group(deepspeed + train_cmd(cfg)[2:], timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert '"num_ranks": 2' in done.stdout
     done = run_train(cfg, "num_steps=2", "--resume")  # refused before anything starts (issue 47)
@@ -132,7 +143,7 @@ def test_sigterm_checkpoints_stops_its_server_and_exits_zero(tiny_model_dir, tmp
     assert f"step{state['step']}" == tag
     with pytest.raises(httpx.HTTPError):  # the server it started is gone
         httpx.get(url + "/health", timeout=2)
-    assert set(os.listdir("/dev/shm")) <= shm_before  # no shared-memory segment left behind
+    assert not shm_left_behind(shm_before)  # no shared-memory segment left behind
 
 
 def test_servers_die_with_a_sigkilled_trainer(tiny_model_dir, tmp_path):

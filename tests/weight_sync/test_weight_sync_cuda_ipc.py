@@ -20,12 +20,7 @@
 from __future__ import annotations
 
 import base64
-import dataclasses
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,14 +30,13 @@ import httpx
 import pytest
 import torch
 
-from tests.helpers import engine_core_pid
+from tests.helpers import ServerProcess, engine_core_pid, start_server_process
 from weight_sync import ManifestError, WeightSender, WeightSyncError, weights_digest
 from weight_sync.bucket import pack_stream, pieces, plan_buckets, specs_of
 from weight_sync.devhash import CHUNK_WORDS, device_scan, mlh64, mlh64_reference
 from weight_sync.manifest import Manifest
 from weight_sync.transports.cuda_ipc import IpcReader, IpcRegion
 
-ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "ipc-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 LEASE_S = 2.0
@@ -168,57 +162,17 @@ def test_trainer_accepts_cuda_ipc_and_fails_early_on_cpu():
 
 
 # ---------------------------------------------------------------------- a real server process
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclasses.dataclass
-class Server:
-    proc: subprocess.Popen
-    url: str
-    model_dir: str
-
-
-def start_server(model_dir: str, log: Path, *overrides: str, env: dict | None = None) -> Server:
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    env.pop("DLRL_ADMIN_TOKEN", None)
-    cmd = [sys.executable, "-m", "server.cli", "--model", model_dir, "--port", str(port),
-           f"server.admin_token={TOKEN}", f"server.weight_sync_lease_s={LEASE_S}", "server.max_batch=4",
-           "server.max_model_len=128", *overrides]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, log.read_text()
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.1)
-    return Server(proc, url, model_dir)
-
-
-def stop(server: Server) -> None:
-    server.proc.send_signal(signal.SIGTERM)
-    try:
-        server.proc.wait(20)
-    except subprocess.TimeoutExpired:
-        server.proc.kill()
+def start_server(model_dir: str, log_dir: Path, *overrides: str, env: dict[str, str] | None = None) -> ServerProcess:
+    """`dlrl serve` (tests.helpers) with this module's token and lease, 4 slots, 128 tokens."""
+    return start_server_process(model_dir, TOKEN, log_dir, f"server.weight_sync_lease_s={LEASE_S}", "server.max_batch=4",
+                                "server.max_model_len=128", *overrides, env=env)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("ipc") / "server.log"
-    proc = start_server(tiny_model_dir, log, "server.device=cpu", "server.dtype=float32",
-                        env={"CUDA_VISIBLE_DEVICES": ""})
-    yield proc
-    stop(proc)
+    srv = start_server(tiny_model_dir, tmp_path_factory.mktemp("ipc"), env={"CUDA_VISIBLE_DEVICES": ""})
+    yield srv
+    srv.stop()
 
 
 def get(url: str, path: str) -> dict:
@@ -278,7 +232,7 @@ def unchanged(server, before: dict) -> None:
     assert status["update"] is None and status["version"] == before["version"]
 
 
-def test_push_end_to_end_reuses_one_shared_region(server: Server):
+def test_push_end_to_end_reuses_one_shared_region(server: ServerProcess):
     sender = WeightSender([server.url], transport="cuda_ipc", token=TOKEN, run_id="run-ipc", bucket_bytes=1 << 16,
                           ipc_allow_cpu=True, timeout=60)
     try:
@@ -436,7 +390,7 @@ def test_the_heartbeat_holds_the_lease_and_silence_loses_it(server):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_push_through_real_cuda_ipc(tiny_model_dir, tmp_path):
-    proc = start_server(tiny_model_dir, tmp_path / "server.log", "server.device=cuda", "server.dtype=bfloat16")
+    proc = start_server(tiny_model_dir, tmp_path, "server.device=cuda", "server.dtype=bfloat16")
     try:
         sender = WeightSender([proc.url], transport="cuda_ipc", token=TOKEN, run_id="run-gpu",
                               bucket_bytes=1 << 16, dtype="auto", timeout=120)
@@ -456,4 +410,4 @@ def test_push_through_real_cuda_ipc(tiny_model_dir, tmp_path):
         r = httpx.post(proc.url + "/generate", json={"prompt": "1+2=", "max_tokens": 4}, timeout=60)
         assert r.status_code == 200 and r.json()["version"] == 2, r.text
     finally:
-        stop(proc)
+        proc.stop()

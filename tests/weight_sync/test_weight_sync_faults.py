@@ -28,7 +28,7 @@ import httpx
 import pytest
 import torch
 
-from tests.helpers import engine_core_pid
+from tests.helpers import engine_core_pid, start_server_process
 from weight_sync import WeightSender, WeightSyncError, weights_digest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,42 +55,14 @@ push([url], source, int(version), transport=transport, token=os.environ["TOKEN"]
 '''
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("faults") / "server.log"
     # CPU only, GPU or not: thread counts below must not see the CUDA driver's own threads
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
-    env.pop("DLRL_ADMIN_TOKEN", None)
-    cmd = [sys.executable, "-m", "server.cli", "--model", tiny_model_dir, "--port", str(port),
-           f"server.admin_token={TOKEN}", f"server.weight_sync_lease_s={LEASE_S}", "server.device=cpu",
-           "server.dtype=float32", "server.max_batch=4", "server.max_model_len=128"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, log.read_text()
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.1)
-    proc.url, proc.model_dir = url, tiny_model_dir
-    yield proc
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    srv = start_server_process(tiny_model_dir, TOKEN, tmp_path_factory.mktemp("faults"),
+                               f"server.weight_sync_lease_s={LEASE_S}", "server.max_batch=4", "server.max_model_len=128",
+                               env={"CUDA_VISIBLE_DEVICES": ""})
+    yield srv
+    srv.stop()
 
 
 def get(url: str, path: str) -> dict:
@@ -238,7 +210,6 @@ def test_aborted_dist_updates_leak_no_threads(server):
 def test_commit_to_a_server_that_died_fails_soon_naming_it(monkeypatch):
     """A server killed while the sender commits refuses connections: the commit gives up after
     control.UNREACHABLE_S (naming the server) instead of polling until the whole commit timeout."""
-    import socket
     import time
 
     from weight_sync import control

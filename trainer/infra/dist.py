@@ -67,7 +67,9 @@ def init_process_group() -> None:
     from trainer.extensions import announced_build, ensure_extensions_dir
 
     ensure_extensions_dir()  # before DeepSpeed builds its ops: one stable cache (issue 38)
-    import deepspeed  # after the env: DS_ACCELERATOR is read on first use
+    from trainer.infra.ds_import import import_deepspeed
+
+    deepspeed = import_deepspeed()  # after the env: DS_ACCELERATOR is read on first use
 
     if not launched:
         os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed's engine reads it

@@ -87,14 +87,7 @@ def test_console_shows_the_loop_and_rolls_back_from_the_page(chromium, tiny_mode
         assert value(fams, "dlrl_train_step_seconds", phase="rollout") > 0
         assert httpx.post(console + "api/pause", timeout=10).status_code == 401  # no token: read-only
         assert httpx.post(console + "api/pause", headers={"Authorization": "Bearer wrong"}, timeout=10).status_code == 403
-        auth = {"Authorization": f"Bearer {stack.admin_token}"}
-        for body, status, field in ((b"{not json", 400, "body"), (b'{"version": "x"}', 400, "version"),
-                                    (b'{"version": true}', 400, "version"), (b'{"version": 987654}', 409, "987654"),
-                                    (b"[" * 5000, 413, "body")):
-            r = httpx.post(console + "api/rollback", content=body, headers=auth, timeout=30)
-            assert r.status_code == status and field in r.json()["error"], (body[:20], r.text)
         assert httpx.get(console + "api/nothing", timeout=10).status_code == 404
-        assert _serving(db) not in (None, 987654)  # nothing half-applied
 
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
@@ -121,6 +114,15 @@ def test_console_shows_the_loop_and_rolls_back_from_the_page(chromium, tiny_mode
             # no promotion in flight before the rollback (none starts while paused)
             wait_until(lambda: not httpx.get(console + "api/state", timeout=10).json()["promotion_in_flight"], 120,
                        "the promotion in flight to finish")
+            # hostile rollback bodies, each refused naming what is wrong (asked while no promotion is in flight,
+            # which would be refused first: promote_every=1 keeps one in flight most of the time)
+            auth = {"Authorization": f"Bearer {stack.admin_token}"}
+            for body, status, field in ((b"{not json", 400, "body"), (b'{"version": "x"}', 400, "version"),
+                                        (b'{"version": true}', 400, "version"), (b'{"version": 987654}', 409, "987654"),
+                                        (b"[" * 5000, 413, "body")):
+                r = httpx.post(console + "api/rollback", content=body, headers=auth, timeout=30)
+                assert r.status_code == status and field in r.json()["error"], (body[:20], r.text)
+            assert _serving(db) not in (None, 987654)  # nothing half-applied
             before = {u: admin_get(u, "/weights/version", stack.admin_token)["version"] for u in urls[1:]}
             assert initial not in before.values()
             page.wait_for_selector(f"#rollback-version option[value='{initial}']", state="attached")

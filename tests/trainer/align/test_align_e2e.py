@@ -12,6 +12,7 @@ start; the controller's Prometheus metrics; SIGTERM checkpoints and exits 0.
 
 from __future__ import annotations
 
+import shutil
 import signal
 from pathlib import Path
 
@@ -26,21 +27,17 @@ from trainer.align.cli import versions_main
 from trainer.align.registry import NO_PRUNE
 
 pytestmark = pytest.mark.slow
-SFT_STEPS = 900
 
 
 @pytest.fixture(scope="module")
-def sft_model(request) -> str:
-    """The embedded default's SFT starting point (~31% held-out accuracy), trained once and cached
-    in pytest's cache directory (deterministic: the same config always gives the same weights)."""
-    from dllm.embedded.sft import run_sft
-    from dllm.embedded.tiny import load_tiny_sections
+def sft_model(tmp_path_factory) -> str:
+    """The embedded default's SFT starting point (~30% held-out accuracy): the committed checkpoint of
+    tests/fixtures/tiny_sft.py (900 SFT steps of configs/align.yaml; checked against the config first),
+    copied so that nothing the run writes lands in the repository."""
+    from tests.fixtures.tiny_sft import FOLDER, check
 
-    out = Path(request.config.cache.mkdir(f"dlrl-tiny-sft-{SFT_STEPS}"))
-    if not (out / "config.json").is_file():
-        arch, task, sft = load_tiny_sections("configs/align.yaml", [f"sft.output_dir={out}", f"sft.steps={SFT_STEPS}"])
-        run_sft(arch, task, sft)
-    return str(out)
+    check()
+    return str(shutil.copytree(FOLDER, tmp_path_factory.mktemp("sft") / "tiny-sft"))
 
 
 def _config(tmp: Path) -> Path:
