@@ -134,6 +134,7 @@ class DSEngine(Protocol[ModuleT]):
     def module(self) -> ModuleT: ...
     optimizer: Any  # a torch optimizer, or DeepSpeed's ZeRO wrapper around one (`.optimizer` chains to it)
     global_rank: int
+    device: torch.device
     global_steps: int
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
@@ -194,14 +195,15 @@ def build_frozen(model: M, cfg: DSConfig) -> M:
     return frozen
 
 
-def _unwrap(engine_or_module: EngineOrModule) -> nn.Module:
+def unwrap(engine_or_module: DSEngine[M] | M) -> M:
+    """The model a DeepSpeed engine wraps, or the model itself."""
     if hasattr(engine_or_module, "zero_optimization_stage"):  # a DeepSpeedEngine (itself an nn.Module)
-        return cast("DSEngine[nn.Module]", engine_or_module).module
-    return cast(nn.Module, engine_or_module)
+        return cast("DSEngine[M]", engine_or_module).module
+    return cast(M, engine_or_module)
 
 
 def _is_zero3(engine_or_module: EngineOrModule) -> bool:
-    return any(hasattr(p, "ds_id") for p in _unwrap(engine_or_module).parameters())  # partitioned
+    return any(hasattr(p, "ds_id") for p in unwrap(engine_or_module).parameters())  # partitioned
 
 
 def named_full_params(engine_or_module: EngineOrModule, dtype: torch.dtype | None = None,
@@ -211,7 +213,7 @@ def named_full_params(engine_or_module: EngineOrModule, dtype: torch.dtype | Non
     fused parameter (q/k/v, gate/up) comes as its checkpoint tensors. Under ZeRO-3 parameters
     are gathered a bucket at a time with `deepspeed.zero.GatheredParameters`: every rank must
     consume the iterator."""
-    layout = module_layout(_unwrap(engine_or_module))
+    layout = module_layout(unwrap(engine_or_module))
 
     def emit(name: str, p: nn.Parameter, parts: Any) -> list[tuple[str, torch.Tensor]]:
         t = p.data.detach()

@@ -224,7 +224,7 @@ class Remote:
             raise TypeError("len() of the solution's object is not an int")
         return n
 
-    def __iter__(self) -> _RemoteIter:
+    def __iter__(self) -> "_RemoteIter":
         return _RemoteIter(self._op("iter"))
 
     def __str__(self) -> str:
@@ -238,7 +238,7 @@ class _RemoteIter:
     def __init__(self, it: object) -> None:
         self.it = it
 
-    def __iter__(self) -> _RemoteIter:
+    def __iter__(self) -> "_RemoteIter":
         return self
 
     def __next__(self) -> Any:

@@ -14,7 +14,7 @@ tokens at a time, ZeRO-3 safe).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -43,14 +43,18 @@ def completion_rows(samples: Sequence[Sample], block_size: int, pad_id: int) -> 
     return Rows(clean.clone(), clean, pos, valid, target, sample_idx, token_idx, torch.arange(n))
 
 
-def _chunk_logprobs(lm_head, hidden: torch.Tensor, ids: torch.Tensor, mask_id: int, temperature: float):
+LMHead = Callable[[torch.Tensor], torch.Tensor]  # hidden [C, D] -> logits [C, V]
+
+
+def _chunk_logprobs(lm_head: LMHead, hidden: torch.Tensor, ids: torch.Tensor, mask_id: int,
+                    temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [C, D], ids [C] -> (log p(ids) [C] fp32, entropy [C] detached)."""
     logits = lm_head(hidden).float()  # [C, V]: the only place full-vocabulary logits exist
     lp = token_logprobs(logits, ids, mask_id, temperature)
     return lp, token_entropy(logits.detach(), mask_id)
 
 
-def chunked_token_logprobs(lm_head, hidden: torch.Tensor, ids: torch.Tensor, mask_id: int,
+def chunked_token_logprobs(lm_head: LMHead, hidden: torch.Tensor, ids: torch.Tensor, mask_id: int,
                            temperature: float = 1.0, chunk: int = 1024, num_chunks: int | None = None,
                            filler: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Like `token_logprobs(lm_head(hidden), ids)` for scored tokens only: hidden [N, D], ids [N]
@@ -70,7 +74,7 @@ def chunked_token_logprobs(lm_head, hidden: torch.Tensor, ids: torch.Tensor, mas
         raise ValueError(f"num_chunks: {total} chunks of {step} cannot hold {n} tokens")
     checkpointed = torch.is_grad_enabled() and hidden.requires_grad
 
-    def run(h, t):
+    def run(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if checkpointed:
             return torch.utils.checkpoint.checkpoint(_chunk_logprobs, lm_head, h, t, mask_id, temperature,
                                                      use_reentrant=False)
