@@ -26,11 +26,11 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from rollout_client.client import AdminError, RolloutClient
+from rollout_client.client import AdminError, Prompt, RolloutClient
 from rollout_client.protocol.rollout import Rollout
 from trainer.infra.local_servers import is_local
 from weight_sync.errors import ServerRestarted, WeightSyncError
@@ -156,7 +156,7 @@ class ServerFleet:
         self.local = []
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts: list[list[int]], n: int, **sampling: Any) -> list[Rollout]:
+    def generate(self, prompts: Sequence[Prompt], n: int, **sampling: Any) -> list[Rollout]:
         return self._loop.run(self.client.generate(prompts, n=n, return_trace=True, **sampling))
 
     def metrics(self, url: str) -> str:
