@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 class GenerateFn(Protocol):
     """`ServerFleet.generate`: `n` rollouts per prompt (text or token ids), prompt-major."""
 
-    def __call__(self, prompts: Sequence[Prompt], n: int, /, **sampling: Any) -> list[Rollout]: ...
+    def __call__(self, prompts: Sequence[Prompt], n: int, **sampling: Any) -> list[Rollout]: ...
 
 
 class EvalError(ValueError):

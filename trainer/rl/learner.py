@@ -31,7 +31,7 @@ import torch
 from dllm.full.replay import full_replay_hidden
 from dllm.replay import Rows, replay_hidden
 from trainer.infra.dist import Ranks
-from trainer.infra.ds_engine import unwrap
+from trainer.infra.ds_engine import EngineOrModule, unwrap
 from trainer.infra.faults import Faults
 from trainer.rl.correction import is_weights, mismatch_stats
 from trainer.rl.objectives import OBJECTIVES, value_loss
@@ -46,10 +46,10 @@ if TYPE_CHECKING:
     from trainer.rl.value_model import ValueModel
 
 
-def is_full_attention(model: nn.Module) -> bool:
+def is_full_attention(model: EngineOrModule) -> bool:
     """A full-attention model (LLaDA / Dream, dllm.full): its rows are one canvas per trace step, its replay
     forward bidirectional (dllm.full.replay); SDAR's are block-causal with a clean copy (dllm.replay)."""
-    return getattr(getattr(model, "module", model), "attention", "block_causal") == "full"
+    return getattr(unwrap(model), "attention", "block_causal") == "full"
 
 
 def _policy_loss(cfg: TrainConfig, new_lp: torch.Tensor, old_lp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
