@@ -112,7 +112,7 @@ def align_sections() -> dict[str, type[Config]]:
     return {"align": AlignConfig, "train": TrainConfig, **TINY_SECTIONS, "server": ServerKeys}
 
 
-def check_train(align: AlignConfig, train) -> None:
+def check_train(align: AlignConfig, train: TrainConfig) -> None:
     """What `dlrl align` needs of the `train` section (ValueError naming the key)."""
     if align.uses_feedback() and train.is_correction == "none":
         raise ValueError("train.is_correction: align.feedback_ratio > 0 trains on feedback records, which are "
