@@ -18,29 +18,21 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from dllm.replay import Rows, Sample, token_logprobs, trace_of
+from dllm.replay import RowParts, Rows, Sample, stack_rows, token_logprobs, trace_of
 
 
 def completion_rows(samples: Sequence[Sample], block_size: int, pad_id: int) -> Rows:
     """One clean row per sample whose targets are all its completion tokens (for the
     random-masking / coupled baselines, which draw their own masks)."""
-    n = len(samples)
     seqs = [list(s.prompt_ids) + list(s.completion_ids) + list(trace_of(s).tail_ids) for s in samples]
     L = math.ceil(max(map(len, seqs), default=1) / block_size) * block_size
-    clean = torch.full((n, L), pad_id, dtype=torch.long)
-    valid = torch.zeros(n, L, dtype=torch.bool)
-    target = torch.zeros(n, L, dtype=torch.bool)
-    sample_idx = torch.full((n, L), -1, dtype=torch.long)
-    token_idx = torch.full((n, L), -1, dtype=torch.long)
+    parts = []
     for i, (s, seq) in enumerate(zip(samples, seqs)):
         P, C = len(s.prompt_ids), len(s.completion_ids)
-        clean[i, :len(seq)] = torch.tensor(seq)
-        valid[i, :len(seq)] = True
-        target[i, P:P + C] = True
-        sample_idx[i, P:P + C] = i
-        token_idx[i, P:P + C] = torch.arange(C)
-    pos = torch.arange(L).expand(n, L).contiguous()
-    return Rows(clean.clone(), clean, pos, valid, target, sample_idx, token_idx, torch.arange(n))
+        tail = len(seq) - P - C
+        parts.append(RowParts(seq, seq, len(seq), [False] * P + [True] * C + [False] * tail,
+                              [-1] * P + list(range(C)) + [-1] * tail, i))
+    return stack_rows(parts, pad_id, L)
 
 
 LMHead = Callable[[torch.Tensor], torch.Tensor]  # hidden [C, D] -> logits [C, V]
