@@ -33,6 +33,8 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from dllm.ranges import TEMPERATURE
+
 
 class SampleTrace(Protocol):
     """The part of a decoding trace replay reads (dllm.trace.Trace, the wire's trace model)."""
@@ -212,7 +214,7 @@ def trace_hidden(model: Any, sample: Sample) -> torch.Tensor:
 
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, mask_id: int,
-                   temperature: float = 1.0) -> torch.Tensor:
+                   temperature: float = TEMPERATURE.default) -> torch.Tensor:
     """logits [R, L, V], ids [R, L] -> log p(ids) [R, L] under the sampling distribution
     (mask token excluded, divided by temperature), fp32."""
     logits = logits.float()

@@ -25,6 +25,7 @@ from typing import Annotated, Literal
 from pydantic import ByteSize, Field, StringConstraints
 
 from dllm.options import Temperature, Threshold
+from dllm.ranges import TEMPERATURE, THRESHOLD
 from dllm.strategy import Strategy, StrategyField
 from dlrl_config import Config, load_section
 
@@ -99,8 +100,8 @@ class ServerConfig(Config):
     # defaults for requests that leave these unset
     default_max_tokens: int = Field(64, ge=1)  # max_tokens of requests that leave it unset
     default_strategy: StrategyField = Strategy.dynamic  # strategy of requests that leave it unset
-    default_threshold: Threshold = 0.9  # threshold of requests that leave it unset
-    default_temperature: Temperature = 1.0  # temperature of requests that leave it unset
+    default_threshold: Threshold = THRESHOLD.default  # threshold of requests that leave it unset
+    default_temperature: Temperature = TEMPERATURE.default  # temperature of requests that leave it unset
     # prompt log-likelihoods (echo + logprobs, max_tokens 0; server/api/likelihood.py, dllm/likelihood.py)
     likelihood: Literal["sequential", "elbo"] = "sequential"  # block-causal: exact sequential-policy, or the Monte Carlo ELBO (full attention: always elbo)
     elbo_samples: int = Field(16, ge=1, le=1024)  # elbo: masking samples per estimate (seeded; LLaDA / Dream: per context / continuation split)

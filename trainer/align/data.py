@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dllm.ranges import TEMPERATURE
 from dllm.trace import Trace
 from rollout_client.protocol.rollout import Rollout
 from trainer.data.prompts import example_from_record
@@ -234,7 +235,7 @@ def record_rollout(rec: Record, block_size: int, max_len: int) -> Rollout | str:
         return "trace step outside the block"
     if any(not (math.isfinite(lp) and lp <= 1e-6) for lp in trace.logprobs):
         return "behaviour log-prob not finite or positive"
-    if float((rec.sampling or {}).get("temperature", 1.0) or 0.0) == 0.0:
+    if float((rec.sampling or {}).get("temperature", TEMPERATURE.default) or 0.0) == 0.0:
         trace = trace.model_copy(update={"logprobs": [0.0] * n})  # greedy: a deterministic behaviour policy
     return Rollout.copy_from(rec, prompt_index=0, sample_index=0, trace=trace, server=str(rec.server))
 

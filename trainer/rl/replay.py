@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from dllm.ranges import TEMPERATURE
 from dllm.replay import RowParts, Rows, Sample, stack_rows, token_logprobs, trace_of
 
 
@@ -47,7 +48,7 @@ def _chunk_logprobs(lm_head: LMHead, hidden: torch.Tensor, ids: torch.Tensor, ma
 
 
 def chunked_token_logprobs(lm_head: LMHead, hidden: torch.Tensor, ids: torch.Tensor, mask_id: int,
-                           temperature: float = 1.0, chunk: int = 1024, num_chunks: int | None = None,
+                           temperature: float = TEMPERATURE.default, chunk: int = 1024, num_chunks: int | None = None,
                            filler: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Like `token_logprobs(lm_head(hidden), ids)` for scored tokens only: hidden [N, D], ids [N]
     -> (log-probs [N], entropy [N] without grad, anchor). Full-vocabulary logits exist for `chunk`
