@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 from dllm.export import export_pretrained
 from trainer.infra.dist import init_process_group
-from weight_sync.sources import module_layout, split_parts
+from weight_sync.sources import ZeroParam, module_layout, split_parts
 
 M = TypeVar("M", bound=nn.Module)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -238,7 +238,7 @@ def named_full_params(engine_or_module: EngineOrModule, dtype: torch.dtype | Non
 
 def _full_numel(p: nn.Parameter) -> int:
     """A ZeRO-3 parameter's full size (its local tensor is a shard)."""
-    return int(p.ds_numel)  # type: ignore[attr-defined]  # set by DeepSpeed, unknown to torch's stubs
+    return int(cast(ZeroParam, p).ds_numel)
 
 
 def optimizer_step_count(engine: DSEngine[nn.Module]) -> int:
