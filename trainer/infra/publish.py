@@ -55,15 +55,22 @@ class ParamSource(Protocol):
     def __call__(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 
 
-class _Announced:
-    """A weight_sync source whose every pass over the parameters the other ranks join."""
+class _Wrapped:
+    """A source that passes another's tensors on (`__call__` says how), with its device and specs."""
 
-    def __init__(self, source: ParamSource, ranks: Ranks) -> None:
-        self.source, self.ranks = source, ranks
-        self.device = source.device
+    def __init__(self, source: ParamSource) -> None:
+        self.source, self.device = source, source.device
 
     def specs(self, dtype: torch.dtype | None = None) -> list[Spec]:
         return self.source.specs(dtype)
+
+
+class _Announced(_Wrapped):
+    """A weight_sync source whose every pass over the parameters the other ranks join."""
+
+    def __init__(self, source: ParamSource, ranks: Ranks) -> None:
+        super().__init__(source)
+        self.ranks = ranks
 
     def __call__(self) -> Iterator[tuple[str, torch.Tensor]]:
         self.ranks.announce("gather")
@@ -75,15 +82,12 @@ class _Announced:
                 pass
 
 
-class _CrashMidPush:
+class _CrashMidPush(_Wrapped):
     """The source, wrapped so that DLRL_FAULT=push:N kills the pusher after its first tensor."""
 
     def __init__(self, source: ParamSource, faults: Faults) -> None:
-        self.source, self.faults = source, faults
-        self.device = source.device
-
-    def specs(self, dtype: torch.dtype | None = None) -> list[Spec]:
-        return self.source.specs(dtype)
+        super().__init__(source)
+        self.faults = faults
 
     def __call__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for i, item in enumerate(self.source()):
