@@ -4,7 +4,7 @@ A `str` enum like `dllm.strategy.Strategy`: `"prefix"` and `CacheMode.prefix` ar
 config key `server.cache_mode`, the decoder (`dllm.full.decoding.FullDecoder`), the server's runner and every
 trace carry the plain string.
 
-    CacheMode("prefix")          # CacheMode.prefix; ValueError for an unknown mode
+    CacheMode("prefix")          # CacheMode.prefix (repr 'prefix'); ValueError for an unknown mode
     CacheModeField               # the pydantic field type: takes "exact" even in strict models
 """
 
@@ -22,6 +22,9 @@ class CacheMode(StrEnum):
 
     exact = "exact"
     prefix = "prefix"
+
+    def __repr__(self) -> str:  # as the plain string it stands for: error messages quote 'prefix'
+        return repr(self.value)
 
 
 DEFAULT_CACHE_MODE = CacheMode.exact
