@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -42,7 +43,7 @@ from server.core.client import CoreClient
 from server.core.families import to_wire
 from server.core.remote_weights import RemoteWeights
 from server.core.thread import CoreThread
-from server.engine.engine import Engine
+from server.engine.engine import Engine, EngineStopped
 from server.logs import use_json_logs
 from server.metrics import ServerMetrics
 from server.recording.recording import Recorder
@@ -83,7 +84,16 @@ def build_app(client: CoreClient, config: ServerConfig, core: CoreThread | None 
         if core is not None:
             await asyncio.to_thread(core.start)
             core.on_exit(lambda: None if core.stopping else _tell(loop, client, "the engine core stopped"))
-        await client.connect()
+        try:
+            await client.connect()
+        except EngineStopped as e:
+            if core is not None:
+                raise
+            # the engine core exited while loading: its error is dlrl serve's (the supervisor reports it and
+            # exits); this process has nothing to serve or clean up yet, so it leaves without a traceback
+            log.error("%s before API process %d could connect to it; exiting", e, client.index)
+            logging.shutdown()
+            os._exit(1)
         pusher = asyncio.ensure_future(_push_families(st)) if config.api_processes > 1 else None
         yield
         if pusher is not None:

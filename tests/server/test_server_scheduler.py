@@ -96,6 +96,10 @@ def test_step_failure_fails_requests_and_engine_survives():
         with pytest.raises(RuntimeError, match="boom"):
             await engine.wait(engine.submit(seqs(engine, 2, 3)))
         engine.backend.fail = False
+        for _ in range(500):  # the engine thread tells the runner at its next schedule, maybe after the error
+            if engine.backend.left:
+                break
+            await asyncio.sleep(0.01)
         failed = list(engine.backend.left)  # the failed sequence's slot came back, and the runner heard of it
         done = await engine.wait(engine.submit(seqs(engine, 3, 2)))
         return done, failed, engine.scheduler.num_free_slots
