@@ -52,7 +52,7 @@ from dllm.sampling import SamplingParams  # noqa: E402
 from trainer.rl.correction import is_weights  # noqa: E402
 
 LLADA_8B: dict[str, Any] = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=32,
-                head_dim=128, vocab_size=126464, max_position_embeddings=4096, rope_theta=500000.0)
+                head_dim=128, vocab_size=126464, max_position_embeddings=4096, rope_theta=500000.0, rms_norm_eps=1e-5)
 SDAR_8B: dict[str, Any] = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
                head_dim=128, vocab_size=151936, max_position_embeddings=4096, rope_theta=1000000.0)
 GIB = float(1 << 30)

@@ -19,12 +19,13 @@ A folder without `block_size` / `mask_token_id` loads when they are given explic
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 SUPPORTED_MODEL_TYPES = ("sdar", "trado", "qwen3")
 MASK_TOKEN = "<|MASK|>"
@@ -75,23 +76,11 @@ def eos_list(eos_token_id: int | list[int] | None) -> list[int]:
     return [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
 
 
-def check_sizes(cfg: Any, names: tuple[str, ...]) -> None:
-    """The checks every model family's config shares (ConfigValueError naming the field): `names` are
-    positive integers, num_key_value_heads divides num_attention_heads, mask_token_id is in the vocabulary."""
-    for name in names:
-        v = getattr(cfg, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ConfigValueError(f"{name}: must be a positive integer, got {v!r}")
-    if cfg.num_attention_heads % cfg.num_key_value_heads:
-        raise ConfigValueError("num_key_value_heads: must divide num_attention_heads "
-                               f"({cfg.num_attention_heads} % {cfg.num_key_value_heads} != 0)")
-    mask = cfg.mask_token_id
-    if isinstance(mask, bool) or not isinstance(mask, int) or not 0 <= mask < cfg.vocab_size:
-        raise ConfigValueError(f"mask_token_id: {mask} is outside the vocabulary (vocab_size={cfg.vocab_size})")
-
-
 @dataclass
-class SDARConfig:
+class ModelConfig(abc.ABC):
+    """The fields (Qwen-style names) and checks every model family's config shares: SDARConfig here,
+    dllm.full.config.FullAttentionConfig (LLaDA, Dream). Defaults: SDAR-1.7B's."""
+
     vocab_size: int = 151936
     hidden_size: int = 2048
     intermediate_size: int = 6144
@@ -111,6 +100,50 @@ class SDARConfig:
     pad_token_id: int | None = None
     torch_dtype: str = "bfloat16"
     model_type: str = "sdar"
+
+    SIZES: ClassVar[tuple[str, ...]] = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                        "num_attention_heads", "num_key_value_heads", "head_dim", "block_size")
+
+    def validate(self) -> None:
+        """The checks every family shares (ConfigValueError naming the field): SIZES are positive integers,
+        num_key_value_heads divides num_attention_heads, mask_token_id is in the vocabulary."""
+        for name in self.SIZES:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ConfigValueError(f"{name}: must be a positive integer, got {v!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigValueError("num_key_value_heads: must divide num_attention_heads "
+                                   f"({self.num_attention_heads} % {self.num_key_value_heads} != 0)")
+        mask = self.mask_token_id
+        if isinstance(mask, bool) or not isinstance(mask, int) or not 0 <= mask < self.vocab_size:
+            raise ConfigValueError(f"mask_token_id: {mask} is outside the vocabulary (vocab_size={self.vocab_size})")
+
+    @property
+    def eos_ids(self) -> list[int]:
+        return eos_list(self.eos_token_id)
+
+    @classmethod
+    @abc.abstractmethod
+    def from_dict(cls, d: dict[str, Any], *, block_size: int | None = None,
+                  mask_token_id: int | None = None) -> Self:
+        """Parse a config.json dict (ConfigValueError naming the field); the options win over the file."""
+
+    @classmethod
+    def from_json_file(cls, path: str | Path, **options: Any) -> Self:
+        return cls.from_dict(read_config_json(path), **options)
+
+    @abc.abstractmethod
+    def to_dict(self) -> dict[str, Any]:
+        """The config.json dict."""
+
+    def save(self, directory: str | Path) -> None:
+        """Write `directory/config.json` (`to_dict()`)."""
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        (Path(directory) / "config.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+@dataclass
+class SDARConfig(ModelConfig):
     extra: dict[str, Any] = field(default_factory=dict)
 
     attention: ClassVar[str] = "block_causal"  # dllm.full.config.FullAttentionConfig's is "full"
@@ -120,19 +153,14 @@ class SDARConfig:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigValueError(
                 f"model_type: unsupported {self.model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-        check_sizes(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                           "num_attention_heads", "num_key_value_heads", "head_dim", "block_size"))
+        super().validate()
         if self.max_position_embeddings % self.block_size:
             raise ConfigValueError(f"block_size: {self.block_size} must divide max_position_embeddings "
                                    f"({self.max_position_embeddings})")
 
-    @property
-    def eos_ids(self) -> list[int]:
-        return eos_list(self.eos_token_id)
-
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, block_size: int | None = None,
-                  mask_token_id: int | None = None) -> SDARConfig:
+                  mask_token_id: int | None = None) -> Self:
         """Parse a config.json dict. `block_size` / `mask_token_id` given here win over the
         file's; where neither has them, a ConfigValueError names the missing field."""
         if "model_type" not in d:
@@ -170,19 +198,11 @@ class SDARConfig:
         cfg.validate()
         return cfg
 
-    @classmethod
-    def from_json_file(cls, path: str | Path, **options: Any) -> SDARConfig:
-        return cls.from_dict(read_config_json(path), **options)
-
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in dataclasses.asdict(self).items() if k != "extra"}
         d.update(self.extra)
         d.setdefault("architectures", ["SDARForCausalLM"])
         return d
-
-    def save(self, directory: str | Path) -> None:
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        (Path(directory) / "config.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
 
 def check_maths_fields(d: dict[str, Any]) -> None:

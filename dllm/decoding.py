@@ -27,6 +27,7 @@ from collections import abc
 from typing import TYPE_CHECKING
 
 from dllm.block_manager import CacheFull, KVBudget
+from dllm.cache_mode import DEFAULT_CACHE_MODE
 from dllm.commit import transfer_schedule
 from dllm.intake import check_fits
 from dllm.model import SDARForCausalLM
@@ -79,7 +80,7 @@ class Decoder:
 def generate(model: SDARForCausalLM | FullAttentionLM, prompts_ids: list[list[int]],
              params: SamplingParams | list[SamplingParams], tokenizer: PreTrainedTokenizerBase | None = None,
              use_cache: bool = True, eos_ids: abc.Iterable[int] | None = None,
-             cache_mode: str = "exact", prefix_sharing: bool = True) -> list[GenerationOutput]:
+             cache_mode: str = DEFAULT_CACHE_MODE, prefix_sharing: bool = True) -> list[GenerationOutput]:
     """Decode all prompts together; returns one GenerationOutput per prompt, in order. A full-attention
     model (LLaDA, Dream) decodes with dllm.full.decoding.generate_full in `cache_mode` ("exact" / "prefix")."""
     if not isinstance(model, SDARForCausalLM):

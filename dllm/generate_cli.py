@@ -22,6 +22,7 @@ from typing import Literal
 from pydantic import Field
 
 from dllm.options import SamplingOptions, Temperature, Threshold
+from dllm.ranges import THRESHOLD
 from dllm.strategy import Strategy, StrategyField
 from dlrl_config import Config, ConfigError, build, load_sections
 from dlrl_config.cli import ArgumentParser, add_json_arg, print_check
@@ -45,7 +46,7 @@ class GenerateConfig(Config, SamplingOptions):
     temperature: Temperature = 0.0  # 0: greedy
     strategy: StrategyField = Strategy.dynamic  # which masked positions each denoising step commits
     steps: int | None = Field(None, ge=1)  # denoising steps per block (none: the strategy's default)
-    threshold: Threshold = 0.9  # confidence a `dynamic` step commits above
+    threshold: Threshold = THRESHOLD.default  # confidence a `dynamic` step commits above
     seed: int | None = Field(None, ge=0)  # sampling seed (none: random)
     stop: list[str] = Field(default_factory=list)  # stop strings (repeatable)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights' dtype

@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 import torch
 
-from dllm.replay import Rows, replay_hidden
+from dllm.replay import RowParts, Rows, replay_hidden, stack_rows
 
 Method = Literal["sequential", "elbo"]
 METHODS: tuple[Method, ...] = ("sequential", "elbo")
@@ -68,21 +68,9 @@ def _padded(ids: list[int], block_size: int, mask_id: int) -> tuple[torch.Tensor
 
 def _stack(per_row: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]], pad_id: int) -> Rows:
     """[(noisy [L], clean [L], target [L] bool, text index)] -> Rows padded to the longest L (padding invalid)."""
-    R, L = len(per_row), max(n.shape[0] for n, _, _, _ in per_row)
-    noisy = torch.full((R, L), pad_id, dtype=torch.long)
-    clean = torch.full((R, L), pad_id, dtype=torch.long)
-    valid = torch.zeros(R, L, dtype=torch.bool)
-    target = torch.zeros(R, L, dtype=torch.bool)
-    sample_idx = torch.full((R, L), -1, dtype=torch.long)
-    row_sample = torch.zeros(R, dtype=torch.long)
-    for r, (nz, cl, tg, i) in enumerate(per_row):
-        n = nz.shape[0]
-        noisy[r, :n], clean[r, :n], valid[r, :n], target[r, :n] = nz, cl, True, tg
-        sample_idx[r, :n] = torch.where(tg, i, -1)
-        row_sample[r] = i
-    pos = torch.arange(L).expand(R, L).contiguous()
-    token_idx = torch.where(target, pos, -1)  # the scored token's position in its text
-    return Rows(noisy, clean, pos, valid, target, sample_idx, token_idx, row_sample)
+    # token_idx: the scored token's position in its text
+    return stack_rows([RowParts(nz, cl, nz.shape[0], tg, torch.where(tg, torch.arange(nz.shape[0]), -1), i)
+                       for nz, cl, tg, i in per_row], pad_id)
 
 
 def sequential_rows(texts: list[list[int]], block_size: int, mask_id: int,

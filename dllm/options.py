@@ -1,4 +1,5 @@
-"""The sampling options as pydantic field types and one model, their bounds from `dllm.ranges` (torch-free).
+"""The sampling options as pydantic field types and one model, their bounds and defaults from `dllm.ranges`
+(torch-free).
 
 Every config section that samples (`generate`, `train`, `eval`) is a `SamplingOptions`, and the
 sections or wire schemas whose keys are named otherwise (`server.default_temperature`,
@@ -27,6 +28,6 @@ Threshold = Annotated[float, Field(**THRESHOLD.bounds)]
 class SamplingOptions(BaseModel):
     """The distribution a token is sampled from: temperature, top-k, top-p (mask token excluded)."""
 
-    temperature: Temperature = 1.0  # sampling temperature (0 = greedy)
-    top_k: TopK = 0  # top-k (0 = off)
-    top_p: TopP = 1.0  # nucleus p (1 = off)
+    temperature: Temperature = TEMPERATURE.default  # sampling temperature (0 = greedy)
+    top_k: TopK = int(TOP_K.default)  # top-k (0 = off)
+    top_p: TopP = TOP_P.default  # nucleus p (1 = off)

@@ -29,9 +29,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
+
+from dllm.ranges import TEMPERATURE
 
 
 class SampleTrace(Protocol):
@@ -122,32 +124,47 @@ def build_rows(samples: Sequence[Sample], block_size: int, mask_id: int, pad_id:
 RowSpec = tuple[list[int], int, list[tuple[list[int], list[bool], list[int]]]]
 
 
-def pack_rows(per: Sequence[RowSpec], pad_id: int, empty_len: int = 1) -> Rows:
-    """Rows from each sample's (clean ids, valid length, [(noisy, target, token index) per row]), padded
-    to the longest (`empty_len` wide for no samples): the one packing of block-causal and full-attention replay rows."""
-    R = sum(len(rows) for _, _, rows in per)
-    L = max((len(clean) for clean, _, _ in per), default=empty_len)
+class RowParts(NamedTuple):
+    """One training row before padding (lists or 1-D tensors of one length n)."""
+
+    noisy: Sequence[int] | torch.Tensor  # [n] the row's input ids
+    clean: Sequence[int] | torch.Tensor  # [n] the text
+    valid: int  # its first `valid` positions are keys
+    target: Sequence[bool] | torch.Tensor  # [n] the positions scored in this row
+    token_idx: Sequence[int] | torch.Tensor  # [n] a target's index in its sample (-1 elsewhere)
+    sample: int  # which sample (text) the row replays
+
+
+def stack_rows(parts: Sequence[RowParts], pad_id: int, width: int | None = None) -> Rows:
+    """Rows padded on the right with `pad_id` to `width` columns (default: the longest row, 1 for none); the
+    padding is neither valid nor a target. The one padding of replay, baseline and likelihood rows."""
+    R = len(parts)
+    L = width if width is not None else max((len(p.clean) for p in parts), default=1)
     noisy = torch.full((R, L), pad_id, dtype=torch.long)
-    clean_t = torch.full((R, L), pad_id, dtype=torch.long)
+    clean = torch.full((R, L), pad_id, dtype=torch.long)
     valid = torch.zeros(R, L, dtype=torch.bool)
     target = torch.zeros(R, L, dtype=torch.bool)
     sample_idx = torch.full((R, L), -1, dtype=torch.long)
     token_idx = torch.full((R, L), -1, dtype=torch.long)
     row_sample = torch.zeros(R, dtype=torch.long)
-    r = 0
-    for i, (clean, n, rows) in enumerate(per):
-        for nz, tg, tk in rows:
-            ln = len(clean)
-            noisy[r, :ln] = torch.tensor(nz)
-            clean_t[r, :ln] = torch.tensor(clean)
-            valid[r, :n] = True
-            target[r, :ln] = torch.tensor(tg)
-            token_idx[r, :ln] = torch.tensor(tk)
-            sample_idx[r, :ln] = torch.where(target[r, :ln], i, -1)
-            row_sample[r] = i
-            r += 1
+    for r, p in enumerate(parts):
+        n = len(p.clean)
+        noisy[r, :n] = torch.as_tensor(p.noisy)
+        clean[r, :n] = torch.as_tensor(p.clean)
+        valid[r, :p.valid] = True
+        target[r, :n] = torch.as_tensor(p.target)
+        token_idx[r, :n] = torch.as_tensor(p.token_idx)
+        sample_idx[r, :n] = torch.where(target[r, :n], p.sample, -1)
+        row_sample[r] = p.sample
     pos = torch.arange(L).expand(R, L).contiguous()
-    return Rows(noisy, clean_t, pos, valid, target, sample_idx, token_idx, row_sample)
+    return Rows(noisy, clean, pos, valid, target, sample_idx, token_idx, row_sample)
+
+
+def pack_rows(per: Sequence[RowSpec], pad_id: int, empty_len: int = 1) -> Rows:
+    """Rows from each sample's (clean ids, valid length, [(noisy, target, token index) per row]), padded
+    to the longest (`empty_len` wide for no samples): the one packing of block-causal and full-attention replay rows."""
+    parts = [RowParts(nz, clean, n, tg, tk, i) for i, (clean, n, rows) in enumerate(per) for nz, tg, tk in rows]
+    return stack_rows(parts, pad_id, max((len(clean) for clean, _, _ in per), default=empty_len))
 
 
 def bucket_length(length: int, block_size: int, smallest: int = 64) -> int:
@@ -197,7 +214,7 @@ def trace_hidden(model: Any, sample: Sample) -> torch.Tensor:
 
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, mask_id: int,
-                   temperature: float = 1.0) -> torch.Tensor:
+                   temperature: float = TEMPERATURE.default) -> torch.Tensor:
     """logits [R, L, V], ids [R, L] -> log p(ids) [R, L] under the sampling distribution
     (mask token excluded, divided by temperature), fp32."""
     logits = logits.float()

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from dllm.errors import FieldError
-from dllm.ranges import TEMPERATURE, THRESHOLD, TOP_P
+from dllm.ranges import TEMPERATURE, THRESHOLD, TOP_K, TOP_P
 from dllm.strategy import Strategy
 
 GREEDY_BELOW = 1e-5  # temperatures under this floor decode greedily (logits / 1e-38 overflow to inf)
@@ -57,12 +57,12 @@ VOCAB_CHUNK = 2048  # width of the first stage of the sampler's vocabulary-wide 
 @dataclass
 class SamplingParams:
     max_tokens: int = 64
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
+    temperature: float = TEMPERATURE.default
+    top_k: int = int(TOP_K.default)
+    top_p: float = TOP_P.default
     strategy: Strategy | str = Strategy.dynamic
     steps: int | None = None
-    threshold: float = 0.9
+    threshold: float = THRESHOLD.default
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] | None = None

@@ -24,12 +24,13 @@ from typing import Annotated, Literal
 
 from pydantic import ByteSize, Field, StringConstraints
 
+from dllm.cache_mode import DEFAULT_CACHE_MODE, CacheModeField
 from dllm.options import Temperature, Threshold
+from dllm.ranges import TEMPERATURE, THRESHOLD
 from dllm.strategy import Strategy, StrategyField
 from dlrl_config import Config, load_section
 
 Backend = Literal["native", "lmdeploy"]  # lmdeploy: server/engine/backends/lmdeploy_runner.py (CUDA)
-CacheMode = Literal["exact", "prefix"]  # full-attention models (LLaDA, Dream): server.engine.backends.full_attention
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
 RecordMode = Literal["none", "sample", "all"]
@@ -44,7 +45,7 @@ class ServerConfig(Config):
     model: str = ""                  # HF-style folder; "" = embedded tiny default
     served_model_name: str = ""      # name in /v1/models; "" = the folder name
     backend: Backend = "native"
-    cache_mode: CacheMode = "exact"  # full-attention models: exact (replayable) | prefix (Fast-dLLM prefix cache: faster, approximate)
+    cache_mode: CacheModeField = DEFAULT_CACHE_MODE  # full-attention models: exact (replayable) | prefix (Fast-dLLM prefix cache: faster, approximate)
     further_horizon: int = Field(-1, ge=-1)  # cache_mode=prefix: positions after the block its later forwards see (-1 = the family's official: LLaDA 128, Dream 32)
     ranking: Literal["official", "tempered"] = "official"  # full attention: confidence of a static forward (official: LLaDA's untempered softmax)
     rng: Literal["counter", "official"] = "counter"  # full attention: counter-based noise | the official rollouts' torch draws (bit-identical seeded rollouts)
@@ -99,8 +100,8 @@ class ServerConfig(Config):
     # defaults for requests that leave these unset
     default_max_tokens: int = Field(64, ge=1)  # max_tokens of requests that leave it unset
     default_strategy: StrategyField = Strategy.dynamic  # strategy of requests that leave it unset
-    default_threshold: Threshold = 0.9  # threshold of requests that leave it unset
-    default_temperature: Temperature = 1.0  # temperature of requests that leave it unset
+    default_threshold: Threshold = THRESHOLD.default  # threshold of requests that leave it unset
+    default_temperature: Temperature = TEMPERATURE.default  # temperature of requests that leave it unset
     # prompt log-likelihoods (echo + logprobs, max_tokens 0; server/api/likelihood.py, dllm/likelihood.py)
     likelihood: Literal["sequential", "elbo"] = "sequential"  # block-causal: exact sequential-policy, or the Monte Carlo ELBO (full attention: always elbo)
     elbo_samples: int = Field(16, ge=1, le=1024)  # elbo: masking samples per estimate (seeded; LLaDA / Dream: per context / continuation split)

@@ -39,8 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from store.sql import RECORD_COLS, SQLStore, record_row
-from store.types import Record
+from store.sql import RECORD_COLS, SQLStore
 
 if TYPE_CHECKING:
     from psycopg import Connection, Cursor
@@ -111,6 +110,7 @@ class PostgresStore(SQLStore):
     """FeedbackStore on PostgreSQL; thread-safe (a connection pool), shared by processes and hosts."""
 
     PLACEHOLDER, TABLE_PREFIX, INSERT_ORDER, HOLD_RECORD = "%s", "dlrl_", "rseq", " FOR SHARE"
+    MAX_ONE_STATEMENT = 1000
 
     def __init__(self, url: str, *, max_records: int = 100_000, max_age_s: float = 7 * 86400.0,
                  pool_size: int = 4, connect_timeout_s: float = 5.0, prune_every_s: float = 60.0) -> None:
@@ -182,23 +182,17 @@ class PostgresStore(SQLStore):
         self._pool.close()
 
     # -- records and feedback ---------------------------------------------------------------
-    def add_records(self, records: list[Record]) -> None:
-        rows = [record_row(r) for r in records]
-        if not rows:
-            return
-        if len(rows) > 1000 or not self._insert_if_fits(rows):
-            with self._pool.connection() as conn:  # one transaction that also deletes the oldest
-                for i in range(0, len(rows), 1000):  # one statement (a round trip) inserts and counts 1000 rows
-                    chunk = rows[i:i + 1000]
-                    values = ",".join([_RECORD_VALUES] * len(chunk))
-                    n = _one_row(conn.execute(f"WITH ins AS (INSERT INTO dlrl_records ({RECORD_COLS}) VALUES {values} "
-                                     "ON CONFLICT (id) DO NOTHING RETURNING 1) UPDATE dlrl_counts SET n = n + "
-                                     "(SELECT COUNT(*) FROM ins) WHERE name = 'records' RETURNING n",
-                                     [v for row in chunk for v in row]))[0]
-                if n > self.max_records:
-                    self._bound(conn, 0)
-        if time.monotonic() - self._last_prune >= self.prune_every_s:
-            self.prune()
+    def _insert_bounded(self, rows: list[tuple]) -> None:
+        with self._pool.connection() as conn:  # one transaction that also deletes the oldest
+            for i in range(0, len(rows), 1000):  # one statement (a round trip) inserts and counts 1000 rows
+                chunk = rows[i:i + 1000]
+                values = ",".join([_RECORD_VALUES] * len(chunk))
+                n = _one_row(conn.execute(f"WITH ins AS (INSERT INTO dlrl_records ({RECORD_COLS}) VALUES {values} "
+                                          "ON CONFLICT (id) DO NOTHING RETURNING 1) UPDATE dlrl_counts SET n = n + "
+                                          "(SELECT COUNT(*) FROM ins) WHERE name = 'records' RETURNING n",
+                                          [v for row in chunk for v in row]))[0]
+            if n > self.max_records:
+                self._bound(conn, 0)
 
     def _insert_if_fits(self, rows: list[tuple]) -> bool:
         """The common case in one autocommit statement on the writer's own connection: True when

@@ -17,7 +17,7 @@ import json
 import math
 import time
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 
@@ -108,14 +108,33 @@ class SQLStore(FeedbackStore):
     INSERT_ORDER = "rowid"  # the records' insertion order among equal `created` ("rseq" on PostgreSQL)
     HOLD_RECORD = ""        # " FOR SHARE" on PostgreSQL: a record cannot be deleted (bound, prune) while
                             # feedback on it commits (SQLite's one writer at a time already ensures it)
+    MAX_ONE_STATEMENT: ClassVar[int]  # rows a batch may hold to go in as one statement (`_insert_if_fits`)
+    prune_every_s: float  # prune() again once this long has passed since the last one, as writers add
+    _last_prune: float  # time.monotonic() of the last prune()
 
     @abc.abstractmethod
     def _read(self, sql: str, args: tuple = ()) -> list[tuple]:
         """All rows of one query, in the database's own dialect."""
 
-    @abc.abstractmethod
     def add_records(self, records: list[Record]) -> None:
-        """Insert in one transaction, keeping the bounds (the database's own way)."""
+        """Insert, keeping the bounds: a batch of up to MAX_ONE_STATEMENT rows in one statement when it fits
+        under max_records, else in one transaction that also deletes the oldest; prune when it is time."""
+        rows = [record_row(r) for r in records]
+        if not rows:
+            return
+        if len(rows) > self.MAX_ONE_STATEMENT or not self._insert_if_fits(rows):
+            self._insert_bounded(rows)
+        if time.monotonic() - self._last_prune >= self.prune_every_s:
+            self.prune()
+
+    @abc.abstractmethod
+    def _insert_if_fits(self, rows: list[tuple]) -> bool:
+        """The common case in one autocommit statement: True when written, False when nothing was inserted
+        (the batch would pass max_records) and `_insert_bounded` decides."""
+
+    @abc.abstractmethod
+    def _insert_bounded(self, rows: list[tuple]) -> None:
+        """Insert in one transaction that also deletes the oldest records beyond max_records."""
 
     @abc.abstractmethod
     def _write(self) -> AbstractContextManager[Any]:

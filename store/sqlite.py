@@ -26,8 +26,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from store.sql import RECORD_COLS, SQLStore, record_row
-from store.types import FeedbackStore, Record
+from store.sql import RECORD_COLS, SQLStore
+from store.types import FeedbackStore
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS records (
@@ -56,13 +56,14 @@ CREATE TRIGGER IF NOT EXISTS records_del AFTER DELETE ON records
 
 
 _ROW = "(" + ",".join("?" * 11) + ")"
-_MAX_ONE_STATEMENT = 256  # rows (x 11 values: under SQLite's 32766 host parameters)
 _INSERT_IF_FITS = (f"INSERT OR IGNORE INTO records ({RECORD_COLS}) SELECT * FROM (VALUES {{values}}) "
                    "WHERE (SELECT n FROM counts WHERE name = 'records') + ? <= ?")
 
 
 class SQLiteStore(SQLStore):
     """FeedbackStore on an SQLite file; one connection per instance, shared by its threads."""
+
+    MAX_ONE_STATEMENT = 256  # rows (x 11 values: under SQLite's 32766 host parameters)
 
     def __init__(self, path: str | os.PathLike, *, max_records: int = 100_000,
                  max_age_s: float = 7 * 86400.0, busy_timeout_s: float = 30.0,
@@ -160,15 +161,6 @@ class SQLiteStore(SQLStore):
             self._db.close()
 
     # -- records and feedback ---------------------------------------------------------------
-    def add_records(self, records: list[Record]) -> None:
-        rows = [record_row(r) for r in records]
-        if not rows:
-            return
-        if len(rows) > _MAX_ONE_STATEMENT or not self._insert_if_fits(rows):
-            self._insert_bounded(rows)
-        if time.monotonic() - self._last_prune >= self.prune_every_s:
-            self.prune()
-
     def _insert_if_fits(self, rows: list[tuple]) -> bool:
         """The common case as ONE autocommit statement (one sqlite3 call: the recorder's thread gives
         up and takes back the GIL once per batch, not once per statement and row, and under a busy

@@ -28,6 +28,8 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from dllm.embedded.sft_config import SFTStopped  # torch-free: --help and --check stay light
@@ -39,6 +41,7 @@ from trainer.monitor.metrics_log import read_jsonl
 
 if TYPE_CHECKING:  # torch, deepspeed: imported once the command runs (--help and --check never import them)
     from trainer.infra.publish import Publisher
+    from trainer.run import Run
 
 log = logging.getLogger("dlrl.train")
 
@@ -69,7 +72,7 @@ class Stopper:
         for sig, handler in getattr(self, "_previous", {}).items():
             signal.signal(sig, handler)
 
-    def _handle(self, signum, _frame) -> None:
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
         if self.requested:
             raise Interrupted(signum)
         self.requested = True
@@ -81,7 +84,7 @@ class Stopper:
             raise StopRequested(f"{signal.Signals(signum).name} during a push: aborting it")
 
 
-def parse(argv: list[str]):
+def parse(argv: list[str]) -> tuple[argparse.Namespace, dict[str, Any], list[str]]:
     """-> (args, root sections, overrides): the config file read once, every section typed."""
     ap = ArgumentParser(prog="dlrl train", description="online RL for block-diffusion LMs")
     ap.add_argument("--config", default="configs/tiny.yaml")
@@ -181,7 +184,7 @@ def _how_to_go_on(cfg: TrainConfig) -> str:
     return f"nothing to --resume ({state.problem.removeprefix('--resume: ')})"
 
 
-def _train(run, cfg, stopper: Stopper) -> int:
+def _train(run: Run, cfg: TrainConfig, stopper: Stopper) -> int:
     from trainer.loop import train_loop
 
     t0 = time.monotonic()
@@ -221,7 +224,7 @@ def launch_local(nproc: int, argv: list[str]) -> int:
     log.info("starting %d local ranks: %s", nproc, " ".join(cmd))
     proc = subprocess.Popen(cmd, env=env)
 
-    def forward(signum, _frame) -> None:
+    def forward(signum: int, _frame: FrameType | None) -> None:
         proc.send_signal(signum)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -232,7 +235,7 @@ def launch_local(nproc: int, argv: list[str]) -> int:
             signal.signal(s, h)
 
 
-def summary_line(out, steps: int, seconds: float) -> str:
+def summary_line(out: Path, steps: int, seconds: float) -> str:
     """`done: held-out greedy accuracy 31.5% -> 84.5% over 60 steps in 2 min 40 s; outputs in ...`
     (the first and last evaluations of output_dir/metrics.jsonl)."""
     evals = [r["eval_accuracy"] for r in read_jsonl(out / "metrics.jsonl") if "eval_accuracy" in r]

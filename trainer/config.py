@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field
 
 from dllm.options import SamplingOptions, Threshold
+from dllm.ranges import THRESHOLD
 from dllm.strategy import Strategy, StrategyField
 from dlrl_config import Config
 from trainer.monitor.trackers import Tracker
@@ -73,7 +74,7 @@ class TrainConfig(Config, SamplingOptions):
     stop_token_ids: list[int] = Field(default_factory=list)  # rollout stop token ids (besides eos)
     strategy: StrategyField = Strategy.static  # decoding strategy: static (denoise_steps per block) | dynamic (confidence threshold) | sequential
     denoise_steps: int = Field(0, ge=0)  # 0 = block_size
-    threshold: Threshold = 0.9  # dynamic strategy: commit tokens whose confidence exceeds this
+    threshold: Threshold = THRESHOLD.default  # dynamic strategy: commit tokens whose confidence exceeds this
     mode: Literal["sync", "overlap"] = "sync"  # overlap: one-step off-policy
     max_staleness: int = Field(1, ge=1)  # overlap mode: most versions a rollout may lag the policy
     filter_zero_variance: bool = True  # drop groups whose rewards are all equal (DAPO dynamic sampling)

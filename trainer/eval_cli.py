@@ -22,7 +22,7 @@ import logging
 import socket
 import sys
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -45,6 +45,9 @@ from trainer.evaluation.evaluate import (
 from trainer.infra.local_servers import LocalServer, new_token, resolve_token
 from trainer.preflight import eval_problems
 from trainer.rewards import build_reward
+
+if TYPE_CHECKING:
+    from trainer.evaluation.evaluate import SettingResult
 
 log = logging.getLogger("dlrl.eval")
 
@@ -93,7 +96,7 @@ def free_url() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
-def load_examples(cfg: EvalConfig, task) -> list[dict]:
+def load_examples(cfg: EvalConfig, task: ArithmeticTask) -> list[dict]:
     if not cfg.data:
         return task.split("heldout", cfg.limit or 200)
     tokenizer = None
@@ -105,7 +108,8 @@ def load_examples(cfg: EvalConfig, task) -> list[dict]:
     return examples
 
 
-def run(cfg: EvalConfig, task, config_path: str | None, overrides: list[str], server_keys=None) -> tuple[list, dict]:
+def run(cfg: EvalConfig, task: ArithmeticTask, config_path: str | None, overrides: list[str],
+        server_keys: ServerKeys | None = None) -> tuple[list[SettingResult], dict[str, dict[str, Any]]]:
     """Evaluate against `cfg.servers`, starting local ones where none answers (once per block
     size: a started server is restarted with each). -> (results, what each server held)."""
     from trainer.evaluation.check import (
@@ -120,14 +124,15 @@ def run(cfg: EvalConfig, task, config_path: str | None, overrides: list[str], se
     reward = build_reward(cfg.reward or ("math" if cfg.data else "exact_match"))
     server_overrides = [o for o in overrides if o.startswith("server.")]
     out_dir = Path(cfg.output).parent
-    results, served = [], {}
+    results: list[SettingResult] = []
+    served: dict[str, dict[str, Any]] = {}
     token = resolve_token(cfg, server_keys) if server_keys is not None else cfg.admin_token
     sizes: list[int | None] = list(cfg.block_sizes) or [None]  # None: the server's own block size
     for block_size in sizes:
         extra = [f"server.block_size={block_size}"] if block_size is not None else []
         token = token or new_token()
 
-        def launch(url: str, i: int, extra=extra, token=token):
+        def launch(url: str, i: int, extra: list[str] = extra, token: str = token) -> LocalServer:
             return LocalServer(url, config_path, cfg.model, server_overrides + extra, token, out_dir / f"server{i}.log")
 
         fleet = ServerFleet(cfg.servers, token, timeout=cfg.request_timeout)
@@ -168,13 +173,14 @@ def main(argv: list[str]) -> int:
     try:
         root = load_sections(config_path, args.overrides, {"eval": EvalConfig, "task": ArithmeticTask,
                                                            "server": ServerKeys}, primary="eval")
-        cfg = root["eval"]
-        assert isinstance(cfg, EvalConfig)  # load_sections built it from EvalConfig
+        cfg, task, server = root["eval"], root["task"], root["server"]
+        # load_sections built them from these classes
+        assert isinstance(cfg, EvalConfig) and isinstance(task, ArithmeticTask) and isinstance(server, ServerKeys)
     except (ConfigError, ValueError) as e:
         ap.error(str(e))
     found: list[tuple[str, str]] = []  # what --check found at each server
     if not args.check_config:  # before loading anything
-        problems = eval_problems(cfg, root["server"], config_path, args.overrides, facts=found)
+        problems = eval_problems(cfg, server, config_path, args.overrides, facts=found)
         if problems:
             print("\n".join(f"dlrl eval: error: {p}" for p in problems), file=sys.stderr)  # one per line
             return 2
@@ -182,7 +188,7 @@ def main(argv: list[str]) -> int:
         return print_check("eval", cfg, facts=eval_facts(cfg, config_path) + found, as_json=args.json,
                            flag="--check-config" if args.check_config else "--check")
     try:
-        results, served = run(cfg, root["task"], config_path, args.overrides, root["server"])
+        results, served = run(cfg, task, config_path, args.overrides, server)
     except (RuntimeError, ValueError, FileNotFoundError, RolloutError) as e:
         print(f"dlrl eval: error: {e}", file=sys.stderr)
         return 1

@@ -111,7 +111,11 @@ def _value_gae(run: Run, rows: Rows, samples: list[Rollout], rewards: torch.Tens
     tok_v = torch.zeros(N, L)
     r, c = rows.target.nonzero(as_tuple=True)
     tok_v[rows.sample_idx[r, c], rows.token_idx[r, c]] = values[r, c]
-    returns, adv = trace_gae([s.trace for s in samples], tok_v, rewards, cfg.shrink, cfg.gamma, cfg.lam)
+    traces = [s.trace for s in samples if s.trace is not None]
+    if len(traces) != N:
+        raise ValueError("trace: a sample without its decoding trace cannot be replayed (generate it with "
+                         "return_trace=true)")
+    returns, adv = trace_gae(traces, tok_v, rewards, cfg.shrink, cfg.gamma, cfg.lam)
     row_adv = rows.gather([adv[i].float() for i in range(N)]) * weights
     row_ret = rows.gather([returns[i].float() for i in range(N)])
     return row_adv, run.learner.update_value(rows, values, row_ret, row_mb)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import httpx
@@ -30,6 +30,10 @@ from trainer.infra.local_servers import ADDRESS_KEYS, address_problems, is_local
 from trainer.monitor.trackers import missing_trackers
 from trainer.objective_registry import check_family
 from trainer.rewards import load_reward_fn
+
+if TYPE_CHECKING:
+    from trainer.config import ServerKeys, TrainConfig
+    from trainer.eval_cli import EvalConfig
 
 Facts = list[tuple[str, str]]  # (what, finding): lines of the --check summary (dlrl_config.cli.print_check)
 
@@ -197,7 +201,7 @@ def unapplied_server_keys(urls: list[str], launch: tuple[str | None, str, list[s
 
 
 
-def output_problems(cfg, facts: Facts | None = None) -> list[str]:
+def output_problems(cfg: TrainConfig, facts: Facts | None = None) -> list[str]:
     """train.output_dir: a previous run there needs --resume or overwrite=true; --resume needs a checkpoint it
     can continue (trainer.infra.guards)."""
     if not cfg.resume:
@@ -215,7 +219,7 @@ def output_problems(cfg, facts: Facts | None = None) -> list[str]:
     return [state.problem]
 
 
-def model_family(cfg, root: dict[str, Any], key: str = "train.model") -> tuple[str, str | None, str]:
+def model_family(cfg: TrainConfig, root: dict[str, Any], key: str = "train.model") -> tuple[str, str | None, str]:
     """(problem, family or None when it cannot be known yet, a line for people) of the model the run trains,
     from its config.json alone (no weights loaded; a hub id only when it is in the local cache)."""
     if not cfg.model:
@@ -234,7 +238,7 @@ def model_family(cfg, root: dict[str, Any], key: str = "train.model") -> tuple[s
     return "", family, f"{cfg.model} ({family}; config.json read, weights not loaded)"
 
 
-def train_report(cfg, root: dict[str, Any], config_path: str | None = None,
+def train_report(cfg: TrainConfig, root: dict[str, Any], config_path: str | None = None,
                  overrides: list[str] | None = None) -> tuple[list[str], Facts]:
     """Every question `dlrl train` asks before it trains, asked without loading anything: (problems, facts).
     The output folder (previous run, resume state), the model (reference, family and the family's training
@@ -265,12 +269,12 @@ def train_report(cfg, root: dict[str, Any], config_path: str | None = None,
     return [p for p in problems if p], facts
 
 
-def train_problems(cfg, root: dict[str, Any], config_path: str | None = None,
+def train_problems(cfg: TrainConfig, root: dict[str, Any], config_path: str | None = None,
                    overrides: list[str] | None = None) -> list[str]:
     return train_report(cfg, root, config_path, overrides)[0]
 
 
-def eval_problems(cfg, server_keys, config_path: str | None = None, overrides: list[str] | None = None,
+def eval_problems(cfg: EvalConfig, server_keys: ServerKeys, config_path: str | None = None, overrides: list[str] | None = None,
                   facts: Facts | None = None) -> list[str]:
     """What `dlrl eval` checks before loading: files, reward, model reference, and each server (answers, accepts
     the token; with eval.verify=name and eval.model, serves that model: a checksum needs the weights, so it is

@@ -50,12 +50,13 @@ from trainer.objective_registry import check_family
 from trainer.rewards import build_reward
 from trainer.rl.learner import Learner
 from trainer.rl.rollouts import RolloutSource
-from trainer.rl.value_model import ValueModel
+from trainer.rl.value_model import Policy, ValueModel
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from trainer.config import TrainConfig
+    from dllm.embedded.task import ArithmeticTask
+    from trainer.config import ServerKeys, TrainConfig
     from trainer.data.prompts import Sampler
     from trainer.monitor.metrics_log import MetricsLogger
     from trainer.monitor.train_metrics import TrainMetrics
@@ -167,12 +168,12 @@ class Run:
 
 
 # ---------------------------------------------------------------------------------- building
-def load_examples(cfg, task, tokenizer) -> tuple[list[dict], list[dict]]:
+def load_examples(cfg: TrainConfig, task: ArithmeticTask, tokenizer: PreTrainedTokenizerBase) -> tuple[list[dict], list[dict]]:
     """-> (train examples, held-out examples); each has `prompt` and `answer`. Held out:
     `train.eval_data` when given, else the first tenth of `train.data` (at most eval_size).
     Counts and the first example of each are logged."""
     chat = tokenizer if cfg.chat_template else None
-    fields = {"prompt_field": cfg.prompt_field, "answer_field": cfg.answer_field, "tokenizer": chat,
+    fields: dict[str, Any] = {"prompt_field": cfg.prompt_field, "answer_field": cfg.answer_field, "tokenizer": chat,
               "prompt_template": cfg.prompt_template, "system_prompt": cfg.system_prompt}
     held_out = None
     if cfg.eval_data:
@@ -203,7 +204,7 @@ def run_id(out: Path) -> str:
     return path.read_text().strip()
 
 
-def _model_dir(cfg, ranks: Ranks, root: dict) -> Path:
+def _model_dir(cfg: TrainConfig, ranks: Ranks, root: dict[str, Any]) -> Path:
     if cfg.model:
         return Path(ranks.on_main(lambda: str(resolve_model(cfg.model, "train.model"))))
     return Path(ranks.on_main(lambda: str(ensure_default_model(root["model"], root["task"], root["sft"]))))
@@ -217,7 +218,8 @@ def check_sync_device(transport: str, allow_cpu: bool, on_cuda: bool) -> None:
                          "(train.device / DS_ACCELERATOR); use shm, or train.sync_ipc_allow_cpu=true for tests")
 
 
-def _start_fleet(cfg, server, ranks: Ranks, config_path, overrides, out: Path) -> ServerFleet:
+def _start_fleet(cfg: TrainConfig, server: ServerKeys, ranks: Ranks, config_path: str | None, overrides: list[str],
+                 out: Path) -> ServerFleet:
     token = resolve_token(cfg, server)
     if not token and cfg.start_server:
         token = ranks.broadcast(new_token())
@@ -230,7 +232,7 @@ def _start_fleet(cfg, server, ranks: Ranks, config_path, overrides, out: Path) -
         model_keys += [f"server.block_size={cfg.block_size}"] if cfg.block_size else []
         model_keys += [f"server.mask_token_id={cfg.mask_token_id}"] if cfg.mask_token_id >= 0 else []
 
-        def launch(url: str, i: int):
+        def launch(url: str, i: int) -> LocalServer:
             return LocalServer(url, config_path, cfg.model, model_keys + overrides, token, out / f"server{i}.log")
         ranks.on_main(lambda: fleet.start_missing(cfg.start_server, launch))
         fleet.wait_ready(cfg.server_start_timeout)
@@ -243,7 +245,7 @@ def _start_fleet(cfg, server, ranks: Ranks, config_path, overrides, out: Path) -
     return fleet
 
 
-def _build_learner(cfg, ranks: Ranks, policy, faults: Faults | None = None) -> Learner:
+def _build_learner(cfg: TrainConfig, ranks: Ranks, policy: Policy, faults: Faults | None = None) -> Learner:
     """Policy engine, frozen reference (KL) and value engine, all with the policy's sharding.
     The reference and the value model are copied from the plain policy BEFORE DeepSpeed
     partitions it (under ZeRO-3 its parameters are shards afterwards)."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -75,6 +75,15 @@ def split_parts(name: str, t: torch.Tensor, parts: Parts) -> Iterator[tuple[str,
         yield hf_name, t[a:b]
 
 
+class ZeroParam(Protocol):
+    """What DeepSpeed's ZeRO-3 sets on a partitioned parameter (its local tensor is a shard), unknown to torch's
+    stubs: `hasattr(p, "ds_id")` tells a partitioned one."""
+
+    ds_id: int
+    ds_shape: torch.Size  # the full parameter's shape
+    ds_numel: int  # and its size
+
+
 class DeepSpeedParams:
     """Callable source over a (possibly ZeRO-3 partitioned) module's parameters."""
 
@@ -86,7 +95,7 @@ class DeepSpeedParams:
 
     @staticmethod
     def _shape(p: torch.Tensor) -> tuple[int, ...]:
-        return tuple(p.ds_shape) if hasattr(p, "ds_id") else tuple(p.shape)  # type: ignore[attr-defined]  # ZeRO-3 adds ds_shape
+        return tuple(cast(ZeroParam, p).ds_shape) if hasattr(p, "ds_id") else tuple(p.shape)
 
     def specs(self, dtype: torch.dtype | None = None) -> list[Spec]:
         out = []

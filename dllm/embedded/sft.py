@@ -44,7 +44,7 @@ from dllm.embedded.tiny import PROGRESS_FILE  # <output_dir>.tmp/progress: the l
 from dllm.model import SDARForCausalLM
 from dllm.sampling import SamplingParams
 from dllm.tokenizer import IM_END, build_char_tokenizer, encode
-from dllm.weights import save_pretrained
+from dllm.weights import DiffusionLM, save_pretrained
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -110,8 +110,11 @@ def diffusion_loss(model: SDARForCausalLM, noisy: torch.Tensor, clean: torch.Ten
 
 
 @torch.no_grad()
-def evaluate(model: SDARForCausalLM, tokenizer: PreTrainedTokenizerBase, examples: list[dict], max_new_tokens: int = 8, batch_size: int = 100) -> float:
-    """Greedy exact-match accuracy."""
+def evaluate(model: DiffusionLM, tokenizer: PreTrainedTokenizerBase, examples: list[dict], max_new_tokens: int = 8,
+             batch_size: int = 100) -> float:
+    """Greedy exact-match accuracy, decoded as the server does (dllm.decoding.generate: a full-attention
+    model with dllm.full.decoding, exact mode); the model's train / eval mode is left as it was."""
+    was_training = model.training
     model.eval()
     correct = 0
     params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, strategy="static")
@@ -119,6 +122,7 @@ def evaluate(model: SDARForCausalLM, tokenizer: PreTrainedTokenizerBase, example
         chunk = examples[i:i + batch_size]
         outs = generate(model, [encode(tokenizer, e["prompt"]) for e in chunk], params, tokenizer)
         correct += sum(o.text.strip() == e["answer"] for o, e in zip(outs, chunk))
+    model.train(was_training)
     return correct / max(1, len(examples))
 
 
@@ -188,7 +192,6 @@ BLOCK_RECIPE = SFTRecipe(
     build=lambda arch, tok: SDARForCausalLM(make_model_config(arch, tok)),
     batch=lambda ex, tok, arch, cfg, gen: sft_batch(ex, tok, arch.block_size, cfg.t_min, gen),
     loss=lambda model, batch: diffusion_loss(cast(SDARForCausalLM, model), *batch),
-    evaluate=lambda model, tok, ex, n: evaluate(cast(SDARForCausalLM, model), tok, ex, n),
     save=lambda model, path: save_pretrained(cast(SDARForCausalLM, model), path))
 
 
@@ -235,7 +238,7 @@ def _train_and_save(arch: TinyModelConfig, task: ArithmeticTask, cfg: SFTConfig,
         raise SFTStopped(f"SFT stopped by {signal.Signals(stop.signum).name}: no model written ({tmp} removed); "
                          "run again to train the embedded default")
     (tmp / PROGRESS_FILE).write_text(f"sft trained ({cfg.steps} steps): evaluating on the held-out split\n")
-    acc = recipe.evaluate(model, tokenizer, task.split("heldout", cfg.eval_size), cfg.max_new_tokens)
+    acc = evaluate(model, tokenizer, task.split("heldout", cfg.eval_size), cfg.max_new_tokens)
     metrics = {"heldout_accuracy": acc, "train_seconds": round(train_s, 1), "steps": cfg.steps,
                "final_loss": loss.item(), "num_params": sum(p.numel() for p in model.parameters())}
     (tmp / PROGRESS_FILE).unlink(missing_ok=True)

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
 
+    from dllm.weights import DiffusionLM
+
 
 class TinyModelConfig(Config):
     """Section `model`: the architecture of the embedded default (vocab/mask/eos come from the tokenizer).
@@ -61,12 +63,11 @@ class SFTStopped(Exception):
 
 @dataclass(frozen=True)
 class SFTRecipe:
-    """What SFT does for one model kind: build the model, draw a batch, its loss, the held-out accuracy,
-    save the folder. `dllm.embedded.sft.BLOCK_RECIPE` (SDAR) and `dllm.embedded.sft_full.FULL_RECIPE` (LLaDA)."""
+    """What SFT does for one model kind: build the model, draw a batch, its loss, save the folder (the
+    held-out accuracy is one for every kind: dllm.embedded.sft.evaluate). `dllm.embedded.sft.BLOCK_RECIPE` (SDAR) and `dllm.embedded.sft_full.FULL_RECIPE` (LLaDA)."""
 
     tokenizer: Callable[[Path], PreTrainedTokenizerBase]  # writes its files into the folder, returns it
-    build: Callable[[TinyModelConfig, PreTrainedTokenizerBase], torch.nn.Module]
+    build: Callable[[TinyModelConfig, PreTrainedTokenizerBase], DiffusionLM]
     batch: Callable[[list[dict], PreTrainedTokenizerBase, TinyModelConfig, SFTConfig, torch.Generator], Any]
     loss: Callable[[torch.nn.Module, Any], torch.Tensor]
-    evaluate: Callable[[torch.nn.Module, PreTrainedTokenizerBase, list[dict], int], float]
     save: Callable[[torch.nn.Module, Path], None]

@@ -117,26 +117,6 @@ def make_full_model(arch: TinyModelConfig) -> FullAttentionLM:
     return FullAttentionLM(make_full_config(arch))
 
 
-@torch.no_grad()
-def evaluate_full(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, examples: list[dict],
-                  max_new_tokens: int = 8, batch_size: int = 100) -> float:
-    """Greedy exact-match accuracy, decoded as the server does (dllm.full.decoding, exact mode, static)."""
-    from dllm.full.decoding import generate_full
-    from dllm.full.model import FullAttentionLM
-    from dllm.sampling import SamplingParams
-
-    assert isinstance(model, FullAttentionLM)
-    model.eval()
-    correct = 0
-    params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, strategy="static")
-    for i in range(0, len(examples), batch_size):
-        chunk = examples[i:i + batch_size]
-        outs = generate_full(model, [encode(tokenizer, e["prompt"]) for e in chunk], params, tokenizer)
-        correct += sum(o.text.strip() == e["answer"] for o, e in zip(outs, chunk))
-    model.train()
-    return correct / max(1, len(examples))
-
-
 def save_full(model: torch.nn.Module, path: Path) -> None:
     """The official LLaDA layout (config.json, generation_config.json, safetensors) next to the tokenizer."""
     from dllm.full.load import save_full_pretrained
@@ -155,7 +135,6 @@ def _recipe() -> SFTRecipe:
         batch=lambda ex, tok, arch, cfg, gen: full_sft_batch(ex, tok, cfg.max_new_tokens, cfg.t_min, gen,
                                                              arch.block_size),
         loss=full_sft_loss,
-        evaluate=lambda model, tok, ex, n: evaluate_full(model, tok, ex, n),
         save=save_full)
 
 

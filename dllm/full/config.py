@@ -21,12 +21,11 @@ configs have none: it comes from the options, else the config's own field, else 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
-from dllm.config import ConfigValueError, check_maths_fields, check_sizes, eos_list, read_config_json
+from dllm.config import ConfigValueError, ModelConfig, check_maths_fields, read_config_json
 from dllm.family import FULL_FAMILIES, SDAR_TYPES, Family, detect_family, folder_family  # noqa: F401  (re-exported)
 
 DEFAULT_BLOCK_SIZE = 32  # the reference rollouts' block_length
@@ -35,49 +34,32 @@ DREAM_MASK_ID, DREAM_PAD_ID, DREAM_EOS_ID = 151666, 151643, 151645  # <|mask|>, 
 
 
 @dataclass
-class FullAttentionConfig:
-    """One config for both full-attention families (Qwen-style names; `raw` is the folder's dict)."""
+class FullAttentionConfig(ModelConfig):
+    """One config for both full-attention families (ModelConfig's fields, `vocab_size` the logits width: LLaDA's
+    embedding_size, the padded vocabulary; `attention_bias`: q/k/v biases, Dream's always; `raw` is the
+    folder's dict). Defaults: ModelConfig's sizes with LLaDA's ids."""
 
-    family: str = "llada"
-    vocab_size: int = 126464  # logits width (LLaDA: embedding_size, the padded vocabulary)
-    hidden_size: int = 4096
-    intermediate_size: int = 12288
-    num_hidden_layers: int = 32
-    num_attention_heads: int = 32
-    num_key_value_heads: int = 32
-    head_dim: int = 128
-    max_position_embeddings: int = 4096
-    rope_theta: float = 500000.0
-    rms_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False  # q/k/v biases (Dream: always)
-    rope_full_precision: bool = True  # LLaDA: rope in fp32; Dream (Qwen2): in the model dtype
     block_size: int = DEFAULT_BLOCK_SIZE
     mask_token_id: int = LLADA_MASK_ID
     eos_token_id: int | list[int] | None = LLADA_EOS_ID
     pad_token_id: int | None = LLADA_EOS_ID
-    bos_token_id: int | None = None
-    torch_dtype: str = "bfloat16"
     model_type: str = "llada"
+    family: str = "llada"
+    rope_full_precision: bool = True  # LLaDA: rope in fp32; Dream (Qwen2): in the model dtype
     raw: dict[str, Any] = field(default_factory=dict)
 
     attention: ClassVar[str] = "full"  # SDARConfig's is "block_causal"
+    SIZES: ClassVar[tuple[str, ...]] = (*ModelConfig.SIZES, "max_position_embeddings")
 
     @property
     def logit_shift(self) -> int:
         """1 where position i's logits come from the hidden state at i - 1 (Dream), else 0 (LLaDA)."""
         return 1 if self.family == "dream" else 0
 
-    @property
-    def eos_ids(self) -> list[int]:
-        return eos_list(self.eos_token_id)
-
     def validate(self) -> None:
         if self.family not in FULL_FAMILIES:
             raise ConfigValueError(f"model_type: {self.family!r} is not a full-attention family ({FULL_FAMILIES})")
-        check_sizes(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                           "num_attention_heads", "num_key_value_heads", "head_dim", "block_size",
-                           "max_position_embeddings"))
+        super().validate()
         if self.head_dim % 2:
             raise ConfigValueError(f"head_dim: rotary embeddings need an even head size, got {self.head_dim}")
         for i in self.eos_ids + ([self.pad_token_id] if self.pad_token_id is not None else []):
@@ -86,7 +68,7 @@ class FullAttentionConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, block_size: int | None = None,
-                  mask_token_id: int | None = None) -> FullAttentionConfig:
+                  mask_token_id: int | None = None) -> Self:
         """Parse a LLaDA or Dream config.json dict (ConfigValueError naming the field)."""
         family = detect_family(d)
         if family == "sdar":
@@ -99,10 +81,6 @@ class FullAttentionConfig:
         cfg.validate()
         return cfg
 
-    @classmethod
-    def from_json_file(cls, path: str | Path, **options: Any) -> FullAttentionConfig:
-        return cls.from_dict(read_config_json(path), **options)
-
     def to_dict(self) -> dict[str, Any]:
         """The official config.json: the folder's own fields (built from this config when there is no
         folder dict), `torch_dtype` following the config, `block_size` / `mask_token_id` added if absent."""
@@ -113,10 +91,6 @@ class FullAttentionConfig:
         d.setdefault("mask_token_id", self.mask_token_id)
         d.setdefault("block_size", self.block_size)
         return d
-
-    def save(self, directory: str | Path) -> None:
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        (Path(directory) / "config.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     def _official(self) -> dict[str, Any]:
         return official_llada_config(self) if self.family == "llada" else official_dream_config(self)

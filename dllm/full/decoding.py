@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from dllm.cache_mode import CACHE_MODES, DEFAULT_CACHE_MODE
 from dllm.errors import FieldError
 from dllm.full.model import KV, FullAttentionLM
 from dllm.full.sampler import RANKINGS, RNGS, official_draws, sample_and_commit_full
@@ -77,7 +78,6 @@ from dllm.trace import FinishReason
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-CACHE_MODES = ("exact", "prefix")
 
 
 @dataclass
@@ -113,8 +113,8 @@ class FullDecoder(Intake):
 
     def __init__(self, model: FullAttentionLM, *, max_batch: int, max_len: int | None = None,
                  eos_ids: abc.Iterable[int] | None = None, tokenizer: PreTrainedTokenizerBase | None = None,
-                 cache_mode: str = "exact", further_horizon: int | None = AUTO_HORIZON, ranking: str = "official",
-                 rng: str = "counter", pad_penalty: float = 1.0, eps: float = DREAM_EPS, compile: bool | str = False,
+                 cache_mode: str = DEFAULT_CACHE_MODE, further_horizon: int | None = AUTO_HORIZON,
+                 ranking: str = "official", rng: str = "counter", pad_penalty: float = 1.0, eps: float = DREAM_EPS, compile: bool | str = False,
                  cuda_graphs: bool = False) -> None:
         if cache_mode not in CACHE_MODES:
             raise FieldError("cache_mode", f"unknown {cache_mode!r} (known: {', '.join(CACHE_MODES)})")
@@ -363,7 +363,7 @@ class FullDecoder(Intake):
 
 
 def generate_full(model: FullAttentionLM, prompts_ids: list[list[int]], params: SamplingParams | list[SamplingParams],
-                  tokenizer: PreTrainedTokenizerBase | None = None, cache_mode: str = "exact",
+                  tokenizer: PreTrainedTokenizerBase | None = None, cache_mode: str = DEFAULT_CACHE_MODE,
                   eos_ids: abc.Iterable[int] | None = None, pad_penalty: float = 1.0,
                   further_horizon: int | None = AUTO_HORIZON, ranking: str = "official",
                   rng: str = "counter", compile: bool | str = False) -> list[GenerationOutput]:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from dllm.cache_mode import DEFAULT_CACHE_MODE
 from dllm.full.model import FullAttentionLM
 from dllm.full.sampler import sample_and_commit_full
 from dllm.step import buckets, columns, padding_row, width
@@ -95,7 +96,7 @@ def window_step(model: FullAttentionLM, cache: list[torch.Tensor], buf: torch.Te
 class FullStep:
     """Bucketed inputs in preallocated buffers -> `canvas_step` / `window_step` (eager, compiled, graph-replayed)."""
 
-    def __init__(self, model: FullAttentionLM, *, max_batch: int, max_len: int, cache_mode: str = "exact",
+    def __init__(self, model: FullAttentionLM, *, max_batch: int, max_len: int, cache_mode: str = DEFAULT_CACHE_MODE,
                  further_horizon: int | None = None, ranking: str = "official", pad_penalty: float = 1.0,
                  compile: bool | str = False, cuda_graphs: bool = False, max_graphs: int = 256) -> None:
         cfg = model.config

@@ -26,6 +26,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from dllm.errors import FieldError
 from dllm.options import Temperature, Threshold, TopK, TopP
+from dllm.ranges import TEMPERATURE, THRESHOLD, TOP_K, TOP_P
 from dllm.strategy import Strategy, StrategyField
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -147,13 +148,13 @@ class StrictRequest(NullIsDefault):
 class DecodingOptions(StrictRequest):
     """Block-diffusion sampling options shared by every generation endpoint."""
 
-    temperature: Temperature | None = Field(1.0, description="0 = greedy")
-    top_k: Annotated[TopK, Integral] | None = Field(0, description="0 = off")
-    top_p: TopP | None = 1.0
+    temperature: Temperature | None = Field(TEMPERATURE.default, description="0 = greedy")
+    top_k: Annotated[TopK, Integral] | None = Field(int(TOP_K.default), description="0 = off")
+    top_p: TopP | None = TOP_P.default
     strategy: StrategyField | None = Strategy.dynamic
     steps: Annotated[int, Field(ge=1), Integral] | None = Field(None, description="denoising steps per block (static/sequential); "
                                                       "at most the model's block size")
-    threshold: Threshold | None = Field(0.9, description="confidence threshold (dynamic)")
+    threshold: Threshold | None = Field(THRESHOLD.default, description="confidence threshold (dynamic)")
     seed: Annotated[int, Field(ge=0, lt=1 << 53), Integral] | None = Field(None, description="below 2**53: exact in every JSON parser")
     stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOP)] | None = None
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, lt=1 << 31), Integral]], Field(max_length=1024)] | None = None

@@ -56,8 +56,8 @@ def test_loss_trains_the_llada_layout_model(tmp_path: Path) -> None:
 
 
 def test_recipe_of_the_llada_family_saves_an_official_folder_that_serves(tmp_path: Path) -> None:
-    from dllm.embedded.sft import BLOCK_RECIPE, recipe_of
-    from dllm.embedded.sft_full import FULL_RECIPE, evaluate_full
+    from dllm.embedded.sft import BLOCK_RECIPE, evaluate, recipe_of
+    from dllm.embedded.sft_full import FULL_RECIPE
     from dllm.full.model import FullAttentionLM
     from dllm.weights import load_pretrained
 
@@ -66,7 +66,7 @@ def test_recipe_of_the_llada_family_saves_an_official_folder_that_serves(tmp_pat
     assert tok.mask_token == "<|mdm_mask|>" and tok.eos_token == "<|endoftext|>"
     model = FULL_RECIPE.build(ARCH, tok)
     examples = ArithmeticTask().split("heldout", 3)
-    assert 0.0 <= evaluate_full(model, tok, examples, 8) <= 1.0  # greedy decode of the server's decoder
+    assert 0.0 <= evaluate(model, tok, examples, 8) <= 1.0  # greedy decode of the server's decoder
     FULL_RECIPE.save(model, tmp_path)
     loaded = load_pretrained(tmp_path)
     assert isinstance(loaded, FullAttentionLM) and loaded.family == "llada" and loaded.config.block_size == 4

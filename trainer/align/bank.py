@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -22,9 +23,12 @@ from safetensors.torch import load_file, save_file
 from dllm.weights import copy_into_model
 from weight_sync import weights_digest
 
+if TYPE_CHECKING:
+    from trainer.rl.value_model import Policy
+
 
 class WeightBank:
-    def __init__(self, root: Path, reference: torch.nn.Module, keep: int = 3):
+    def __init__(self, root: Path, reference: Policy, keep: int = 3):
         self.root, self.reference, self.keep = Path(root), reference, keep
         self.root.mkdir(parents=True, exist_ok=True)
         self.memory: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()

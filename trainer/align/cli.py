@@ -18,12 +18,14 @@ stops at once. `dlrl align` runs one trainer rank.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
 import sys
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from dlrl_config import ConfigError, build, load_sections, parse_overrides
 from dlrl_config.cli import ArgumentParser, add_json_arg, print_check
@@ -34,20 +36,24 @@ from trainer.align.registry import NO_PRUNE, rollback_replicas
 from trainer.align.replicas import ServingPool
 from trainer.align.report import format_events, format_versions
 from trainer.cli import Stopper
-from trainer.config import TrainConfig
+from trainer.config import ServerKeys, TrainConfig
 from trainer.infra.fleet import FleetError
 from trainer.infra.local_servers import resolve_token
 from weight_sync.errors import WeightSyncError
 
 if TYPE_CHECKING:  # torch, deepspeed: imported once the command runs (--help and --check never import them)
+    from transformers import PreTrainedTokenizerBase
+
+    from store import FeedbackStore
     from trainer.align.console import Console
     from trainer.align.controller import Aligner
+    from trainer.align.data import PromptPool
     from trainer.run import Run
 
 log = logging.getLogger("dlrl.align")
 
 
-def parse(argv: list[str]):
+def parse(argv: list[str]) -> tuple[argparse.Namespace, dict[str, Any], list[str]]:
     """-> (args, root sections, overrides): the config file read once, every section typed; the
     `train` section as `dlrl align` runs it (servers = align.rollout_servers, ...)."""
     ap = ArgumentParser(prog="dlrl align", description="continuous alignment from live traffic")
@@ -63,20 +69,22 @@ def parse(argv: list[str]):
         root = load_sections(args.config, overrides, align_sections(), primary="align")
         cfg, train = root["align"], root["train"]
         assert isinstance(cfg, AlignConfig) and isinstance(train, TrainConfig)  # built from these classes
-        root["train"] = train.replace(servers=list(cfg.rollout_servers), output_dir=cfg.output_dir,
-                                      eval_data=cfg.eval_data, eval_size=cfg.eval_size, eval_every=0,
-                                      num_steps=cfg.max_steps or 1_000_000_000, resume=args.resume,
-                                      admin_token=cfg.admin_token or train.admin_token)
-        check_train(cfg, root["train"])
+        train = train.replace(servers=list(cfg.rollout_servers), output_dir=cfg.output_dir,
+                              eval_data=cfg.eval_data, eval_size=cfg.eval_size, eval_every=0,
+                              num_steps=cfg.max_steps or 1_000_000_000, resume=args.resume,
+                              admin_token=cfg.admin_token or train.admin_token)
+        root["train"] = train
+        check_train(cfg, train)
     except (ConfigError, ValueError) as e:
         ap.error(str(e))
     return args, root, overrides
 
 
-def make_sampler_factory(cfg, train, store, should_stop):
+def make_sampler_factory(cfg: AlignConfig, train: TrainConfig, store: FeedbackStore,
+                         should_stop: Callable[[], bool]) -> Callable[[list[dict], PreTrainedTokenizerBase], PromptPool]:
     from trainer.align.data import PromptPool, StaticPrompts, StorePrompts, TailedJSONL
 
-    def factory(train_examples, tokenizer):
+    def factory(train_examples: list[dict], tokenizer: PreTrainedTokenizerBase) -> PromptPool:
         source: StorePrompts | StaticPrompts | TailedJSONL
         if cfg.prompt_source == "store":
             source = StorePrompts(store, cfg.accept_reward)
@@ -182,7 +190,9 @@ def versions_main(argv: list[str]) -> int:
         ap.error(f"align.store (--store): no feedback store at {path!r}")
     with open_store(path, **NO_PRUNE) as st:
         if args.rollback is not None:
-            return manual_rollback(cfg, root["server"], st, args.rollback)
+            server = root["server"]
+            assert isinstance(server, ServerKeys)  # load_sections built it from ServerKeys
+            return manual_rollback(cfg, server, st, args.rollback)
         data = st.events() if args.events else st.versions()
         if args.json:
             print(json.dumps(data, indent=1, default=str))
@@ -192,7 +202,7 @@ def versions_main(argv: list[str]) -> int:
     return 0
 
 
-def manual_rollback(cfg, server, st, version: int) -> int:
+def manual_rollback(cfg: AlignConfig, server: ServerKeys, st: FeedbackStore, version: int) -> int:
     """The registry names `version` the serving version (a running `dlrl align` adopts it and brings
     any replica that fails here to it from its saved weights); then every serving replica goes
     back to it, one at a time, from the versions it keeps in host memory. `server`: the config's

@@ -19,6 +19,7 @@ from pydantic import Field
 
 from dllm.embedded.tiny import TINY_SECTIONS
 from dllm.options import Temperature
+from dllm.ranges import TEMPERATURE
 from dlrl_config import Config
 from trainer.config import ServerKeys, TrainConfig
 
@@ -98,7 +99,7 @@ class UsersConfig(Config):
     think_time_s: float = Field(0.2, ge=0)  # pause between one user's requests
     feedback_prob: float = Field(1.0, ge=0, le=1)  # share of answers that get feedback
     feedback_delay_s: float = Field(1.0, ge=0)  # feedback comes after a random delay up to this
-    temperature: Temperature = 1.0  # the users' sampling temperature
+    temperature: Temperature = TEMPERATURE.default  # the users' sampling temperature
     max_tokens: int = Field(8, ge=1)
     request_timeout_s: float = Field(120.0, gt=0)
     duration_s: float = Field(0.0, ge=0)  # 0: until stopped
@@ -112,7 +113,7 @@ def align_sections() -> dict[str, type[Config]]:
     return {"align": AlignConfig, "train": TrainConfig, **TINY_SECTIONS, "server": ServerKeys}
 
 
-def check_train(align: AlignConfig, train) -> None:
+def check_train(align: AlignConfig, train: TrainConfig) -> None:
     """What `dlrl align` needs of the `train` section (ValueError naming the key)."""
     if align.uses_feedback() and train.is_correction == "none":
         raise ValueError("train.is_correction: align.feedback_ratio > 0 trains on feedback records, which are "

@@ -33,6 +33,8 @@ from importlib.resources import files
 from typing import Any
 
 import httpx
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.samples import Sample
 
 from store import open_store
 from trainer.align.registry import NO_PRUNE, rollback_replicas
@@ -49,7 +51,7 @@ THRESHOLDS = ("tolerance", "kl_budget", "max_length_ratio", "max_stop_rate_drop"
 SCORES = ("accuracy", "serving_accuracy", "kl", "mean_length", "stop_rate", "empty_frac", "degenerate_frac")
 
 
-def _samples(metric) -> list:
+def _samples(metric: MetricWrapperBase) -> list[Sample]:
     return [s for fam in metric.collect() for s in fam.samples]
 
 

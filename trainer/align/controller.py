@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, cast
 from dllm.weights import copy_into_model, parse_dtype
 from trainer.align.bank import WeightBank
 from trainer.align.data import AlignReward, FeedbackBuffer, MixedBatch, PromptPool
-from trainer.align.gate import Gate
+from trainer.align.gate import Gate, GateResult
 from trainer.align.metrics import AlignMetrics, CountedStore
 from trainer.align.promote import Candidate, FeedbackTally, Promoter
 from trainer.align.report import plot_serving
@@ -303,13 +303,13 @@ class Aligner(LoopHooks):
             cand.gate = result
         self.promo.start(cand)
 
-    def _record_gate(self, v: int, result) -> None:
+    def _record_gate(self, v: int, result: GateResult) -> None:
         """The gate's scores and verdict for version `v`, against the serving version, in the registry."""
         self.store.update_version(v, eval={**result.candidate, "gate_passed": result.passed,
                                            "reasons": result.reasons, "serving_version": self.promo.serving_version,
                                            "serving_accuracy": result.serving["accuracy"]})
 
-    def _gated_out(self, v: int, reasons: list[str], scores: dict, **extra) -> None:
+    def _gated_out(self, v: int, reasons: list[str], scores: dict, **extra: object) -> None:
         log.warning("version %d stopped by the gate: %s", v, "; ".join(reasons))
         self.store.update_version(v, status="gated_out")
         self.store.log_event("gate_failed", v, detail={"reasons": reasons, "scores": scores, **extra})

@@ -44,15 +44,19 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dllm.ranges import TEMPERATURE
 from dllm.trace import Trace
 from rollout_client.protocol.rollout import Rollout
 from trainer.data.prompts import example_from_record
 from trainer.loop import StopRequested
 from trainer.rl.rollouts import Batch
+
+if TYPE_CHECKING:
+    from store import FeedbackStore, Record
 
 log = logging.getLogger("dlrl.align")
 WAIT_LOG_S = 15.0  # a line about a wait for prompts at least this often
@@ -99,7 +103,7 @@ class TailedJSONL:
 class StorePrompts:
     """Prompts users asked, each with a completion a user accepted as its reference answer."""
 
-    def __init__(self, store, accept_reward: float = 1.0, page: int = 1000) -> None:
+    def __init__(self, store: FeedbackStore, accept_reward: float = 1.0, page: int = 1000) -> None:
         self.store, self.accept_reward, self.page = store, accept_reward, page
         self.seq = 0
         self.seen: set[str] = set()
@@ -141,11 +145,14 @@ class StaticPrompts:
         return list(self.examples)
 
 
+PromptSource = StorePrompts | StaticPrompts | TailedJSONL  # where dlrl align's prompts come from (align.prompt_source)
+
+
 class PromptPool:
     """The trainer's sampler over a growing source (`next_batch`, `state_dict`, `load_state_dict`,
     as `trainer.data.prompts.PromptSampler`); `batch_size` may change between batches."""
 
-    def __init__(self, source, batch_size: int, seed: int = 0, wait_s: float = 600.0,
+    def __init__(self, source: PromptSource, batch_size: int, seed: int = 0, wait_s: float = 600.0,
                  should_stop: Callable[[], bool] = lambda: False) -> None:
         self.source, self.batch_size, self.wait_s, self.should_stop = source, batch_size, wait_s, should_stop
         self.seed = seed
@@ -207,7 +214,7 @@ class FeedbackSample:
     seq: int
 
 
-def record_rollout(rec, block_size: int, max_len: int) -> Rollout | str:
+def record_rollout(rec: Record, block_size: int, max_len: int) -> Rollout | str:
     """A stored record as a Rollout for replay, or the reason it cannot be one (hostile until checked)."""
     try:
         trace = Trace.model_validate(rec.trace)
@@ -228,7 +235,7 @@ def record_rollout(rec, block_size: int, max_len: int) -> Rollout | str:
         return "trace step outside the block"
     if any(not (math.isfinite(lp) and lp <= 1e-6) for lp in trace.logprobs):
         return "behaviour log-prob not finite or positive"
-    if float((rec.sampling or {}).get("temperature", 1.0) or 0.0) == 0.0:
+    if float((rec.sampling or {}).get("temperature", TEMPERATURE.default) or 0.0) == 0.0:
         trace = trace.model_copy(update={"logprobs": [0.0] * n})  # greedy: a deterministic behaviour policy
     return Rollout.copy_from(rec, prompt_index=0, sample_index=0, trace=trace, server=str(rec.server))
 
@@ -236,7 +243,7 @@ def record_rollout(rec, block_size: int, max_len: int) -> Rollout | str:
 class FeedbackBuffer:
     """Labeled records read from the store in arrival order, checked, waiting to be trained on."""
 
-    def __init__(self, store, block_size: int, max_len: int, capacity: int = 4096, page: int = 1000) -> None:
+    def __init__(self, store: FeedbackStore, block_size: int, max_len: int, capacity: int = 4096, page: int = 1000) -> None:
         self.store, self.block_size, self.max_len, self.page = store, block_size, max_len, page
         self.queue: deque[FeedbackSample] = deque()
         self.capacity = capacity

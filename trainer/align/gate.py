@@ -21,7 +21,9 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +33,13 @@ from trainer.evaluation.evaluate import DecodingSetting, SettingResult, evaluate
 from trainer.rl.learner import is_full_attention
 from trainer.rl.replay import chunked_token_logprobs
 from trainer.rl.rollouts import sampling_kwargs
+
+if TYPE_CHECKING:
+    from trainer.align.config import AlignConfig
+    from trainer.config import TrainConfig
+    from trainer.evaluation.evaluate import GenerateFn
+    from trainer.rewards.registry import Reward, RewardFn
+    from trainer.rl.value_model import Policy
 
 _DEGENERATE = re.compile(r"(.{1,4}?)\1{3,}", re.DOTALL)
 
@@ -54,7 +63,7 @@ def answer_monitors(result: SettingResult) -> dict[str, float]:
 
 
 @torch.no_grad()
-def target_logprobs(module, rows: Rows, mask_id: int, temperature: float, chunk: int = 1024) -> torch.Tensor:
+def target_logprobs(module: Policy, rows: Rows, mask_id: int, temperature: float, chunk: int = 1024) -> torch.Tensor:
     """log p of every row target under a plain (unsharded) module: [R, L], zeros off-target."""
     dev = next(module.parameters()).device
     if is_full_attention(module):  # LLaDA / Dream: one bidirectional canvas per trace step
@@ -78,13 +87,14 @@ class GateResult:
 
 
 class Gate:
-    def __init__(self, cfg, train_cfg, examples: list[dict], reward_fn, prompt_ids_of, mask_id: int,
+    def __init__(self, cfg: AlignConfig, train_cfg: TrainConfig, examples: list[dict], reward_fn: RewardFn | Reward,
+                 prompt_ids_of: Callable[[dict], list[int]], mask_id: int,
                  block_size: int, pad_id: int) -> None:
         self.cfg, self.train_cfg, self.examples, self.reward_fn = cfg, train_cfg, examples, reward_fn
         self.prompt_ids_of, self.mask_id, self.block_size, self.pad_id = prompt_ids_of, mask_id, block_size, pad_id
         self.prompts = [prompt_ids_of(e) for e in examples]
 
-    def scores(self, generate_fn) -> dict[str, float]:
+    def scores(self, generate_fn: GenerateFn) -> dict[str, float]:
         """Greedy held-out accuracy and the answer monitors of whatever `generate_fn` serves."""
         t = self.train_cfg
         setting = DecodingSetting(t.strategy, t.denoise_steps or None, t.threshold if t.strategy == "dynamic" else None)
@@ -93,7 +103,7 @@ class Gate:
         return {"accuracy": r.pass_at[1], "reward": r.mean_reward, **answer_monitors(r),
                 "eval_seconds": r.wall_seconds}
 
-    def kl(self, generate_fn, policy, reference, seed: int = 0) -> dict[str, float]:
+    def kl(self, generate_fn: GenerateFn, policy: Policy, reference: Policy, seed: int = 0) -> dict[str, float]:
         """KL(candidate || serving) per token on sampled held-out rollouts, by trace replay."""
         prompts = self.prompts[:self.cfg.kl_prompts]
         rollouts = generate_fn(prompts, 1, seed=seed, **sampling_kwargs(self.train_cfg))

@@ -26,10 +26,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from trainer.monitor.train_metrics import MetricsEndpoint
+
+if TYPE_CHECKING:
+    from store import FeedbackStore
 
 disable_created_metrics()  # no `*_created` series (process-wide, as server/metrics.py)
 
@@ -49,17 +53,16 @@ class CountedStore:
     """The registry as the controller writes it, counting candidate outcomes from the events it logs
     (everything else goes straight to the store)."""
 
-    def __init__(self, store, metrics: AlignMetrics) -> None:
+    def __init__(self, store: FeedbackStore, metrics: AlignMetrics) -> None:
         self._store, self._metrics = store, metrics
 
-    def log_event(self, kind: str, version: int, *args, **kwargs):
-        out = self._store.log_event(kind, version, *args, **kwargs)
-        detail = kwargs.get("detail") or (args[1] if len(args) > 1 else None) or {}
+    def log_event(self, kind: str, version: int, replica: str | None = None, detail: dict | None = None) -> None:
+        self._store.log_event(kind, version, replica, detail)
+        detail = detail or {}
         if kind in OUTCOMES and not detail.get("initial") and not (kind == "rollback" and detail.get("kind") != "auto"):
             self._metrics.candidates.labels(outcome=OUTCOMES[kind]).inc()
-        return out
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:  # the store's other methods, unchanged
         return getattr(self._store, name)
 
 

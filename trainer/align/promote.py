@@ -34,10 +34,17 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.align.replicas import LiveStats
 from trainer.infra.fleet import FleetError
+
+if TYPE_CHECKING:
+    from store import FeedbackStore
+    from trainer.align.bank import WeightBank
+    from trainer.align.config import AlignConfig
+    from trainer.align.metrics import AlignMetrics
+    from trainer.align.replicas import ServingPool
 
 log = logging.getLogger("dlrl.align")
 SETTLE_S = 1.0  # after the canary push: requests that waited for it finish before the window opens
@@ -95,7 +102,8 @@ def _significantly_lower(c: list[float], o: list[float], drop: float, z: float) 
 
 
 class Promoter:
-    def __init__(self, cfg, store, pool, bank, metrics, tally: FeedbackTally, *, serving_version: int,
+    def __init__(self, cfg: AlignConfig, store: FeedbackStore, pool: ServingPool, bank: WeightBank, metrics: AlignMetrics,
+                 tally: FeedbackTally, *, serving_version: int,
                  poll: Callable[[], None] = lambda: None,
                  on_promoted: Callable[[Candidate], None] = lambda c: None,
                  on_rejected: Callable[[Candidate, list[str]], None] = lambda c, r: None,

@@ -8,10 +8,14 @@
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 from trainer.align.replicas import ServingPool
 from trainer.infra.fleet import FleetError
+
+if TYPE_CHECKING:
+    from store import FeedbackStore
+    from trainer.align.config import AlignConfig
 
 
 class _Bounds(TypedDict):
@@ -22,7 +26,7 @@ class _Bounds(TypedDict):
 NO_PRUNE: _Bounds = {"max_records": 1 << 62, "max_age_s": 1e15}  # the servers own the store's bounds
 
 
-def rollback_replicas(cfg, token: str, st, version: int) -> dict:
+def rollback_replicas(cfg: AlignConfig, token: str, st: FeedbackStore, version: int) -> dict:
     """The manual rollback (`dlrl versions --rollback`, the console's button): registry first, then
     each serving replica. ValueError when `version` never served. -> {version, previous, replicas}."""
     known = {v["version"]: v for v in st.versions()}

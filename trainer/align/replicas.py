@@ -19,12 +19,17 @@ weight_sync senders, one per replica, kept across promotions.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from rollout_client.client import AdminError, RolloutError
+from rollout_client.client import AdminError, Prompt, RolloutError
+from rollout_client.protocol.rollout import Rollout
 from trainer.infra.fleet import FleetError, ServerFleet
 
 log = logging.getLogger("dlrl.align")
@@ -115,7 +120,7 @@ class ServingPool:
         """Push `weights` ({name: tensor}) as `version` into one replica (applied whole or not at all)."""
         return self.fleet.push(weights, version, [url])
 
-    def restore(self, url: str, version: int, weights_of) -> str:
+    def restore(self, url: str, version: int, weights_of: Callable[[int], dict[str, torch.Tensor] | None]) -> str:
         """Bring one replica to `version`: a rollback when it keeps it (fast, no trainer data), else a
         push of `weights_of(version)`. Returns how ("rollback" or "push")."""
         if version in self.kept(url):
@@ -133,5 +138,5 @@ class ServingPool:
         except (RolloutError, ValueError):
             return None
 
-    def generate(self, prompts: list, n: int, **sampling: Any) -> list:
+    def generate(self, prompts: Sequence[Prompt], n: int, **sampling: Any) -> list[Rollout]:
         return self.fleet.generate(prompts, n, **sampling)

@@ -26,12 +26,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from trainer.data.sources import read_records
 from trainer.data.sources import source_problem as problem
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 DEFAULT_PROMPT_FIELDS = ("question", "prompt", "problem")
 DEFAULT_ANSWER_FIELDS = ("ground_truth_answer", "answer")
@@ -39,7 +42,7 @@ MESSAGES_FIELD = "messages"
 log = logging.getLogger("dlrl.data")
 
 
-def _pick(record: dict, field: str | None, defaults: Sequence[str], what: str, where: str):
+def _pick(record: dict, field: str | None, defaults: Sequence[str], what: str, where: str) -> object:
     names = (field,) if field else tuple(defaults)
     for name in names:
         if name in record:
@@ -48,7 +51,7 @@ def _pick(record: dict, field: str | None, defaults: Sequence[str], what: str, w
                      f"(present: {', '.join(sorted(record)) or 'none'})")
 
 
-def format_prompt(text: str, prompt_template: str = "{prompt}", tokenizer=None,
+def format_prompt(text: str, prompt_template: str = "{prompt}", tokenizer: PreTrainedTokenizerBase | None = None,
                   system_prompt: str | None = None) -> str:
     """The text the policy generates from; chat-templated when a tokenizer is given."""
     text = prompt_template.replace("{prompt}", text)  # not str.format: `\boxed{}` stays as written
@@ -59,7 +62,7 @@ def format_prompt(text: str, prompt_template: str = "{prompt}", tokenizer=None,
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def _chat(messages, where: str) -> tuple[list[dict], str | None]:
+def _chat(messages: list[Any], where: str) -> tuple[list[dict], str | None]:
     """(prompt turns, answer of a final assistant turn or None) of a chat record."""
     if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
         raise ValueError(f"{where}: `{MESSAGES_FIELD}` must be a non-empty list of {{role, content}} turns")
@@ -72,9 +75,9 @@ def _chat(messages, where: str) -> tuple[list[dict], str | None]:
     return turns, answer
 
 
-def example_from_record(record, where: str, prompt_field: str | None = None, answer_field: str | None = None,
-                        require_answer: bool = True, prompt_template: str = "{prompt}", tokenizer=None,
-                        system_prompt: str | None = None) -> dict:
+def example_from_record(record: object, where: str, prompt_field: str | None = None, answer_field: str | None = None,
+                        require_answer: bool = True, prompt_template: str = "{prompt}",
+                        tokenizer: PreTrainedTokenizerBase | None = None, system_prompt: str | None = None) -> dict:
     """One parsed record -> an example; errors name `where` (file:line / row) and the field."""
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
@@ -102,7 +105,8 @@ def example_from_record(record, where: str, prompt_field: str | None = None, ans
 
 
 def load_prompts(path: str | Path, prompt_field: str | None = None, answer_field: str | None = None,
-                 require_answer: bool = True, prompt_template: str = "{prompt}", tokenizer=None,
+                 require_answer: bool = True, prompt_template: str = "{prompt}",
+                 tokenizer: PreTrainedTokenizerBase | None = None,
                  system_prompt: str | None = None, limit: int | None = None, split: str = "train") -> list[dict]:
     """Records of `path` (any source of trainer.data.sources; `split` for datasets / hub ids) ->
     examples, the first `limit`. Errors name the file, the line / row and the missing field."""

@@ -21,11 +21,15 @@ import csv
 import importlib
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from dllm.hub import is_repo_id, split_revision
+
+if TYPE_CHECKING:
+    from datasets import Dataset, DatasetDict
 
 log = logging.getLogger("dlrl.data")
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
@@ -36,7 +40,7 @@ class DataError(ValueError):
     """A data source that cannot be read; the message names it."""
 
 
-def _need(module: str):
+def _need(module: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as e:
@@ -97,12 +101,12 @@ def _json(path: Path, split: str) -> Iterator[tuple[str, Any]]:
         yield f"{path}: record {i + 1}", record
 
 
-def _rows(rows, name: str) -> Iterator[tuple[str, Any]]:
+def _rows(rows: Iterable[Any], name: str) -> Iterator[tuple[str, Any]]:
     for i, record in enumerate(rows):
         yield f"{name}: row {i + 1}", record
 
 
-def _split_of(dataset, split: str, name: str):
+def _split_of(dataset: Dataset | DatasetDict, split: str, name: str) -> Dataset:
     if isinstance(dataset, dict):  # a DatasetDict
         if split not in dataset:
             raise DataError(f"{name}: no split {split!r} (splits: {', '.join(dataset.keys())})")

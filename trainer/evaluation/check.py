@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dllm.hub import served_name
 from dllm.weights import load_pretrained, parse_dtype
 from rollout_client.client import AdminError
 from weight_sync import weights_digest
+
+if TYPE_CHECKING:
+    from trainer.infra.fleet import ServerFleet
 
 log = logging.getLogger("dlrl.eval")
 
@@ -36,7 +39,7 @@ def folder_digest(model_dir: str | Path, dtype: str | None) -> str:
     return weights_digest(dict(model.hf_named_tensors()))
 
 
-def _read(fleet, url: str) -> dict[str, Any]:
+def _read(fleet: ServerFleet, url: str) -> dict[str, Any]:
     try:
         version = fleet.admin(url, "GET", "/weights/version")
         digest = fleet.admin(url, "GET", "/weights/checksum")
@@ -45,7 +48,7 @@ def _read(fleet, url: str) -> dict[str, Any]:
     return {"version": int(version["version"]), "checksum": digest["digest"], "dtype": version.get("dtype")}
 
 
-def check_served(fleet, model: str, model_dir: Path | None, verify: str, started: list[str],
+def check_served(fleet: ServerFleet, model: str, model_dir: Path | None, verify: str, started: list[str],
                  served_model_name: str = "") -> dict[str, dict[str, Any]]:
     """Read and record what each server holds; raise EvalMismatch where it is not `model`."""
     names = fleet.names()

@@ -22,12 +22,27 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from trainer.data.prompts import load_prompts
 from trainer.rewards import extract_boxed, score_batch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from dllm.trace import Trace
+    from rollout_client.client import Prompt
+    from rollout_client.protocol.rollout import Rollout
+    from trainer.rewards.registry import Reward, RewardFn
+
+
+class GenerateFn(Protocol):
+    """`ServerFleet.generate`: `n` rollouts per prompt (text or token ids), prompt-major."""
+
+    def __call__(self, prompts: Sequence[Prompt], n: int, **sampling: Any) -> list[Rollout]: ...
 
 
 class EvalError(ValueError):
@@ -55,12 +70,13 @@ class DecodingSetting:
         return kw
 
 
-def make_settings(static_steps=(), dynamic_thresholds=(), block_sizes=()) -> list[DecodingSetting]:
+def make_settings(static_steps: Sequence[int] = (), dynamic_thresholds: Sequence[float] = (),
+                  block_sizes: Sequence[int] = ()) -> list[DecodingSetting]:
     """Every static steps value and dynamic threshold, for each block size ([] = the served one)."""
     base = [DecodingSetting("static", steps=int(s)) for s in static_steps]
     base += [DecodingSetting("dynamic", threshold=float(t)) for t in dynamic_thresholds]
     base = base or [DecodingSetting("dynamic", threshold=0.9)]
-    sizes = list(block_sizes) or [None]
+    sizes: list[int | None] = [*block_sizes] or [None]
     return [DecodingSetting(s.strategy, s.steps, s.threshold, b) for b in sizes for s in base]
 
 
@@ -105,7 +121,8 @@ def gold_answer(record: dict, where: str) -> str:
     raise EvalError(f"{where}: no answer field (ground_truth_answer / answer / solution with \\boxed{{}})")
 
 
-def load_eval_examples(path: str | Path, prompt_field: str = "", answer_field: str = "", tokenizer=None,
+def load_eval_examples(path: str | Path, prompt_field: str = "", answer_field: str = "",
+                       tokenizer: PreTrainedTokenizerBase | None = None,
                        prompt_template: str = "{prompt}", system_prompt: str = "", limit: int = 0,
                        split: str = "train", require_answer: bool = True) -> list[dict]:
     """Records of any source (trainer.data.sources) -> examples with `prompt` (chat-templated when a
@@ -123,21 +140,30 @@ def load_eval_examples(path: str | Path, prompt_field: str = "", answer_field: s
     return examples
 
 
-def generate(generate_fn, prompts: list, n: int, batch_size: int, **kw) -> list:
+def generate(generate_fn: GenerateFn, prompts: Sequence[Prompt], n: int, batch_size: int,
+             **kw: Any) -> list[Rollout]:
     """All rollouts for `prompts` (n each, prompt-major), `batch_size` prompts at a time, through
     `generate_fn(prompts, n, **sampling)` (a `trainer.infra.fleet.ServerFleet.generate`)."""
-    out = []
+    out: list[Rollout] = []
     for i in range(0, len(prompts), batch_size):
         out += generate_fn(prompts[i:i + batch_size], n, **kw)
     return out
 
 
-def run_setting(servers, examples, reward_fn, setting: DecodingSetting, prompts, *, num_samples: int,
-                sampling: dict, batch_size: int, generate_fn) -> SettingResult:
+def _trace_of(rollout: Rollout) -> Trace:
+    if rollout.trace is None:  # ServerFleet.generate asks for traces
+        raise EvalError("a server answered without the decoding trace (return_trace)")
+    return rollout.trace
+
+
+def run_setting(servers: list[str], examples: list[dict], reward_fn: RewardFn | Reward, setting: DecodingSetting,
+                prompts: Sequence[Prompt], *, num_samples: int, sampling: dict[str, Any], batch_size: int,
+                generate_fn: GenerateFn) -> SettingResult:
     t0 = time.perf_counter()
     rollouts = generate(generate_fn, prompts, num_samples, batch_size, **sampling, **setting.request_kwargs())
     wall = time.perf_counter() - t0
-    sizes = {r.trace.block_size for r in rollouts}
+    traces = [_trace_of(r) for r in rollouts]
+    sizes = {t.block_size for t in traces}
     if setting.block_size is not None and sizes != {setting.block_size}:
         raise EvalError(f"block_sizes: asked for block size {setting.block_size} but {', '.join(servers)} "
                         f"decode(s) with {sorted(sizes)}; let dlrl eval start its own server (no server at "
@@ -147,26 +173,26 @@ def run_setting(servers, examples, reward_fn, setting: DecodingSetting, prompts,
     problems, counts = [], []
     for i, ex in enumerate(examples):
         group = list(zip(rollouts[i * num_samples:(i + 1) * num_samples], rewards[i * num_samples:]))
-        comps = [{"text": r.text, "num_tokens": len(r.completion_ids), "finish_reason": r.finish_reason,
+        comps: list[dict[str, Any]] = [{"text": r.text, "num_tokens": len(r.completion_ids), "finish_reason": r.finish_reason,
                   "reward": s, "correct": s >= 1.0, "version": r.version} for r, s in group]
         counts.append(sum(c["correct"] for c in comps))
         problems.append({"index": i, "prompt": ex["prompt"], "answer": ex.get("answer"), "completions": comps})
     ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, num_samples) if k <= num_samples})
     pass_at = {k: sum(pass_at_k(num_samples, c, k) for c in counts) / len(counts) for k in ks}
-    tokens = sum(len(r.completion_ids) + len(r.trace.tail_ids) for r in rollouts)
+    tokens = sum(len(r.completion_ids) + len(t.tail_ids) for r, t in zip(rollouts, traces))
     reasons: dict[str, int] = {}
     for r in rollouts:
         reasons[r.finish_reason] = reasons.get(r.finish_reason, 0) + 1
     return SettingResult(setting, len(examples), num_samples, pass_at, sum(rewards) / len(rewards),
                          sum(len(r.completion_ids) for r in rollouts) / len(rollouts),
-                         tokens / max(1, sum(r.trace.num_forwards for r in rollouts)), wall, sizes.pop(), reasons,
+                         tokens / max(1, sum(t.num_forwards for t in traces)), wall, sizes.pop(), reasons,
                          problems)
 
 
-def evaluate(servers: list[str], examples: list[dict], reward_fn, settings: list[DecodingSetting], *,
-             generate_fn, num_samples: int = 1, max_tokens: int = 512, temperature: float = 0.0, top_k: int = 0,
+def evaluate(servers: list[str], examples: list[dict], reward_fn: RewardFn | Reward,
+             settings: list[DecodingSetting], *, generate_fn: GenerateFn, num_samples: int = 1, max_tokens: int = 512, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, stop: list[str] | None = None,
-             stop_token_ids: list[int] | None = None, prompts: list | None = None,
+             stop_token_ids: list[int] | None = None, prompts: Sequence[Prompt] | None = None,
              batch_size: int = 64) -> list[SettingResult]:
     """Generate `num_samples` completions per example with each decoding setting and score them.
     `generate_fn(prompts, n, **sampling) -> rollouts` generates on `servers` (the caller's
@@ -205,7 +231,7 @@ def format_table(results: list[SettingResult]) -> str:
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
-def write_results(path: str | Path, results: list[SettingResult], **meta) -> Path:
+def write_results(path: str | Path, results: list[SettingResult], **meta: object) -> Path:
     """JSON file: `meta` (config, servers, ...) and every setting's metrics and generations."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -109,7 +109,7 @@ class Ranks:
         return slice(start, start + base + (1 if self.rank < extra else 0))
 
     # ------------------------------------------------------------------ collectives
-    def _reduce(self, values: list[float], op) -> list[float]:
+    def _reduce(self, values: list[float], op: torch.distributed.ReduceOp.RedOpType) -> list[float]:
         if self.world_size == 1:
             return [float(v) for v in values]
         t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)

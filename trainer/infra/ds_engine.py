@@ -25,16 +25,25 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar, cast, runtime_checkable
 
 import numpy as np
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from dllm.config import SDARConfig
+    from dllm.full.config import FullAttentionConfig
+    from dllm.full.model import FullAttentionLM
+    from dllm.model import SDARForCausalLM
+
+    Policy = SDARForCausalLM | FullAttentionLM
+
 from dllm.export import export_pretrained
 from trainer.infra.dist import init_process_group
-from weight_sync.sources import module_layout, split_parts
+from weight_sync.sources import ZeroParam, module_layout, split_parts
 
+M = TypeVar("M", bound=nn.Module)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CLIENT_STATE = "client_state.json"
 
@@ -114,7 +123,33 @@ class _LayerCompilable(Protocol):  # a model that can torch.compile its layers (
     def compile_layers(self) -> None: ...
 
 
-def build_engine(model: nn.Module, cfg: DSConfig):
+ModuleT = TypeVar("ModuleT", bound=nn.Module, covariant=True)
+
+
+class DSEngine(Protocol[ModuleT]):
+    """The part of a `deepspeed.DeepSpeedEngine` the trainer uses (DeepSpeed ships no type information);
+    `module` is the wrapped model."""
+
+    @property
+    def module(self) -> ModuleT: ...
+    optimizer: Any  # a torch optimizer, or DeepSpeed's ZeRO wrapper around one (`.optimizer` chains to it)
+    global_rank: int
+    device: torch.device
+    global_steps: int
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def step(self) -> None: ...
+    def gradient_accumulation_steps(self) -> int: ...
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
+                        save_latest: bool = True) -> bool: ...
+    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str | None, dict[str, Any] | None]: ...
+
+
+EngineOrModule: TypeAlias = "DSEngine[nn.Module] | nn.Module"
+
+
+def build_engine(model: M, cfg: DSConfig) -> DSEngine[M]:
     """Wrap `model` in a DeepSpeed engine with a torch AdamW (and warmup LambdaLR). Build it
     once per run: the optimizer state (Adam moments, step) persists across RL steps. The
     process group is the job's (`trainer.infra.dist.init_process_group`: a launcher's ranks, or one).
@@ -137,10 +172,11 @@ def build_engine(model: nn.Module, cfg: DSConfig):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                       config=cfg.to_ds_config(torch.distributed.get_world_size()))
-    return engine
+    built: DSEngine[M] = engine
+    return built
 
 
-def build_frozen(model: nn.Module, cfg: DSConfig):
+def build_frozen(model: M, cfg: DSConfig) -> M:
     """A frozen copy for inference (the KL reference) that follows the policy's sharding: under
     ZeRO-3 a DeepSpeed engine without optimizer partitions it over the ranks (its module
     gathers each layer's parameters in forward); otherwise the plain module, full on each rank."""
@@ -155,28 +191,31 @@ def build_frozen(model: nn.Module, cfg: DSConfig):
     conf = DSConfig(zero_stage=3, dtype=cfg.dtype, grad_accum=cfg.grad_accum).to_ds_config(
         torch.distributed.get_world_size())
     engine, *_ = deepspeed.initialize(model=model, config=conf)
-    return engine.module.eval()
+    frozen: M = engine.module.eval()
+    return frozen
 
 
-def _unwrap(engine_or_module) -> nn.Module:
-    is_engine = hasattr(engine_or_module, "zero_optimization_stage")
-    return engine_or_module.module if is_engine else engine_or_module
+def unwrap(engine_or_module: DSEngine[M] | M) -> M:
+    """The model a DeepSpeed engine wraps, or the model itself."""
+    if hasattr(engine_or_module, "zero_optimization_stage"):  # a DeepSpeedEngine (itself an nn.Module)
+        return cast("DSEngine[M]", engine_or_module).module
+    return cast(M, engine_or_module)
 
 
-def _is_zero3(engine_or_module) -> bool:
-    return any(hasattr(p, "ds_id") for p in _unwrap(engine_or_module).parameters())  # partitioned
+def _is_zero3(engine_or_module: EngineOrModule) -> bool:
+    return any(hasattr(p, "ds_id") for p in unwrap(engine_or_module).parameters())  # partitioned
 
 
-def named_full_params(engine_or_module, dtype: torch.dtype | None = None,
+def named_full_params(engine_or_module: EngineOrModule, dtype: torch.dtype | None = None,
                       bucket_numel: int = 1 << 26) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for every weight of the engine's module (or of a module,
     e.g. `engine.module`), tied weights once, as CPU-detached copies (optionally cast); a
     fused parameter (q/k/v, gate/up) comes as its checkpoint tensors. Under ZeRO-3 parameters
     are gathered a bucket at a time with `deepspeed.zero.GatheredParameters`: every rank must
     consume the iterator."""
-    layout = module_layout(_unwrap(engine_or_module))
+    layout = module_layout(unwrap(engine_or_module))
 
-    def emit(name, p, parts):
+    def emit(name: str, p: nn.Parameter, parts: Any) -> list[tuple[str, torch.Tensor]]:
         t = p.data.detach()
         t = t.to(dtype) if dtype else t
         return [(n, v.to("cpu", copy=True)) for n, v in split_parts(name, t, parts)]
@@ -199,10 +238,10 @@ def named_full_params(engine_or_module, dtype: torch.dtype | None = None,
 
 def _full_numel(p: nn.Parameter) -> int:
     """A ZeRO-3 parameter's full size (its local tensor is a shard)."""
-    return int(p.ds_numel)  # type: ignore[attr-defined]  # set by DeepSpeed, unknown to torch's stubs
+    return int(cast(ZeroParam, p).ds_numel)
 
 
-def optimizer_step_count(engine) -> int:
+def optimizer_step_count(engine: DSEngine[nn.Module]) -> int:
     """The inner torch optimizer's step counter (max over its param states; 0 before any step)."""
     opt = engine.optimizer
     while not isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "optimizer"):
@@ -243,7 +282,7 @@ def has_checkpoint(ckpt_dir: str | Path) -> bool:
     return (Path(ckpt_dir) / "latest").is_file()
 
 
-def save_checkpoint(engine, ckpt_dir: str | Path, client_state: dict[str, Any],
+def save_checkpoint(engine: DSEngine[nn.Module], ckpt_dir: str | Path, client_state: dict[str, Any],
                     keep_last: int | None = None) -> str:
     """DeepSpeed checkpoint (module, optimizer, scheduler) under `ckpt_dir/step<N>` (N =
     client_state["step"], else the engine's step count) plus `client_state.json` (rank 0) and
@@ -279,7 +318,7 @@ def read_client_state(ckpt_dir: str | Path, tag: str | None = None) -> dict[str,
     return json.loads((ckpt_dir / tag / CLIENT_STATE).read_text())
 
 
-def load_checkpoint(engine, ckpt_dir: str | Path, tag: str | None = None,
+def load_checkpoint(engine: DSEngine[nn.Module], ckpt_dir: str | Path, tag: str | None = None,
                     restore_rng: bool = True) -> dict[str, Any]:
     """Restore module, optimizer and scheduler state from `ckpt_dir` (tag default: `latest`)
     into `engine` (under ZeRO-3 a freshly built one), restore this rank's RNG, and return the
@@ -298,7 +337,7 @@ def load_checkpoint(engine, ckpt_dir: str | Path, tag: str | None = None,
     return json.loads((ckpt_dir / tag / CLIENT_STATE).read_text())
 
 
-def export_hf(engine, model_config, out_dir: str | Path, dtype: str | torch.dtype | None = None,
+def export_hf(engine: DSEngine[Policy], model_config: SDARConfig | FullAttentionConfig | None, out_dir: str | Path, dtype: str | torch.dtype | None = None,
               source_dir: str | Path | None = None) -> None:
     """Write a Hugging Face folder of the engine's policy that transformers loads like the source
     (`dllm.export.export_pretrained`: source config.json kept, modeling/tokenizer files and

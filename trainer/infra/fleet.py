@@ -26,14 +26,17 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from rollout_client.client import AdminError, RolloutClient
+from rollout_client.client import AdminError, Prompt, RolloutClient
 from rollout_client.protocol.rollout import Rollout
 from trainer.infra.local_servers import is_local
 from weight_sync.errors import ServerRestarted, WeightSyncError
+
+if TYPE_CHECKING:
+    from weight_sync import WeightSender
 
 log = logging.getLogger("dlrl.train")
 T = TypeVar("T")
@@ -94,7 +97,7 @@ class ServerFleet:
         self.local: list[Any] = []  # LocalServer processes this fleet started
         self._loop = _LoopThread()
         self.client: RolloutClient = self._loop.run(self._make_client(timeout, max_retries))
-        self._senders: dict[tuple[str, ...], Any] = {}
+        self._senders: dict[tuple[str, ...], WeightSender] = {}
 
     async def _make_client(self, timeout: float, max_retries: int) -> RolloutClient:
         return RolloutClient(self.urls, timeout=timeout, max_retries=max_retries, policy="least_loaded",
@@ -153,7 +156,7 @@ class ServerFleet:
         self.local = []
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts: list[list[int]], n: int, **sampling: Any) -> list[Rollout]:
+    def generate(self, prompts: Sequence[Prompt], n: int, **sampling: Any) -> list[Rollout]:
         return self._loop.run(self.client.generate(prompts, n=n, return_trace=True, **sampling))
 
     def metrics(self, url: str) -> str:
@@ -199,7 +202,7 @@ class ServerFleet:
         return [u for u, h in health.items() if h is None]
 
     # ------------------------------------------------------------------ weights (rank 0)
-    def _sender(self, urls: list[str] | None):
+    def _sender(self, urls: list[str] | None) -> WeightSender:
         """One weight_sync sender per set of servers, kept for the run (its shm region, dist group
         and the servers' staging are set up once, at connect)."""
         key = tuple(urls or self.urls)

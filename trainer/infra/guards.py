@@ -16,7 +16,11 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainer.config import TrainConfig
+    from trainer.infra.fleet import ServerFleet
 
 log = logging.getLogger("dlrl.train")
 
@@ -38,7 +42,7 @@ def clear_previous_run(out: Path) -> None:
     log.warning("train.overwrite=true: removed the previous run in %s", out)
 
 
-def check_served_model(fleet, cfg, name: str) -> list[str]:
+def check_served_model(fleet: ServerFleet, cfg: TrainConfig, name: str) -> list[str]:
     """The servers that serve another model than `name` (rank 0). An error unless
     train.take_over_servers=true; then a warning, and they are renamed after the first push."""
     others = {u: n for u, n in fleet.names().items() if n is not None and n != name}

@@ -29,29 +29,50 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
+
+import torch
+from torch import nn
 
 from dllm.weights import parse_dtype
 from trainer.infra.dist import Ranks
-from trainer.infra.ds_engine import named_full_params
+from trainer.infra.ds_engine import DSEngine, named_full_params
 from trainer.infra.faults import Faults
 from trainer.infra.fleet import FleetError, ServerFleet
 from weight_sync import drain, iter_deepspeed_params, weights_digest
+from weight_sync.bucket import Spec
 
 log = logging.getLogger("dlrl.train")
+T = TypeVar("T")
 
 
-class _Announced:
-    """A weight_sync source whose every pass over the parameters the other ranks join."""
+class ParamSource(Protocol):
+    """A weight_sync source: called, it yields (name, tensor) pairs; `specs` says their shapes beforehand."""
 
-    def __init__(self, source: Any, ranks: Ranks) -> None:
-        self.source, self.ranks = source, ranks
-        self.device = source.device
+    device: torch.device
 
-    def specs(self, dtype):
+    def specs(self, dtype: torch.dtype | None = None) -> list[Spec]: ...
+    def __call__(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+class _Wrapped:
+    """A source that passes another's tensors on (`__call__` says how), with its device and specs."""
+
+    def __init__(self, source: ParamSource) -> None:
+        self.source, self.device = source, source.device
+
+    def specs(self, dtype: torch.dtype | None = None) -> list[Spec]:
         return self.source.specs(dtype)
 
-    def __call__(self) -> Iterator[tuple[str, Any]]:
+
+class _Announced(_Wrapped):
+    """A weight_sync source whose every pass over the parameters the other ranks join."""
+
+    def __init__(self, source: ParamSource, ranks: Ranks) -> None:
+        super().__init__(source)
+        self.ranks = ranks
+
+    def __call__(self) -> Iterator[tuple[str, torch.Tensor]]:
         self.ranks.announce("gather")
         it = self.source()
         try:
@@ -61,20 +82,22 @@ class _Announced:
                 pass
 
 
-def _crash_mid_push(source: Any, faults: Faults) -> Any:
+class _CrashMidPush(_Wrapped):
     """The source, wrapped so that DLRL_FAULT=push:N kills the pusher after its first tensor."""
 
-    def make():
-        for i, item in enumerate(source()):
+    def __init__(self, source: ParamSource, faults: Faults) -> None:
+        super().__init__(source)
+        self.faults = faults
+
+    def __call__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for i, item in enumerate(self.source()):
             if i == 1:
-                faults.crash_at("push")
+                self.faults.crash_at("push")
             yield item
-    make.specs, make.device = source.specs, source.device  # type: ignore[attr-defined]
-    return make
 
 
 class Publisher:
-    def __init__(self, ranks: Ranks, fleet: ServerFleet, engine: Any, *, server_wait_s: float = 120.0,
+    def __init__(self, ranks: Ranks, fleet: ServerFleet, engine: DSEngine[nn.Module], *, server_wait_s: float = 120.0,
                  record: Path | None = None, faults: Faults | None = None) -> None:
         self.ranks, self.fleet, self.engine = ranks, fleet, engine
         self.server_wait_s = server_wait_s
@@ -97,16 +120,16 @@ class Publisher:
         return True
 
     # ------------------------------------------------------------------ helpers
-    def _source(self):
+    def _source(self) -> ParamSource:
         return iter_deepspeed_params(self.engine)
 
     def _is_zero3(self) -> bool:
         return any(hasattr(p, "ds_id") for p in self.engine.module.parameters())
 
-    def _collective(self, fn: Callable[[Any], Any]) -> Any:
+    def _collective(self, fn: Callable[[ParamSource], T]) -> T:
         """Run fn(source) on rank 0, the other ranks joining every announced parameter pass."""
         source = self._source()
-        shared = _Announced(source, self.ranks) if self._is_zero3() and self.ranks.world_size > 1 else source
+        shared: ParamSource = _Announced(source, self.ranks) if self._is_zero3() and self.ranks.world_size > 1 else source
         return self.ranks.on_main(lambda: fn(shared), while_waiting=lambda cmd: drain(source))
 
     # ------------------------------------------------------------------ actions
@@ -130,8 +153,8 @@ class Publisher:
                 with self.record.open("a") as f:
                     f.write(json.dumps({"version": new, "digest": digest, "time": round(time.time(), 3)}) + "\n")
 
-        def send(src):
-            src = _crash_mid_push(src, self.faults)
+        def send(source: ParamSource) -> dict[str, Any]:
+            src = _CrashMidPush(source, self.faults)
             self.pushing = True
             try:
                 return self._push_through_restarts(src, new, list(urls or self.fleet.urls))
@@ -172,7 +195,7 @@ class Publisher:
         if behind:
             self.push(urls=behind, version=self.version)
 
-    def _push_through_restarts(self, src: Any, version: int, urls: list[str]) -> dict[str, Any]:
+    def _push_through_restarts(self, src: ParamSource, version: int, urls: list[str]) -> dict[str, Any]:
         """Push; if a server went down meanwhile (unreachable, or back up having forgotten the
         update: it restarted), wait for it (bounded) and push the same version again to the servers
         that do not hold it. Each server applies it whole or not at all."""

@@ -24,10 +24,17 @@ import json
 import math
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+    from torch.utils.tensorboard import SummaryWriter
+
+Panel = tuple[str, Sequence[tuple[str, str, str]]]  # (y label, [(metric key, legend label, style)])
 
 JSONL_NAME = "metrics.jsonl"
 # console bar: (metric key, short label); the first key present of each alias tuple is shown
@@ -88,7 +95,7 @@ class MetricsLogger:
         """First step not logged yet (steps are 1-based by convention; 0 also accepted)."""
         return 1 if self.last_step is None else self.last_step + 1
 
-    def _open_tensorboard(self):
+    def _open_tensorboard(self) -> SummaryWriter | None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:  # tensorboard not installed: JSONL + console only
@@ -167,12 +174,12 @@ class MetricsLogger:
     def __enter__(self) -> MetricsLogger:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
 # curves.png panels: (y label, [(metric key, legend label, style)]); a panel is drawn when a key has data
-PANELS = (
+PANELS: tuple[Panel, ...] = (
     ("reward", [("reward_mean", "training reward (sampled rollouts)", "-")]),
     ("accuracy", [("accuracy", "training accuracy (sampled rollouts)", "-"),
                   ("eval_accuracy", "held-out accuracy (greedy)", "o-")]),
@@ -185,7 +192,7 @@ PANELS = (
 )
 
 
-def plot_curves(jsonl_path: str | Path, png_path: str | Path, panels=PANELS) -> Path:
+def plot_curves(jsonl_path: str | Path, png_path: str | Path, panels: Sequence[Panel] = PANELS) -> Path:
     """PNG of the metrics over steps: reward and accuracy panels always (training accuracy of the
     sampled rollouts and held-out greedy accuracy labelled apart), then one panel each for loss,
     KL, entropy, clip fraction and response length when the run logged them. -> the PNG path."""
@@ -196,7 +203,7 @@ def plot_curves(jsonl_path: str | Path, png_path: str | Path, panels=PANELS) -> 
 
     records = read_jsonl(jsonl_path)
 
-    def points(key):
+    def points(key: str) -> list[tuple[int, float]]:
         return [(r["step"], r[key]) for r in records if _is_number(r.get(key))]
 
     shown = [(title, lines) for i, (title, lines) in enumerate(panels)
@@ -216,7 +223,7 @@ def plot_curves(jsonl_path: str | Path, png_path: str | Path, panels=PANELS) -> 
     return save_figure(fig, png_path)
 
 
-def save_figure(fig, png_path: str | Path) -> Path:
+def save_figure(fig: Figure, png_path: str | Path) -> Path:
     """Lay out, write (folders made) and close a matplotlib figure; -> the PNG's path."""
     import matplotlib.pyplot as plt
 

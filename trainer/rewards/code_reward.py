@@ -24,6 +24,7 @@ import ast
 import os
 import re
 from collections.abc import Sequence
+from typing import cast
 
 from trainer.rewards.sandbox import Sandbox, SandboxLimits
 
@@ -54,7 +55,7 @@ def split_tests(tests: str | Sequence[str]) -> list[tuple[str, bool]]:
     return steps if any(t for _, t in steps) else [(tests, True)]
 
 
-def io_cases(tests) -> list[tuple[str, str]] | None:
+def io_cases(tests: object) -> list[tuple[str, str]] | None:
     """stdin/stdout cases as (input, expected output), or None when `tests` is assert-style."""
     if isinstance(tests, dict) and set(tests) >= {"inputs", "outputs"}:
         tests = [{"input": i, "output": o} for i, o in zip(tests["inputs"], tests["outputs"], strict=True)]
@@ -70,7 +71,7 @@ def _default_box(timeout: float, memory_mb: int) -> Sandbox:
     return Sandbox("bwrap", limits)
 
 
-def run_code_tests(code: str, tests, timeout: float = 10.0, memory_mb: int = 1024,
+def run_code_tests(code: str, tests: object, timeout: float = 10.0, memory_mb: int = 1024,
                    sandbox: Sandbox | None = None) -> tuple[int, int]:
     """Run `code` against `tests` in sandboxes. Returns (num_passed, num_tests).
     `sandbox` (mode + limits) defaults to bwrap with `timeout` and `memory_mb` as limits."""
@@ -78,7 +79,7 @@ def run_code_tests(code: str, tests, timeout: float = 10.0, memory_mb: int = 102
     cases = io_cases(tests)
     if cases is not None:
         return sum(_run_io_case(box, code, stdin, want) for stdin, want in cases), len(cases)
-    steps = split_tests(tests)
+    steps = split_tests(cast("str | Sequence[str]", tests))  # not stdin/stdout cases: assert-style source
     num_tests = sum(is_test for _, is_test in steps)
     return len(_run_assert_tests(box, code, steps)), num_tests
 

@@ -22,10 +22,13 @@ import os
 import resource
 import sys
 from collections.abc import Callable
+from typing import Any, TypeAlias
 
 _PLAIN_SCALARS = (type(None), bool, int, str)
 _COLLECTION_TAGS: dict[type, str] = {tuple: "t", set: "s", frozenset: "fs"}
 _MAX_DEPTH = 64
+Json: TypeAlias = "None | bool | int | float | str | list[Json] | dict[str, Json]"  # a message we write
+Wire: TypeAlias = Any  # a message the other side wrote: json.loads' value, its shape checked as it is read
 
 
 class RemoteError(Exception):
@@ -41,10 +44,10 @@ class Codec:
     """JSON messages: plain data by value (type-tagged), the rest as handles `{"h": id}`.
     `to_handle(obj)` / `from_handle(id)` say what a handle means on each side."""
 
-    def __init__(self, to_handle, from_handle) -> None:
+    def __init__(self, to_handle: Callable[[object], int], from_handle: Callable[[int], object]) -> None:
         self.to_handle, self.from_handle = to_handle, from_handle
 
-    def encode(self, x, depth: int = 0):
+    def encode(self, x: Any, depth: int = 0) -> Json:  # Any: whatever value one side holds
         if depth > _MAX_DEPTH:
             raise ValueError("value nested too deeply")
         t, d = type(x), depth + 1
@@ -64,7 +67,7 @@ class Codec:
             return {"d": [[self.encode(k, d), self.encode(v, d)] for k, v in x.items()]}
         return {"h": self.to_handle(x)}
 
-    def decode(self, x, depth: int = 0):
+    def decode(self, x: Wire, depth: int = 0) -> Any:  # Any: a value the other side holds
         if depth > _MAX_DEPTH:
             raise RemoteError("value nested too deeply")
         d = depth + 1
@@ -97,11 +100,11 @@ class Pipe:
     def __init__(self, rfd: int, wfd: int) -> None:
         self.r, self.w = os.fdopen(rfd, "rb"), os.fdopen(wfd, "wb")
 
-    def send(self, msg) -> None:
+    def send(self, msg: object) -> None:
         self.w.write(json.dumps(msg, allow_nan=False).encode() + b"\n")
         self.w.flush()
 
-    def recv(self):
+    def recv(self) -> Wire:
         line = self.r.readline()
         if not line:
             raise RemoteError("the solution process is gone")
@@ -123,7 +126,7 @@ def run_solution(job: dict) -> None:
     pipe = Pipe(job["rfd"], job["wfd"])
     handles: list = []
 
-    def to_handle(obj) -> int:
+    def to_handle(obj: object) -> int:
         handles.append(obj)
         return len(handles) - 1
 
@@ -144,7 +147,7 @@ def run_solution(job: dict) -> None:
             pipe.send({"e": [type(e).__name__, str(e)[:500]]})
 
 
-def _serve(req: dict, ns: dict, codec: Codec):
+def _serve(req: dict, ns: dict, codec: Codec) -> object:
     op = req["op"]
     if op == "get":
         return ns[req["name"]]
@@ -171,12 +174,12 @@ class Client:
         self.codec = Codec(self._handle_of, lambda i: Remote(self, i))
 
     @staticmethod
-    def _handle_of(obj) -> int:
+    def _handle_of(obj: object) -> int:
         if isinstance(obj, Remote):
             return object.__getattribute__(obj, "_id")
         raise TypeError(f"{type(obj).__name__} cannot be passed to the solution")
 
-    def request(self, **req):
+    def request(self, **req: Any) -> Any:  # Any: the proxy hands the solution's values to the tests as they are
         if "args" in req:
             req["args"] = [self.codec.encode(a) for a in req["args"]]
         if "kwargs" in req:
@@ -200,19 +203,19 @@ class Remote:
         object.__setattr__(self, "_client", client)
         object.__setattr__(self, "_id", handle)
 
-    def _op(self, op: str, *args, **kw):
+    def _op(self, op: str, *args: object, **kw: object) -> Any:
         return self._client.request(op=op, h=self._id, **kw, **({"args": list(args)} if args else {}))
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: object, **kwargs: object) -> Any:
         return self._client.request(op="call", h=self._id, args=list(args), kwargs=kwargs)
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         return self._op("attr", name=name)
 
-    def __getitem__(self, key):
+    def __getitem__(self, key: object) -> Any:
         return self._op("getitem", key)
 
-    def __contains__(self, key) -> bool:
+    def __contains__(self, key: object) -> bool:
         return self._op("contains", key) is True
 
     def __len__(self) -> int:
@@ -221,7 +224,7 @@ class Remote:
             raise TypeError("len() of the solution's object is not an int")
         return n
 
-    def __iter__(self):
+    def __iter__(self) -> "_RemoteIter":
         return _RemoteIter(self._op("iter"))
 
     def __str__(self) -> str:
@@ -232,13 +235,13 @@ class Remote:
 
 
 class _RemoteIter:
-    def __init__(self, it) -> None:
+    def __init__(self, it: object) -> None:
         self.it = it
 
-    def __iter__(self):
+    def __iter__(self) -> "_RemoteIter":
         return self
 
-    def __next__(self):
+    def __next__(self) -> Any:
         if not isinstance(self.it, Remote):
             raise TypeError("the solution's iterator is not an iterator")
         return self.it._op("next")

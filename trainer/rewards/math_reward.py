@@ -59,7 +59,7 @@ def _sympy_equal(pred: str, gold: str) -> bool:
     safe_funcs = {"sqrt": sympy.sqrt, "pi": sympy.pi, "exp": sympy.exp, "log": sympy.log, "ln": sympy.log,
                   "sin": sympy.sin, "cos": sympy.cos, "tan": sympy.tan}
 
-    def to_sympy(s: str):  # parse_expr evals: only a small safe alphabet gets that far
+    def to_sympy(s: str) -> sympy.Expr:  # parse_expr evals: only a small safe alphabet gets that far
         s = _normalize(s)
         for _ in range(20):  # innermost-first rewriting of \frac{a}{b} and \sqrt{a}
             s2 = re.sub(r"\\frac\{([^{}]*)\}\{([^{}]*)\}", r"((\1)/(\2))", s)

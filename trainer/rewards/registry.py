@@ -29,6 +29,7 @@ import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, SupportsFloat, TypeVar
 
 from trainer.rewards.code_reward import code, code_strict
 from trainer.rewards.math_reward import math
@@ -37,6 +38,8 @@ from trainer.rewards.sandbox import MODES, Sandbox, SandboxLimits, SandboxUnavai
 logger = logging.getLogger("trainer.rewards")
 RewardFn = Callable[[str, dict], float]
 DEFAULT_RANGE = (-1.0, 1.0)
+UserFn = Callable[..., Any]  # a user's reward function: sync or async, per text or batched; its value is checked
+F = TypeVar("F", bound=UserFn)
 
 
 def _set_marker(fn: Callable, name: str, value: object) -> None:
@@ -57,7 +60,7 @@ def reward_range(lo: float, hi: float) -> Callable[[RewardFn], RewardFn]:
     return mark
 
 
-def batch_reward(fn):
+def batch_reward(fn: F) -> F:
     """Mark `fn(texts, examples) -> list[float]` as scoring a whole batch in one call."""
     _set_marker(fn, "batched", True)
     return fn
@@ -75,15 +78,15 @@ def reward_timeout(seconds: float) -> Callable[[RewardFn], RewardFn]:
     return mark
 
 
-def _is_async(fn) -> bool:
+def _is_async(fn: UserFn) -> bool:
     return inspect.iscoroutinefunction(fn)  # also sees through functools.partial
 
 
-def invoke(fn, *args):
+def invoke(fn: UserFn, *args: object) -> Any:
     """fn(*args), awaiting an async function, within fn's `reward_timeout` (TimeoutError past it)."""
     timeout = getattr(fn, "reward_timeout", None)
     if _is_async(fn):
-        async def run():
+        async def run() -> Any:
             return await asyncio.wait_for(fn(*args), timeout)
 
         try:
@@ -158,7 +161,7 @@ def overlong_penalty(length: int, max_len: int, buffer: int, factor: float = 1.0
     return factor * ((max_len - buffer) - length) / buffer
 
 
-def _declared_range(fn) -> tuple[float, float]:
+def _declared_range(fn: UserFn) -> tuple[float, float]:
     try:
         lo, hi = (float(x) for x in getattr(fn, "reward_range", ()))
     except (TypeError, ValueError):
@@ -166,7 +169,7 @@ def _declared_range(fn) -> tuple[float, float]:
     return (lo, hi) if lo <= hi else DEFAULT_RANGE
 
 
-def safe_score(fn, name: str, *args) -> float:
+def safe_score(fn: UserFn, name: str, *args: object) -> float:
     """fn(*args) as a finite float, clamped to fn's declared range; 0.0 (and a warning) for an
     exception, a timeout or a non-finite value. Never raises."""
     try:
@@ -177,7 +180,7 @@ def safe_score(fn, name: str, *args) -> float:
     return _clamped(fn, name, r)
 
 
-def _clamped(fn, name: str, r) -> float:
+def _clamped(fn: UserFn, name: str, r: SupportsFloat | str) -> float:
     try:
         r = float(r)
     except (TypeError, ValueError):

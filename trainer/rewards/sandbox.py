@@ -35,8 +35,9 @@ import tempfile
 import threading
 import time
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import IO, Literal
 
 import psutil
 
@@ -200,18 +201,18 @@ class SandboxRun:
     def __enter__(self) -> SandboxRun:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         for proc, _, tmp in self._procs:
             self._kill_tree(proc)
             WATCHDOG.unwatch(proc.pid)
             if tmp:
                 shutil.rmtree(tmp, ignore_errors=True)
 
-    def start(self, job: dict, pass_fds=(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL) -> subprocess.Popen:
+    def start(self, job: dict, pass_fds: Sequence[int] = (), stdin: int | IO[bytes] = subprocess.DEVNULL,
+              stdout: int | IO[bytes] = subprocess.DEVNULL) -> subprocess.Popen:
         job = dict(job, rlimits=self.limits.rlimits())
         harness = importlib.resources.files(__package__).joinpath("harness.py").read_bytes()
-        common = {"pass_fds": tuple(pass_fds), "stdin": stdin, "stdout": stdout,
-                  "stderr": subprocess.DEVNULL, "start_new_session": True}
+        fds = tuple(pass_fds)
         tmp = None
         if self.box.mode == "bwrap":
             setup = _bwrap_setup()
@@ -219,8 +220,8 @@ class SandboxRun:
             try:
                 argv = _bwrap_argv(setup, self.limits, job_fd, harness_fd)
                 argv += [setup.python, "-I", "-S", "/sandbox/harness.py", "/sandbox/job.json"]
-                common["pass_fds"] += (job_fd, harness_fd)
-                proc = subprocess.Popen(argv, env={}, **common, **_user_kwargs(setup))
+                proc = subprocess.Popen(argv, env={}, pass_fds=(*fds, job_fd, harness_fd), stdin=stdin, stdout=stdout,
+                                        stderr=subprocess.DEVNULL, start_new_session=True, **_user_kwargs(setup))
             finally:
                 os.close(job_fd)
                 os.close(harness_fd)
@@ -230,8 +231,9 @@ class SandboxRun:
                 json.dump(job, f)
             with open(os.path.join(tmp, "harness.py"), "wb") as f:
                 f.write(harness)
-            proc = subprocess.Popen([sys.executable, "-I", "-S", "harness.py", "job.json"], cwd=tmp,
-                                    env={}, **common)
+            proc = subprocess.Popen([sys.executable, "-I", "-S", "harness.py", "job.json"], cwd=tmp, env={},
+                                    pass_fds=fds, stdin=stdin, stdout=stdout, stderr=subprocess.DEVNULL,
+                                    start_new_session=True)
         self._procs.append((proc, WATCHDOG.watch(proc.pid, self.limits), tmp))
         return proc
 

@@ -36,7 +36,7 @@ class SandboxLimits:
     tmp_size_mb: int = 64      # size of the private /tmp (tmpfs) and of /dev/shm
     max_open_files: int = 64
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name, value in asdict(self).items():
             if not value > 0:
                 raise ValueError(f"sandbox {name}: must be > 0, got {value!r}")

@@ -31,9 +31,14 @@ TraceRL) and puts the sequence reward on the tokens of the last step.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from dllm.trace import Trace
+    from trainer.config import TrainConfig
 
 # (run, rows, samples, rewards [N], sequence advantages [N], row mini-batches [R], weights) -> (adv [R,L], metrics)
 AdvantageFn = Callable[..., tuple[torch.Tensor, dict]]
@@ -52,7 +57,7 @@ def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
     return deco
 
 
-def advantage_estimator(cfg) -> str:
+def advantage_estimator(cfg: TrainConfig) -> str:
     """The estimator a train config asks for: TraceRL's value model + step-wise GAE, or group z-scores."""
     return "gae" if cfg.use_value_model else "group"
 
@@ -152,7 +157,7 @@ def stepwise_gae(token_rewards: torch.Tensor, token_values: torch.Tensor, token_
     return returns[0], adv[0]
 
 
-def trace_gae(traces, token_values: torch.Tensor, rewards: torch.Tensor, shrink: int = 1, gamma: float = 1.0,
+def trace_gae(traces: Sequence[Trace], token_values: torch.Tensor, rewards: torch.Tensor, shrink: int = 1, gamma: float = 1.0,
               lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """traces: N objects with `global_steps(shrink)` (dllm.trace.Trace); token_values
     [N, L] (V_j of completion token j); rewards [N]. -> (returns [N, L], advantages [N, L])."""

@@ -23,26 +23,38 @@ fresh random masks (see `baseline_rows`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from dllm.full.replay import full_replay_hidden
 from dllm.replay import Rows, replay_hidden
 from trainer.infra.dist import Ranks
+from trainer.infra.ds_engine import EngineOrModule, unwrap
 from trainer.infra.faults import Faults
 from trainer.rl.correction import is_weights, mismatch_stats
 from trainer.rl.objectives import OBJECTIVES, value_loss
 from trainer.rl.replay import chunked_token_logprobs
 
+if TYPE_CHECKING:
+    from torch import nn
 
-def is_full_attention(model) -> bool:
+    from trainer.config import TrainConfig
+    from trainer.infra.ds_engine import DSEngine, Policy
+    from trainer.rl.objectives import Metrics
+    from trainer.rl.value_model import ValueModel
+
+
+def is_full_attention(model: EngineOrModule) -> bool:
     """A full-attention model (LLaDA / Dream, dllm.full): its rows are one canvas per trace step, its replay
     forward bidirectional (dllm.full.replay); SDAR's are block-causal with a clean copy (dllm.replay)."""
-    return getattr(getattr(model, "module", model), "attention", "block_causal") == "full"
+    return getattr(unwrap(model), "attention", "block_causal") == "full"
 
 
-def _policy_loss(cfg, new_lp, old_lp, adv, mask, ref_lp, entropy, weights=None):
+def _policy_loss(cfg: TrainConfig, new_lp: torch.Tensor, old_lp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                 ref_lp: torch.Tensor | None, entropy: torch.Tensor | None,
+                 weights: torch.Tensor | None = None) -> tuple[torch.Tensor, Metrics]:
     """The loss of `cfg.objective` from the registry (trainer.rl.objectives.OBJECTIVES). The
     random-masking / coupled baselines are on-policy (ratio 1) with their 1/t ELBO weights and
     per-sequence normalisation folded into the advantages by `baseline_rows`, which gives the
@@ -116,7 +128,8 @@ MicroFn = Callable[[Rows, torch.Tensor, float, int], tuple[torch.Tensor, dict[st
 
 
 class Learner:
-    def __init__(self, cfg, ranks: Ranks, engine, mask_id: int, ref=None, value=None, faults: Faults | None = None) -> None:
+    def __init__(self, cfg: TrainConfig, ranks: Ranks, engine: DSEngine[Policy], mask_id: int, ref: Policy | None = None,
+                 value: DSEngine[ValueModel] | None = None, faults: Faults | None = None) -> None:
         self.cfg, self.ranks, self.engine, self.mask_id = cfg, ranks, engine, mask_id
         self.ref_model, self.value = ref, value
         self.faults = faults or Faults()  # the run's fault hook (DLRL_FAULT=optimizer:N)
@@ -125,12 +138,12 @@ class Learner:
     def device(self) -> torch.device:
         return next(self.engine.module.parameters()).device
 
-    def _logprobs(self, model, rows: Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _logprobs(self, model: DSEngine[Policy] | Policy, rows: Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> (log-probs [R, L], entropy [R, L], anchor) of rows.target under `model` (the policy's
         DeepSpeed engine, whose forward keeps ZeRO-3 gradient accumulation right, or the frozen
         reference). Full-vocabulary logits only for `logprob_chunk` scored tokens at a time."""
         dev, cfg = self.device, self.cfg
-        module = getattr(model, "module", model)
+        module = unwrap(model)
         forward = full_replay_hidden if is_full_attention(module) else replay_hidden
         hidden = forward(model, rows, dev)  # [R, L, D]
         target = rows.target.to(dev)
@@ -144,7 +157,7 @@ class Learner:
         return zeros.masked_scatter(target, lp_t), zeros.masked_scatter(target, ent_t), anchor
 
     # ------------------------------------------------------------------ the shared loop
-    def _partitions(self, rows: Rows, row_mb: torch.Tensor):
+    def _partitions(self, rows: Rows, row_mb: torch.Tensor) -> Iterator[tuple[int, float, torch.Tensor]]:
         """(mini-batch k, global token count, micro-batch row indices) in the order every rank
         runs them; empty micro-batches are kept (they run a dummy row)."""
         gas = self.engine.gradient_accumulation_steps()
@@ -156,7 +169,7 @@ class Learner:
             for part in torch.tensor_split(idx, gas):
                 yield k, n_tok, part
 
-    def _minibatches(self, engine, rows: Rows, row_mb: torch.Tensor, micro: MicroFn) -> dict[str, float]:
+    def _minibatches(self, engine: DSEngine[nn.Module], rows: Rows, row_mb: torch.Tensor, micro: MicroFn) -> dict[str, float]:
         """One optimizer step of `engine` per mini-batch, `grad_accum` micro-batches each, every
         micro loss normalised by the mini-batch's global token count."""
         sums = MetricSums()
@@ -194,7 +207,7 @@ class Learner:
                                      cfg.is_level, cfg.is_cap)
             extra.add({**stats, **mismatch_stats(old_lp, behaviour_lp, rows.target)}, float(rows.target.sum()))
 
-        def micro(sub: Rows, part: torch.Tensor, n_tok: float, k: int):
+        def micro(sub: Rows, part: torch.Tensor, n_tok: float, k: int) -> tuple[torch.Tensor, Metrics]:
             before_update = k == 0 and is_w is None and weights is None  # mini-batch 0: still the old weights
             return self._micro_loss(sub, old_lp[part], adv[part], None if weights is None else weights[part],
                                     None if is_w is None else is_w[part], n_tok,
@@ -203,7 +216,9 @@ class Learner:
         metrics = self._minibatches(self.engine, rows, row_mb, micro)
         return metrics | extra.reduce(self.ranks)
 
-    def _micro_loss(self, rows: Rows, old_lp, adv, weights, is_w, n_tok: float, behaviour=None):
+    def _micro_loss(self, rows: Rows, old_lp: torch.Tensor, adv: torch.Tensor, weights: torch.Tensor | None,
+                    is_w: torch.Tensor | None, n_tok: float,
+                    behaviour: torch.Tensor | None = None) -> tuple[torch.Tensor, Metrics]:
         """behaviour: the server's log-probs, given while the weights are still those that served
         them (then the train-serve mismatch is reported)."""
         cfg, dev = self.cfg, self.device
@@ -226,21 +241,28 @@ class Learner:
         return loss * (mask.sum() / n_tok) + anchor, metrics  # token-normalise over the global mini-batch
 
     # ------------------------------------------------------------------ value model
+    def _value(self) -> DSEngine[ValueModel]:
+        if self.value is None:
+            raise RuntimeError("no value model: train.use_value_model is false")
+        return self.value
+
     def values(self, rows: Rows) -> torch.Tensor:
         """Value-model estimates at every row position [R, L] (no grad)."""
-        dev = self.value.device
+        value = self._value()
+        dev = value.device
         sub = rows if rows.noisy.shape[0] else _dummy_rows(rows)
         with torch.no_grad():
-            v = self.value(sub.noisy.to(dev), sub.clean.to(dev), sub.pos.to(dev), sub.valid.to(dev)).float().cpu()
+            v = value(sub.noisy.to(dev), sub.clean.to(dev), sub.pos.to(dev), sub.valid.to(dev)).float().cpu()
         return v[:rows.noisy.shape[0]]
 
     def update_value(self, rows: Rows, old_values: torch.Tensor, returns: torch.Tensor,
                      row_mb: torch.Tensor) -> dict[str, float]:
-        dev = self.value.device
+        value = self._value()
+        dev = value.device
         moments = torch.zeros(5, dtype=torch.float64)  # n, sum R, sum R^2, sum e, sum e^2 (e = R - V)
 
-        def micro(sub: Rows, part: torch.Tensor, n_tok: float, k: int):
-            v = self.value(sub.noisy.to(dev), sub.clean.to(dev), sub.pos.to(dev), sub.valid.to(dev))
+        def micro(sub: Rows, part: torch.Tensor, n_tok: float, k: int) -> tuple[torch.Tensor, Metrics]:
+            v = value(sub.noisy.to(dev), sub.clean.to(dev), sub.pos.to(dev), sub.valid.to(dev))
             old = old_values[part].to(dev) if len(part) else torch.zeros_like(v)
             ret = returns[part].to(dev) if len(part) else torch.zeros_like(v)
             mask = sub.target.to(dev)
@@ -251,7 +273,7 @@ class Learner:
             metrics.pop("explained_var", None)  # a global statistic, computed below
             return loss * (mask.sum() / n_tok), metrics
 
-        metrics = self._minibatches(self.value, rows, row_mb, micro)
+        metrics = self._minibatches(value, rows, row_mb, micro)
         n, r1, r2, e1, e2 = self.ranks.sum(moments.tolist())
         var_r, var_e = (r2 / n - (r1 / n) ** 2, e2 / n - (e1 / n) ** 2) if n else (0.0, 0.0)
         return {**metrics, "explained_var": 1 - var_e / var_r if var_r > 0 else 0.0}

@@ -22,8 +22,12 @@ marks scored tokens; advantages [B,L] or [B]. Metrics are python floats.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from trainer.config import TrainConfig
 
 from trainer.objective_registry import (  # noqa: F401  (re-exported: the registry's home is torch-free)
     OBJECTIVES,
@@ -47,8 +51,10 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return xs.sum() / mask.to(x.dtype).sum().clamp(min=1)
 
 
-def _clipped_pg(new_logprobs, old_logprobs, advantages, mask, eps_low, eps_high, log_ratio_clip,
-                ref_logprobs=None, kl_coef: float = 0.0, entropy=None, weights=None):
+def _clipped_pg(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
+                mask: torch.Tensor, eps_low: float, eps_high: float, log_ratio_clip: float,
+                ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0, entropy: torch.Tensor | None = None,
+                weights: torch.Tensor | None = None) -> tuple[torch.Tensor, Metrics]:
     """Shared PPO surrogate over the tokens of `mask` [B,L]. Per token:
     max(-A r, -A clip(r, 1-eps_low, 1+eps_high)) * w + kl_coef * k3, token-normalised.
     Values outside mask never reach loss or grads."""
@@ -108,7 +114,8 @@ def dipo_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, adv
 
 
 # ---------------------------------------------------------------- masked-diffusion baselines
-def _mask_with_ratio(valid: torch.Tensor, ratio: torch.Tensor, generator, lo_k: int, hi_off: int):
+def _mask_with_ratio(valid: torch.Tensor, ratio: torch.Tensor, generator: torch.Generator | None, lo_k: int,
+                     hi_off: int) -> tuple[torch.Tensor, torch.Tensor]:
     """valid [B,L], ratio [B] -> (mask [B,L], t [B]): exactly k = clamp(round(ratio n), lo_k,
     n - hi_off) valid tokens per row, uniformly chosen; t = k / n (1.0 for empty rows)."""
     valid = valid.bool()
@@ -169,12 +176,12 @@ LossFn = Callable[..., tuple[torch.Tensor, Metrics]]  # (cfg, new_lp, old_lp, ad
 MaskFn = Callable[[torch.Tensor, "torch.Generator | None"], tuple[list[torch.Tensor], list[torch.Tensor]]]
 
 
-def _one_mask(valid: torch.Tensor, generator) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _one_mask(valid: torch.Tensor, generator: torch.Generator | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     mask, t = random_mask(valid, generator)
     return [mask], [t]
 
 
-def _two_masks(valid: torch.Tensor, generator) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _two_masks(valid: torch.Tensor, generator: torch.Generator | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     mask, comp, t = complementary_masks(valid, generator)
     return [mask, comp], [t, 1 - t]
 
@@ -182,7 +189,9 @@ def _two_masks(valid: torch.Tensor, generator) -> tuple[list[torch.Tensor], list
 @register_objective("tracerl")
 @register_objective("random_masking", masks=_one_mask)  # on-policy (ratio 1): only the surrogate counts
 @register_objective("coupled", masks=_two_masks)
-def _tracerl(cfg, new_lp, old_lp, adv, mask, ref_lp=None, entropy=None, weights=None):
+def _tracerl(cfg: TrainConfig, new_lp: torch.Tensor, old_lp: torch.Tensor | None, adv: torch.Tensor, mask: torch.Tensor,
+             ref_lp: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
+             weights: torch.Tensor | None = None) -> tuple[torch.Tensor, Metrics]:
     """TraceRL's symmetric clip; the random-masking / coupled baselines share it (on-policy, with
     their 1/t ELBO weights and per-sequence normalisation folded into the advantages)."""
     return tracerl_loss(new_lp, old_lp, adv, mask, eps_clip=cfg.eps_clip, ref_logprobs=ref_lp, kl_coef=cfg.kl_coef,
@@ -190,7 +199,9 @@ def _tracerl(cfg, new_lp, old_lp, adv, mask, ref_lp=None, entropy=None, weights=
 
 
 @register_objective("dipo")
-def _dipo(cfg, new_lp, old_lp, adv, mask, ref_lp=None, entropy=None, weights=None):
+def _dipo(cfg: TrainConfig, new_lp: torch.Tensor, old_lp: torch.Tensor | None, adv: torch.Tensor, mask: torch.Tensor,
+          ref_lp: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
+          weights: torch.Tensor | None = None) -> tuple[torch.Tensor, Metrics]:
     """DiPO's asymmetric clip [1 - eps_low, 1 + eps_high]."""
     return dipo_loss(new_lp, old_lp, adv, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high, ref_logprobs=ref_lp,
                      kl_coef=cfg.kl_coef, log_ratio_clip=cfg.log_ratio_clip, entropy=entropy, weights=weights)

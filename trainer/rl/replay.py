@@ -14,44 +14,41 @@ tokens at a time, ZeRO-3 safe).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from dllm.replay import Rows, Sample, token_logprobs, trace_of
+from dllm.ranges import TEMPERATURE
+from dllm.replay import RowParts, Rows, Sample, stack_rows, token_logprobs, trace_of
 
 
 def completion_rows(samples: Sequence[Sample], block_size: int, pad_id: int) -> Rows:
     """One clean row per sample whose targets are all its completion tokens (for the
     random-masking / coupled baselines, which draw their own masks)."""
-    n = len(samples)
     seqs = [list(s.prompt_ids) + list(s.completion_ids) + list(trace_of(s).tail_ids) for s in samples]
     L = math.ceil(max(map(len, seqs), default=1) / block_size) * block_size
-    clean = torch.full((n, L), pad_id, dtype=torch.long)
-    valid = torch.zeros(n, L, dtype=torch.bool)
-    target = torch.zeros(n, L, dtype=torch.bool)
-    sample_idx = torch.full((n, L), -1, dtype=torch.long)
-    token_idx = torch.full((n, L), -1, dtype=torch.long)
+    parts = []
     for i, (s, seq) in enumerate(zip(samples, seqs)):
         P, C = len(s.prompt_ids), len(s.completion_ids)
-        clean[i, :len(seq)] = torch.tensor(seq)
-        valid[i, :len(seq)] = True
-        target[i, P:P + C] = True
-        sample_idx[i, P:P + C] = i
-        token_idx[i, P:P + C] = torch.arange(C)
-    pos = torch.arange(L).expand(n, L).contiguous()
-    return Rows(clean.clone(), clean, pos, valid, target, sample_idx, token_idx, torch.arange(n))
+        tail = len(seq) - P - C
+        parts.append(RowParts(seq, seq, len(seq), [False] * P + [True] * C + [False] * tail,
+                              [-1] * P + list(range(C)) + [-1] * tail, i))
+    return stack_rows(parts, pad_id, L)
 
 
-def _chunk_logprobs(lm_head, hidden: torch.Tensor, ids: torch.Tensor, mask_id: int, temperature: float):
+LMHead = Callable[[torch.Tensor], torch.Tensor]  # hidden [C, D] -> logits [C, V]
+
+
+def _chunk_logprobs(lm_head: LMHead, hidden: torch.Tensor, ids: torch.Tensor, mask_id: int,
+                    temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [C, D], ids [C] -> (log p(ids) [C] fp32, entropy [C] detached)."""
     logits = lm_head(hidden).float()  # [C, V]: the only place full-vocabulary logits exist
     lp = token_logprobs(logits, ids, mask_id, temperature)
     return lp, token_entropy(logits.detach(), mask_id)
 
 
-def chunked_token_logprobs(lm_head, hidden: torch.Tensor, ids: torch.Tensor, mask_id: int,
-                           temperature: float = 1.0, chunk: int = 1024, num_chunks: int | None = None,
+def chunked_token_logprobs(lm_head: LMHead, hidden: torch.Tensor, ids: torch.Tensor, mask_id: int,
+                           temperature: float = TEMPERATURE.default, chunk: int = 1024, num_chunks: int | None = None,
                            filler: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Like `token_logprobs(lm_head(hidden), ids)` for scored tokens only: hidden [N, D], ids [N]
     -> (log-probs [N], entropy [N] without grad, anchor). Full-vocabulary logits exist for `chunk`
@@ -70,7 +67,7 @@ def chunked_token_logprobs(lm_head, hidden: torch.Tensor, ids: torch.Tensor, mas
         raise ValueError(f"num_chunks: {total} chunks of {step} cannot hold {n} tokens")
     checkpointed = torch.is_grad_enabled() and hidden.requires_grad
 
-    def run(h, t):
+    def run(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if checkpointed:
             return torch.utils.checkpoint.checkpoint(_chunk_logprobs, lm_head, h, t, mask_id, temperature,
                                                      use_reentrant=False)

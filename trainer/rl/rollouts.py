@@ -21,9 +21,15 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from rollout_client.protocol.rollout import Rollout
 from trainer.infra.dist import Ranks
+
+if TYPE_CHECKING:
+    from trainer.config import TrainConfig
+    from trainer.data.prompts import Sampler
+    from trainer.infra.fleet import ServerFleet
 
 log = logging.getLogger("dlrl.train")
 
@@ -41,8 +47,8 @@ class Batch:
         return [e for e in self.examples for _ in range(group_size)]
 
 
-def sampling_kwargs(cfg, greedy: bool = False) -> dict:
-    kw = {"max_tokens": cfg.max_tokens, "strategy": cfg.strategy, "threshold": cfg.threshold,
+def sampling_kwargs(cfg: TrainConfig, greedy: bool = False) -> dict[str, Any]:
+    kw: dict[str, Any] = {"max_tokens": cfg.max_tokens, "strategy": cfg.strategy, "threshold": cfg.threshold,
           "temperature": 0.0 if greedy else cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p}
     if cfg.denoise_steps:
         kw["steps"] = cfg.denoise_steps
@@ -54,7 +60,7 @@ def sampling_kwargs(cfg, greedy: bool = False) -> dict:
 
 
 class RolloutSource:
-    def __init__(self, cfg, ranks: Ranks, fleet, sampler, prompt_of: Callable[[dict], list[int]], seed: int) -> None:
+    def __init__(self, cfg: TrainConfig, ranks: Ranks, fleet: ServerFleet, sampler: Sampler, prompt_of: Callable[[dict], list[int]], seed: int) -> None:
         self.cfg, self.ranks, self.fleet, self.sampler, self.prompt_of = cfg, ranks, fleet, sampler, prompt_of
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollouts")
         self.pending: concurrent.futures.Future | None = None

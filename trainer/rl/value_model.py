@@ -71,7 +71,6 @@ class ValueModel(nn.Module):
         lr: create `self.optimizer` (torch AdamW); None leaves it to the caller (DeepSpeed).
         head_init_std: 0 zero-initialises `v_head`; > 0 draws its weight from N(0, std)."""
         super().__init__()
-        is_model = isinstance(policy, nn.Module)
         if isinstance(policy, nn.Module):
             cfg, device = policy.config, device or next(policy.parameters()).device
         else:
@@ -79,7 +78,7 @@ class ValueModel(nn.Module):
         self.backbone = _headless_backbone(cfg).to_empty(device=device).to(dtype)
         self.v_head = nn.Linear(cfg.hidden_size, 1, device=device, dtype=dtype)
         self.reset_head(head_init_std)
-        if is_model:
+        if isinstance(policy, nn.Module):
             self.load_backbone(named_full_params(policy))
         else:
             self.backbone.init_weights()

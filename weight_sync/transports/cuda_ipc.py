@@ -45,7 +45,7 @@ import torch
 
 from weight_sync.errors import ManifestError, WeightSyncError
 from weight_sync.manifest import ALIGN, Manifest
-from weight_sync.transports.shm import SHM_DIR, ShmReader, ShmRegion
+from weight_sync.transports.shm import SHM_DIR, BucketRegion, ShmReader, ShmRegion
 
 log = logging.getLogger("dlrl.weight_sync")
 KINDS = ("cuda", "cpu")
@@ -86,15 +86,14 @@ def _int(options: dict[str, Any], key: str, minimum: int = 0) -> int:
 
 
 # ---------------------------------------------------------------------- sender
-class IpcRegion:
+class IpcRegion(BucketRegion):
     """Sender side: allocates the region (once, zeroed), shares it once, grows it, frees it at close."""
 
     def __init__(self, run_id: str = "", allow_cpu: bool = False):
+        super().__init__()  # data: [size] uint8 over the shared storage
         self.allow_cpu = allow_cpu
         self.header = ShmRegion(run_id)
-        self.data: torch.Tensor | None = None  # [size] uint8 over the shared storage
         self.handle: dict[str, Any] = {}  # what a receiver needs to open it (JSON-safe)
-        self.offsets: list[int] = []
 
     def prepare(self, manifest: Manifest, device: torch.device) -> dict[str, Any]:
         """Make sure the region fits `manifest` on `device`; return the options receivers need."""
@@ -123,12 +122,6 @@ class IpcRegion:
             data.zero_()  # fault the pages in now, not during the first push
             self.handle = {"kind": "cpu", "manager": _b64(manager), "handle": _b64(handle), "size": int(nbytes)}
         self.data = data
-
-    def bucket(self, index: int, nbytes: int) -> torch.Tensor:
-        """Writable view of bucket `index`: [nbytes] uint8 on the region's device."""
-        assert self.data is not None, "prepare() first"
-        start = self.offsets[index]
-        return self.data[start : start + nbytes]
 
     def beat(self) -> None:
         self.header.beat()

@@ -31,7 +31,7 @@ RUN_ID_HEADER = "X-Weights-Run-Id"
 
 
 def _chunks(buf: torch.Tensor, chunk: int = CHUNK_BYTES) -> Iterator[memoryview]:
-    mv = memoryview(buf.numpy())  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
+    mv = buf.numpy().data  # ndarray.data: the memoryview of its bytes (no copy)
     # buf: [nbytes] uint8, contiguous CPU
     for start in range(0, len(mv), chunk):
         yield mv[start : start + chunk]
@@ -83,7 +83,7 @@ async def read_body_into(stream: AsyncIterator[bytes], dest: torch.Tensor,
     Raises UpdateFailed if the body is longer than `dest` (the caller checks for short).
     """
     cap, pos, next_renew = dest.numel(), 0, renew_bytes
-    view = memoryview(dest.numpy())  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
+    view = dest.numpy().data  # ndarray.data: the memoryview of its bytes (no copy)
     # (the writes go straight into the staging tensor)
     async for chunk in stream:
         if renew is not None and pos >= next_renew:

@@ -156,15 +156,28 @@ def sweep(grace_s: float = 2.0) -> list[str]:
     return removed
 
 
-class ShmRegion:
+class BucketRegion:
+    """A sender's region: `data` ([size] uint8, None before prepare) holds bucket i from `offsets[i]`."""
+
+    def __init__(self) -> None:
+        self.data: torch.Tensor | None = None
+        self.offsets: list[int] = []
+
+    def bucket(self, index: int, nbytes: int) -> torch.Tensor:
+        """Writable view of bucket `index`: [nbytes] uint8 on the region's device."""
+        assert self.data is not None, "prepare() first"
+        start = self.offsets[index]
+        return self.data[start : start + nbytes]
+
+
+class ShmRegion(BucketRegion):
     """Sender side: creates (once, populated), caches, grows and finally unlinks the region."""
 
     def __init__(self, run_id: str = ""):
+        super().__init__()  # data: [size] uint8 view of the whole region
         self.run_id = run_id
         self.shm: shared_memory.SharedMemory | None = None
-        self.data: torch.Tensor | None = None  # [size] uint8 view of the whole region
         self.header: torch.Tensor | None = None  # [header_bytes / 8] int64: magic, heartbeat, ..., stamps
-        self.offsets: list[int] = []
 
     def prepare(self, manifest: Manifest) -> dict[str, Any]:
         """Make sure the region fits `manifest`; return the options receivers need."""
@@ -192,12 +205,6 @@ class ShmRegion:
         self.header = self.data[: self.offsets[0]].view(torch.int64)
         self.header[0] = MAGIC
         return self.shm
-
-    def bucket(self, index: int, nbytes: int) -> torch.Tensor:
-        """Writable view of bucket `index`: [nbytes] uint8."""
-        assert self.data is not None, "prepare() first"
-        start = self.offsets[index]
-        return self.data[start : start + nbytes]
 
     def beat(self) -> None:
         """Progress marker: the receiver renews the update's lease when it changes."""

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from dllm.cache_mode import CACHE_MODES, DEFAULT_CACHE_MODE
 from dllm.decoding import StepOutput
 from dllm.errors import FieldError
 from dllm.full.decoding import FullDecoder
@@ -57,7 +58,6 @@ from server.engine.scheduler import KVBudget, ScheduledBatch
 from server.engine.sequence import ServerSequence
 
 log = logging.getLogger("dlrl.server")
-CACHE_MODES = ("exact", "prefix")
 
 
 def model_family(model_path: str | Path) -> str:
@@ -67,7 +67,7 @@ def model_family(model_path: str | Path) -> str:
     return folder_family(Path(model_path))
 
 
-FULL_DEFAULTS = {"cache_mode": "exact", "further_horizon": -1, "ranking": "official", "rng": "counter"}
+FULL_DEFAULTS = {"cache_mode": DEFAULT_CACHE_MODE, "further_horizon": -1, "ranking": "official", "rng": "counter"}
 
 
 def check_cache_mode(family: str, cache_mode: str) -> None:
@@ -78,7 +78,7 @@ def check_cache_mode(family: str, cache_mode: str) -> None:
 def check_full_options(family: str, **options: object) -> None:
     """ConfigError naming the server key (`cache_mode`, `further_horizon`, `ranking`, `rng`) when its value is
     unknown or does not apply to `family` (a block-causal SDAR model takes the defaults only)."""
-    cache_mode = options.get("cache_mode", "exact")
+    cache_mode = options.get("cache_mode", DEFAULT_CACHE_MODE)
     if cache_mode not in CACHE_MODES:
         raise ConfigError(f"server.cache_mode: unknown {cache_mode!r} (known: {', '.join(CACHE_MODES)})")
     if family != "sdar":
@@ -95,7 +95,7 @@ class FullAttentionRunner(DecoderRunner):
     name = "full_attention"
     decoder: FullDecoder
 
-    def __init__(self, model: FullAttentionLM, tokenizer: Any, *, max_batch: int, cache_mode: str = "exact",
+    def __init__(self, model: FullAttentionLM, tokenizer: Any, *, max_batch: int, cache_mode: str = DEFAULT_CACHE_MODE,
                  max_model_len: int = 0, eos_ids: list[int] | None = None, further_horizon: int = -1,
                  ranking: str = "official", rng: str = "counter", compile: bool = False,
                  cuda_graphs: bool = False) -> None:
@@ -118,7 +118,7 @@ class FullAttentionRunner(DecoderRunner):
                  "cache)", self.family, cache_mode, max_batch, self.max_len)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, *, cache_mode: str = "exact", further_horizon: int = -1,
+    def from_pretrained(cls, path: str | Path, *, cache_mode: str = DEFAULT_CACHE_MODE, further_horizon: int = -1,
                         ranking: str = "official", rng: str = "counter", device: str = "auto",
                         dtype: str = "auto", max_batch: int = 16, max_model_len: int = 0,
                         trust_remote_code: bool = False, block_size: int = 0, mask_token_id: int = -1,
