@@ -1,0 +1,123 @@
+"""`logit_bias`: an additive bias on chosen tokens' logits at every denoising forward (OpenAI's field).
+
+    bias = check_logit_bias({"5": -100, 7: 2.5}, vocab_size=64, mask_id=63)   # {5: -100.0, 7: 2.5}, or FieldError
+    ids, values = padded(bias)                         # numpy [MAX_ENTRIES] each: (0, 0.0) after the entries
+    logits = apply_bias(logits, dense_bias(ids_t, values_t, V))   # [N, B, V] + [N, V] -> biased fp32 logits
+    table = bias_rows([bias, None, ...], V, device)    # [n, V] fp32 (None when nobody is biased): replay's
+    cols = bias_columns([bias, None])                  # [n, 2 MAX_ENTRIES] float64: the full-attention packed rows'
+
+The bias is added to the raw logits before anything else of the sampling distribution (mask removal,
+temperature, top-k / top-p), as vLLM's logits processor and OpenAI do: -100 effectively bans a token,
++100 effectively forces it. Every decoding path applies the same fp32 add (`dense_bias` + `apply_bias`),
+and so does replay (the trace records the bias), so replayed log-probabilities equal the sampler's.
+
+Static shapes: a step carries per sampled row (ids, values) padded to `MAX_ENTRIES` (id 0, value 0.0: adds
+exactly nothing), whatever the row's bias, so a biased request never changes a compiled step's key or a
+CUDA graph's shapes. `dense_bias` scatter-adds them into a zero [N, V] row: ids are distinct within a
+row, so every vocabulary entry receives at most one non-zero term and the sum is exact in any order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from dllm.errors import FieldError
+
+MAX_ENTRIES = 300  # OpenAI's practical limit on logit_bias entries; the width of every step's bias columns
+BOUND = 100.0  # |bias| <= 100, OpenAI's bounds
+
+LogitBias = dict[int, float]
+
+
+def check_logit_bias(bias: Mapping[object, object] | None, vocab_size: int | None = None,
+                     mask_id: int | None = None) -> LogitBias | None:
+    """{token id (int or its decimal string): bias} -> {int: float}, None when empty; FieldError("logit_bias")
+    for a non-integer key, an id outside the vocabulary or the mask id, a bias that is not a finite number in
+    [-100, 100], or more than MAX_ENTRIES entries. Without vocab_size / mask_id only the shape is checked."""
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise FieldError("logit_bias", f"must be an object {{token id: bias}}, got {type(bias).__name__}")
+    if len(bias) > MAX_ENTRIES:
+        raise FieldError("logit_bias", f"at most {MAX_ENTRIES} entries, got {len(bias)}")
+    out: LogitBias = {}
+    for key, value in bias.items():
+        tid = _token_id(key)
+        if vocab_size is not None and not 0 <= tid < vocab_size:
+            raise FieldError("logit_bias", f"token id {tid} is outside the vocabulary (0..{vocab_size - 1})")
+        if mask_id is not None and tid == mask_id:
+            raise FieldError("logit_bias", f"token id {tid} is the mask token, which is never sampled")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not -BOUND <= value <= BOUND:
+            raise FieldError("logit_bias", f"the bias of token {tid} must be a finite number in [-{BOUND:g}, "
+                                           f"{BOUND:g}], got {value!r}")
+        if tid in out:
+            raise FieldError("logit_bias", f"token id {tid} is given twice")
+        out[tid] = float(value)
+    return out or None
+
+
+def _token_id(key: object) -> int:
+    if isinstance(key, int) and not isinstance(key, bool):
+        tid = key
+    elif isinstance(key, str) and key.strip().lstrip("-").isdigit() and key.strip().isascii():
+        tid = int(key)
+    else:
+        raise FieldError("logit_bias", f"keys must be token ids (integers), got {key!r}")
+    if tid < 0:
+        raise FieldError("logit_bias", f"token ids are >= 0, got {tid}")
+    return tid
+
+
+def padded(bias: Mapping[int, float] | None, width: int = MAX_ENTRIES) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int64 [width], values float64 [width]): the entries, then (0, 0.0) padding that adds nothing."""
+    ids, values = np.zeros(width, dtype=np.int64), np.zeros(width, dtype=np.float64)
+    if bias:
+        assert len(bias) <= width, "check_logit_bias caps the entries"
+        ids[:len(bias)] = list(bias)
+        values[:len(bias)] = list(bias.values())
+    return ids, values
+
+
+def dense_bias(ids: torch.Tensor, values: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """ids [N, K] int64, values [N, K] -> the additive bias [N, V] fp32 (no host sync, static shapes)."""
+    out = torch.zeros(ids.shape[0], vocab_size, dtype=torch.float32, device=ids.device)
+    return out.scatter_add_(1, ids.long(), values.float())
+
+
+def apply_bias(logits: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """logits [N, ..., V] + bias [N, V] (broadcast over the middle dims) -> fp32 logits; None: logits.float()."""
+    x = logits.float()
+    if bias is None:
+        return x
+    return x + bias.view(bias.shape[0], *([1] * (x.dim() - 2)), bias.shape[-1])
+
+
+def bias_rows(biases: Sequence[Mapping[int, float] | None], vocab_size: int,
+              device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """Each item's dense bias [n, V] fp32 (zeros for None), or None when no item has one: what replay adds."""
+    if not any(biases):
+        return None
+    ids = np.stack([padded(b, max(len(b or {}) for b in biases))[0] for b in biases])
+    values = np.stack([padded(b, max(len(b or {}) for b in biases))[1] for b in biases])
+    return dense_bias(torch.from_numpy(ids).to(device), torch.from_numpy(values).to(device), vocab_size)
+
+
+def bias_columns(biases: Sequence[Mapping[int, float] | None]) -> np.ndarray:
+    """Each item's (ids, values) padded to MAX_ENTRIES as one float64 row [n, 2 MAX_ENTRIES] (ids are exact in
+    float64): the full-attention decoder's packed rows end with them (dllm.step.width, dllm.step.row_bias)."""
+    out = np.zeros((len(biases), 2 * MAX_ENTRIES), dtype=np.float64)
+    for r, b in enumerate(biases):
+        if b:
+            out[r, :MAX_ENTRIES], out[r, MAX_ENTRIES:] = padded(b)
+    return out
+
+
+def biased_logits(logits: torch.Tensor, biases: Sequence[Mapping[int, float] | None]) -> torch.Tensor:
+    """logits [N, ..., V] with each row's bias added (fp32), or unchanged when no row has one."""
+    bias = bias_rows(biases, logits.shape[-1], logits.device)
+    return logits if bias is None else apply_bias(logits, bias)
