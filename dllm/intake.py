@@ -12,7 +12,7 @@ scheduler, dllm.scheduler, whose block manager owns every slot).
 from __future__ import annotations
 
 from dllm.errors import FieldError, TooLong
-from dllm.logit_bias import check_logit_bias
+from dllm.logit_bias_rules import check_logit_bias
 from dllm.postprocess import Postprocessor
 from dllm.sampling import SamplingParams
 from dllm.sequence import Sequence

@@ -47,7 +47,8 @@ import torch
 import torch.nn.functional as F
 
 from dllm.errors import FieldError
-from dllm.logit_bias import apply_bias, bias_rows, check_logit_bias
+from dllm.logit_bias import apply_bias, bias_rows
+from dllm.logit_bias_rules import check_logit_bias
 from dllm.ranges import TEMPERATURE, THRESHOLD, TOP_P
 from dllm.strategy import Strategy
 
@@ -104,8 +105,9 @@ class SamplingParams:
 def sampling_logprobs(logits: torch.Tensor, params: SamplingParams, mask_token_id: int) -> torch.Tensor:
     """logits: [..., V] -> log-probabilities [..., V] of the sampling distribution (fp32)."""
     logits = logits.float().clone()
-    if params.logit_bias:
-        logits = logits + bias_rows([params.logit_bias], logits.shape[-1], logits.device)[0]
+    bias = bias_rows([params.logit_bias], logits.shape[-1], logits.device)
+    if bias is not None:
+        logits = logits + bias[0]
     logits[..., mask_token_id] = float("-inf")
     if not params.is_greedy and params.temperature != 1.0:
         logits = logits / params.temperature

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from dllm.logit_bias import apply_bias
 from dllm.sampling import (
     PARAM_FIELDS,
     SamplingParams,
@@ -40,7 +41,6 @@ from dllm.sampling import (
     _top_p_filter,  # noqa: PLC2701 - one home of the top-p rule
     vocab_max,
 )
-from dllm.logit_bias import apply_bias
 from dllm.step import FIELDS, columns, row_bias
 from dllm.strategy import Strategy
 

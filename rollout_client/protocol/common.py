@@ -25,6 +25,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from dllm.errors import FieldError
+from dllm.logit_bias_rules import MAX_ENTRIES as LOGIT_BIAS_MAX
+from dllm.logit_bias_rules import check_logit_bias
 from dllm.options import Temperature, Threshold, TopK, TopP
 from dllm.strategy import Strategy, StrategyField
 
@@ -159,6 +161,10 @@ class DecodingOptions(StrictRequest):
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, lt=1 << 31), Integral]], Field(max_length=1024)] | None = None
     ignore_eos: bool | None = False
     return_trace: bool | None = True
+    logit_bias: Annotated[dict[int, float] | None, BeforeValidator(check_logit_bias)] = Field(
+        None, description=f"{{token id: bias}}: added to that token's logit at every denoising forward, before "
+        f"temperature / top-k / top-p (-100 bans the token, +100 forces it); biases in [-100, 100], at most "
+        f"{LOGIT_BIAS_MAX} entries, ids in the vocabulary (not the mask token); recorded in the trace")
     timeout: float | None = Field(None, gt=0.0, le=86400.0, description="seconds: a request not finished by "
                                   "then is aborted (503), its cache freed; capped by the server's max_request_s")
 
