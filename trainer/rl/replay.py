@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dllm.replay import Rows, Sample, token_logprobs, trace_of
+from dllm.replay import Rows, Sample, dense_row_bias, token_logprobs, trace_of, with_bias
 
 
 def completion_rows(samples: Sequence[Sample], block_size: int, pad_id: int) -> Rows:
@@ -40,19 +40,23 @@ def completion_rows(samples: Sequence[Sample], block_size: int, pad_id: int) -> 
         sample_idx[i, P:P + C] = i
         token_idx[i, P:P + C] = torch.arange(C)
     pos = torch.arange(L).expand(n, L).contiguous()
-    return Rows(clean.clone(), clean, pos, valid, target, sample_idx, token_idx, torch.arange(n))
+    return with_bias(Rows(clean.clone(), clean, pos, valid, target, sample_idx, token_idx, torch.arange(n)), samples)
 
 
-def _chunk_logprobs(lm_head, hidden: torch.Tensor, ids: torch.Tensor, mask_id: int, temperature: float):
-    """hidden [C, D], ids [C] -> (log p(ids) [C] fp32, entropy [C] detached)."""
+def _chunk_logprobs(lm_head, hidden: torch.Tensor, ids: torch.Tensor, mask_id: int, temperature: float,
+                    bias: torch.Tensor | None = None):
+    """hidden [C, D], ids [C], bias [C, K, 2] (logit_bias pairs, Rows.token_bias) -> (log p(ids) [C] fp32,
+    entropy [C] detached), under the biased logits the sampler drew from."""
     logits = lm_head(hidden).float()  # [C, V]: the only place full-vocabulary logits exist
-    lp = token_logprobs(logits, ids, mask_id, temperature)
-    return lp, token_entropy(logits.detach(), mask_id)
+    dense = dense_row_bias(bias, logits.shape[-1])
+    lp = token_logprobs(logits, ids, mask_id, temperature, bias=dense)
+    return lp, token_entropy(logits.detach() if dense is None else logits.detach() + dense, mask_id)
 
 
 def chunked_token_logprobs(lm_head, hidden: torch.Tensor, ids: torch.Tensor, mask_id: int,
                            temperature: float = 1.0, chunk: int = 1024, num_chunks: int | None = None,
-                           filler: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           filler: torch.Tensor | None = None,
+                           bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Like `token_logprobs(lm_head(hidden), ids)` for scored tokens only: hidden [N, D], ids [N]
     -> (log-probs [N], entropy [N] without grad, anchor). Full-vocabulary logits exist for `chunk`
     tokens at a time, in forward and (recomputed, activation-checkpointing style) in backward,
@@ -61,7 +65,8 @@ def chunked_token_logprobs(lm_head, hidden: torch.Tensor, ids: torch.Tensor, mas
     `num_chunks` (>= the chunks N needs) makes exactly that many `lm_head` calls, padding with
     one-token chunks of `filler` [1, D]: under ZeRO-3 every rank must call `lm_head` equally
     often. `anchor` is a zero that depends on those calls: add it to the loss so the backward
-    reaches them (and so a rank with N = 0 still has a loss with a graph)."""
+    reaches them (and so a rank with N = 0 still has a loss with a graph). `bias` [N, K, 2]: each token's
+    logit_bias pairs (Rows.token_bias), added to its logits as the sampler did."""
     n = hidden.shape[0]
     step = chunk if chunk > 0 else max(n, 1)
     need = -(-n // step)
@@ -70,17 +75,18 @@ def chunked_token_logprobs(lm_head, hidden: torch.Tensor, ids: torch.Tensor, mas
         raise ValueError(f"num_chunks: {total} chunks of {step} cannot hold {n} tokens")
     checkpointed = torch.is_grad_enabled() and hidden.requires_grad
 
-    def run(h, t):
+    def run(h, t, b=None):
         if checkpointed:
-            return torch.utils.checkpoint.checkpoint(_chunk_logprobs, lm_head, h, t, mask_id, temperature,
+            return torch.utils.checkpoint.checkpoint(_chunk_logprobs, lm_head, h, t, mask_id, temperature, b,
                                                      use_reentrant=False)
-        return _chunk_logprobs(lm_head, h, t, mask_id, temperature)
+        return _chunk_logprobs(lm_head, h, t, mask_id, temperature, b)
 
     lps, ents = [], []
     anchor = hidden.new_zeros((), dtype=torch.float32)
     for i in range(total):
         if i < need:
-            lp, ent = run(hidden[i * step:(i + 1) * step], ids[i * step:(i + 1) * step])
+            lp, ent = run(hidden[i * step:(i + 1) * step], ids[i * step:(i + 1) * step],
+                          None if bias is None else bias[i * step:(i + 1) * step])
             lps.append(lp)
             ents.append(ent)
         else:  # padding call: same collectives as a real chunk, contributes exactly 0
