@@ -24,6 +24,7 @@ fresh random masks (see `baseline_rows`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -69,12 +70,15 @@ def baseline_rows(rows_like: Rows, objective: str, mask_id: int, generator: torc
                         rows_like.token_idx, rows_like.row_sample, rows_like.bias))
         per_seq = len(masks) * is_comp.sum(1).clamp(min=1)[:, None] * num_seq  # mean over sequences
         weights.append(m.float() / tt.clamp(1e-6)[:, None] / per_seq)
-    cat = Rows(**{f: None if v is None else torch.cat([getattr(r, f) for r in out]) for f, v in vars(out[0]).items()})
+    fields: dict[str, Any] = {f: None if v is None else torch.cat([getattr(r, f) for r in out])
+                              for f, v in vars(out[0]).items()}  # Rows.bias may be None
+    cat = Rows(**fields)
     return cat, torch.cat(weights)
 
 
 def _select(rows: Rows, idx: torch.Tensor) -> Rows:
-    return Rows(**{f: None if v is None else v[idx] for f, v in vars(rows).items()})  # Rows.bias may be None
+    fields: dict[str, Any] = {f: None if v is None else v[idx] for f, v in vars(rows).items()}  # Rows.bias: None
+    return Rows(**fields)
 
 
 def _dummy_rows(like: Rows) -> Rows:
