@@ -99,8 +99,9 @@ def pack(bufs: StepBuffers, seqs: abc.Sequence[Sequence], owed: abc.Sequence[Seq
     N, B = len(seqs), bufs.block_size
     n = N + len(owed)
     h, x = bufs.get(R, Rn, P)
-    h["ids"][:N] = [s.block_ids for s in seqs]
-    h["block_start"][:N] = [s.block_start for s in seqs]
+    if seqs:  # none: warmup's padding-only bucket (numpy cannot broadcast [] into [0, B])
+        h["ids"][:N] = [s.block_ids for s in seqs]
+        h["block_start"][:N] = [s.block_start for s in seqs]
     if owed:
         h["ids"][N:n] = [s.pending for s in owed]
         h["block_start"][N:n] = [s.block_start - B for s in owed]
