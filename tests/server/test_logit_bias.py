@@ -138,3 +138,21 @@ def msgspec_roundtrip(end: Any) -> Any:
     import msgspec
 
     return msgspec.msgpack.decode(msgspec.msgpack.encode(end), type=type(end))
+
+
+def test_the_openapi_document_bounds_the_ids(server: Any) -> None:
+    """A schema-valid logit_bias is accepted: its keys are the vocabulary's ids (server.api.openapi), not the mask."""
+    import re
+
+    from server.api.openapi import ids_below
+
+    for n in (1, 7, 10, 64, 101, 151936):
+        pattern = re.compile(ids_below(n))
+        assert [i for i in range(n + 1100) if pattern.match(str(i))] == list(range(n)) and not pattern.match("01")
+    doc = httpx.get(server.url + "/openapi.json", timeout=30).json()
+    prop = doc["components"]["schemas"]["CompletionRequest"]["properties"]["logit_bias"]
+    obj = next(s for s in prop["anyOf"] if s.get("type") == "object")
+    backend = server.engine.backend
+    assert obj["propertyNames"] == {"pattern": ids_below(backend.vocab_size),
+                                    "not": {"const": str(backend.mask_token_id)}}
+    assert obj["maxProperties"] == MAX_ENTRIES and obj["additionalProperties"]["maximum"] == 100
