@@ -3,6 +3,7 @@
     bias = check_logit_bias({"5": -100, 7: 2.5}, vocab_size=64, mask_id=63)   # {5: -100.0, 7: 2.5}, or FieldError
     ids, values = padded(bias)                         # numpy [MAX_ENTRIES] each: (0, 0.0) after the entries
     logits = apply_bias(logits, dense_bias(ids_t, values_t, V))   # [N, B, V] + [N, V] -> biased fp32 logits
+    x = add_pairs_(x, ids_t, values_t)                 # the same in place on [N, B, V], N B K entries (the step's)
     table = bias_rows([bias, None, ...], V, device)    # [n, V] fp32 (None when nobody is biased): replay's
     cols = bias_columns([bias, None])                  # [n, 2 MAX_ENTRIES] float64: the full-attention packed rows'
 
@@ -13,8 +14,10 @@ and so does replay (the trace records the bias), so replayed log-probabilities e
 
 Static shapes: a step carries per sampled row (ids, values) padded to `MAX_ENTRIES` (id 0, value 0.0: adds
 exactly nothing), whatever the row's bias, so a biased request never changes a compiled step's key or a
-CUDA graph's shapes. `dense_bias` scatter-adds them into a zero [N, V] row: ids are distinct within a
-row, so every vocabulary entry receives at most one non-zero term and the sum is exact in any order.
+CUDA graph's shapes. The SDAR step scatter-adds them straight into its fp32 logits (`add_pairs_`: N x B x K
+entries, no [N, V] tensor); `dense_bias` scatter-adds them into a zero [N, V] row (replay, the full-attention
+rows). Ids are distinct within a row, so every vocabulary entry receives at most one non-zero term and both
+are exact in any order, and bit-equal.
 """
 
 from __future__ import annotations
@@ -48,6 +51,25 @@ def dense_bias(ids: torch.Tensor, values: torch.Tensor, vocab_size: int) -> torc
     return out.scatter_add_(1, ids.long(), values.float())
 
 
+def add_pairs_(x: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """x [N, B, V] fp32 (the caller's to change) += each row's (id, bias) pairs [N, K], in place: it touches
+    N x B x K entries, not N x V. Bit-equal to `apply_bias` with `dense_bias` (ids are distinct within a row,
+    padding adds 0.0), so the decode step's sampler and replay agree exactly."""
+    B = x.shape[1]
+    return x.scatter_add_(-1, ids.long()[:, None, :].expand(-1, B, -1), values.to(x.dtype)[:, None, :].expand(-1, B, -1))
+
+
+def pairs_of(biases: Sequence[Mapping[int, float] | None],
+             device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each item's (ids [n, K], values [n, K]) padded to the longest (K >= 1), or None when none has a bias."""
+    if not any(biases):
+        return None
+    width = max(len(b or {}) for b in biases)
+    cols = [padded(b, width) for b in biases]
+    return (torch.from_numpy(np.stack([c[0] for c in cols])).to(device),
+            torch.from_numpy(np.stack([c[1] for c in cols])).to(device))
+
+
 def apply_bias(logits: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """logits [N, ..., V] + bias [N, V] (broadcast over the middle dims) -> fp32 logits; None: logits.float()."""
     x = logits.float()
@@ -61,9 +83,8 @@ def bias_rows(biases: Sequence[Mapping[int, float] | None], vocab_size: int,
     """Each item's dense bias [n, V] fp32 (zeros for None), or None when no item has one: what replay adds."""
     if not any(biases):
         return None
-    ids = np.stack([padded(b, max(len(b or {}) for b in biases))[0] for b in biases])
-    values = np.stack([padded(b, max(len(b or {}) for b in biases))[1] for b in biases])
-    return dense_bias(torch.from_numpy(ids).to(device), torch.from_numpy(values).to(device), vocab_size)
+    pairs = pairs_of(biases, device)
+    return None if pairs is None else dense_bias(*pairs, vocab_size)
 
 
 def bias_columns(biases: Sequence[Mapping[int, float] | None]) -> np.ndarray:

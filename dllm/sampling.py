@@ -47,11 +47,12 @@ import torch
 import torch.nn.functional as F
 
 from dllm.errors import FieldError
-from dllm.logit_bias import apply_bias, bias_rows
+from dllm.logit_bias import add_pairs_, bias_rows, pairs_of
 from dllm.logit_bias_rules import check_logit_bias
 from dllm.ranges import TEMPERATURE, THRESHOLD, TOP_P
 from dllm.strategy import Strategy
 
+BiasPairs = tuple[torch.Tensor, torch.Tensor]  # logit_bias (ids [N, K], values [N, K]) per row (dllm.logit_bias)
 GREEDY_BELOW = 1e-5  # temperatures under this floor decode greedily (logits / 1e-38 overflow to inf)
 VOCAB_CHUNK = 2048  # width of the first stage of the sampler's vocabulary-wide max / argmax
 
@@ -155,7 +156,7 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], uniforms: t
     (token ids [N, B], their logprobs [N, B] fp32; NaN/inf where a row's probabilities are not finite)."""
     dev = logits.device
     cols = torch.tensor([param_row(p) for p in params], dtype=torch.float64).to(dev)  # [N, 4]
-    bias = bias_rows([p.logit_bias for p in params], logits.shape[-1], dev)
+    bias = pairs_of([p.logit_bias for p in params], dev)
     return sample_static(logits, cols, uniforms, mask_token_id, any(needs_filter(p) for p in params), bias)
 
 
@@ -172,7 +173,7 @@ def needs_filter(p: SamplingParams) -> bool:
 
 
 def sample_static(logits: torch.Tensor, params: torch.Tensor, uniforms: torch.Tensor, mask_token_id: int,
-                  filtered: bool, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  filtered: bool, bias: BiasPairs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample_typed` with the parameters as one [N, 4] tensor (PARAM_FIELDS' columns, from `param_row`):
     `sample_batch` and the full-attention decoder's packed rows (dllm.full.decoding)."""
     return sample_typed(logits, params[:, 0], params[:, 1].long(), params[:, 2], params[:, 3] > 0, uniforms,
@@ -181,7 +182,7 @@ def sample_static(logits: torch.Tensor, params: torch.Tensor, uniforms: torch.Te
 
 def sample_typed(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                  greedy: torch.Tensor, uniforms: torch.Tensor, mask_token_id: int,
-                 filtered: bool, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 filtered: bool, bias: BiasPairs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The batched sampler with no host sync and no data-dependent shape (the static decode step's).
 
     logits: [N, B, V]; per row temperature [N] (float64; 1 for greedy rows), top_k [N] int64 (0 = off),
@@ -189,10 +190,12 @@ def sample_typed(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     row runs the same ops: temperature 1 divides exactly, top-k with k=0 keeps everything (its k-th
     largest is the mask token's -inf), top-p applies where < 1 only (so rows without it are untouched
     by rounding in the cumulative sum). `filtered` (a Python bool: part of the compiled step's key) is
-    False when no row uses top-k / top-p: no sort. `bias` [N, V] fp32: each row's logit_bias, added to the
-    raw logits first (dllm.logit_bias.dense_bias; zeros for rows without one)."""
+    False when no row uses top-k / top-p: no sort. `bias`: each row's logit_bias as (ids [N, K], values [N, K])
+    padded with (0, 0.0), scatter-added to the raw logits first (dllm.logit_bias.add_pairs_)."""
     V = logits.shape[-1]
-    x = apply_bias(logits, bias)  # [N, B, V]: a copy unless unbiased fp32 (then the caller's logits are consumed)
+    x = logits.float()  # [N, B, V]: a copy unless already fp32 (then the caller's logits are consumed)
+    if bias is not None:
+        x = add_pairs_(x, *bias)
     x[..., mask_token_id] = float("-inf")
     x = x / temperature[:, None, None].float()
     if filtered:

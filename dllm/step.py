@@ -76,8 +76,8 @@ def sample_and_commit(logits: torch.Tensor, x: StepInputs, mask_id: int, filtere
     """logits: [Rn, B, V] of the sampled rows -> their new blocks: every row the same ops, on the device."""
     Rn = logits.shape[0]
     block = x.ids[:Rn]
-    bias = dense_bias(x.bias_ids, x.bias_values, logits.shape[-1])  # [Rn, V]: every row, static shapes
-    tok, lp = sample_typed(logits, x.temperature, x.top_k, x.top_p, x.greedy, x.uniforms, mask_id, filtered, bias)
+    tok, lp = sample_typed(logits, x.temperature, x.top_k, x.top_p, x.greedy, x.uniforms, mask_id, filtered,
+                           (x.bias_ids, x.bias_values))  # every row's logit_bias pairs, static shapes
     masked = block == mask_id
     ok = (torch.isfinite(lp) | ~masked).all(-1)  # [Rn]
     commit = commit_mask(lp.exp(), masked, x.k, x.threshold.float(), x.strategy) & ok[:, None]
