@@ -3,7 +3,7 @@
 trainer's replay of a biased sample reproduces the sampler's log-probabilities (SDAR and LLaDA); hostile
 values are a 400 naming `logit_bias`; the engine-core channel carries the bias both ways.
 
-    .venv/bin/python -m pytest -q tests/server/test_logit_bias.py
+    .venv/bin/python -m pytest -q tests/server/test_server_logit_bias.py
 """
 
 from __future__ import annotations
@@ -156,3 +156,17 @@ def test_the_openapi_document_bounds_the_ids(server: Any) -> None:
     assert obj["propertyNames"] == {"pattern": ids_below(backend.vocab_size),
                                     "not": {"const": str(backend.mask_token_id)}}
     assert obj["maxProperties"] == MAX_ENTRIES and obj["additionalProperties"]["maximum"] == 100
+
+
+@pytest.mark.slow
+def test_through_dlrl_serve_and_its_engine_core_process(serve_process: Any) -> None:
+    """The split server (API process + engine-core process): the bias crosses the channel to the core (which
+    checks the ids against the model: a 400 naming logit_bias) and back in the trace."""
+    srv = serve_process()
+    body = {"prompt_ids": [5, 6, 7], "max_tokens": 4, "temperature": 1.0, "ignore_eos": True, "return_trace": True}
+    r = httpx.post(srv.url + "/generate", json={**body, "logit_bias": {"42": 100}}, timeout=120)
+    assert r.status_code == 200, r.text
+    sample = r.json()["samples"][0]
+    assert sample["completion_ids"] == [42] * 4 and sample["trace"]["logit_bias"] == {"42": 100.0}
+    r = httpx.post(srv.url + "/generate", json={**body, "logit_bias": {"999999": 1}}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
