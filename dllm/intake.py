@@ -12,6 +12,7 @@ scheduler, dllm.scheduler, whose block manager owns every slot).
 from __future__ import annotations
 
 from dllm.errors import FieldError, TooLong
+from dllm.logit_bias_rules import check_logit_bias
 from dllm.postprocess import Postprocessor
 from dllm.sampling import SamplingParams
 from dllm.sequence import Sequence
@@ -37,6 +38,7 @@ def check_request(prompt_ids: list[int], params: SamplingParams, *, max_len: int
     for t in prompt_ids:
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size or t == mask_id:
             raise FieldError("prompt_ids", f"invalid token id {t} (vocab {vocab_size}, mask id {mask_id})")
+    check_logit_bias(params.logit_bias, vocab_size, mask_id)
 
 
 class Intake:

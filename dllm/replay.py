@@ -19,7 +19,8 @@ A sample is anything with `prompt_ids`, `completion_ids` and a `trace` (`steps`,
     rows = build_rows(rollouts, block_size, mask_id, pad_id, shrink=1)
     rows = pad_rows(rows, bucket_length(rows.clean.shape[1], block_size), pad_id)   # optional: length buckets
     hidden = replay_hidden(model, rows)                     # [R, L, D] noisy copy (the replay forward)
-    lp = token_logprobs(model.lm_head(hidden), rows.clean, mask_id)   # [R, L]
+    lp = token_logprobs(model.lm_head(hidden), rows.clean, mask_id,   # [R, L]; the traces' logit_bias:
+                        bias=dense_row_bias(rows.bias, V))
     old = rows.gather(behaviour_logprobs_per_sample)        # [R, L], zeros off-target
     logits = model.lm_head(trace_hidden(model, seq))        # [C, V]: each completion token's logits
 """
@@ -33,6 +34,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from dllm.logit_bias import apply_bias, dense_bias
 from dllm.ranges import TEMPERATURE
 
 
@@ -75,6 +77,14 @@ class Rows:
     sample_idx: torch.Tensor  # [R, L] long: which sample a target belongs to (-1 elsewhere)
     token_idx: torch.Tensor  # [R, L] long: completion index j of a target (-1 elsewhere)
     row_sample: torch.Tensor  # [R] long
+    # [R, K, 2] float64: each row's sample's logit_bias as (id, bias) pairs padded with (0, 0); None: no sample has one
+    bias: torch.Tensor | None = None
+
+    def token_bias(self, target: torch.Tensor) -> torch.Tensor | None:
+        """The logit_bias pairs [N, K, 2] of the N tokens of `target` [R, L] (row-major, as hidden[target])."""
+        if self.bias is None:
+            return None
+        return self.bias.to(target.device)[target.nonzero(as_tuple=True)[0]]
 
     def gather(self, per_sample: list[list[float]] | list[torch.Tensor]) -> torch.Tensor:
         """Per-sample per-token values (e.g. behaviour logprobs, advantages) -> [R, L] at targets."""
@@ -118,7 +128,31 @@ def build_rows(samples: Sequence[Sample], block_size: int, mask_id: int, pad_id:
                shrink: int = 1) -> Rows:
     if shrink < 1:
         raise ValueError("shrink: must be >= 1")
-    return pack_rows([_sample_rows(s, block_size, mask_id, shrink) for s in samples], pad_id, block_size)
+    rows = pack_rows([_sample_rows(s, block_size, mask_id, shrink) for s in samples], pad_id, block_size)
+    return with_bias(rows, samples)
+
+
+def with_bias(rows: Rows, samples: Sequence[Sample]) -> Rows:
+    """`rows` with each row's sample's logit_bias (its trace's) attached as `rows.bias` (None when no sample
+    was generated with one): replay adds it to the logits as the sampler did."""
+    biases = [getattr(s.trace, "logit_bias", None) for s in samples]
+    if not any(biases):
+        rows.bias = None
+        return rows
+    width = max(len(b or {}) for b in biases)
+    pairs = torch.zeros(len(samples), width, 2, dtype=torch.float64)
+    for i, b in enumerate(biases):
+        for j, (tid, v) in enumerate((b or {}).items()):
+            pairs[i, j, 0], pairs[i, j, 1] = float(tid), float(v)
+    rows.bias = pairs[rows.row_sample]
+    return rows
+
+
+def dense_row_bias(pairs: torch.Tensor | None, vocab_size: int) -> torch.Tensor | None:
+    """(id, bias) pairs [N, K, 2] (Rows.bias, Rows.token_bias) -> the additive bias [N, V] fp32 (dllm.logit_bias)."""
+    if pairs is None:
+        return None
+    return dense_bias(pairs[..., 0].long(), pairs[..., 1], vocab_size)
 
 
 RowSpec = tuple[list[int], int, list[tuple[list[int], list[bool], list[int]]]]
@@ -188,7 +222,7 @@ def pad_rows(rows: Rows, length: int, pad_id: int) -> Rows:
 
     return Rows(pad(rows.noisy, pad_id), pad(rows.clean, pad_id), torch.arange(length).expand(R, length).contiguous(),
                 pad(rows.valid, False), pad(rows.target, False), pad(rows.sample_idx, -1), pad(rows.token_idx, -1),
-                rows.row_sample)
+                rows.row_sample, rows.bias)
 
 
 def replay_hidden(model: Any, rows: Rows, device: torch.device | None = None) -> torch.Tensor:
@@ -214,10 +248,11 @@ def trace_hidden(model: Any, sample: Sample) -> torch.Tensor:
 
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, mask_id: int,
-                   temperature: float = TEMPERATURE.default) -> torch.Tensor:
+                   temperature: float = TEMPERATURE.default, bias: torch.Tensor | None = None) -> torch.Tensor:
     """logits [R, L, V], ids [R, L] -> log p(ids) [R, L] under the sampling distribution
-    (mask token excluded, divided by temperature), fp32."""
-    logits = logits.float()
+    (logit_bias added: `bias` [R, V] from `dense_row_bias`, mask token excluded, divided by temperature), fp32.
+    Also logits [N, V], ids [N], bias [N, V]."""
+    logits = apply_bias(logits, bias)
     logits = logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) == mask_id, float("-inf"))
     if temperature not in (0, 1.0):
         logits = logits / temperature

@@ -9,7 +9,7 @@
     ids, lp = sample_static(logits, param_rows, u, mask_id, filtered)  # the same, parameters as [N, 4]
     u = counter_uniforms(seeds, positions, steps)          # [N, B] noise (numpy): a pure function of its inputs
 
-The distribution: logits with the mask token removed, divided by the temperature, then
+The distribution: logits plus the request's `logit_bias` (dllm.logit_bias), the mask token removed, divided by the temperature, then
 top-k and top-p filtered; the Trace records log p(token) under exactly this distribution.
 Greedy decoding (`temperature` 0, or any temperature below `GREEDY_BELOW` = 1e-5: dividing
 logits by e.g. 1e-38 overflows to inf and every probability becomes NaN) takes the argmax and
@@ -47,9 +47,12 @@ import torch
 import torch.nn.functional as F
 
 from dllm.errors import FieldError
+from dllm.logit_bias import add_pairs_, bias_rows, pairs_of
+from dllm.logit_bias_rules import check_logit_bias
 from dllm.ranges import TEMPERATURE, THRESHOLD, TOP_K, TOP_P
 from dllm.strategy import Strategy
 
+BiasPairs = tuple[torch.Tensor, torch.Tensor]  # logit_bias (ids [N, K], values [N, K]) per row (dllm.logit_bias)
 GREEDY_BELOW = 1e-5  # temperatures under this floor decode greedily (logits / 1e-38 overflow to inf)
 VOCAB_CHUNK = 2048  # width of the first stage of the sampler's vocabulary-wide max / argmax
 
@@ -67,6 +70,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    logit_bias: dict[int, float] | None = None  # {token id: additive bias} at every forward (dllm.logit_bias)
 
     def validate(self, block_size: int) -> None:
         def bad(name: str, msg: str) -> NoReturn:
@@ -90,6 +94,7 @@ class SamplingParams:
             bad("seed", f"must be a non-negative integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "stop strings must be non-empty strings")
+        check_logit_bias(self.logit_bias)  # the ids against the vocabulary: dllm.intake.check_request
 
     @property
     def is_greedy(self) -> bool:
@@ -101,6 +106,9 @@ class SamplingParams:
 def sampling_logprobs(logits: torch.Tensor, params: SamplingParams, mask_token_id: int) -> torch.Tensor:
     """logits: [..., V] -> log-probabilities [..., V] of the sampling distribution (fp32)."""
     logits = logits.float().clone()
+    bias = bias_rows([params.logit_bias], logits.shape[-1], logits.device)
+    if bias is not None:
+        logits = logits + bias[0]
     logits[..., mask_token_id] = float("-inf")
     if not params.is_greedy and params.temperature != 1.0:
         logits = logits / params.temperature
@@ -148,7 +156,8 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], uniforms: t
     (token ids [N, B], their logprobs [N, B] fp32; NaN/inf where a row's probabilities are not finite)."""
     dev = logits.device
     cols = torch.tensor([param_row(p) for p in params], dtype=torch.float64).to(dev)  # [N, 4]
-    return sample_static(logits, cols, uniforms, mask_token_id, any(needs_filter(p) for p in params))
+    bias = pairs_of([p.logit_bias for p in params], dev)
+    return sample_static(logits, cols, uniforms, mask_token_id, any(needs_filter(p) for p in params), bias)
 
 
 def param_row(p: SamplingParams) -> list[float]:
@@ -164,16 +173,16 @@ def needs_filter(p: SamplingParams) -> bool:
 
 
 def sample_static(logits: torch.Tensor, params: torch.Tensor, uniforms: torch.Tensor, mask_token_id: int,
-                  filtered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  filtered: bool, bias: BiasPairs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample_typed` with the parameters as one [N, 4] tensor (PARAM_FIELDS' columns, from `param_row`):
     `sample_batch` and the full-attention decoder's packed rows (dllm.full.decoding)."""
     return sample_typed(logits, params[:, 0], params[:, 1].long(), params[:, 2], params[:, 3] > 0, uniforms,
-                        mask_token_id, filtered)
+                        mask_token_id, filtered, bias)
 
 
 def sample_typed(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                  greedy: torch.Tensor, uniforms: torch.Tensor, mask_token_id: int,
-                 filtered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 filtered: bool, bias: BiasPairs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The batched sampler with no host sync and no data-dependent shape (the static decode step's).
 
     logits: [N, B, V]; per row temperature [N] (float64; 1 for greedy rows), top_k [N] int64 (0 = off),
@@ -181,9 +190,12 @@ def sample_typed(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     row runs the same ops: temperature 1 divides exactly, top-k with k=0 keeps everything (its k-th
     largest is the mask token's -inf), top-p applies where < 1 only (so rows without it are untouched
     by rounding in the cumulative sum). `filtered` (a Python bool: part of the compiled step's key) is
-    False when no row uses top-k / top-p: no sort."""
+    False when no row uses top-k / top-p: no sort. `bias`: each row's logit_bias as (ids [N, K], values [N, K])
+    padded with (0, 0.0), scatter-added to the raw logits first (dllm.logit_bias.add_pairs_)."""
     V = logits.shape[-1]
     x = logits.float()  # [N, B, V]: a copy unless already fp32 (then the caller's logits are consumed)
+    if bias is not None:
+        x = add_pairs_(x, *bias)
     x[..., mask_token_id] = float("-inf")
     x = x / temperature[:, None, None].float()
     if filtered:

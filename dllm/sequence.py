@@ -59,7 +59,8 @@ class Sequence:
         self.block_size = block_size
         self.mask_id = mask_id
         self.completion_ids: list[int] = []
-        self.trace = Trace(prompt_len=len(prompt_ids), block_size=block_size)
+        self.trace = Trace(prompt_len=len(prompt_ids), block_size=block_size,
+                           logit_bias=dict(params.logit_bias) if params.logit_bias else None)
         self.error: str | None = None  # why the sequence failed (finish_reason "error")
         self.num_forwards = 0
         self.status = SeqStatus.NEW

@@ -1,7 +1,7 @@
 """The model's step: one denoising forward + sampling + commit over typed inputs, with static shapes, on the device.
 
     x = StepInputs(ids, block_start, write, page_table, k, strategy, threshold, temperature, top_k, top_p,
-                   greedy, uniforms)        # typed tensors (dllm.step_inputs packs them; dllm.runner runs this)
+                   greedy, uniforms, bias_ids, bias_values)  # typed tensors (dllm.step_inputs packs them; dllm.runner runs this)
     out = decode_step(model, cache, x, k_pos, filtered, attention="sdpa")   # -> StepResult, on the device
 
 A step's rows are the blocks being denoised (the first `Rn` are sampled), then the clean blocks owed
@@ -30,6 +30,7 @@ import torch
 from dllm.attention import MaskSpec
 from dllm.commit import commit_mask
 from dllm.kv_cache import KVCache
+from dllm.logit_bias import MAX_ENTRIES, dense_bias
 from dllm.model import SDARForCausalLM
 from dllm.sampling import PARAM_FIELDS, sample_typed
 
@@ -50,6 +51,8 @@ class StepInputs(NamedTuple):
     top_p: torch.Tensor        # [Rn] float64
     greedy: torch.Tensor       # [Rn] bool
     uniforms: torch.Tensor     # [Rn, B] float64: the sampling noise (dllm.sampling.counter_uniforms)
+    bias_ids: torch.Tensor     # [Rn, K] int64: logit_bias token ids, padded with 0 (K = dllm.logit_bias.MAX_ENTRIES)
+    bias_values: torch.Tensor  # [Rn, K] float64: their biases, padded with 0.0 (adds nothing)
 
 
 class StepResult(NamedTuple):
@@ -73,7 +76,8 @@ def sample_and_commit(logits: torch.Tensor, x: StepInputs, mask_id: int, filtere
     """logits: [Rn, B, V] of the sampled rows -> their new blocks: every row the same ops, on the device."""
     Rn = logits.shape[0]
     block = x.ids[:Rn]
-    tok, lp = sample_typed(logits, x.temperature, x.top_k, x.top_p, x.greedy, x.uniforms, mask_id, filtered)
+    tok, lp = sample_typed(logits, x.temperature, x.top_k, x.top_p, x.greedy, x.uniforms, mask_id, filtered,
+                           (x.bias_ids, x.bias_values))  # every row's logit_bias pairs, static shapes
     masked = block == mask_id
     ok = (torch.isfinite(lp) | ~masked).all(-1)  # [Rn]
     commit = commit_mask(lp.exp(), masked, x.k, x.threshold.float(), x.strategy) & ok[:, None]
@@ -97,7 +101,8 @@ def decode_step(model: SDARForCausalLM, cache: KVCache, x: StepInputs, k_pos: to
 # ----------------------------------------------------------------------------- the full-attention decoder's rows
 
 FIELDS = ("block_start", "step", "k", "strategy", "threshold", "slot", "write", *PARAM_FIELDS)
-# row layout: block ids, steps, logprobs [3B] | FIELDS | sampling uniforms [B]
+# row layout: block ids, steps, logprobs [3B] | FIELDS | sampling uniforms [B] | logit_bias ids [K], values [K]
+# (K = dllm.logit_bias.MAX_ENTRIES, padded with zeros: the same width whatever the row's bias)
 
 
 def columns(block_size: int) -> dict[str, int]:
@@ -106,7 +111,13 @@ def columns(block_size: int) -> dict[str, int]:
 
 
 def width(block_size: int) -> int:
-    return 4 * block_size + len(FIELDS)
+    return 4 * block_size + len(FIELDS) + 2 * MAX_ENTRIES
+
+
+def row_bias(rows: torch.Tensor, block_size: int, vocab_size: int) -> torch.Tensor:
+    """Packed rows [R, width(B)] -> their logit_bias as a dense [R, V] fp32 additive tensor (no host sync)."""
+    at = 4 * block_size + len(FIELDS)
+    return dense_bias(rows[:, at:at + MAX_ENTRIES].long(), rows[:, at + MAX_ENTRIES:at + 2 * MAX_ENTRIES], vocab_size)
 
 
 def padding_row(block_size: int, mask_id: int) -> np.ndarray:
@@ -115,5 +126,5 @@ def padding_row(block_size: int, mask_id: int) -> np.ndarray:
     col = columns(block_size)
     row[:block_size] = mask_id
     row[[col["step"], col["temperature"], col["top_p"], col["greedy"]]] = 1.0
-    row[3 * block_size + len(FIELDS):] = 0.5
+    row[3 * block_size + len(FIELDS):4 * block_size + len(FIELDS)] = 0.5  # the uniforms; no logit_bias
     return row

@@ -7,7 +7,8 @@ back (ONE device-to-host copy).
     ids, logprobs, committed, ok = read_back(result, n)   # the first n rows of a StepResult, as lists
 
 `pack` writes every field of the bucket: the sequences' blocks and sampling parameters (their noise:
-dllm.sampling.counter_uniforms), the clean blocks owed to the cache, each row's page table (a row of
+dllm.sampling.counter_uniforms; their logit_bias as (ids, values) padded to dllm.logit_bias.MAX_ENTRIES,
+the same width for every row and bucket, so a bias never changes a compiled step's shapes), the clean blocks owed to the cache, each row's page table (a row of
 the block manager's `tables`, by slot), padding rows (greedy, writing into the scratch page).
 
 Each bucket (rows R, sampled rows Rn, pages of keys P) lays its fields out back to back (8-byte
@@ -24,23 +25,25 @@ from collections import abc
 import numpy as np
 import torch
 
+from dllm.logit_bias import MAX_ENTRIES, padded
 from dllm.sampling import counter_uniforms
 from dllm.sequence import Sequence
 from dllm.step import StepInputs, StepResult
 from dllm.strategy import Strategy
 
-# (field, dtype, rows: "R" | "Rn", columns: "B" | "P" | None), in layout order
+# (field, dtype, rows: "R" | "Rn", columns: "B" | "P" | "K" | None), in layout order
 LAYOUT = (("ids", torch.int64, "R", "B"), ("block_start", torch.int64, "R", None),
           ("page_table", torch.int64, "R", "P"), ("k", torch.int64, "Rn", None), ("strategy", torch.int64, "Rn", None),
           ("top_k", torch.int64, "Rn", None), ("threshold", torch.float64, "Rn", None),
           ("temperature", torch.float64, "Rn", None), ("top_p", torch.float64, "Rn", None),
-          ("uniforms", torch.float64, "Rn", "B"), ("write", torch.bool, "R", None), ("greedy", torch.bool, "Rn", None))
+          ("uniforms", torch.float64, "Rn", "B"), ("bias_ids", torch.int64, "Rn", "K"),
+          ("bias_values", torch.float64, "Rn", "K"), ("write", torch.bool, "R", None), ("greedy", torch.bool, "Rn", None))
 _NUMPY = {torch.int64: np.int64, torch.float64: np.float64, torch.bool: np.bool_}
 assert {f for f, *_ in LAYOUT} == set(StepInputs._fields), "LAYOUT: every field of StepInputs, once"
 
 
 def _shapes(R: int, Rn: int, P: int, B: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    dims = {"R": R, "Rn": Rn, "B": B, "P": P}
+    dims = {"R": R, "Rn": Rn, "B": B, "P": P, "K": MAX_ENTRIES}
     return [(name, dt, (dims[rows],) if cols is None else (dims[rows], dims[cols])) for name, dt, rows, cols in LAYOUT]
 
 
@@ -96,8 +99,9 @@ def pack(bufs: StepBuffers, seqs: abc.Sequence[Sequence], owed: abc.Sequence[Seq
     N, B = len(seqs), bufs.block_size
     n = N + len(owed)
     h, x = bufs.get(R, Rn, P)
-    h["ids"][:N] = [s.block_ids for s in seqs]
-    h["block_start"][:N] = [s.block_start for s in seqs]
+    if seqs:  # none: warmup's padding-only bucket (numpy cannot broadcast [] into [0, B])
+        h["ids"][:N] = [s.block_ids for s in seqs]
+        h["block_start"][:N] = [s.block_start for s in seqs]
     if owed:
         h["ids"][N:n] = [s.pending for s in owed]
         h["block_start"][N:n] = [s.block_start - B for s in owed]
@@ -116,6 +120,10 @@ def pack(bufs: StepBuffers, seqs: abc.Sequence[Sequence], owed: abc.Sequence[Seq
     steps = np.array([s.step_in_block + 1 for s in seqs], dtype=np.int64)
     h["uniforms"][:N] = counter_uniforms([s.seed for s in seqs], h["block_start"][:N, None] + np.arange(B), steps)
     h["uniforms"][N:] = 0.5
+    h["bias_ids"][:], h["bias_values"][:] = 0, 0.0
+    for r, s in enumerate(seqs):
+        if s.params.logit_bias:
+            h["bias_ids"][r], h["bias_values"][r] = padded(s.params.logit_bias)
     return x
 
 

@@ -58,6 +58,8 @@ class Trace(BaseModel):
     block_origin: int = 0  # absolute position where the first block starts (SDAR 0; LLaDA / Dream: prompt_len)
     schedule: str | None = None  # full attention: static decoding's transfer schedule ("llada", "dream eps=0.001")
     further_horizon: int | None = None  # prefix mode: positions after the block a block's later forwards saw
+    # {token id: bias} added to the logits at every forward (the request's logit_bias); replay adds it too
+    logit_bias: dict[int, float] | None = None
     # True: the engine could not report how tokens were committed (steps and logprobs are 0s, not a
     # trace): objectives that replay traces refuse it; random masking / coupled RL train from it
     trace_free: bool = False

@@ -68,6 +68,7 @@ from dllm.full.schedule import (
 )
 from dllm.full.step import FullStep
 from dllm.intake import Intake
+from dllm.logit_bias import bias_columns, biased_logits
 from dllm.postprocess import Postprocessor, StepOutput, apply_step
 from dllm.sampling import SamplingParams, counter_uniforms, needs_filter
 from dllm.sequence import GenerationOutput, Sequence, step_inputs, to_output
@@ -218,7 +219,7 @@ class FullDecoder(Intake):
         drawn, layout = None, None
         if self.rng == "official":
             layout = [self._official_layout(s, w) for s, w in zip(fs, whole)]
-            drawn = self._official_draws(fs, block_logits, layout)
+            drawn = self._official_draws(fs, biased_logits(block_logits, [s.params.logit_bias for s in fs]), layout)
         res = sample_and_commit_full(block_logits, rows, self.mask_id, any(needs_filter(s.params) for s in fs),
                                      family=self.family, ranking=self.ranking, pad_id=self.pad_id,
                                      pad_penalty=self.pad_penalty, drawn=drawn, topk_layout=layout).cpu()
@@ -276,7 +277,7 @@ class FullDecoder(Intake):
                 rows[r, col["k"]], rows[r, col["strategy"]] = 1, Strategy.sequential.code
         noise = counter_uniforms([s.seed for s in seqs], rows[:, col["block_start"], None] + np.arange(B),
                                  rows[:, col["step"]])
-        return np.concatenate([rows, noise], axis=1)
+        return np.concatenate([rows, noise, bias_columns([s.params.logit_bias for s in seqs])], axis=1)
 
     def _official_layout(self, s: Sequence, whole: bool) -> tuple[int, int]:
         """(width, offset): the positions of the official function's logits at this forward and where the block

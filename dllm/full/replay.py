@@ -2,7 +2,8 @@
 
     rows = build_full_rows(samples, mask_id, pad_id, shrink=1)           # dllm.replay.Rows
     hidden = full_replay_hidden(model, rows)                               # [R, L, D] (Dream's shift applied)
-    lp = token_logprobs(model.lm_head(hidden), rows.clean, mask_id)        # dllm.replay.token_logprobs
+    lp = token_logprobs(model.lm_head(hidden), rows.clean, mask_id,        # dllm.replay.token_logprobs (with
+                        bias=dense_row_bias(rows.bias, V))                 # the traces' logit_bias)
     old = rows.gather(behaviour_logprobs_per_sample)                       # [R, L], zeros off-target
     logits = model.lm_head(full_trace_hidden(model, sample))               # [C, V] per completion token
 
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 
 from dllm.full.schedule import window_end
-from dllm.replay import Rows, Sample, pack_rows, trace_of
+from dllm.replay import Rows, Sample, pack_rows, trace_of, with_bias
 
 
 def full_global_steps(prompt_len: int, block_size: int, steps: Sequence[int], shrink: int = 1,
@@ -108,7 +109,7 @@ def build_full_rows(samples: Sequence[Sample], mask_id: int, pad_id: int, shrink
     rows = pack_rows([(clean, len(clean), r) for clean, r, _ in per], pad_id)
     for r, n in enumerate(n for _, _, visible in per for n in visible):
         rows.valid[r, n:] = False
-    return rows
+    return with_bias(rows, samples)
 
 
 def full_replay_hidden(model: Any, rows: Rows, device: torch.device | None = None) -> torch.Tensor:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from dllm.logit_bias import apply_bias
 from dllm.sampling import (
     PARAM_FIELDS,
     SamplingParams,
@@ -40,7 +41,7 @@ from dllm.sampling import (
     _top_p_filter,  # noqa: PLC2701 - one home of the top-p rule
     vocab_max,
 )
-from dllm.step import FIELDS, columns
+from dllm.step import FIELDS, columns, row_bias
 from dllm.strategy import Strategy
 
 RANKINGS = ("official", "tempered")
@@ -117,10 +118,12 @@ def sample_and_commit_full(logits: torch.Tensor, rows: torch.Tensor, mask_id: in
     """logits [R, B, V] of the block's positions, rows [R, width(B)] (dllm.step's layout) -> [R, 3B + 1]: the new
     block ids, steps, log-probabilities and a finite flag. `drawn` [R, B]: the sampled rows' tokens drawn
     elsewhere (rng="official") instead of the counter-noise inverse-CDF draw (greedy rows take the argmax);
-    `topk_layout`: per row (width, offset) of the official confidence vector, whose torch.topk order then breaks
+    The rows' logit_bias (dllm.step.row_bias) is added to `logits` first: confidence, draws and log-probabilities
+    all see the biased logits. `topk_layout`: per row (width, offset) of the official confidence vector, whose torch.topk order then breaks
     ties among equally confident positions as the official code does (`official_topk`)."""
     R, B = logits.shape[:2]
     col, f = columns(B), 3 * B + len(FIELDS)
+    logits = apply_bias(logits, row_bias(rows, B, logits.shape[-1]))  # the rows' logit_bias, before anything else
     params = rows[:, col[PARAM_FIELDS[0]]:col[PARAM_FIELDS[-1]] + 1]  # [R, 4]
     x = filtered_logits(logits, params, mask_id, filtered)  # [R, B, V]
     logp = torch.log_softmax(x, dim=-1)

@@ -22,9 +22,20 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    model_validator,
+)
 
 from dllm.errors import FieldError
+from dllm.logit_bias_rules import BOUND as LOGIT_BIAS_BOUND
+from dllm.logit_bias_rules import MAX_ENTRIES as LOGIT_BIAS_MAX
+from dllm.logit_bias_rules import check_logit_bias
 from dllm.options import Temperature, Threshold, TopK, TopP
 from dllm.ranges import TEMPERATURE, THRESHOLD, TOP_K, TOP_P
 from dllm.strategy import Strategy, StrategyField
@@ -145,6 +156,11 @@ class StrictRequest(NullIsDefault):
         return out
 
 
+LOGIT_BIAS_SCHEMA: dict[str, Any] = {  # the server narrows the ids to its vocabulary (server.api.openapi)
+    "type": "object", "maxProperties": LOGIT_BIAS_MAX, "propertyNames": {"pattern": "^(0|[1-9][0-9]{0,9})$"},
+    "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS_BOUND, "maximum": LOGIT_BIAS_BOUND}}
+
+
 class DecodingOptions(StrictRequest):
     """Block-diffusion sampling options shared by every generation endpoint."""
 
@@ -160,6 +176,11 @@ class DecodingOptions(StrictRequest):
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, lt=1 << 31), Integral]], Field(max_length=1024)] | None = None
     ignore_eos: bool | None = False
     return_trace: bool | None = True
+    logit_bias: Annotated[dict[int, float] | None, BeforeValidator(check_logit_bias),
+                          WithJsonSchema({"anyOf": [LOGIT_BIAS_SCHEMA, {"type": "null"}]})] = Field(
+        None, description=f"{{token id: bias}}: added to that token's logit at every denoising forward, before "
+        f"temperature / top-k / top-p (-100 bans the token, +100 forces it); biases in [-100, 100], at most "
+        f"{LOGIT_BIAS_MAX} entries, ids in the vocabulary (not the mask token); recorded in the trace")
     timeout: float | None = Field(None, gt=0.0, le=86400.0, description="seconds: a request not finished by "
                                   "then is aborted (503), its cache freed; capped by the server's max_request_s")
 

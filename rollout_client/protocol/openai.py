@@ -6,7 +6,7 @@
 `OpenAIBase` holds what completions and chat (`protocol.chat`) share: OpenAI's fields plus the
 dLLM decoding options (`common.DecodingOptions`) as extra fields. As OpenAI does, an unknown field
 is a 400 naming it (with "did you mean" for a near miss); OpenAI fields this server does not
-implement (`OPENAI_NEUTRAL`: penalties, logit_bias, response_format, best_of, suffix, ...) are
+implement (`OPENAI_NEUTRAL`: penalties, response_format, best_of, suffix, ...) are
 accepted only at their neutral value, else a 400 saying why. Each choice may also carry its
 `version`, `trace` and `record_id`.
 """
@@ -52,8 +52,6 @@ OPENAI_NEUTRAL = {  # OpenAI fields not implemented here: accepted at the value 
     "frequency_penalty": Neutral((0,), _unsupported("frequency_penalty", "frequency penalties are not supported "
                                                     "(only 0)")),
     "presence_penalty": Neutral((0,), _unsupported("presence_penalty", "presence penalties are not supported (only 0)")),
-    "logit_bias": Neutral(({},), _unsupported("logit_bias", "logit_bias is not supported by this server yet (only "
-                                             "{} or null)")),
     "response_format": Neutral(({"type": "text"},), "response_format: constrained decoding (JSON mode, JSON schema) "
                                "is not supported: block diffusion commits several tokens per forward in parallel and "
                                'no grammar constrains them; send {"type": "text"} or drop `response_format`'),

@@ -57,7 +57,8 @@ def to_sampling_params(opts: DecodingOptions, max_tokens: int, config: ServerCon
         max_tokens=max_tokens, temperature=pick("temperature", config.default_temperature),
         top_k=opts.top_k, top_p=opts.top_p, strategy=pick("strategy", config.default_strategy),
         steps=opts.steps, threshold=pick("threshold", config.default_threshold), seed=opts.seed,
-        stop=opts.stop_list(), stop_token_ids=opts.stop_token_ids, ignore_eos=opts.ignore_eos)
+        stop=opts.stop_list(), stop_token_ids=opts.stop_token_ids, ignore_eos=opts.ignore_eos,
+        logit_bias=opts.logit_bias)
 
 
 async def encode_prompts(state: ServerState, prompts: list[str | list[int]], field: str) -> list[list[int]]:

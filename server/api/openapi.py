@@ -9,7 +9,7 @@ On top of FastAPI's generated document it:
   scheme on admin routes (the feedback token's on `/v1/feedback`), 503 on generation routes
   while the server drains;
 - writes the served model's limits into the request schemas, so that a schema-valid request
-  is accepted: token ids in [0, vocab) and not the mask id, `steps` up to the block size,
+  is accepted: token ids in [0, vocab) and not the mask id (`logit_bias` keys too), `steps` up to the block size,
   `max_tokens` and prompt lengths below `max_model_len`, text prompts up to the cheap
   character bound (`server.api.prompts.PromptEncoder.max_chars`), `n` and prompt lists up to
   `max_queue`. What a schema cannot say -- the token count of a text, prompt + max_tokens,
@@ -106,6 +106,29 @@ def _limit_prompt(node: Any, limits: dict[str, int]) -> None:
         _limit_prompt(items, limits)
 
 
+def _limit_bias(node: Any, limits: dict[str, int]) -> None:
+    """logit_bias keys: the decimal ids of the vocabulary, not the mask id."""
+    for sub in (node or {}).get("anyOf", []):
+        if sub.get("type") == "object":
+            names = {"pattern": ids_below(limits["vocab"])}
+            sub["propertyNames"] = names | ({"not": {"const": str(limits["mask"])}} if limits["mask"] >= 0 else {})
+
+
+def ids_below(n: int) -> str:
+    """A regex of the decimal integers 0 .. n-1 (no leading zeros), e.g. 64 -> ^(?:[0-9]|[1-5][0-9]{1}|6[0-2]|63)$."""
+    top = str(n - 1)
+    d = len(top)
+    if d == 1:
+        return f"^(?:[0-{top}])$"
+    alts = ["[0-9]"] + [f"[1-9][0-9]{{{k - 1}}}" for k in range(2, d)]  # every shorter number
+    for i in range(d):  # numbers of d digits: equal to top up to i, then a smaller digit, then anything
+        lo, hi = (1 if i == 0 else 0), int(top[i]) - 1
+        if hi >= lo:
+            rest = d - i - 1
+            alts.append(top[:i] + f"[{lo}-{hi}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    return "^(?:" + "|".join([*alts, top]) + ")$"
+
+
 def _limit_requests(schema: dict[str, Any], app: FastAPI) -> None:
     st = server_state(app)
     engine, backend = st.engine, st.engine.backend
@@ -117,6 +140,7 @@ def _limit_requests(schema: dict[str, Any], app: FastAPI) -> None:
         for field in ("prompt", "prompt_ids"):
             if field in props:
                 _limit_prompt(props[field], limits)
+        _limit_bias(props.get("logit_bias"), limits)
         bounds = {"steps": backend.block_size, "max_tokens": engine.max_model_len - 1,
                   "max_completion_tokens": engine.max_model_len - 1,
                   "n": min(MAX_N, engine.scheduler.max_queue)}

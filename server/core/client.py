@@ -85,7 +85,7 @@ def raise_error(e: m.Error) -> None:
 
 def params_of(p: SamplingParams) -> m.Params:
     return m.Params(p.max_tokens, float(p.temperature), p.top_k, float(p.top_p), str(p.strategy), p.steps,
-                    float(p.threshold), p.seed, list(p.stop), p.stop_token_ids, p.ignore_eos)
+                    float(p.threshold), p.seed, list(p.stop), p.stop_token_ids, p.ignore_eos, p.logit_bias)
 
 
 @dataclass(eq=False)
@@ -492,7 +492,7 @@ class CoreClient:
             version=t.version, finish_reason=FinishReason(t.finish_reason) if t.finish_reason else None,
             tail_ids=t.tail_ids, tail_steps=t.tail_steps, cache_mode=t.cache_mode, canvas_len=t.canvas_len,
             trace_free=t.trace_free, backend=t.backend, block_origin=t.block_origin, schedule=t.schedule,
-            further_horizon=t.further_horizon)
+            further_horizon=t.further_horizon, logit_bias=t.logit_bias)
         seq.error, seq.num_forwards, seq.status = ev.error, ev.num_forwards, SeqStatus.FINISHED
         seq.top_logprobs = [list(row) for row in ev.top_logprobs] if ev.top_logprobs is not None else None
         seq.params.stop_token_ids = ev.stop_token_ids

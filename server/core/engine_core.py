@@ -107,7 +107,7 @@ def kv_cache_tokens(engine: Engine) -> int:
 def sampling_params(p: m.Params) -> SamplingParams:
     return SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                           strategy=p.strategy, steps=p.steps, threshold=p.threshold, seed=p.seed, stop=list(p.stop),
-                          stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos)
+                          stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos, logit_bias=p.logit_bias)
 
 
 def error_of(e: BaseException) -> m.Error:

@@ -43,6 +43,7 @@ class Params(msgspec.Struct, array_like=True):
     stop: list[str]
     stop_token_ids: list[int] | None
     ignore_eos: bool
+    logit_bias: dict[int, float] | None = None
 
 
 class SeqSpec(msgspec.Struct, array_like=True):
@@ -134,6 +135,7 @@ class TraceEnd(msgspec.Struct, array_like=True):
     block_origin: int = 0
     schedule: str | None = None
     further_horizon: int | None = None
+    logit_bias: dict[int, float] | None = None
 
 
 class Family(msgspec.Struct, array_like=True):

@@ -48,7 +48,7 @@ def done_event(rid: int, index: int, seq: ServerSequence, num_sent: int) -> Done
     t = seq.trace
     trace = TraceEnd(list(t.steps), list(t.logprobs), t.version, t.finish_reason, list(t.tail_ids),
                      list(t.tail_steps), t.cache_mode, t.canvas_len, t.trace_free, t.backend, t.block_origin,
-                     t.schedule, t.further_horizon)
+                     t.schedule, t.further_horizon, t.logit_bias)
     top = [[(int(i), float(v)) for i, v in row] for row in seq.top_logprobs] if seq.top_logprobs is not None else None
     return Done(rid, index, list(seq.completion_ids[num_sent:]), trace, seq.error, seq.num_forwards, top,
                 seq.params.stop_token_ids, (seq.arrived_at, seq.admitted_at, seq.first_token_at, seq.finished_at))

@@ -35,12 +35,15 @@ class Recompiles(logging.Handler):
 
 
 def requests(seed: int, n: int) -> list[tuple[list[int], SamplingParams]]:
-    """Unfiltered requests (no top-k / top-p) of 1..3 prompt tokens and 1..4 new ones (<= 8 positions)."""
+    """Unfiltered requests (no top-k / top-p) of 1..3 prompt tokens and 1..4 new ones (<= 8 positions), some
+    with a logit_bias (a step input of static width: it never adds a compile)."""
     rng = random.Random(seed)
     return [([rng.randrange(1, 63) for _ in range(rng.randint(1, 3))],
              SamplingParams(max_tokens=rng.randint(1, 4), temperature=rng.choice([0.0, 0.8, 1.0]),
                             strategy=rng.choice(["static", "dynamic", "sequential"]), steps=rng.choice([None, 2]),
-                            threshold=0.3, seed=rng.randrange(1 << 30), ignore_eos=rng.random() < 0.5))
+                            threshold=0.3, seed=rng.randrange(1 << 30), ignore_eos=rng.random() < 0.5,
+                            logit_bias=rng.choice([None, {rng.randrange(1, 63): rng.uniform(-100, 100)
+                                                          for _ in range(rng.randint(1, 5))}])))
             for _ in range(n)]
 
 

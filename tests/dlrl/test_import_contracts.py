@@ -33,7 +33,8 @@ MAY_IMPORT: dict[str, set[str]] = {
 }
 # the wire and the decoder share these dllm modules; they import neither torch nor a dllm module
 # outside this set, so rollout_client stays torch-free
-TORCH_FREE_DLLM = {"dllm.trace", "dllm.strategy", "dllm.ranges", "dllm.errors", "dllm.options"}
+TORCH_FREE_DLLM = {"dllm.trace", "dllm.strategy", "dllm.ranges", "dllm.errors", "dllm.options",
+                   "dllm.logit_bias_rules"}
 # heavy or optional libraries -> the packages that may import them (lazily or not)
 HEAVY: dict[str, set[str]] = {
     "deepspeed": {"trainer", "weight_sync"},  # weight_sync.sources gathers ZeRO-3 shards

@@ -73,6 +73,7 @@ def test_eos_and_ignore_eos():
     (SamplingParams(strategy="static", steps=4), STATIC, "steps"),
     (SamplingParams(strategy="static"), STATIC, "steps"),  # None = block size, the engine decodes in 2
     (SamplingParams(temperature=2.5), DYNAMIC, "temperature"),
+    (SamplingParams(logit_bias={5: -100.0}), DYNAMIC, "logit_bias"),  # LMDeploy cannot bias every forward
 ])
 def test_what_lmdeploy_cannot_honour_names_the_field(params, settings, field):
     with pytest.raises(FieldError) as e:

@@ -71,3 +71,38 @@ def test_coupled_baseline_matches_the_reference_loss():
     (g_ref,) = torch.autograd.grad(ref / B, lp)
     assert torch.allclose(g, g_ref, atol=1e-6)
     assert (g[:B][~mask] == 0).all() and (g[B:][~comp] == 0).all()
+
+
+def test_biased_rollouts_score_as_sampled_tis_weights_one():
+    """Rollouts generated with a logit_bias: the learner's log-probs (chunked, the trace's bias added) equal the
+    behaviour log-probs, so TIS weights are exactly 1 on-policy; selections and baseline rows keep the bias."""
+    from types import SimpleNamespace
+
+    from dllm.model import SDARForCausalLM
+    from dllm.replay import build_rows
+    from dllm.runner import BlockRunner
+    from dllm.sampling import SamplingParams
+    from tests.helpers import drive, tiny_config
+    from trainer.infra.dist import Ranks
+    from trainer.rl.correction import is_weights
+    from trainer.rl.learner import Learner, _select
+
+    torch.manual_seed(0)
+    model = SDARForCausalLM(tiny_config()).eval()
+    runner = BlockRunner(model, max_batch=4, max_len=32, eos_ids=[0], num_pages=16)
+    reqs = [([5, 6, 7], SamplingParams(max_tokens=8, seed=s, ignore_eos=True, strategy="static", steps=2,
+                                       logit_bias={3: 4.0, 42: -3.0} if s else None)) for s in range(3)]
+    seqs = drive(runner, reqs, 3)
+    rows = build_rows(seqs, 4, 63, pad_id=0)
+    cfg = SimpleNamespace(logprob_chunk=5, temperature=1.0)
+    learner = Learner(cfg, Ranks(), SimpleNamespace(module=model), mask_id=63)
+    with torch.no_grad():
+        lp, _, _ = learner._logprobs(model, rows)
+    old = rows.gather([s.trace.logprobs for s in seqs])
+    assert (lp - old)[rows.target].abs().max() < 1e-4
+    w, _ = is_weights(lp - old, rows.target, rows.sample_idx, "tis", "token", cap=2.0)
+    assert torch.allclose(w[rows.target], torch.ones(int(rows.target.sum())), atol=1e-4)
+    part = _select(rows, torch.tensor([0, len(rows.row_sample) - 1]))
+    assert part.bias is not None and part.bias.shape[0] == 2
+    masked, _ = baseline_rows(rows, "coupled", mask_id=63, generator=torch.Generator().manual_seed(0))
+    assert masked.bias is not None and masked.bias.shape[0] == masked.noisy.shape[0]

@@ -73,7 +73,7 @@ def target_logprobs(module: Policy, rows: Rows, mask_id: int, temperature: float
                         valid=rows.valid.to(dev), output="hidden")  # [R, L, D]
     target = rows.target.to(dev)
     lp, _, _ = chunked_token_logprobs(module.lm_head, hidden[target], rows.clean.to(dev)[target], mask_id,
-                                      temperature, chunk=chunk)
+                                      temperature, chunk=chunk, bias=rows.token_bias(target))
     return torch.zeros(target.shape, dtype=torch.float32).masked_scatter(target.cpu(), lp.float().cpu())
 
 

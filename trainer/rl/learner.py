@@ -24,7 +24,7 @@ fresh random masks (see `baseline_rows`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -78,15 +78,18 @@ def baseline_rows(rows_like: Rows, objective: str, mask_id: int, generator: torc
     for m, tt in zip(masks, ts):
         noisy = torch.where(m, torch.full_like(rows_like.clean, mask_id), rows_like.clean)
         out.append(Rows(noisy, rows_like.clean, rows_like.pos, rows_like.valid, m, rows_like.sample_idx,
-                        rows_like.token_idx, rows_like.row_sample))
+                        rows_like.token_idx, rows_like.row_sample, rows_like.bias))
         per_seq = len(masks) * is_comp.sum(1).clamp(min=1)[:, None] * num_seq  # mean over sequences
         weights.append(m.float() / tt.clamp(1e-6)[:, None] / per_seq)
-    cat = Rows(*(torch.cat([getattr(r, f) for r in out]) for f in Rows.__dataclass_fields__))
+    fields: dict[str, Any] = {f: None if v is None else torch.cat([getattr(r, f) for r in out])
+                              for f, v in vars(out[0]).items()}  # Rows.bias may be None
+    cat = Rows(**fields)
     return cat, torch.cat(weights)
 
 
 def _select(rows: Rows, idx: torch.Tensor) -> Rows:
-    return Rows(*(getattr(rows, f)[idx] for f in Rows.__dataclass_fields__))
+    fields: dict[str, Any] = {f: None if v is None else v[idx] for f, v in vars(rows).items()}  # Rows.bias: None
+    return Rows(**fields)
 
 
 def _dummy_rows(like: Rows) -> Rows:
@@ -96,7 +99,8 @@ def _dummy_rows(like: Rows) -> Rows:
     valid = torch.zeros(1, L, dtype=torch.bool)
     valid[0, 0] = True
     return Rows(zeros, zeros, torch.arange(L)[None], valid, torch.zeros(1, L, dtype=torch.bool),
-                zeros - 1, zeros - 1, torch.zeros(1, dtype=torch.long))
+                zeros - 1, zeros - 1, torch.zeros(1, dtype=torch.long),
+                None if like.bias is None else torch.zeros(1, *like.bias.shape[1:], dtype=like.bias.dtype))
 
 
 class MetricSums:
@@ -152,7 +156,8 @@ class Learner:
         (num_chunks,) = self.ranks.max([-(-n // step)])  # every rank calls lm_head equally often (ZeRO-3)
         lp_t, ent_t, anchor = chunked_token_logprobs(
             module.lm_head, hidden[target], rows.clean.to(dev)[target], self.mask_id, cfg.temperature,
-            chunk=step, num_chunks=int(num_chunks), filler=hidden.reshape(-1, hidden.shape[-1])[:1])
+            chunk=step, num_chunks=int(num_chunks), filler=hidden.reshape(-1, hidden.shape[-1])[:1],
+            bias=rows.token_bias(target))
         zeros = torch.zeros(target.shape, dtype=torch.float32, device=dev)
         return zeros.masked_scatter(target, lp_t), zeros.masked_scatter(target, ent_t), anchor
 

@@ -19,7 +19,16 @@ from collections.abc import Callable, Sequence
 import torch
 
 from dllm.ranges import TEMPERATURE
-from dllm.replay import RowParts, Rows, Sample, stack_rows, token_logprobs, trace_of
+from dllm.replay import (
+    RowParts,
+    Rows,
+    Sample,
+    dense_row_bias,
+    stack_rows,
+    token_logprobs,
+    trace_of,
+    with_bias,
+)
 
 
 def completion_rows(samples: Sequence[Sample], block_size: int, pad_id: int) -> Rows:
@@ -33,23 +42,26 @@ def completion_rows(samples: Sequence[Sample], block_size: int, pad_id: int) -> 
         tail = len(seq) - P - C
         parts.append(RowParts(seq, seq, len(seq), [False] * P + [True] * C + [False] * tail,
                               [-1] * P + list(range(C)) + [-1] * tail, i))
-    return stack_rows(parts, pad_id, L)
+    return with_bias(stack_rows(parts, pad_id, L), samples)
 
 
 LMHead = Callable[[torch.Tensor], torch.Tensor]  # hidden [C, D] -> logits [C, V]
 
 
-def _chunk_logprobs(lm_head: LMHead, hidden: torch.Tensor, ids: torch.Tensor, mask_id: int,
-                    temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """hidden [C, D], ids [C] -> (log p(ids) [C] fp32, entropy [C] detached)."""
+def _chunk_logprobs(lm_head: LMHead, hidden: torch.Tensor, ids: torch.Tensor, mask_id: int, temperature: float,
+                    bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [C, D], ids [C], bias [C, K, 2] (logit_bias pairs, Rows.token_bias) -> (log p(ids) [C] fp32,
+    entropy [C] detached), under the biased logits the sampler drew from."""
     logits = lm_head(hidden).float()  # [C, V]: the only place full-vocabulary logits exist
-    lp = token_logprobs(logits, ids, mask_id, temperature)
-    return lp, token_entropy(logits.detach(), mask_id)
+    dense = dense_row_bias(bias, logits.shape[-1])
+    lp = token_logprobs(logits, ids, mask_id, temperature, bias=dense)
+    return lp, token_entropy(logits.detach() if dense is None else logits.detach() + dense, mask_id)
 
 
 def chunked_token_logprobs(lm_head: LMHead, hidden: torch.Tensor, ids: torch.Tensor, mask_id: int,
                            temperature: float = TEMPERATURE.default, chunk: int = 1024, num_chunks: int | None = None,
-                           filler: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           filler: torch.Tensor | None = None,
+                           bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Like `token_logprobs(lm_head(hidden), ids)` for scored tokens only: hidden [N, D], ids [N]
     -> (log-probs [N], entropy [N] without grad, anchor). Full-vocabulary logits exist for `chunk`
     tokens at a time, in forward and (recomputed, activation-checkpointing style) in backward,
@@ -58,7 +70,8 @@ def chunked_token_logprobs(lm_head: LMHead, hidden: torch.Tensor, ids: torch.Ten
     `num_chunks` (>= the chunks N needs) makes exactly that many `lm_head` calls, padding with
     one-token chunks of `filler` [1, D]: under ZeRO-3 every rank must call `lm_head` equally
     often. `anchor` is a zero that depends on those calls: add it to the loss so the backward
-    reaches them (and so a rank with N = 0 still has a loss with a graph)."""
+    reaches them (and so a rank with N = 0 still has a loss with a graph). `bias` [N, K, 2]: each token's
+    logit_bias pairs (Rows.token_bias), added to its logits as the sampler did."""
     n = hidden.shape[0]
     step = chunk if chunk > 0 else max(n, 1)
     need = -(-n // step)
@@ -67,17 +80,18 @@ def chunked_token_logprobs(lm_head: LMHead, hidden: torch.Tensor, ids: torch.Ten
         raise ValueError(f"num_chunks: {total} chunks of {step} cannot hold {n} tokens")
     checkpointed = torch.is_grad_enabled() and hidden.requires_grad
 
-    def run(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(h: torch.Tensor, t: torch.Tensor, b: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if checkpointed:
-            return torch.utils.checkpoint.checkpoint(_chunk_logprobs, lm_head, h, t, mask_id, temperature,
+            return torch.utils.checkpoint.checkpoint(_chunk_logprobs, lm_head, h, t, mask_id, temperature, b,
                                                      use_reentrant=False)
-        return _chunk_logprobs(lm_head, h, t, mask_id, temperature)
+        return _chunk_logprobs(lm_head, h, t, mask_id, temperature, b)
 
     lps, ents = [], []
     anchor = hidden.new_zeros((), dtype=torch.float32)
     for i in range(total):
         if i < need:
-            lp, ent = run(hidden[i * step:(i + 1) * step], ids[i * step:(i + 1) * step])
+            lp, ent = run(hidden[i * step:(i + 1) * step], ids[i * step:(i + 1) * step],
+                          None if bias is None else bias[i * step:(i + 1) * step])
             lps.append(lp)
             ents.append(ent)
         else:  # padding call: same collectives as a real chunk, contributes exactly 0

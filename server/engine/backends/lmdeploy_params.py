@@ -30,6 +30,8 @@ the field (the server answers 400), never decoded some other way in silence:
   distribution). `stop` strings stay with dlrl's post-processor (LMDeploy's `stop_words` match
   token pieces, not text); the runner cancels the LMDeploy request once one matched.
 - the mask token is passed as a bad token: it is never sampled (docs/DESIGN.md).
+- `logit_bias` is refused (a FieldError naming it): LMDeploy's GenerationConfig cannot bias the logits of
+  every denoising forward.
 """
 
 from __future__ import annotations
@@ -117,6 +119,10 @@ def generation_kwargs(params: SamplingParams, settings: DLLMSettings, *, eos_ids
                       mask_token_id: int) -> dict[str, Any]:
     """Keyword arguments of `lmdeploy.GenerationConfig` for one sequence (FieldError naming the field)."""
     check_decoding(params, settings)
+    if params.logit_bias:
+        raise FieldError("logit_bias", "the lmdeploy backend cannot add a bias to the logits of each denoising "
+                                       "forward (LMDeploy's GenerationConfig has no logit_bias): drop it, or serve "
+                                       "with the native backend (server.backend=native)")
     temperature = float(params.temperature)
     if temperature > MAX_TEMPERATURE:
         raise FieldError("temperature", f"the lmdeploy backend accepts at most {MAX_TEMPERATURE:g} (LMDeploy's "
