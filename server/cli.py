@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
 
         code = Supervisor(config, model_path).run()
         log.info("server stopped")
+        if code == 2:  # a configuration or load error (printed): exits as the one-process layout's errors do
+            parser.exit(2)
         return code
     return serve_in_one_process(parser, config, model_path)
 

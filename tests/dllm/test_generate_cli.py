@@ -12,7 +12,7 @@ from dlrl.cli import main
 
 
 def _check(capsys, *argv: str) -> dict:
-    assert main(["generate", "--check", *argv]) == 0
+    assert main(["generate", "--check", "--json", *argv]) == 0
     return json.loads(capsys.readouterr().out)["GenerateConfig"]
 
 

@@ -54,7 +54,8 @@ def test_eval_refuses_other_weights_and_records_what_it_evaluated(other_server, 
     rc, io, _ = _eval(tmp_path, capsys, f"servers=[{url}]", f"model={same}")
     assert rc == 2 and "eval.admin_token" in io.err and "eval.verify=name" in io.err
     rc, io, _ = _eval(tmp_path, capsys, f"servers=[{url}]", f"model={same}", "verify=name")
-    assert rc == 1 and "'other-model'" in io.err and "served as 'held'" in io.err
+    assert rc == 2 and f"{url} serves 'other-model', not eval.model ('held'" in io.err, io.err  # before loading
+    assert "eval.own_server=true" in io.err
 
 
 def test_yaml_typos_name_file_line_and_nearest_key(tmp_path):
