@@ -74,6 +74,10 @@ class EngineEvent(StrEnum):
     ERROR = "error"      # payload: the message
 
 
+EventPayload = tuple[list[int], str] | str | None  # UPDATE: (completion ids, text); DONE: None; ERROR: message
+EngineEventTuple = tuple[EngineEvent, int, EventPayload]  # (kind, sequence index, payload)
+
+
 class EngineStopped(RuntimeError):
     """The engine is shut down (or its thread died); no new requests."""
 
@@ -206,7 +210,7 @@ class Engine:
         return seqs
 
     def submit(self, seqs: list[ServerSequence], stream: bool = False, num_top_logprobs: int = 0,
-               sink: Callable[[Request, tuple], None] | None = None) -> Request:
+               sink: Callable[[Request, EngineEventTuple], None] | None = None) -> Request:
         """Queue the sequences of one request (call from the event loop). Raises QueueFull.
         With `num_top_logprobs` k > 0 each finished sequence gets `seq.top_logprobs`
         (per completion token the k most likely (id, logprob); see Runner.top_logprobs).
@@ -251,7 +255,7 @@ class Engine:
                 raise RequestFailed(f"sample {index}: {payload}" if len(req.seqs) > 1 else payload)
         return req.seqs
 
-    async def events(self, req: Request) -> AsyncIterator[tuple[EngineEvent, int, Any]]:
+    async def events(self, req: Request) -> AsyncIterator[EngineEventTuple]:
         """Yield (kind, seq index, payload) events until every sequence is done or failed.
 
         kinds (EngineEvent): UPDATE (streams only; payload = (completion ids, text) after a block

@@ -36,8 +36,11 @@ Callers read what a runner supports from `runner.info` (never by probing its att
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
+
+import torch
 
 from dllm.postprocess import Postprocessor, StepOutput
 from dllm.sampling import SamplingParams
@@ -110,6 +113,15 @@ class Runner(Protocol):
 
     def close(self) -> None:
         """Free device resources."""
+        ...
+
+
+@runtime_checkable
+class AppliesWeights(Protocol):
+    """A runner with its own weight-update path (RunnerInfo.weights == "runner": lmdeploy)."""
+
+    def apply_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """A full set of HF-named tensors into the served model."""
         ...
 
 
