@@ -53,7 +53,7 @@ from server.engine.sequence import SeqStatus, ServerSequence
 from weight_sync.errors import WeightSyncError
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase  # mypy does not follow transformers: Any to it
+    from transformers import PreTrainedTokenizerBase  # no types to mypy: it does not follow transformers
 
     from dllm.likelihood import Method
     from server.engine.engine import EngineEventTuple

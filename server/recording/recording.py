@@ -44,7 +44,7 @@ import random
 import threading
 import time
 from collections import abc, deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dllm.trace import FinishReason
 from dlrl_config import ConfigError
@@ -53,6 +53,7 @@ from server.recording.store_health import StoreHealth
 from store import FeedbackStore, Record, error_cause, new_record_id, open_store
 
 if TYPE_CHECKING:
+    from dllm.sampling import SamplingParams
     from server.config import ServerConfig
     from server.core.client import CoreClient
     from server.metrics import ServerMetrics
@@ -398,7 +399,7 @@ class _Waiter:
 _FIELDS: dict[type, tuple[str, ...]] = {}  # a dataclass's field names, by type
 
 
-def _params(params: Any) -> dict:
+def _params(params: SamplingParams) -> dict[str, object]:
     """dataclasses.asdict of SamplingParams (flat: lists copied), without its generic recursion."""
     names = _FIELDS.get(type(params)) or _FIELDS.setdefault(type(params), tuple(f.name for f in dataclasses.fields(params)))
     return {k: list(v) if isinstance(v := getattr(params, k), list) else v for k in names}

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -46,6 +46,9 @@ from dllm.postprocess import Postprocessor, StepOutput
 from dllm.sampling import SamplingParams
 from server.engine.scheduler import KVBudget, ScheduledBatch
 from server.engine.sequence import ServerSequence
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase  # no types to mypy: it does not follow transformers
 
 
 class BackendUnavailable(RuntimeError):
@@ -69,13 +72,21 @@ class RunnerInfo:
 @runtime_checkable
 class Runner(Protocol):
     name: str
-    model: Any          # torch.nn.Module with SDAR parameter names (None for a fake)
-    tokenizer: Any      # the server-side tokenizer (encode prompts, chat template)
     block_size: int
     max_len: int        # longest prompt + completion a sequence may reach
     max_batch: int
     vocab_size: int
     mask_token_id: int
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The served weights, with Hugging Face parameter names (the receiver copies updates into them)."""
+        ...
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase | None:
+        """The server-side tokenizer (encode prompts, chat template); None: token ids only."""
+        ...
 
     @property
     def info(self) -> RunnerInfo:
