@@ -403,7 +403,7 @@ class ServerMetrics:
         if status >= 400:
             self.feedback_rejected.labels(status=str(status)).inc()
 
-    def store_stats(self) -> dict[str, Any] | None:
+    def store_stats(self) -> dict[str, Any] | None:  # FeedbackStore.stats(): an untyped dict (store/types.py)
         """The store's size (cached STORE_STATS_TTL_S); None without a store or when it cannot be read."""
         if self.store is None:
             return None

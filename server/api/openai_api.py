@@ -188,6 +188,8 @@ async def _stream(request: Request, endpoint: str, body: OpenAIBase, seqs: list[
         assert body.n is not None, "null means the default (_NullIsDefault)"
         t0, sent, num_sent = time.perf_counter(), [""] * len(seqs), [0] * len(seqs)
 
+        # `chunk` builds a CompletionResponse or a ChatCompletionChunk (the endpoint's lambda): pydantic models
+        # whose `choices` differ, so the stream writes to them untyped
         def with_usage(out: Any, i: int) -> Any:  # continuous_usage_stats: the choice's usage so far
             if body.continuous_usage():
                 prompt = len(seqs[i].prompt_ids)

@@ -19,7 +19,9 @@ On top of FastAPI's generated document it:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import (
+    Any,  # the OpenAPI document and its nodes: JSON that FastAPI builds (dict[str, Any] there too)
+)
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
