@@ -422,4 +422,4 @@ class ServerMetrics:
         return [f for f in self._scraped.collect() if engine_part is None or (f.name in ENGINE_FAMILIES) == engine_part]
 
     def render(self) -> bytes:
-        return generate_latest(self._scraped)  # type: ignore[arg-type,unused-ignore]  # any object with collect()
+        return generate_latest(self._scraped)  # a prometheus_client Collector: an object with collect()

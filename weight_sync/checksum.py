@@ -31,7 +31,7 @@ class Hasher:
 
     def update(self, buf: torch.Tensor) -> None:
         if buf.numel():
-            self._h.update(memoryview(buf.numpy()))  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
+            self._h.update(buf.numpy().data)  # the tensor's bytes, not copied
 
     def value(self) -> int:
         return self._h.intdigest()
@@ -41,7 +41,7 @@ def checksum(buf: torch.Tensor) -> int:
     """xxh3_64 of a flat uint8 CPU tensor, without copying it."""
     if not buf.numel():
         return xxhash.xxh3_64_intdigest(b"")
-    view = memoryview(buf.numpy())  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
+    view = buf.numpy().data  # the tensor's bytes, not copied
     return xxhash.xxh3_64_intdigest(view)
 
 

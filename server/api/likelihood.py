@@ -131,7 +131,9 @@ def _prompt_logprobs(tok: PreTrainedTokenizerBase, ids: list[int], s: TokenScore
     tops: list[dict[str, float] | None] = [None]
     for j in range(1, len(ids)):
         alts = {tok.decode([i]): v for i, v in (s.top[j] if s.top else [])}
-        alts.setdefault(texts[j], s.logprobs[j])  # type: ignore[arg-type]
+        logprob = s.logprobs[j]
+        assert logprob is not None, "only token 0 has no logprob"
+        alts.setdefault(texts[j], logprob)
         tops.append(alts)
     text = tok.decode(ids, skip_special_tokens=True)
     return text, CompletionLogprobs(tokens=texts, token_logprobs=list(s.logprobs), top_logprobs=tops,

@@ -19,9 +19,7 @@ On top of FastAPI's generated document it:
 
 from __future__ import annotations
 
-from typing import (
-    Any,  # the OpenAPI document and its nodes: JSON that FastAPI builds (dict[str, Any] there too)
-)
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -29,6 +27,8 @@ from fastapi.openapi.utils import get_openapi
 from rollout_client.protocol.common import MAX_N
 from rollout_client.protocol.service import ErrorResponse
 from server.api.state import server_state
+
+# the OpenAPI document and its nodes are JSON that FastAPI builds and reads (dict[str, Any] there too)
 
 ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")

@@ -431,7 +431,7 @@ class EngineCore:
         except Exception as e:
             self._reply(peer.identity, msg.cid, error=error_of(e))
             return
-        self.buckets[(peer.identity, msg.sid)] = BucketStream(msg, memoryview(buf.numpy()))  # type: ignore[arg-type]
+        self.buckets[(peer.identity, msg.sid)] = BucketStream(msg, buf.numpy().data)  # the bytes of [nbytes] uint8
         self._reply(peer.identity, msg.cid)
 
     def _bucket_data(self, ident: bytes, msg: m.BucketData, extra: list[zmq.Frame]) -> None:
