@@ -119,7 +119,8 @@ def build_engine(config: ServerConfig, model_path: str) -> Engine:
                              mask_token_id=config.mask_token_id, kv_cache_memory=config.kv_cache_memory,
                              kv_cache_fraction=config.kv_cache_fraction, keep_versions=config.keep_versions,
                              compile=config.compile, cuda_graphs=config.cuda_graphs, **backend_options(config))
-    return Engine(backend, max_queue=config.max_queue, model_name=config.model_name(model_path))
+    return Engine(backend, max_queue=config.max_queue, max_queue_tokens=config.max_queue_tokens,
+                  model_name=config.model_name(model_path))
 
 
 def main(argv: list[str] | None = None) -> int:

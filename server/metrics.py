@@ -178,12 +178,14 @@ ENGINE_FAMILIES = frozenset({
 
 
 class ServerMetrics:
-    def __init__(self, engine: Engine | None = None, model_name: Callable[[], str] | None = None) -> None:
+    def __init__(self, engine: Engine | None = None, model_name: Callable[[], str] | None = None,
+                 store: FeedbackStore | None = None) -> None:
         """`engine`: the engine whose steps and state this registry reads (the engine core's); `model_name`:
-        where the served name comes from without one (an API process: its engine client)."""
+        where the served name comes from without one (an API process: its engine client); `store`: the
+        feedback store whose size is scraped (an API process with server.store)."""
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.engine: Engine | None = None
-        self.store: FeedbackStore | None = None  # set by server.recording.recording when a store is open (store size gauges)
+        self.store = store  # store size gauges (None: no store)
         self._store_stats: tuple[float, dict | None] = (0.0, None)
         self.requests = Counter("dlrl_requests", "HTTP generation requests", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("dlrl_prompt_tokens", "prompt tokens of finished sequences", registry=r)

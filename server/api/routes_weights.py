@@ -3,7 +3,7 @@
     POST /weights/connect      ConnectRequest -> ConnectResponse  (one-time: region, staging, dist group)
     POST /weights/begin        BeginRequest   -> BeginResponse
     PUT  /weights/bucket/{i}   raw bucket bytes (http transport), headers X-Weights-Version,
-                               X-Weights-Run-Id, X-Bucket-Checksum (xxh3_64) -> {index, nbytes}
+                               X-Weights-Run-Id, X-Bucket-Checksum (xxh3_64) -> BucketResponse
     POST /weights/commit       CommitRequest  -> CommitResponse (200 applied, 202 pending drain)
     POST /weights/abort        AbortRequest   -> AbortResponse
     GET  /weights/version      -> VersionResponse

@@ -110,11 +110,6 @@ def facts_of(engine: Engine, max_queue_tokens: int, model_path: str) -> m.Facts:
                    dtype=str(getattr(model, "dtype", "?")), core_pid=os.getpid())
 
 
-def kv_cache_tokens(engine: Engine) -> int:
-    """Tokens the KV cache holds (the scheduler's account: pages x tokens per page); unpaged: max_batch x max_len."""
-    return engine.scheduler.kv.num_tokens or engine.backend.max_batch * engine.backend.max_len
-
-
 def sampling_params(p: m.Params) -> SamplingParams:
     return SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                           strategy=p.strategy, steps=p.steps, threshold=p.threshold, seed=p.seed, stop=list(p.stop),
@@ -136,7 +131,6 @@ def error_of(e: BaseException) -> m.Error:
 class EngineCore:
     def __init__(self, engine: Engine, config: ServerConfig, model_path: str = ""):
         self.engine, self.config, self.model_path = engine, config, model_path
-        engine.scheduler.max_queue_tokens = config.max_queue_tokens or 4 * kv_cache_tokens(engine)
         engine.scheduler.post.text_for_stops_only = True  # the API processes detokenise what they send
         self.metrics = ServerMetrics(engine)
         self.pool = ThreadPoolExecutor(config.weight_threads, thread_name_prefix="dlrl-weights")

@@ -112,10 +112,16 @@ class StepStats:
 
 
 class Engine:
-    def __init__(self, backend: Runner, *, max_queue: int = 256, model_name: str = "dlrl"):
+    def __init__(self, backend: Runner, *, max_queue: int = 256, max_queue_tokens: int | None = None,
+                 model_name: str = "dlrl"):
+        """`max_queue_tokens` (server.max_queue_tokens): prompt + max_tokens of the waiting sequences at most;
+        0: 4x the tokens the KV cache holds; None: no bound (an engine no server serves)."""
         self.backend, self.model_name = backend, model_name  # the model runner
         self._version = 0  # the served weight version: written only by apply_update
-        self.scheduler = Scheduler(max_queue, kv=backend.kv_budget, post=backend.postprocessor())
+        kv = backend.kv_budget
+        if max_queue_tokens == 0:
+            max_queue_tokens = 4 * (kv.num_tokens or backend.max_batch * backend.max_len)  # unpaged: slots x length
+        self.scheduler = Scheduler(max_queue, max_queue_tokens or 0, kv=kv, post=backend.postprocessor())
         self.max_batch_seen = 0
         self.num_steps = 0
         self.num_aborted = 0

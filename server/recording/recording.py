@@ -1,6 +1,7 @@
 """Recording served samples into the feedback store: written before the id is handed out.
 
-    recorder = Recorder.from_config(config, engine, metrics)   # server.api.app does it; None = no store
+    store = open_feedback_store(config)                        # server.api.app does it; None = no store
+    recorder = Recorder.from_config(config, engine, store, metrics)   # None without a store
     ids = await recorder.record([(seq, prompt), ...])          # record_id per sample, or None
     recorder.add_feedback(record_id, 1.0, "accept")            # in a worker thread (routes_feedback)
 
@@ -63,6 +64,21 @@ MODES = ("none", "sample", "all")
 _TRANSIENT = ("disk_full", "io_error", "unavailable", "locked")  # retried; any other cause drops the batch
 
 
+def open_feedback_store(config: ServerConfig) -> FeedbackStore | None:
+    """The app's feedback store (`server.store`): None when neither recording nor feedback needs one;
+    ConfigError naming server.store when it cannot be opened."""
+    if config.record == "none" and not config.resolved_feedback_token():
+        return None
+    try:
+        store = open_store(config.store, max_records=config.store_max_records, max_age_s=config.store_max_age_s)
+    except Exception as e:  # sqlite3.Error, OSError, psycopg errors (database down), ImportError
+        raise ConfigError(f"server.store: cannot open the feedback store {_redact(config.store)!r}: "
+                          f"{type(e).__name__}: {e}") from None
+    log.info("feedback store %s (record=%s%s)", _redact(config.store), config.record,
+             f", fraction {config.record_fraction}" if config.record == "sample" else "")
+    return store
+
+
 class Recorder:
     def __init__(self, store: FeedbackStore, *, mode: str = "none", fraction: float = 0.1, server: str = "",
                  metrics: ServerMetrics | None = None, max_pending: int = 10_000, wait_s: float = 5.0, max_batch: int = 256,
@@ -85,19 +101,12 @@ class Recorder:
         self._writer.start()
 
     @classmethod
-    def from_config(cls, config: ServerConfig, engine: CoreClient, metrics: ServerMetrics | None = None) -> Recorder | None:
-        """The app's recorder: None when neither recording nor feedback needs the store."""
-        if config.record == "none" and not config.resolved_feedback_token():
+    def from_config(cls, config: ServerConfig, engine: CoreClient, store: FeedbackStore | None,
+                    metrics: ServerMetrics | None = None) -> Recorder | None:
+        """The app's recorder of `store` (open_feedback_store's; None: no recorder)."""
+        if store is None:
             return None
-        try:
-            store = open_store(config.store, max_records=config.store_max_records,
-                               max_age_s=config.store_max_age_s)
-        except Exception as e:  # sqlite3.Error, OSError, psycopg errors (database down), ImportError
-            raise ConfigError(f"server.store: cannot open the feedback store {_redact(config.store)!r}: "
-                              f"{type(e).__name__}: {e}") from None
         server = f"http://{config.host}:{config.port}"
-        log.info("feedback store %s (record=%s%s)", _redact(config.store), config.record,
-                 f", fraction {config.record_fraction}" if config.record == "sample" else "")
         recorder = cls(store, mode=config.record, fraction=config.record_fraction, server=server, metrics=metrics,
                        max_pending=config.record_max_pending, wait_s=config.record_wait_s,
                        error_log_s=config.store_error_log_s)
