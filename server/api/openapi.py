@@ -28,7 +28,7 @@ from rollout_client.protocol.common import MAX_N
 from rollout_client.protocol.service import ErrorResponse
 from server.api.state import server_state
 
-# the OpenAPI document and its nodes are JSON that FastAPI builds and reads (dict[str, Any] there too)
+# the OpenAPI document and its nodes are JSON that FastAPI builds and reads (typed the same way there)
 
 ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
