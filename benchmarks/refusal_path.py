@@ -36,7 +36,8 @@ def build_app(workdir: Path) -> Any:
     config = ServerConfig(model=model, port=1, device="cpu", dtype="float32", api_keys_file=str(keys),
                           resource_log_interval_s=3600)
     backend = NativeBackend.from_pretrained(model, device="cpu", dtype="float32", max_batch=2, max_model_len=64)
-    return create_app(Engine(backend, max_queue=config.max_queue, model_name=config.model_name()), config)
+    return create_app(Engine(backend, max_queue=config.max_queue, max_queue_tokens=config.max_queue_tokens,
+                             model_name=config.model_name()), config)
 
 
 def refuse(app: Any, n: int) -> list[int]:

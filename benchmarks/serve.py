@@ -88,7 +88,8 @@ class Server:
         backend = NativeBackend.from_pretrained(path, device="auto", dtype="auto", max_batch=max_batch,
                                                 max_model_len=max_model_len)
         runner = OldEngineRunner(backend, path, max_batch, old_ref) if engine == "old" else backend
-        self.engine = Engine(runner, max_queue=config.max_queue, model_name="bench")
+        self.engine = Engine(runner, max_queue=config.max_queue, max_queue_tokens=config.max_queue_tokens,
+                             model_name="bench")
         self.batch_sizes: list[int] = []
         self.engine.add_step_listener(lambda st: self.batch_sizes.append(st.batch_size))
         self.uv = uvicorn.Server(uvicorn.Config(create_app(self.engine, config), host="127.0.0.1", port=port,

@@ -110,13 +110,14 @@ def serve(size: str, port: int, dtype: str) -> None:
     from dllm.weights import copy_into_model
     from server.api import routes_weights
     from server.api.state import ServerState, attach
+    from server.config import ServerConfig
     from server.weights.weight_updates import make_updates
 
     device = os.environ.get("SYNC_BENCH_DEVICE", "cpu")
     served = {n: t.to(getattr(torch, dtype)) for n, t in sdar_like(size, seed=1, device=device).items()}
     engine = idle_engine(module_from(served))
     app = FastAPI()
-    attach(app, ServerState(engine, admin_token=TOKEN, weight_updates=make_updates(engine)))
+    attach(app, ServerState(engine, admin_token=TOKEN, weight_updates=make_updates(engine, ServerConfig(keep_versions=0))))
     app.include_router(routes_weights.router)
 
     @app.post("/bench/load_checkpoint")

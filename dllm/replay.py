@@ -47,6 +47,8 @@ class SampleTrace(Protocol):
     def tail_ids(self) -> Sequence[int]: ...  # last block's tokens after the truncation point
     @property
     def tail_steps(self) -> Sequence[int]: ...
+    @property
+    def block_size(self) -> int: ...
 
 
 class Sample(Protocol):

@@ -21,7 +21,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dlrl_config import ConfigError
 from dlrl_config.cli import DEFAULT_CONFIG, ArgumentParser, add_check_args, config_file, print_check
@@ -94,14 +94,14 @@ def serve_facts(config: ServerConfig, config_path: str | None, overrides: list[s
             ("config", config_path or "defaults (no config file)")]
 
 
-def backend_options(config: ServerConfig) -> dict[str, Any]:
+def backend_options(config: ServerConfig) -> dict[str, object]:
     """The keys only one backend reads: lmdeploy's engine-wide decoding, native's withheld traces."""
     if config.backend == "lmdeploy":  # the full-attention keys too: refused there by name unless left default
         return {"strategy": config.default_strategy, "threshold": config.default_threshold,
                 "lmdeploy_steps": config.lmdeploy_steps, "kv_admission": config.kv_admission,
                 "cache_mode": config.cache_mode, "further_horizon": config.further_horizon, "ranking": config.ranking,
                 "rng": config.rng}
-    native: dict[str, Any] = {"trace_free": config.trace_free, "cache_mode": config.cache_mode,
+    native: dict[str, object] = {"trace_free": config.trace_free, "cache_mode": config.cache_mode,
                               "further_horizon": config.further_horizon, "ranking": config.ranking, "rng": config.rng,
                               "prefix_caching": config.prefix_caching}
     if config.kv_admission != "reserve":  # other runners never receive it by default
@@ -119,7 +119,8 @@ def build_engine(config: ServerConfig, model_path: str) -> Engine:
                              mask_token_id=config.mask_token_id, kv_cache_memory=config.kv_cache_memory,
                              kv_cache_fraction=config.kv_cache_fraction, keep_versions=config.keep_versions,
                              compile=config.compile, cuda_graphs=config.cuda_graphs, **backend_options(config))
-    return Engine(backend, max_queue=config.max_queue, model_name=config.model_name(model_path))
+    return Engine(backend, max_queue=config.max_queue, max_queue_tokens=config.max_queue_tokens,
+                  model_name=config.model_name(model_path))
 
 
 def main(argv: list[str] | None = None) -> int:

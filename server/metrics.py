@@ -178,12 +178,14 @@ ENGINE_FAMILIES = frozenset({
 
 
 class ServerMetrics:
-    def __init__(self, engine: Engine | None = None, model_name: Callable[[], str] | None = None) -> None:
+    def __init__(self, engine: Engine | None = None, model_name: Callable[[], str] | None = None,
+                 store: FeedbackStore | None = None) -> None:
         """`engine`: the engine whose steps and state this registry reads (the engine core's); `model_name`:
-        where the served name comes from without one (an API process: its engine client)."""
+        where the served name comes from without one (an API process: its engine client); `store`: the
+        feedback store whose size is scraped (an API process with server.store)."""
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.engine: Engine | None = None
-        self.store: FeedbackStore | None = None  # set by server.recording.recording when a store is open (store size gauges)
+        self.store = store  # store size gauges (None: no store)
         self._store_stats: tuple[float, dict | None] = (0.0, None)
         self.requests = Counter("dlrl_requests", "HTTP generation requests", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("dlrl_prompt_tokens", "prompt tokens of finished sequences", registry=r)
@@ -403,7 +405,7 @@ class ServerMetrics:
         if status >= 400:
             self.feedback_rejected.labels(status=str(status)).inc()
 
-    def store_stats(self) -> dict[str, Any] | None:
+    def store_stats(self) -> dict[str, Any] | None:  # FeedbackStore.stats(): an untyped dict (store/types.py)
         """The store's size (cached STORE_STATS_TTL_S); None without a store or when it cannot be read."""
         if self.store is None:
             return None
@@ -422,4 +424,4 @@ class ServerMetrics:
         return [f for f in self._scraped.collect() if engine_part is None or (f.name in ENGINE_FAMILIES) == engine_part]
 
     def render(self) -> bytes:
-        return generate_latest(self._scraped)  # type: ignore[arg-type,unused-ignore]  # any object with collect()
+        return generate_latest(self._scraped)  # a prometheus_client Collector: an object with collect()

@@ -106,7 +106,8 @@ def start_server(model_dir: str, port: int | None = None, runner: Any = None, bu
             model_dir, device="cpu", dtype="float32", max_batch=config.max_batch, max_model_len=config.max_model_len,
             kv_cache_memory=config.kv_cache_memory, kv_cache_fraction=config.kv_cache_fraction,
             keep_versions=config.keep_versions, trace_free=config.trace_free, prefix_caching=config.prefix_caching)
-        engine = Engine(backend, max_queue=config.max_queue, model_name=config.model_name())
+        engine = Engine(backend, max_queue=config.max_queue, max_queue_tokens=config.max_queue_tokens,
+                        model_name=config.model_name())
     app = create_app(engine, config)
     limits = ConnectionLimits.from_config(config)  # the protocol and loop `dlrl serve` runs (server.http/loop)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=config.port, log_level="warning",

@@ -93,6 +93,11 @@ class BeginResponse(BaseModel):
     took_over: int | None = None  # version of the same run's update this begin replaced
 
 
+class BucketResponse(BaseModel):
+    index: int   # the bucket
+    nbytes: int  # bytes received (0: the body failed half-way and the bucket was released)
+
+
 class CommitRequest(_Request):
     version: int = Field(ge=1)
     checksums: list[Checksum | None] | None = Field(default=None, max_length=1 << 20)

@@ -104,7 +104,7 @@ def build_full_rows(samples: Sequence[Sample], mask_id: int, pad_id: int, shrink
     """TraceRL rows of full-attention samples (see the module docstring) as dllm.replay.Rows: `noisy` the
     forward's input, `clean` the ids scored, `valid` what the forward saw (the canvas; a prefix-cache
     block's later forwards: up to its horizon), `pos` 0..L-1. `block_size`: the traces' own unless given."""
-    per = [_sample_rows(s, block_size or trace_of(s).block_size, mask_id, shrink)  # type: ignore[attr-defined]
+    per = [_sample_rows(s, block_size or trace_of(s).block_size, mask_id, shrink)
            for s in samples]
     rows = pack_rows([(clean, len(clean), r) for clean, r, _ in per], pad_id)
     for r, n in enumerate(n for _, _, visible in per for n in visible):

@@ -33,6 +33,7 @@ from fastapi import FastAPI
 from dlrl_config import ConfigError
 from server.api import routes_feedback, routes_generate, routes_service, routes_weights
 from server.api.auth import resolve_admin_token
+from server.api.connections import Refusals
 from server.api.gate import install as install_gate
 from server.api.handlers import install_error_handlers
 from server.api.middleware import RequestGuard, RequestLog
@@ -46,7 +47,7 @@ from server.core.thread import CoreThread
 from server.engine.engine import Engine, EngineStopped
 from server.logs import use_json_logs
 from server.metrics import ServerMetrics
-from server.recording.recording import Recorder
+from server.recording.recording import Recorder, open_feedback_store
 
 log = logging.getLogger("dlrl.server")
 METRICS_PUSH_S = 1.0  # with several API processes, each sends its families to the core this often
@@ -108,16 +109,7 @@ def build_app(client: CoreClient, config: ServerConfig, core: CoreThread | None 
 
     app = FastAPI(title="dlrl server", version="0.1.0", lifespan=lifespan,
                   description="Block-diffusion LM generation (native and OpenAI-compatible) and admin API.")
-    st = attach(app, ServerState(client, config, metrics=ServerMetrics(model_name=lambda: client.model_name),
-                                 admin_token=resolve_admin_token(config.admin_token, config.admin_token_file),
-                                 feedback_token=config.resolved_feedback_token()))
-    st.core_thread = core
-    if st.feedback_token and st.feedback_token == st.admin_token:
-        raise ConfigError("server.feedback_token: must differ from the admin token")
-    st.recorder = Recorder.from_config(config, client, st.metrics)
-    if st.recorder is not None:
-        st.metrics.store = st.recorder.store  # store size gauges
-    st.weight_updates = RemoteWeights(client)  # the core's WeightUpdates, through the channel
+    st = attach(app, build_state(client, config, core))
     install_error_handlers(app)
     app.add_middleware(RequestGuard, max_body_bytes=config.max_body_bytes)
     app.add_middleware(RequestLog)  # X-Request-Id, one log event per request, feedback counts
@@ -133,6 +125,21 @@ def build_app(client: CoreClient, config: ServerConfig, core: CoreThread | None 
     if not st.admin_token:
         log.info("no admin token configured: admin endpoints are disabled")
     return app
+
+
+def build_state(client: CoreClient, config: ServerConfig, core: CoreThread | None = None) -> ServerState:
+    """Everything the handlers reach, each part built whole here (the tokens checked before the store opens)."""
+    admin_token = resolve_admin_token(config.admin_token, config.admin_token_file)
+    feedback_token = config.resolved_feedback_token()
+    if feedback_token and feedback_token == admin_token:
+        raise ConfigError("server.feedback_token: must differ from the admin token")
+    store = open_feedback_store(config)
+    metrics = ServerMetrics(model_name=lambda: client.model_name, store=store)
+    return ServerState(client, config, admin_token=admin_token, feedback_token=feedback_token, metrics=metrics,
+                       recorder=Recorder.from_config(config, client, store, metrics),
+                       weight_updates=RemoteWeights(client),  # the core's WeightUpdates, through the channel
+                       refusals=Refusals(config.resource_log_interval_s),  # the gate's (server.api.gate)
+                       core_thread=core)
 
 
 def _tell(loop: asyncio.AbstractEventLoop, client: CoreClient, reason: str) -> None:

@@ -39,7 +39,7 @@ import logging
 import resource
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from uvicorn._types import ASGI3Application, ASGIReceiveCallable, ASGISendCallable, Scope
 from uvicorn.protocols.http.flow_control import FlowControl
@@ -244,7 +244,8 @@ class ConnectionBounds(asyncio.Protocol):
     app: ASGI3Application
     cycle: Any  # that protocol's RequestResponseCycle (h11_impl's or httptools_impl's), None before the first request
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport = cast(asyncio.Transport, transport)  # uvicorn serves HTTP/1.1 over stream (TCP) transports
         super().connection_made(transport)
         self._ip = self.client[0] if self.client else ""
         self._header_timer: asyncio.TimerHandle | None = None

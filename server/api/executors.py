@@ -23,17 +23,18 @@ import asyncio
 import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 if TYPE_CHECKING:
     from server.config import ServerConfig
 
+P = ParamSpec("P")
 T = TypeVar("T")
 
 
-async def run_in(pool: ThreadPoolExecutor | None, fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` in `pool` (None: the loop's default executor), awaited."""
-    return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
+async def run_in(pool: ThreadPoolExecutor | None, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """`fn(*args, **kwargs)` in `pool` (None: the loop's default executor), awaited."""
+    return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args, **kwargs))
 
 
 class Executors:
@@ -47,11 +48,11 @@ class Executors:
     def from_config(cls, config: ServerConfig) -> Executors:
         return cls(config.store_threads, config.weight_threads, config.default_threads)
 
-    async def run_store(self, fn: Callable[..., T], *args: Any) -> T:
-        return await run_in(self.store, fn, *args)
+    async def run_store(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        return await run_in(self.store, fn, *args, **kwargs)
 
-    async def run_weights(self, fn: Callable[..., T], *args: Any) -> T:
-        return await run_in(self.weights, fn, *args)
+    async def run_weights(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        return await run_in(self.weights, fn, *args, **kwargs)
 
     def install_default(self, loop: asyncio.AbstractEventLoop) -> None:
         """Make a bounded pool of `default_threads` the loop's default executor (server.api.app's lifespan)."""

@@ -190,6 +190,5 @@ def install(app: FastAPI, config: ServerConfig) -> None:
     share = 1.0 / config.api_processes if config.engine_core == "process" else 1.0  # quotas: each its part
     quotas = (Quotas(keys, st.admin_token, st.feedback_token, config.max_concurrent_feedback, share)
               if keys or config.max_concurrent_feedback else None)
-    st.refusals = Refusals(config.resource_log_interval_s)
     quiet_access_log()
     app.add_middleware(RefusalGate, quotas=quotas)

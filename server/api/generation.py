@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import Request
 
@@ -33,7 +33,7 @@ from rollout_client.protocol.common import DecodingOptions
 from rollout_client.protocol.native import Sample
 from server.api.errors import APIError
 from server.api.quotas import charge_tokens
-from server.engine.engine import EngineEvent, EngineStopped, QueueFull
+from server.engine.engine import EngineEvent, EngineEventTuple, EngineStopped, QueueFull
 from server.engine.scheduler import seq_tokens
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ def to_sampling_params(opts: DecodingOptions, max_tokens: int, config: ServerCon
     assert opts.top_k is not None and opts.top_p is not None and opts.ignore_eos is not None, \
         "null means the default (_NullIsDefault)"
 
-    def pick(name: str, default: Any) -> Any:
+    def pick(name: str, default: T) -> T:
         return getattr(opts, name) if name in given else default
 
     return SamplingParams(
@@ -68,6 +68,7 @@ async def encode_prompts(state: ServerState, prompts: list[str | list[int]], fie
     return [next(encoded) if isinstance(p, str) else p for p in prompts]
 
 
+T = TypeVar("T")
 PROMPT_FIELDS = ("prompt", "prompt_ids")  # what the decoder calls a prompt in its FieldErrors
 
 
@@ -141,7 +142,7 @@ async def run_to_completion(engine: Engine, request: Request, seqs: list[Sequenc
         engine.abort(req)  # no-op when finished
 
 
-async def stream_events(engine: Engine, req: EngineRequest) -> AsyncGenerator[tuple[str, int, Any], None]:
+async def stream_events(engine: Engine, req: EngineRequest) -> AsyncGenerator[EngineEventTuple, None]:
     """Yield (kind, index, payload) events of a request submitted with `submit(..., stream=True)`;
     closing the generator early (client gone) aborts the request. A request past its deadline
     raises APIError (408 its own `timeout`, 503 `server.max_request_s`), another failure RuntimeError."""

@@ -68,7 +68,8 @@ def http_server(app: Starlette, config: ServerConfig, on_started: Callable[[], N
     http, loop = config.resolved_http(), config.resolved_loop()
     log.info("HTTP protocol %s on the %s event loop (server.http=%s, server.loop=%s)", http, loop, config.http,
              config.loop)
-    json_logs: dict[str, Any] = {"log_config": None, "access_log": False} if config.log_format == "json" else {}
+    json_logs: dict[str, Any] = {  # uvicorn.Config keyword arguments (each typed differently there)
+        "log_config": None, "access_log": False} if config.log_format == "json" else {}
     return GracefulServer(uvicorn.Config(app, host=config.host, port=config.port, loop=loop,
                                          http=bounded_protocol(limits, http),
                                          # uvicorn annotates an int but hands it to loop.call_later: seconds as float

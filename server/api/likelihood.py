@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 
@@ -44,6 +44,8 @@ from server.api.quotas import charge_tokens
 from server.api.state import server_state
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase  # no types to mypy: it does not follow transformers
+
     from server.api.state import ServerState
     from server.core.client import CoreClient as Engine
 
@@ -119,7 +121,7 @@ async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
                             usage=Usage(prompt_tokens=num, completion_tokens=0, total_tokens=num))
 
 
-def _prompt_logprobs(tok: Any, ids: list[int], s: TokenScores, k: int) -> tuple[str, CompletionLogprobs]:
+def _prompt_logprobs(tok: PreTrainedTokenizerBase, ids: list[int], s: TokenScores, k: int) -> tuple[str, CompletionLogprobs]:
     """(the prompt's text, its OpenAI logprobs): first token null; top_logprobs = k most likely + the token."""
     texts, added = token_texts(tok, ids)
     offsets, offset = [], 0
@@ -129,7 +131,9 @@ def _prompt_logprobs(tok: Any, ids: list[int], s: TokenScores, k: int) -> tuple[
     tops: list[dict[str, float] | None] = [None]
     for j in range(1, len(ids)):
         alts = {tok.decode([i]): v for i, v in (s.top[j] if s.top else [])}
-        alts.setdefault(texts[j], s.logprobs[j])  # type: ignore[arg-type]
+        logprob = s.logprobs[j]
+        assert logprob is not None, "only token 0 has no logprob"
+        alts.setdefault(texts[j], logprob)
         tops.append(alts)
     text = tok.decode(ids, skip_special_tokens=True)
     return text, CompletionLogprobs(tokens=texts, token_logprobs=list(s.logprobs), top_logprobs=tops,

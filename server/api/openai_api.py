@@ -188,6 +188,8 @@ async def _stream(request: Request, endpoint: str, body: OpenAIBase, seqs: list[
         assert body.n is not None, "null means the default (_NullIsDefault)"
         t0, sent, num_sent = time.perf_counter(), [""] * len(seqs), [0] * len(seqs)
 
+        # `chunk` builds a CompletionResponse or a ChatCompletionChunk (the endpoint's lambda): pydantic models
+        # whose `choices` differ, so the stream writes to them untyped
         def with_usage(out: Any, i: int) -> Any:  # continuous_usage_stats: the choice's usage so far
             if body.continuous_usage():
                 prompt = len(seqs[i].prompt_ids)
@@ -203,11 +205,12 @@ async def _stream(request: Request, endpoint: str, body: OpenAIBase, seqs: list[
         try:
             async for kind, i, payload in events:
                 done = kind == EngineEvent.DONE
-                text = seqs[i].text if done else hold_back(payload[1].rstrip("\ufffd"), stops)
+                update = payload if isinstance(payload, tuple) else ([], "")  # UPDATE: (completion ids, text)
+                text = seqs[i].text if done else hold_back(update[1].rstrip("\ufffd"), stops)
                 delta = text[len(sent[i]):] if text.startswith(sent[i]) else ""
                 if delta or done:
                     sent[i] += delta
-                    num_sent[i] = len(seqs[i].completion_ids if done else payload[0])
+                    num_sent[i] = len(seqs[i].completion_ids if done else update[0])
                     lp = await st.prompts.run(logprobs, seqs[i]) if done else None
                     out = chunk(rid, i, delta, seqs[i].finish_reason if done else None, lp)
                     if done and body.return_trace:

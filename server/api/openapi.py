@@ -28,6 +28,8 @@ from rollout_client.protocol.common import MAX_N
 from rollout_client.protocol.service import ErrorResponse
 from server.api.state import server_state
 
+# the OpenAPI document and its nodes are JSON that FastAPI builds and reads (typed the same way there)
+
 ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 ADMIN_PREFIXES = ("/admin/", "/weights/")  # behind server.api.auth.require_admin
@@ -172,4 +174,4 @@ def install_openapi(app: FastAPI) -> None:
             app.openapi_schema = schema
         return app.openapi_schema
 
-    app.openapi = openapi  # type: ignore[method-assign]
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the schema

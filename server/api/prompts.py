@@ -13,27 +13,34 @@ holds one of these).
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from dllm.errors import FieldError, TooLong
 from dllm.tokenizer import encode
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase  # no types to mypy: it does not follow transformers
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 class PromptEncoder:
     """The handlers' tokenizer, used on one worker thread only (HF tokenizers are not re-entrant)."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_model_len: int):
         self.tokenizer, self.max_model_len = tokenizer, max_model_len
-        vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+        vocab = tokenizer.get_vocab()
         # a token covers at most this many characters of text (byte-level tokens: one char per byte)
         self.max_token_chars = max((len(t) for t in vocab), default=1)
         self.max_chars = max_model_len * self.max_token_chars
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlrl-tokenizer")
 
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+    async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
     def check_chars(self, num_chars: int, field: str) -> None:
         if num_chars > self.max_chars:

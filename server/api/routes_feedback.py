@@ -40,6 +40,7 @@ async def require_feedback(request: Request) -> None:
 router = APIRouter(tags=["feedback"], dependencies=[Depends(require_feedback)])
 
 
+# FastAPI's `responses=` type: OpenAPI JSON per status
 RESPONSES: dict[int | str, dict[str, Any]] = {**error_responses(400, 413, 503),
              **{code: {"model": ErrorResponse, "description": text} for code, text in (
                  (403, "Wrong feedback token (the admin token is not one), or feedback disabled on this server "

@@ -76,6 +76,6 @@ async def models(request: Request) -> ModelList:
     info = engine.info  # the runner's declaration: its family and (full attention) cache mode
     version, pushed_by = engine.version, None
     if version and st.weight_updates is not None:  # who pushed the served version (its recorded outcome)
-        pushed_by = (await st.weight_updates.state(version)).get("run_id") or None
+        pushed_by = (await st.weight_updates.state(version)).run_id or None
     return ModelList(data=[ModelCard(id=engine.model_name, max_model_len=engine.max_model_len, version=version,
                                      weights_run_id=pushed_by, family=info.family, cache_mode=info.cache_mode)])

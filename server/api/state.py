@@ -60,7 +60,10 @@ class ServerState:
     def prompts(self) -> PromptEncoder:
         """The handlers' tokenizer worker (server.api.prompts), built on first use: an app of the
         weight routes alone (tests, benchmarks: an engine without a tokenizer) never needs one."""
-        return PromptEncoder(self.engine.tokenizer, self.engine.max_model_len)
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:  # the engine client loads it when it connects (the app's startup)
+            raise RuntimeError("no tokenizer yet: the engine client is not connected")
+        return PromptEncoder(tokenizer, self.engine.max_model_len)
 
 
 def attach(app: Starlette, state: ServerState) -> ServerState:

@@ -30,7 +30,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -51,6 +51,12 @@ from server.engine.retry_after import Forecast, RetryAfter
 from server.engine.scheduler import KVBudget
 from server.engine.sequence import SeqStatus, ServerSequence
 from weight_sync.errors import WeightSyncError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase  # no types to mypy: it does not follow transformers
+
+    from dllm.likelihood import Method
+    from server.engine.engine import EngineEventTuple
 
 log = logging.getLogger("dlrl.server")
 CONNECT_TIMEOUT_S = 120.0
@@ -162,7 +168,8 @@ class QueueView:
 
 
 class CoreClient:
-    def __init__(self, address: str, index: int = 0, *, core_pid: int | None = None, tokenizer: Any = None,
+    def __init__(self, address: str, index: int = 0, *, core_pid: int | None = None,
+                 tokenizer: PreTrainedTokenizerBase | None = None,
                  trust_remote_code: bool = False, on_core_exit: Callable[[str], None] | None = None,
                  connect_timeout: float = CONNECT_TIMEOUT_S):
         self.address, self.index, self.core_pid, self.connect_timeout = address, index, core_pid, connect_timeout
@@ -178,7 +185,7 @@ class CoreClient:
         self._reqs: dict[int, RemoteRequest] = {}
         self._calls: dict[int, asyncio.Future[m.Reply]] = {}
         self._finish_listeners: list[Callable[[list[ServerSequence]], None]] = []
-        self._tasks: list[asyncio.Future[Any]] = []
+        self._tasks: list[asyncio.Future[None]] = []
         self._unwatch: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ connection
@@ -258,9 +265,8 @@ class CoreClient:
     def info(self) -> RunnerInfo:
         """What the core's runner supports (its declaration, from the core's facts)."""
         f = self.facts.runner
-        weights: Any = f.weights
         return RunnerInfo(f.family, f.cache_mode, has_top_logprobs=f.has_top_logprobs,
-                          has_likelihoods=f.has_likelihoods, prefix_sharing=f.prefix_sharing, weights=weights,
+                          has_likelihoods=f.has_likelihoods, prefix_sharing=f.prefix_sharing, weights=f.weights,
                           note=f.note)
 
     @property
@@ -351,7 +357,7 @@ class CoreClient:
                 raise RequestFailed(f"sample {index}: {payload}" if len(req.seqs) > 1 else payload)
         return req.seqs
 
-    async def events(self, req: RemoteRequest) -> AsyncIterator[tuple[EngineEvent, int, Any]]:
+    async def events(self, req: RemoteRequest) -> AsyncIterator[EngineEventTuple]:
         num_left = len(req.seqs)
         while num_left:
             event = await req.events.get()
@@ -371,7 +377,7 @@ class CoreClient:
         cid = next(self._ids)
         await self._call(m.SetModelName(cid, name), cid)
 
-    async def score(self, prompts: list[list[int]], method: str, top_k: int, num_samples: int,
+    async def score(self, prompts: list[list[int]], method: Method, top_k: int, num_samples: int,
                     seed: int) -> tuple[list[m.Scored], int]:
         """Prompt log-likelihoods in the core, each prompt between two steps: ([(logprobs, top, rows, stderr,
         samples)], version)."""
@@ -387,11 +393,11 @@ class CoreClient:
     def push_families(self, families: list[m.Family]) -> None:
         self._send_nowait(m.MetricsPush(families))
 
-    async def call(self, msg: m.ToCore, cid: int, *extra: Any) -> m.Reply:
+    async def call(self, msg: m.ToCore, cid: int, *extra: bytes) -> m.Reply:
         """Send `msg` (with raw frames `extra`) and await the core's reply to `cid`; its failure raised."""
         return await self._call(msg, cid, *extra)
 
-    async def send(self, msg: m.ToCore, *extra: Any) -> None:
+    async def send(self, msg: m.ToCore, *extra: bytes) -> None:
         """Send `msg` with raw frames (a bucket's chunk); waits while the channel is full (flow control)."""
         if self.dead:
             raise EngineStopped(self.dead)
@@ -405,7 +411,7 @@ class CoreClient:
     def next_id(self) -> int:
         return next(self._ids)
 
-    async def _call(self, msg: m.ToCore, cid: int, *extra: Any) -> m.Reply:
+    async def _call(self, msg: m.ToCore, cid: int, *extra: bytes) -> m.Reply:
         if self.dead:
             raise EngineStopped(self.dead)
         future: asyncio.Future[m.Reply] = asyncio.get_running_loop().create_future()

@@ -27,14 +27,15 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 import zmq.asyncio
+from pydantic import BaseModel
 
 from dllm.errors import FieldError, TooLong
 from dllm.sampling import SamplingParams
@@ -51,7 +52,17 @@ from server.engine.sequence import ServerSequence
 from server.metrics import ServerMetrics
 from server.weights.weight_updates import describe_error, make_updates
 from weight_sync.errors import UpdateFailed
-from weight_sync.protocol import AbortRequest, BeginRequest, CommitRequest, ConnectRequest, RollbackRequest
+
+if TYPE_CHECKING:
+    from dllm.likelihood import TokenScores
+from weight_sync.protocol import (
+    AbortRequest,
+    BeginRequest,
+    BucketResponse,
+    CommitRequest,
+    ConnectRequest,
+    RollbackRequest,
+)
 
 log = logging.getLogger("dlrl.server")
 HEARTBEAT_S = 0.2
@@ -99,11 +110,6 @@ def facts_of(engine: Engine, max_queue_tokens: int, model_path: str) -> m.Facts:
                    dtype=str(getattr(model, "dtype", "?")), core_pid=os.getpid())
 
 
-def kv_cache_tokens(engine: Engine) -> int:
-    """Tokens the KV cache holds (the scheduler's account: pages x tokens per page); unpaged: max_batch x max_len."""
-    return engine.scheduler.kv.num_tokens or engine.backend.max_batch * engine.backend.max_len
-
-
 def sampling_params(p: m.Params) -> SamplingParams:
     return SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                           strategy=p.strategy, steps=p.steps, threshold=p.threshold, seed=p.seed, stop=list(p.stop),
@@ -125,12 +131,10 @@ def error_of(e: BaseException) -> m.Error:
 class EngineCore:
     def __init__(self, engine: Engine, config: ServerConfig, model_path: str = ""):
         self.engine, self.config, self.model_path = engine, config, model_path
-        engine.scheduler.max_queue_tokens = config.max_queue_tokens or 4 * kv_cache_tokens(engine)
         engine.scheduler.post.text_for_stops_only = True  # the API processes detokenise what they send
         self.metrics = ServerMetrics(engine)
         self.pool = ThreadPoolExecutor(config.weight_threads, thread_name_prefix="dlrl-weights")
-        self.updates = make_updates(engine, config)
-        self.updates.metrics, self.updates.executor = self.metrics, self.pool
+        self.updates = make_updates(engine, config, metrics=self.metrics, executor=self.pool)
         self.facts = facts_of(engine, engine.scheduler.max_queue_tokens, model_path)
         self.peers: dict[bytes, Peer] = {}
         self.buckets: dict[tuple[bytes, int], BucketStream] = {}
@@ -198,7 +202,7 @@ class EngineCore:
             except Exception:  # one bad message must not stop the core
                 log.exception("engine core: handling %s from %r failed", type(msg).__name__, ident)
 
-    def _send(self, ident: bytes, msg: msgspec.Struct, *extra: Any) -> None:
+    def _send(self, ident: bytes, msg: msgspec.Struct, *extra: bytes) -> None:
         self.sock.send_multipart([ident, m.encode(msg), *extra], copy=False)
         peer = self.peers.get(ident)
         if peer is not None:
@@ -207,10 +211,10 @@ class EngineCore:
     def _send_outputs(self, ident: bytes, out: m.Outputs) -> None:
         self._send(ident, out)
 
-    def _reply(self, ident: bytes, cid: int, value: Any = None, error: m.Error | None = None) -> None:
+    def _reply(self, ident: bytes, cid: int, value: object = None, error: m.Error | None = None) -> None:
         self._send(ident, m.Reply(cid, msgspec.Raw(m.encode(value)), error))
 
-    def _spawn(self, ident: bytes, cid: int, coro: Coroutine[Any, Any, Any]) -> None:
+    def _spawn(self, ident: bytes, cid: int, coro: Awaitable[object]) -> None:
         """Run a call; its value (or its failure, described) is the reply."""
         async def run() -> None:
             try:
@@ -226,7 +230,7 @@ class EngineCore:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _dispatch(self, ident: bytes, msg: m.ToCore, extra: list[Any]) -> None:
+    def _dispatch(self, ident: bytes, msg: m.ToCore, extra: list[zmq.Frame]) -> None:
         if isinstance(msg, m.BucketData):
             self._bucket_data(ident, msg, extra)
             return
@@ -253,7 +257,7 @@ class EngineCore:
         else:
             self._spawn(ident, msg.cid, self._call(peer, msg))
 
-    async def _call(self, peer: Peer, msg: m.ToCore) -> Any:
+    async def _call(self, peer: Peer, msg: m.ToCore) -> object:
         engine = self.engine
         if isinstance(msg, m.AbortAll):
             reqs = [r for r in peer.reqs.values() if not r.is_finished]
@@ -360,7 +364,7 @@ class EngineCore:
                 for ident in stale:
                     self._send(ident, m.Outputs([], load))
 
-    def _status(self) -> dict[str, Any]:
+    def _status(self) -> dict[str, bool | int]:
         e = self.engine
         return {"is_paused": e.is_paused, "version": e.version, "num_running": e.num_running,
                 "num_waiting": e.num_waiting}
@@ -375,17 +379,20 @@ class EngineCore:
         from dllm.likelihood import prompt_logprobs
 
         engine, model = self.engine, self.engine.model
-        method: Any = msg.method
 
-        def job(ids: list[int]) -> Callable[[], Any]:
-            return lambda: (prompt_logprobs(model, [ids], method, top_k=msg.top_k, num_samples=msg.num_samples,
+        def job(ids: list[int]) -> Callable[[], tuple[TokenScores, int]]:
+            return lambda: (prompt_logprobs(model, [ids], msg.method, top_k=msg.top_k, num_samples=msg.num_samples,
                                             seed=msg.seed)[0], engine.version)
 
         results = await asyncio.gather(*[engine.call_between_steps(job(ids)) for ids in msg.prompts])
         scores = [(list(s.logprobs), s.top, s.num_rows, s.stderr, s.num_samples) for s, _ in results]
         return scores, max((v for _, v in results), default=engine.version)
 
-    async def _weights(self, msg: m.Weights) -> dict[str, Any]:
+    async def _weights(self, msg: m.Weights) -> bytes:
+        """A weight call's answer as JSON (RemoteWeights validates it into the route's model)."""
+        return (await self._weight_call(msg)).model_dump_json().encode()
+
+    async def _weight_call(self, msg: m.Weights) -> BaseModel:
         u, body = self.updates, msg.body
         match msg.op:
             case "connect":
@@ -418,10 +425,10 @@ class EngineCore:
         except Exception as e:
             self._reply(peer.identity, msg.cid, error=error_of(e))
             return
-        self.buckets[(peer.identity, msg.sid)] = BucketStream(msg, memoryview(buf.numpy()))  # type: ignore[arg-type]
+        self.buckets[(peer.identity, msg.sid)] = BucketStream(msg, buf.numpy().data)  # the bytes of [nbytes] uint8
         self._reply(peer.identity, msg.cid)
 
-    def _bucket_data(self, ident: bytes, msg: m.BucketData, extra: list[Any]) -> None:
+    def _bucket_data(self, ident: bytes, msg: m.BucketData, extra: list[zmq.Frame]) -> None:
         st = self.buckets.get((ident, msg.sid))
         if st is None or not extra or st.overflow:
             return
@@ -436,7 +443,7 @@ class EngineCore:
             self.updates.receiver.touch()
             st.next_renew = st.pos + RENEW_BYTES
 
-    async def _bucket_end(self, peer: Peer, msg: m.BucketEnd) -> dict[str, Any]:
+    async def _bucket_end(self, peer: Peer, msg: m.BucketEnd) -> bytes:
         st = self.buckets.pop((peer.identity, msg.sid), None)
         if st is None:
             raise UpdateFailed(f"bucket stream {msg.sid} is unknown (never opened, or already ended)")
@@ -445,8 +452,9 @@ class EngineCore:
             self._release(st)
             if st.overflow:
                 raise UpdateFailed(f"body is longer than the bucket's {len(st.view)} bytes")
-            return {"index": o.index, "nbytes": 0}
-        return await self.updates.bucket_done(o.index, st.pos, o.checksum, o.version, o.run_id)
+            return BucketResponse(index=o.index, nbytes=0).model_dump_json().encode()
+        done = await self.updates.bucket_done(o.index, st.pos, o.checksum, o.version, o.run_id)
+        return done.model_dump_json().encode()
 
     def _release(self, st: BucketStream) -> None:
         o = st.open

@@ -16,7 +16,7 @@ bucket's bytes travel as a raw second frame after its `BucketData` header (serve
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Literal, TypeVar
 
 import msgspec
 
@@ -83,7 +83,7 @@ class RunnerFacts(msgspec.Struct):
     cache_mode: str | None
     has_likelihoods: bool = True  # the rest of server.engine.backends.base.RunnerInfo
     prefix_sharing: bool = False
-    weights: str = "copy"
+    weights: Literal["copy", "runner"] = "copy"
     note: str = ""
 
 
@@ -194,7 +194,7 @@ class Score(_Message):
 
     cid: int
     prompts: list[list[int]]
-    method: str
+    method: Literal["sequential", "elbo"]  # dllm.likelihood.Method
     top_k: int
     num_samples: int
     seed: int
@@ -309,16 +309,17 @@ class Credit(_Message):
 
 ToApi = Outputs | Welcome | Reply | Credit
 
+T = TypeVar("T")
 _encoder = msgspec.msgpack.Encoder()
 _to_core = msgspec.msgpack.Decoder(ToCore)
 _to_api = msgspec.msgpack.Decoder(ToApi)
 
 
-def encode(msg: msgspec.Struct | Any) -> bytes:
+def encode(msg: object) -> bytes:  # a message, or a reply's value (anything msgspec encodes)
     return _encoder.encode(msg)
 
 
-def encode_json(obj: Any) -> bytes:
+def encode_json(obj: object) -> bytes:
     return msgspec.json.encode(obj)
 
 
@@ -330,7 +331,7 @@ def decode_to_api(data: bytes | memoryview) -> ToApi:
     return _to_api.decode(data)
 
 
-def value(reply: Reply, kind: type[Any]) -> Any:
+def value(reply: Reply, kind: type[T]) -> T:
     """The reply's value decoded as `kind`."""
     return msgspec.msgpack.decode(reply.value, type=kind)
 

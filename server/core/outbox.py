@@ -28,10 +28,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from server.core.messages import Done, Event, Failed, Load, Outputs, TraceEnd, Update
-from server.engine.engine import EngineEvent
+from server.engine.engine import EngineEvent, EngineEventTuple, EventPayload
 from server.engine.scheduler import Request
 from server.engine.sequence import ServerSequence
 
@@ -61,13 +60,13 @@ class Outbox:
         when a request's last event went out."""
         self._loop, self._send, self._load, self._ended = loop, send, load, ended
         self._lock = threading.Lock()
-        self._events: list[tuple[Request, tuple[Any, ...]]] = []
+        self._events: list[tuple[Request, EngineEventTuple]] = []
         self._scheduled = False
         self._engine_thread: int | None = None  # learnt from the first step
         self._since = 0.0  # when the first event since the last flush came
         self._owned: dict[str, _Owned] = {}  # request_id -> whose it is
 
-    def sink(self, req: Request, event: tuple[Any, ...]) -> None:
+    def sink(self, req: Request, event: EngineEventTuple) -> None:
         """Gather one event; from another thread than the engine's, wake the loop (once until the flush)."""
         with self._lock:
             if not self._events:
@@ -138,8 +137,8 @@ class Outbox:
         return set(by_peer)
 
     @staticmethod
-    def _event(owned: _Owned, req: Request, kind: Any, index: int, payload: Any) -> Event | None:
-        if kind == EngineEvent.UPDATE:
+    def _event(owned: _Owned, req: Request, kind: EngineEvent, index: int, payload: EventPayload) -> Event | None:
+        if kind == EngineEvent.UPDATE and isinstance(payload, tuple):
             ids = payload[0]
             new = ids[owned.sent[index]:]
             owned.sent[index] = len(ids)

@@ -18,57 +18,77 @@ failed half-way). The lease is renewed by the core as the bytes land.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TypeVar
 
 from pydantic import BaseModel
 
 from server.core import messages as m
 from server.core.client import CoreClient
-from weight_sync.protocol import AbortRequest, BeginRequest, CommitRequest, ConnectRequest, RollbackRequest
+from weight_sync.protocol import (
+    AbortRequest,
+    AbortResponse,
+    BeginRequest,
+    BeginResponse,
+    BucketResponse,
+    ChecksumResponse,
+    CommitRequest,
+    CommitResponse,
+    ConnectRequest,
+    ConnectResponse,
+    KeptResponse,
+    RollbackRequest,
+    RollbackResponse,
+    UpdateState,
+    VersionResponse,
+)
+
+R = TypeVar("R", bound=BaseModel)
 
 
 class RemoteWeights:
     def __init__(self, client: CoreClient):
         self.client = client
 
-    async def _weights(self, op: str, body: BaseModel | int | None = None) -> dict[str, Any]:
+    async def _weights(self, op: str, answer: type[R], body: BaseModel | int | None = None) -> R:
         data = body.model_dump_json().encode() if isinstance(body, BaseModel) else m.encode_json(body or {})
         cid = self.client.next_id()
         reply = await self.client.call(m.Weights(cid, op, data), cid)
-        return m.value(reply, dict[str, Any])
+        return answer.model_validate_json(m.value(reply, bytes))  # the core's answer, as its model dumped it
 
-    async def connect(self, body: ConnectRequest) -> dict[str, Any]:
-        return await self._weights("connect", body)
+    async def connect(self, body: ConnectRequest) -> ConnectResponse:
+        return await self._weights("connect", ConnectResponse, body)
 
-    async def begin(self, body: BeginRequest) -> dict[str, Any]:
-        return await self._weights("begin", body)
+    async def begin(self, body: BeginRequest) -> BeginResponse:
+        return await self._weights("begin", BeginResponse, body)
 
     async def commit(self, version: int, checksums: list[int | None] | None = None,
-                     abort_inflight: bool | None = None, run_id: str = "") -> dict[str, Any]:
-        return await self._weights("commit", CommitRequest(version=version, checksums=checksums,
-                                                           abort_inflight=abort_inflight, run_id=run_id))
+                     abort_inflight: bool | None = None, run_id: str = "") -> CommitResponse:
+        return await self._weights("commit", CommitResponse, CommitRequest(
+            version=version, checksums=checksums, abort_inflight=abort_inflight, run_id=run_id))
 
     async def abort(self, version: int | None = None, reason: str = "aborted by the sender",
-                    run_id: str | None = "") -> dict[str, Any]:
-        return await self._weights("abort", AbortRequest(version=version, reason=reason, run_id=run_id or ""))
+                    run_id: str | None = "") -> AbortResponse:
+        return await self._weights("abort", AbortResponse, AbortRequest(version=version, reason=reason,
+                                                                        run_id=run_id or ""))
 
-    async def status(self) -> dict[str, Any]:
-        return await self._weights("status")
+    async def status(self) -> VersionResponse:
+        return await self._weights("status", VersionResponse)
 
-    async def state(self, version: int) -> dict[str, Any]:
-        return await self._weights("state", version)
+    async def state(self, version: int) -> UpdateState:
+        return await self._weights("state", UpdateState, version)
 
-    async def checksum(self) -> dict[str, Any]:
-        return await self._weights("checksum")
+    async def checksum(self) -> ChecksumResponse:
+        return await self._weights("checksum", ChecksumResponse)
 
-    async def rollback(self, version: int, abort_inflight: bool | None = None) -> dict[str, Any]:
-        return await self._weights("rollback", RollbackRequest(version=version, abort_inflight=abort_inflight))
+    async def rollback(self, version: int, abort_inflight: bool | None = None) -> RollbackResponse:
+        return await self._weights("rollback", RollbackResponse, RollbackRequest(version=version,
+                                                                                 abort_inflight=abort_inflight))
 
-    async def kept_status(self) -> dict[str, Any]:
-        return await self._weights("kept")
+    async def kept_status(self) -> KeptResponse:
+        return await self._weights("kept", KeptResponse)
 
     async def put_bucket(self, index: int, stream: AsyncIterator[bytes], version: int | None, checksum: int | None,
-                         run_id: str = "") -> dict[str, Any]:
+                         run_id: str = "") -> BucketResponse:
         c = self.client
         sid = c.next_id()
         cid = c.next_id()
@@ -84,7 +104,7 @@ class RemoteWeights:
                 end = c.next_id()
                 c.call_soon(m.BucketEnd(end, sid, False), end)
         end = c.next_id()
-        return m.value(await c.call(m.BucketEnd(end, sid, True), end), dict[str, Any])
+        return BucketResponse.model_validate_json(m.value(await c.call(m.BucketEnd(end, sid, True), end), bytes))
 
     def close(self) -> None:
         """Nothing here: the receiver is the core's, closed with it."""

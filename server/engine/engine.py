@@ -47,7 +47,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, cast
 
 from dllm.postprocess import StepOutput
 from dllm.sampling import SamplingParams
@@ -55,6 +55,10 @@ from dllm.trace import FinishReason
 from server.engine.backends.base import Runner, RunnerInfo
 from server.engine.scheduler import QueueFull, Request, ScheduledBatch, Scheduler
 from server.engine.sequence import ServerSequence
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase  # no types to mypy: it does not follow transformers
 
 log = logging.getLogger("dlrl.server")
 T = TypeVar("T")
@@ -72,6 +76,10 @@ class EngineEvent(StrEnum):
     UPDATE = "update"    # streams only: payload (completion ids, text) after a block committed
     DONE = "done"        # payload None: read the Sequence
     ERROR = "error"      # payload: the message
+
+
+EventPayload = tuple[list[int], str] | str | None  # UPDATE: (completion ids, text); DONE: None; ERROR: message
+EngineEventTuple = tuple[EngineEvent, int, EventPayload]  # (kind, sequence index, payload)
 
 
 class EngineStopped(RuntimeError):
@@ -104,10 +112,16 @@ class StepStats:
 
 
 class Engine:
-    def __init__(self, backend: Runner, *, max_queue: int = 256, model_name: str = "dlrl"):
+    def __init__(self, backend: Runner, *, max_queue: int = 256, max_queue_tokens: int | None = None,
+                 model_name: str = "dlrl"):
+        """`max_queue_tokens` (server.max_queue_tokens): prompt + max_tokens of the waiting sequences at most;
+        0: 4x the tokens the KV cache holds; None: no bound (an engine no server serves)."""
         self.backend, self.model_name = backend, model_name  # the model runner
         self._version = 0  # the served weight version: written only by apply_update
-        self.scheduler = Scheduler(max_queue, kv=backend.kv_budget, post=backend.postprocessor())
+        kv = backend.kv_budget
+        if max_queue_tokens == 0:
+            max_queue_tokens = 4 * (kv.num_tokens or backend.max_batch * backend.max_len)  # unpaged: slots x length
+        self.scheduler = Scheduler(max_queue, max_queue_tokens or 0, kv=kv, post=backend.postprocessor())
         self.max_batch_seen = 0
         self.num_steps = 0
         self.num_aborted = 0
@@ -118,12 +132,12 @@ class Engine:
         self._listeners: list[Callable[[StepStats], None]] = []
         self._finish_listeners: list[Callable[[list[ServerSequence]], None]] = []
         self._emitted: dict[int, int] = {}  # seq_id -> completion tokens already streamed
-        self._calls: list[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future]] = []  # call_between_steps
+        self._calls: list[_Pending] = []  # call_between_steps not run yet
         self._num_calls_running = 0
 
     # ------------------------------------------------------------------ properties
     @property
-    def model(self) -> Any:
+    def model(self) -> torch.nn.Module:
         return self.backend.model
 
     @property
@@ -132,7 +146,7 @@ class Engine:
         return self._version
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> PreTrainedTokenizerBase | None:
         return self.backend.tokenizer
 
     @property
@@ -191,8 +205,8 @@ class Engine:
             for seq in self.scheduler.take_all():
                 self._finish(seq)
             calls, self._calls = self._calls, []
-        for _, loop, future in calls:  # call_between_steps never run
-            loop.call_soon_threadsafe(_settle, future, None, EngineStopped("engine is not running"))
+        for call in calls:  # call_between_steps never run
+            call.settle(None, EngineStopped("engine is not running"))
         self.backend.close()
 
     # ------------------------------------------------------------------ requests
@@ -206,7 +220,7 @@ class Engine:
         return seqs
 
     def submit(self, seqs: list[ServerSequence], stream: bool = False, num_top_logprobs: int = 0,
-               sink: Callable[[Request, tuple], None] | None = None) -> Request:
+               sink: Callable[[Request, EngineEventTuple], None] | None = None) -> Request:
         """Queue the sequences of one request (call from the event loop). Raises QueueFull.
         With `num_top_logprobs` k > 0 each finished sequence gets `seq.top_logprobs`
         (per completion token the k most likely (id, logprob); see Runner.top_logprobs).
@@ -251,7 +265,7 @@ class Engine:
                 raise RequestFailed(f"sample {index}: {payload}" if len(req.seqs) > 1 else payload)
         return req.seqs
 
-    async def events(self, req: Request) -> AsyncIterator[tuple[EngineEvent, int, Any]]:
+    async def events(self, req: Request) -> AsyncIterator[EngineEventTuple]:
         """Yield (kind, seq index, payload) events until every sequence is done or failed.
 
         kinds (EngineEvent): UPDATE (streams only; payload = (completion ids, text) after a block
@@ -344,20 +358,13 @@ class Engine:
         with self._cond:
             if not self.is_running:
                 raise EngineStopped("engine is not running")
-            self._calls.append((fn, loop, future))
+            self._calls.append(_BetweenSteps(fn, loop, future))
             self._cond.notify_all()
         return future
 
-    def _run_calls(self, calls: list[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future]]) -> None:
-        for fn, loop, future in calls:
-            try:
-                result, error = fn(), None
-            except Exception as e:  # the caller's failure, not the engine's
-                result, error = None, e
-            try:
-                loop.call_soon_threadsafe(_settle, future, result, error)
-            except RuntimeError:  # that event loop is closed: its caller is gone
-                pass
+    def _run_calls(self, calls: list[_Pending]) -> None:
+        for call in calls:
+            call.run()
         with self._cond:
             self._num_calls_running = 0
             self._wake_drained()
@@ -478,10 +485,37 @@ class Engine:
             self._wake_drained()
 
 
-def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    """(on the caller's event loop) a call_between_steps finished."""
+class _Pending(Protocol):
+    def run(self) -> None: ...
+    def settle(self, result: None, error: BaseException) -> None: ...
+
+
+@dataclass(eq=False)
+class _BetweenSteps(Generic[T]):
+    """One call_between_steps: `fn`, run on the engine thread; its future, settled on the caller's loop."""
+
+    fn: Callable[[], T]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[T]
+
+    def run(self) -> None:
+        try:
+            result, error = self.fn(), None
+        except Exception as e:  # the caller's failure, not the engine's
+            result, error = None, e
+        self.settle(result, error)
+
+    def settle(self, result: T | None, error: BaseException | None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(_settle, self.future, result, error)
+        except RuntimeError:  # that event loop is closed: its caller is gone
+            pass
+
+
+def _settle(future: asyncio.Future[T], result: T | None, error: BaseException | None) -> None:
+    """(on the caller's event loop) a call_between_steps finished: `result` is fn's unless `error`."""
     if not future.done():
-        future.set_exception(error) if error is not None else future.set_result(result)
+        future.set_exception(error) if error is not None else future.set_result(cast(T, result))
 
 
 def _resolve(drained: asyncio.Future) -> None:

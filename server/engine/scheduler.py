@@ -63,6 +63,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from dllm import scheduler as core
 from dllm.block_manager import KVBudget
@@ -71,6 +72,9 @@ from dllm.scheduler import ScheduledBatch
 from dllm.trace import FinishReason
 from server.engine.retry_after import Forecast, RetryAfter, Work
 from server.engine.sequence import SeqStatus, ServerSequence
+
+if TYPE_CHECKING:
+    from server.engine.engine import EngineEventTuple
 
 __all__ = ["InvalidTransition", "KVBudget", "QueueFull", "Request", "ScheduledBatch", "Scheduler", "seq_tokens"]
 
@@ -99,13 +103,13 @@ class Request:
     request_id: str
     seqs: list[ServerSequence]           # prompt-major order (p * n + i)
     loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue[EngineEventTuple] = field(default_factory=asyncio.Queue)
     stream: bool = False
     arrival: float = field(default_factory=time.monotonic)
     num_done: int = 0
     is_aborted: bool = False
     expired: str = ""                    # why the request was aborted at its deadline ("" = it was not)
-    sink: Callable[[Request, tuple], None] | None = None  # events go here (engine thread) instead of `events`
+    sink: Callable[[Request, EngineEventTuple], None] | None = None  # events go here (engine thread) instead of `events`
 
     def __post_init__(self) -> None:
         self.index_of = {s.seq_id: i for i, s in enumerate(self.seqs)}
@@ -118,7 +122,7 @@ class Request:
     def is_finished(self) -> bool:
         return self.num_done == len(self.seqs)
 
-    def emit(self, event: tuple) -> None:
+    def emit(self, event: EngineEventTuple) -> None:
         """Thread-safe: hand an event to the request's handler on its event loop (or to its `sink`, at once)."""
         if self.sink is not None:
             self.sink(self, event)

@@ -1,6 +1,7 @@
 """Recording served samples into the feedback store: written before the id is handed out.
 
-    recorder = Recorder.from_config(config, engine, metrics)   # server.api.app does it; None = no store
+    store = open_feedback_store(config)                        # server.api.app does it; None = no store
+    recorder = Recorder.from_config(config, engine, store, metrics)   # None without a store
     ids = await recorder.record([(seq, prompt), ...])          # record_id per sample, or None
     recorder.add_feedback(record_id, 1.0, "accept")            # in a worker thread (routes_feedback)
 
@@ -44,7 +45,7 @@ import random
 import threading
 import time
 from collections import abc, deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dllm.trace import FinishReason
 from dlrl_config import ConfigError
@@ -53,6 +54,7 @@ from server.recording.store_health import StoreHealth
 from store import FeedbackStore, Record, error_cause, new_record_id, open_store
 
 if TYPE_CHECKING:
+    from dllm.sampling import SamplingParams
     from server.config import ServerConfig
     from server.core.client import CoreClient
     from server.metrics import ServerMetrics
@@ -60,6 +62,21 @@ if TYPE_CHECKING:
 log = logging.getLogger("dlrl.server")
 MODES = ("none", "sample", "all")
 _TRANSIENT = ("disk_full", "io_error", "unavailable", "locked")  # retried; any other cause drops the batch
+
+
+def open_feedback_store(config: ServerConfig) -> FeedbackStore | None:
+    """The app's feedback store (`server.store`): None when neither recording nor feedback needs one;
+    ConfigError naming server.store when it cannot be opened."""
+    if config.record == "none" and not config.resolved_feedback_token():
+        return None
+    try:
+        store = open_store(config.store, max_records=config.store_max_records, max_age_s=config.store_max_age_s)
+    except Exception as e:  # sqlite3.Error, OSError, psycopg errors (database down), ImportError
+        raise ConfigError(f"server.store: cannot open the feedback store {_redact(config.store)!r}: "
+                          f"{type(e).__name__}: {e}") from None
+    log.info("feedback store %s (record=%s%s)", _redact(config.store), config.record,
+             f", fraction {config.record_fraction}" if config.record == "sample" else "")
+    return store
 
 
 class Recorder:
@@ -84,19 +101,12 @@ class Recorder:
         self._writer.start()
 
     @classmethod
-    def from_config(cls, config: ServerConfig, engine: CoreClient, metrics: ServerMetrics | None = None) -> Recorder | None:
-        """The app's recorder: None when neither recording nor feedback needs the store."""
-        if config.record == "none" and not config.resolved_feedback_token():
+    def from_config(cls, config: ServerConfig, engine: CoreClient, store: FeedbackStore | None,
+                    metrics: ServerMetrics | None = None) -> Recorder | None:
+        """The app's recorder of `store` (open_feedback_store's; None: no recorder)."""
+        if store is None:
             return None
-        try:
-            store = open_store(config.store, max_records=config.store_max_records,
-                               max_age_s=config.store_max_age_s)
-        except Exception as e:  # sqlite3.Error, OSError, psycopg errors (database down), ImportError
-            raise ConfigError(f"server.store: cannot open the feedback store {_redact(config.store)!r}: "
-                              f"{type(e).__name__}: {e}") from None
         server = f"http://{config.host}:{config.port}"
-        log.info("feedback store %s (record=%s%s)", _redact(config.store), config.record,
-                 f", fraction {config.record_fraction}" if config.record == "sample" else "")
         recorder = cls(store, mode=config.record, fraction=config.record_fraction, server=server, metrics=metrics,
                        max_pending=config.record_max_pending, wait_s=config.record_wait_s,
                        error_log_s=config.store_error_log_s)
@@ -398,7 +408,7 @@ class _Waiter:
 _FIELDS: dict[type, tuple[str, ...]] = {}  # a dataclass's field names, by type
 
 
-def _params(params: Any) -> dict:
+def _params(params: SamplingParams) -> dict[str, object]:
     """dataclasses.asdict of SamplingParams (flat: lists copied), without its generic recursion."""
     names = _FIELDS.get(type(params)) or _FIELDS.setdefault(type(params), tuple(f.name for f in dataclasses.fields(params)))
     return {k: list(v) if isinstance(v := getattr(params, k), list) else v for k in names}

@@ -1,6 +1,6 @@
 """Glue between weight_sync.WeightReceiver and the Engine: the server's update window.
 
-    updates = make_updates(engine, config)            # one per app (server.api.app creates it)
+    updates = make_updates(engine, config, metrics=m, executor=pool)   # one per engine core (server.core.engine_core)
     await updates.begin(BeginRequest(...))            # validate against engine.model, stage
     await updates.commit(7, checksums, run_id="r")    # verify -> drain -> apply -> version -> resume
 
@@ -35,31 +35,57 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Executor
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar
 
 import torch
 
+from server.config import ServerConfig
+from server.engine.backends.base import AppliesWeights
 from server.weights.weight_versions import Kept, KeptVersions, NotKept
 from weight_sync import UpdateConflict, UpdateFailed, WeightReceiver, WeightSyncError
-from weight_sync.protocol import BeginRequest, ConnectRequest, UpdatePhase
+from weight_sync.protocol import (
+    AbortResponse,
+    BeginRequest,
+    BeginResponse,
+    BucketResponse,
+    ChecksumResponse,
+    CommitResponse,
+    ConnectRequest,
+    ConnectResponse,
+    KeptResponse,
+    RollbackResponse,
+    UpdatePhase,
+    UpdateState,
+    VersionResponse,
+)
 from weight_sync.transports.http import read_body_into
 
+if TYPE_CHECKING:
+    from server.engine.engine import Engine
+    from server.metrics import ServerMetrics
+
 log = logging.getLogger("dlrl.server")
+P = ParamSpec("P")
+T = TypeVar("T")
+ApplyFn = Callable[[list[tuple[str, torch.Tensor]]], object]  # named tensors -> into the served model
 
 
-def _hf_tensors(model: Any) -> Any:
+def _hf_tensors(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
     from dllm.weights import hf_tensors  # HF names: fused parameters split into views
 
     return hf_tensors(model)
 
 
-def _default_apply(engine: Any) -> Callable[[list[tuple[str, torch.Tensor]]], Any]:
+def _default_apply(engine: Engine) -> ApplyFn:
     """As the runner declares (RunnerInfo.weights): its own `apply_weights` (lmdeploy: its update path), else
     copy_into_model into the served parameters in place."""
     if engine.info.weights == "runner":
-        return engine.backend.apply_weights
+        runner = engine.backend
+        if not isinstance(runner, AppliesWeights):
+            raise TypeError(f"runner {runner.name!r} declares weights='runner' but has no apply_weights")
+        return runner.apply_weights
     from dllm.weights import copy_into_model  # the one function that writes parameters
 
     return lambda named: copy_into_model(engine.model, named, strict=True)
@@ -69,31 +95,31 @@ class WeightControl(Protocol):
     """What the admin routes (server.api.routes_weights) call: WeightUpdates in this process, or its proxy
     in an API process whose engine runs in the engine core (server.core.remote_weights.RemoteWeights)."""
 
-    async def connect(self, body: ConnectRequest) -> dict[str, Any]: ...
-    async def begin(self, body: BeginRequest) -> dict[str, Any]: ...
+    async def connect(self, body: ConnectRequest) -> ConnectResponse: ...
+    async def begin(self, body: BeginRequest) -> BeginResponse: ...
     async def put_bucket(self, index: int, stream: AsyncIterator[bytes], version: int | None, checksum: int | None,
-                         run_id: str = "") -> dict[str, Any]: ...
+                         run_id: str = "") -> BucketResponse: ...
     async def commit(self, version: int, checksums: list[int | None] | None = None,
-                     abort_inflight: bool | None = None, run_id: str = "") -> dict[str, Any]: ...
+                     abort_inflight: bool | None = None, run_id: str = "") -> CommitResponse: ...
     async def abort(self, version: int | None = None, reason: str = "aborted by the sender",
-                    run_id: str | None = "") -> dict[str, Any]: ...
-    async def status(self) -> dict[str, Any]: ...
-    async def state(self, version: int) -> dict[str, Any]: ...
-    async def checksum(self) -> dict[str, Any]: ...
-    async def rollback(self, version: int, abort_inflight: bool | None = None) -> dict[str, Any]: ...
-    async def kept_status(self) -> dict[str, Any]: ...
+                    run_id: str | None = "") -> AbortResponse: ...
+    async def status(self) -> VersionResponse: ...
+    async def state(self, version: int) -> UpdateState: ...
+    async def checksum(self) -> ChecksumResponse: ...
+    async def rollback(self, version: int, abort_inflight: bool | None = None) -> RollbackResponse: ...
+    async def kept_status(self) -> KeptResponse: ...
     def close(self) -> None: ...
 
 
 class WeightUpdates:
     def __init__(
-        self, engine: Any, *, lease_s: float = 30.0, drain_timeout_s: float = 30.0, abort_inflight: bool = False,
-        check_finite: bool = True, apply_fn: Callable[[list[tuple[str, torch.Tensor]]], Any] | None = None,
-        keep_versions: int = 0,
+        self, engine: Engine, *, lease_s: float = 30.0, drain_timeout_s: float = 30.0, abort_inflight: bool = False,
+        check_finite: bool = True, apply_fn: ApplyFn | None = None, keep_versions: int = 0,
+        metrics: ServerMetrics | None = None, executor: Executor | None = None,
     ):
         self.engine = engine
         self.kept = KeptVersions(keep_versions)
-        self._capture_task: asyncio.Future | None = None
+        self._capture_task: asyncio.Future[None] | None = None
         self._write_lock = asyncio.Lock()        # one weight change at a time (commit apply or rollback)
         self._weights_lock = threading.Lock()    # held while a rollback copies or a digest reads
         self.abort_inflight, self.drain_timeout_s = abort_inflight, drain_timeout_s
@@ -102,15 +128,15 @@ class WeightUpdates:
             lambda: dict(_hf_tensors(engine.model)), self.apply_fn,
             served_version=lambda: int(engine.version), lease_s=lease_s, check_finite=check_finite,
         )
-        self._commits: dict[int, asyncio.Task] = {}
+        self._commits: dict[int, asyncio.Task[None]] = {}
         self._verify_s = 0.0
-        self.metrics: Any = None  # server.metrics.ServerMetrics (set by server.api.app): update counts and timings
-        self.executor: Executor | None = None  # server.api.executors' weights pool (set by server.api.app); None = default
+        self.metrics = metrics  # update counts and timings (the engine core's registry); None: not counted
+        self.executor = executor  # the engine core's weights pool; None = the loop's default
         self._bytes: dict[int, int] = {}  # version -> manifest total_bytes, until applied
 
-    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def _run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Blocking work in the weights pool (a hung store elsewhere cannot hold its threads)."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
 
     def _refused(self, step: str) -> None:
         if self.metrics is not None:
@@ -120,28 +146,31 @@ class WeightUpdates:
     def version(self) -> int:
         return int(self.engine.version)
 
-    async def status(self) -> dict[str, Any]:
-        return {**self.receiver.status(), "is_paused": bool(self.engine.is_paused)}  # version: the engine's
+    async def status(self) -> VersionResponse:
+        status = {**self.receiver.status(), "is_paused": bool(self.engine.is_paused)}  # version: the engine's
+        return VersionResponse.model_validate(status)
 
-    async def state(self, version: int) -> dict[str, Any]:
-        return self.receiver.state(version)  # served_version: the engine's
+    async def state(self, version: int) -> UpdateState:
+        return UpdateState.model_validate(self.receiver.state(version))  # served_version: the engine's
 
-    async def connect(self, body: ConnectRequest) -> dict[str, Any]:
-        return await self._run(self.receiver.connect, body.transport, body.manifest, body.options, body.run_id)
+    async def connect(self, body: ConnectRequest) -> ConnectResponse:
+        out = await self._run(self.receiver.connect, body.transport, body.manifest, body.options, body.run_id)
+        return ConnectResponse.model_validate(out)
 
-    async def begin(self, body: BeginRequest) -> dict[str, Any]:
+    async def begin(self, body: BeginRequest) -> BeginResponse:
         try:
             out = await self._run(self.receiver.begin, body.version, body.transport, body.manifest,
                                   body.options, body.lease_s, body.run_id)
         except Exception:
             self._refused("begin")
             raise
-        self._bytes = {body.version: int(out.get("total_bytes", 0)) if isinstance(out, dict) else 0}
-        return out
+        begun = BeginResponse.model_validate(out)
+        self._bytes = {body.version: begun.total_bytes}
+        return begun
 
     async def put_bucket(
         self, index: int, stream: AsyncIterator[bytes], version: int | None, checksum: int | None, run_id: str = "",
-    ) -> dict[str, Any]:
+    ) -> BucketResponse:
         """http data plane: stream one request body into the staging bucket (owner only), then verify it."""
         buf = self.open_bucket(index, version, run_id)  # NotOwner before a byte is read
         try:
@@ -156,24 +185,24 @@ class WeightUpdates:
         return self.receiver.bucket_buffer(index, version, run_id)
 
     async def bucket_done(self, index: int, nbytes: int | None, checksum: int | None, version: int | None,
-                          run_id: str = "") -> dict[str, Any]:
+                          run_id: str = "") -> BucketResponse:
         """A bucket's body ended (`nbytes` None: it failed half-way, the bucket is released): check it."""
         if nbytes is None:
             self.receiver.bucket_written(index, None, None, version, run_id)
-            return {"index": index, "nbytes": 0}
+            return BucketResponse(index=index, nbytes=0)
         await self._run(self.receiver.bucket_written, index, nbytes, checksum, version, run_id)
-        return {"index": index, "nbytes": nbytes}
+        return BucketResponse(index=index, nbytes=nbytes)
 
     async def commit(self, version: int, checksums: list[int | None] | None = None,
-                     abort_inflight: bool | None = None, run_id: str = "") -> dict[str, Any]:
-        """Verify, drain (bounded), apply. Returns {"state": "applied" | "pending", ...}.
+                     abort_inflight: bool | None = None, run_id: str = "") -> CommitResponse:
+        """Verify, drain (bounded), apply. Returns state "applied" | "pending".
         NotOwner (409) when `version` (in progress, pending or applied) belongs to another run."""
         abort = self.abort_inflight if abort_inflight is None else abort_inflight
         self.receiver.check_owner(version, run_id)  # before anything: a foreign commit changes nothing
         task = self._commits.get(version)
         if task is None:
             if self.receiver.committed(version) and version <= self.version:  # above: applied, then rolled back
-                return {"version": version, "state": "applied", "served_version": self.version}
+                return CommitResponse(version=version, state="applied", served_version=self.version)
             t0 = time.perf_counter()
             try:
                 await self._run(self.receiver.verify, version, checksums, run_id)
@@ -187,8 +216,8 @@ class WeightUpdates:
         try:
             await asyncio.wait_for(asyncio.shield(task), bound)
         except TimeoutError:
-            return {"version": version, "state": "pending", "served_version": self.version}
-        return {"version": version, "state": "applied", "served_version": self.version}
+            return CommitResponse(version=version, state="pending", served_version=self.version)
+        return CommitResponse(version=version, state="applied", served_version=self.version)
 
     async def _drain_and_apply(self, version: int, abort: bool) -> None:
         await self.wait_capture()
@@ -250,19 +279,19 @@ class WeightUpdates:
                 continue
 
     async def abort(self, version: int | None = None, reason: str = "aborted by the sender",
-                    run_id: str | None = "") -> dict[str, Any]:
+                    run_id: str | None = "") -> AbortResponse:
         """Abort the update of `run_id` (NotOwner: another run's); aborted False when none matches."""
         aborted = await self._run(self.receiver.abort, version, reason, run_id)
         if aborted and self.metrics is not None:
             self.metrics.update_aborts.inc()
-        return {"aborted": aborted, "version": self.version}
+        return AbortResponse(aborted=aborted, version=self.version)
 
-    async def checksum(self) -> dict[str, Any]:
+    async def checksum(self) -> ChecksumResponse:
         def digest() -> str:
             with self._weights_lock:
                 return self.receiver.digest()
 
-        return {"version": self.version, "digest": await self._run(digest)}
+        return ChecksumResponse(version=self.version, digest=await self._run(digest))
 
     # ------------------------------------------------------------------ kept versions, rollback
     def start_capture(self) -> None:
@@ -287,11 +316,11 @@ class WeightUpdates:
                 log.error("keeping version for rollback failed: %r", e)
             self._capture_task = None
 
-    async def kept_status(self) -> dict[str, Any]:
-        return {"versions": self.kept.versions(), "served_version": self.version, "keep": self.kept.keep,
-                "num_bytes": self.kept.num_bytes}
+    async def kept_status(self) -> KeptResponse:
+        return KeptResponse(versions=self.kept.versions(), served_version=self.version, keep=self.kept.keep,
+                            num_bytes=self.kept.num_bytes)
 
-    async def rollback(self, version: int, abort_inflight: bool | None = None) -> dict[str, Any]:
+    async def rollback(self, version: int, abort_inflight: bool | None = None) -> RollbackResponse:
         """Restore kept `version` (NotKept: 404; UpdateConflict: an update is in progress or
         in-flight sequences did not drain): pause between sequences, copy_into_model, resume."""
         await self.wait_capture()
@@ -307,7 +336,7 @@ class WeightUpdates:
             self.kept.touch(version)
         seconds = time.perf_counter() - t0
         log.info("rolled back from version %d to %d in %.3fs", previous, version, seconds)
-        return {"version": version, "previous_version": previous, "digest": kept.digest, "seconds": seconds}
+        return RollbackResponse(version=version, previous_version=previous, digest=kept.digest, seconds=seconds)
 
     async def _pause_for_rollback(self, abort: bool) -> None:
         try:
@@ -341,15 +370,13 @@ def describe_error(e: BaseException) -> tuple[int, str]:
     return 400, f"failed: {type(e).__name__}: {e}"
 
 
-def make_updates(engine: Any, config: Any = None) -> WeightUpdates:
-    """WeightUpdates configured from `config` (server.config.ServerConfig weight_sync_* keys)."""
+def make_updates(engine: Engine, config: ServerConfig, *, metrics: ServerMetrics | None = None,
+                 executor: Executor | None = None) -> WeightUpdates:
+    """WeightUpdates configured from `config` (its weight_sync_* keys and keep_versions)."""
     return WeightUpdates(
-        engine,
-        lease_s=float(getattr(config, "weight_sync_lease_s", 30.0)),
-        drain_timeout_s=float(getattr(config, "weight_sync_drain_timeout_s", 30.0)),
-        abort_inflight=bool(getattr(config, "weight_sync_abort_inflight", False)),
-        check_finite=bool(getattr(config, "weight_sync_check_finite", True)),
-        keep_versions=int(getattr(config, "keep_versions", 0)),
+        engine, lease_s=config.weight_sync_lease_s, drain_timeout_s=config.weight_sync_drain_timeout_s,
+        abort_inflight=config.weight_sync_abort_inflight, check_finite=config.weight_sync_check_finite,
+        keep_versions=config.keep_versions, metrics=metrics, executor=executor,
     )
 
 

@@ -29,6 +29,7 @@ from fastapi import FastAPI
 
 from server.api import routes_weights
 from server.api.state import ServerState, attach
+from server.config import ServerConfig
 from server.engine import engine as engine_module
 from server.engine.backends.base import RunnerInfo
 from server.engine.scheduler import KVBudget
@@ -201,7 +202,7 @@ def serve(app: FastAPI):
 
 def make_app(engine: Engine) -> FastAPI:
     app = FastAPI()
-    attach(app, ServerState(engine, admin_token=TOKEN, weight_updates=make_updates(engine)))
+    attach(app, ServerState(engine, admin_token=TOKEN, weight_updates=make_updates(engine, ServerConfig(keep_versions=0))))
     app.include_router(routes_weights.router)
     return app
 

@@ -21,6 +21,7 @@ from fastapi.testclient import TestClient
 from dllm.weights import hf_tensors
 from server.api import routes_weights
 from server.api.state import ServerState, attach
+from server.config import ServerConfig
 from server.engine import engine as engine_module
 from server.engine.backends.base import RunnerInfo
 from server.engine.scheduler import KVBudget
@@ -66,7 +67,7 @@ def tiny_model(seed: int) -> torch.nn.Module:
 def make_client(model: torch.nn.Module) -> tuple[TestClient, Engine]:
     app = FastAPI()
     engine = Engine(model)
-    st = attach(app, ServerState(engine, admin_token=TOKEN, weight_updates=make_updates(engine)))
+    st = attach(app, ServerState(engine, admin_token=TOKEN, weight_updates=make_updates(engine, ServerConfig(keep_versions=0))))
     app.include_router(routes_weights.router)
     return TestClient(app), st.engine
 

@@ -34,6 +34,7 @@ from fastapi import FastAPI
 
 from server.api import routes_weights
 from server.api.state import ServerState, attach
+from server.config import ServerConfig
 from server.engine.backends.base import RunnerInfo
 from server.engine.engine import Engine
 from server.engine.scheduler import KVBudget
@@ -104,7 +105,7 @@ class FakeEngine(Engine):
 
 def make_app(engine: FakeEngine, timeout_s: float = 30.0) -> FastAPI:
     app = FastAPI()
-    st = attach(app, ServerState(engine, admin_token=TOKEN, weight_updates=make_updates(engine)))
+    st = attach(app, ServerState(engine, admin_token=TOKEN, weight_updates=make_updates(engine, ServerConfig(keep_versions=0))))
     st.weight_updates.receiver.lease_s = timeout_s
     app.include_router(routes_weights.router)
     return app

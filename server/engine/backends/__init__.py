@@ -23,6 +23,8 @@ def check_backend(name: str) -> None:
 
 
 def create_backend(name: str, model_path: str, **kwargs: Any) -> Backend:
+    """The runner `name` of `model_path`; `kwargs` (server.cli.build_engine: ServerConfig values of many types)
+    go on to that runner's `from_pretrained`, which types each key and refuses the ones it does not take."""
     full: dict[str, Any] = {k: kwargs.pop(k) for k in ("cache_mode", "further_horizon", "ranking", "rng") if k in kwargs}
     if name == "lmdeploy":  # refused there by name unless left default
         kwargs |= full

@@ -36,13 +36,19 @@ Callers read what a runner supports from `runner.info` (never by probing its att
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+
+import torch
 
 from dllm.postprocess import Postprocessor, StepOutput
 from dllm.sampling import SamplingParams
 from server.engine.scheduler import KVBudget, ScheduledBatch
 from server.engine.sequence import ServerSequence
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase  # no types to mypy: it does not follow transformers
 
 
 class BackendUnavailable(RuntimeError):
@@ -66,13 +72,21 @@ class RunnerInfo:
 @runtime_checkable
 class Runner(Protocol):
     name: str
-    model: Any          # torch.nn.Module with SDAR parameter names (None for a fake)
-    tokenizer: Any      # the server-side tokenizer (encode prompts, chat template)
     block_size: int
     max_len: int        # longest prompt + completion a sequence may reach
     max_batch: int
     vocab_size: int
     mask_token_id: int
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The served weights, with Hugging Face parameter names (the receiver copies updates into them)."""
+        ...
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase | None:
+        """The server-side tokenizer (encode prompts, chat template); None: token ids only."""
+        ...
 
     @property
     def info(self) -> RunnerInfo:
@@ -110,6 +124,15 @@ class Runner(Protocol):
 
     def close(self) -> None:
         """Free device resources."""
+        ...
+
+
+@runtime_checkable
+class AppliesWeights(Protocol):
+    """A runner with its own weight-update path (RunnerInfo.weights == "runner": lmdeploy)."""
+
+    def apply_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """A full set of HF-named tensors into the served model."""
         ...
 
 

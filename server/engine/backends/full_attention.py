@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -56,6 +56,9 @@ from server.engine.backends.base import RunnerInfo
 from server.engine.backends.native import DEFAULT_MAX_LEN, DecoderRunner, resolve_device, resolve_dtype
 from server.engine.scheduler import KVBudget, ScheduledBatch
 from server.engine.sequence import ServerSequence
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase  # no types to mypy: it does not follow transformers
 
 log = logging.getLogger("dlrl.server")
 
@@ -95,8 +98,8 @@ class FullAttentionRunner(DecoderRunner):
     name = "full_attention"
     decoder: FullDecoder
 
-    def __init__(self, model: FullAttentionLM, tokenizer: Any, *, max_batch: int, cache_mode: str = DEFAULT_CACHE_MODE,
-                 max_model_len: int = 0, eos_ids: list[int] | None = None, further_horizon: int = -1,
+    def __init__(self, model: FullAttentionLM, tokenizer: PreTrainedTokenizerBase | None, *, max_batch: int,
+                 cache_mode: str = DEFAULT_CACHE_MODE, max_model_len: int = 0, eos_ids: list[int] | None = None, further_horizon: int = -1,
                  ranking: str = "official", rng: str = "counter", compile: bool = False,
                  cuda_graphs: bool = False) -> None:
         cfg = model.config
@@ -122,7 +125,7 @@ class FullAttentionRunner(DecoderRunner):
                         ranking: str = "official", rng: str = "counter", device: str = "auto",
                         dtype: str = "auto", max_batch: int = 16, max_model_len: int = 0,
                         trust_remote_code: bool = False, block_size: int = 0, mask_token_id: int = -1,
-                        compile: bool = False, cuda_graphs: bool = False, **unused: Any) -> FullAttentionRunner:
+                        compile: bool = False, cuda_graphs: bool = False, **unused: object) -> FullAttentionRunner:
         """Load a LLaDA / Dream folder. `unused`: the block-causal KV-cache sizing options (no paged cache)."""
         from dllm.tokenizer import eos_token_ids, load_tokenizer
 

@@ -18,31 +18,76 @@ import concurrent.futures
 import logging
 import re
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from types import ModuleType
+from typing import ParamSpec, Protocol, TypeVar
 
 import torch
 
 from server.engine.backends.base import BackendUnavailable
 
 log = logging.getLogger("dlrl.server")
+P = ParamSpec("P")
 T = TypeVar("T")
 CALL_TIMEOUT_S = 600.0  # an engine call (sleep, update, wakeup) that takes longer is a failure
 MIN_VERSION = (0, 13)  # async Engine.sleep, requests cancelled while asleep (read against 0.13 - 0.18)
 TESTED_BELOW = (0, 19)  # the in-process update path was read against 0.18's source: newer ones get a warning
 
 
+# lmdeploy ships no type information: what dlrl calls of it, as Protocols (read against its 0.13 - 0.18 source)
+class LMDeployOutput(Protocol):
+    status: object        # lmdeploy.messages.ResponseType (its `.name` is read)
+    token_ids: list[int]  # the tokens this output adds
+
+
+class LMDeployInstance(Protocol):
+    """One generation slot of the engine (`Engine.create_instance()`)."""
+
+    def async_stream_infer(self, session_id: int, input_ids: list[int], *,
+                           gen_config: object) -> AsyncIterator[LMDeployOutput]: ...
+
+    async def async_cancel(self, session_id: int) -> object: ...
+
+
+class LMDeployEngine(Protocol):
+    """lmdeploy.pytorch.engine.Engine: instances, sleep / wakeup around a weight update, shutdown."""
+
+    def create_instance(self) -> LMDeployInstance: ...
+
+    async def sleep(self, level: int) -> object: ...
+
+    def wakeup(self, tags: list[str]) -> object: ...
+
+    def close(self) -> object: ...
+
+    async def wait_tasks(self) -> object: ...
+
+
+class LMDeployAgent(Protocol):
+    """The 'uni' executor's model agent (in this process): where a weight update loads."""
+
+    def update_params(self, request: object) -> object: ...
+
+
+class FlattenedBucket(Protocol):
+    """lmdeploy.utils.FlattenedTensorBucket: a bucket's tensors as one flat tensor and its metadata."""
+
+    def get_flattened_tensor(self) -> torch.Tensor: ...
+
+    def get_metadata(self) -> list[object]: ...
+
+
 @dataclass
 class LMDeployAPI:
     """What the runner calls of lmdeploy besides the engine (injected by tests)."""
 
-    generation_config: Callable[..., Any]  # lmdeploy.GenerationConfig
-    update_request: Callable[..., Any]     # lmdeploy.serve.openai.protocol.UpdateParamsRequest
-    flattened_bucket: Callable[..., Any]   # lmdeploy.utils.FlattenedTensorBucket(named_tensors=...)
+    generation_config: Callable[..., object]  # lmdeploy.GenerationConfig
+    update_request: Callable[..., object]     # lmdeploy.serve.openai.protocol.UpdateParamsRequest
+    flattened_bucket: Callable[..., FlattenedBucket]  # lmdeploy.utils.FlattenedTensorBucket(named_tensors=...)
 
 
-def load_lmdeploy() -> Any:
+def load_lmdeploy() -> ModuleType:
     """The lmdeploy module, or BackendUnavailable naming server.backend (missing package, no CUDA)."""
     try:
         import lmdeploy
@@ -107,17 +152,17 @@ class LoopThread:
         self.thread = threading.Thread(target=self.loop.run_forever, name="dlrl-lmdeploy", daemon=True)
         self.thread.start()
 
-    def spawn(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+    def spawn(self, coro: Coroutine[object, object, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = CALL_TIMEOUT_S) -> T:
+    def run(self, coro: Coroutine[object, object, T], timeout: float = CALL_TIMEOUT_S) -> T:
         return self.spawn(coro).result(timeout)
 
-    def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """fn(*args) on the loop's thread (LMDeploy's engine state belongs to it)."""
+    def call(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """fn(*args, **kwargs) on the loop's thread (LMDeploy's engine state belongs to it)."""
 
         async def call() -> T:
-            return fn(*args)
+            return fn(*args, **kwargs)
 
         return self.run(call())
 

@@ -37,7 +37,6 @@ the field (the server answers 400), never decoded some other way in silence:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from dllm.errors import FieldError
 from dllm.sampling import GREEDY_BELOW, SamplingParams
@@ -80,7 +79,7 @@ class DLLMSettings:
 
 
 def engine_kwargs(settings: DLLMSettings, *, max_batch: int, max_len: int, dtype: str, kv_cache_fraction: float,
-                  cuda_graphs: bool) -> dict[str, Any]:
+                  cuda_graphs: bool) -> dict[str, object]:
     """Keyword arguments of `lmdeploy.PytorchEngineConfig` (ConfigError naming the server key)."""
     if dtype not in DTYPES:
         raise ConfigError(f"server.dtype: LMDeploy's PyTorch engine serves auto, bfloat16 or float16, got {dtype!r}")
@@ -116,7 +115,7 @@ def check_decoding(params: SamplingParams, settings: DLLMSettings) -> None:
 
 
 def generation_kwargs(params: SamplingParams, settings: DLLMSettings, *, eos_ids: list[int],
-                      mask_token_id: int) -> dict[str, Any]:
+                      mask_token_id: int) -> dict[str, object]:
     """Keyword arguments of `lmdeploy.GenerationConfig` for one sequence (FieldError naming the field)."""
     check_decoding(params, settings)
     if params.logit_bias:

@@ -63,7 +63,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -77,6 +77,8 @@ from server.engine.backends.base import RunnerInfo
 from server.engine.backends.lmdeploy_engine import (
     FULL_ATTENTION_DEFAULTS,
     LMDeployAPI,
+    LMDeployEngine,
+    LMDeployInstance,
     LoopThread,
     check_options,
     lmdeploy_api,
@@ -86,6 +88,11 @@ from server.engine.backends.lmdeploy_params import DLLMSettings, engine_kwargs, 
 from server.engine.backends.lmdeploy_weights import LMDeployBroken, apply_full, in_process_agent, push
 from server.engine.scheduler import KVBudget, ScheduledBatch
 from server.engine.sequence import ServerSequence
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase  # no types to mypy: it does not follow transformers
+
+    from dllm.weights import DiffusionLM
 
 log = logging.getLogger("dlrl.server")
 POLL_S = 0.05  # longest `run` waits for a block before handing control back (aborts, admissions)
@@ -111,8 +118,9 @@ class LMDeployPostprocessor(Postprocessor):
     """dlrl's stop rules, plus: a sequence whose LMDeploy stream ended (all its tokens handed over)
     ends here too -- "length" at max_tokens, "stop" otherwise, "error" if LMDeploy failed."""
 
-    def __init__(self, *, ended: Callable[[Sequence], tuple[bool, str | None]], **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, *, ended: Callable[[Sequence], tuple[bool, str | None]], eos_ids: Iterable[int],
+                 tokenizer: PreTrainedTokenizerBase | None, max_len: int, block_size: int) -> None:
+        super().__init__(eos_ids=eos_ids, tokenizer=tokenizer, max_len=max_len, block_size=block_size)
         self.ended = ended
 
     def commit_block(self, s: Sequence) -> FinishReason | None:
@@ -138,7 +146,8 @@ class LMDeployRunner:
     info = RunnerInfo("sdar", has_top_logprobs=False, has_likelihoods=False, prefix_sharing=False, weights="runner",
                       note="trace-free; LMDeploy's own prefix caching is not turned on (not run with its dLLM mode)")
 
-    def __init__(self, engine: Any, api: LMDeployAPI, model: Any, tokenizer: Any, *, settings: DLLMSettings,
+    def __init__(self, engine: LMDeployEngine, api: LMDeployAPI, model: DiffusionLM,
+                 tokenizer: PreTrainedTokenizerBase | None, *, settings: DLLMSettings,
                  eos_ids: list[int], max_batch: int, max_len: int, device: str = "cuda",
                  update_bucket_bytes: int = 256 << 20) -> None:
         cfg = model.config
@@ -168,7 +177,7 @@ class LMDeployRunner:
                         kv_cache_fraction: float = 0.8, cuda_graphs: bool = False, strategy: str = "dynamic",
                         threshold: float = 0.9, lmdeploy_steps: int = 0, device: str = "auto",
                         kv_cache_memory: int = 0, compile: bool = False, kv_admission: str = "reserve",
-                        **others: Any) -> LMDeployRunner:
+                        **others: object) -> LMDeployRunner:
         """Check the options, lmdeploy and CUDA, load the host copy and dlrl's tokenizer, build LMDeploy's engine."""
         full = {k: others[k] for k in FULL_ATTENTION_DEFAULTS if k in others}
         check_options(device=device, kv_cache_memory=kv_cache_memory, compile=compile, kv_admission=kv_admission,
@@ -211,7 +220,7 @@ class LMDeployRunner:
         seq.trace.trace_free, seq.trace.backend = True, self.name
         return seq
 
-    def gen_config(self, params: SamplingParams) -> Any:
+    def gen_config(self, params: SamplingParams) -> object:  # lmdeploy.GenerationConfig
         return self.api.generation_config(**generation_kwargs(params, self.settings, eos_ids=self.eos_ids,
                                                               mask_token_id=self.mask_token_id))
 
@@ -255,7 +264,8 @@ class LMDeployRunner:
         stream.future = self._loop.spawn(self._consume(instance, stream, list(seq.prompt_ids),
                                                        self.gen_config(seq.params)))
 
-    async def _consume(self, instance: Any, stream: _Stream, prompt_ids: list[int], gen_config: Any) -> None:
+    async def _consume(self, instance: LMDeployInstance, stream: _Stream, prompt_ids: list[int],
+                       gen_config: object) -> None:
         """Read one LMDeploy request's outputs into its stream (on the loop thread). Only FINISH, or a CANCEL
         dlrl asked for, ends it normally; anything else is the sequence's error."""
         stream.task = asyncio.current_task()
@@ -319,7 +329,7 @@ class LMDeployRunner:
             if stream is not None and not stream.done:
                 self._loop.spawn(self._cancel(self._instances[seq.slot or 0], stream))
 
-    async def _cancel(self, instance: Any, stream: _Stream) -> None:
+    async def _cancel(self, instance: LMDeployInstance, stream: _Stream) -> None:
         try:
             await instance.async_cancel(stream.session_id)
         except Exception as e:  # already gone: nothing to stop

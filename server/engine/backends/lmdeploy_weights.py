@@ -44,32 +44,37 @@ import threading
 from collections.abc import Callable, Coroutine, Iterable, Iterator
 from contextlib import contextmanager
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar
 
 import torch
 
 from server.engine.backends.base import BackendUnavailable
 
+if TYPE_CHECKING:
+    from server.engine.backends.lmdeploy_engine import LMDeployAgent, LMDeployAPI, LMDeployEngine
+
 log = logging.getLogger("dlrl.server")
+P = ParamSpec("P")
+T = TypeVar("T")
 Named = list[tuple[str, torch.Tensor]]
 ASLEEP = ("weights", "kv_cache")  # what LMDeploy's sleep marks asleep, before anything else
 
 
 class EngineLoop(Protocol):
-    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = ...) -> Any: ...
+    def run(self, coro: Coroutine[object, object, T], timeout: float = ...) -> T: ...
 
-    def call(self, fn: Callable[..., Any], *args: Any) -> Any: ...
+    def call(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T: ...
 
 
 class LMDeployBroken(RuntimeError):
     """An update failed and restoring the served weights failed too: LMDeploy's weights are not a version."""
 
 
-def in_process_agent(engine: Any) -> Any:
+def in_process_agent(engine: LMDeployEngine) -> LMDeployAgent:
     """LMDeploy's model agent of the 'uni' executor (in this process), or BackendUnavailable saying why not."""
     executor = getattr(engine, "executor", None)
     agent = getattr(executor, "model_agent", None)
-    if not callable(getattr(agent, "update_params", None)):
+    if agent is None or not callable(getattr(agent, "update_params", None)):
         raise BackendUnavailable(
             f"server.backend=lmdeploy: LMDeploy built a {type(executor).__name__} executor with no model agent in "
             "this process; dlrl updates weights through the 'uni' executor's (distributed_executor_backend='uni', "
@@ -97,7 +102,7 @@ def take_bucket(token: int, *args: object) -> torch.Tensor:
 
 
 @contextmanager
-def handed_over(flat: torch.Tensor, metadata: list[Any]) -> Iterator[str]:
+def handed_over(flat: torch.Tensor, metadata: list[object]) -> Iterator[str]:
     """An UpdateParamsRequest payload (load_format "flattened_bucket") handing `flat` over in this process;
     LMDeploy's format is base64 of a ForkingPickler dump (this process only: no bytes leave it)."""
     token = next(_tokens)
@@ -129,7 +134,8 @@ def buckets(named: Named, dtype: torch.dtype, bucket_bytes: int) -> Iterator[Nam
         yield bucket
 
 
-def push(loop: EngineLoop, engine: Any, agent: Any, api: Any, named: Named, *, dtype: torch.dtype, device: str,
+def push(loop: EngineLoop, engine: LMDeployEngine, agent: LMDeployAgent, api: LMDeployAPI, named: Named, *,
+         dtype: torch.dtype, device: str,
          bucket_bytes: int) -> int:
     """sleep(2) -> wakeup weights -> the agent's update_params per bucket -> wakeup (always); the buckets sent."""
     asleep = list(ASLEEP)
@@ -156,7 +162,8 @@ def push(loop: EngineLoop, engine: Any, agent: Any, api: Any, named: Named, *, d
             log.error("lmdeploy: waking %s after a failed update failed too: %r", asleep, e)
 
 
-def apply_full(model: Any, named: Iterable[tuple[str, torch.Tensor]], push_fn: Callable[[Named], Any]) -> None:
+def apply_full(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]], push_fn: Callable[[Named], object],
+               ) -> None:
     """Every tensor -> LMDeploy (`push_fn`), then the host copy `model`; on failure the host copy is pushed back."""
     from dllm.weights import WeightLoadError, copy_into_model, hf_tensors
 

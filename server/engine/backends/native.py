@@ -49,11 +49,13 @@ import copy
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 
+from dllm.full.model import FullAttentionLM
 from dllm.kv_cache import KVCache
+from dllm.model import SDARForCausalLM
 from dllm.postprocess import Postprocessor
 from dllm.replay import trace_hidden
 from dllm.runner import BlockRunner
@@ -64,8 +66,11 @@ from server.engine.backends.base import RunnerInfo
 from server.engine.sequence import ServerSequence
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase  # no types to mypy: it does not follow transformers
+
     from dllm.config import SDARConfig
     from dllm.full.decoding import FullDecoder
+    from dllm.weights import DiffusionLM
 
 log = logging.getLogger("dlrl.server")
 DEFAULT_MAX_LEN = 8192
@@ -144,12 +149,12 @@ def plan_kv_cache(cfg: SDARConfig, dtype: torch.dtype, *, max_batch: int, max_le
     return KVPlan(num_pages, cfg.block_size, per_token, max_len, max_batch, source)
 
 
-def weight_bytes(model: Any) -> int:
+def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 @torch.no_grad()
-def top_logprobs_of(model: Any, hidden: torch.Tensor, params: SamplingParams, mask_token_id: int,
+def top_logprobs_of(model: DiffusionLM, hidden: torch.Tensor, params: SamplingParams, mask_token_id: int,
                     k: int) -> list[list[tuple[int, float]]]:
     """Top-k (token id, logprob) per completion token from the hidden states that committed them ([C, D]),
     under the request's sampling distribution; chunked over tokens (the full-vocabulary logits are big)."""
@@ -163,12 +168,15 @@ def top_logprobs_of(model: Any, hidden: torch.Tensor, params: SamplingParams, ma
     return out
 
 
-class ServedRunner:
+M = TypeVar("M", bound="DiffusionLM")  # the runner's model class
+
+
+class ServedRunner(Generic[M]):
     """What the server's runners share: sequences in (a request's stop ids add to the eos ids), trace-free
     marking, top logprobs from the trace's replay (`_hidden`)."""
 
-    model: Any
-    tokenizer: Any
+    model: M
+    tokenizer: PreTrainedTokenizerBase | None
     eos_ids: list[int]
     block_size: int
     mask_token_id: int
@@ -195,7 +203,7 @@ class ServedRunner:
         return top_logprobs_of(self.model, self._hidden(seq), seq.params, self.mask_token_id, k)
 
 
-class DecoderRunner(ServedRunner):
+class DecoderRunner(ServedRunner[FullAttentionLM]):
     """The full-attention runner's base (server.engine.backends.full_attention): a dllm FullDecoder, which
     keeps its own slots and per-sequence state (until it runs on dllm's scheduler like the native one)."""
 
@@ -214,13 +222,14 @@ class DecoderRunner(ServedRunner):
             self.decoder.release(seq)
 
 
-class NativeBackend(ServedRunner, BlockRunner):
+class NativeBackend(ServedRunner[SDARForCausalLM], BlockRunner):
     """The native runner (server.engine.backends.base.Runner): loads the model, plans the KV cache, runs
     batches (BlockRunner.run: the static decode step / CUDA graphs below), scores top logprobs."""
 
     name = "native"
 
-    def __init__(self, model: Any, tokenizer: Any, *, max_batch: int, max_model_len: int = 0,
+    def __init__(self, model: SDARForCausalLM, tokenizer: PreTrainedTokenizerBase | None, *, max_batch: int,
+                 max_model_len: int = 0,
                  eos_ids: list[int] | None = None, kv_cache_memory: int = 0, kv_cache_fraction: float = 0.8,
                  keep_versions: int = 0, compile: bool = False, cuda_graphs: bool = False, trace_free: bool = False,
                  kv_admission: str = "reserve", prefix_caching: bool = True):
@@ -253,6 +262,8 @@ class NativeBackend(ServedRunner, BlockRunner):
         dev = resolve_device(device)
         model = load_pretrained(path, device=dev, dtype=resolve_dtype(dtype, dev), block_size=block_size or None,
                                 mask_token_id=None if mask_token_id < 0 else mask_token_id)
+        if not isinstance(model, SDARForCausalLM):  # server.engine.backends.create_backend picks by family
+            raise ConfigError(f"server.model: {path} is a full-attention folder, not a block-causal (SDAR) one")
         tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
         log.info("loaded %s on %s (%s, %.1fM params)", path, dev, model.dtype,
                  sum(p.numel() for p in model.parameters()) / 1e6)
