@@ -18,13 +18,14 @@ into the cache (or are found there: prefix sharing); then per block, denoising f
 commit some masked tokens (`dllm.commit`: static, dynamic or sequential) until no mask is left;
 the finished block's clean K/V are written by the sequence's next forward. A row whose
 probabilities are not finite ends its own sequence (finish_reason "error", `seq.error` says why).
-A full-attention model (LLaDA, Dream) decodes with dllm.full.decoding.generate_full.
+A full-attention model (LLaDA, Dream) decodes with dllm.full.decoding.generate_full: this `Decoder` over
+`dllm.full.runner.FullRunner` (slots only, no pages), the same loop.
 """
 
 from __future__ import annotations
 
 from collections import abc
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from dllm.block_manager import CacheFull, KVBudget
 from dllm.commit import transfer_schedule
@@ -33,7 +34,7 @@ from dllm.model import SDARForCausalLM
 from dllm.postprocess import Postprocessor, SeqOutput, StepOutput
 from dllm.runner import BlockRunner
 from dllm.sampling import SamplingParams
-from dllm.scheduler import Scheduler
+from dllm.scheduler import ScheduledBatch, Scheduler
 from dllm.sequence import GenerationOutput, Sequence, to_output
 
 if TYPE_CHECKING:
@@ -42,13 +43,29 @@ if TYPE_CHECKING:
     from dllm.full.model import FullAttentionLM
 
 __all__ = ["BlockRunner", "CacheFull", "Decoder", "GenerationOutput", "KVBudget", "Postprocessor", "SamplingParams",
-           "SeqOutput", "Sequence", "StepOutput", "check_fits", "generate", "to_output", "transfer_schedule"]
+           "SeqOutput", "Sequence", "StepOutput", "StepRunner", "check_fits", "generate", "to_output",
+           "transfer_schedule"]
 
 
-class Decoder:
+class StepRunner(Protocol):
+    """What the loop needs of a runner (dllm.runner.BlockRunner, dllm.full.runner.FullRunner)."""
+
+    kv_budget: KVBudget  # the cache the scheduler's block manager accounts for
+
+    def postprocessor(self) -> Postprocessor: ...
+
+    def run(self, batch: ScheduledBatch[Sequence]) -> StepOutput: ...
+
+    def release(self, seqs: abc.Sequence[Sequence]) -> None: ...
+
+
+R = TypeVar("R", bound=StepRunner)
+
+
+class Decoder(Generic[R]):
     """A runner driven by its own scheduler: the engine's step, standalone (generate, tests, benchmarks)."""
 
-    def __init__(self, runner: BlockRunner, version: int = 0) -> None:
+    def __init__(self, runner: R, version: int = 0) -> None:
         self.runner, self.version = runner, version
         self.scheduler: Scheduler[Sequence] = Scheduler(runner.kv_budget, runner.postprocessor())
 
@@ -67,13 +84,21 @@ class Decoder:
         return self.scheduler.postprocess(batch, self.runner.run(batch))
 
     @property
+    def num_tokens(self) -> int:
+        """Completion tokens committed so far (the scheduler's post-processing counts them)."""
+        return self.scheduler.post.num_tokens
+
+    @property
     def is_done(self) -> bool:
         return self.scheduler.is_done
 
     def run(self) -> None:
-        """Step until every added sequence ended."""
+        """Step until every added sequence ended; the runner then hears of the last ones to end (what it
+        keeps of them dropped, as the next step's `batch.left` would)."""
         while not self.is_done:
             self.step()
+        if self.scheduler.has_left:
+            self.runner.release(self.scheduler.schedule(version=self.version).left)
 
 
 def generate(model: SDARForCausalLM | FullAttentionLM, prompts_ids: list[list[int]],
