@@ -7,7 +7,7 @@ full-attention runner.
     dec = Decoder(FullRunner(model, max_batch=16, max_len=4096, cache_mode="prefix"))   # step by step
     seq = dec.runner.new_sequence(prompt_ids, params); dec.add(seq); ended = dec.step()
 
-One loop: `dllm.decoding.Decoder` drives `dllm.full.runner.FullRunner` exactly as it drives the
+One loop: `dllm.loop.Decoder` (dllm.decoding.Decoder) drives `dllm.full.runner.FullRunner` exactly as it drives the
 block-causal runner (dllm.runner.BlockRunner) and as the server's engine drives both: the scheduler
 (dllm.scheduler, its block manager handing out slots) -> `runner.run` -> the scheduler's
 post-processing. The decoding semantics (the official rollouts' blocks, schedules, ranking, cache
@@ -19,12 +19,12 @@ from __future__ import annotations
 from collections import abc
 from typing import TYPE_CHECKING
 
-from dllm.decoding import Decoder
 from dllm.full.model import FullAttentionLM
 from dllm.full.runner import CACHE_MODES, FullRunner, canvas_len
 from dllm.full.schedule import AUTO_HORIZON
+from dllm.loop import Decoder, decode
 from dllm.sampling import SamplingParams
-from dllm.sequence import GenerationOutput, to_output
+from dllm.sequence import GenerationOutput
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -39,12 +39,7 @@ def generate_full(model: FullAttentionLM, prompts_ids: list[list[int]], params: 
                   rng: str = "counter", compile: bool | str = False) -> list[GenerationOutput]:
     """Decode all prompts together; one GenerationOutput per prompt, in order (trace included)."""
     plist = params if isinstance(params, list) else [params] * len(prompts_ids)
-    B = model.config.block_size
-    max_len = max(canvas_len(len(p), q.max_tokens, B) for p, q in zip(prompts_ids, plist)) + B
-    dec = Decoder(FullRunner(model, max_batch=len(prompts_ids), max_len=max_len, eos_ids=eos_ids, tokenizer=tokenizer,
-                             cache_mode=cache_mode, pad_penalty=pad_penalty, further_horizon=further_horizon,
-                             ranking=ranking, rng=rng, compile=compile))
-    seqs = [dec.runner.new_sequence(p, q) for p, q in zip(prompts_ids, plist)]
-    dec.add(seqs)
-    dec.run()
-    return [to_output(s) for s in seqs]
+    runner = FullRunner.for_prompts(model, prompts_ids, plist, tokenizer=tokenizer, cache_mode=cache_mode,
+                                    eos_ids=eos_ids, pad_penalty=pad_penalty, further_horizon=further_horizon,
+                                    ranking=ranking, rng=rng, compile=compile)
+    return decode(runner, prompts_ids, plist)

@@ -76,7 +76,7 @@ from dllm.full.schedule import (
 from dllm.full.step import FullStep
 from dllm.intake import Intake
 from dllm.postprocess import Postprocessor, StepOutput, apply_step
-from dllm.sampling import counter_uniforms, needs_filter
+from dllm.sampling import SamplingParams, counter_uniforms, needs_filter
 from dllm.scheduler import S, ScheduledBatch
 from dllm.sequence import Sequence, step_inputs
 from dllm.step import columns
@@ -160,6 +160,18 @@ class FullRunner(Intake):
             self.static = FullStep(model, max_batch=max_batch, max_len=self.max_len, cache_mode=cache_mode,
                                    further_horizon=self.further_horizon, ranking=ranking, pad_penalty=pad_penalty,
                                    compile=compile, cuda_graphs=cuda_graphs)
+
+    @classmethod
+    def for_prompts(cls, model: FullAttentionLM, prompts_ids: list[list[int]], params: list[SamplingParams], *,
+                    tokenizer: PreTrainedTokenizerBase | None = None, eos_ids: abc.Iterable[int] | None = None,
+                    cache_mode: str = "exact", further_horizon: int | None = AUTO_HORIZON, ranking: str = "official",
+                    rng: str = "counter", pad_penalty: float = 1.0, compile: bool | str = False) -> FullRunner:
+        """A runner sized for these prompts at once (standalone decoding): a slot each, the longest canvas."""
+        B = model.config.block_size
+        max_len = max(canvas_len(len(p), q.max_tokens, B) for p, q in zip(prompts_ids, params)) + B
+        return cls(model, max_batch=len(prompts_ids), max_len=max_len, eos_ids=eos_ids, tokenizer=tokenizer,
+                   cache_mode=cache_mode, further_horizon=further_horizon, ranking=ranking, rng=rng,
+                   pad_penalty=pad_penalty, compile=compile)
 
     # ------------------------------------------------------------------ sequences in
     def postprocessor(self) -> Postprocessor:
