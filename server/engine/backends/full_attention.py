@@ -5,7 +5,7 @@
 
 `create_backend("native", folder, cache_mode=...)` picks it when the folder's config is a full-attention
 family (`model_family`: LLaDA's `model_type` "llada", Dream's "Dream"); `server.cache_mode` chooses how
-its decoder reuses K/V:
+it reuses K/V:
 
 - `exact`: every denoising forward recomputes the whole sequence (prompt, decoded blocks, the current
   block, the masked rest of the answer window) with bidirectional attention, so the log-probabilities
