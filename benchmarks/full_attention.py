@@ -40,12 +40,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dllm.config import SDARConfig  # noqa: E402
-from dllm.decoding import generate  # noqa: E402
+from dllm.decoding import Decoder, generate  # noqa: E402
 from dllm.embedded.full_folders import tiny_full_config  # noqa: E402
 from dllm.full.config import FullAttentionConfig  # noqa: E402
-from dllm.full.decoding import FullDecoder, generate_full  # noqa: E402
+from dllm.full.decoding import generate_full  # noqa: E402
 from dllm.full.model import FullAttentionLM  # noqa: E402
 from dllm.full.replay import build_full_rows, full_replay_hidden  # noqa: E402
+from dllm.full.runner import FullRunner  # noqa: E402
 from dllm.model import SDARForCausalLM  # noqa: E402
 from dllm.replay import token_logprobs  # noqa: E402
 from dllm.sampling import SamplingParams  # noqa: E402
@@ -164,15 +165,14 @@ def bench_mismatch(fa: FullAttentionLM, prompts: list[list[int]], max_tokens: in
     return out
 
 
-def decode_all(dec: FullDecoder, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], int]:
-    """Decode every prompt with `dec`; -> (completions, denoising forwards)."""
-    seqs = [dec.new_sequence(p, params) for p in prompts]
+def decode_all(runner: FullRunner, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], int]:
+    """Decode every prompt with `runner` (the engine's loop: dllm.decoding.Decoder); -> (completions, forwards)."""
+    dec = Decoder(runner)
+    seqs = [runner.new_sequence(p, params) for p in prompts]
     dec.add(seqs)
-    running, before = list(seqs), dec.num_forwards
-    while running:
-        dec.step(running)
-        running = [s for s in running if not s.is_finished]
-    return [s.completion_ids for s in seqs], dec.num_forwards - before
+    before = runner.num_forwards
+    dec.run()
+    return [s.completion_ids for s in seqs], runner.num_forwards - before
 
 
 def bench_static(fa: FullAttentionLM, name: str, prompt_len: int, max_tokens: int, batch: int) -> list[dict[str, Any]]:
@@ -189,8 +189,8 @@ def bench_static(fa: FullAttentionLM, name: str, prompt_len: int, max_tokens: in
     for mode in ("exact", "prefix"):
         base: dict[str, Any] = {}
         for kind in ("eager", "static eager", "static compiled"):
-            dec = FullDecoder(fa, max_batch=batch, max_len=max_len, cache_mode=mode, eos_ids=[],
-                              compile="inductor" if kind == "static compiled" else False)
+            dec = FullRunner(fa, max_batch=batch, max_len=max_len, cache_mode=mode, eos_ids=[],
+                             compile="inductor" if kind == "static compiled" else False)
             if kind == "static eager":
                 dec.static = FullStep(fa, max_batch=batch, max_len=dec.max_len, cache_mode=mode,
                                       further_horizon=dec.further_horizon)

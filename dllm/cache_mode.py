@@ -1,7 +1,7 @@
 """How a full-attention model (LLaDA, Dream) reuses keys and values across a block's forwards (torch-free).
 
 A `str` enum like `dllm.strategy.Strategy`: `"prefix"` and `CacheMode.prefix` are interchangeable, and the
-config key `server.cache_mode`, the decoder (`dllm.full.decoding.FullDecoder`), the server's runner and every
+config key `server.cache_mode`, the runner (`dllm.full.runner.FullRunner`), the server's runner and every
 trace carry the plain string.
 
     CacheMode("prefix")          # CacheMode.prefix (repr 'prefix'); ValueError for an unknown mode

@@ -7,7 +7,7 @@
     seq = dec.runner.new_sequence(prompt_ids, params)
     dec.add([seq]); ended = dec.step()          # one engine step; dec.run() until every sequence ended
 
-One loop for every caller: `Decoder.step` is `dllm.scheduler.Scheduler.schedule` -> `runner.run` ->
+One loop for every caller (dllm.loop, re-exported here): `Decoder.step` is `dllm.scheduler.Scheduler.schedule` -> `runner.run` ->
 `Scheduler.postprocess`, the very step the server's engine runs (server.engine.engine, with the
 server's Scheduler on top of the same one). The scheduler admits what fits and owns every KV page
 (dllm.block_manager: prefix sharing, optimistic growth, preemption); the runner (dllm.runner) runs the
@@ -18,7 +18,8 @@ into the cache (or are found there: prefix sharing); then per block, denoising f
 commit some masked tokens (`dllm.commit`: static, dynamic or sequential) until no mask is left;
 the finished block's clean K/V are written by the sequence's next forward. A row whose
 probabilities are not finite ends its own sequence (finish_reason "error", `seq.error` says why).
-A full-attention model (LLaDA, Dream) decodes with dllm.full.decoding.generate_full.
+A full-attention model (LLaDA, Dream) decodes with dllm.full.decoding.generate_full: this `Decoder` over
+`dllm.full.runner.FullRunner` (slots only, no pages), the same loop.
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ from dllm.block_manager import CacheFull, KVBudget
 from dllm.cache_mode import DEFAULT_CACHE_MODE
 from dllm.commit import transfer_schedule
 from dllm.intake import check_fits
+from dllm.loop import Decoder, StepRunner, decode
 from dllm.model import SDARForCausalLM
 from dllm.postprocess import Postprocessor, SeqOutput, StepOutput
 from dllm.runner import BlockRunner
 from dllm.sampling import SamplingParams
-from dllm.scheduler import Scheduler
 from dllm.sequence import GenerationOutput, Sequence, to_output
 
 if TYPE_CHECKING:
@@ -43,38 +44,8 @@ if TYPE_CHECKING:
     from dllm.full.model import FullAttentionLM
 
 __all__ = ["BlockRunner", "CacheFull", "Decoder", "GenerationOutput", "KVBudget", "Postprocessor", "SamplingParams",
-           "SeqOutput", "Sequence", "StepOutput", "check_fits", "generate", "to_output", "transfer_schedule"]
-
-
-class Decoder:
-    """A runner driven by its own scheduler: the engine's step, standalone (generate, tests, benchmarks)."""
-
-    def __init__(self, runner: BlockRunner, version: int = 0) -> None:
-        self.runner, self.version = runner, version
-        self.scheduler: Scheduler[Sequence] = Scheduler(runner.kv_budget, runner.postprocessor())
-
-    def add(self, seqs: Sequence | abc.Iterable[Sequence]) -> None:
-        """Queue sequences (made by `runner.new_sequence`); admitted as soon as their pages are free."""
-        for s in [seqs] if isinstance(seqs, Sequence) else seqs:
-            self.scheduler.add(s)
-
-    def step(self) -> list[Sequence]:
-        """One engine step; returns the sequences that ended in it."""
-        batch = self.scheduler.schedule(version=self.version)
-        self.runner.release(batch.left)
-        if not batch.running:
-            raise CacheFull(f"no sequence can run: {self.scheduler.num_waiting} waiting, "
-                            f"{self.scheduler.free_pages} free KV pages")
-        return self.scheduler.postprocess(batch, self.runner.run(batch))
-
-    @property
-    def is_done(self) -> bool:
-        return self.scheduler.is_done
-
-    def run(self) -> None:
-        """Step until every added sequence ended."""
-        while not self.is_done:
-            self.step()
+           "SeqOutput", "Sequence", "StepOutput", "StepRunner", "check_fits", "decode", "generate", "to_output",
+           "transfer_schedule"]
 
 
 def generate(model: SDARForCausalLM | FullAttentionLM, prompts_ids: list[list[int]],
@@ -82,17 +53,15 @@ def generate(model: SDARForCausalLM | FullAttentionLM, prompts_ids: list[list[in
              use_cache: bool = True, eos_ids: abc.Iterable[int] | None = None,
              cache_mode: str = DEFAULT_CACHE_MODE, prefix_sharing: bool = True) -> list[GenerationOutput]:
     """Decode all prompts together; returns one GenerationOutput per prompt, in order. A full-attention
-    model (LLaDA, Dream) decodes with dllm.full.decoding.generate_full in `cache_mode` ("exact" / "prefix")."""
-    if not isinstance(model, SDARForCausalLM):
-        from dllm.full.decoding import generate_full
-
-        return generate_full(model, prompts_ids, params, tokenizer, cache_mode=cache_mode, eos_ids=eos_ids)
+    model (LLaDA, Dream) decodes with dllm.full.runner.FullRunner in `cache_mode` ("exact" / "prefix"), the
+    same loop (dllm.full.decoding.generate_full takes its other options)."""
     plist = params if isinstance(params, list) else [params] * len(prompts_ids)
+    if not isinstance(model, SDARForCausalLM):
+        from dllm.full.runner import FullRunner
+
+        return decode(FullRunner.for_prompts(model, prompts_ids, plist, tokenizer=tokenizer, eos_ids=eos_ids,
+                                             cache_mode=cache_mode), prompts_ids, plist)
     bs = model.config.block_size
     max_len = max(len(p) + q.max_tokens for p, q in zip(prompts_ids, plist)) + bs
-    dec = Decoder(BlockRunner(model, max_batch=len(prompts_ids), max_len=max_len, eos_ids=eos_ids,
-                              tokenizer=tokenizer, use_cache=use_cache, prefix_sharing=prefix_sharing))
-    seqs = [dec.runner.new_sequence(p, q) for p, q in zip(prompts_ids, plist)]
-    dec.add(seqs)
-    dec.run()
-    return [to_output(s) for s in seqs]
+    return decode(BlockRunner(model, max_batch=len(prompts_ids), max_len=max_len, eos_ids=eos_ids, tokenizer=tokenizer,
+                              use_cache=use_cache, prefix_sharing=prefix_sharing), prompts_ids, plist)

@@ -1,19 +1,15 @@
-"""What every runner checks at its door (dllm.runner.BlockRunner, dllm.full.decoding.FullDecoder): a prompt
+"""What every runner checks at its door (dllm.runner.BlockRunner, dllm.full.runner.FullRunner): a prompt
 and its parameters, before a sequence is made.
 
     check_fits(len(prompt_ids), params.max_tokens, max_len)   # FieldError / TooLong naming the field
     check_request(prompt_ids, params, max_len=..., block_size=..., vocab_size=..., mask_id=...)
-    seq = decoder.new_sequence(prompt_ids, params)            # Intake: validated, then a dllm.sequence.Sequence
-
-`Intake` is the full-attention decoder's door (its free slots with it, until it runs on the
-scheduler, dllm.scheduler, whose block manager owns every slot).
+    seq = runner.new_sequence(prompt_ids, params)             # Intake: validated, then a dllm.sequence.Sequence
 """
 
 from __future__ import annotations
 
 from dllm.errors import FieldError, TooLong
 from dllm.logit_bias_rules import check_logit_bias
-from dllm.postprocess import Postprocessor
 from dllm.sampling import SamplingParams
 from dllm.sequence import Sequence
 
@@ -41,33 +37,25 @@ def check_request(prompt_ids: list[int], params: SamplingParams, *, max_len: int
     check_logit_bias(params.logit_bias, vocab_size, mask_id)
 
 
+
 class Intake:
-    """The full-attention decoder's door: its free slots, new sequences and their checks. It sets
-    `vocab_size`, `block_size`, `mask_id`, `max_len`, `free_slots` and `postprocess` (FullDecoder)."""
+    """A runner's door: new sequences and their checks (dllm.full.runner.FullRunner; the API processes' view
+    of the engine core's runner, server.core.client). It sets `vocab_size`, `block_size`, `mask_id` and
+    `max_len`; no slots or pages (the scheduler's block manager holds those)."""
 
     vocab_size: int
     block_size: int
     mask_id: int
     max_len: int
-    free_slots: list[int]
-    postprocess: Postprocessor
-
-    @property
-    def num_tokens(self) -> int:
-        """Completion tokens committed by `step` (standalone decoding)."""
-        return self.postprocess.num_tokens
-
-    @property
-    def num_free_slots(self) -> int:
-        return len(self.free_slots)
 
     def new_sequence(self, prompt_ids: list[int], params: SamplingParams, seq_id: int | None = None) -> Sequence:
-        """A sequence to `add` (a plain dllm.sequence.Sequence; a subclass made elsewhere, e.g. the server's,
-        works as well); a bad prompt or parameter raises FieldError (TooLong when it does not fit)."""
+        """A validated sequence for the scheduler (a plain dllm.sequence.Sequence; a subclass made elsewhere,
+        e.g. the server's, works as well); a bad prompt or parameter raises FieldError (TooLong when it does
+        not fit)."""
         self.validate(prompt_ids, params)
         return Sequence(prompt_ids, params, self.block_size, self.mask_id, seq_id)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """FieldError (TooLong when it does not fit) for a prompt or parameters this decoder cannot run."""
+        """FieldError (TooLong when it does not fit) for a prompt or parameters this runner cannot run."""
         check_request(prompt_ids, params, max_len=self.max_len, block_size=self.block_size,
                       vocab_size=self.vocab_size, mask_id=self.mask_id)

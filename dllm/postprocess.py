@@ -8,9 +8,8 @@ stop strings and max_tokens; a row whose probabilities were not finite ends its 
 Host-only work on plain `dllm.sequence.Sequence` data, run by the scheduler after each step
 (dllm.scheduler.Scheduler.postprocess, for the server and `dllm.decoding.generate` alike): it
 commits blocks into the completion and the trace, and says which sequences ended and why; the
-scheduler writes their finish reason (`post(outputs)`, which writes it too, is for the
-full-attention decoder's standalone loop, dllm.full.decoding, until it runs on the scheduler). It
-owns the text of each sequence (`seq.text`, decoded incrementally by `dllm.detokenize.TextStream`
+scheduler writes their finish reason (its one writer), for the block-causal and the full-attention
+runners alike. It owns the text of each sequence (`seq.text`, decoded incrementally by `dllm.detokenize.TextStream`
 with the tokenizer given here: one instance per thread).
 """
 
@@ -59,7 +58,7 @@ class Ended:
 def apply_step(seqs: abc.Sequence[Sequence], out: torch.Tensor, B: int, mask_id: int,
                num_masked_before: int) -> StepOutput:
     """A step's packed float64 result on the host (per row: B ids, B steps, B log-probs, ok: the
-    full-attention decoder's layout, dllm.full.decoding) written into each sequence's block; a row that
+    full-attention runner's layout, dllm.full.runner) written into each sequence's block; a row that
     is not ok leaves it unchanged."""
     ids, steps = out[:, :B].long().tolist(), out[:, B:2 * B].long().tolist()
     logprobs, is_ok = out[:, 2 * B:3 * B].tolist(), out[:, 3 * B].bool().tolist()
@@ -98,15 +97,6 @@ class Postprocessor:
                 if reason is not None:
                     finished.append(Ended(s, reason, s.error if reason == FinishReason.ERROR else None))
         return failed + finished
-
-    def __call__(self, outputs: Iterable[SeqOutput]) -> list[Sequence]:
-        """`decide` and write the finish reasons: the full-attention decoder's standalone loop
-        (dllm.full.decoding.FullDecoder.step), which has no scheduler yet."""
-        ended = self.decide(outputs)
-        for e in ended:
-            e.seq.error = e.error if e.error is not None else e.seq.error
-            e.seq.finish_reason = e.reason
-        return [e.seq for e in ended]
 
     def commit_block(self, s: Sequence) -> FinishReason | None:
         """Move the completed block into the completion; apply stop ids, stop strings, max_tokens; returns

@@ -175,7 +175,7 @@ def needs_filter(p: SamplingParams) -> bool:
 def sample_static(logits: torch.Tensor, params: torch.Tensor, uniforms: torch.Tensor, mask_token_id: int,
                   filtered: bool, bias: BiasPairs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample_typed` with the parameters as one [N, 4] tensor (PARAM_FIELDS' columns, from `param_row`):
-    `sample_batch` and the full-attention decoder's packed rows (dllm.full.decoding)."""
+    `sample_batch` and the full-attention runner's packed rows (dllm.full.runner)."""
     return sample_typed(logits, params[:, 0], params[:, 1].long(), params[:, 2], params[:, 3] > 0, uniforms,
                         mask_token_id, filtered, bias)
 

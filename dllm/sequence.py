@@ -143,7 +143,7 @@ class GenerationOutput:
 
 def step_inputs(s: Sequence) -> list:
     """One sequence's inputs of a denoising step as one float64 row (the full-attention decoder's layout,
-    dllm.full.decoding, until it takes the typed step of dllm.step): block ids, steps, logprobs [3B],
+    dllm.full.runner, until it takes the typed step of dllm.step): block ids, steps, logprobs [3B],
     then dllm.step.FIELDS' values (step is 1-based, k from the schedule, write 1, the sampling
     parameters). The decoder adds the noise."""
     k = s.schedule[min(s.step_in_block, len(s.schedule) - 1)]

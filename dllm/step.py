@@ -17,7 +17,7 @@ to them; the outputs of clean and padding rows are never read. It is what the ru
 the parameters, so weight updates copied in place keep compiled code and graphs valid.
 
 The float64 row layout below (`FIELDS`, `columns`, `width`, `padding_row`) is the full-attention
-decoder's (dllm.full.decoding) until it takes this typed step.
+runner's (dllm.full.runner) until it takes this typed step.
 """
 
 from __future__ import annotations

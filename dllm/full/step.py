@@ -2,7 +2,7 @@
 once (torch.compile) and optionally captured as a CUDA graph; both cache modes.
 
     step = FullStep(model, max_batch=16, max_len=4096, cache_mode="prefix", further_horizon=32, family="dream",
-                    compile=True, cuda_graphs=False)        # FullDecoder(..., compile=..., cuda_graphs=...) makes it
+                    compile=True, cuda_graphs=False)        # FullRunner(..., compile=..., cuda_graphs=...) makes it
     out = step.canvas(canvases, rows, filtered)             # whole-canvas forwards -> [n, 3B + 1] on the device
     out = step.window(windows, rows, past_lens, filtered)   # prefix cache: a block's later forwards
     step.warmup()                                           # every bucket key once: nothing compiles later

@@ -106,7 +106,7 @@ def facts_of(engine: Engine, max_queue_tokens: int, model_path: str) -> m.Facts:
     return m.Facts(model_path=model_path, runner=runner, max_model_len=engine.max_model_len,
                    max_queue=engine.scheduler.max_queue, max_queue_tokens=max_queue_tokens, kv_num_slots=kv.num_slots,
                    kv_num_pages=kv.num_pages, kv_page_tokens=kv.page_tokens, kv_optimistic=kv.optimistic,
-                   attention="full" if getattr(model, "attention", "") == "full" else "block",
+                   attention="block" if info.family == "sdar" else "full",  # declared, not probed
                    dtype=str(getattr(model, "dtype", "?")), core_pid=os.getpid())
 
 

@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from dllm.decoding import StepOutput, generate
+from dllm.decoding import Decoder, StepOutput, generate
 from dllm.embedded.full_folders import build_full_folder
 from dllm.errors import FieldError
-from dllm.full.decoding import FullDecoder, generate_full
+from dllm.full.decoding import generate_full
 from dllm.full.model import FullAttentionLM
 from dllm.full.replay import build_full_rows, full_replay_hidden, full_trace_hidden
+from dllm.full.runner import FullRunner
 from dllm.full.sampler import sample_and_commit_full
 from dllm.replay import token_logprobs
 from dllm.sampling import SamplingParams
@@ -136,23 +137,20 @@ def test_step_by_step_continuous_batching(models: dict[str, FullAttentionLM], mo
     model = models["dream"]
     p = SamplingParams(max_tokens=8, temperature=1.0, strategy="static", steps=2, seed=5)
     alone = generate_full(model, PROMPTS[1:], p, cache_mode=mode, eos_ids=[])[0]
-    dec = FullDecoder(model, max_batch=2, max_len=64, cache_mode=mode, eos_ids=[])
-    first = dec.new_sequence(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0))
+    dec = Decoder(FullRunner(model, max_batch=2, max_len=64, cache_mode=mode, eos_ids=[]))
+    first = dec.runner.new_sequence(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0))
     dec.add([first])
-    running = [first]
-    out = dec.run(running)
+    batch = dec.scheduler.schedule(version=0)  # the step by hand: schedule -> run -> postprocess
+    out = dec.runner.run(batch)
     assert isinstance(out, StepOutput) and out.num_committed == 1 and out.outputs[0].ok
-    dec.postprocess(out.outputs)
-    late = dec.new_sequence(PROMPTS[1], p)
+    dec.scheduler.postprocess(batch, out)
+    late = dec.runner.new_sequence(PROMPTS[1], p)
     dec.add([late])
-    running.append(late)
-    while running:
-        dec.step(running)
-        running = [s for s in running if not s.is_finished]
+    dec.run()
     assert late.completion_ids == alone.completion_ids
     torch.testing.assert_close(torch.tensor(late.trace.logprobs), torch.tensor(alone.trace.logprobs), atol=1e-5,
                                rtol=0)
-    assert dec.num_free_slots == 2
+    assert dec.scheduler.num_free_slots == 2 and not dec.runner.states  # slots back, the runner's state dropped
 
 
 def test_trace_fields_are_optional_on_the_wire(models: dict[str, FullAttentionLM]) -> None:
@@ -177,10 +175,10 @@ def test_generate_dispatches_and_trace_hidden(models: dict[str, FullAttentionLM]
 
 def test_bad_input_names_the_field(models: dict[str, FullAttentionLM]) -> None:
     with pytest.raises(FieldError, match="cache_mode"):
-        FullDecoder(models["llada"], max_batch=1, cache_mode="fast")
+        FullRunner(models["llada"], max_batch=1, cache_mode="fast")
     with pytest.raises(FieldError, match="pad_penalty"):
-        FullDecoder(models["llada"], max_batch=1, pad_penalty=0)
-    dec = FullDecoder(models["llada"], max_batch=1, max_len=32)
+        FullRunner(models["llada"], max_batch=1, pad_penalty=0)
+    dec = FullRunner(models["llada"], max_batch=1, max_len=32)
     with pytest.raises(FieldError, match="prompt_ids"):
         dec.new_sequence([1, models["llada"].config.mask_token_id], SamplingParams(max_tokens=4))
     with pytest.raises(FieldError, match="max_tokens"):

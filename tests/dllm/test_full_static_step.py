@@ -14,10 +14,11 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from dllm.decoding import Decoder
 from dllm.embedded.full_folders import tiny_full_config
 from dllm.errors import FieldError
-from dllm.full.decoding import FullDecoder
 from dllm.full.model import FullAttentionLM
+from dllm.full.runner import FullRunner
 from dllm.sampling import SamplingParams
 from dllm.sequence import Sequence
 
@@ -50,15 +51,16 @@ def requests(seed: int, n: int) -> list[tuple[list[int], SamplingParams]]:
             for _ in range(n)]
 
 
-def drive(dec: FullDecoder, reqs: list[tuple[list[int], SamplingParams]], admit: int) -> list[Sequence]:
-    seqs = [dec.new_sequence(p, q) for p, q in reqs]
-    waiting, running = list(seqs), []
-    while waiting or running:
-        new = waiting[:min(admit, dec.num_admissible(waiting))]
-        dec.add(new)
-        waiting, running = waiting[len(new):], running + new
-        dec.step(running)
-        running = [s for s in running if not s.is_finished]
+def drive(runner: FullRunner, reqs: list[tuple[list[int], SamplingParams]], admit: int) -> list[Sequence]:
+    """Continuous batching through the engine's loop (dllm.decoding.Decoder): at most `admit` sequences
+    queued per step, admitted as the scheduler's slots free up."""
+    dec = Decoder(runner)
+    seqs = [runner.new_sequence(p, q) for p, q in reqs]
+    waiting = list(seqs)
+    while waiting or not dec.is_done:
+        dec.add(waiting[:admit])
+        waiting = waiting[admit:]
+        dec.step()
     return seqs
 
 
@@ -70,7 +72,7 @@ def test_static_buckets_compile_once_then_never(family: str, mode: str, max_batc
     torch._dynamo.reset()
     counters.clear()
     opts: dict[str, Any] = dict(max_batch=max_batch, max_len=12, eos_ids=eos, cache_mode=mode, further_horizon=horizon)
-    static = FullDecoder(model, compile="eager", **opts)
+    static = FullRunner(model, compile="eager", **opts)
     assert static.static is not None
     keys = static.static.warmup(filtered=(False,))
     assert keys == counters["stats"]["unique_graphs"] == len(static.static.keys((False,)))
@@ -80,7 +82,7 @@ def test_static_buckets_compile_once_then_never(family: str, mode: str, max_batc
     try:
         for seed in (1,):
             got = drive(static, requests(seed, 5), max_batch)
-            ref = drive(FullDecoder(model, **opts), requests(seed, 5), max_batch)
+            ref = drive(FullRunner(model, **opts), requests(seed, 5), max_batch)
             for x, y in zip(got, ref, strict=True):
                 assert x.completion_ids == y.completion_ids and x.trace.steps == y.trace.steps
                 assert np.allclose(x.trace.logprobs, y.trace.logprobs, atol=1e-5, rtol=0)
@@ -93,7 +95,7 @@ def test_static_buckets_compile_once_then_never(family: str, mode: str, max_batc
 
 def test_buckets_and_refusals() -> None:
     model = model_of("llada")
-    dec = FullDecoder(model, max_batch=5, max_len=30, cache_mode="prefix", further_horizon=6, compile=False,
+    dec = FullRunner(model, max_batch=5, max_len=30, cache_mode="prefix", further_horizon=6, compile=False,
                       cuda_graphs=False)
     assert dec.static is None  # eager unless compiled or captured
     from dllm.full.step import FullStep
@@ -102,7 +104,7 @@ def test_buckets_and_refusals() -> None:
     assert step.row_buckets == [1, 2, 4, 5] and step.len_buckets == [4, 8, 16, 32, 36]
     assert step.win_buckets == [4, 8, 12] and step.cache is not None and step.cache[0].shape[0] == 6  # + scratch
     with pytest.raises(FieldError, match="rng"):
-        FullDecoder(model, max_batch=1, rng="official", compile="eager")
+        FullRunner(model, max_batch=1, rng="official", compile="eager")
 
 
 @pytest.mark.gpu
@@ -111,7 +113,7 @@ def test_buckets_and_refusals() -> None:
 def test_cuda_graphs_equal_eager(mode: str) -> None:
     model = model_of("dream").to("cuda")
     opts: dict[str, Any] = dict(max_batch=2, max_len=12, eos_ids=[model.config.eos_ids[0]], cache_mode=mode, further_horizon=4)
-    graphed = drive(FullDecoder(model, cuda_graphs=True, **opts), requests(3, 4), 2)
-    eager = drive(FullDecoder(model, **opts), requests(3, 4), 2)
+    graphed = drive(FullRunner(model, cuda_graphs=True, **opts), requests(3, 4), 2)
+    eager = drive(FullRunner(model, **opts), requests(3, 4), 2)
     for x, y in zip(graphed, eager, strict=True):
         assert x.completion_ids == y.completion_ids and x.trace.steps == y.trace.steps

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from dllm.embedded.full_folders import build_full_folder
-from dllm.full.decoding import FullDecoder, generate_full
+from dllm.full.decoding import generate_full
 from dllm.full.model import FullAttentionLM
+from dllm.full.runner import FullRunner
 from dllm.sampling import SamplingParams
 from dllm.sequence import GenerationOutput
 
@@ -122,6 +123,6 @@ def test_dream_schedule_forwards_that_commit_nothing(folders: dict[str, Path]) -
     steps = official_steps(rec["step_map"], 4)
     for b in range(0, 12, 4):
         assert sorted(steps[b:b + 4]) == [1, 3, 4, 4]
-    dec = FullDecoder(model_for(folders, "dream", 4), max_batch=1, eos_ids=[])
+    dec = FullRunner(model_for(folders, "dream", 4), max_batch=1, eos_ids=[])
     assert dec.further_horizon is None  # exact mode: the whole canvas
     assert torch.__version__  # the data's torch: DATA["versions"]

@@ -121,5 +121,5 @@ def test_refusals_name_the_field(servers: dict, folders: dict[str, str], tiny_mo
         build_engine(ServerConfig(model=tiny_model_dir, device="cpu", further_horizon=8), tiny_model_dir)
     eng = build_engine(ServerConfig(model=folders["dream"], device="cpu", compile=True, cache_mode="prefix"),
                        folders["dream"])  # the static-shape step, compiled per bucket on first use
-    assert eng.backend.decoder.static is not None and eng.backend.decoder.static.cache is not None
+    assert eng.backend.static is not None and eng.backend.static.cache is not None
     assert Path(folders["dream"], "config.json").is_file()

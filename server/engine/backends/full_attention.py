@@ -5,7 +5,7 @@
 
 `create_backend("native", folder, cache_mode=...)` picks it when the folder's config is a full-attention
 family (`model_family`: LLaDA's `model_type` "llada", Dream's "Dream"); `server.cache_mode` chooses how
-its decoder reuses K/V:
+it reuses K/V:
 
 - `exact`: every denoising forward recomputes the whole sequence (prompt, decoded blocks, the current
   block, the masked rest of the answer window) with bidirectional attention, so the log-probabilities
@@ -18,12 +18,15 @@ its decoder reuses K/V:
 The mode is recorded in `/v1/models` (`cache_mode`, with `family`) and in every trace. A block-causal
 (SDAR) folder with `server.cache_mode=prefix` stops at start (`check_cache_mode`): its KV cache is exact.
 
-Decoding is dllm's `FullDecoder` (dllm/full/decoding.py): one denoising forward per `run` over the batch's
+It is dllm's full-attention runner itself (`dllm.full.runner.FullRunner`, with the server's sequences, stop ids
+and top logprobs), so an engine step is Engine -> this runner's `run` -> the model, as for the native
+runner: one denoising forward per `run` over the batch's
 canvases (the prompt, then max_tokens to whole blocks starting at the prompt's end), as the official LLaDA /
 Dream rollouts decode (their schedules, ranking, Dream's shift and first-token rule; `server.further_horizon`
 bounds a prefix-cache forward's window, `server.ranking` / `server.rng` pick the confidence and the random
 stream), with the Postprocessor and StepOutput of the block-causal path. The server's
-sequences are plain ServerSequences: the decoder keeps its per-sequence state (canvas, prefix cache) itself.
+sequences are plain ServerSequences: the runner keeps its per-sequence state (canvas, prefix cache) from the
+scheduler's admission until the sequence left (`release`); the slots are the scheduler's block manager's.
 
 Budget for the scheduler (`kv_budget`): there is no block-paged cache (exact mode keeps no K/V; the prefix
 cache is one sequence's own tensors, freed with it), so slots alone bound the batch (`num_pages=0`): at most
@@ -45,16 +48,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from dllm.cache_mode import CACHE_MODES, DEFAULT_CACHE_MODE
-from dllm.decoding import StepOutput
 from dllm.errors import FieldError
-from dllm.full.decoding import FullDecoder
 from dllm.full.model import FullAttentionLM
 from dllm.full.replay import full_trace_hidden
+from dllm.full.runner import FullRunner
+from dllm.sampling import SamplingParams
 from dllm.weights import load_pretrained
 from dlrl_config import ConfigError
 from server.engine.backends.base import RunnerInfo
-from server.engine.backends.native import DEFAULT_MAX_LEN, DecoderRunner, resolve_device, resolve_dtype
-from server.engine.scheduler import KVBudget, ScheduledBatch
+from server.engine.backends.native import DEFAULT_MAX_LEN, ServedRunner, resolve_device, resolve_dtype
 from server.engine.sequence import ServerSequence
 
 if TYPE_CHECKING:
@@ -92,11 +94,11 @@ def check_full_options(family: str, **options: object) -> None:
                               f"block-causal SDAR model's KV cache is exact (leave server.{key}={FULL_DEFAULTS[key]})")
 
 
-class FullAttentionRunner(DecoderRunner):
-    """The full-attention runner (server.engine.backends.base.Runner) over dllm's FullDecoder."""
+class FullAttentionRunner(ServedRunner, FullRunner):
+    """The full-attention runner (server.engine.backends.base.Runner): loads the model, runs batches
+    (FullRunner.run: one denoising forward, eager or the static step), scores top logprobs."""
 
     name = "full_attention"
-    decoder: FullDecoder
 
     def __init__(self, model: FullAttentionLM, tokenizer: PreTrainedTokenizerBase | None, *, max_batch: int,
                  cache_mode: str = DEFAULT_CACHE_MODE, max_model_len: int = 0, eos_ids: list[int] | None = None, further_horizon: int = -1,
@@ -104,19 +106,15 @@ class FullAttentionRunner(DecoderRunner):
                  cuda_graphs: bool = False) -> None:
         cfg = model.config
         check_cache_mode(cfg.family, cache_mode)
-        self.family, self.cache_mode = cfg.family, cache_mode
-        self.eos_ids = sorted(set(cfg.eos_ids if eos_ids is None else eos_ids))
-        self.model, self.tokenizer = model.eval(), tokenizer
-        self.block_size, self.vocab_size, self.mask_token_id = cfg.block_size, cfg.vocab_size, cfg.mask_token_id
-        self.max_batch = max_batch
+        self.mask_token_id = cfg.mask_token_id
         limit = max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_LEN)
         try:
-            self.decoder = FullDecoder(model, max_batch=max_batch, max_len=limit, eos_ids=self.eos_ids,
-                                       cache_mode=cache_mode, further_horizon=further_horizon, ranking=ranking, rng=rng,
-                                       compile=compile, cuda_graphs=cuda_graphs)
+            FullRunner.__init__(self, model.eval(), max_batch=max_batch, max_len=limit,
+                                eos_ids=sorted(set(cfg.eos_ids if eos_ids is None else eos_ids)), tokenizer=tokenizer,
+                                cache_mode=cache_mode, further_horizon=further_horizon, ranking=ranking, rng=rng,
+                                compile=compile, cuda_graphs=cuda_graphs)
         except FieldError as e:
             raise ConfigError(f"server.{e.field}: {e.message}") from None
-        self.max_len = self.decoder.max_len
         log.info("full-attention runner: %s, cache_mode=%s, %d sequences of up to %d tokens at once (no paged KV "
                  "cache)", self.family, cache_mode, max_batch, self.max_len)
 
@@ -152,17 +150,8 @@ class FullAttentionRunner(DecoderRunner):
             "(dllm.full.likelihood); no prefix sharing: a prompt's K/V depend on what follows it (bidirectional "
             "attention), and there is no paged cache"))
 
-    @property
-    def kv_budget(self) -> KVBudget:
-        return KVBudget(self.max_batch)  # slots only: no paged cache to account for
-
-    def run(self, batch: ScheduledBatch) -> StepOutput:
-        if batch.admitted:
-            self.decoder.add(batch.admitted)  # at the slots the scheduler chose
-        return self.decoder.run(batch.running)
+    def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.validate(prompt_ids, params)
 
     def _hidden(self, seq: ServerSequence) -> torch.Tensor:
         return full_trace_hidden(self.model, seq)
-
-    def close(self) -> None:
-        self.decoder.free_slots = []

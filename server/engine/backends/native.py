@@ -45,7 +45,6 @@ published with 0 steps / logprobs, as the lmdeploy backend's are (tests of the t
 
 from __future__ import annotations
 
-import copy
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,10 +52,8 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 
-from dllm.full.model import FullAttentionLM
 from dllm.kv_cache import KVCache
 from dllm.model import SDARForCausalLM
-from dllm.postprocess import Postprocessor
 from dllm.replay import trace_hidden
 from dllm.runner import BlockRunner
 from dllm.sampling import SamplingParams, sampling_logprobs
@@ -69,7 +66,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase  # no types to mypy: it does not follow transformers
 
     from dllm.config import SDARConfig
-    from dllm.full.decoding import FullDecoder
     from dllm.weights import DiffusionLM
 
 log = logging.getLogger("dlrl.server")
@@ -201,25 +197,6 @@ class ServedRunner(Generic[M]):
     @torch.no_grad()
     def top_logprobs(self, seq: ServerSequence, k: int) -> list[list[tuple[int, float]]]:
         return top_logprobs_of(self.model, self._hidden(seq), seq.params, self.mask_token_id, k)
-
-
-class DecoderRunner(ServedRunner[FullAttentionLM]):
-    """The full-attention runner's base (server.engine.backends.full_attention): a dllm FullDecoder, which
-    keeps its own slots and per-sequence state (until it runs on dllm's scheduler like the native one)."""
-
-    decoder: FullDecoder
-
-    def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.decoder.validate(prompt_ids, params)
-
-    def postprocessor(self) -> Postprocessor:
-        tok = copy.deepcopy(self.tokenizer) if self.tokenizer is not None else None
-        return Postprocessor(eos_ids=self.eos_ids, tokenizer=tok, max_len=self.decoder.max_len,
-                             block_size=self.block_size)
-
-    def release(self, seqs: list[ServerSequence]) -> None:
-        for seq in seqs:
-            self.decoder.release(seq)
 
 
 class NativeBackend(ServedRunner[SDARForCausalLM], BlockRunner):
