@@ -10,6 +10,7 @@ receiver serving a dict of tensors (ServedTensors).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -52,6 +53,18 @@ def drive(runner, requests: list[tuple[list[int], SamplingParams]], admit: int =
         waiting = waiting[admit:]
         dec.step()
     return seqs
+
+
+class Recompiles(logging.Handler):
+    """torch's recompile events (torch._logging 'recompiles', on the torch._dynamo loggers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "Recompiling" in record.getMessage():
+            self.messages.append(record.getMessage())
 
 
 class OverflowingParams(SamplingParams):

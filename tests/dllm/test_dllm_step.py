@@ -19,7 +19,7 @@ from dllm.runner import BlockRunner
 from dllm.sampling import SamplingParams
 from dllm.step import buckets
 from dllm.weights import copy_into_model
-from tests.helpers import drive, tiny_config
+from tests.helpers import Recompiles, drive, tiny_config
 
 PREVIOUS = "2bdf442"  # main before the static step: the engine it must reproduce
 BEFORE_BLOCK_MANAGER = "1cd46a0"  # main before the block manager and the typed step (issue 43)
@@ -113,18 +113,6 @@ def test_step_results_read_back_as_bytes_equal_the_lists():
     res = StepResult(torch.randint(0, 151936, (6, 4), generator=g), torch.randn(6, 4, generator=g),
                      torch.rand(6, 4, generator=g) > 0.5, torch.tensor([True, False, True, True, False, True]))
     assert from_bytes(as_bytes(res, 5).numpy(), 4) == read_back(res, 5)
-
-
-class Recompiles(logging.Handler):
-    """torch's recompile events (torch._logging 'recompiles', on the torch._dynamo loggers)."""
-
-    def __init__(self):
-        super().__init__()
-        self.messages = []
-
-    def emit(self, record):
-        if "Recompiling" in record.getMessage():
-            self.messages.append(record.getMessage())
 
 
 def test_zero_recompiles_over_a_mixed_workload(model):

@@ -14,23 +14,12 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from dllm.decoding import Decoder
 from dllm.embedded.full_folders import tiny_full_config
 from dllm.errors import FieldError
 from dllm.full.model import FullAttentionLM
 from dllm.full.runner import FullRunner
 from dllm.sampling import SamplingParams
-from dllm.sequence import Sequence
-
-
-class Recompiles(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "Recompiling" in record.getMessage():
-            self.messages.append(record.getMessage())
+from tests.helpers import Recompiles, drive
 
 
 def model_of(family: str) -> FullAttentionLM:
@@ -49,19 +38,6 @@ def requests(seed: int, n: int) -> list[tuple[list[int], SamplingParams]]:
                             strategy=rng.choice(["static", "dynamic", "sequential"]), steps=rng.choice([None, 2]),
                             threshold=0.3, seed=rng.randrange(1 << 30), ignore_eos=rng.random() < 0.5))
             for _ in range(n)]
-
-
-def drive(runner: FullRunner, reqs: list[tuple[list[int], SamplingParams]], admit: int) -> list[Sequence]:
-    """Continuous batching through the engine's loop (dllm.decoding.Decoder): at most `admit` sequences
-    queued per step, admitted as the scheduler's slots free up."""
-    dec = Decoder(runner)
-    seqs = [runner.new_sequence(p, q) for p, q in reqs]
-    waiting = list(seqs)
-    while waiting or not dec.is_done:
-        dec.add(waiting[:admit])
-        waiting = waiting[admit:]
-        dec.step()
-    return seqs
 
 
 @pytest.mark.parametrize(("family", "mode", "max_batch", "horizon"), [("llada", "exact", 2, None),

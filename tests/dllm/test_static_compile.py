@@ -15,23 +15,13 @@ from dllm.attention import flash_attn_importable, flash_decode, sdpa_decode
 from dllm.model import SDARForCausalLM
 from dllm.runner import BlockRunner
 from dllm.sampling import SamplingParams
-from tests.helpers import drive, tiny_config
+from tests.helpers import Recompiles, drive, tiny_config
 
 
 @pytest.fixture(scope="module")
 def model() -> SDARForCausalLM:
     torch.manual_seed(0)
     return SDARForCausalLM(tiny_config(eos_token_id=0)).eval()
-
-
-class Recompiles(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "Recompiling" in record.getMessage():
-            self.messages.append(record.getMessage())
 
 
 def requests(seed: int, n: int) -> list[tuple[list[int], SamplingParams]]:
