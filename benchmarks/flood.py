@@ -251,10 +251,41 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[int, dict[bytes,
     return status, fields
 
 
+class KeepAlive:
+    """One keep-alive connection to 127.0.0.1:`port` (a raw-socket HTTP/1.1 client), opened on first use and
+    again after the server closed it or an exchange failed."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def send(self, request: bytes, counts: Counter) -> bool:
+        """Send `request`, read its answer and count its status (or "error": False)."""
+        try:
+            if self.reader is None or self.writer is None:
+                self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
+            self.writer.write(request)
+            status, fields = await _read_response(self.reader)
+            counts[status] += 1
+            if fields.get(b"connection", b"").lower() == b"close":
+                self.close()
+            return True
+        except (OSError, asyncio.IncompleteReadError, ValueError):
+            counts["error"] += 1
+            self.close()
+            return False
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+
 async def _flood_conn(port: int, request: bytes, start: float, period: float, deadline: float,
                       counts: Counter) -> None:
     """One keep-alive connection sending `request` every `period` seconds (reconnecting when closed)."""
-    reader = writer = None
+    conn = KeepAlive(port)
     k = 0
     while True:
         due = start + k * period
@@ -264,22 +295,8 @@ async def _flood_conn(port: int, request: bytes, start: float, period: float, de
         if due > now:
             await asyncio.sleep(due - now)
         k += 1
-        try:
-            if writer is None:
-                reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(request)
-            status, fields = await _read_response(reader)
-            counts[status] += 1
-            if fields.get(b"connection", b"").lower() == b"close":
-                writer.close()
-                reader = writer = None
-        except (OSError, asyncio.IncompleteReadError, ValueError):
-            counts["error"] += 1
-            if writer is not None:
-                writer.close()
-            reader = writer = None
-    if writer is not None:
-        writer.close()
+        await conn.send(request, counts)
+    conn.close()
 
 
 def _flood_process(port: int, request: bytes, rate: float, conns: int, seconds: float, out: multiprocessing.Queue) -> None:

@@ -41,7 +41,7 @@ from benchmarks.flood import (
     FLOODER,
     POLITE,
     ROOT,
-    _read_response,
+    KeepAlive,
     _start,
     free_port,
     ms,
@@ -105,25 +105,11 @@ def polite_closed(url: str, seconds: float) -> tuple[list[float], int]:
 
 async def _closed_conn(port: int, request: bytes, deadline: float, counts: Counter) -> None:
     """One keep-alive connection sending `request` again as soon as it is answered."""
-    reader = writer = None
+    conn = KeepAlive(port)
     while time.monotonic() < deadline:
-        try:
-            if writer is None:
-                reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(request)
-            status, fields = await _read_response(reader)  # type: ignore[arg-type]
-            counts[status] += 1
-            if fields.get(b"connection", b"").lower() == b"close":
-                writer.close()
-                reader = writer = None
-        except (OSError, asyncio.IncompleteReadError, ValueError):
-            counts["error"] += 1
-            if writer is not None:
-                writer.close()
-            reader = writer = None
+        if not await conn.send(request, counts):
             await asyncio.sleep(0.01)
-    if writer is not None:
-        writer.close()
+    conn.close()
 
 
 def _closed_flood(port: int, request: bytes, conns: int, seconds: float, out: multiprocessing.Queue) -> None:
