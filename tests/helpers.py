@@ -67,6 +67,49 @@ class Recompiles(logging.Handler):
             self.messages.append(record.getMessage())
 
 
+@contextlib.contextmanager
+def watch_recompiles(reset: bool = False) -> Iterator[Recompiles]:
+    """torch's recompile events while the block runs (a Recompiles handler on torch._dynamo's logger); on the
+    way out the logs go back to their defaults and, with `reset`, dynamo's caches are dropped (a compiled
+    step's per-bucket graphs would serve, or crowd out, other tests' decode steps)."""
+    import torch
+
+    events, logger = Recompiles(), logging.getLogger("torch._dynamo")
+    torch._logging.set_logs(recompiles=True)
+    logger.addHandler(events)
+    try:
+        yield events
+    finally:
+        logger.removeHandler(events)
+        torch._logging.set_logs()
+        if reset:
+            torch._dynamo.reset()
+
+
+def assert_same_decoding(got: list, ref: list, atol: float = 1e-5) -> None:
+    """Two decodings of the same requests (drive's sequences) agree: tokens, trace steps, logprobs within `atol`."""
+    import numpy as np
+
+    for x, y in zip(got, ref, strict=True):
+        assert x.completion_ids == y.completion_ids and x.trace.steps == y.trace.steps
+        assert np.allclose(x.trace.logprobs, y.trace.logprobs, atol=atol, rtol=0)
+
+
+def load_full_models(root: Path, block_size: int = 4) -> dict:
+    """The tiny random LLaDA and Dream folders (dllm.embedded.full_folders, default seed) built under `root` and
+    loaded: family -> FullAttentionLM."""
+    from dllm.embedded.full_folders import build_full_folder
+    from dllm.full.model import FullAttentionLM
+    from dllm.weights import load_pretrained
+
+    out = {}
+    for family in ("llada", "dream"):
+        m = load_pretrained(build_full_folder(root / family, family), block_size=block_size)
+        assert isinstance(m, FullAttentionLM)
+        out[family] = m
+    return out
+
+
 class OverflowingParams(SamplingParams):
     """Bypasses the greedy floor: logits / 1e-45 overflow and the row's probabilities become NaN."""
 

@@ -2,7 +2,6 @@
 engines' tokens, steps and logprobs through bucketed shapes, zero recompiles over a mixed workload,
 weights pushed under a compiled step, and (on CUDA only) captured graphs replayed."""
 
-import logging
 import random
 import subprocess
 from pathlib import Path
@@ -19,7 +18,7 @@ from dllm.runner import BlockRunner
 from dllm.sampling import SamplingParams
 from dllm.step import buckets
 from dllm.weights import copy_into_model
-from tests.helpers import Recompiles, drive, tiny_config
+from tests.helpers import drive, tiny_config, watch_recompiles
 
 PREVIOUS = "2bdf442"  # main before the static step: the engine it must reproduce
 BEFORE_BLOCK_MANAGER = "1cd46a0"  # main before the block manager and the typed step (issue 43)
@@ -126,10 +125,7 @@ def test_zero_recompiles_over_a_mixed_workload(model):
         drive(dec, requests)
     graphs = counters["stats"]["unique_graphs"]
     assert graphs >= 6  # the warm-up compiled the six variants (1 row or more, 1 sampled or more, filtered or not)
-    events, logger = Recompiles(), logging.getLogger("torch._dynamo")
-    torch._logging.set_logs(recompiles=True)
-    logger.addHandler(events)
-    try:
+    with watch_recompiles() as events:
         for seed, admit in [(1, 1), (2, 3), (3, 8)]:
             done = drive(dec, mixed_requests(random.Random(seed), 14), admit)
             assert all(s.finish_reason in ("stop", "length") for s in done)
@@ -138,9 +134,6 @@ def test_zero_recompiles_over_a_mixed_workload(model):
                             static_shapes=False)  # another pool shape
         drive(other, [warm[0]])
         assert events.messages and "kv" in events.messages[0]  # the handler does hear recompiles
-    finally:
-        logger.removeHandler(events)
-        torch._logging.set_logs()
 
 
 def test_weights_pushed_under_the_compiled_step(model):

@@ -22,6 +22,7 @@ from dllm.sequence import GenerationOutput
 from dllm.step import columns, padding_row
 from dllm.strategy import Strategy
 from dllm.trace import Trace
+from tests.helpers import load_full_models
 
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11, 12, 13, 14]]
 CASES = {
@@ -33,15 +34,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, FullAttentionLM]:
-    from dllm.weights import load_pretrained
-
-    root = tmp_path_factory.mktemp("fulldec")
-    out = {}
-    for family in ("llada", "dream"):
-        m = load_pretrained(build_full_folder(root / family, family), block_size=4)
-        assert isinstance(m, FullAttentionLM)
-        out[family] = m
-    return out
+    return load_full_models(tmp_path_factory.mktemp("fulldec"))
 
 
 def replay_diffs(model: FullAttentionLM, outs: list[GenerationOutput], shrink: int = 1) -> torch.Tensor:

@@ -5,11 +5,9 @@ log-probabilities, in both cache modes (the prefix cache with a further_horizon 
 
 from __future__ import annotations
 
-import logging
 import random
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -19,7 +17,7 @@ from dllm.errors import FieldError
 from dllm.full.model import FullAttentionLM
 from dllm.full.runner import FullRunner
 from dllm.sampling import SamplingParams
-from tests.helpers import Recompiles, drive
+from tests.helpers import assert_same_decoding, drive, watch_recompiles
 
 
 def model_of(family: str) -> FullAttentionLM:
@@ -52,21 +50,11 @@ def test_static_buckets_compile_once_then_never(family: str, mode: str, max_batc
     assert static.static is not None
     keys = static.static.warmup(filtered=(False,))
     assert keys == counters["stats"]["unique_graphs"] == len(static.static.keys((False,)))
-    events, logger = Recompiles(), logging.getLogger("torch._dynamo")
-    torch._logging.set_logs(recompiles=True)
-    logger.addHandler(events)
-    try:
+    with watch_recompiles(reset=True) as events:
         for seed in (1,):
             got = drive(static, requests(seed, 5), max_batch)
-            ref = drive(FullRunner(model, **opts), requests(seed, 5), max_batch)
-            for x, y in zip(got, ref, strict=True):
-                assert x.completion_ids == y.completion_ids and x.trace.steps == y.trace.steps
-                assert np.allclose(x.trace.logprobs, y.trace.logprobs, atol=1e-5, rtol=0)
+            assert_same_decoding(got, drive(FullRunner(model, **opts), requests(seed, 5), max_batch))
         assert events.messages == [] and counters["stats"]["unique_graphs"] == keys
-    finally:
-        logger.removeHandler(events)
-        torch._logging.set_logs()
-        torch._dynamo.reset()
 
 
 def test_buckets_and_refusals() -> None:

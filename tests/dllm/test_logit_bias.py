@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dllm.embedded.full_folders import build_full_folder
 from dllm.errors import FieldError
 from dllm.full.decoding import generate_full
 from dllm.full.model import FullAttentionLM
@@ -20,7 +19,7 @@ from dllm.model import SDARForCausalLM
 from dllm.replay import build_rows, dense_row_bias, replay_hidden, token_logprobs
 from dllm.runner import BlockRunner
 from dllm.sampling import SamplingParams, sample_batch, sampling_logprobs
-from tests.helpers import drive, tiny_config
+from tests.helpers import drive, load_full_models, tiny_config
 from trainer.rl.replay import chunked_token_logprobs
 
 
@@ -99,15 +98,7 @@ def test_replay_reproduces_a_biased_trace(model: SDARForCausalLM) -> None:
 
 @pytest.fixture(scope="module")
 def full_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, FullAttentionLM]:
-    from dllm.weights import load_pretrained
-
-    root = tmp_path_factory.mktemp("bias-full")
-    out = {}
-    for family in ("llada", "dream"):
-        m = load_pretrained(build_full_folder(root / family, family), block_size=4)
-        assert isinstance(m, FullAttentionLM)
-        out[family] = m
-    return out
+    return load_full_models(tmp_path_factory.mktemp("bias-full"))
 
 
 @pytest.mark.parametrize("family,rng,compile", [("llada", "counter", False), ("llada", "official", False),

@@ -3,10 +3,8 @@
 eager step's tokens, steps and logprobs; the flash-attn decode path equals SDPA (CUDA only). An
 inductor-compiled bucket against eager (equality, kernels, time per step): benchmarks/static_step.py."""
 
-import logging
 import random
 
-import numpy as np
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -15,7 +13,7 @@ from dllm.attention import flash_attn_importable, flash_decode, sdpa_decode
 from dllm.model import SDARForCausalLM
 from dllm.runner import BlockRunner
 from dllm.sampling import SamplingParams
-from tests.helpers import Recompiles, drive, tiny_config
+from tests.helpers import assert_same_decoding, drive, tiny_config, watch_recompiles
 
 
 @pytest.fixture(scope="module")
@@ -44,21 +42,12 @@ def test_static_buckets_compile_once_then_never(model: SDARForCausalLM):
     assert static.static_shapes
     keys = static.warmup(filtered=(False,))
     assert keys == counters["stats"]["unique_graphs"] == 4  # rows 1 / 2 (the clean block owed), keys 4 / 8
-    events, logger = Recompiles(), logging.getLogger("torch._dynamo")
-    torch._logging.set_logs(recompiles=True)
-    logger.addHandler(events)
-    try:
+    with watch_recompiles(reset=True) as events:  # reset: its per-bucket graphs would serve other tests' steps
         for seed in (1, 2):
             got = drive(static, requests(seed, 4), 1)
             ref = drive(BlockRunner(model, max_batch=1, max_len=8, eos_ids=[0], num_pages=4), requests(seed, 4), 1)
-            for x, y in zip(got, ref, strict=True):
-                assert x.completion_ids == y.completion_ids and x.trace.steps == y.trace.steps
-                assert np.allclose(x.trace.logprobs, y.trace.logprobs, atol=1e-5, rtol=0)
+            assert_same_decoding(got, ref)
         assert events.messages == [] and counters["stats"]["unique_graphs"] == keys
-    finally:
-        logger.removeHandler(events)
-        torch._logging.set_logs()
-        torch._dynamo.reset()  # its per-bucket graphs would serve (or crowd out) other tests' decode steps
 
 
 def test_flash_decode_definition_is_the_step_mask():
