@@ -192,6 +192,12 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.kill()
 
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
 
 def launch_server_process(model_dir: str, token: str, log_dir: Path, *overrides: str, port: int | None = None,
                           env: dict[str, str] | None = None) -> ServerProcess:
@@ -226,6 +232,15 @@ def start_server_process(model_dir: str, token: str, log_dir: Path, *overrides: 
     srv = launch_server_process(model_dir, token, log_dir, *overrides, port=port, env=env)
     wait_server_ready([srv], timeout)
     return srv
+
+
+def start_sync_server(model_dir: str, token: str, log_dir: Path, lease_s: float, *overrides: str,
+                      cpu_only: bool = True) -> ServerProcess:
+    """`dlrl serve` as the weight-sync tests run it: an update lease of `lease_s`, 4 slots, 128 tokens; on the CPU
+    with CUDA hidden from it (CUDA_VISIBLE_DEVICES empty) unless not `cpu_only`."""
+    return start_server_process(model_dir, token, log_dir, f"server.weight_sync_lease_s={lease_s}", "server.max_batch=4",
+                                "server.max_model_len=128", *overrides,
+                                env={"CUDA_VISIBLE_DEVICES": ""} if cpu_only else None)
 
 
 def start_server_processes(count: int, model_dir: str, token: str, log_dir: Path, *overrides: str,
@@ -285,7 +300,10 @@ def engine_core_pid(url: str) -> int:
 
 
 def admin_get(url: str, path: str, token: str) -> dict:
-    return httpx.get(url + path, headers={"Authorization": f"Bearer {token}"}, timeout=30).json()
+    """An admin GET that must answer 200 -> its JSON body."""
+    r = httpx.get(url + path, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
 
 
 class ServedTensors:

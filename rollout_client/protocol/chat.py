@@ -10,7 +10,6 @@ logprobs with the k most likely alternatives (`top_logprobs`) as OpenAI returns 
 
 from __future__ import annotations
 
-import time
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, Field, field_validator
@@ -24,9 +23,8 @@ from rollout_client.protocol.common import (
     Neutral,
     StrictRequest,
     Text,
-    Usage,
 )
-from rollout_client.protocol.openai import OPENAI_NEUTRAL, OpenAIBase
+from rollout_client.protocol.openai import OPENAI_NEUTRAL, CompletionEnvelope, OpenAIBase
 from rollout_client.protocol.sample import SampleExtras
 
 
@@ -167,13 +165,8 @@ class ChatChoice(SampleExtras):
     logprobs: ChatLogprobs | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(CompletionEnvelope[ChatChoice]):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage | None = None
     version: int | None = None
 
 
@@ -189,10 +182,5 @@ class ChatChunkChoice(SampleExtras):
     logprobs: ChatLogprobs | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(CompletionEnvelope[ChatChunkChoice]):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None

@@ -14,7 +14,7 @@ accepted only at their neutral value, else a 400 saying why. Each choice may als
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -178,13 +178,23 @@ class CompletionChoice(SampleExtras):
     logprobs: CompletionLogprobs | None = None
 
 
-class CompletionResponse(BaseModel):
+C = TypeVar("C", bound=BaseModel)  # a choice type
+
+
+class CompletionEnvelope(BaseModel, Generic[C]):
+    """What every OpenAI completion answer (text or chat, whole or a stream's chunk) wraps its choices in; a
+    subclass names its `object` (a Literal) and its choice type."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    choices: list[CompletionChoice]
+    choices: list[C]
     usage: Usage | None = None
+
+
+class CompletionResponse(CompletionEnvelope[CompletionChoice]):
+    object: Literal["text_completion"] = "text_completion"
     version: int | None = None
 
 

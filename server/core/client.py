@@ -29,7 +29,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -49,7 +49,7 @@ from server.engine.backends.base import RunnerInfo
 from server.engine.engine import EngineEvent, EngineStopped, QueueFull, RequestExpired, RequestFailed
 from server.engine.retry_after import Forecast, RetryAfter
 from server.engine.scheduler import KVBudget
-from server.engine.sequence import SeqStatus, ServerSequence
+from server.engine.sequence import SeqStatus, ServerSequence, samples
 from weight_sync.errors import WeightSyncError
 
 if TYPE_CHECKING:
@@ -309,11 +309,9 @@ class CoreClient:
         """Checked mirrors, prompt-major; sample i of each prompt uses seed + i (when seeded). The core checks again."""
         f = self.facts.runner
         seqs = []
-        for ids in prompts_ids:
-            for i in range(n):
-                p = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
-                self._door.validate(ids, p)
-                seqs.append(ServerSequence(ids, p, f.block_size, f.mask_token_id))
+        for ids, p in samples(prompts_ids, params, n):
+            self._door.validate(ids, p)
+            seqs.append(ServerSequence(ids, p, f.block_size, f.mask_token_id))
         return seqs
 
     async def submit(self, seqs: list[ServerSequence], stream: bool = False, num_top_logprobs: int = 0) -> RemoteRequest:

@@ -24,23 +24,7 @@ from pydantic import BaseModel
 
 from server.core import messages as m
 from server.core.client import CoreClient
-from weight_sync.protocol import (
-    AbortRequest,
-    AbortResponse,
-    BeginRequest,
-    BeginResponse,
-    BucketResponse,
-    ChecksumResponse,
-    CommitRequest,
-    CommitResponse,
-    ConnectRequest,
-    ConnectResponse,
-    KeptResponse,
-    RollbackRequest,
-    RollbackResponse,
-    UpdateState,
-    VersionResponse,
-)
+from weight_sync import protocol as wp
 
 R = TypeVar("R", bound=BaseModel)
 
@@ -55,40 +39,40 @@ class RemoteWeights:
         reply = await self.client.call(m.Weights(cid, op, data), cid)
         return answer.model_validate_json(m.value(reply, bytes))  # the core's answer, as its model dumped it
 
-    async def connect(self, body: ConnectRequest) -> ConnectResponse:
-        return await self._weights("connect", ConnectResponse, body)
+    async def connect(self, body: wp.ConnectRequest) -> wp.ConnectResponse:
+        return await self._weights("connect", wp.ConnectResponse, body)
 
-    async def begin(self, body: BeginRequest) -> BeginResponse:
-        return await self._weights("begin", BeginResponse, body)
+    async def begin(self, body: wp.BeginRequest) -> wp.BeginResponse:
+        return await self._weights("begin", wp.BeginResponse, body)
 
     async def commit(self, version: int, checksums: list[int | None] | None = None,
-                     abort_inflight: bool | None = None, run_id: str = "") -> CommitResponse:
-        return await self._weights("commit", CommitResponse, CommitRequest(
+                     abort_inflight: bool | None = None, run_id: str = "") -> wp.CommitResponse:
+        return await self._weights("commit", wp.CommitResponse, wp.CommitRequest(
             version=version, checksums=checksums, abort_inflight=abort_inflight, run_id=run_id))
 
     async def abort(self, version: int | None = None, reason: str = "aborted by the sender",
-                    run_id: str | None = "") -> AbortResponse:
-        return await self._weights("abort", AbortResponse, AbortRequest(version=version, reason=reason,
-                                                                        run_id=run_id or ""))
+                    run_id: str | None = "") -> wp.AbortResponse:
+        body = wp.AbortRequest(version=version, reason=reason, run_id=run_id or "")
+        return await self._weights("abort", wp.AbortResponse, body)
 
-    async def status(self) -> VersionResponse:
-        return await self._weights("status", VersionResponse)
+    async def status(self) -> wp.VersionResponse:
+        return await self._weights("status", wp.VersionResponse)
 
-    async def state(self, version: int) -> UpdateState:
-        return await self._weights("state", UpdateState, version)
+    async def state(self, version: int) -> wp.UpdateState:
+        return await self._weights("state", wp.UpdateState, version)
 
-    async def checksum(self) -> ChecksumResponse:
-        return await self._weights("checksum", ChecksumResponse)
+    async def checksum(self) -> wp.ChecksumResponse:
+        return await self._weights("checksum", wp.ChecksumResponse)
 
-    async def rollback(self, version: int, abort_inflight: bool | None = None) -> RollbackResponse:
-        return await self._weights("rollback", RollbackResponse, RollbackRequest(version=version,
-                                                                                 abort_inflight=abort_inflight))
+    async def rollback(self, version: int, abort_inflight: bool | None = None) -> wp.RollbackResponse:
+        body = wp.RollbackRequest(version=version, abort_inflight=abort_inflight)
+        return await self._weights("rollback", wp.RollbackResponse, body)
 
-    async def kept_status(self) -> KeptResponse:
-        return await self._weights("kept", KeptResponse)
+    async def kept_status(self) -> wp.KeptResponse:
+        return await self._weights("kept", wp.KeptResponse)
 
     async def put_bucket(self, index: int, stream: AsyncIterator[bytes], version: int | None, checksum: int | None,
-                         run_id: str = "") -> BucketResponse:
+                         run_id: str = "") -> wp.BucketResponse:
         c = self.client
         sid = c.next_id()
         cid = c.next_id()
@@ -104,7 +88,7 @@ class RemoteWeights:
                 end = c.next_id()
                 c.call_soon(m.BucketEnd(end, sid, False), end)
         end = c.next_id()
-        return BucketResponse.model_validate_json(m.value(await c.call(m.BucketEnd(end, sid, True), end), bytes))
+        return wp.BucketResponse.model_validate_json(m.value(await c.call(m.BucketEnd(end, sid, True), end), bytes))
 
     def close(self) -> None:
         """Nothing here: the receiver is the core's, closed with it."""

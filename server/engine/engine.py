@@ -45,7 +45,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, cast
 
@@ -54,7 +54,7 @@ from dllm.sampling import SamplingParams
 from dllm.trace import FinishReason
 from server.engine.backends.base import Runner, RunnerInfo
 from server.engine.scheduler import QueueFull, Request, ScheduledBatch, Scheduler
-from server.engine.sequence import ServerSequence
+from server.engine.sequence import ServerSequence, samples
 
 if TYPE_CHECKING:
     import torch
@@ -212,12 +212,7 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def make_sequences(self, prompts_ids: list[list[int]], params: SamplingParams, n: int = 1) -> list[ServerSequence]:
         """Validated Sequences, prompt-major; sample i of each prompt uses seed + i (when seeded)."""
-        seqs = []
-        for ids in prompts_ids:
-            for i in range(n):
-                p = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
-                seqs.append(self.backend.new_sequence(ids, p))
-        return seqs
+        return [self.backend.new_sequence(ids, p) for ids, p in samples(prompts_ids, params, n)]
 
     def submit(self, seqs: list[ServerSequence], stream: bool = False, num_top_logprobs: int = 0,
                sink: Callable[[Request, EngineEventTuple], None] | None = None) -> Request:

@@ -16,10 +16,22 @@ forward (RUNNING -> WAITING: preempted, server.kv_admission=optimistic):
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import replace
+
 from dllm.sampling import SamplingParams
 from dllm.sequence import SeqStatus, Sequence
 
-__all__ = ["SeqStatus", "ServerSequence"]
+__all__ = ["SeqStatus", "ServerSequence", "samples"]
+
+
+def samples(prompts_ids: list[list[int]], params: SamplingParams,
+            n: int) -> Iterator[tuple[list[int], SamplingParams]]:
+    """(prompt ids, params) of each of the `n` samples of each prompt, prompt-major: sample i of a prompt uses
+    seed + i when seeded (Engine.make_sequences and its API-process mirror, CoreClient.make_sequences)."""
+    for ids in prompts_ids:
+        for i in range(n):
+            yield ids, params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
 
 
 class ServerSequence(Sequence):

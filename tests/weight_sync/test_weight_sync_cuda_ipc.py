@@ -23,6 +23,7 @@ import base64
 import os
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ import httpx
 import pytest
 import torch
 
-from tests.helpers import ServerProcess, engine_core_pid, start_server_process
+from tests.helpers import ServerProcess, admin_get, engine_core_pid, start_sync_server
 from weight_sync import ManifestError, WeightSender, WeightSyncError, weights_digest
 from weight_sync.bucket import pack_stream, pieces, plan_buckets, specs_of
 from weight_sync.devhash import CHUNK_WORDS, device_scan, mlh64, mlh64_reference
@@ -162,23 +163,13 @@ def test_trainer_accepts_cuda_ipc_and_fails_early_on_cpu():
 
 
 # ---------------------------------------------------------------------- a real server process
-def start_server(model_dir: str, log_dir: Path, *overrides: str, env: dict[str, str] | None = None) -> ServerProcess:
-    """`dlrl serve` (tests.helpers) with this module's token and lease, 4 slots, 128 tokens."""
-    return start_server_process(model_dir, TOKEN, log_dir, f"server.weight_sync_lease_s={LEASE_S}", "server.max_batch=4",
-                                "server.max_model_len=128", *overrides, env=env)
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    srv = start_server(tiny_model_dir, tmp_path_factory.mktemp("ipc"), env={"CUDA_VISIBLE_DEVICES": ""})
-    yield srv
-    srv.stop()
+    with start_sync_server(tiny_model_dir, TOKEN, tmp_path_factory.mktemp("ipc"), LEASE_S) as srv:
+        yield srv
 
 
-def get(url: str, path: str) -> dict:
-    r = httpx.get(url + path, headers=AUTH, timeout=30)
-    assert r.status_code == 200, r.text
-    return r.json()
+get = partial(admin_get, token=TOKEN)  # an admin GET that must answer 200 -> its JSON
 
 
 def post(url: str, path: str, body: dict) -> httpx.Response:
@@ -224,6 +215,12 @@ class RawPush:
 
     def close(self) -> None:
         self.region.close()
+
+    def __enter__(self) -> RawPush:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def unchanged(server, before: dict) -> None:
@@ -271,8 +268,7 @@ def test_the_trainers_fleet_pushes_over_cuda_ipc(server):
 
 def test_hostile_options_over_http_are_400_naming_the_field(server):
     before = get(server.url, "/weights/checksum")
-    push = RawPush(server, model_weights(server.model_dir), before["version"] + 1, "run-hostile")
-    try:
+    with RawPush(server, model_weights(server.model_dir), before["version"] + 1, "run-hostile") as push:
         cases: list[tuple[dict[str, Any], str]] = [
             ({"kind": "cuda"}, "options.kind"), ({"handle": "!!"}, "options.handle"),
             ({"size": 1 << 40}, "options.size"), ({"header": "nope"}, "options.header")]
@@ -280,20 +276,15 @@ def test_hostile_options_over_http_are_400_naming_the_field(server):
             push.options = {**push.base, **change}
             r = push.begin()
             assert r.status_code == 400 and field in r.text, r.text
-    finally:
-        push.close()
     unchanged(server, before)
 
 
 def test_corrupted_bytes_are_detected_and_nothing_changes(server):
     before = get(server.url, "/weights/checksum")
-    push = RawPush(server, model_weights(server.model_dir, 0.5), before["version"] + 1, "run-corrupt")
-    try:
+    with RawPush(server, model_weights(server.model_dir, 0.5), before["version"] + 1, "run-corrupt") as push:
         assert push.begin().status_code == 200
         r = push.commit(push.pack(corrupt_bucket=1))
         assert r.status_code == 400 and "checksum mismatch in bucket(s) [1]" in r.text, r.text
-    finally:
-        push.close()
     unchanged(server, before)
 
 
@@ -312,8 +303,7 @@ def test_nan_is_refused_and_nothing_changes(server):
 def test_another_run_can_neither_commit_nor_abort(server):
     before = get(server.url, "/weights/checksum")
     named = model_weights(server.model_dir, 0.07)
-    push = RawPush(server, named, before["version"] + 1, "run-a")
-    try:
+    with RawPush(server, named, before["version"] + 1, "run-a") as push:
         assert push.begin().status_code == 200
         crcs = push.pack()
         r = push.commit(crcs, run_id="run-b")
@@ -323,23 +313,18 @@ def test_another_run_can_neither_commit_nor_abort(server):
         assert get(server.url, "/weights/checksum") == before
         r = push.commit(crcs)  # the owner's commit still goes through
         assert r.status_code == 200 and r.json()["state"] == "applied", r.text
-    finally:
-        push.close()
     assert get(server.url, "/weights/checksum") == {"version": push.version, "digest": weights_digest(named)}
 
 
 def test_abort_leaves_weights_and_version(server):
     before = get(server.url, "/weights/checksum")
-    push = RawPush(server, model_weights(server.model_dir, 0.2), before["version"] + 1, "run-abort")
-    try:
+    with RawPush(server, model_weights(server.model_dir, 0.2), before["version"] + 1, "run-abort") as push:
         assert push.begin().status_code == 200
         push.pack(upto=1)
         r = post(server.url, "/weights/abort", {"version": push.version, "run_id": "run-abort"})
         assert r.status_code == 200 and r.json()["aborted"] is True, r.text
         r = push.commit(push.pack())
         assert r.status_code == 409, r.text  # no update any more
-    finally:
-        push.close()
     unchanged(server, before)
     assert get(server.url, f"/weights/updates/{push.version}")["state"] == "failed"
 
@@ -350,14 +335,12 @@ def maps(pid: int) -> str:
 
 def test_a_gone_senders_region_is_unmapped_by_the_server(server):
     before = get(server.url, "/weights/checksum")
-    push = RawPush(server, model_weights(server.model_dir, 0.4), before["version"] + 1, "run-gone")
-    name = base64.b64decode(push.options["handle"]).decode()
-    try:
+    with RawPush(server, model_weights(server.model_dir, 0.4), before["version"] + 1, "run-gone") as push:
+        name = base64.b64decode(push.options["handle"]).decode()
         assert push.begin().status_code == 200
         push.pack(upto=1)
         assert name in maps(engine_core_pid(server.url))  # the server's engine core maps the trainer's region
-    finally:
-        push.close()  # the sender is gone: its header unlinked, its storage freed on its side
+    # the sender is gone: its header unlinked, its storage freed on its side
     r = post(server.url, "/weights/abort", {"version": push.version, "run_id": "run-gone"})
     assert r.status_code == 200 and r.json()["aborted"] is True, r.text
     deadline = time.monotonic() + 10
@@ -369,8 +352,7 @@ def test_a_gone_senders_region_is_unmapped_by_the_server(server):
 
 def test_the_heartbeat_holds_the_lease_and_silence_loses_it(server):
     before = get(server.url, "/weights/checksum")
-    push = RawPush(server, model_weights(server.model_dir, 0.9), before["version"] + 1, "run-lease")
-    try:
+    with RawPush(server, model_weights(server.model_dir, 0.9), before["version"] + 1, "run-lease") as push:
         assert push.begin().status_code == 200
         t0 = time.monotonic()
         while time.monotonic() - t0 < 2 * LEASE_S:  # beating: alive past the lease
@@ -381,8 +363,6 @@ def test_the_heartbeat_holds_the_lease_and_silence_loses_it(server):
         status = get(server.url, "/weights/version")
         assert status["update"] is None and "lease expired: no data from run 'run-lease'" in status["last_failure"]
         assert push.commit(push.pack()).status_code == 409
-    finally:
-        push.close()
     unchanged(server, before)
 
 
@@ -390,7 +370,8 @@ def test_the_heartbeat_holds_the_lease_and_silence_loses_it(server):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_push_through_real_cuda_ipc(tiny_model_dir, tmp_path):
-    proc = start_server(tiny_model_dir, tmp_path, "server.device=cuda", "server.dtype=bfloat16")
+    proc = start_sync_server(tiny_model_dir, TOKEN, tmp_path, LEASE_S, "server.device=cuda", "server.dtype=bfloat16",
+                             cpu_only=False)
     try:
         sender = WeightSender([proc.url], transport="cuda_ipc", token=TOKEN, run_id="run-gpu",
                               bucket_bytes=1 << 16, dtype="auto", timeout=120)

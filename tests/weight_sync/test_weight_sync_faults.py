@@ -22,13 +22,14 @@ import socket
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
-from tests.helpers import engine_core_pid, start_server_process
+from tests.helpers import admin_get, engine_core_pid, start_sync_server
 from weight_sync import WeightSender, WeightSyncError, weights_digest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,17 +59,11 @@ push([url], source, int(version), transport=transport, token=os.environ["TOKEN"]
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     # CPU only, GPU or not: thread counts below must not see the CUDA driver's own threads
-    srv = start_server_process(tiny_model_dir, TOKEN, tmp_path_factory.mktemp("faults"),
-                               f"server.weight_sync_lease_s={LEASE_S}", "server.max_batch=4", "server.max_model_len=128",
-                               env={"CUDA_VISIBLE_DEVICES": ""})
-    yield srv
-    srv.stop()
+    with start_sync_server(tiny_model_dir, TOKEN, tmp_path_factory.mktemp("faults"), LEASE_S) as srv:
+        yield srv
 
 
-def get(url: str, path: str) -> dict:
-    r = httpx.get(url + path, headers=AUTH, timeout=30)
-    assert r.status_code == 200, r.text
-    return r.json()
+get = partial(admin_get, token=TOKEN)  # an admin GET that must answer 200 -> its JSON
 
 
 def pusher(server, transport: str, version: int, run_id: str, mode: str = "die",
