@@ -46,7 +46,14 @@ from server.core import messages as m
 from server.core.channel import connect_api
 from server.core.lifelines import watch_pid
 from server.engine.backends.base import RunnerInfo
-from server.engine.engine import EngineEvent, EngineStopped, QueueFull, RequestExpired, RequestFailed
+from server.engine.engine import (
+    EngineEvent,
+    EngineStopped,
+    QueueFull,
+    RequestExpired,
+    request_events,
+    wait_request,
+)
 from server.engine.retry_after import Forecast, RetryAfter
 from server.engine.scheduler import KVBudget
 from server.engine.sequence import SeqStatus, ServerSequence, samples
@@ -348,19 +355,12 @@ class CoreClient:
         return len(live)
 
     async def wait(self, req: RemoteRequest) -> list[ServerSequence]:
-        async for kind, index, payload in self.events(req):
-            if kind == EngineEvent.ERROR and req.expired:
-                raise CoreGone(req.expired) if self.dead else RequestExpired(req.expired, req.deadline_status)
-            if kind == EngineEvent.ERROR:
-                raise RequestFailed(f"sample {index}: {payload}" if len(req.seqs) > 1 else payload)
-        return req.seqs
+        """As Engine.wait; past the deadline CoreGone when the core died, else RequestExpired."""
+        return await wait_request(req, lambda: CoreGone(req.expired) if self.dead
+                                  else RequestExpired(req.expired, req.deadline_status))
 
-    async def events(self, req: RemoteRequest) -> AsyncIterator[EngineEventTuple]:
-        num_left = len(req.seqs)
-        while num_left:
-            event = await req.events.get()
-            num_left -= event[0] != EngineEvent.UPDATE
-            yield event
+    def events(self, req: RemoteRequest) -> AsyncIterator[EngineEventTuple]:
+        return request_events(req)
 
     # ------------------------------------------------------------------ calls
     async def pause(self, abort_inflight: bool = False, timeout: float | None = None) -> None:

@@ -99,6 +99,41 @@ class RequestExpired(RequestFailed):
         self.deadline_status = deadline_status
 
 
+class EventSource(Protocol):
+    """A submitted request as its handler reads it: the Engine's Request, the API process's RemoteRequest."""
+
+    @property
+    def seqs(self) -> list[ServerSequence]: ...
+    @property
+    def events(self) -> asyncio.Queue[EngineEventTuple]: ...
+    @property
+    def expired(self) -> str: ...
+
+
+async def request_events(req: EventSource) -> AsyncIterator[EngineEventTuple]:
+    """Yield (kind, seq index, payload) events until every sequence is done or failed.
+
+    kinds (EngineEvent): UPDATE (streams only; payload = (completion ids, text) after a block
+    committed), DONE (payload None; read the Sequence), ERROR (payload = message).
+    """
+    num_left = len(req.seqs)
+    while num_left:
+        event = await req.events.get()
+        num_left -= event[0] != EngineEvent.UPDATE
+        yield event
+
+
+async def wait_request(req: EventSource, expired: Callable[[], RequestFailed]) -> list[ServerSequence]:
+    """Wait for every sequence of `req`; returns them in request order. A failed sequence raises: `expired()`
+    when the request was aborted at its deadline (`req.expired`), else RequestFailed naming the sample."""
+    async for kind, index, payload in request_events(req):
+        if kind == EngineEvent.ERROR and req.expired:
+            raise expired()
+        if kind == EngineEvent.ERROR:
+            raise RequestFailed(f"sample {index}: {payload}" if len(req.seqs) > 1 else payload)
+    return req.seqs
+
+
 @dataclass
 class StepStats:
     batch_size: int      # sequences in the forward
@@ -252,25 +287,12 @@ class Engine:
             self._cond.notify_all()
 
     async def wait(self, req: Request) -> list[ServerSequence]:
-        """Wait for every sequence of `req`; returns them in request order."""
-        async for kind, index, payload in self.events(req):
-            if kind == EngineEvent.ERROR and req.expired:
-                raise RequestExpired(req.expired, req.deadline_status)
-            if kind == EngineEvent.ERROR:
-                raise RequestFailed(f"sample {index}: {payload}" if len(req.seqs) > 1 else payload)
-        return req.seqs
+        """Wait for every sequence of `req`; returns them in request order (RequestExpired past its deadline)."""
+        return await wait_request(req, lambda: RequestExpired(req.expired, req.deadline_status))
 
-    async def events(self, req: Request) -> AsyncIterator[EngineEventTuple]:
-        """Yield (kind, seq index, payload) events until every sequence is done or failed.
-
-        kinds (EngineEvent): UPDATE (streams only; payload = (completion ids, text) after a block
-        committed), DONE (payload None; read the Sequence), ERROR (payload = message).
-        """
-        num_left = len(req.seqs)
-        while num_left:
-            event = await req.events.get()
-            num_left -= event[0] != EngineEvent.UPDATE
-            yield event
+    def events(self, req: Request) -> AsyncIterator[EngineEventTuple]:
+        """(kind, seq index, payload) events until every sequence is done or failed (request_events)."""
+        return request_events(req)
 
     # ------------------------------------------------------------------ pause / resume
     async def pause(self, abort_inflight: bool = False, timeout: float | None = None) -> None:

@@ -28,14 +28,12 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from trainer.monitor.train_metrics import MetricsEndpoint
+from trainer.monitor.endpoint import MetricsEndpoint  # also: no `*_created` series, process-wide
 
 if TYPE_CHECKING:
     from store import FeedbackStore
-
-disable_created_metrics()  # no `*_created` series (process-wide, as server/metrics.py)
 
 _LATENCY_BUCKETS = (10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400, 43200, 86400)
 

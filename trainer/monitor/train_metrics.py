@@ -20,17 +20,9 @@ import time
 from collections import deque
 from typing import Any, TypeGuard
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    disable_created_metrics,
-    generate_latest,
-    start_http_server,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-disable_created_metrics()  # no `*_created` series (process-wide, as server/metrics.py)
+from trainer.monitor.endpoint import MetricsEndpoint  # also: no `*_created` series, process-wide
 
 PHASES = ("rollout", "reward", "replay", "train", "sync", "eval", "step")
 _STEP_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
@@ -44,29 +36,6 @@ GAUGES = {
     "tokens_per_forward": ("tokens_per_forward",), "response_length": ("response_length",),
     "version": ("version",),
 }
-
-
-class MetricsEndpoint:
-    """GET /metrics of `self.registry` on a port of its own (the trainer's and the align controller's)."""
-
-    registry: CollectorRegistry
-    _server: Any = None
-    port_key = "train.metrics_port"  # the config key named when the port cannot be served
-
-    def serve(self, host: str, port: int) -> None:
-        """Serve GET /metrics on host:port (a thread); ValueError naming `port_key` when it cannot listen."""
-        try:
-            self._server, _ = start_http_server(port, addr=host, registry=self.registry)
-        except OSError as e:
-            raise ValueError(f"{self.port_key}: cannot serve metrics on {host}:{port}: {e}") from None
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server = None
 
 
 class TrainMetrics(MetricsEndpoint):
