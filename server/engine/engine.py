@@ -63,7 +63,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("dlrl.server")
 T = TypeVar("T")
 __all__ = ["Engine", "EngineEvent", "EngineState", "EngineStopped", "QueueFull", "Request", "RequestExpired", "RequestFailed",
-           "StepStats"]
+           "StepStats", "request_events", "wait_request"]
 
 
 class EngineState(StrEnum):
