@@ -39,7 +39,7 @@ import zmq.asyncio
 from dllm.detokenize import TextStream
 from dllm.errors import FieldError, TooLong
 from dllm.intake import Intake
-from dllm.sampling import SamplingParams
+from dllm.sampling_params import SamplingParams
 from dllm.trace import FinishReason, Trace
 from rollout_client.protocol.service import ProcessHealth
 from server.core import messages as m
@@ -55,7 +55,7 @@ from weight_sync.errors import WeightSyncError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase  # no types to mypy: it does not follow transformers
 
-    from dllm.likelihood import Method
+    from dllm.scores import Method
     from server.engine.engine import EngineEventTuple
 
 log = logging.getLogger("dlrl.server")

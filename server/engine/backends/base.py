@@ -51,10 +51,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase  # no types to mypy: it does not follow transformers
 
 
-class BackendUnavailable(RuntimeError):
-    """The requested backend cannot run here (missing package, no GPU, ...)."""
-
-
 @dataclass(frozen=True)
 class RunnerInfo:
     """What a runner supports, declared by it (read by the API, the weight receiver and /v1/models)."""
