@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from dllm.logit_bias import add_pairs_, bias_rows, pairs_of
-from dllm.sampling_params import GREEDY_BELOW, SamplingParams
+from dllm.sampling_params import GREEDY_BELOW, PARAM_FIELDS, SamplingParams, needs_filter, param_row
 
 __all__ = ["GREEDY_BELOW", "PARAM_FIELDS", "VOCAB_CHUNK", "BiasPairs", "SamplingParams", "counter_uniforms",
            "needs_filter", "param_row", "sample_batch", "sample_static", "sample_tokens", "sample_typed",
@@ -111,18 +111,6 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], uniforms: t
     cols = torch.tensor([param_row(p) for p in params], dtype=torch.float64).to(dev)  # [N, 4]
     bias = pairs_of([p.logit_bias for p in params], dev)
     return sample_static(logits, cols, uniforms, mask_token_id, any(needs_filter(p) for p in params), bias)
-
-
-def param_row(p: SamplingParams) -> list[float]:
-    """A sequence's sampling parameters as numbers (PARAM_FIELDS), for the device-side sampler."""
-    return [1.0 if p.is_greedy else float(p.temperature), float(p.top_k), float(p.top_p), float(p.is_greedy)]
-
-
-PARAM_FIELDS = ("temperature", "top_k", "top_p", "greedy")
-
-
-def needs_filter(p: SamplingParams) -> bool:
-    return p.top_k > 0 or p.top_p < 1.0
 
 
 def sample_static(logits: torch.Tensor, params: torch.Tensor, uniforms: torch.Tensor, mask_token_id: int,

@@ -61,3 +61,15 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+
+def param_row(p: SamplingParams) -> list[float]:
+    """A sequence's sampling parameters as numbers (PARAM_FIELDS), for the device-side sampler."""
+    return [1.0 if p.is_greedy else float(p.temperature), float(p.top_k), float(p.top_p), float(p.is_greedy)]
+
+
+PARAM_FIELDS = ("temperature", "top_k", "top_p", "greedy")
+
+
+def needs_filter(p: SamplingParams) -> bool:
+    return p.top_k > 0 or p.top_p < 1.0

@@ -313,7 +313,9 @@ class CoreClient:
             for i in range(n):
                 p = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
                 self._door.validate(ids, p)
-                seqs.append(ServerSequence(ids, p, f.block_size, f.mask_token_id))
+                # a mirror: the engine core makes the sequence that decodes and draws an unseeded one's noise key
+                # there, so this one's key is never used (0: no draw, no torch in an API process)
+                seqs.append(ServerSequence(ids, p, f.block_size, f.mask_token_id, noise_seed=0))
         return seqs
 
     async def submit(self, seqs: list[ServerSequence], stream: bool = False, num_top_logprobs: int = 0) -> RemoteRequest:
