@@ -20,13 +20,6 @@ import torch
 from dllm.strategy import Strategy
 
 
-def transfer_schedule(num_masked: int, steps: int) -> list[int]:
-    """Tokens to commit at each of `steps` forwards for a block with `num_masked` masks."""
-    steps = max(1, min(steps, num_masked))
-    base, rem = divmod(num_masked, steps)
-    return [base + (1 if i < rem else 0) for i in range(steps)]
-
-
 def commit_mask(conf: torch.Tensor, masked: torch.Tensor, k: torch.Tensor, threshold: torch.Tensor,
                 strategy: torch.Tensor, used: set[str] | None = None) -> torch.Tensor:
     """conf: [N, B] probability of each sampled token, masked: [N, B] bool, k / threshold /

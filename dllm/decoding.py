@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING
 
 from dllm.block_manager import CacheFull, KVBudget
 from dllm.cache_mode import DEFAULT_CACHE_MODE
-from dllm.commit import transfer_schedule
 from dllm.intake import check_fits
 from dllm.loop import Decoder, StepRunner, decode
 from dllm.model import SDARForCausalLM
@@ -37,6 +36,7 @@ from dllm.postprocess import Postprocessor, SeqOutput, StepOutput
 from dllm.runner import BlockRunner
 from dllm.sampling import SamplingParams
 from dllm.sequence import GenerationOutput, Sequence, to_output
+from dllm.strategy import transfer_schedule
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -8,10 +8,14 @@ and its parameters, before a sequence is made.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dllm.errors import FieldError, TooLong
 from dllm.logit_bias_rules import check_logit_bias
-from dllm.sampling import SamplingParams
-from dllm.sequence import Sequence
+from dllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # torch: imported when a sequence is made, not by the API processes that only validate
+    from dllm.sequence import Sequence
 
 
 def check_fits(prompt_len: int, max_tokens: int, max_len: int) -> None:
@@ -52,6 +56,8 @@ class Intake:
         """A validated sequence for the scheduler (a plain dllm.sequence.Sequence; a subclass made elsewhere,
         e.g. the server's, works as well); a bad prompt or parameter raises FieldError (TooLong when it does
         not fit)."""
+        from dllm.sequence import Sequence
+
         self.validate(prompt_ids, params)
         return Sequence(prompt_ids, params, self.block_size, self.mask_id, seq_id)
 

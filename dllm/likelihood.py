@@ -31,31 +31,18 @@ x gets a log-probability; token 0 has none (OpenAI's first `token_logprobs` entr
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from dllm.replay import RowParts, Rows, replay_hidden, stack_rows
+from dllm.scores import METHODS, Method, TokenScores
 
-Method = Literal["sequential", "elbo"]
-METHODS: tuple[Method, ...] = ("sequential", "elbo")
+__all__ = ["HEAD_CHUNK", "MAX_ROW_TOKENS", "METHODS", "Method", "TokenScores", "elbo_logprobs", "prompt_logprobs",
+           "sequential_logprobs"]
+
 MAX_ROW_TOKENS = 8192  # tokens of rows run in one forward (each row is 2L in the replay layout)
 HEAD_CHUNK = 64  # scored tokens whose full-vocabulary logits exist at once
-
-
-@dataclass
-class TokenScores:
-    """One text's scores: per token its logprob (None for token 0) and, when asked, its top-k
-    alternatives [(id, logprob)] (an empty list for token 0). A Monte Carlo estimate (`elbo`) also gives
-    per token the standard error of the sum of the values from that token on (`stderr`; its square is
-    the estimator's variance) and the number of samples it averages."""
-
-    logprobs: list[float | None]
-    top: list[list[tuple[int, float]]] | None
-    num_rows: int  # forward rows this text cost
-    stderr: list[float | None] | None = None
-    num_samples: int | None = None
 
 
 def _padded(ids: list[int], block_size: int, mask_id: int) -> tuple[torch.Tensor, int]:

@@ -26,18 +26,23 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-import torch
-
-from dllm.commit import transfer_schedule
 from dllm.detokenize import TextStream
-from dllm.sampling import SamplingParams, param_row
-from dllm.strategy import Strategy
+from dllm.sampling_params import SamplingParams, param_row
+from dllm.strategy import Strategy, transfer_schedule
 from dllm.trace import FinishReason, Trace
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 _ids = itertools.count()
+
+
+def _draw_seed() -> int:
+    """An unseeded sequence's noise key, from torch's global generator (torch.manual_seed makes it repeatable);
+    imported here, not at the top: the API processes of `dlrl serve` build sequences without torch."""
+    import torch
+
+    return int(torch.randint(1 << 62, ()))
 
 
 class SeqStatus(StrEnum):
@@ -52,7 +57,8 @@ class Sequence:
     """Decoding state of one sample (plain data; the decoder mutates it)."""
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, block_size: int, mask_id: int,
-                 seq_id: int | None = None) -> None:
+                 seq_id: int | None = None, noise_seed: int | None = None) -> None:
+        """noise_seed: the noise key when the request has no seed (None: drawn from torch's global generator)."""
         self.seq_id = next(_ids) if seq_id is None else seq_id
         self.prompt_ids = list(prompt_ids)
         self.params = params
@@ -73,7 +79,8 @@ class Sequence:
         self.text_stream: TextStream | None = None
         self.pending: list[int] | None = None  # clean ids just before the block whose K/V are not cached yet
         # the key of this sequence's sampling noise: the request seed, else drawn from torch's generator
-        self.seed = params.seed if params.seed is not None else int(torch.randint(1 << 62, ()))
+        self.seed = params.seed if params.seed is not None else (
+            noise_seed if noise_seed is not None else _draw_seed())
         self.block_start = len(prompt_ids) // block_size * block_size
         self.block_done = False  # no mask left in the block: post-processed, then the next run moves on
         self._new_block()

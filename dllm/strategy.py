@@ -37,3 +37,10 @@ _CODES = {s: i for i, s in enumerate(Strategy)}
 
 # strict pydantic models refuse a plain string for an enum (Python input): this field takes the value
 StrategyField = Annotated[Strategy, Strict(False)]
+
+
+def transfer_schedule(num_masked: int, steps: int) -> list[int]:
+    """Tokens to commit at each of `steps` forwards for a block with `num_masked` masks."""
+    steps = max(1, min(steps, num_masked))
+    base, rem = divmod(num_masked, steps)
+    return [base + (1 if i < rem else 0) for i in range(steps)]

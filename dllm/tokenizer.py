@@ -63,16 +63,21 @@ def build_char_tokenizer(out_dir: str | Path, chars: str = CHARS) -> PreTrainedT
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    """Load a tokenizer folder with AutoTokenizer (no network, never a prompt on stdin).
+    """Load a tokenizer folder as AutoTokenizer does (no network, never a prompt on stdin).
 
     A folder whose tokenizer needs its own Python code loads only with
     `trust_remote_code=True`; otherwise a TokenizerLoadError says which option to set."""
-    from transformers import AutoTokenizer, PretrainedConfig
     from transformers.utils import logging as hf_logging
 
     p = Path(path)
     if not (p / "tokenizer.json").is_file() and not (p / "tokenizer_config.json").is_file():
         raise FileNotFoundError(f"no tokenizer.json / tokenizer_config.json in {p}")
+    if _plain_fast(p):  # what AutoTokenizer would pick, without its registry of every model (~2.5 s of CPU)
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(p), local_files_only=True)
+    from transformers import AutoTokenizer, PretrainedConfig
+
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # AutoTokenizer warns about the unknown "sdar" config type
     try:  # an explicit bool: transformers asks on stdin only when it is None
@@ -89,6 +94,16 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrai
         raise
     finally:
         hf_logging.set_verbosity(level)
+
+
+def _plain_fast(folder: Path) -> bool:
+    """The folder names `PreTrainedTokenizerFast` itself and has its tokenizer.json (the character tokenizer, many
+    exports): AutoTokenizer would resolve to that class and call its from_pretrained; importing AutoTokenizer
+    loads transformers' registry of every model family first. Remote code (`auto_map`) keeps the AutoTokenizer
+    path and its trust_remote_code check."""
+    config = _read_json(folder / "tokenizer_config.json")
+    return (config.get("tokenizer_class") == "PreTrainedTokenizerFast" and "auto_map" not in config
+            and (folder / "tokenizer.json").is_file())
 
 
 def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:

@@ -42,6 +42,7 @@ from dllm.checkpoint import (
     weight_files,
 )
 from dllm.config import SDARConfig, load_model_config
+from dllm.meta import materialize, on_meta
 from dllm.model import SDARForCausalLM
 
 if TYPE_CHECKING:
@@ -56,9 +57,9 @@ __all__ = ["CHUNK_BYTES", "DTYPES", "IGNORED_SUFFIXES", "INDEX_NAME", "SINGLE_NA
 def empty_model(cfg: SDARConfig, device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32) -> SDARForCausalLM:
     """An SDARForCausalLM with uninitialised parameters of `dtype` on `device` (allocated once)."""
-    with torch.device("meta"):
+    with on_meta():
         model = SDARForCausalLM(cfg)
-    model = model.to(dtype).to_empty(device=device)
+    model = materialize(model, device, dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dllm.full.config import FullAttentionConfig, official_dream_config, official_llada_config
+from dllm.meta import materialize, on_meta
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -150,9 +151,9 @@ def build_full_folder(out_dir: str | Path, family: str, seed: int = 0, dtype: to
     cfg.raw.pop("block_size", None)  # the official configs have no decoding block size
     tok = build_family_tokenizer(out, family, real_ids)
     torch.manual_seed(seed)
-    with torch.device("meta"):
+    with on_meta():
         model = FullAttentionLM(cfg)
-    model = model.to(dtype).to_empty(device="cpu")
+    model = materialize(model, "cpu", dtype)
     model.init_weights(init_std)
     end = tok.convert_tokens_to_ids("<|eot_id|>" if family == "llada" else "<|im_end|>")
     if eos_scale > 0:

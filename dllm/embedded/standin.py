@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dllm.meta import on_meta
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -143,7 +145,7 @@ def build_qwen_tokenizer(out_dir: str | Path, vocab_size: int = 2000) -> PreTrai
 def _param_shapes(cfg: SDARConfig) -> list[tuple[str, tuple[int, ...]]]:
     from dllm.model import SDARForCausalLM
 
-    with torch.device("meta"):
+    with on_meta():
         model = SDARForCausalLM(cfg)
     return [(n, tuple(p.shape)) for n, p in model.hf_named_tensors()]  # HF names, tied weights once
 

@@ -21,6 +21,7 @@ import torch
 
 from dllm.full.config import FullAttentionConfig, load_full_config
 from dllm.full.model import FullAttentionLM
+from dllm.meta import materialize, on_meta
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "added_tokens.json", "tokenizer.model", "chat_template.jinja",
@@ -30,9 +31,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def empty_full_model(cfg: FullAttentionConfig, device: str | torch.device = "cpu",
                      dtype: torch.dtype = torch.float32) -> FullAttentionLM:
     """A FullAttentionLM with uninitialised parameters of `dtype` on `device` (allocated once)."""
-    with torch.device("meta"):
+    with on_meta():
         model = FullAttentionLM(cfg)
-    return model.to(dtype).to_empty(device=device)
+    return materialize(model, device, dtype)
 
 
 def tied_skip(cfg: FullAttentionConfig) -> set[str]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from dllm.commit import transfer_schedule
+from dllm.strategy import transfer_schedule
 
 DREAM_EPS = 1e-3  # DreamGenerationConfig's default eps (the RL configs keep it)
 OFFICIAL_HORIZON = {"llada": 128, "dream": 32}  # configs/rl_llada.yaml, configs/rl_dream.yaml: further_horizon

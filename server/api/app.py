@@ -27,6 +27,7 @@ import logging
 import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
@@ -43,11 +44,13 @@ from server.config import ServerConfig
 from server.core.client import CoreClient
 from server.core.families import to_wire
 from server.core.remote_weights import RemoteWeights
-from server.core.thread import CoreThread
 from server.engine.engine import Engine, EngineStopped
 from server.logs import use_json_logs
 from server.metrics import ServerMetrics
 from server.recording.recording import Recorder, open_feedback_store
+
+if TYPE_CHECKING:
+    from server.core.thread import CoreThread
 
 log = logging.getLogger("dlrl.server")
 METRICS_PUSH_S = 1.0  # with several API processes, each sends its families to the core this often
@@ -56,6 +59,10 @@ METRICS_PUSH_S = 1.0  # with several API processes, each sends its families to t
 def create_app(engine: Engine, config: ServerConfig | None = None, model_path: str = "") -> FastAPI:
     """The app of `engine`, whose engine core runs on a thread of this process (server.core.thread)."""
     config = config or ServerConfig()
+    from server.core.thread import (
+        CoreThread,  # the engine in this process (torch): not an API process's import
+    )
+
     core = CoreThread(engine, config, model_path)
     return build_app(CoreClient(core.address, tokenizer=engine.tokenizer), config, core)
 

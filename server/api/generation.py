@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, TypeVar
 from fastapi import Request
 
 from dllm.errors import FieldError
-from dllm.sampling import SamplingParams
+from dllm.sampling_params import SamplingParams
 from dllm.trace import Trace
 from rollout_client.protocol.common import DecodingOptions
 from rollout_client.protocol.native import Sample

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import Request
 
-from dllm.likelihood import Method, TokenScores
+from dllm.scores import Method, TokenScores
 from rollout_client.protocol.common import DecodingOptions, Usage, new_id
 from rollout_client.protocol.native import GenerateRequest, GenerateResponse, Sample
 from rollout_client.protocol.openai import (

@@ -35,7 +35,7 @@ from pydantic import BaseModel
 from rollout_client.protocol.service import ErrorResponse
 from server.api.auth import require_admin
 from server.api.state import server_state
-from server.weights.weight_updates import WeightControl, describe_error
+from server.weights.control import WeightControl, describe_error
 from weight_sync.protocol import (
     AbortRequest,
     AbortResponse,

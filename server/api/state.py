@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from server.core.client import CoreClient
     from server.core.thread import CoreThread
     from server.recording.recording import Recorder
-    from server.weights.weight_updates import WeightControl
+    from server.weights.control import WeightControl
 
 
 @dataclass(eq=False)

@@ -39,7 +39,7 @@ import zmq.asyncio
 from dllm.detokenize import TextStream
 from dllm.errors import FieldError, TooLong
 from dllm.intake import Intake
-from dllm.sampling import SamplingParams
+from dllm.sampling_params import SamplingParams
 from dllm.trace import FinishReason, Trace
 from rollout_client.protocol.service import ProcessHealth
 from server.core import messages as m
@@ -62,7 +62,7 @@ from weight_sync.errors import WeightSyncError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase  # no types to mypy: it does not follow transformers
 
-    from dllm.likelihood import Method
+    from dllm.scores import Method
     from server.engine.engine import EngineEventTuple
 
 log = logging.getLogger("dlrl.server")
@@ -318,7 +318,9 @@ class CoreClient:
         seqs = []
         for ids, p in samples(prompts_ids, params, n):
             self._door.validate(ids, p)
-            seqs.append(ServerSequence(ids, p, f.block_size, f.mask_token_id))
+            # a mirror: the engine core makes the sequence that decodes and draws an unseeded one's noise key
+            # there, so this one's key is never used (0: no draw, no torch in an API process)
+            seqs.append(ServerSequence(ids, p, f.block_size, f.mask_token_id, noise_seed=0))
         return seqs
 
     async def submit(self, seqs: list[ServerSequence], stream: bool = False, num_top_logprobs: int = 0) -> RemoteRequest:

@@ -38,7 +38,7 @@ import zmq.asyncio
 from pydantic import BaseModel
 
 from dllm.errors import FieldError, TooLong
-from dllm.sampling import SamplingParams
+from dllm.sampling_params import SamplingParams
 from server.config import ServerConfig
 from server.core import messages as m
 from server.core.channel import bind_core
@@ -54,7 +54,7 @@ from server.weights.weight_updates import describe_error, make_updates
 from weight_sync.errors import UpdateFailed
 
 if TYPE_CHECKING:
-    from dllm.likelihood import TokenScores
+    from dllm.scores import TokenScores
 from weight_sync.protocol import (
     AbortRequest,
     BeginRequest,

@@ -50,7 +50,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, cast
 
 from dllm.postprocess import StepOutput
-from dllm.sampling import SamplingParams
+from dllm.sampling_params import SamplingParams
 from dllm.trace import FinishReason
 from server.engine.backends.base import Runner, RunnerInfo
 from server.engine.scheduler import QueueFull, Request, ScheduledBatch, Scheduler

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import replace
 
-from dllm.sampling import SamplingParams
+from dllm.sampling_params import SamplingParams
 from dllm.sequence import SeqStatus, Sequence
 
 __all__ = ["SeqStatus", "ServerSequence", "samples"]
@@ -38,8 +38,8 @@ class ServerSequence(Sequence):
     """A sequence as the server schedules it (declared fields only; see the module docstring)."""
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, block_size: int, mask_id: int,
-                 seq_id: int | None = None):
-        super().__init__(prompt_ids, params, block_size, mask_id, seq_id)
+                 seq_id: int | None = None, noise_seed: int | None = None):
+        super().__init__(prompt_ids, params, block_size, mask_id, seq_id, noise_seed)
         self.arrived_at: float | None = None      # submitted (Engine.submit)
         self.admitted_at: float | None = None     # waiting -> running (the first time)
         self.first_token_at: float | None = None  # its first block committed

@@ -37,14 +37,15 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 import torch
 
 from server.config import ServerConfig
 from server.engine.backends.base import AppliesWeights
+from server.weights.control import WeightControl, describe_error
 from server.weights.weight_versions import Kept, KeptVersions, NotKept
-from weight_sync import UpdateConflict, UpdateFailed, WeightReceiver, WeightSyncError
+from weight_sync import UpdateConflict, UpdateFailed, WeightReceiver
 from weight_sync.protocol import (
     AbortResponse,
     BeginRequest,
@@ -89,26 +90,6 @@ def _default_apply(engine: Engine) -> ApplyFn:
     from dllm.weights import copy_into_model  # the one function that writes parameters
 
     return lambda named: copy_into_model(engine.model, named, strict=True)
-
-
-class WeightControl(Protocol):
-    """What the admin routes (server.api.routes_weights) call: WeightUpdates in this process, or its proxy
-    in an API process whose engine runs in the engine core (server.core.remote_weights.RemoteWeights)."""
-
-    async def connect(self, body: ConnectRequest) -> ConnectResponse: ...
-    async def begin(self, body: BeginRequest) -> BeginResponse: ...
-    async def put_bucket(self, index: int, stream: AsyncIterator[bytes], version: int | None, checksum: int | None,
-                         run_id: str = "") -> BucketResponse: ...
-    async def commit(self, version: int, checksums: list[int | None] | None = None,
-                     abort_inflight: bool | None = None, run_id: str = "") -> CommitResponse: ...
-    async def abort(self, version: int | None = None, reason: str = "aborted by the sender",
-                    run_id: str | None = "") -> AbortResponse: ...
-    async def status(self) -> VersionResponse: ...
-    async def state(self, version: int) -> UpdateState: ...
-    async def checksum(self) -> ChecksumResponse: ...
-    async def rollback(self, version: int, abort_inflight: bool | None = None) -> RollbackResponse: ...
-    async def kept_status(self) -> KeptResponse: ...
-    def close(self) -> None: ...
 
 
 class WeightUpdates:
@@ -355,19 +336,6 @@ class WeightUpdates:
 
     def close(self) -> None:
         self.receiver.close()
-
-
-def describe_error(e: BaseException) -> tuple[int, str]:
-    """(HTTP status, message) of a failed weight call, as the admin routes answer it (the route prefixes
-    the step): the error's own status for weight_sync errors, 409 a timeout, 400 anything else."""
-    if isinstance(e, WeightSyncError):
-        return e.http_status, str(e)
-    if isinstance(e, TimeoutError):
-        return 409, str(e) or "timed out"
-    if isinstance(e, ValueError):  # e.g. dllm.weights.WeightLoadError
-        return 400, str(e)
-    log.error("weight update call failed: %s: %s", type(e).__name__, e, exc_info=e)
-    return 400, f"failed: {type(e).__name__}: {e}"
 
 
 def make_updates(engine: Engine, config: ServerConfig, *, metrics: ServerMetrics | None = None,

@@ -121,6 +121,15 @@ def test_both_processes_serve_report_and_stop_on_sigterm_mid_push(serve_process,
     assert any(ln.startswith('dlrl_requests_total{endpoint="/generate"') and 'status="200"' in ln
                and float(ln.split()[-1]) == 1 for ln in metrics), "the API process's families"
     assert len([ln for ln in metrics if ln.startswith("# TYPE dlrl_step_seconds ")]) == 1
+    unseeded = httpx.post(srv.url + "/v1/completions", json={"prompt": "1+1=", "max_tokens": 4, "n": 2}, timeout=60)
+    scored = httpx.post(srv.url + "/v1/completions", json={"prompt": "1+1=2", "max_tokens": 0, "echo": True,
+                                                          "logprobs": 1}, timeout=60)
+    assert unseeded.status_code == scored.status_code == 200, (unseeded.text, scored.text)
+    # only the engine core holds torch: the supervisor and the API process never import it (each starts in a
+    # fraction of the time and memory), also after generations, unseeded samples and prompt log-likelihoods
+    maps = {role: Path(f"/proc/{pid}/maps").read_text() for role, pid in
+            (("supervisor", srv.proc.pid), ("api", roles["api"]["pid"]), ("core", roles["engine_core"]["pid"]))}
+    assert "libtorch" in maps["core"] and "libtorch" not in maps["api"] and "libtorch" not in maps["supervisor"]
 
     named = [(k, v.detach() + 0.001) for k, v in load_pretrained(tiny_model_dir).hf_named_tensors()]
     gen: list = []

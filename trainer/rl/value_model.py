@@ -36,6 +36,7 @@ from torch import nn
 from dllm.config import SDARConfig
 from dllm.full.config import FullAttentionConfig
 from dllm.full.model import FullAttentionLM, LLaDABody
+from dllm.meta import materialize, on_meta
 from dllm.model import RMSNorm, SDARForCausalLM
 from dllm.weights import copy_into_model
 from trainer.infra.ds_engine import named_full_params
@@ -48,7 +49,7 @@ PolicyConfig = SDARConfig | FullAttentionConfig
 def _headless_backbone(cfg: PolicyConfig) -> Policy:
     """The family's model on the meta device without its untied vocabulary projection (a tied one is the
     embedding, which the backbone keeps)."""
-    with torch.device("meta"):
+    with on_meta():
         if isinstance(cfg, FullAttentionConfig):
             full = FullAttentionLM(cfg)
             if not cfg.tie_word_embeddings:
@@ -75,7 +76,7 @@ class ValueModel(nn.Module):
             cfg, device = policy.config, device or next(policy.parameters()).device
         else:
             cfg, device = policy, device or "cpu"
-        self.backbone = _headless_backbone(cfg).to_empty(device=device).to(dtype)
+        self.backbone = materialize(_headless_backbone(cfg), device, dtype)
         self.v_head = nn.Linear(cfg.hidden_size, 1, device=device, dtype=dtype)
         self.reset_head(head_init_std)
         if isinstance(policy, nn.Module):

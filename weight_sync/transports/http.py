@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from weight_sync.errors import UpdateFailed
 from weight_sync.protocol import RUN_ID_MAX_LENGTH, RUN_ID_PATTERN
+
+if TYPE_CHECKING:  # annotations only: the API processes of `dlrl serve` parse these headers without torch
+    import torch
 
 CHUNK_BYTES = 4 << 20
 VERSION_HEADER = "X-Weights-Version"

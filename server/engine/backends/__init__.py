@@ -9,9 +9,14 @@ when chosen.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from server.engine.backends.base import Backend, BackendUnavailable
+from server.engine.backends.unavailable import BackendUnavailable
+
+if TYPE_CHECKING:
+    from server.engine.backends.base import Backend
+
+__all__ = ["BackendUnavailable", "check_backend", "create_backend"]
 
 
 def check_backend(name: str) -> None:

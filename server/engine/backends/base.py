@@ -40,19 +40,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
-import torch
-
 from dllm.postprocess import Postprocessor, StepOutput
-from dllm.sampling import SamplingParams
+from dllm.sampling_params import SamplingParams
 from server.engine.scheduler import KVBudget, ScheduledBatch
 from server.engine.sequence import ServerSequence
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch too: the API processes read RunnerInfo without importing torch
+    import torch
     from transformers import PreTrainedTokenizerBase  # no types to mypy: it does not follow transformers
-
-
-class BackendUnavailable(RuntimeError):
-    """The requested backend cannot run here (missing package, no GPU, ...)."""
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import ParamSpec, Protocol, TypeVar
 
 import torch
 
-from server.engine.backends.base import BackendUnavailable
+from server.engine.backends.unavailable import BackendUnavailable
 
 log = logging.getLogger("dlrl.server")
 P = ParamSpec("P")

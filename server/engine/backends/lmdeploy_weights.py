@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar
 
 import torch
 
-from server.engine.backends.base import BackendUnavailable
+from server.engine.backends.unavailable import BackendUnavailable
 
 if TYPE_CHECKING:
     from server.engine.backends.lmdeploy_engine import LMDeployAgent, LMDeployAPI, LMDeployEngine
