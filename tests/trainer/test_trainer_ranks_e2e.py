@@ -51,16 +51,27 @@ def pushed_digests(tmp: Path) -> dict[int, str]:
     return {r["version"]: r["digest"] for r in map(json.loads, (tmp / "run" / "versions.jsonl").read_text().splitlines())}
 
 
+@pytest.fixture(scope="module")
+def shared_servers(tiny_model_dir, tmp_path_factory):
+    """Two servers for the tests that leave them running (each run first syncs them to its own starting weights,
+    and the tests compare versions and digests with what that run logged, not with a fresh server's)."""
+    servers = start_server_processes(2, tiny_model_dir, TOKEN, tmp_path_factory.mktemp("servers"))
+    yield servers
+    for s in servers:
+        s.kill(signal.SIGTERM)
+
+
 @pytest.fixture
 def two_servers(tiny_model_dir, tmp_path):
+    """Two servers of this test alone (it kills one)."""
     servers = start_server_processes(2, tiny_model_dir, TOKEN, tmp_path)
     yield servers
     for s in servers:
         s.kill(signal.SIGTERM)
 
 
-def test_two_ranks_two_servers_then_resume(two_servers, tiny_model_dir, tmp_path):
-    urls = [s.url for s in two_servers]
+def test_two_ranks_two_servers_then_resume(shared_servers, tiny_model_dir, tmp_path):
+    urls = [s.url for s in shared_servers]
     cfg = write_config(tmp_path, urls, tiny_model_dir, checkpoint_every=1)
     done = run_train(cfg, "nproc=2")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -82,9 +93,9 @@ def test_two_ranks_two_servers_then_resume(two_servers, tiny_model_dir, tmp_path
         assert admin_get(url, "/weights/checksum", TOKEN)["digest"] == final
 
 
-def test_deepspeed_launcher_then_resume_with_another_number_of_ranks_is_refused(two_servers, tiny_model_dir,
+def test_deepspeed_launcher_then_resume_with_another_number_of_ranks_is_refused(shared_servers, tiny_model_dir,
                                                                                 tmp_path):
-    cfg = write_config(tmp_path, [two_servers[0].url], tiny_model_dir, checkpoint_every=1, num_steps=1,
+    cfg = write_config(tmp_path, [shared_servers[0].url], tiny_model_dir, checkpoint_every=1, num_steps=1,
                        zero_stage=2)
     # a free rendezvous port: DeepSpeed's default (29500) also names its shared-memory buffers, which another
     # job on the machine using the default would share
