@@ -8,18 +8,30 @@ STAMP := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 ARGS ?=
 
-.PHONY: install test test-fast lint typecheck contracts bench soak serve train train-llada sft align clean
+.PHONY: install packages extensions test test-fast lint typecheck contracts bench soak serve train train-llada sft align clean
 
-install: $(STAMP)
+# DeepSpeed's CPU communication op, JIT-built once (trainer/extensions.py)
+OP := $(TORCH_EXTENSIONS_DIR)/deepspeed_shm_comm/deepspeed_shm_comm.so
+
+install: packages extensions
+
+# the environment: packages (no .pyc compiled ahead: a module's is written when it is first imported, and most of
+# torch's and transformers' files never are) and the headless browser
+packages: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[server,train,postgres,data,dev]'
+	$(PIP) install -q --no-compile --upgrade pip
+	$(PIP) install -q --no-compile torch==2.13.0
+	$(PIP) install -q --no-compile -e '.[server,train,postgres,data,dev]'
 	$(PY) -m tests.browser  # headless Chromium for the align console test (apt-get as root when missing)
-	$(PY) -m trainer.extensions  # DeepSpeed's CPU op, built once here rather than inside the first `dlrl train`
 	touch $(STAMP)
+
+# DeepSpeed's CPU op, built once here rather than inside the first `dlrl train` (.ci/run builds it beside lint)
+extensions: $(OP)
+
+$(OP): $(STAMP)
+	$(PY) -m trainer.extensions
 
 # make test's parallel workers (pytest-xdist): whole test files per worker, the files with a `slow` test first
 # (tests/conftest.py); 2 = one per core of the 2-core box. JOBS=0 runs the suite in this one process.
@@ -57,17 +69,17 @@ FAST_TESTS := \
 	tests/weight_sync/test_weight_sync_manifest.py \
 	tests/server/test_lmdeploy_params.py
 
-test-fast: install
+test-fast: packages
 	$(PY) -m pytest -q -x $(FAST_TESTS) $(ARGS)
 
-contracts: install  # docs/DESIGN.md's import contracts (an ast check: names the file, line and import)
+contracts: packages  # docs/DESIGN.md's import contracts (an ast check: names the file, line and import)
 	$(PY) -m pytest -q tests/dlrl/test_import_contracts.py
 
-lint: install
+lint: packages
 	$(VENV)/bin/ruff check dlrl dlrl_config dllm server trainer weight_sync rollout_client store tests benchmarks examples
 	$(VENV)/bin/mypy
 
-typecheck: install  # mypy over the packages ([tool.mypy] in pyproject.toml; cache in .mypy_cache/)
+typecheck: packages  # mypy over the packages ([tool.mypy] in pyproject.toml; cache in .mypy_cache/)
 	$(VENV)/bin/mypy
 
 bench: install

@@ -179,9 +179,21 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal `dlrl serve` and return once the whole server is gone: its engine core and API processes die
+        with it (a parent-death signal), but an API process may take a moment to let go of the port, which a
+        server restarted on the same port would otherwise find in use."""
         if self.proc.poll() is None:
+            import psutil
+
+            try:
+                children = psutil.Process(self.proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                children = []
             self.proc.send_signal(sig)
             self.proc.wait(timeout=30)
+            _, alive = psutil.wait_procs(children, timeout=30)
+            for child in alive:
+                child.kill()
 
     def stop(self, timeout: float = 20) -> None:
         """SIGTERM, then SIGKILL when it has not exited within `timeout` seconds."""
