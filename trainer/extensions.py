@@ -34,10 +34,25 @@ def default_extensions_dir() -> Path:
 
 
 def ensure_extensions_dir() -> Path:
-    """TORCH_EXTENSIONS_DIR (set to the default when unset, for this process and the ones it starts)."""
+    """TORCH_EXTENSIONS_DIR (set to the default when unset, for this process and the ones it starts); the
+    environment's own ninja first on PATH (`pin_ninja`)."""
     if not os.environ.get("TORCH_EXTENSIONS_DIR"):
         os.environ["TORCH_EXTENSIONS_DIR"] = str(default_extensions_dir())
+    pin_ninja()
     return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+
+
+def pin_ninja() -> None:
+    """Put the folder of this Python (a virtual environment's bin/, where pip installs `ninja` with torch's build
+    tools) first on PATH when it holds a ninja, for this process and the ones it starts. torch builds ops with
+    whatever `ninja` PATH finds, and ninja 1.11 (a system one) and 1.13 (pip's) hash the commands in the build
+    folder's .ninja_log differently: a build by one looks out of date to the other, so processes started with
+    and without the environment's bin/ on PATH rebuilt the op in turn (a minute each, every other trainer
+    process waiting on torch's lock meanwhile)."""
+    own = Path(sys.executable).parent
+    path = os.environ.get("PATH", "")
+    if (own / "ninja").is_file() and path.split(os.pathsep)[0] != str(own):
+        os.environ["PATH"] = f"{own}{os.pathsep}{path}" if path else str(own)
 
 
 def is_built(op: str = CPU_OP) -> bool:

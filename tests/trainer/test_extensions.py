@@ -4,6 +4,7 @@ stable folder, says once, before the build, what it builds and where; later runs
 
 from __future__ import annotations
 
+import os
 import sys
 
 from trainer.extensions import CPU_OP, announced_build, ensure_extensions_dir
@@ -70,3 +71,23 @@ def test_deepspeed_is_imported_without_the_autotuners_mlflow():
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["mlflow_during"] is False and out["has_mlflow"] is False and out["same"] is True
     assert out.get("after", "mlflow") == "mlflow"
+
+
+def test_the_environments_own_ninja_builds_whatever_path_says(monkeypatch, tmp_path):
+    """ninja 1.11 and 1.13 hash .ninja_log's commands differently: a process that found another ninja on PATH
+    rebuilt the op the others had built. After ensure_extensions_dir() every process finds this Python's."""
+    import shutil
+
+    own = tmp_path / "venv" / "bin"
+    own.mkdir(parents=True)
+    (own / "ninja").write_text("#!/bin/sh\necho 1.13.2\n")
+    (own / "ninja").chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(own / "python"))
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    ensure_extensions_dir()
+    assert shutil.which("ninja") == str(own / "ninja")
+    assert os.environ["PATH"] == f"{own}:/usr/bin:/bin"
+    ensure_extensions_dir()  # once: not prepended again
+    assert os.environ["PATH"] == f"{own}:/usr/bin:/bin"
+
