@@ -15,15 +15,15 @@ OP := $(TORCH_EXTENSIONS_DIR)/deepspeed_shm_comm/deepspeed_shm_comm.so
 
 install: packages extensions
 
-# the environment: packages (no .pyc compiled ahead: a module's is written when it is first imported, and most of
-# torch's and transformers' files never are) and the headless browser
+# the environment: packages (pip compiles their .pyc files: with PYTHONDONTWRITEBYTECODE=1, as on the CI box,
+# none would be written later and every process would compile torch from source) and the headless browser
 packages: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) install -q --no-compile --upgrade pip
-	$(PIP) install -q --no-compile torch==2.13.0
-	$(PIP) install -q --no-compile -e '.[server,train,postgres,data,dev]'
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[server,train,postgres,data,dev]'
 	$(PY) -m tests.browser  # headless Chromium for the align console test (apt-get as root when missing)
 	touch $(STAMP)
 
