@@ -50,7 +50,8 @@ from server.engine.retry_after import Forecast
 from server.engine.scheduler import Request
 from server.engine.sequence import ServerSequence
 from server.metrics import ServerMetrics
-from server.weights.weight_updates import describe_error, make_updates
+from server.weights.control import describe_error
+from server.weights.weight_updates import make_updates
 from weight_sync.errors import UpdateFailed
 
 if TYPE_CHECKING:

@@ -43,7 +43,6 @@ import torch
 
 from server.config import ServerConfig
 from server.engine.backends.base import AppliesWeights
-from server.weights.control import WeightControl, describe_error
 from server.weights.weight_versions import Kept, KeptVersions, NotKept
 from weight_sync import UpdateConflict, UpdateFailed, WeightReceiver
 from weight_sync.protocol import (
@@ -348,4 +347,4 @@ def make_updates(engine: Engine, config: ServerConfig, *, metrics: ServerMetrics
     )
 
 
-__all__ = ["WeightControl", "WeightUpdates", "describe_error", "make_updates"]
+__all__ = ["WeightUpdates", "make_updates"]
