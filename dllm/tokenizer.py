@@ -1,12 +1,13 @@
 """Tokenizers: any Hugging Face tokenizer folder, or the built-in character-level one.
 
     tok = build_char_tokenizer("runs/tiny-sft")     # writes tokenizer.json + tokenizer_config.json
-    tok = load_tokenizer("runs/tiny-sft")           # AutoTokenizer, works for SDAR folders too
+    tok = load_tokenizer("runs/tiny-sft")           # a PlainTokenizer here; AutoTokenizer for SDAR folders
     tok = load_tokenizer(folder, trust_remote_code=True)   # only when asked: never a prompt
     eos = eos_token_ids(folder, tok, cfg.eos_ids)   # config + generation_config.json + tokenizer
 
 The character tokenizer is made with the `tokenizers` library (one token per
-character, plus special tokens), loads with `transformers.AutoTokenizer`, and has a
+character, plus special tokens), loads as `transformers.AutoTokenizer` loads it (as a
+PlainTokenizer: dllm/plain_tokenizer.py, without importing transformers), and has a
 Qwen-style chat template. The Qwen byte-level BPE stand-in is in dllm/embedded/standin.py.
 `find_token_id` reads a special token's id from the tokenizer files without loading it.
 """
@@ -19,6 +20,8 @@ import string
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from dllm.plain_tokenizer import PlainTokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -37,7 +40,7 @@ class TokenizerLoadError(ValueError):
     """A tokenizer folder cannot be loaded; the message names the file or option."""
 
 
-def build_char_tokenizer(out_dir: str | Path, chars: str = CHARS) -> PreTrainedTokenizerBase:
+def build_char_tokenizer(out_dir: str | Path, chars: str = CHARS) -> PreTrainedTokenizerBase | PlainTokenizer:
     """Create, save and return the character-level tokenizer (specials get ids 0..4)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
@@ -62,16 +65,20 @@ def build_char_tokenizer(out_dir: str | Path, chars: str = CHARS) -> PreTrainedT
     return load_tokenizer(out)
 
 
-def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase | PlainTokenizer:
     """Load a tokenizer folder as AutoTokenizer does (no network, never a prompt on stdin).
 
-    A folder whose tokenizer needs its own Python code loads only with
+    A self-contained `PreTrainedTokenizerFast` folder (the character tokenizer, the LLaDA / Dream stand-ins,
+    many exports) loads as a PlainTokenizer, without importing transformers (dllm.plain_tokenizer); any other
+    folder through AutoTokenizer. A folder whose tokenizer needs its own Python code loads only with
     `trust_remote_code=True`; otherwise a TokenizerLoadError says which option to set."""
-    from transformers.utils import logging as hf_logging
-
     p = Path(path)
     if not (p / "tokenizer.json").is_file() and not (p / "tokenizer_config.json").is_file():
         raise FileNotFoundError(f"no tokenizer.json / tokenizer_config.json in {p}")
+    if PlainTokenizer.fits(p):
+        return PlainTokenizer(p)
+    from transformers.utils import logging as hf_logging
+
     if _plain_fast(p):  # what AutoTokenizer would pick, without its registry of every model (~2.5 s of CPU)
         from transformers import PreTrainedTokenizerFast
 
@@ -97,16 +104,16 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrai
 
 
 def _plain_fast(folder: Path) -> bool:
-    """The folder names `PreTrainedTokenizerFast` itself and has its tokenizer.json (the character tokenizer, many
-    exports): AutoTokenizer would resolve to that class and call its from_pretrained; importing AutoTokenizer
-    loads transformers' registry of every model family first. Remote code (`auto_map`) keeps the AutoTokenizer
-    path and its trust_remote_code check."""
+    """The folder names `PreTrainedTokenizerFast` itself and has its tokenizer.json, with options that
+    transformers applies to the backend (PlainTokenizer.fits is False): AutoTokenizer would resolve to that
+    class and call its from_pretrained; importing AutoTokenizer loads transformers' registry of every model
+    family first. Remote code (`auto_map`) keeps the AutoTokenizer path and its trust_remote_code check."""
     config = _read_json(folder / "tokenizer_config.json")
     return (config.get("tokenizer_class") == "PreTrainedTokenizerFast" and "auto_map" not in config
             and (folder / "tokenizer.json").is_file())
 
 
-def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+def encode(tokenizer: PreTrainedTokenizerBase | PlainTokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -146,7 +153,7 @@ def generation_eos_ids(folder: str | Path) -> list[int]:
     return []
 
 
-def eos_token_ids(folder: str | Path | None, tokenizer: PreTrainedTokenizerBase, config_eos: list[int]) -> list[int]:
+def eos_token_ids(folder: str | Path | None, tokenizer: PreTrainedTokenizerBase | PlainTokenizer | None, config_eos: list[int]) -> list[int]:
     """The ids that end a generation: the union of config.json's `eos_token_id`,
     generation_config.json's (chat checkpoints list `<|im_end|>` there) and the tokenizer's
     eos token. Sorted, without duplicates."""

@@ -68,22 +68,3 @@ def test_server_chat_route_uses_the_template(small_sdar_dir, make_server_for):
     g = httpx.post(srv.url + "/generate", json={"prompt": expected, "max_tokens": 4, "temperature": 0},
                    timeout=60).json()["samples"][0]
     assert g["prompt_ids"][:1] == [QWEN_IDS["<|im_start|>"]] and len(g["prompt_ids"]) == r["usage"]["prompt_tokens"]
-
-
-def test_a_plain_fast_folder_loads_as_autotokenizer_loads_it(tiny_model_dir, tmp_path):
-    """load_tokenizer's short path (tokenizer_class PreTrainedTokenizerFast: the class itself, without
-    AutoTokenizer's registry of every model family) gives the tokenizer AutoTokenizer gives."""
-    from transformers import AutoTokenizer, PretrainedConfig
-
-    ours = load_tokenizer(tiny_model_dir)
-    auto = AutoTokenizer.from_pretrained(tiny_model_dir, config=PretrainedConfig(), local_files_only=True,
-                                         trust_remote_code=False)
-    assert type(ours) is type(auto)
-    assert {k: str(v) for k, v in vars(ours).items()} == {k: str(v) for k, v in vars(auto).items()}
-    text = "What is 2+3? <|im_start|>x<|im_end|> <|MASK|>"
-    assert ours.encode(text, add_special_tokens=False) == auto.encode(text, add_special_tokens=False)
-    assert (ours.all_special_ids, ours.eos_token_id, ours.mask_token_id, len(ours)) == (
-        auto.all_special_ids, auto.eos_token_id, auto.mask_token_id, len(auto))
-    turn = [{"role": "user", "content": "hi"}]
-    assert ours.apply_chat_template(turn, tokenize=False, add_generation_prompt=True) == auto.apply_chat_template(
-        turn, tokenize=False, add_generation_prompt=True)
