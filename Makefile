@@ -41,7 +41,7 @@ XDIST := $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile --no-loadscope-reo
 test: install
 	$(PY) -m pytest -q -x --durations=40 $(XDIST) tests $(ARGS)
 
-# the fast tier (.ci/run runs it before `make test`): unit tests only, no servers, no DeepSpeed builds;
+# the fast tier (a developer's edit loop; `make test` runs these too): unit tests only, no servers, no DeepSpeed builds;
 # under a minute on a 2-core box. A test file joins when it starts no process and no server.
 FAST_TESTS := \
 	tests/dlrl/test_import_contracts.py \
