@@ -54,6 +54,7 @@ from server.engine.engine import (
     request_events,
     wait_request,
 )
+from server.engine.readout import EngineReadout, EngineState
 from server.engine.retry_after import Forecast, RetryAfter
 from server.engine.scheduler import KVBudget
 from server.engine.sequence import SeqStatus, ServerSequence, samples
@@ -142,7 +143,8 @@ class ModelView:
 
 
 class QueueView:
-    """What handlers and the gate read of `engine.scheduler`, from the core's facts and last load."""
+    """What handlers, the gate and the readout (server.engine.readout) read of `engine.scheduler`, from the core's
+    facts and last load."""
 
     def __init__(self, client: CoreClient):
         self._c = client
@@ -150,6 +152,10 @@ class QueueView:
         self.max_queue, self.max_queue_tokens = f.max_queue, f.max_queue_tokens
         self.kv = KVBudget(f.kv_num_slots, f.kv_num_pages, f.kv_page_tokens, f.kv_optimistic)
         self.retry = RetryAfter()  # this process's bookings, on the core's forecast
+
+    @property
+    def num_running(self) -> int:
+        return self._c.load.num_running
 
     @property
     def num_waiting(self) -> int:
@@ -174,7 +180,7 @@ class QueueView:
         return self.retry.estimate(excess_seqs, excess_tokens, forecast, now)
 
 
-class CoreClient:
+class CoreClient(EngineReadout):
     def __init__(self, address: str, index: int = 0, *, core_pid: int | None = None,
                  tokenizer: PreTrainedTokenizerBase | None = None,
                  trust_remote_code: bool = False, on_core_exit: Callable[[str], None] | None = None,
@@ -276,25 +282,17 @@ class CoreClient:
                           has_likelihoods=f.has_likelihoods, prefix_sharing=f.prefix_sharing, weights=f.weights,
                           note=f.note)
 
+    # is_running, is_paused, num_running, num_waiting: EngineReadout's, from these two and QueueView's counts
+    def _last_state(self) -> str:
+        return self.load.state
+
+    def _alive(self) -> bool:
+        return not self.dead
+
     @property
     def state(self) -> str:
-        return "stopped" if self.dead else self.load.state
-
-    @property
-    def is_running(self) -> bool:
-        return not self.dead and self.load.state != "stopped"
-
-    @property
-    def is_paused(self) -> bool:
-        return self.load.state == "paused"
-
-    @property
-    def num_running(self) -> int:
-        return self.load.num_running
-
-    @property
-    def num_waiting(self) -> int:
-        return self.load.num_waiting
+        """The core's last state; "stopped" once the core is gone (is_paused still says what it said last)."""
+        return EngineState.STOPPED if self.dead else self.load.state
 
     @property
     def max_model_len(self) -> int:
