@@ -241,6 +241,22 @@ def mark_dynamic_lengths(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
                 mark(m, d)
 
 
+class Placed:
+    """`device` and `dtype` of a model: those of its `placed_weight()` (SDAR: lm_head's; dllm.full: the embedding's).
+    Every weight of a model lives on one device in one dtype (loading casts them together)."""
+
+    def placed_weight(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        return self.placed_weight().device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.placed_weight().dtype
+
+
 class SDARModel(nn.Module):
     def __init__(self, cfg: SDARConfig) -> None:
         super().__init__()
@@ -249,7 +265,7 @@ class SDARModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class SDARForCausalLM(nn.Module):
+class SDARForCausalLM(Placed, nn.Module):
     attention = "block_causal"  # dllm.full.FullAttentionLM's is "full" (LLaDA, Dream)
     family = "sdar"
 
@@ -325,13 +341,8 @@ class SDARForCausalLM(nn.Module):
             for hf_name, a, b in parts:
                 yield hf_name, t[a:b]
 
-    @property
-    def device(self) -> torch.device:
-        return self.lm_head.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+    def placed_weight(self) -> torch.Tensor:  # device / dtype (Placed)
+        return self.lm_head.weight
 
     def hidden_states(self, ids: torch.Tensor, spec: MaskSpec, cache: CacheView | None = None) -> torch.Tensor:
         """ids: [B, L] -> final normed hidden states [B, L, hidden] (spec's mask built once, used by all layers)."""
