@@ -282,7 +282,8 @@ class CoreClient(EngineReadout):
                           has_likelihoods=f.has_likelihoods, prefix_sharing=f.prefix_sharing, weights=f.weights,
                           note=f.note)
 
-    # is_running, is_paused, num_running, num_waiting: EngineReadout's, from these two and QueueView's counts
+    # is_running, is_paused, num_running, num_waiting, max_model_len: EngineReadout's, from these two, QueueView's
+    # counts and the runner's facts (max_len: the core's max_model_len)
     def _last_state(self) -> str:
         return self.load.state
 
@@ -293,10 +294,6 @@ class CoreClient(EngineReadout):
     def state(self) -> str:
         """The core's last state; "stopped" once the core is gone (is_paused still says what it said last)."""
         return EngineState.STOPPED if self.dead else self.load.state
-
-    @property
-    def max_model_len(self) -> int:
-        return self.facts.max_model_len
 
     def processes(self) -> list[ProcessHealth]:
         """This API process and the engine core, as /health reports them."""

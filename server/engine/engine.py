@@ -143,6 +143,7 @@ class StepStats:
 
 class Engine(EngineReadout):
     scheduler: Scheduler
+    backend: Runner
 
     def __init__(self, backend: Runner, *, max_queue: int = 256, max_queue_tokens: int | None = None,
                  model_name: str = "dlrl"):
@@ -186,11 +187,8 @@ class Engine(EngineReadout):
         """What the runner supports (family, cache mode, logprobs, likelihoods, prefix sharing, weights)."""
         return self.backend.info
 
-    @property
-    def max_model_len(self) -> int:
-        return self.backend.max_len
-
-    # state, is_running, is_paused, num_running, num_waiting: EngineReadout's, from these two and the scheduler
+    # state, is_running, is_paused, num_running, num_waiting, max_model_len: EngineReadout's, from these two,
+    # the scheduler and the backend
     def _last_state(self) -> EngineState:
         return self._state
 

@@ -4,10 +4,11 @@
     class CoreClient(EngineReadout): ...   # server.core.client: the core's last load, the core's life, QueueView
 
 Both answer the same questions -- what state is it in, is it running, is it paused, how many sequences run and
-wait -- from three facts each knows its own way: the last state it set or heard of (`_last_state`), whether what
-decodes is alive (`_alive`: the engine's thread; the engine core, for an API process), and a `scheduler` with the
-counts. The answers are derived from them here; a class only changes an answer where it must (CoreClient.state:
-"stopped" once its core is gone, whatever the core said last).
+wait, how long may a sequence be -- from what each knows its own way: the last state it set or heard of
+(`_last_state`), whether what decodes is alive (`_alive`: the engine's thread; the engine core, for an API
+process), a `scheduler` with the counts and a `backend` with the runner's limits. The answers are derived from them
+here; a class only changes an answer where it must (CoreClient.state: "stopped" once its core is gone, whatever
+the core said last).
 """
 
 from __future__ import annotations
@@ -31,10 +32,19 @@ class QueueCounts(Protocol):
     def num_waiting(self) -> int: ...
 
 
+class Limits(Protocol):
+    """What the readout reads of a runner: the Engine's Runner, or CoreClient's RunnerFacts of the core's."""
+
+    @property
+    def max_len(self) -> int: ...
+
+
 class EngineReadout:
-    """The read-only state of an engine, derived from `_last_state()`, `_alive()` and `scheduler`'s counts."""
+    """The read-only state of an engine, derived from `_last_state()`, `_alive()`, `scheduler`'s counts and
+    `backend`'s limits."""
 
     scheduler: QueueCounts
+    backend: Limits
 
     def _last_state(self) -> str:
         """The state this engine was last put in (an EngineState value), alive or not."""
@@ -58,6 +68,11 @@ class EngineReadout:
         return self._last_state() == EngineState.PAUSED
 
     @property
+    def max_model_len(self) -> int:
+        """Prompt + completion tokens a sequence may reach (the runner's `max_len`)."""
+        return self.backend.max_len
+
+    @property
     def num_running(self) -> int:
         return self.scheduler.num_running
 
@@ -66,4 +81,4 @@ class EngineReadout:
         return self.scheduler.num_waiting
 
 
-__all__ = ["EngineReadout", "EngineState", "QueueCounts"]
+__all__ = ["EngineReadout", "EngineState", "Limits", "QueueCounts"]
