@@ -143,8 +143,7 @@ class ModelView:
 
 
 class QueueView:
-    """What handlers, the gate and the readout (server.engine.readout) read of `engine.scheduler`, from the core's
-    facts and last load."""
+    """What handlers and the gate read of `engine.scheduler`, from the core's facts and last load."""
 
     def __init__(self, client: CoreClient):
         self._c = client
@@ -152,10 +151,6 @@ class QueueView:
         self.max_queue, self.max_queue_tokens = f.max_queue, f.max_queue_tokens
         self.kv = KVBudget(f.kv_num_slots, f.kv_num_pages, f.kv_page_tokens, f.kv_optimistic)
         self.retry = RetryAfter()  # this process's bookings, on the core's forecast
-
-    @property
-    def num_running(self) -> int:
-        return self._c.load.num_running
 
     @property
     def num_waiting(self) -> int:
@@ -282,13 +277,16 @@ class CoreClient(EngineReadout):
                           has_likelihoods=f.has_likelihoods, prefix_sharing=f.prefix_sharing, weights=f.weights,
                           note=f.note)
 
-    # is_running, is_paused, num_running, num_waiting, max_model_len: EngineReadout's, from these two, QueueView's
-    # counts and the runner's facts (max_len: the core's max_model_len)
+    # is_running, is_paused, num_running, num_waiting, max_model_len: EngineReadout's, from these three and the
+    # runner's facts (max_len: the core's max_model_len)
     def _last_state(self) -> str:
         return self.load.state
 
     def _alive(self) -> bool:
         return not self.dead
+
+    def _counts(self) -> m.Load:
+        return self.load
 
     @property
     def state(self) -> str:

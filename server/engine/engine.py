@@ -142,7 +142,6 @@ class StepStats:
 
 
 class Engine(EngineReadout):
-    scheduler: Scheduler
     backend: Runner
 
     def __init__(self, backend: Runner, *, max_queue: int = 256, max_queue_tokens: int | None = None,
@@ -187,13 +186,16 @@ class Engine(EngineReadout):
         """What the runner supports (family, cache mode, logprobs, likelihoods, prefix sharing, weights)."""
         return self.backend.info
 
-    # state, is_running, is_paused, num_running, num_waiting, max_model_len: EngineReadout's, from these two,
-    # the scheduler and the backend
+    # state, is_running, is_paused, num_running, num_waiting, max_model_len: EngineReadout's, from these three
+    # and the backend
     def _last_state(self) -> EngineState:
         return self._state
 
     def _alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def _counts(self) -> Scheduler:
+        return self.scheduler
 
     def add_step_listener(self, fn: Callable[[StepStats], None]) -> None:
         self._listeners.append(fn)

@@ -1,12 +1,13 @@
 """EngineReadout: the engine's state as server.api reads it (/health, /admin/status, the metrics gauges), in one place.
 
     class Engine(EngineReadout): ...       # server.engine.engine: its own state, its thread, its Scheduler
-    class CoreClient(EngineReadout): ...   # server.core.client: the core's last load, the core's life, QueueView
+    class CoreClient(EngineReadout): ...   # server.core.client: the core's last load, the core's life
 
 Both answer the same questions -- what state is it in, is it running, is it paused, how many sequences run and
 wait, how long may a sequence be -- from what each knows its own way: the last state it set or heard of
 (`_last_state`), whether what decodes is alive (`_alive`: the engine's thread; the engine core, for an API
-process), a `scheduler` with the counts and a `backend` with the runner's limits. The answers are derived from them
+process), where its sequences are counted (`_counts`: the Engine's scheduler; the core's last load) and a
+`backend` with the runner's limits. The answers are derived from them
 here; a class only changes an answer where it must (CoreClient.state: "stopped" once its core is gone, whatever
 the core said last).
 """
@@ -24,7 +25,7 @@ class EngineState(StrEnum):
 
 
 class QueueCounts(Protocol):
-    """What the readout reads of a scheduler: the Engine's Scheduler, or CoreClient's QueueView of the core's."""
+    """The counts the readout reads: the Engine's Scheduler, or the core's last load (CoreClient)."""
 
     @property
     def num_running(self) -> int: ...
@@ -40,10 +41,9 @@ class Limits(Protocol):
 
 
 class EngineReadout:
-    """The read-only state of an engine, derived from `_last_state()`, `_alive()`, `scheduler`'s counts and
-    `backend`'s limits."""
+    """The read-only state of an engine, derived from `_last_state()`, `_alive()`, `_counts()` and `backend`'s
+    limits."""
 
-    scheduler: QueueCounts
     backend: Limits
 
     def _last_state(self) -> str:
@@ -52,6 +52,10 @@ class EngineReadout:
 
     def _alive(self) -> bool:
         """Whether what decodes (the engine thread, the engine core) is alive."""
+        raise NotImplementedError
+
+    def _counts(self) -> QueueCounts:
+        """Where the running and waiting sequences are counted."""
         raise NotImplementedError
 
     @property
@@ -74,11 +78,11 @@ class EngineReadout:
 
     @property
     def num_running(self) -> int:
-        return self.scheduler.num_running
+        return self._counts().num_running
 
     @property
     def num_waiting(self) -> int:
-        return self.scheduler.num_waiting
+        return self._counts().num_waiting
 
 
 __all__ = ["EngineReadout", "EngineState", "Limits", "QueueCounts"]
