@@ -15,7 +15,7 @@ export, weight sync and digests keep the HF layout (see dllm.weights).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, overload
 
 import torch
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dllm.attention import MaskSpec, attend, attend_cached, prepare
-from dllm.config import SDARConfig
+from dllm.config import ModelConfig, SDARConfig
 from dllm.kv_cache import CacheView, KVCache
 
 
@@ -257,12 +257,19 @@ class Placed:
         return self.placed_weight().dtype
 
 
+def trunk(cfg: ModelConfig, layer: Callable[[int], nn.Module]) -> tuple[nn.Embedding, nn.ModuleList, RMSNorm]:
+    """A transformer's trunk from its config, made in this order: the token embedding, `num_hidden_layers` layers
+    (`layer(i)`) and the final norm. Each family (SDARModel here, dllm.full's LLaDA and Dream bodies) registers them
+    under its checkpoints' names."""
+    return (nn.Embedding(cfg.vocab_size, cfg.hidden_size),
+            nn.ModuleList(layer(i) for i in range(cfg.num_hidden_layers)),
+            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
+
+
 class SDARModel(nn.Module):
     def __init__(self, cfg: SDARConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_tokens, self.layers, self.norm = trunk(cfg, lambda i: DecoderLayer(cfg, i))
 
 
 class SDARForCausalLM(Placed, nn.Module):
