@@ -15,7 +15,7 @@ export, weight sync and digests keep the HF layout (see dllm.weights).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, overload
 
 import torch
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dllm.attention import MaskSpec, attend, attend_cached, prepare
-from dllm.config import SDARConfig
+from dllm.config import ModelConfig, SDARConfig
 from dllm.kv_cache import CacheView, KVCache
 
 
@@ -241,15 +241,38 @@ def mark_dynamic_lengths(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
                 mark(m, d)
 
 
+class Placed:
+    """`device` and `dtype` of a model: those of its `placed_weight()` (SDAR: lm_head's; dllm.full: the embedding's).
+    Every weight of a model lives on one device in one dtype (loading casts them together)."""
+
+    def placed_weight(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        return self.placed_weight().device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.placed_weight().dtype
+
+
+def trunk(cfg: ModelConfig, layer: Callable[[int], nn.Module]) -> tuple[nn.Embedding, nn.ModuleList, RMSNorm]:
+    """A transformer's trunk from its config, made in this order: the token embedding, `num_hidden_layers` layers
+    (`layer(i)`) and the final norm. Each family (SDARModel here, dllm.full's LLaDA and Dream bodies) registers them
+    under its checkpoints' names."""
+    return (nn.Embedding(cfg.vocab_size, cfg.hidden_size),
+            nn.ModuleList(layer(i) for i in range(cfg.num_hidden_layers)),
+            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
+
+
 class SDARModel(nn.Module):
     def __init__(self, cfg: SDARConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_tokens, self.layers, self.norm = trunk(cfg, lambda i: DecoderLayer(cfg, i))
 
 
-class SDARForCausalLM(nn.Module):
+class SDARForCausalLM(Placed, nn.Module):
     attention = "block_causal"  # dllm.full.FullAttentionLM's is "full" (LLaDA, Dream)
     family = "sdar"
 
@@ -325,13 +348,8 @@ class SDARForCausalLM(nn.Module):
             for hf_name, a, b in parts:
                 yield hf_name, t[a:b]
 
-    @property
-    def device(self) -> torch.device:
-        return self.lm_head.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+    def placed_weight(self) -> torch.Tensor:  # device / dtype (Placed)
+        return self.lm_head.weight
 
     def hidden_states(self, ids: torch.Tensor, spec: MaskSpec, cache: CacheView | None = None) -> torch.Tensor:
         """ids: [B, L] -> final normed hidden states [B, L, hidden] (spec's mask built once, used by all layers)."""

@@ -34,7 +34,7 @@ from torch import nn
 
 from dllm.attention import MaskSpec, attend
 from dllm.full.config import FullAttentionConfig
-from dllm.model import Linear, RMSNorm, apply_rope, rope_cos_sin
+from dllm.model import Linear, Placed, RMSNorm, apply_rope, rope_cos_sin, trunk
 
 ALL_ONE_BLOCK = 1 << 62  # MaskSpec's block size for full attention: every position is in block 0
 KV = tuple[torch.Tensor, torch.Tensor]  # one layer's keys and values [N, Hkv, L, D] (rope applied)
@@ -153,9 +153,7 @@ class LLaDATransformer(nn.Module):
 
     def __init__(self, cfg: FullAttentionConfig) -> None:
         super().__init__()
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.blocks = nn.ModuleList(LLaDABlock(cfg) for _ in range(cfg.num_hidden_layers))
-        self.ln_f = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.wte, self.blocks, self.ln_f = trunk(cfg, lambda _: LLaDABlock(cfg))
         if not cfg.tie_word_embeddings:
             self.ff_out = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -169,9 +167,7 @@ class LLaDABody(nn.Module):
 class DreamBody(nn.Module):
     def __init__(self, cfg: FullAttentionConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DreamLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_tokens, self.layers, self.norm = trunk(cfg, lambda _: DreamLayer(cfg))
 
 
 class TiedHead(nn.Module):
@@ -189,7 +185,7 @@ class TiedHead(nn.Module):
         return F.linear(x, self.weight)
 
 
-class FullAttentionLM(nn.Module):
+class FullAttentionLM(Placed, nn.Module):
     """LLaDA or Dream (config.family), bidirectional; see the module docstring."""
 
     attention = "full"  # SDARForCausalLM's is "block_causal"
@@ -254,13 +250,8 @@ class FullAttentionLM(nn.Module):
         """(official name, parameter) of every weight: what loading, export, weight sync and digests use."""
         yield from self.named_parameters(remove_duplicate=remove_duplicate)
 
-    @property
-    def device(self) -> torch.device:
-        return self.embed.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+    def placed_weight(self) -> torch.Tensor:  # device / dtype (dllm.model.Placed)
+        return self.embed.weight
 
     def hidden_states(self, ids: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor | None = None,
                       past: list[KV] | None = None, past_valid: torch.Tensor | None = None,

@@ -54,6 +54,7 @@ from server.engine.engine import (
     request_events,
     wait_request,
 )
+from server.engine.readout import EngineReadout, EngineState
 from server.engine.retry_after import Forecast, RetryAfter
 from server.engine.scheduler import KVBudget
 from server.engine.sequence import SeqStatus, ServerSequence, samples
@@ -174,7 +175,7 @@ class QueueView:
         return self.retry.estimate(excess_seqs, excess_tokens, forecast, now)
 
 
-class CoreClient:
+class CoreClient(EngineReadout):
     def __init__(self, address: str, index: int = 0, *, core_pid: int | None = None,
                  tokenizer: PreTrainedTokenizerBase | None = None,
                  trust_remote_code: bool = False, on_core_exit: Callable[[str], None] | None = None,
@@ -276,29 +277,21 @@ class CoreClient:
                           has_likelihoods=f.has_likelihoods, prefix_sharing=f.prefix_sharing, weights=f.weights,
                           note=f.note)
 
+    # is_running, is_paused, num_running, num_waiting, max_model_len: EngineReadout's, from these three and the
+    # runner's facts (max_len: the core's max_model_len)
+    def _last_state(self) -> str:
+        return self.load.state
+
+    def _alive(self) -> bool:
+        return not self.dead
+
+    def _counts(self) -> m.Load:
+        return self.load
+
     @property
     def state(self) -> str:
-        return "stopped" if self.dead else self.load.state
-
-    @property
-    def is_running(self) -> bool:
-        return not self.dead and self.load.state != "stopped"
-
-    @property
-    def is_paused(self) -> bool:
-        return self.load.state == "paused"
-
-    @property
-    def num_running(self) -> int:
-        return self.load.num_running
-
-    @property
-    def num_waiting(self) -> int:
-        return self.load.num_waiting
-
-    @property
-    def max_model_len(self) -> int:
-        return self.facts.max_model_len
+        """The core's last state; "stopped" once the core is gone (is_paused still says what it said last)."""
+        return EngineState.STOPPED if self.dead else self.load.state
 
     def processes(self) -> list[ProcessHealth]:
         """This API process and the engine core, as /health reports them."""

@@ -53,6 +53,7 @@ from dllm.postprocess import StepOutput
 from dllm.sampling_params import SamplingParams
 from dllm.trace import FinishReason
 from server.engine.backends.base import Runner, RunnerInfo
+from server.engine.readout import EngineReadout, EngineState
 from server.engine.scheduler import QueueFull, Request, ScheduledBatch, Scheduler
 from server.engine.sequence import ServerSequence, samples
 
@@ -64,12 +65,6 @@ log = logging.getLogger("dlrl.server")
 T = TypeVar("T")
 __all__ = ["Engine", "EngineEvent", "EngineState", "EngineStopped", "QueueFull", "Request", "RequestExpired", "RequestFailed",
            "StepStats", "request_events", "wait_request"]
-
-
-class EngineState(StrEnum):
-    RUNNING = "running"  # admitting and decoding
-    PAUSED = "paused"    # admission stopped; running sequences finish (or are aborted), then drained
-    STOPPED = "stopped"  # shut down (or the engine thread died): no new requests; pause/resume are no-ops
 
 
 class EngineEvent(StrEnum):
@@ -146,7 +141,9 @@ class StepStats:
     num_cache_refused: int = 0    # waiting sequences a free slot could take but the KV-cache pages could not
 
 
-class Engine:
+class Engine(EngineReadout):
+    backend: Runner
+
     def __init__(self, backend: Runner, *, max_queue: int = 256, max_queue_tokens: int | None = None,
                  model_name: str = "dlrl"):
         """`max_queue_tokens` (server.max_queue_tokens): prompt + max_tokens of the waiting sequences at most;
@@ -189,29 +186,16 @@ class Engine:
         """What the runner supports (family, cache mode, logprobs, likelihoods, prefix sharing, weights)."""
         return self.backend.info
 
-    @property
-    def max_model_len(self) -> int:
-        return self.backend.max_len
-
-    @property
-    def is_paused(self) -> bool:
-        return self._state is EngineState.PAUSED
-
-    @property
-    def state(self) -> EngineState:
+    # state, is_running, is_paused, num_running, num_waiting, max_model_len: EngineReadout's, from these three
+    # and the backend
+    def _last_state(self) -> EngineState:
         return self._state
 
-    @property
-    def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._state is not EngineState.STOPPED
+    def _alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
-    @property
-    def num_waiting(self) -> int:
-        return self.scheduler.num_waiting
-
-    @property
-    def num_running(self) -> int:
-        return self.scheduler.num_running
+    def _counts(self) -> Scheduler:
+        return self.scheduler
 
     def add_step_listener(self, fn: Callable[[StepStats], None]) -> None:
         self._listeners.append(fn)

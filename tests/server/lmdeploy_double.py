@@ -227,7 +227,18 @@ class FakeModelAgent:
 
 
 class ExecutorBase:
+    """sleep / wakeup go to the executor's model agent (`_agent()`: wherever each executor keeps it)."""
+
     released = False
+
+    def _agent(self) -> FakeModelAgent:
+        raise NotImplementedError
+
+    async def sleep(self, level: int = 1) -> None:
+        await self._agent().sleep(level)
+
+    def wakeup(self, tags: list[str] | None = None) -> None:
+        self._agent().wakeup(tags)
 
     def update_params(self, request: Any) -> None:
         raise NotImplementedError("Not Implemented.")
@@ -237,29 +248,24 @@ class ExecutorBase:
 
 
 class UniExecutor(ExecutorBase):
-    """One device, the model agent in this process; update_params is the base class's."""
+    """One device, the model agent in this process (`model_agent`: what dlrl looks for); update_params is the
+    base class's."""
 
     def __init__(self, agent: FakeModelAgent) -> None:
         self.model_agent = agent
 
-    async def sleep(self, level: int = 1) -> None:
-        await self.model_agent.sleep(level)
-
-    def wakeup(self, tags: list[str] | None = None) -> None:
-        self.model_agent.wakeup(tags)
+    def _agent(self) -> FakeModelAgent:
+        return self.model_agent
 
 
 class RayExecutor(ExecutorBase):
-    """The model agent in a Ray worker process: update_params is a collective RPC to it."""
+    """The model agent in a Ray worker process (no `model_agent` here): update_params is a collective RPC to it."""
 
     def __init__(self, agent: FakeModelAgent) -> None:
         self._worker = agent
 
-    async def sleep(self, level: int = 1) -> None:
-        await self._worker.sleep(level)
-
-    def wakeup(self, tags: list[str] | None = None) -> None:
-        self._worker.wakeup(tags)
+    def _agent(self) -> FakeModelAgent:
+        return self._worker
 
     def update_params(self, request: Any) -> None:
         def in_worker() -> None:

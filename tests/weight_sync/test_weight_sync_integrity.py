@@ -35,6 +35,7 @@ from server.engine.backends.base import RunnerInfo
 from server.engine.scheduler import KVBudget
 from server.weights.weight_updates import make_updates
 from tests.helpers import ServedTensors
+from tests.weight_sync.named_tensors import random_tensors
 from weight_sync import NonFiniteWeights, UpdateFailed, WeightSender, protocol, weights_digest
 from weight_sync import control as control_module
 from weight_sync import sender as sender_module
@@ -46,9 +47,7 @@ TOKEN = "integrity-token"
 
 
 def tensors(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(64, 16, generator=g), "b": torch.randn(16, generator=g).bfloat16(),
-            "n": torch.randn(16, generator=g)}
+    return random_tensors({"w": ((64, 16), torch.float32), "b": ((16,), torch.bfloat16), "n": ((16,), torch.float32)}, seed)
 
 
 def Served(check_finite: bool = True) -> ServedTensors:  # noqa: N802 - the served model of these tests

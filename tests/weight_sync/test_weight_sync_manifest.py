@@ -10,23 +10,23 @@ import json
 import pytest
 import torch
 
+from tests.weight_sync.named_tensors import random_tensors
 from weight_sync.bucket import pack_stream, plan_buckets, specs_of, unpack
 from weight_sync.checksum import checksum, parallel_checksums
 from weight_sync.errors import ManifestError
 from weight_sync.manifest import ALIGN, Manifest, weights_digest
 
+SPEC = {"model.embed_tokens.weight": ((50, 16), torch.float32),
+        "model.layers.0.self_attn.q_proj.weight": ((16, 16), torch.bfloat16),
+        "model.layers.0.input_layernorm.weight": ((16,), torch.float16),
+        "model.norm.weight": ((16,), torch.float32)}
+
 
 def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "model.embed_tokens.weight": torch.randn(50, 16, generator=g),
-        "model.layers.0.self_attn.q_proj.weight": torch.randn(16, 16, generator=g).bfloat16(),
-        "model.layers.0.input_layernorm.weight": torch.randn(16, generator=g).half(),
-        "model.norm.weight": torch.randn(16, generator=g),
-        "step": torch.tensor(7),  # 0-dim int64
-        "mask": torch.tensor([True, False, True]),
-        "empty": torch.zeros(0, 4),
-    }
+    return {**random_tensors(SPEC, seed),
+            "step": torch.tensor(7),  # 0-dim int64
+            "mask": torch.tensor([True, False, True]),
+            "empty": torch.zeros(0, 4)}
 
 
 def pack_all(named: dict[str, torch.Tensor], bucket_bytes: int, dtype=None) -> tuple[Manifest, list[torch.Tensor]]:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.helpers import ServedTensors
+from tests.weight_sync.named_tensors import random_tensors
 from weight_sync import NotOwner, UpdateConflict, UpdateFailed, WeightReceiver, weights_digest
 from weight_sync.bucket import pack_stream, plan_buckets, specs_of
 from weight_sync.checksum import checksum as crc32
@@ -21,9 +22,7 @@ from weight_sync.transports.shm import ShmRegion
 
 
 def tensors(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(40, 8, generator=g), "b": torch.randn(8, generator=g).bfloat16(),
-            "n": torch.randn(8, generator=g)}
+    return random_tensors({"w": ((40, 8), torch.float32), "b": ((8,), torch.bfloat16), "n": ((8,), torch.float32)}, seed)
 
 
 def Served(lease_s: float = 30.0) -> ServedTensors:  # noqa: N802 - the served model of these tests

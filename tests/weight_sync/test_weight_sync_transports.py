@@ -39,25 +39,14 @@ from server.engine.backends.base import RunnerInfo
 from server.engine.engine import Engine
 from server.engine.scheduler import KVBudget
 from server.weights.weight_updates import make_updates
+from tests.weight_sync.named_tensors import tiny_model
 from weight_sync import WeightSyncError, push
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "test-token"
 
-# Shared by the sender subprocess and the test: a tiny "model" as named tensors (fp32 + bf16).
-MAKE = '''
-import torch
-def make(seed):
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "embed.weight": torch.randn(64, 32, generator=g),
-        "layers.0.weight": torch.randn(32, 32, generator=g).bfloat16(),
-        "layers.0.bias": torch.randn(32, generator=g).bfloat16(),
-        "norm.weight": torch.randn(32, generator=g),
-        "norm.bias": torch.randn(32, generator=g),
-    }
-'''
-SENDER = MAKE + '''
+SENDER = '''
+from tests.weight_sync.named_tensors import tiny_model as make  # the test's model, drawn from the same seed
 import json, os, signal, sys
 from weight_sync import WeightSender, weights_digest
 urls, transport, die_after, timeout = sys.argv[1].split(","), sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
@@ -77,9 +66,7 @@ for v in versions:
     print(json.dumps({"version": v, "digest": weights_digest(named), **timings}), flush=True)
 sender.close()
 '''
-_ns: dict = {}
-exec(MAKE, _ns)
-make = _ns["make"]
+make = tiny_model  # version v of the model: its seed
 
 
 class FakeModel(torch.nn.Module):
