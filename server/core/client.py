@@ -63,6 +63,7 @@ from weight_sync.errors import WeightSyncError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase  # no types to mypy: it does not follow transformers
 
+    from dllm.plain_tokenizer import PlainTokenizer
     from dllm.scores import Method
     from server.engine.engine import EngineEventTuple
 
@@ -182,7 +183,8 @@ class CoreClient(EngineReadout):
                  connect_timeout: float = CONNECT_TIMEOUT_S):
         self.address, self.index, self.core_pid, self.connect_timeout = address, index, core_pid, connect_timeout
         self.trust_remote_code, self.on_core_exit = trust_remote_code, on_core_exit
-        self.tokenizer, self._detok = tokenizer, None
+        self.tokenizer: PreTrainedTokenizerBase | PlainTokenizer | None = tokenizer
+        self._detok: PreTrainedTokenizerBase | PlainTokenizer | None = None
         self.dead = ""  # why the engine core is gone ("" while it serves)
         self.facts: m.Facts  # the served model and engine (connect)
         self.load: m.Load    # the core's last load

@@ -112,15 +112,25 @@ class Promoter:
         self.serving_version = serving_version
         self.poll, self.on_promoted, self.on_rejected, self.on_adopted = poll, on_promoted, on_rejected, on_adopted
         self.canary: Canary | None = None
+        self.starting: int | None = None  # the version whose canary push is under way (start)
         self.last_reconcile = 0.0
 
     @property
     def busy(self) -> bool:
-        return self.canary is not None
+        """A promotion is in flight: its canary push under way (the console reads this from its own thread
+        while the controller pushes), or its canary window open."""
+        return self.canary is not None or self.starting is not None
 
     # ------------------------------------------------------------------ promotion
     def start(self, cand: Candidate) -> bool:
-        """Push the candidate into the canary replica (the first one that is up)."""
+        """Push the candidate into the canary replica (the first one that is up); busy from the first byte."""
+        self.starting = cand.version
+        try:
+            return self._start(cand)
+        finally:
+            self.starting = None
+
+    def _start(self, cand: Candidate) -> bool:
         self.bank.put(cand.version, cand.weights)  # saved before any replica holds it
         self.store.update_version(cand.version, status="candidate")
         self.store.log_event("promotion_started", cand.version, detail={"serving": self.serving_version})

@@ -61,7 +61,15 @@ def test_missed_promotion_canary_rollback_and_manual_rollback(tiny_model_dir, tm
         # 1. B is down during the promotion of version 5: the canary (A) and the roll-out go on without it
         b.stop()
         store.register_version(5, 0, 5, "t", {})
+        busy_in_push, push = [], pool.push
+
+        def watched_push(*args, **kwargs):  # the console's view while the canary push runs: in flight
+            busy_in_push.append(promoter.busy)
+            return push(*args, **kwargs)
+
+        pool.push = watched_push
         _promote(promoter, Candidate(5, 5, _weights(model, 5), None))
+        assert busy_in_push and all(busy_in_push)  # a rollback asked now is refused (409), not undone by the push
         assert store.serving_version() == 5 and admin_get(a.url, "/weights/version", TOKEN)["version"] == 5
         assert [e["replica"] for e in store.events() if e["kind"] == "replica_missed"] == [b.url]
         b = start_server(tiny_model_dir, port=b.config.port, admin_token=TOKEN, keep_versions=3)
