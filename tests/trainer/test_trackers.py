@@ -61,21 +61,17 @@ def test_a_missing_tracker_is_named(monkeypatch):
     assert "train.report_to: trackio not installed" in missing_trackers(["trackio", "mlflow"])
 
 
-def test_curves_label_greedy_heldout_and_sampled_training_accuracy(tmp_path):
+def test_curves_label_greedy_heldout_and_sampled_training_accuracy(tmp_path, monkeypatch):
+    from trainer.monitor import metrics_log
+
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, **_metrics(s), "eval_accuracy": 0.5}) + "\n" for s in (1, 2)))
-    import matplotlib.pyplot as plt
-
     saved = {}
-    real_close = plt.close
-    plt.close = lambda fig: saved.setdefault("fig", fig)
-    try:
-        plot_curves(path, tmp_path / "c.png")
-    finally:
-        plt.close = real_close
+    real_save = metrics_log.save_figure
+    monkeypatch.setattr(metrics_log, "save_figure", lambda fig, png: saved.setdefault("fig", fig) and real_save(fig, png))
+    assert plot_curves(path, tmp_path / "c.png").stat().st_size > 0
     axes = saved["fig"].axes
     assert [a.get_ylabel() for a in axes] == ["reward", "accuracy", "loss", "KL", "entropy", "clip fraction",
                                               "response length"]
     labels = [t.get_text() for t in axes[1].get_legend().get_texts()]
     assert labels == ["training accuracy (sampled rollouts)", "held-out accuracy (greedy)"]
-    real_close(saved["fig"])

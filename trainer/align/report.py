@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import TypeGuard
 
-from trainer.monitor.metrics_log import read_jsonl, save_figure
+from trainer.monitor.metrics_log import new_figure, read_jsonl, save_figure
 
 
 def _num(x: object) -> TypeGuard[int | float]:
@@ -25,13 +25,9 @@ def _num(x: object) -> TypeGuard[int | float]:
 
 
 def plot_serving(jsonl_path: str | Path, png_path: str | Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     recs = [r for r in read_jsonl(jsonl_path) if _num(r.get("time"))]
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True, height_ratios=[2, 1])
+    fig = new_figure(figsize=(8, 5.5))
+    ax, ax2 = fig.subplots(2, 1, sharex=True, height_ratios=[2, 1])
     if recs:
         t0 = recs[0]["time"]
         minutes = lambda r: (r["time"] - t0) / 60.0  # noqa: E731
