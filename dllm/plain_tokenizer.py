@@ -44,6 +44,11 @@ def _read(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+def _named(name: str) -> tuple[property, property]:
+    """The properties of a named special token (tokenizer_config.json's `name`): the token, its id."""
+    return property(lambda self: self._named.get(name)), property(lambda self: self._id(name))
+
+
 class PlainTokenizer:
     """The `PreTrainedTokenizerFast` of a self-contained folder (`fits`), on the `tokenizers` library alone."""
 
@@ -117,7 +122,7 @@ class PlainTokenizer:
         """A token's id; the unknown token's id (None without one) for a token not in the vocabulary."""
         if isinstance(tokens, str):
             found = self._tokenizer.token_to_id(tokens)
-            return self.unk_token_id if found is None else int(found)
+            return self._id("unk_token") if found is None else int(found)
         return [self.convert_tokens_to_ids(t) for t in tokens]
 
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
@@ -125,36 +130,19 @@ class PlainTokenizer:
 
     # -- special tokens ------------------------------------------------------------------------------------
     def _id(self, name: str) -> int | None:
+        """The id of a named special token (None when the folder names none); a token not in the vocabulary gets
+        the unknown token's id, as transformers answers (None without one)."""
         token = self._named.get(name)
-        return None if token is None else self.convert_tokens_to_ids(token)
-
-    bos_token = property(lambda self: self._named.get("bos_token"))
-    eos_token = property(lambda self: self._named.get("eos_token"))
-    unk_token = property(lambda self: self._named.get("unk_token"))
-    pad_token = property(lambda self: self._named.get("pad_token"))
-    mask_token = property(lambda self: self._named.get("mask_token"))
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return self._id("bos_token")
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return self._id("eos_token")
-
-    @property
-    def unk_token_id(self) -> int | None:
-        token = self._named.get("unk_token")
         found = None if token is None else self._tokenizer.token_to_id(token)
-        return None if found is None else int(found)
+        if found is not None:
+            return int(found)
+        return None if token is None or name == "unk_token" else self._id("unk_token")
 
-    @property
-    def pad_token_id(self) -> int | None:
-        return self._id("pad_token")
-
-    @property
-    def mask_token_id(self) -> int | None:
-        return self._id("mask_token")
+    bos_token, bos_token_id = _named("bos_token")
+    eos_token, eos_token_id = _named("eos_token")
+    unk_token, unk_token_id = _named("unk_token")
+    pad_token, pad_token_id = _named("pad_token")
+    mask_token, mask_token_id = _named("mask_token")
 
     @property
     def all_special_tokens(self) -> list[str]:
