@@ -87,6 +87,10 @@ def test_train_check_catches_what_the_started_server_would_refuse(tmp_path, caps
     assert "the server it would start refuses its config: config key server.max_batch" in lines[1]
     cmd = serve_command(f"http://127.0.0.1:{port}", None, tiny_model_dir, [f"server.port={port}", "server.max_batch=2"])
     assert cmd[-1] == "server.max_batch=2" and not [c for c in cmd if c.startswith("server.port")]
+    # the embedded default's sections go with it (the server trains / finds the folder the trainer uses)
+    cmd = serve_command(f"http://127.0.0.1:{port}", None, "", ["sft.output_dir=/x", "model.hidden_size=64",
+                                                               "task.seed=1", "num_steps=3", "train.lr=1"])
+    assert cmd[-3:] == ["sft.output_dir=/x", "model.hidden_size=64", "task.seed=1"]
     srv = LocalServer(f"http://127.0.0.1:{port}", None, tiny_model_dir, [f"server.port={port}"], "tok",
                       tmp_path / "server0.log")
     try:

@@ -37,6 +37,7 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
         pass
 
 
+SERVED_SECTIONS = ("server.", "model.", "task.", "sft.")  # what `dlrl serve` reads of the run's config
 ADDRESS_KEYS = ("server.host", "server.port")  # a started server's address is its URL's: never forwarded
 
 
@@ -46,15 +47,17 @@ def is_local(url: str) -> bool:
 
 def serve_command(url: str, config_path: str | None, model: str, overrides: list[str]) -> list[str]:
     """The `dlrl serve` command line of the local server for `url`: --host/--port from the URL, the
-    run's config file, `server.model`, and the `server.*` overrides but server.host/server.port (the
-    server refuses a key given both as --port and server.port=...; address_problems reports them)."""
+    run's config file, `server.model`, and the overrides of the sections the server reads -- `server.*` but
+    server.host/server.port (the server refuses a key given both as --port and server.port=...;
+    address_problems reports them), and the embedded default's `model.*`, `task.*`, `sft.*` (without
+    train.model the server serves the default the trainer trained: the same folder, trained alike)."""
     u = urlparse(url)
     cmd = [sys.executable, "-m", "dlrl.cli", "serve", "--host", u.hostname or "127.0.0.1", "--port", str(u.port or 80)]
     if config_path:
         cmd += ["--config", str(config_path)]
     if model:
         cmd += [f"server.model={model}"]
-    return cmd + [o for o in overrides if o.startswith("server.") and o.split("=", 1)[0] not in ADDRESS_KEYS]
+    return cmd + [o for o in overrides if o.startswith(SERVED_SECTIONS) and o.split("=", 1)[0] not in ADDRESS_KEYS]
 
 
 def address_problems(urls: list[str], overrides: list[str], prefix: str) -> list[str]:
