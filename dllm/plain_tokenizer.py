@@ -12,7 +12,7 @@ A folder whose tokenizer_config.json names `PreTrainedTokenizerFast` and whose t
 everything that class would set up (`fits`: every named special token is a special added token, no
 post-processor, no truncation or padding, no extra options) loads here as that class would load it: the same
 `tokenizers.Tokenizer`, untouched, so encode / decode / ids are that library's, as they are under
-transformers (tests/dllm/test_qwen_tokenizer.py compares the two on every method here). Anything else
+transformers (tests/dllm/test_plain_tokenizer.py compares the two on every method here). Anything else
 (remote code, slow tokenizers, options transformers rewrites the backend for) loads through transformers as
 before. The chat template is rendered by transformers' own tokenizer for the folder, loaded on first use, so
 templates render exactly as they always have; the processes that never render one never import it.
@@ -36,10 +36,11 @@ PLAIN_KEYS = frozenset({"tokenizer_class", *NAMED, *EXTRA, "chat_template", "mod
                         "clean_up_tokenization_spaces", "padding_side", "truncation_side", "model_input_names"})
 
 
-def _read(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object file of a tokenizer folder; {} when it is absent, unreadable or not an object."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, json.JSONDecodeError):
         return {}
     return data if isinstance(data, dict) else {}
 
@@ -57,7 +58,7 @@ class PlainTokenizer:
 
         self.name_or_path = str(folder)
         self._folder = Path(folder)
-        config = _read(self._folder / "tokenizer_config.json")
+        config = read_json(self._folder / "tokenizer_config.json")
         self._tokenizer: Tokenizer = Tokenizer.from_file(str(self._folder / "tokenizer.json"))
         self._named: dict[str, str] = {k: config[k] for k in NAMED if isinstance(config.get(k), str)}
         self._extra: list[str] = next((list(config[k]) for k in EXTRA if config.get(k)), [])
@@ -69,7 +70,7 @@ class PlainTokenizer:
     def fits(folder: str | Path) -> bool:
         """True when transformers' PreTrainedTokenizerFast would load the folder's tokenizer.json as it is."""
         folder = Path(folder)
-        config, data = _read(folder / "tokenizer_config.json"), _read(folder / "tokenizer.json")
+        config, data = read_json(folder / "tokenizer_config.json"), read_json(folder / "tokenizer.json")
         if (config.get("tokenizer_class") != "PreTrainedTokenizerFast" or not data or set(config) - PLAIN_KEYS
                 or config.get("clean_up_tokenization_spaces") or (folder / "special_tokens_map.json").exists()
                 or (folder / "added_tokens.json").exists()):

@@ -21,7 +21,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dllm.plain_tokenizer import PlainTokenizer
+from dllm.plain_tokenizer import PlainTokenizer, read_json
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -108,7 +108,7 @@ def _plain_fast(folder: Path) -> bool:
     transformers applies to the backend (PlainTokenizer.fits is False): AutoTokenizer would resolve to that
     class and call its from_pretrained; importing AutoTokenizer loads transformers' registry of every model
     family first. Remote code (`auto_map`) keeps the AutoTokenizer path and its trust_remote_code check."""
-    config = _read_json(folder / "tokenizer_config.json")
+    config = read_json(folder / "tokenizer_config.json")
     return (config.get("tokenizer_class") == "PreTrainedTokenizerFast" and "auto_map" not in config
             and (folder / "tokenizer.json").is_file())
 
@@ -117,27 +117,19 @@ def encode(tokenizer: PreTrainedTokenizerBase | PlainTokenizer, text: str) -> li
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def find_token_id(folder: str | Path, token: str) -> int | None:
     """Id of `token` from the tokenizer files of `folder` (tokenizer.json added tokens and
     vocab, tokenizer_config.json added_tokens_decoder, added_tokens.json), None if absent."""
     folder = Path(folder)
-    tj = _read_json(folder / "tokenizer.json")
+    tj = read_json(folder / "tokenizer.json")
     for added in tj.get("added_tokens") or []:
         if isinstance(added, dict) and added.get("content") == token and isinstance(added.get("id"), int):
             return added["id"]
-    decoder = _read_json(folder / "tokenizer_config.json").get("added_tokens_decoder") or {}
+    decoder = read_json(folder / "tokenizer_config.json").get("added_tokens_decoder") or {}
     for idx, added in decoder.items():
         if isinstance(added, dict) and added.get("content") == token and str(idx).isdigit():
             return int(idx)
-    for vocab in (_read_json(folder / "added_tokens.json"), (tj.get("model") or {}).get("vocab")):
+    for vocab in (read_json(folder / "added_tokens.json"), (tj.get("model") or {}).get("vocab")):
         if isinstance(vocab, dict) and isinstance(vocab.get(token), int):
             return vocab[token]
     return None
@@ -145,7 +137,7 @@ def find_token_id(folder: str | Path, token: str) -> int | None:
 
 def generation_eos_ids(folder: str | Path) -> list[int]:
     """`eos_token_id` of generation_config.json (an int or a list), [] when absent."""
-    eos = _read_json(Path(folder) / "generation_config.json").get("eos_token_id")
+    eos = read_json(Path(folder) / "generation_config.json").get("eos_token_id")
     if isinstance(eos, int) and not isinstance(eos, bool):
         return [eos]
     if isinstance(eos, list):
